@@ -1,0 +1,1 @@
+"""Page backends: `host` (memfd) and `cuda` (driver VMM API)."""

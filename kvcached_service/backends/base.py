@@ -1,0 +1,81 @@
+"""The interface every page backend implements.
+
+A backend turns "N pages of this device" into physical allocations, each
+exported as a file descriptor another process can map. It is chosen once at
+start-up (`--backend host|cuda|auto`). The pool calls every method of one
+device on that device's worker thread (see server/worker.py), so a backend
+may keep thread-bound state there (the CUDA backend makes the device's
+primary context current in `worker_init`). No method is ever called from the
+event loop.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A device as the backend sees it."""
+
+    uuid: str  # "GPU-xxxxxxxx-..." or "HOST-0"
+    name: str
+    kind: str  # "host" | "cuda": how clients map this device's pages
+    ordinal: int  # the backend's own index (CUDA device ordinal in the daemon)
+    total_bytes: int
+    granularity: int  # page sizes must be a multiple of this
+
+
+@dataclass(eq=False)
+class PageHandle:
+    """One physical page. `fd` is the exported descriptor the pool sends to
+    clients (the backend owns it and closes it in release_pages)."""
+
+    fd: int
+    size: int
+    native: object = None  # backend-private: the CUDA allocation handle, ...
+    extra: dict = field(default_factory=dict)
+
+
+class Backend(abc.ABC):
+    """A source of shareable physical pages."""
+
+    kind: str = "abstract"
+
+    @abc.abstractmethod
+    def devices(self) -> list[DeviceSpec]:
+        """The devices this backend serves, in a stable order."""
+
+    def worker_init(self, device: int) -> None:
+        """Called once on the device's worker thread before any other call."""
+
+    def worker_exit(self, device: int) -> None:
+        """Called once on the device's worker thread after the last call."""
+
+    @abc.abstractmethod
+    def create_pages(self, device: int, count: int, page_size: int, zero: bool) -> list[PageHandle]:
+        """Create and export `count` pages. All or nothing: on failure every
+        page made so far is released and the error is raised (an
+        errors.ResourceExhausted when the device is out of memory, an
+        errors.Internal naming the driver error otherwise). With `zero`, the
+        pages read as zeros when this returns."""
+
+    @abc.abstractmethod
+    def zero_pages(self, device: int, pages: list[PageHandle]) -> None:
+        """Make every page read as zeros (in every process that maps it)."""
+
+    @abc.abstractmethod
+    def release_pages(self, device: int, pages: list[PageHandle]) -> None:
+        """Close the exported fds and free the allocations. Memory stays
+        alive while another process still references a page; the daemon
+        forgets it either way. Must release every page even if one fails;
+        raises the first error afterwards."""
+
+    def memory_info(self, device: int) -> tuple[int, int]:
+        """(free, total) bytes of the device as the backend sees it."""
+        spec = self.devices()[device]
+        return spec.total_bytes, spec.total_bytes
+
+    def close(self) -> None:
+        """Release everything backend-wide (after every worker exited)."""

@@ -1,0 +1,97 @@
+"""Host backend: pages are sealed memfds.
+
+Real pages with real fds: a client maps one with mmap(MAP_SHARED) and every
+process that maps the same page sees the same bytes. This is what the daemon
+runs on when no GPU is present, and what CPU-only llama.cpp hosts use.
+
+Each memfd is sealed against shrinking and growing, so a client cannot
+truncate a page under another mapping (which would SIGBUS it). Zeroing
+punches a hole over the whole page: the kernel drops the memory and every
+mapping reads zeros, without the daemon mapping the page at all.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import os
+
+from .. import errors
+from .base import Backend, DeviceSpec, PageHandle
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+# int fallocate(int fd, int mode, off_t offset, off_t len);
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_libc.fallocate.restype = ctypes.c_int
+
+HOST_UUID = "HOST-0"
+
+
+def _physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class HostBackend(Backend):
+    kind = "host"
+
+    def __init__(self, total_bytes: int | None = None):
+        total = total_bytes or _physical_memory()
+        self._spec = DeviceSpec(
+            uuid=HOST_UUID,
+            name="host memory (memfd)",
+            kind="host",
+            ordinal=0,
+            total_bytes=total,
+            granularity=os.sysconf("SC_PAGE_SIZE"),
+        )
+
+    def devices(self) -> list[DeviceSpec]:
+        return [self._spec]
+
+    def create_pages(self, device: int, count: int, page_size: int, zero: bool) -> list[PageHandle]:
+        pages: list[PageHandle] = []
+        try:
+            for _ in range(count):
+                pages.append(self._create_one(page_size))
+        except OSError as exc:
+            self.release_pages(device, pages)
+            if exc.errno in (errno.ENOMEM, errno.ENOSPC, errno.EMFILE, errno.ENFILE):
+                raise errors.ResourceExhausted(f"host memory exhausted: {exc}") from exc
+            raise errors.Internal(f"memfd page creation failed: {exc}") from exc
+        # memfd pages are zero when created: nothing to do for `zero`.
+        return pages
+
+    @staticmethod
+    def _create_one(page_size: int) -> PageHandle:
+        fd = os.memfd_create("kvcached-page", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, page_size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        except BaseException:
+            os.close(fd)
+            raise
+        return PageHandle(fd=fd, size=page_size)
+
+    def zero_pages(self, device: int, pages: list[PageHandle]) -> None:
+        for page in pages:
+            if _libc.fallocate(page.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, page.size) != 0:
+                err = ctypes.get_errno()
+                raise errors.Internal(f"zeroing page (fallocate PUNCH_HOLE) failed: {os.strerror(err)}")
+
+    def release_pages(self, device: int, pages: list[PageHandle]) -> None:
+        first: OSError | None = None
+        for page in pages:
+            if page.fd < 0:
+                continue
+            try:
+                os.close(page.fd)
+            except OSError as exc:
+                first = first or exc
+            page.fd = -1
+        if first is not None:
+            raise errors.Internal(f"closing page fd failed: {first}")

@@ -1,0 +1,179 @@
+"""The fd channel: framing of the SOCK_SEQPACKET socket that carries page fds.
+
+This module owns that boundary for the daemon and the Python client: every
+record is built and parsed here, and every sendmsg/recvmsg with SCM_RIGHTS
+happens here. The format is specified in docs/protocol.md; the Go and C
+clients implement the same format and are tested against this daemon.
+"""
+
+from __future__ import annotations
+
+import array
+import socket
+import struct
+from dataclasses import dataclass
+
+MAGIC = 0x4643564B  # bytes 'K','V','C','F' little-endian
+VERSION = 1
+MAX_FDS = 253  # SCM_MAX_FD
+
+HELLO = 1
+PAGES = 2
+ERROR = 3
+GOODBYE = 4
+
+_HEADER = struct.Struct("<IHHII")  # magic, version, type, payload_len, reserved
+_HELLO = struct.Struct("<QIIII32s")  # channel_id, pid, uid, gid, max_fds, secret
+_PAGES = struct.Struct("<QIIII")  # allocation_id, first_index, count, total, reserved
+_ERROR = struct.Struct("<I")  # code, then message
+HEADER_SIZE = _HEADER.size
+SECRET_SIZE = 32
+# Largest record the daemon sends: a PAGES record with MAX_FDS page ids.
+MAX_RECORD = HEADER_SIZE + _PAGES.size + 8 * MAX_FDS
+
+
+class ProtocolError(Exception):
+    """A record that does not follow docs/protocol.md."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    channel_id: int
+    pid: int
+    uid: int
+    gid: int
+    max_fds: int
+    secret: bytes
+
+
+@dataclass(frozen=True)
+class Pages:
+    allocation_id: int
+    first_index: int
+    total: int
+    page_ids: tuple[int, ...]
+    fds: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Error:
+    code: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Goodbye:
+    pass
+
+
+Record = Hello | Pages | Error | Goodbye
+
+
+def _frame(kind: int, payload: bytes) -> bytes:
+    return _HEADER.pack(MAGIC, VERSION, kind, len(payload), 0) + payload
+
+
+def encode_hello(h: Hello) -> bytes:
+    if len(h.secret) != SECRET_SIZE:
+        raise ValueError("secret must be 32 bytes")
+    return _frame(HELLO, _HELLO.pack(h.channel_id, h.pid, h.uid, h.gid, h.max_fds, h.secret))
+
+
+def encode_pages(allocation_id: int, first_index: int, total: int, page_ids: list[int]) -> bytes:
+    if not 1 <= len(page_ids) <= MAX_FDS:
+        raise ValueError(f"a PAGES record carries 1..{MAX_FDS} pages, not {len(page_ids)}")
+    payload = _PAGES.pack(allocation_id, first_index, len(page_ids), total, 0)
+    return _frame(PAGES, payload + struct.pack(f"<{len(page_ids)}Q", *page_ids))
+
+
+def encode_error(code: int, message: str) -> bytes:
+    return _frame(ERROR, _ERROR.pack(code) + message.encode("utf-8", "replace")[:4000])
+
+
+def encode_goodbye() -> bytes:
+    return _frame(GOODBYE, b"")
+
+
+def decode(data: bytes, fds: list[int]) -> Record:
+    """Parse one record. On error the caller still owns (and must close) fds."""
+    if len(data) < HEADER_SIZE:
+        raise ProtocolError(f"record of {len(data)} bytes is shorter than the header")
+    magic, version, kind, length, _ = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic 0x{magic:08x}")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported fd protocol version {version}")
+    payload = data[HEADER_SIZE:]
+    if len(payload) != length:
+        raise ProtocolError(f"payload is {len(payload)} bytes, header says {length}")
+    if kind == HELLO:
+        if length != _HELLO.size or fds:
+            raise ProtocolError("malformed HELLO")
+        return Hello(*_HELLO.unpack(payload))
+    if kind == PAGES:
+        if length < _PAGES.size:
+            raise ProtocolError("PAGES record too short")
+        alloc, first, count, total, _ = _PAGES.unpack_from(payload)
+        if length != _PAGES.size + 8 * count or count != len(fds) or count == 0:
+            raise ProtocolError(f"PAGES record says {count} pages, carries {len(fds)} fds and {length} bytes")
+        ids = struct.unpack_from(f"<{count}Q", payload, _PAGES.size)
+        return Pages(alloc, first, total, tuple(ids), tuple(fds))
+    if kind == ERROR:
+        if length < _ERROR.size or fds:
+            raise ProtocolError("malformed ERROR")
+        (code,) = _ERROR.unpack_from(payload)
+        return Error(code, payload[_ERROR.size :].decode("utf-8", "replace"))
+    if kind == GOODBYE:
+        if length or fds:
+            raise ProtocolError("malformed GOODBYE")
+        return Goodbye()
+    raise ProtocolError(f"unknown record type {kind}")
+
+
+def send_record(sock: socket.socket, data: bytes, fds: list[int] | tuple[int, ...] = ()) -> None:
+    """Send one record (blocking or not, as the socket is set). Raises
+    BlockingIOError when a non-blocking socket is full; nothing was sent."""
+    if len(fds) > MAX_FDS:
+        raise ValueError(f"at most {MAX_FDS} fds per record")
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+    sent = sock.sendmsg([data], anc)
+    if sent != len(data):  # SOCK_SEQPACKET sends whole records or fails
+        raise ProtocolError(f"short send of a record: {sent} of {len(data)} bytes")
+
+
+def recv_record(sock: socket.socket) -> Record | None:
+    """Receive and parse one record; None at end of stream. Descriptors of a
+    malformed record are closed before ProtocolError is raised."""
+    fd_space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+    data, ancdata, flags, _ = sock.recvmsg(MAX_RECORD + 1, fd_space, socket.MSG_CMSG_CLOEXEC)
+    fds: list[int] = []
+    for level, ctype, cdata in ancdata:
+        if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(cdata[: len(cdata) - (len(cdata) % arr.itemsize)])
+            fds.extend(arr)
+    if not data and not fds:
+        return None
+    try:
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            raise ProtocolError("record or its descriptors were truncated")
+        return decode(data, fds)
+    except ProtocolError:
+        close_fds(fds)
+        raise
+
+
+def close_fds(fds) -> None:
+    import os
+
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the peer, from the kernel (SO_PEERCRED)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)
