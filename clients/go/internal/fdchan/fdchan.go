@@ -1,0 +1,290 @@
+// Package fdchan implements the client side of the fd channel: the
+// SOCK_SEQPACKET socket on which the daemon sends a HELLO with the channel
+// secret, then page descriptors (SCM_RIGHTS) in PAGES records. The framing
+// is specified in docs/protocol.md; kvcached_service/fdchannel.py is the
+// daemon's implementation of the same format.
+package fdchan
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// Framing constants from docs/protocol.md.
+const (
+	Magic      = 0x4643564B // 'K','V','C','F' in memory order
+	Version    = 1
+	HeaderSize = 16
+	MaxFDs     = 253 // SCM_MAX_FD
+	SecretSize = 32
+
+	TypeHello   = 1
+	TypePages   = 2
+	TypeError   = 3
+	TypeGoodbye = 4
+
+	helloSize  = 56
+	pagesFixed = 24
+	// MaxRecord is the largest record the daemon sends.
+	MaxRecord = HeaderSize + pagesFixed + 8*MaxFDs
+)
+
+// ErrProtocol marks a record that does not follow docs/protocol.md.
+var ErrProtocol = errors.New("fd channel protocol error")
+
+func protoErr(format string, a ...any) error {
+	return fmt.Errorf("%w: %s", ErrProtocol, fmt.Sprintf(format, a...))
+}
+
+// Record is one of Hello, Pages, Error, Goodbye.
+type Record interface{ recordType() uint16 }
+
+// Hello is the first record on a channel.
+type Hello struct {
+	ChannelID uint64
+	PID       uint32
+	UID       uint32
+	GID       uint32
+	MaxFDs    uint32
+	Secret    [SecretSize]byte
+}
+
+// Pages carries up to MaxFDs page descriptors of one allocation.
+type Pages struct {
+	AllocationID uint64
+	FirstIndex   uint32
+	Total        uint32
+	PageIDs      []uint64
+	FDs          []int // FDs[i] belongs to PageIDs[i]; the receiver owns them
+}
+
+// Error is sent instead of HELLO or before the daemon ends a session.
+type Error struct {
+	Code    uint32 // a gRPC status code
+	Message string
+}
+
+// Goodbye: the daemon ended the session normally.
+type Goodbye struct{}
+
+func (Hello) recordType() uint16   { return TypeHello }
+func (Pages) recordType() uint16   { return TypePages }
+func (Error) recordType() uint16   { return TypeError }
+func (Goodbye) recordType() uint16 { return TypeGoodbye }
+
+func frame(typ uint16, payload []byte) []byte {
+	b := make([]byte, HeaderSize+len(payload))
+	binary.LittleEndian.PutUint32(b[0:], Magic)
+	binary.LittleEndian.PutUint16(b[4:], Version)
+	binary.LittleEndian.PutUint16(b[6:], typ)
+	binary.LittleEndian.PutUint32(b[8:], uint32(len(payload)))
+	copy(b[HeaderSize:], payload)
+	return b
+}
+
+// Encode builds the bytes of a record (the daemon's side; used by tests and
+// fakes). The fds of a Pages record travel separately.
+func Encode(r Record) []byte {
+	switch r := r.(type) {
+	case Hello:
+		p := make([]byte, helloSize)
+		binary.LittleEndian.PutUint64(p[0:], r.ChannelID)
+		binary.LittleEndian.PutUint32(p[8:], r.PID)
+		binary.LittleEndian.PutUint32(p[12:], r.UID)
+		binary.LittleEndian.PutUint32(p[16:], r.GID)
+		binary.LittleEndian.PutUint32(p[20:], r.MaxFDs)
+		copy(p[24:], r.Secret[:])
+		return frame(TypeHello, p)
+	case Pages:
+		p := make([]byte, pagesFixed+8*len(r.PageIDs))
+		binary.LittleEndian.PutUint64(p[0:], r.AllocationID)
+		binary.LittleEndian.PutUint32(p[8:], r.FirstIndex)
+		binary.LittleEndian.PutUint32(p[12:], uint32(len(r.PageIDs)))
+		binary.LittleEndian.PutUint32(p[16:], r.Total)
+		for i, id := range r.PageIDs {
+			binary.LittleEndian.PutUint64(p[pagesFixed+8*i:], id)
+		}
+		return frame(TypePages, p)
+	case Error:
+		p := make([]byte, 4+len(r.Message))
+		binary.LittleEndian.PutUint32(p, r.Code)
+		copy(p[4:], r.Message)
+		return frame(TypeError, p)
+	case Goodbye:
+		return frame(TypeGoodbye, nil)
+	}
+	panic(fmt.Sprintf("fdchan: unknown record %T", r))
+}
+
+// Decode parses one record. nfds is the number of descriptors that arrived
+// with it (the caller keeps ownership of them, also on error); a Pages
+// record's FDs field is left for the caller to fill.
+func Decode(data []byte, nfds int) (Record, error) {
+	if len(data) < HeaderSize {
+		return nil, protoErr("record of %d bytes is shorter than the %d-byte header", len(data), HeaderSize)
+	}
+	magic := binary.LittleEndian.Uint32(data[0:])
+	version := binary.LittleEndian.Uint16(data[4:])
+	typ := binary.LittleEndian.Uint16(data[6:])
+	length := binary.LittleEndian.Uint32(data[8:])
+	if magic != Magic {
+		return nil, protoErr("bad magic 0x%08x", magic)
+	}
+	if version != Version {
+		return nil, protoErr("unsupported fd protocol version %d", version)
+	}
+	p := data[HeaderSize:]
+	if uint64(len(p)) != uint64(length) {
+		return nil, protoErr("payload is %d bytes, header says %d", len(p), length)
+	}
+	switch typ {
+	case TypeHello:
+		if len(p) != helloSize || nfds != 0 {
+			return nil, protoErr("malformed HELLO (%d bytes, %d fds)", len(p), nfds)
+		}
+		h := Hello{
+			ChannelID: binary.LittleEndian.Uint64(p[0:]),
+			PID:       binary.LittleEndian.Uint32(p[8:]),
+			UID:       binary.LittleEndian.Uint32(p[12:]),
+			GID:       binary.LittleEndian.Uint32(p[16:]),
+			MaxFDs:    binary.LittleEndian.Uint32(p[20:]),
+		}
+		copy(h.Secret[:], p[24:56])
+		return h, nil
+	case TypePages:
+		if len(p) < pagesFixed {
+			return nil, protoErr("PAGES record too short (%d bytes)", len(p))
+		}
+		count := binary.LittleEndian.Uint32(p[12:])
+		if count == 0 || count > MaxFDs || uint64(len(p)) != pagesFixed+8*uint64(count) || int(count) != nfds {
+			return nil, protoErr("PAGES record says %d pages, carries %d fds and %d bytes", count, nfds, len(p))
+		}
+		r := Pages{
+			AllocationID: binary.LittleEndian.Uint64(p[0:]),
+			FirstIndex:   binary.LittleEndian.Uint32(p[8:]),
+			Total:        binary.LittleEndian.Uint32(p[16:]),
+			PageIDs:      make([]uint64, count),
+		}
+		if r.FirstIndex+count > r.Total || r.FirstIndex > r.Total {
+			return nil, protoErr("PAGES record covers pages %d..%d of %d", r.FirstIndex, r.FirstIndex+count, r.Total)
+		}
+		for i := range r.PageIDs {
+			r.PageIDs[i] = binary.LittleEndian.Uint64(p[pagesFixed+8*i:])
+		}
+		return r, nil
+	case TypeError:
+		if len(p) < 4 || nfds != 0 {
+			return nil, protoErr("malformed ERROR (%d bytes, %d fds)", len(p), nfds)
+		}
+		return Error{Code: binary.LittleEndian.Uint32(p), Message: string(p[4:])}, nil
+	case TypeGoodbye:
+		if len(p) != 0 || nfds != 0 {
+			return nil, protoErr("malformed GOODBYE (%d bytes, %d fds)", len(p), nfds)
+		}
+		return Goodbye{}, nil
+	}
+	return nil, protoErr("unknown record type %d", typ)
+}
+
+// Conn is a client's end of the fd channel.
+type Conn struct {
+	c   *net.UnixConn
+	buf []byte
+	oob []byte
+}
+
+// Dial connects to the daemon's fd socket (SOCK_SEQPACKET).
+func Dial(path string) (*Conn, error) {
+	c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
+	if err != nil {
+		return nil, err
+	}
+	return NewConn(c), nil
+}
+
+// NewConn wraps a connected SOCK_SEQPACKET Unix socket.
+func NewConn(c *net.UnixConn) *Conn {
+	return &Conn{
+		c:   c,
+		buf: make([]byte, MaxRecord+1),
+		oob: make([]byte, unix.CmsgSpace(MaxFDs*4)),
+	}
+}
+
+// Recv reads one record. It returns io.EOF at end of stream. Descriptors of a malformed record are closed before the error is
+// returned; descriptors are received close-on-exec (Go's ReadMsgUnix sets
+// MSG_CMSG_CLOEXEC). Recv must not be called concurrently.
+func (c *Conn) Recv() (Record, error) {
+	n, oobn, flags, _, err := c.c.ReadMsgUnix(c.buf, c.oob)
+	if err != nil {
+		return nil, err
+	}
+	fds, perr := parseRights(c.oob[:oobn])
+	if perr != nil {
+		closeAll(fds)
+		return nil, perr
+	}
+	if n == 0 && len(fds) == 0 {
+		return nil, io.EOF
+	}
+	if flags&(unix.MSG_TRUNC|unix.MSG_CTRUNC) != 0 {
+		closeAll(fds)
+		return nil, protoErr("record or its descriptors were truncated")
+	}
+	r, err := Decode(c.buf[:n], len(fds))
+	if err != nil {
+		closeAll(fds)
+		return nil, err
+	}
+	if p, ok := r.(Pages); ok {
+		p.FDs = fds
+		return p, nil
+	}
+	return r, nil
+}
+
+// Close closes the channel; a Recv blocked in another goroutine returns.
+func (c *Conn) Close() error { return c.c.Close() }
+
+func parseRights(oob []byte) ([]int, error) {
+	if len(oob) == 0 {
+		return nil, nil
+	}
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil, protoErr("control message: %v", err)
+	}
+	var fds []int
+	for i := range msgs {
+		if msgs[i].Header.Level == unix.SOL_SOCKET && msgs[i].Header.Type == unix.SCM_RIGHTS {
+			got, err := unix.ParseUnixRights(&msgs[i])
+			if err != nil {
+				closeAll(fds)
+				return nil, protoErr("SCM_RIGHTS: %v", err)
+			}
+			fds = append(fds, got...)
+		}
+	}
+	return fds, nil
+}
+
+func closeAll(fds []int) {
+	for _, fd := range fds {
+		_ = unix.Close(fd)
+	}
+}
+
+// CloseFDs closes descriptors the caller owns.
+func CloseFDs(fds []int) { closeAll(fds) }
+
+// IsClosed reports whether err means the channel was closed locally.
+func IsClosed(err error) bool {
+	return errors.Is(err, net.ErrClosed) || errors.Is(err, os.ErrClosed) || errors.Is(err, syscall.ECONNRESET)
+}
