@@ -23,6 +23,7 @@ _libc.munmap.restype = ctypes.c_int
 
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10
+_PROT_NONE = 0x0
 _MAP_NORESERVE = 0x4000
 
 
@@ -79,7 +80,7 @@ class HostMapper(Mapper):
     kind = "host"
 
     def reserve(self, size: int) -> int:
-        addr = _libc.mmap(None, size, mmap.PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        addr = _libc.mmap(None, size, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
         return _check_mmap(addr, f"reserving {size} bytes of address space")
 
     def release(self, base: int, size: int) -> None:
@@ -97,7 +98,7 @@ class HostMapper(Mapper):
 
     def unmap(self, addr: int, size: int, token: object) -> None:
         got = _libc.mmap(
-            addr, size, mmap.PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE, -1, 0
+            addr, size, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE, -1, 0
         )
         _check_mmap(got, "unmapping a page")
 

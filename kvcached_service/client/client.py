@@ -1,0 +1,534 @@
+"""Python client of kvcached-serve.
+
+    from kvcached_service.client import Client
+
+    with Client.connect("/tmp/kvcached.sock") as client:       # or Client.from_env()
+        with client.open_session("llama3:8b") as session:
+            pages = session.allocate(4)                        # mapped into this process
+            pages[0].write(0, b"hello")
+            session.free(pages)
+            region = session.region(1 << 30)                   # reserve 1 GiB of address space
+            region.map(0, 64 << 20)                            # back the first 64 MiB
+            region.unmap(32 << 20, 32 << 20)                   # give half back
+
+Every failed call raises a subclass of kvcached_service.errors.KVCachedError
+(gRPC errors are mapped in one place, `_call`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Sequence
+
+import grpc
+
+from .. import errors, fdchannel
+from .._generated.kvcached.v1 import kvcached_pb2 as pb
+from .._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
+from .mapping import HostMapper, Mapper
+
+ENV_VARS = ("KVCACHED_SOCKET", "OLLAMA_KVCACHED_SOCKET")
+
+
+def _call(fn, request, timeout: float | None = None):
+    """Run one unary rpc; map a gRPC failure to the error taxonomy."""
+    try:
+        return fn(request, timeout=timeout)
+    except grpc.RpcError as exc:
+        raise errors.from_rpc_error(exc) from None
+
+
+# ---- domain types ----------------------------------------------------------
+@dataclass(frozen=True)
+class Device:
+    uuid: str
+    name: str
+    kind: str
+    page_size: int
+    granularity: int
+    total_bytes: int
+    budget_bytes: int
+
+    @classmethod
+    def from_pb(cls, m: pb.DeviceInfo) -> "Device":
+        return cls(m.uuid, m.name, m.kind, m.page_size, m.granularity, m.total_bytes, m.budget_bytes)
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    budget_bytes: int
+    pooled_bytes: int
+    in_use_bytes: int
+    free_bytes: int
+    page_size: int
+    pages_pooled: int
+    pages_in_use: int
+    pages_created_total: int
+    pages_released_total: int
+
+    @classmethod
+    def from_pb(cls, m: pb.PoolStats) -> "PoolStats":
+        return cls(*(getattr(m, f) for f in cls.__dataclass_fields__))
+
+
+@dataclass(frozen=True)
+class SessionStats:
+    id: int
+    name: str
+    pid: int
+    uid: int
+    held_bytes: int
+    pages_held: int
+    guaranteed_bytes: int
+    max_bytes: int
+    priority: int
+    last_active_unix: float
+    reclaim_ignored: int
+    allocations_total: int
+    frees_total: int
+    labels: dict
+    opened_unix: float
+
+    @classmethod
+    def from_pb(cls, m: pb.SessionStats) -> "SessionStats":
+        vals = {f: getattr(m, f) for f in cls.__dataclass_fields__}
+        vals["labels"] = dict(m.labels)
+        return cls(**vals)
+
+
+@dataclass(frozen=True)
+class Stats:
+    total: PoolStats
+    devices: dict[str, PoolStats]
+    sessions: list[SessionStats]
+    uptime_seconds: float
+    sessions_open: int
+
+    @classmethod
+    def from_pb(cls, m: pb.GetStatsResponse) -> "Stats":
+        return cls(
+            PoolStats.from_pb(m.total),
+            {d.device.uuid: PoolStats.from_pb(d.pool) for d in m.devices},
+            [SessionStats.from_pb(s) for s in m.sessions],
+            m.uptime_seconds,
+            m.sessions_open,
+        )
+
+
+@dataclass(frozen=True)
+class Event:
+    """A Watch event. kind: READY, RECLAIM, BUDGET_CHANGED, MEMORY_AVAILABLE, SHUTDOWN."""
+
+    kind: str
+    time_unix: float
+    device: str = ""
+    pages: int = 0
+    deadline_unix: float = 0.0
+    reason: str = ""
+    data: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_pb(cls, m: pb.WatchEvent) -> "Event":
+        kind = pb.WatchEvent.Kind.Name(m.kind)
+        if kind == "RECLAIM":
+            r = m.reclaim
+            return cls(kind, m.time_unix, r.device, r.pages, r.deadline_unix, r.reason)
+        if kind == "MEMORY_AVAILABLE":
+            return cls(kind, m.time_unix, m.available.device, m.available.pages)
+        if kind == "SHUTDOWN":
+            return cls(kind, m.time_unix, reason=m.shutdown.reason, data={"grace_seconds": m.shutdown.grace_seconds})
+        if kind == "BUDGET_CHANGED":
+            b = m.budget
+            return cls(kind, m.time_unix, b.device, data={
+                "budget_bytes": b.budget_bytes, "guaranteed_bytes": b.guaranteed_bytes,
+                "max_bytes": b.max_bytes, "priority": b.priority})
+        return cls(kind, m.time_unix)
+
+
+# ---- the fd channel, client side -------------------------------------------
+class _Channel:
+    """The client's end of the fd channel: HELLO at connect, then PAGES
+    records collected by allocation id (several threads may allocate)."""
+
+    def __init__(self, path: str, timeout: float):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self.sock.settimeout(timeout)
+        self.timeout = timeout
+        try:
+            self.sock.connect(path)
+            rec = fdchannel.recv_record(self.sock)
+        except OSError as exc:
+            self.sock.close()
+            raise errors.Unavailable(f"cannot connect the fd channel {path}: {exc}") from None
+        if isinstance(rec, fdchannel.Error):
+            self.sock.close()
+            raise _error_for_code(rec.code, rec.message)
+        if not isinstance(rec, fdchannel.Hello):
+            self.sock.close()
+            raise errors.Unavailable(f"fd channel {path}: expected HELLO, got {rec!r}")
+        self.hello = rec
+        self._lock = threading.Lock()
+        self._stash: dict[int, dict[int, tuple[int, int]]] = {}  # alloc -> index -> (page id, fd)
+        self._ended: errors.KVCachedError | None = None
+
+    def receive(self, alloc_id: int, page_ids: Sequence[int]) -> list[int]:
+        """The fds of an allocation, in page order (blocks until all came)."""
+        total = len(page_ids)
+        with self._lock:
+            while len(self._stash.get(alloc_id, {})) < total:
+                if self._ended is not None:
+                    raise self._ended
+                try:
+                    rec = fdchannel.recv_record(self.sock)
+                except socket.timeout:
+                    raise errors.Unavailable(f"fds of allocation {alloc_id} did not arrive within {self.timeout:g} s") from None
+                except (OSError, fdchannel.ProtocolError) as exc:
+                    self._ended = errors.Unavailable(f"fd channel failed: {exc}")
+                    continue
+                if isinstance(rec, fdchannel.Pages):
+                    slot = self._stash.setdefault(rec.allocation_id, {})
+                    for i, (pid, fd) in enumerate(zip(rec.page_ids, rec.fds)):
+                        slot[rec.first_index + i] = (pid, fd)
+                elif isinstance(rec, fdchannel.Error):
+                    self._ended = _error_for_code(rec.code, rec.message)
+                elif rec is None or isinstance(rec, fdchannel.Goodbye):
+                    self._ended = errors.FailedPrecondition("the daemon ended this session")
+            got = self._stash.pop(alloc_id)
+        fds = [got[i][1] for i in range(total)]
+        ids = [got[i][0] for i in range(total)]
+        if ids != list(page_ids):
+            fdchannel.close_fds(fds)
+            raise errors.Internal(f"allocation {alloc_id}: fd channel page ids {ids[:4]}... differ from the rpc's")
+        return fds
+
+    def close(self) -> None:
+        with self._lock:
+            for slot in self._stash.values():
+                fdchannel.close_fds(fd for _, fd in slot.values())
+            self._stash.clear()
+        self.sock.close()
+
+
+def _error_for_code(code: int, message: str) -> errors.KVCachedError:
+    for cls in errors.ALL_ERRORS:
+        if cls.code.value[0] == code:
+            return cls(message)
+    return errors.Unknown(message)
+
+
+# ---- pages -------------------------------------------------------------------
+class _Reservation:
+    """Address space reserved for one allocate() call; released when its
+    last page is freed."""
+
+    def __init__(self, mapper: Mapper, size: int):
+        self.mapper = mapper
+        self.size = size
+        self.base = mapper.reserve(size)
+        self.live = 0
+
+    def drop(self) -> None:
+        self.live -= 1
+        if self.live == 0:
+            self.mapper.release(self.base, self.size)
+
+
+class Page:
+    """One page mapped into this process at `addr`."""
+
+    def __init__(self, page_id: int, device: str, size: int, addr: int, mapper: Mapper, token: object, res: _Reservation | None):
+        self.id = page_id
+        self.device = device
+        self.size = size
+        self.addr = addr
+        self._mapper = mapper
+        self._token = token
+        self._res = res
+        self.mapped = True
+
+    def write(self, offset: int, data: bytes) -> None:
+        self._check(offset, len(data))
+        self._mapper.write(self.addr + offset, data)
+
+    def read(self, offset: int = 0, size: int | None = None) -> bytes:
+        size = self.size - offset if size is None else size
+        self._check(offset, size)
+        return self._mapper.read(self.addr + offset, size)
+
+    def _check(self, offset: int, size: int) -> None:
+        if not self.mapped:
+            raise errors.FailedPrecondition(f"page {self.id} is not mapped any more")
+        if offset < 0 or size < 0 or offset + size > self.size:
+            raise errors.InvalidArgument(f"range [{offset}, {offset + size}) is outside page {self.id} of {self.size} bytes")
+
+    def _unmap(self) -> None:
+        if self.mapped:
+            self._mapper.unmap(self.addr, self.size, self._token)
+            self.mapped = False
+            if self._res is not None:
+                self._res.drop()
+
+    def __repr__(self) -> str:
+        return f"Page(id={self.id}, device={self.device!r}, addr=0x{self.addr:x}, size={self.size})"
+
+
+# ---- sessions ----------------------------------------------------------------
+class Session:
+    """A session: pages lent to this process. Not shared across processes."""
+
+    def __init__(self, client: "Client", name: str, guaranteed_bytes: int, max_bytes: int, priority: int, labels: dict[str, str] | None):
+        self.client = client
+        self.name = name
+        self._channel = _Channel(client.info.fd_socket, client.timeout)
+        try:
+            resp = _call(
+                client._stub.OpenSession,
+                pb.OpenSessionRequest(
+                    channel_secret=self._channel.hello.secret,
+                    name=name,
+                    guaranteed_bytes=guaranteed_bytes,
+                    max_bytes=max_bytes,
+                    priority=priority,
+                    labels=labels or {},
+                ),
+                client.timeout,
+            )
+        except BaseException:
+            self._channel.close()
+            raise
+        self.ref = resp.session
+        self.id = resp.session.id
+        self.pid, self.uid, self.gid, self.admin = resp.pid, resp.uid, resp.gid, resp.admin
+        self._mappers: dict[str, Mapper] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._watch_threads: list[threading.Thread] = []
+        self._calls: list[grpc.Future] = []
+
+    # -- plumbing
+    def _rpc(self, method: str, request, timeout: float | None = None):
+        return _call(getattr(self.client._stub, method), request, timeout or self.client.timeout)
+
+    def mapper(self, device: str) -> Mapper:
+        with self._lock:
+            m = self._mappers.get(device)
+            if m is None:
+                kind = self.client.device(device).kind
+                if kind == "host":
+                    m = HostMapper()
+                elif kind == "cuda":
+                    from .cuda_mapper import CudaMapper
+
+                    m = CudaMapper(device)
+                else:
+                    raise errors.FailedPrecondition(f"device {device} has kind {kind!r}, which this client cannot map")
+                self._mappers[device] = m
+            return m
+
+    # -- raw pages (fds; the caller maps them)
+    def allocate_fds(self, num_pages: int, device: str = "", wait: bool = False, wait_timeout_ms: int = 0) -> tuple[pb.AllocateResponse, list[int]]:
+        """Allocate and return the rpc answer and one fd per page (caller closes)."""
+        resp = self._rpc(
+            "Allocate",
+            pb.AllocateRequest(session=self.ref, device=device, num_pages=num_pages, wait=wait, wait_timeout_ms=wait_timeout_ms),
+            None if not wait else (wait_timeout_ms / 1000 + self.client.timeout),
+        )
+        return resp, self._channel.receive(resp.allocation_id, resp.page_ids)
+
+    def free_ids(self, page_ids: Iterable[int]) -> int:
+        return self._rpc("Free", pb.FreeRequest(session=self.ref, page_ids=list(page_ids))).pages_freed
+
+    # -- mapped pages
+    def allocate(self, num_pages: int, device: str = "", wait: bool = False, wait_timeout_ms: int = 0) -> list[Page]:
+        """Allocate pages and map them, contiguously, into this process."""
+        resp, fds = self.allocate_fds(num_pages, device, wait, wait_timeout_ms)
+        mapper = self.mapper(resp.device)
+        size = resp.page_size
+        res = None
+        pages: list[Page] = []
+        try:
+            res = _Reservation(mapper, size * len(fds))
+            for i, (pid, fd) in enumerate(zip(resp.page_ids, fds)):
+                addr = res.base + i * size
+                token = mapper.map(addr, fd, size)
+                fds[i] = -1
+                res.live += 1
+                pages.append(Page(pid, resp.device, size, addr, mapper, token, res))
+        except BaseException:
+            fdchannel.close_fds(fd for fd in fds if fd >= 0)
+            for p in pages:
+                p._unmap()
+            if res is not None and res.live == 0:
+                mapper.release(res.base, res.size)
+            try:
+                self.free_ids(resp.page_ids)
+            except errors.KVCachedError:
+                pass
+            raise
+        return pages
+
+    def free(self, pages: Iterable[Page | int]) -> int:
+        """Unmap (if mapped) and give back pages; all or nothing at the daemon."""
+        pages = list(pages)
+        ids = [p.id if isinstance(p, Page) else int(p) for p in pages]
+        for p in pages:
+            if isinstance(p, Page):
+                p._unmap()
+        return self.free_ids(ids)
+
+    def region(self, size: int, device: str = "") -> "Region":
+        from .region import Region
+
+        dev = self.client.device(device)
+        return Region(self, dev, size)
+
+    # -- information
+    def stats(self) -> Stats:
+        return Stats.from_pb(self._rpc("GetStats", pb.GetStatsRequest(session=self.ref)))
+
+    def my_stats(self) -> SessionStats:
+        for s in self.stats().sessions:
+            if s.id == self.id:
+                return s
+        raise errors.NotFound(f"session {self.id} is not in the daemon's stats")
+
+    def events(self) -> Iterator[Event]:
+        """Watch events until the session or the daemon ends. The first is READY."""
+        call = self.client._stub.Watch(pb.WatchRequest(session=self.ref))
+        self._calls.append(call)
+        try:
+            for m in call:
+                yield Event.from_pb(m)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED and self._closed:
+                return
+            raise errors.from_rpc_error(exc) from None
+        finally:
+            if call in self._calls:
+                self._calls.remove(call)
+
+    def on_event(self, callback: Callable[[Event], None], kinds: Iterable[str] = ("RECLAIM",)) -> threading.Thread:
+        """Run `callback(event)` on a background thread for each event of the
+        given kinds (default: reclaim requests). Returns once the stream is
+        established. The callback answers a RECLAIM by freeing pages."""
+        kinds = set(kinds)
+        ready = threading.Event()
+
+        def run() -> None:
+            try:
+                for ev in self.events():
+                    if ev.kind == "READY":
+                        ready.set()
+                    elif ev.kind in kinds:
+                        callback(ev)
+            except errors.KVCachedError:
+                pass
+            finally:
+                ready.set()
+
+        t = threading.Thread(target=run, name=f"kvcached-watch-{self.id}", daemon=True)
+        t.start()
+        ready.wait(self.client.timeout)
+        self._watch_threads.append(t)
+        return t
+
+    def on_reclaim(self, callback: Callable[[Event], None]) -> threading.Thread:
+        return self.on_event(callback, ("RECLAIM",))
+
+    # -- admin
+    def set_limits(self, session_id: int, **limits) -> SessionStats:
+        req = pb.SetSessionLimitsRequest(admin=self.ref, session_id=session_id, set_fields=list(limits), **limits)
+        return SessionStats.from_pb(self._rpc("SetSessionLimits", req).session)
+
+    def request_shrink(self, session_id: int, target_bytes: int, timeout_ms: int = 0) -> int:
+        req = pb.RequestShrinkRequest(admin=self.ref, session_id=session_id, target_bytes=target_bytes, timeout_ms=timeout_ms)
+        return self._rpc("RequestShrink", req).pages_requested
+
+    # -- life cycle
+    def close(self) -> None:
+        """End the session; the daemon takes back every page it still holds.
+        Pages still mapped here stay readable until unmapped, but they are
+        no longer yours: unmap them first."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._rpc("CloseSession", pb.CloseSessionRequest(session=self.ref))
+        except errors.KVCachedError:
+            pass  # already ended by the daemon; closing the channel is enough
+        finally:
+            for call in list(self._calls):
+                call.cancel()
+            self._channel.close()
+            for t in self._watch_threads:
+                t.join(timeout=2)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Client:
+    """A connection to kvcached-serve's control socket."""
+
+    def __init__(self, path: str, timeout: float = 10.0):
+        self.path = path
+        self.timeout = timeout
+        self._grpc = grpc.insecure_channel(f"unix:{path}", options=[("grpc.enable_http_proxy", 0)])
+        try:
+            grpc.channel_ready_future(self._grpc).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            self._grpc.close()
+            raise errors.Unavailable(f"no kvcached daemon answers on {path} (is kvcached-serve running?)") from None
+        self._stub = pb_grpc.KVCachedStub(self._grpc)
+        self.info = _call(self._stub.GetInfo, pb.GetInfoRequest(), timeout)
+        self.devices = [Device.from_pb(d) for d in self.info.devices]
+
+    @classmethod
+    def connect(cls, path: str | None = None, timeout: float = 10.0) -> "Client":
+        """Connect to `path`, or to the socket named by the environment."""
+        return cls(path or socket_from_env(), timeout)
+
+    @classmethod
+    def from_env(cls, timeout: float = 10.0) -> "Client":
+        return cls(socket_from_env(), timeout)
+
+    def device(self, uuid: str = "") -> Device:
+        if not uuid:
+            return self.devices[0]
+        for d in self.devices:
+            if d.uuid == uuid:
+                return d
+        raise errors.NotFound(f"no device {uuid!r}; the daemon serves {', '.join(d.uuid for d in self.devices)}")
+
+    def open_session(self, name: str, *, guaranteed_bytes: int = 0, max_bytes: int = 0, priority: int = 0, labels: dict[str, str] | None = None) -> Session:
+        return Session(self, name, guaranteed_bytes, max_bytes, priority, labels)
+
+    def stats(self) -> Stats:
+        return Stats.from_pb(_call(self._stub.GetStats, pb.GetStatsRequest(), self.timeout))
+
+    def close(self) -> None:
+        self._grpc.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def socket_from_env() -> str:
+    """KVCACHED_SOCKET, then OLLAMA_KVCACHED_SOCKET."""
+    for var in ENV_VARS:
+        value = os.environ.get(var)
+        if value:
+            return value
+    raise errors.FailedPrecondition(
+        "no daemon socket given: pass a path or set KVCACHED_SOCKET (or OLLAMA_KVCACHED_SOCKET) to kvcached-serve's --socket"
+    )

@@ -1,0 +1,195 @@
+"""Region: the elastic KV primitive.
+
+Reserve address space for the largest size once; back any page-aligned range
+of it with daemon pages on demand, and give pages back when a range is no
+longer needed. Growing a prefix is the common case, but llama.cpp keeps all
+layers' K and V tensors in one buffer and each needs its own prefix
+[0, n_kv) mapped, so a Region maps and unmaps arbitrary page-aligned ranges,
+and `map_ranges` backs several ranges with one Allocate.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Iterable
+
+from .. import errors, fdchannel
+
+if TYPE_CHECKING:
+    from .client import Device, Session
+
+
+class Region:
+    def __init__(self, session: "Session", device: "Device", size: int):
+        if size <= 0:
+            raise errors.InvalidArgument(f"region size must be positive, got {size}")
+        self.session = session
+        self.device = device
+        self.page_size = device.page_size
+        self.n_slots = -(-size // self.page_size)
+        self.size = self.n_slots * self.page_size
+        self._mapper = session.mapper(device.uuid)
+        self.base = self._mapper.reserve(self.size)
+        self._slots: list[tuple[int, object] | None] = [None] * self.n_slots  # (page id, map token)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ---- ranges ---------------------------------------------------------
+    def _slot_range(self, offset: int, length: int) -> range:
+        ps = self.page_size
+        if offset < 0 or length < 0:
+            raise errors.InvalidArgument(f"negative offset or length: [{offset}, +{length})")
+        if offset % ps:
+            raise errors.InvalidArgument(f"offset {offset} is not a multiple of the page size {ps}")
+        end = offset + length
+        if end > self.size:
+            raise errors.InvalidArgument(f"range [{offset}, {end}) is outside the region of {self.size} bytes")
+        return range(offset // ps, -(-end // ps))
+
+    def map(self, offset: int, length: int) -> int:
+        """Back [offset, offset+length) (rounded up to whole pages) with pages.
+        Returns the number of pages newly mapped."""
+        return self.map_ranges([(offset, length)])
+
+    def map_ranges(self, ranges: Iterable[tuple[int, int]]) -> int:
+        """Back several ranges with one Allocate for all their missing pages."""
+        with self._lock:
+            self._check_open()
+            want: list[int] = []
+            seen: set[int] = set()
+            for off, length in ranges:
+                for i in self._slot_range(off, length):
+                    if self._slots[i] is None and i not in seen:
+                        seen.add(i)
+                        want.append(i)
+            if not want:
+                return 0
+            resp, fds = self.session.allocate_fds(len(want), self.device.uuid)
+            done = 0
+            try:
+                for slot, pid, fd in zip(want, resp.page_ids, fds):
+                    token = self._mapper.map(self.base + slot * self.page_size, fd, self.page_size)
+                    fds[done] = -1
+                    self._slots[slot] = (pid, token)
+                    done += 1
+            except BaseException:
+                fdchannel.close_fds(fd for fd in fds if fd >= 0)
+                for slot in want[:done]:
+                    self._unmap_slot(slot)
+                try:
+                    self.session.free_ids(resp.page_ids)
+                except errors.KVCachedError:
+                    pass
+                raise
+            return len(want)
+
+    def unmap(self, offset: int, length: int) -> int:
+        """Unmap the pages of [offset, offset+length) and give them back with
+        one Free. The range stays reserved. Returns pages given back."""
+        with self._lock:
+            self._check_open()
+            if length % self.page_size and offset + length != self.size:
+                raise errors.InvalidArgument(f"length {length} is not a multiple of the page size {self.page_size}")
+            return self._unmap_slots(list(self._slot_range(offset, length)))
+
+    def _unmap_slots(self, slots: list[int]) -> int:
+        ids = []
+        for i in slots:
+            entry = self._slots[i]
+            if entry is not None:
+                ids.append(entry[0])
+                self._unmap_slot(i)
+        if ids:
+            self.session.free_ids(ids)
+        return len(ids)
+
+    def _unmap_slot(self, i: int) -> None:
+        entry = self._slots[i]
+        if entry is not None:
+            self._mapper.unmap(self.base + i * self.page_size, self.page_size, entry[1])
+            self._slots[i] = None
+
+    def grow_to(self, nbytes: int) -> int:
+        """Make sure the prefix [0, nbytes) is mapped."""
+        return self.map(0, nbytes)
+
+    def trim_to(self, nbytes: int) -> int:
+        """Give back every page past the first `nbytes` (rounded up to pages)."""
+        keep = -(-nbytes // self.page_size) * self.page_size
+        if keep >= self.size:
+            return 0
+        return self.unmap(keep, self.size - keep)
+
+    # ---- inspection -----------------------------------------------------
+    @property
+    def mapped_pages(self) -> int:
+        return sum(1 for s in self._slots if s is not None)
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self.mapped_pages * self.page_size
+
+    def is_mapped(self, offset: int) -> bool:
+        return self._slots[offset // self.page_size] is not None
+
+    def mapped_ranges(self) -> list[tuple[int, int]]:
+        """[(offset, length)] of the mapped runs, in order."""
+        out: list[tuple[int, int]] = []
+        for i, s in enumerate(self._slots):
+            if s is None:
+                continue
+            off = i * self.page_size
+            if out and out[-1][0] + out[-1][1] == off:
+                out[-1] = (out[-1][0], out[-1][1] + self.page_size)
+            else:
+                out.append((off, self.page_size))
+        return out
+
+    def page_ids(self) -> list[int]:
+        return [s[0] for s in self._slots if s is not None]
+
+    # ---- data (tests, demos; engines use the address directly) ----------
+    def _check_mapped(self, offset: int, size: int) -> None:
+        if offset < 0 or size < 0 or offset + size > self.size:
+            raise errors.InvalidArgument(f"range [{offset}, {offset + size}) is outside the region")
+        for i in range(offset // self.page_size, -(-(offset + size) // self.page_size)):
+            if self._slots[i] is None:
+                raise errors.FailedPrecondition(f"byte {max(offset, i * self.page_size)} of the region is not mapped")
+
+    def write(self, offset: int, data: bytes) -> None:
+        self._check_mapped(offset, len(data))
+        self._mapper.write(self.base + offset, data)
+
+    def read(self, offset: int, size: int) -> bytes:
+        self._check_mapped(offset, size)
+        return self._mapper.read(self.base + offset, size)
+
+    def clear(self) -> None:
+        """Zero every mapped page (and only those: unmapped ranges stay unbacked)."""
+        zero = bytes(self.page_size)
+        for i, s in enumerate(self._slots):
+            if s is not None:
+                self._mapper.write(self.base + i * self.page_size, zero)
+
+    # ---- life cycle -----------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise errors.FailedPrecondition("region is closed")
+
+    def close(self) -> None:
+        """Unmap and give back every page, then release the reservation."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self._unmap_slots(list(range(self.n_slots)))
+            except errors.KVCachedError:
+                pass  # the session may be gone; the pages are unmapped either way
+            self._closed = True
+            self._mapper.release(self.base, self.size)
+
+    def __enter__(self) -> "Region":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

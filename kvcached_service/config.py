@@ -1,0 +1,232 @@
+"""The daemon's settings: one object, three sources.
+
+Precedence, highest first:
+  1. command-line flags (`kvcached-serve --memory-limit 8GiB`)
+  2. environment variables `KVCACHED_<NAME>` (`KVCACHED_MEMORY_LIMIT=8GiB`)
+  3. the TOML file given with `--config` (`memory_limit = "8GiB"`)
+  4. the defaults below.
+`kvcached-serve --print-config` prints the result. Invalid settings fail at
+start with a message that names the setting.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """'2MiB' -> 2097152; '1.5GB' -> 1500000000; 4096 -> 4096."""
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size must not be negative: {text}")
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 512MiB, 8GiB, 20GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(n: int) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}".replace(".00 ", " ")
+    return f"{n} B"
+
+
+def resolve_limit(text: str, total: int) -> int:
+    """A memory limit: bytes with units, or a percentage of `total`."""
+    t = text.strip()
+    if t.endswith("%"):
+        pct = float(t[:-1])
+        if not 0 < pct <= 100:
+            raise ValueError(f"percentage must be in (0, 100]: {text!r}")
+        return int(total * pct / 100)
+    return parse_size(t)
+
+
+class Settings(BaseSettings):
+    """Every setting of kvcached-serve. Field docs are the --help text."""
+
+    model_config = SettingsConfigDict(env_prefix="KVCACHED_", extra="forbid", validate_default=True)
+    _toml_file: ClassVar[Path | None] = None
+
+    socket: str = Field("/tmp/kvcached.sock", description="gRPC control socket path")
+    fd_socket: str = Field("", description="fd channel socket path (default: <socket>.fd)")
+    backend: Literal["auto", "host", "cuda"] = Field("auto", description="page backend; auto = cuda if usable, else host")
+    memory_limit: str = Field("90%", description="budget per device: bytes with units (8GiB) or a percentage of device memory")
+    page_size: str = Field("2MiB", description="bytes per page; a multiple of the backend granularity")
+    prealloc: str = Field("0", description="warm pages created ahead of demand per device, as a size (256MiB)")
+    pool_idle_seconds: float = Field(30.0, ge=0, description="pooled pages beyond the warm target idle this long go back to the device")
+    zero_pages: bool = Field(True, description="zero pages before they change session (see docs/architecture.md)")
+    socket_mode: str = Field("0660", description="permission bits of both socket files (octal)")
+    socket_group: str = Field("", description="group owning the socket files (name or gid); empty = the daemon's")
+    allowed_uids: Annotated[list[int], NoDecode] = Field(default_factory=list, description="uids allowed to open sessions (comma-separated); empty = anyone who can open the socket")
+    admin_uids: Annotated[list[int], NoDecode] = Field(default_factory=lambda: [0], description="uids whose sessions may use admin rpcs; the daemon's own uid always may")
+    max_pages_per_request: int = Field(65536, ge=1, le=1 << 24, description="largest Allocate, in pages")
+    max_sessions: int = Field(4096, ge=1, description="open sessions in total")
+    max_sessions_per_uid: int = Field(1024, ge=1, description="open sessions (and unbound fd channels) per uid")
+    fd_send_timeout: float = Field(5.0, gt=0, description="seconds a client may leave its fd channel full before its session is ended")
+    channel_bind_timeout: float = Field(30.0, gt=0, description="seconds an fd channel may stay without a session")
+    host_memory: str = Field("", description="device size the host backend reports (default: physical RAM)")
+    default_wait_ms: int = Field(10000, ge=0, description="default wait of an Allocate with wait=true, in ms")
+    reclaim_timeout_ms: int = Field(2000, ge=1, description="time a session gets to answer a reclaim request, in ms")
+    idle_shrink_seconds: float = Field(0.0, ge=0, description="ask sessions idle this long to shrink to their guarantee; 0 = never")
+    shutdown_grace: float = Field(2.0, ge=0, description="seconds between telling sessions about shutdown and closing them")
+    metrics_address: str = Field("", description="host:port for Prometheus metrics; empty = off")
+    state_dir: str = Field("", description="directory for the daemon's journal; empty = none")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if cls._toml_file is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=cls._toml_file))
+        return tuple(sources)
+
+    @field_validator("allowed_uids", "admin_uids", mode="before")
+    @classmethod
+    def _uid_list(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [int(x) for x in v.replace(" ", "").split(",") if x]
+        return v
+
+    @field_validator("page_size", "prealloc")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        parse_size(v)
+        return v
+
+    @field_validator("host_memory")
+    @classmethod
+    def _opt_size(cls, v: str) -> str:
+        if v:
+            parse_size(v)
+        return v
+
+    @field_validator("memory_limit")
+    @classmethod
+    def _limit(cls, v: str) -> str:
+        resolve_limit(v, 1 << 40)
+        return v
+
+    @field_validator("socket_mode")
+    @classmethod
+    def _mode(cls, v: str) -> str:
+        mode = int(str(v), 8)
+        if mode & ~0o777:
+            raise ValueError(f"not a permission mode: {v!r}")
+        return v
+
+    @field_validator("socket_group")
+    @classmethod
+    def _group(cls, v: str) -> str:
+        if v and not v.isdigit():
+            try:
+                grp.getgrnam(v)
+            except KeyError:
+                raise ValueError(f"no such group: {v!r}") from None
+        return v
+
+    @field_validator("metrics_address")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        if v:
+            host, sep, port = v.rpartition(":")
+            if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+                raise ValueError(f"expected host:port, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _paths(self) -> "Settings":
+        if not self.socket:
+            raise ValueError("socket: must not be empty")
+        if not self.fd_socket:
+            self.fd_socket = self.socket + ".fd"
+        if self.fd_socket == self.socket:
+            raise ValueError("fd_socket: must differ from socket")
+        if parse_size(self.page_size) == 0:
+            raise ValueError("page_size: must be positive")
+        return self
+
+    # ---- derived values -------------------------------------------------
+    @property
+    def page_size_bytes(self) -> int:
+        return parse_size(self.page_size)
+
+    @property
+    def prealloc_bytes(self) -> int:
+        return parse_size(self.prealloc)
+
+    @property
+    def socket_mode_bits(self) -> int:
+        return int(self.socket_mode, 8)
+
+    @property
+    def socket_gid(self) -> int | None:
+        if not self.socket_group:
+            return None
+        if self.socket_group.isdigit():
+            return int(self.socket_group)
+        return grp.getgrnam(self.socket_group).gr_gid
+
+    def is_admin(self, uid: int) -> bool:
+        return uid in self.admin_uids or uid == os.getuid()
+
+
+class ConfigError(Exception):
+    """Invalid settings; the message names each bad setting."""
+
+
+def load_settings(cli: dict[str, Any], config_file: str | None = None) -> Settings:
+    """Build Settings from CLI values (only those given), the environment and
+    an optional TOML file."""
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {config_file}")
+    try:
+        Settings._toml_file = Path(config_file) if config_file else None
+        return Settings(**cli)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            name = ".".join(str(p) for p in err["loc"]) or "settings"
+            env = f"KVCACHED_{name.upper()}"
+            lines.append(f"  {name} (--{name.replace('_', '-')}, {env}): {err['msg']}")
+        raise ConfigError("invalid settings:\n" + "\n".join(lines)) from None
+    except Exception as exc:  # a TOML syntax error, for one
+        raise ConfigError(f"invalid settings: {exc}") from None
+    finally:
+        Settings._toml_file = None

@@ -1,0 +1,1 @@
+"""kvcached-serve, the daemon."""

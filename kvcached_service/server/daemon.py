@@ -1,0 +1,587 @@
+"""The daemon: pools, sessions, the fd channel listener and the life cycle.
+
+Everything here runs on one asyncio event loop (the gRPC aio server's). The
+gRPC servicer (service.py) translates requests into calls on Daemon and
+errors into status codes; it holds no state of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+import os
+import secrets
+import socket
+import stat
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .. import __version__, errors, fdchannel
+from ..backends.base import Backend
+from ..config import Settings, format_size, resolve_limit
+from .pool import DevicePool, Page, PageState, Shortage
+from .sessions import Channel, ChannelClosed, Session, Tombstones, check_labels, check_name
+from .worker import DeviceWorker
+
+log = logging.getLogger("kvcached.daemon")
+
+API_VERSION = 1
+
+
+@dataclass
+class Event:
+    """A Watch event before it becomes a protobuf (service.py converts)."""
+
+    kind: str  # READY | RECLAIM | BUDGET_CHANGED | MEMORY_AVAILABLE | SHUTDOWN
+    time_unix: float
+    data: dict
+
+
+def prepare_socket_path(path: str) -> None:
+    """Refuse to start if another daemon listens on `path`; remove a stale
+    socket file nobody listens on; refuse anything that is not a socket."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise errors.FailedPrecondition(f"socket directory {parent} does not exist")
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise errors.FailedPrecondition(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)  # stale: nobody listens
+        log.info("removed stale socket %s", path)
+        return
+    except OSError as exc:
+        if exc.errno == 91:  # EPROTOTYPE: a SOCK_SEQPACKET listener; try that type
+            probe.close()
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            probe.settimeout(1.0)
+            try:
+                probe.connect(path)
+            except (ConnectionRefusedError, FileNotFoundError):
+                os.unlink(path)
+                return
+        else:
+            raise
+    finally:
+        probe.close()
+    raise errors.FailedPrecondition(f"another daemon is listening on {path}; refusing to start")
+
+
+def apply_socket_permissions(path: str, settings: Settings) -> None:
+    os.chmod(path, settings.socket_mode_bits)
+    gid = settings.socket_gid
+    if gid is not None:
+        os.chown(path, -1, gid)
+
+
+class Daemon:
+    def __init__(self, settings: Settings, backend: Backend):
+        self.settings = settings
+        self.backend = backend
+        self.pools: dict[str, DevicePool] = {}
+        self.workers: list[DeviceWorker] = []
+        self.sessions: dict[int, Session] = {}
+        self.channels: dict[int, Channel] = {}
+        self._unbound: dict[bytes, Channel] = {}
+        self.tombstones = Tombstones()
+        self._session_ids = itertools.count(1)
+        self._channel_ids = itertools.count(1)
+        self._alloc_ids = itertools.count(1)
+        self._listener: socket.socket | None = None
+        self.started_monotonic = time.monotonic()
+        self.shutting_down = False
+        self._tasks: set[asyncio.Task] = set()
+        # Observers (metrics, the elasticity manager) may hook these.
+        self.on_session_end: list[Callable[[Session, str], None]] = []
+        self.counters = {"sessions_opened": 0, "sessions_closed": 0, "sessions_crashed": 0, "fd_channel_errors": 0}
+
+    # ---- start-up -------------------------------------------------------
+    def start_devices(self) -> None:
+        page_size = self.settings.page_size_bytes
+        for spec in self.backend.devices():
+            if page_size % spec.granularity:
+                raise errors.InvalidArgument(
+                    f"page_size {page_size} is not a multiple of device {spec.uuid}'s granularity {spec.granularity}"
+                )
+            budget = resolve_limit(self.settings.memory_limit, spec.total_bytes)
+            if budget < page_size:
+                raise errors.InvalidArgument(
+                    f"memory_limit {self.settings.memory_limit} gives device {spec.uuid} a budget of {budget} bytes, less than one page ({page_size})"
+                )
+            worker = DeviceWorker(self.backend, spec.ordinal, spec.uuid[:12])
+            worker.start()
+            self.workers.append(worker)
+            pool = DevicePool(
+                self.backend,
+                spec,
+                worker,
+                page_size=page_size,
+                budget_bytes=budget,
+                warm_pages=self.settings.prealloc_bytes // page_size,
+                idle_seconds=self.settings.pool_idle_seconds,
+                zero_pages=self.settings.zero_pages,
+            )
+            self.pools[spec.uuid] = pool
+            log.info(
+                "device %s (%s): budget %s of %s, page %s, warm pages %d",
+                spec.uuid,
+                spec.name,
+                format_size(pool.budget_pages * page_size),
+                format_size(spec.total_bytes),
+                format_size(page_size),
+                pool.warm_pages,
+            )
+
+    async def prefill(self) -> None:
+        await asyncio.gather(*(p.prefill() for p in self.pools.values()))
+
+    def start_fd_listener(self) -> None:
+        path = self.settings.fd_socket
+        prepare_socket_path(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        sock.bind(path)
+        apply_socket_permissions(path, self.settings)
+        sock.listen(128)
+        self._listener = sock
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._accept)
+
+    def start_background(self) -> None:
+        self._spawn(self._housekeeping())
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _housekeeping(self) -> None:
+        while not self.shutting_down:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            for pool in self.pools.values():
+                try:
+                    await pool.trim_idle(now)
+                except Exception:  # keep the loop alive whatever happens
+                    log.exception("idle trim failed on %s", pool.uuid)
+            limit = self.settings.channel_bind_timeout
+            for ch in [c for c in self._unbound.values() if now - c.created > limit]:
+                self._drop_channel(ch, errors.FailedPrecondition(f"no OpenSession within {limit:g} s"))
+
+    # ---- fd channel -----------------------------------------------------
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self.counters["fd_channel_errors"] += 1
+                log.warning("fd channel accept failed: %s", exc)
+                return
+            try:
+                self._admit(conn)
+            except Exception:
+                self.counters["fd_channel_errors"] += 1
+                log.exception("fd channel set-up failed")
+                conn.close()
+
+    def _admit(self, conn: socket.socket) -> None:
+        conn.setblocking(False)
+        pid, uid, gid = fdchannel.peer_credentials(conn)
+        ch = Channel(next(self._channel_ids), conn, pid, uid, gid, secrets.token_bytes(fdchannel.SECRET_SIZE))
+        refusal = self._refusal(ch)
+        if refusal is not None:
+            log.warning("refused fd channel from pid %d uid %d: %s", pid, uid, refusal.message)
+            ch.send_nowait(fdchannel.encode_error(refusal.code.value[0], refusal.message))
+            ch.close()
+            return
+        if self.shutting_down:
+            ch.send_nowait(fdchannel.encode_error(errors.Unavailable.code.value[0], "the daemon is shutting down"))
+            ch.close()
+            return
+        loop = asyncio.get_running_loop()
+        self.channels[ch.id] = ch
+        self._unbound[ch.secret] = ch
+        if pid > 0:
+            try:
+                ch.pidfd = os.pidfd_open(pid)
+                loop.add_reader(ch.pidfd, self._peer_exited, ch)
+            except ProcessLookupError:
+                self._drop_channel(ch, None, crashed=True)
+                return
+            except OSError as exc:
+                log.debug("pidfd_open(%d) failed: %s; relying on the socket alone", pid, exc)
+        loop.add_reader(conn.fileno(), self._channel_readable, ch)
+        ch.send_nowait(
+            fdchannel.encode_hello(
+                fdchannel.Hello(ch.id, pid, uid, gid, fdchannel.MAX_FDS, ch.secret)
+            )
+        )
+        log.debug("fd channel %d: pid %d uid %d gid %d", ch.id, pid, uid, gid)
+
+    def _refusal(self, ch: Channel) -> errors.KVCachedError | None:
+        allowed = self.settings.allowed_uids
+        if allowed and ch.uid not in allowed and ch.uid != os.getuid():
+            return errors.PermissionDenied(f"uid {ch.uid} is not allowed to use this daemon (allowed_uids)")
+        per_uid = sum(1 for c in self.channels.values() if c.uid == ch.uid)
+        if per_uid >= self.settings.max_sessions_per_uid:
+            return errors.ResourceExhausted(
+                f"uid {ch.uid} already has {per_uid} fd channels open (max_sessions_per_uid={self.settings.max_sessions_per_uid})"
+            )
+        if len(self.channels) >= self.settings.max_sessions:
+            return errors.ResourceExhausted(f"the daemon already has {len(self.channels)} channels open (max_sessions)")
+        return None
+
+    def _channel_readable(self, ch: Channel) -> None:
+        """Protocol v1 clients send nothing: data is dropped, EOF ends it."""
+        try:
+            data, anc, _, _ = ch.sock.recvmsg(fdchannel.MAX_RECORD, socket.CMSG_SPACE(fdchannel.MAX_FDS * 4))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data, anc = b"", []
+        for level, kind, cdata in anc:  # never keep a descriptor a client pushed at us
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                import array
+
+                fds = array.array("i")
+                fds.frombytes(cdata[: len(cdata) - len(cdata) % 4])
+                fdchannel.close_fds(fds)
+        if not data and not anc:
+            self._drop_channel(ch, None, crashed=ch.session is not None)
+
+    def _peer_exited(self, ch: Channel) -> None:
+        self._drop_channel(ch, None, crashed=True)
+
+    def _drop_channel(self, ch: Channel, err: errors.KVCachedError | None, crashed: bool = False) -> None:
+        """The channel is gone (EOF, peer exit, error): end its session."""
+        if ch.closed:
+            return
+        if err is not None:
+            ch.send_nowait(fdchannel.encode_error(err.code.value[0], err.message))
+        if ch.session is not None:
+            reason = "client exited" if crashed else (err.message if err else "fd channel closed")
+            self.end_session(ch.session, reason, crashed=crashed, goodbye=False)
+        self._forget_channel(ch)
+
+    def _forget_channel(self, ch: Channel) -> None:
+        self._unbound.pop(ch.secret, None)
+        self.channels.pop(ch.id, None)
+        ch.close()
+
+    # ---- sessions -------------------------------------------------------
+    def open_session(
+        self,
+        secret: bytes,
+        name: str,
+        guaranteed_bytes: int,
+        max_bytes: int,
+        priority: int,
+        labels: dict[str, str],
+    ) -> Session:
+        self._check_serving()
+        check_name(name)
+        labels = check_labels(labels)
+        if len(secret) != fdchannel.SECRET_SIZE:
+            raise errors.InvalidArgument(f"channel_secret must be {fdchannel.SECRET_SIZE} bytes from the fd channel's HELLO, got {len(secret)}")
+        if max_bytes and guaranteed_bytes > max_bytes:
+            raise errors.InvalidArgument(f"guaranteed_bytes {guaranteed_bytes} exceeds max_bytes {max_bytes}")
+        ch = None
+        for candidate_secret, candidate in self._unbound.items():
+            if hmac.compare_digest(candidate_secret, secret):
+                ch = candidate
+                break
+        if ch is None or ch.closed:
+            raise errors.FailedPrecondition("unknown or already used channel secret: connect the fd channel and use the secret from its HELLO")
+        if len(self.sessions) >= self.settings.max_sessions:
+            raise errors.ResourceExhausted(f"{len(self.sessions)} sessions open (max_sessions)")
+        self._check_guarantees(guaranteed_bytes, None)
+        del self._unbound[ch.secret]
+        s = Session(
+            id=next(self._session_ids),
+            token=secrets.token_bytes(32),
+            name=name,
+            channel=ch,
+            admin=self.settings.is_admin(ch.uid),
+            labels=labels,
+            guaranteed_bytes=guaranteed_bytes,
+            max_bytes=max_bytes,
+            priority=priority,
+        )
+        ch.session = s
+        self.sessions[s.id] = s
+        self.counters["sessions_opened"] += 1
+        log.info("session %d '%s' opened by pid %d uid %d%s", s.id, name, s.pid, s.uid, " (admin)" if s.admin else "")
+        return s
+
+    def _check_guarantees(self, guaranteed_bytes: int, exclude: Session | None) -> None:
+        if not guaranteed_bytes:
+            return
+        for pool in self.pools.values():
+            budget = pool.budget_pages * pool.page_size
+            total = sum(s.guaranteed_bytes for s in self.sessions.values() if s is not exclude) + guaranteed_bytes
+            if total > budget:
+                raise errors.ResourceExhausted(
+                    f"guarantees would total {format_size(total)}, more than device {pool.uuid}'s budget {format_size(budget)}"
+                )
+
+    def session(self, ref_id: int, token: bytes) -> Session:
+        """The session a request names; checks the token."""
+        if not ref_id:
+            raise errors.InvalidArgument("session is required (SessionRef with id and token)")
+        s = self.sessions.get(ref_id)
+        if s is None:
+            reason = self.tombstones.get(ref_id)
+            if reason is not None:
+                raise errors.FailedPrecondition(f"session {ref_id} is closed ({reason})")
+            raise errors.NotFound(f"no session {ref_id}")
+        if not hmac.compare_digest(s.token, token):
+            raise errors.PermissionDenied(f"token does not match session {ref_id}")
+        return s
+
+    def admin_session(self, ref_id: int, token: bytes) -> Session:
+        s = self.session(ref_id, token)
+        if not s.admin:
+            raise errors.PermissionDenied(f"session {s.id} (uid {s.uid}) is not an admin session (admin_uids)")
+        return s
+
+    def end_session(self, s: Session, reason: str, *, crashed: bool = False, goodbye: bool = True) -> int:
+        """End a session: its pages go back to the pool (zeroed for their
+        uid), its watchers stop, its channel closes. Returns pages returned."""
+        if s.closed:
+            return 0
+        s.closed = True
+        self.sessions.pop(s.id, None)
+        self.tombstones.add(s.id, reason)
+        self.counters["sessions_crashed" if crashed else "sessions_closed"] += 1
+        by_pool: dict[str, list[Page]] = {}
+        for page in s.pages.values():
+            by_pool.setdefault(page.device, []).append(page)
+        n = len(s.pages)
+        for uuid, pages in by_pool.items():
+            pool = self.pools[uuid]
+            s.remove_pages(pool, pages)
+            self._spawn(pool.give_back(pages))
+        for q in s.watchers:
+            q.put_nowait(None)
+        ch = s.channel
+        if goodbye and not ch.closed:
+            ch.send_nowait(fdchannel.encode_goodbye())
+        self._forget_channel(ch)
+        for hook in self.on_session_end:
+            hook(s, reason)
+        log.info("session %d '%s' ended (%s): %d pages returned", s.id, s.name, reason, n)
+        return n
+
+    # ---- pages ----------------------------------------------------------
+    def pool(self, device: str) -> DevicePool:
+        if not device:
+            return next(iter(self.pools.values()))
+        pool = self.pools.get(device)
+        if pool is None:
+            raise errors.NotFound(f"no device {device!r}; this daemon serves {', '.join(self.pools)}")
+        return pool
+
+    async def allocate(self, s: Session, device: str, count: int, wait: bool, wait_ms: int) -> tuple[int, DevicePool, list[Page]]:
+        self._check_serving()
+        limit = self.settings.max_pages_per_request
+        if count <= 0 or count > limit:
+            raise errors.InvalidArgument(f"num_pages must be 1..{limit}, got {count}")
+        pool = self.pool(device)
+        cap = pool.budget_pages if not s.max_bytes else min(pool.budget_pages, s.max_bytes // pool.page_size)
+        held = s.held_pages(pool.uuid)
+        if held + count > cap:
+            raise errors.ResourceExhausted(
+                f"session {s.id} '{s.name}' holds {held} pages on {pool.uuid}; {count} more would exceed its maximum of {cap} pages"
+                + (f" (max_bytes {format_size(s.max_bytes)})" if s.max_bytes else " (the device budget)")
+            )
+        pages = await self._acquire(s, pool, count, wait, wait_ms)
+        if s.closed:
+            # The session ended while its pages were being made: nobody got them.
+            await pool.give_back(pages)
+            raise errors.FailedPrecondition(f"session {s.id} closed while allocating")
+        s.add_pages(pool, pages)
+        alloc_id = next(self._alloc_ids)
+        try:
+            await self._deliver(s, alloc_id, pages)
+        except ChannelClosed as exc:
+            self.counters["fd_channel_errors"] += 1
+            err = errors.Unavailable(f"could not deliver pages on session {s.id}'s fd channel: {exc}")
+            self._drop_channel(s.channel, err)
+            if not s.closed:
+                self.end_session(s, str(exc))
+            raise err from None
+        pool.mark_held(pages)
+        s.allocations_total += 1
+        s.touch()
+        return alloc_id, pool, pages
+
+    async def _acquire(self, s: Session, pool: DevicePool, count: int, wait: bool, wait_ms: int) -> list[Page]:
+        try:
+            return await pool.acquire(s, count)
+        except Shortage:
+            pool.counters.allocation_failures_total += 1
+            raise
+
+    async def _deliver(self, s: Session, alloc_id: int, pages: list[Page]) -> None:
+        total = len(pages)
+        step = fdchannel.MAX_FDS
+        for first in range(0, total, step):
+            chunk = pages[first : first + step]
+            rec = fdchannel.encode_pages(alloc_id, first, total, [p.id for p in chunk])
+            await s.channel.send(rec, [p.handle.fd for p in chunk], self.settings.fd_send_timeout)
+
+    async def free(self, s: Session, page_ids: list[int]) -> int:
+        if not page_ids:
+            raise errors.InvalidArgument("page_ids is empty: name the pages to free")
+        seen: set[int] = set()
+        pages: list[Page] = []
+        for pid in page_ids:
+            if pid in seen:
+                raise errors.InvalidArgument(f"page {pid} appears more than once; nothing was freed")
+            seen.add(pid)
+            page = s.pages.get(pid)
+            if page is None:
+                raise errors.NotFound(f"page {pid} is not held by session {s.id}; nothing was freed")
+            if page.state is not PageState.HELD:
+                raise errors.FailedPrecondition(f"page {pid} is still being delivered; nothing was freed")
+            pages.append(page)
+        by_pool: dict[str, list[Page]] = {}
+        for page in pages:
+            by_pool.setdefault(page.device, []).append(page)
+        for uuid, group in by_pool.items():
+            s.remove_pages(self.pools[uuid], group)
+        s.frees_total += 1
+        s.touch()
+        await asyncio.gather(*(self.pools[u].give_back(g) for u, g in by_pool.items()))
+        return len(pages)
+
+    def held_bytes(self, s: Session) -> int:
+        return sum(n * self.pools[u].page_size for u, n in s.held_by_device.items())
+
+    # ---- admin ----------------------------------------------------------
+    def target_session(self, sid: int) -> Session:
+        s = self.sessions.get(sid)
+        if s is None:
+            reason = self.tombstones.get(sid)
+            if reason is not None:
+                raise errors.FailedPrecondition(f"session {sid} is closed ({reason})")
+            raise errors.NotFound(f"no session {sid}")
+        return s
+
+    def set_limits(self, sid: int, fields: dict) -> Session:
+        allowed = {"guaranteed_bytes", "max_bytes", "priority"}
+        unknown = set(fields) - allowed
+        if unknown:
+            raise errors.InvalidArgument(f"set_fields may name {sorted(allowed)}, not {sorted(unknown)}")
+        if not fields:
+            raise errors.InvalidArgument("set_fields is empty: name the limits to change")
+        s = self.target_session(sid)
+        g = fields.get("guaranteed_bytes", s.guaranteed_bytes)
+        m = fields.get("max_bytes", s.max_bytes)
+        if m and g > m:
+            raise errors.InvalidArgument(f"guaranteed_bytes {g} exceeds max_bytes {m}")
+        self._check_guarantees(g, s)
+        s.guaranteed_bytes, s.max_bytes = g, m
+        s.priority = fields.get("priority", s.priority)
+        for pool in self.pools.values():
+            s.post(Event("BUDGET_CHANGED", time.time(), {
+                "device": pool.uuid, "budget_bytes": pool.budget_pages * pool.page_size,
+                "guaranteed_bytes": s.guaranteed_bytes, "max_bytes": s.max_bytes, "priority": s.priority}))
+        log.info("session %d '%s' limits: guaranteed %d, max %d, priority %d", s.id, s.name, g, m, s.priority)
+        return s
+
+    def request_shrink(self, sid: int, target_bytes: int, timeout_ms: int, reason: str) -> int:
+        """Ask a session (through Watch) to hold at most target_bytes per
+        device, never below its guarantee. Returns pages asked for."""
+        s = self.target_session(sid)
+        timeout = (timeout_ms or self.settings.reclaim_timeout_ms) / 1000
+        asked = 0
+        for pool in self.pools.values():
+            keep = max(target_bytes, s.guaranteed_bytes) // pool.page_size
+            extra = s.held_pages(pool.uuid) - keep
+            if extra > 0:
+                asked += extra
+                self.post_reclaim(s, pool, extra, timeout, reason)
+        return asked
+
+    def post_reclaim(self, s: Session, pool: DevicePool, pages: int, timeout: float, reason: str) -> None:
+        """Send one reclaim request; if the session still holds more than it
+        was asked to keep when the deadline passes, count it as ignored."""
+        deadline = time.time() + timeout
+        s.post(Event("RECLAIM", time.time(), {"device": pool.uuid, "pages": pages, "deadline_unix": deadline, "reason": reason}))
+        keep = s.held_pages(pool.uuid) - pages
+        loop = asyncio.get_running_loop()
+        loop.call_later(timeout, self._reclaim_expired, s, pool.uuid, keep)
+        self.counters["reclaim_requests"] = self.counters.get("reclaim_requests", 0) + 1
+
+    def _reclaim_expired(self, s: Session, uuid: str, keep: int) -> None:
+        if not s.closed and s.held_pages(uuid) > keep:
+            s.reclaim_ignored += 1
+            self.counters["reclaim_ignored"] = self.counters.get("reclaim_ignored", 0) + 1
+            log.warning("session %d '%s' ignored a reclaim request: holds %d pages on %s, was asked to keep %d",
+                        s.id, s.name, s.held_pages(uuid), uuid, keep)
+
+    # ---- watch ----------------------------------------------------------
+    def watch(self, s: Session) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        q.put_nowait(Event("READY", time.time(), {}))
+        s.watchers.append(q)
+        return q
+
+    def unwatch(self, s: Session, q: asyncio.Queue) -> None:
+        if q in s.watchers:
+            s.watchers.remove(q)
+
+    # ---- life cycle -----------------------------------------------------
+    def _check_serving(self) -> None:
+        if self.shutting_down:
+            raise errors.Unavailable("the daemon is shutting down")
+
+    async def begin_shutdown(self, reason: str) -> None:
+        """Tell every session, stop accepting, wait out the grace period (or
+        until every session has gone)."""
+        self.shutting_down = True
+        loop = asyncio.get_running_loop()
+        if self._listener is not None:
+            loop.remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+        grace = self.settings.shutdown_grace
+        ev = Event("SHUTDOWN", time.time(), {"reason": reason, "grace_seconds": grace})
+        for s in list(self.sessions.values()):
+            s.post(ev)
+        deadline = loop.time() + grace
+        while self.sessions and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def finish_shutdown(self) -> None:
+        for s in list(self.sessions.values()):
+            s.channel.send_nowait(fdchannel.encode_error(errors.Unavailable.code.value[0], "the daemon is shutting down"))
+            self.end_session(s, "daemon shutdown", goodbye=False)
+        for ch in list(self.channels.values()):
+            self._drop_channel(ch, errors.Unavailable("the daemon is shutting down"))
+        # Let the give_back tasks settle, then release everything.
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5)
+        for pool in self.pools.values():
+            pool.release_everything_sync()
+        for worker in self.workers:
+            worker.stop()
+        self.workers.clear()
+        self.backend.close()
+        try:
+            os.unlink(self.settings.fd_socket)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,380 @@
+"""The page pool of one device: budget, free lists and exact accounting.
+
+All state here is touched only from the event loop thread, so no locks;
+backend calls (create, zero, release) run on the device's worker thread and
+are awaited. Counters change *before* an await, so every snapshot adds up:
+
+    pooled + in_use + free == budget        (in pages; times page_size bytes)
+
+where
+    pooled  = pages created and held by no session (ready, or being zeroed)
+    in_use  = pages held by sessions (or being delivered) + pages being created
+    free    = budget not backed by any page
+
+Who may get a pooled page (invariant 2 of the brief):
+    fresh       never handed to anyone: any session may get it.
+    by_uid[u]   returned by a session of uid u and zeroed: only uid u may get
+                it, because a process of u may still hold a reference (a
+                mapping, an imported handle). Another uid gets a new page;
+                if the budget is short, u's pooled pages are released first.
+Allocation takes O(pages asked) time: deques pop from the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from .. import errors
+from ..backends.base import Backend, DeviceSpec, PageHandle
+from ..config import format_size
+from .worker import DeviceWorker
+
+if TYPE_CHECKING:
+    from .sessions import Session
+
+log = logging.getLogger("kvcached.pool")
+
+_page_ids = itertools.count(1)
+
+
+class PageState(enum.Enum):
+    POOLED = "pooled"
+    ZEROING = "zeroing"
+    DELIVERING = "delivering"
+    HELD = "held"
+
+
+@dataclass(eq=False)
+class Page:
+    id: int
+    device: str  # uuid of the device (pool) it belongs to
+    handle: PageHandle
+    state: PageState = PageState.POOLED
+    session: "Session | None" = None
+    uid: int | None = None  # last uid it was handed to; None = never handed out
+    pooled_at: float = 0.0
+
+
+@dataclass
+class PoolCounters:
+    created_total: int = 0
+    released_total: int = 0
+    allocations_total: int = 0
+    allocation_failures_total: int = 0
+
+
+class Shortage(errors.ResourceExhausted):
+    """Not enough budget; carries the numbers for the message and for reclaim."""
+
+    def __init__(self, message: str, missing: int):
+        super().__init__(message)
+        self.missing = missing
+
+
+class DevicePool:
+    def __init__(
+        self,
+        backend: Backend,
+        spec: DeviceSpec,
+        worker: DeviceWorker,
+        *,
+        page_size: int,
+        budget_bytes: int,
+        warm_pages: int,
+        idle_seconds: float,
+        zero_pages: bool,
+    ):
+        self.backend = backend
+        self.spec = spec
+        self.worker = worker
+        self.page_size = page_size
+        self.budget_pages = budget_bytes // page_size
+        self.warm_pages = min(warm_pages, self.budget_pages)
+        self.idle_seconds = idle_seconds
+        self.zero_pages = zero_pages
+        self.pages: dict[int, Page] = {}
+        self._fresh: collections.deque[Page] = collections.deque()
+        self._by_uid: dict[int, collections.deque[Page]] = {}
+        self.n_pooled = 0
+        self.n_held = 0
+        self.n_creating = 0
+        self.counters = PoolCounters()
+        self._changed = asyncio.Event()
+        self._refilling = False
+        # Called with (device uuid, pages) whenever pages return to the pool.
+        self.on_pages_returned: Callable[[str, int], None] | None = None
+
+    # ---- accounting ----------------------------------------------------
+    @property
+    def uuid(self) -> str:
+        return self.spec.uuid
+
+    @property
+    def n_in_use(self) -> int:
+        return self.n_held + self.n_creating
+
+    @property
+    def n_free(self) -> int:
+        return self.budget_pages - self.n_pooled - self.n_in_use
+
+    def n_ready_for(self, uid: int) -> int:
+        mine = self._by_uid.get(uid)
+        return len(self._fresh) + (len(mine) if mine else 0)
+
+    def n_ready_total(self) -> int:
+        return len(self._fresh) + sum(len(d) for d in self._by_uid.values())
+
+    def available_for(self, uid: int) -> int:
+        """Pages a session of `uid` could get now without anyone freeing."""
+        return self.n_ready_total() + self.n_free
+
+    def check(self) -> None:
+        """Assert the books add up (tests call it through GetStats)."""
+        assert self.n_pooled + self.n_in_use + self.n_free == self.budget_pages
+        assert self.n_free >= 0, f"budget overdrawn by {-self.n_free} pages"
+
+    # ---- allocation ----------------------------------------------------
+    async def acquire(self, session: "Session", count: int) -> list[Page]:
+        """Hand `count` pages to `session`, all or nothing. Pages come back in
+        state DELIVERING; the caller marks them HELD once their fds are sent.
+        Raises Shortage when the budget cannot cover it right now."""
+        uid = session.uid
+        ready = self.n_ready_for(uid)
+        take = min(count, ready)
+        create = count - take
+        evict = max(0, create - self.n_free)
+        if evict > self.n_ready_total() - ready:
+            raise Shortage(self._shortage_message(session, count), create - self.n_free - (self.n_ready_total() - ready))
+        got: list[Page] = self._take_ready(uid, take)
+        victims = self._take_foreign(uid, evict)
+        # Reserve the budget for the pages we are about to create.
+        self.n_creating += create
+        try:
+            if victims:
+                await self._release(victims)
+            new_handles = await self.worker.call(self.backend.create_pages, self.spec.ordinal, create, self.page_size, self.zero_pages) if create else []
+        except BaseException:
+            self.n_creating -= create
+            self._put_back(got)
+            raise
+        self.n_creating -= create
+        now = time.monotonic()
+        for h in new_handles:
+            page = Page(id=next(_page_ids), device=self.uuid, handle=h, pooled_at=now)
+            self.pages[page.id] = page
+            got.append(page)
+        self.counters.created_total += len(new_handles)
+        for page in got:
+            page.state = PageState.DELIVERING
+            page.session = session
+            page.uid = uid
+        self.n_held += len(got)
+        self.counters.allocations_total += 1
+        self._maybe_refill()
+        return got
+
+    def _take_ready(self, uid: int, n: int) -> list[Page]:
+        out: list[Page] = []
+        mine = self._by_uid.get(uid)
+        while mine and len(out) < n:
+            out.append(mine.pop())
+        if mine is not None and not mine:
+            del self._by_uid[uid]
+        while len(out) < n:
+            out.append(self._fresh.pop())
+        self.n_pooled -= len(out)
+        return out
+
+    def _take_foreign(self, uid: int, n: int) -> list[Page]:
+        """Oldest pooled pages of other uids, to be released (never reused)."""
+        out: list[Page] = []
+        if n <= 0:
+            return out
+        for other in list(self._by_uid):
+            if other == uid:
+                continue
+            dq = self._by_uid[other]
+            while dq and len(out) < n:
+                out.append(dq.popleft())
+            if not dq:
+                del self._by_uid[other]
+            if len(out) == n:
+                break
+        self.n_pooled -= len(out)
+        return out
+
+    def _put_back(self, pages: list[Page]) -> None:
+        """Undo _take_ready (failure before anything was handed out)."""
+        for page in pages:
+            self._pool(page, time.monotonic())
+
+    def _pool(self, page: Page, now: float) -> None:
+        page.state = PageState.POOLED
+        page.session = None
+        page.pooled_at = now
+        if page.uid is None:
+            self._fresh.append(page)
+        else:
+            self._by_uid.setdefault(page.uid, collections.deque()).append(page)
+        self.n_pooled += 1
+
+    def _shortage_message(self, session: "Session", count: int) -> str:
+        holders = self.holders()
+        who = ", ".join(f"session {sid} '{name}' (uid {uid}) holds {format_size(n * self.page_size)}" for sid, name, uid, n in holders[:5])
+        return (
+            f"device {self.uuid}: cannot allocate {count} pages ({format_size(count * self.page_size)}) "
+            f"for session {session.id} '{session.name}': budget {format_size(self.budget_pages * self.page_size)}, "
+            f"{self.n_free} pages free, {self.n_ready_total()} pooled, {self.n_held} held by sessions"
+            + (f"; {who}" if who else "")
+        )
+
+    def holders(self) -> list[tuple[int, str, int, int]]:
+        """(session id, name, uid, pages) of sessions holding pages here, most first."""
+        counts: dict[int, list] = {}
+        for page in self.pages.values():
+            s = page.session
+            if s is not None:
+                entry = counts.setdefault(s.id, [s.id, s.name, s.uid, 0])
+                entry[3] += 1
+        return sorted((tuple(v) for v in counts.values()), key=lambda e: -e[3])  # type: ignore[misc]
+
+    def mark_held(self, pages: Iterable[Page]) -> None:
+        for page in pages:
+            if page.state is PageState.DELIVERING:
+                page.state = PageState.HELD
+
+    # ---- returning pages -----------------------------------------------
+    async def give_back(self, pages: list[Page]) -> None:
+        """Pages a session freed (or held when it ended): zero them, then pool
+        them for their uid. They leave in_use at once."""
+        if not pages:
+            return
+        for page in pages:
+            page.state = PageState.ZEROING
+            page.session = None
+        self.n_held -= len(pages)
+        self.n_pooled += len(pages)
+        try:
+            if self.zero_pages:
+                await self.worker.call(self.backend.zero_pages, self.spec.ordinal, [p.handle for p in pages])
+        except Exception as exc:  # a page we cannot zero must never be handed out again
+            log.error("device %s: zeroing %d pages failed (%s); releasing them", self.uuid, len(pages), exc)
+            self.n_pooled -= len(pages)
+            await self._release(pages)
+            self._notify(0)
+            return
+        now = time.monotonic()
+        self.n_pooled -= len(pages)
+        for page in pages:
+            self._pool(page, now)
+        self._notify(len(pages))
+
+    def _notify(self, n: int) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+        if n and self.on_pages_returned is not None:
+            self.on_pages_returned(self.uuid, n)
+
+    async def wait_changed(self, timeout: float) -> None:
+        """Wait until pages return to the pool (or timeout)."""
+        ev = self._changed
+        try:
+            await asyncio.wait_for(ev.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _release(self, pages: list[Page]) -> None:
+        """Pages already out of the books: close and free them."""
+        for page in pages:
+            self.pages.pop(page.id, None)
+        self.counters.released_total += len(pages)
+        try:
+            await self.worker.call(self.backend.release_pages, self.spec.ordinal, [p.handle for p in pages])
+        except Exception as exc:
+            log.error("device %s: releasing %d pages failed: %s", self.uuid, len(pages), exc)
+
+    # ---- warm pages and idle trimming -----------------------------------
+    async def prefill(self) -> None:
+        """Create the warm pages (start-up)."""
+        await self._refill()
+
+    def _maybe_refill(self) -> None:
+        if not self._refilling and self.n_ready_total() < self.warm_pages and self.n_free > 0:
+            self._refilling = True
+            asyncio.get_running_loop().create_task(self._refill())
+
+    async def _refill(self) -> None:
+        try:
+            while True:
+                want = min(self.warm_pages - self.n_ready_total(), self.n_free, 64)
+                if want <= 0:
+                    return
+                self.n_creating += want
+                try:
+                    handles = await self.worker.call(self.backend.create_pages, self.spec.ordinal, want, self.page_size, self.zero_pages)
+                except Exception as exc:
+                    log.warning("device %s: warm page creation failed: %s", self.uuid, exc)
+                    return
+                finally:
+                    self.n_creating -= want
+                now = time.monotonic()
+                for h in handles:
+                    page = Page(id=next(_page_ids), device=self.uuid, handle=h)
+                    self.pages[page.id] = page
+                    self._pool(page, now)
+                self.counters.created_total += len(handles)
+                self._notify(len(handles))
+        finally:
+            self._refilling = False
+
+    async def trim_idle(self, now: float | None = None) -> int:
+        """Release pooled pages beyond the warm target that sat idle longer
+        than idle_seconds: uid-bound pages first (only their uid can use
+        them), then fresh ones. Returns pages released."""
+        now = time.monotonic() if now is None else now
+        excess = self.n_ready_total() - self.warm_pages
+        if excess <= 0:
+            return 0
+        cutoff = now - self.idle_seconds
+        victims: list[Page] = []
+        for uid in list(self._by_uid):
+            dq = self._by_uid[uid]
+            while dq and len(victims) < excess and dq[0].pooled_at <= cutoff:
+                victims.append(dq.popleft())
+            if not dq:
+                del self._by_uid[uid]
+        while self._fresh and len(victims) < excess and self._fresh[0].pooled_at <= cutoff:
+            victims.append(self._fresh.popleft())
+        if victims:
+            self.n_pooled -= len(victims)
+            await self._release(victims)
+        return len(victims)
+
+    async def release_all_pooled(self) -> int:
+        victims = list(self._fresh)
+        self._fresh.clear()
+        for dq in self._by_uid.values():
+            victims.extend(dq)
+        self._by_uid.clear()
+        self.n_pooled -= len(victims)
+        if victims:
+            await self._release(victims)
+        return len(victims)
+
+    def release_everything_sync(self) -> None:
+        """Shutdown: every page still known (pooled or held) is released."""
+        handles = [p.handle for p in self.pages.values()]
+        self.pages.clear()
+        self._fresh.clear()
+        self._by_uid.clear()
+        self.counters.released_total += len(handles)
+        self.n_pooled = self.n_held = 0
+        if handles:
+            self.worker.call_sync(self.backend.release_pages, self.spec.ordinal, handles)

@@ -1,0 +1,231 @@
+"""The gRPC servicer: protobuf in, Daemon calls, protobuf out.
+
+Errors become gRPC status codes in exactly one place, `_rpc` below, through
+errors.to_status. The servicer keeps no state of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import grpc
+
+from .. import __version__, errors, fdchannel
+from .._generated.kvcached.v1 import kvcached_pb2 as pb
+from .._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
+from .daemon import API_VERSION, Daemon, Event
+from .pool import DevicePool
+from .sessions import Session
+
+log = logging.getLogger("kvcached.rpc")
+
+
+def _rpc(fn):
+    """Run a unary handler; map any error to its status (the one place)."""
+
+    @functools.wraps(fn)
+    async def wrapper(self, request, context):
+        try:
+            return await fn(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - every error gets a status
+            code, message = errors.to_status(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", fn.__name__)
+            else:
+                log.debug("%s: %s %s", fn.__name__, code.name, message)
+            self.daemon_observe_error(fn.__name__, code)
+            await context.abort(code, message)
+
+    return wrapper
+
+
+_EVENT_KIND = {
+    "READY": pb.WatchEvent.READY,
+    "RECLAIM": pb.WatchEvent.RECLAIM,
+    "BUDGET_CHANGED": pb.WatchEvent.BUDGET_CHANGED,
+    "MEMORY_AVAILABLE": pb.WatchEvent.MEMORY_AVAILABLE,
+    "SHUTDOWN": pb.WatchEvent.SHUTDOWN,
+}
+
+
+def event_to_pb(ev: Event) -> pb.WatchEvent:
+    out = pb.WatchEvent(kind=_EVENT_KIND[ev.kind], time_unix=ev.time_unix)
+    if ev.kind == "RECLAIM":
+        out.reclaim.CopyFrom(pb.Reclaim(**ev.data))
+    elif ev.kind == "BUDGET_CHANGED":
+        out.budget.CopyFrom(pb.BudgetChanged(**ev.data))
+    elif ev.kind == "MEMORY_AVAILABLE":
+        out.available.CopyFrom(pb.MemoryAvailable(**ev.data))
+    elif ev.kind == "SHUTDOWN":
+        out.shutdown.CopyFrom(pb.Shutdown(**ev.data))
+    return out
+
+
+def device_info(pool: DevicePool) -> pb.DeviceInfo:
+    spec = pool.spec
+    return pb.DeviceInfo(
+        uuid=spec.uuid,
+        name=spec.name,
+        kind=spec.kind,
+        page_size=pool.page_size,
+        granularity=spec.granularity,
+        total_bytes=spec.total_bytes,
+        budget_bytes=pool.budget_pages * pool.page_size,
+    )
+
+
+def pool_stats(pools: list[DevicePool]) -> pb.PoolStats:
+    out = pb.PoolStats()
+    for pool in pools:
+        ps = pool.page_size
+        out.budget_bytes += pool.budget_pages * ps
+        out.pooled_bytes += pool.n_pooled * ps
+        out.in_use_bytes += pool.n_in_use * ps
+        out.free_bytes += pool.n_free * ps
+        out.pages_pooled += pool.n_pooled
+        out.pages_in_use += pool.n_in_use
+        out.pages_created_total += pool.counters.created_total
+        out.pages_released_total += pool.counters.released_total
+        out.page_size = ps
+    return out
+
+
+def session_stats(daemon: Daemon, s: Session) -> pb.SessionStats:
+    return pb.SessionStats(
+        id=s.id,
+        name=s.name,
+        pid=s.pid,
+        uid=s.uid,
+        held_bytes=daemon.held_bytes(s),
+        pages_held=len(s.pages),
+        guaranteed_bytes=s.guaranteed_bytes,
+        max_bytes=s.max_bytes,
+        priority=s.priority,
+        last_active_unix=s.last_active_unix,
+        reclaim_ignored=s.reclaim_ignored,
+        allocations_total=s.allocations_total,
+        frees_total=s.frees_total,
+        labels=s.labels,
+        opened_unix=s.opened_unix,
+    )
+
+
+class KVCachedService(pb_grpc.KVCachedServicer):
+    def __init__(self, daemon: Daemon, observe_error=None):
+        self.d = daemon
+        self._observe_error = observe_error
+
+    def daemon_observe_error(self, rpc: str, code: grpc.StatusCode) -> None:
+        if self._observe_error is not None:
+            self._observe_error(rpc, code)
+
+    def _session(self, ref: pb.SessionRef) -> Session:
+        return self.d.session(ref.id, ref.token)
+
+    @_rpc
+    async def GetInfo(self, request, context):
+        d = self.d
+        return pb.GetInfoResponse(
+            version=__version__,
+            api_version=API_VERSION,
+            fd_socket=d.settings.fd_socket,
+            fd_protocol_version=fdchannel.VERSION,
+            backend=d.backend.kind,
+            devices=[device_info(p) for p in d.pools.values()],
+            max_pages_per_request=d.settings.max_pages_per_request,
+        )
+
+    @_rpc
+    async def OpenSession(self, request, context):
+        s = self.d.open_session(
+            request.channel_secret,
+            request.name,
+            request.guaranteed_bytes,
+            request.max_bytes,
+            request.priority,
+            dict(request.labels),
+        )
+        return pb.OpenSessionResponse(
+            session=pb.SessionRef(id=s.id, token=s.token), pid=s.pid, uid=s.uid, gid=s.gid, admin=s.admin
+        )
+
+    @_rpc
+    async def CloseSession(self, request, context):
+        s = self._session(request.session)
+        n = self.d.end_session(s, "closed by client")
+        return pb.CloseSessionResponse(pages_returned=n)
+
+    @_rpc
+    async def Allocate(self, request, context):
+        s = self._session(request.session)
+        alloc_id, pool, pages = await self.d.allocate(
+            s, request.device, request.num_pages, request.wait, request.wait_timeout_ms
+        )
+        return pb.AllocateResponse(
+            allocation_id=alloc_id,
+            device=pool.uuid,
+            page_size=pool.page_size,
+            page_ids=[p.id for p in pages],
+            held_bytes=s.held_pages(pool.uuid) * pool.page_size,
+        )
+
+    @_rpc
+    async def Free(self, request, context):
+        s = self._session(request.session)
+        n = await self.d.free(s, list(request.page_ids))
+        return pb.FreeResponse(pages_freed=n, held_bytes=self.d.held_bytes(s))
+
+    @_rpc
+    async def GetStats(self, request, context):
+        d = self.d
+        sessions: list[Session] = []
+        if request.HasField("session"):
+            s = self._session(request.session)
+            sessions = list(d.sessions.values()) if s.admin else [s]
+        pools = list(d.pools.values())
+        for pool in pools:
+            pool.check()
+        return pb.GetStatsResponse(
+            total=pool_stats(pools),
+            devices=[pb.DeviceStats(device=device_info(p), pool=pool_stats([p])) for p in pools],
+            sessions=[session_stats(d, s) for s in sessions],
+            uptime_seconds=time.monotonic() - d.started_monotonic,
+            sessions_open=len(d.sessions),
+        )
+
+    async def Watch(self, request, context):
+        try:
+            s = self._session(request.session)
+        except Exception as exc:  # noqa: BLE001
+            code, message = errors.to_status(exc)
+            self.daemon_observe_error("Watch", code)
+            await context.abort(code, message)
+            return
+        q = self.d.watch(s)
+        try:
+            while True:
+                ev = await q.get()
+                if ev is None:
+                    return
+                yield event_to_pb(ev)
+                if ev.kind == "SHUTDOWN":
+                    return
+        finally:
+            self.d.unwatch(s, q)
+
+    @_rpc
+    async def SetSessionLimits(self, request, context):
+        self.d.admin_session(request.admin.id, request.admin.token)
+        s = self.d.set_limits(
+            request.session_id,
+            {f: getattr(request, f) for f in request.set_fields},
+        )
+        return pb.SetSessionLimitsResponse(session=session_stats(self.d, s))
+
+    @_rpc
+    async def RequestShrink(self, request, context):
+        self.d.admin_session(request.admin.id, request.admin.token)
+        n = self.d.request_shrink(request.session_id, request.target_bytes, request.timeout_ms, reason="admin")
+        return pb.RequestShrinkResponse(pages_requested=n)
