@@ -1,9 +1,9 @@
 module github.com/kvcached/kvcached-service/clients/go
 
-go 1.26.0
+go 1.24.0
 
 require (
-	golang.org/x/sys v0.49.0
+	golang.org/x/sys v0.35.0
 	google.golang.org/grpc v1.76.0
 	google.golang.org/protobuf v1.36.10
 )

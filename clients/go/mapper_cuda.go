@@ -1,0 +1,77 @@
+package kvcached
+
+import (
+	"errors"
+	"os"
+
+	"github.com/kvcached/kvcached-service/clients/go/internal/cuda"
+)
+
+// cudaMapper maps CUDA pages: import the fd (by value), close it, cuMemMap
+// at offset 0 into our own reservation, cuMemSetAccess for our ordinal,
+// cuMemRelease the imported handle. The driver is loaded with dlopen
+// (KVCACHED_LIBCUDA, default libcuda.so.1) the first time it is needed.
+type cudaMapper struct {
+	dev *cuda.Device
+}
+
+func newCUDAMapper(uuid string) (*cudaMapper, error) {
+	d, err := cuda.Open(uuid)
+	if err != nil {
+		return nil, cudaErr("opening device "+uuid, err)
+	}
+	return &cudaMapper{dev: d}, nil
+}
+
+func cudaErr(what string, err error) error {
+	if errors.Is(err, cuda.ErrNoDriver) || errors.Is(err, cuda.ErrNoDevice) {
+		return newError(ErrNoCUDA, "cuda", "%s: %v (KVCACHED_LIBCUDA=%q)", what, err, cuda.LibraryPath())
+	}
+	return newError(ErrMapping, "cuda", "%s: %v", what, err)
+}
+
+func (m *cudaMapper) reserve(size uint64) (uintptr, error) {
+	p, err := m.dev.Reserve(size, 0)
+	if err != nil {
+		return 0, cudaErr("reserving device address space", err)
+	}
+	return uintptr(p), nil
+}
+
+func (m *cudaMapper) release(base uintptr, size uint64) error {
+	if err := m.dev.Free(uint64(base), size); err != nil {
+		return cudaErr("freeing a reservation", err)
+	}
+	return nil
+}
+
+func (m *cudaMapper) mapPage(addr uintptr, f *os.File, size uint64) error {
+	defer f.Close()
+	if err := m.dev.Map(uint64(addr), size, int(f.Fd())); err != nil {
+		return cudaErr("mapping a page", err)
+	}
+	return nil
+}
+
+func (m *cudaMapper) unmapPage(addr uintptr, size uint64) error {
+	if err := m.dev.Unmap(uint64(addr), size); err != nil {
+		return cudaErr("unmapping a page", err)
+	}
+	return nil
+}
+
+func (m *cudaMapper) write(addr uintptr, p []byte) error {
+	if err := m.dev.CopyToDevice(uint64(addr), p); err != nil {
+		return cudaErr("copying to the device", err)
+	}
+	return nil
+}
+
+func (m *cudaMapper) read(addr uintptr, p []byte) error {
+	if err := m.dev.CopyFromDevice(p, uint64(addr)); err != nil {
+		return cudaErr("copying from the device", err)
+	}
+	return nil
+}
+
+func (m *cudaMapper) close() { _ = m.dev.Close() }

@@ -1,0 +1,376 @@
+package kvcached
+
+import (
+	"context"
+	"errors"
+	"sync"
+)
+
+// pager is what a Region needs from a Session (a fake in unit tests).
+type pager interface {
+	allocatePages(ctx context.Context, n int, device string) (*Allocation, error)
+	freePages(ctx context.Context, ids []uint64) error
+	forget(r *Region)
+}
+
+// Region is a reservation of address space (device address space for CUDA
+// devices) of which any page-aligned range can be backed by daemon pages.
+// The common use is a prefix that grows and shrinks, one Region per
+// tensor or one Region holding many tensors at page-aligned offsets. A
+// Region is safe for concurrent use; its methods are serialised.
+type Region struct {
+	p      pager
+	m      mapper
+	dev    Device
+	base   uintptr
+	size   uint64
+	page   uint64
+	mu     sync.Mutex
+	slots  []slot
+	mapped int
+	closed bool
+}
+
+type slot struct {
+	mapped bool
+	id     uint64
+}
+
+// RegionOption configures NewRegion.
+type RegionOption func(*regionOptions)
+
+type regionOptions struct{ device string }
+
+// RegionOnDevice picks the device by UUID (default: the daemon's first).
+func RegionOnDevice(uuid string) RegionOption {
+	return func(o *regionOptions) { o.device = uuid }
+}
+
+// NewRegion reserves size bytes (rounded up to whole pages) of address
+// space for pages of one device. Nothing is mapped yet.
+func (s *Session) NewRegion(ctx context.Context, size uint64, opts ...RegionOption) (*Region, error) {
+	var o regionOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if len(s.info.Devices) == 0 {
+		return nil, newError(ErrNotFound, "NewRegion", "the daemon serves no device")
+	}
+	dev := s.info.Devices[0]
+	if o.device != "" {
+		found := false
+		for _, d := range s.info.Devices {
+			if d.UUID == o.device {
+				dev, found = d, true
+			}
+		}
+		if !found {
+			return nil, newError(ErrNotFound, "NewRegion", "device %q is not served by the daemon", o.device)
+		}
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed || s.endErr != nil {
+		return nil, s.closedErrLocked("NewRegion")
+	}
+	m, err := s.mapperLocked(dev)
+	if err != nil {
+		return nil, err
+	}
+	r, err := newRegion(s, m, dev, size)
+	if err != nil {
+		return nil, err
+	}
+	s.regions[r] = struct{}{}
+	return r, nil
+}
+
+func newRegion(p pager, m mapper, dev Device, size uint64) (*Region, error) {
+	if dev.PageSize == 0 {
+		return nil, newError(ErrInvalidArgument, "NewRegion", "device %s reports page size 0", dev.UUID)
+	}
+	if size == 0 {
+		return nil, newError(ErrInvalidArgument, "NewRegion", "size 0")
+	}
+	n := (size + dev.PageSize - 1) / dev.PageSize
+	size = n * dev.PageSize
+	base, err := m.reserve(size)
+	if err != nil {
+		return nil, err
+	}
+	return &Region{p: p, m: m, dev: dev, base: base, size: size, page: dev.PageSize, slots: make([]slot, n)}, nil
+}
+
+// Ptr is the base address of the reservation (a device pointer for CUDA).
+func (r *Region) Ptr() uintptr { return r.base }
+
+// Size is the reserved size in bytes (a multiple of PageSize).
+func (r *Region) Size() uint64 { return r.size }
+
+// PageSize is the size of the device's pages.
+func (r *Region) PageSize() uint64 { return r.page }
+
+// Device is the device whose pages back the region.
+func (r *Region) Device() Device { return r.dev }
+
+// MappedBytes is how much of the region is backed by pages.
+func (r *Region) MappedBytes() uint64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return uint64(r.mapped) * r.page
+}
+
+// IsMapped reports whether every page of [off, off+length) is mapped.
+func (r *Region) IsMapped(off, length uint64) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	first, end, err := r.pagesOf("IsMapped", off, length, false)
+	if err != nil {
+		return false
+	}
+	for i := first; i < end; i++ {
+		if !r.slots[i].mapped {
+			return false
+		}
+	}
+	return true
+}
+
+// pagesOf turns a byte range into page indexes [first, end). The range
+// covers every page it touches; with aligned, off must be page aligned.
+func (r *Region) pagesOf(op string, off, length uint64, aligned bool) (int, int, error) {
+	if r.closed {
+		return 0, 0, newError(ErrClosed, op, "region is closed")
+	}
+	if aligned && off%r.page != 0 {
+		return 0, 0, newError(ErrInvalidArgument, op, "offset %d is not a multiple of the page size %d", off, r.page)
+	}
+	if off > r.size || length > r.size-off {
+		return 0, 0, newError(ErrInvalidArgument, op, "range [%d, %d+%d) is outside the region of %d bytes", off, off, length, r.size)
+	}
+	first := off / r.page
+	end := (off + length + r.page - 1) / r.page
+	return int(first), int(end), nil
+}
+
+// Map backs [off, off+length) with pages: off must be page aligned; the end
+// is rounded up to a page. Pages already mapped stay; exactly the missing
+// pages are borrowed, in one Allocate call, and mapped. All or nothing: on
+// error nothing new is mapped and nothing is held.
+func (r *Region) Map(ctx context.Context, off, length uint64) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	first, end, err := r.pagesOf("Region.Map", off, length, true)
+	if err != nil {
+		return err
+	}
+	var missing []int
+	for i := first; i < end; i++ {
+		if !r.slots[i].mapped {
+			missing = append(missing, i)
+		}
+	}
+	if len(missing) == 0 {
+		return nil
+	}
+	a, err := r.p.allocatePages(ctx, len(missing), r.dev.UUID)
+	if err != nil {
+		return err
+	}
+	if len(a.Pages) != len(missing) {
+		a.Close()
+		_ = r.p.freePages(context.WithoutCancel(ctx), a.IDs())
+		return newError(ErrProtocol, "Region.Map", "asked for %d pages, got %d", len(missing), len(a.Pages))
+	}
+	for k, i := range missing {
+		f := a.Pages[k].File
+		a.Pages[k].File = nil
+		if err := r.m.mapPage(r.addr(i), f, r.page); err != nil {
+			// Roll back: unmap what this call mapped, give everything back.
+			for _, j := range missing[:k] {
+				_ = r.m.unmapPage(r.addr(j), r.page)
+				r.slots[j] = slot{}
+				r.mapped--
+			}
+			a.Close()
+			_ = r.p.freePages(context.WithoutCancel(ctx), a.IDs())
+			return err
+		}
+		r.slots[i] = slot{mapped: true, id: a.Pages[k].ID}
+		r.mapped++
+	}
+	return nil
+}
+
+// Unmap unmaps the pages of [off, off+length) that are mapped (off page
+// aligned, the end rounded up to a page) and frees them in one Free call.
+func (r *Region) Unmap(ctx context.Context, off, length uint64) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	first, end, err := r.pagesOf("Region.Unmap", off, length, true)
+	if err != nil {
+		return err
+	}
+	return r.unmapLocked(ctx, first, end, true)
+}
+
+func (r *Region) unmapLocked(ctx context.Context, first, end int, free bool) error {
+	var ids []uint64
+	var errs []error
+	for i := first; i < end; i++ {
+		if !r.slots[i].mapped {
+			continue
+		}
+		if err := r.m.unmapPage(r.addr(i), r.page); err != nil {
+			errs = append(errs, err) // still mapped: keep it (and do not Free it)
+			continue
+		}
+		ids = append(ids, r.slots[i].id)
+		r.slots[i] = slot{}
+		r.mapped--
+	}
+	if free && len(ids) > 0 {
+		if err := r.p.freePages(ctx, ids); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Grow makes sure [0, n) is mapped (n rounded up to a page).
+func (r *Region) Grow(ctx context.Context, n uint64) error { return r.Map(ctx, 0, n) }
+
+// Trim unmaps and frees every page beyond the first n bytes (n rounded up
+// to a page), keeping [0, n).
+func (r *Region) Trim(ctx context.Context, n uint64) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return newError(ErrClosed, "Region.Trim", "region is closed")
+	}
+	if n > r.size {
+		n = r.size
+	}
+	return r.unmapLocked(ctx, int((n+r.page-1)/r.page), len(r.slots), true)
+}
+
+func (r *Region) addr(i int) uintptr { return r.base + uintptr(uint64(i)*r.page) }
+
+func (r *Region) checkMapped(op string, off uint64, n int) error {
+	first, end, err := r.pagesOf(op, off, uint64(n), false)
+	if err != nil {
+		return err
+	}
+	for i := first; i < end; i++ {
+		if !r.slots[i].mapped {
+			return newError(ErrNotMapped, op, "page %d (offset %d) is not mapped", i, uint64(i)*r.page)
+		}
+	}
+	return nil
+}
+
+// WriteAt copies p into the region at off (io.WriterAt). Every page it
+// touches must be mapped. For CUDA this is a host-to-device copy.
+func (r *Region) WriteAt(p []byte, off int64) (int, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if off < 0 {
+		return 0, newError(ErrInvalidArgument, "Region.WriteAt", "negative offset")
+	}
+	if err := r.checkMapped("Region.WriteAt", uint64(off), len(p)); err != nil {
+		return 0, err
+	}
+	if err := r.m.write(r.base+uintptr(off), p); err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}
+
+// ReadAt copies from the region at off into p (io.ReaderAt).
+func (r *Region) ReadAt(p []byte, off int64) (int, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if off < 0 {
+		return 0, newError(ErrInvalidArgument, "Region.ReadAt", "negative offset")
+	}
+	if err := r.checkMapped("Region.ReadAt", uint64(off), len(p)); err != nil {
+		return 0, err
+	}
+	if err := r.m.read(r.base+uintptr(off), p); err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}
+
+// Close unmaps and frees every page and releases the reservation.
+func (r *Region) Close(ctx context.Context) error {
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		return nil
+	}
+	err := r.unmapLocked(ctx, 0, len(r.slots), true)
+	err = errors.Join(err, r.releaseLocked())
+	r.mu.Unlock()
+	r.p.forget(r)
+	return err
+}
+
+// release is Session.Close's path: unmap everything; with free false the
+// pages are not freed one by one (CloseSession returns them all).
+func (r *Region) release(free bool) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return nil
+	}
+	err := r.unmapLocked(context.Background(), 0, len(r.slots), free)
+	return errors.Join(err, r.releaseLocked())
+}
+
+func (r *Region) releaseLocked() error {
+	r.closed = true
+	if r.mapped > 0 {
+		return newError(ErrMapping, "Region.Close", "%d pages could not be unmapped; the reservation is kept", r.mapped)
+	}
+	return r.m.release(r.base, r.size)
+}
+
+// Session side of the pager interface.
+
+func (s *Session) allocatePages(ctx context.Context, n int, device string) (*Allocation, error) {
+	return s.Allocate(ctx, n, OnDevice(device))
+}
+
+func (s *Session) freePages(ctx context.Context, ids []uint64) error {
+	_, err := s.Free(ctx, ids)
+	return err
+}
+
+func (s *Session) forget(r *Region) {
+	s.mu.Lock()
+	delete(s.regions, r)
+	s.mu.Unlock()
+}
+
+// mapperLocked returns the session's mapper for a device (s.mu held).
+func (s *Session) mapperLocked(dev Device) (mapper, error) {
+	if m, ok := s.mappers[dev.UUID]; ok {
+		return m, nil
+	}
+	var m mapper
+	switch dev.Kind {
+	case "host":
+		m = hostMapper{}
+	case "cuda":
+		cm, err := newCUDAMapper(dev.UUID)
+		if err != nil {
+			return nil, err
+		}
+		m = cm
+	default:
+		return nil, newError(ErrInvalidArgument, "NewRegion", "device %s has unknown kind %q", dev.UUID, dev.Kind)
+	}
+	s.mappers[dev.UUID] = m
+	return m, nil
+}

@@ -1,0 +1,749 @@
+package kvcached
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kvcached/kvcached-service/clients/go/internal/fdchan"
+	pb "github.com/kvcached/kvcached-service/clients/go/internal/kvcachedpb"
+)
+
+// Reclaim is the daemon asking a session to give pages back (issue 4):
+// at least Pages pages of Device, by Free, before Deadline. Reason is
+// "allocate" (another session is waiting), "idle" or "admin".
+type Reclaim struct {
+	Device   string
+	Pages    uint64
+	Deadline time.Time
+	Reason   string
+}
+
+// ReclaimHandler is called (one call at a time, on the session's watch
+// goroutine) for every reclaim request. ctx ends at the deadline or when
+// the session closes. The handler gives pages back with Region.Unmap /
+// Region.Trim (or Session.Free); what it cannot give back it simply keeps
+// (the daemon cannot take mapped pages by force, it reports the session).
+type ReclaimHandler func(ctx context.Context, r Reclaim)
+
+// EventKind is the kind of a Watch event.
+type EventKind int
+
+// Event kinds, as in kvcached.v1.WatchEvent.Kind.
+const (
+	EventUnknown EventKind = iota
+	EventReady
+	EventReclaim
+	EventBudgetChanged
+	EventMemoryAvailable
+	EventShutdown
+)
+
+func (k EventKind) String() string {
+	switch k {
+	case EventReady:
+		return "ready"
+	case EventReclaim:
+		return "reclaim"
+	case EventBudgetChanged:
+		return "budget_changed"
+	case EventMemoryAvailable:
+		return "memory_available"
+	case EventShutdown:
+		return "shutdown"
+	}
+	return "unknown"
+}
+
+// Event is one event of a session's Watch stream. Exactly the field that
+// matches Kind is set.
+type Event struct {
+	Kind      EventKind
+	Time      time.Time
+	Reclaim   *Reclaim
+	Budget    *BudgetChange
+	Available *MemoryAvailable
+	Shutdown  *Shutdown
+}
+
+// BudgetChange: the session's limits or a device budget changed.
+type BudgetChange struct {
+	Device          string
+	BudgetBytes     uint64
+	GuaranteedBytes uint64
+	MaxBytes        uint64
+	Priority        int32
+}
+
+// MemoryAvailable: pages became available on a device.
+type MemoryAvailable struct {
+	Device string
+	Pages  uint64
+}
+
+// Shutdown: the daemon is going away; sessions close after Grace.
+type Shutdown struct {
+	Reason string
+	Grace  time.Duration
+}
+
+func eventFromPB(e *pb.WatchEvent) Event {
+	ev := Event{Kind: EventKind(e.GetKind()), Time: unixTime(e.GetTimeUnix())}
+	if ev.Kind > EventShutdown || ev.Kind < 0 {
+		ev.Kind = EventUnknown
+	}
+	switch ev.Kind {
+	case EventReclaim:
+		r := e.GetReclaim()
+		ev.Reclaim = &Reclaim{Device: r.GetDevice(), Pages: r.GetPages(), Deadline: unixTime(r.GetDeadlineUnix()), Reason: r.GetReason()}
+	case EventBudgetChanged:
+		b := e.GetBudget()
+		ev.Budget = &BudgetChange{Device: b.GetDevice(), BudgetBytes: b.GetBudgetBytes(), GuaranteedBytes: b.GetGuaranteedBytes(),
+			MaxBytes: b.GetMaxBytes(), Priority: b.GetPriority()}
+	case EventMemoryAvailable:
+		a := e.GetAvailable()
+		ev.Available = &MemoryAvailable{Device: a.GetDevice(), Pages: a.GetPages()}
+	case EventShutdown:
+		s := e.GetShutdown()
+		ev.Shutdown = &Shutdown{Reason: s.GetReason(), Grace: time.Duration(s.GetGraceSeconds() * float64(time.Second))}
+	}
+	return ev
+}
+
+// SessionOption configures OpenSession.
+type SessionOption func(*sessionOptions)
+
+type sessionOptions struct {
+	guaranteed, max uint64
+	priority        int32
+	labels          map[string]string
+	onReclaim       ReclaimHandler
+	onEvent         func(Event)
+}
+
+// WithGuaranteedBytes: bytes per device never reclaimed from the session.
+func WithGuaranteedBytes(n uint64) SessionOption {
+	return func(o *sessionOptions) { o.guaranteed = n }
+}
+
+// WithMaxBytes: the most the session may hold per device (0 = the budget).
+func WithMaxBytes(n uint64) SessionOption { return func(o *sessionOptions) { o.max = n } }
+
+// WithPriority: lower priorities are asked to give pages back first.
+func WithPriority(p int32) SessionOption { return func(o *sessionOptions) { o.priority = p } }
+
+// WithLabels adds labels (for example "model_digest": "sha256:...").
+func WithLabels(labels map[string]string) SessionOption {
+	return func(o *sessionOptions) {
+		if o.labels == nil {
+			o.labels = map[string]string{}
+		}
+		for k, v := range labels {
+			o.labels[k] = v
+		}
+	}
+}
+
+// WithReclaimHandler registers the reclaim callback. The session then runs
+// its Watch stream on a goroutine until Close.
+func WithReclaimHandler(h ReclaimHandler) SessionOption {
+	return func(o *sessionOptions) { o.onReclaim = h }
+}
+
+// WithEventHandler registers a callback for every Watch event (called
+// before the reclaim handler, on the same goroutine).
+func WithEventHandler(h func(Event)) SessionOption { return func(o *sessionOptions) { o.onEvent = h } }
+
+// Session is one session with the daemon, bound to its own fd channel. It
+// is safe for concurrent use.
+type Session struct {
+	c     *Client
+	ref   *pb.SessionRef
+	info  *Info
+	name  string
+	admin bool
+	pid   uint32
+	uid   uint32
+	gid   uint32
+	ch    *fdchan.Conn
+	log   *slog.Logger
+
+	watchCancel context.CancelFunc
+	wg          sync.WaitGroup
+	readerDone  chan struct{}
+
+	mu       sync.Mutex
+	allocs   map[uint64]*pendingAlloc
+	inflight int
+	endErr   error // why the fd channel ended (set before readerDone closes)
+	closed   bool
+	regions  map[*Region]struct{}
+	mappers  map[string]mapper
+}
+
+type pendingAlloc struct {
+	total    int
+	ids      []uint64
+	fds      []int
+	received int
+	claimed  bool
+	done     chan struct{} // closed when received == total
+}
+
+// OpenSession opens a session named name (1-128 printable characters; for
+// an Ollama runner, the model's sha256 digest). It connects a new fd
+// channel, reads the daemon's HELLO and binds the session to it.
+func (c *Client) OpenSession(ctx context.Context, name string, opts ...SessionOption) (*Session, error) {
+	var o sessionOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
+	info, err := c.Info(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if info.FDProtocolVersion != 0 && info.FDProtocolVersion != fdchan.Version {
+		return nil, newError(ErrProtocol, "OpenSession", "daemon speaks fd protocol %d, this client %d", info.FDProtocolVersion, fdchan.Version)
+	}
+	ch, err := fdchan.Dial(info.FDSocket)
+	if err != nil {
+		return nil, newError(ErrUnavailable, "OpenSession", "connecting the fd channel %s: %v", info.FDSocket, err)
+	}
+	hello, err := readHello(ctx, ch)
+	if err != nil {
+		ch.Close()
+		return nil, err
+	}
+	resp, err := c.rpc.OpenSession(ctx, &pb.OpenSessionRequest{
+		ChannelSecret: hello.Secret[:], Name: name, GuaranteedBytes: o.guaranteed,
+		MaxBytes: o.max, Priority: o.priority, Labels: o.labels,
+	})
+	if err != nil {
+		ch.Close()
+		return nil, statusToError("OpenSession", err)
+	}
+	s := &Session{
+		c: c, ref: resp.GetSession(), info: info, name: name, admin: resp.GetAdmin(),
+		pid: resp.GetPid(), uid: resp.GetUid(), gid: resp.GetGid(), ch: ch,
+		readerDone: make(chan struct{}),
+		allocs:     map[uint64]*pendingAlloc{},
+		regions:    map[*Region]struct{}{},
+		mappers:    map[string]mapper{},
+	}
+	s.log = c.log.With("session_id", s.ref.GetId(), "session_name", name)
+	s.wg.Add(1)
+	go s.readLoop()
+	if o.onReclaim != nil || o.onEvent != nil {
+		wctx, cancel := context.WithCancel(context.Background())
+		s.watchCancel = cancel
+		ready := make(chan struct{})
+		s.wg.Add(1)
+		go s.watchLoop(wctx, o, ready)
+		select {
+		case <-ready:
+		case <-ctx.Done():
+			s.Close(context.Background())
+			return nil, statusToError("OpenSession", ctx.Err())
+		}
+	}
+	s.log.Debug("kvcached session opened", "pid", s.pid, "uid", s.uid, "admin", s.admin)
+	return s, nil
+}
+
+func readHello(ctx context.Context, ch *fdchan.Conn) (fdchan.Hello, error) {
+	type result struct {
+		r   fdchan.Record
+		err error
+	}
+	got := make(chan result, 1)
+	go func() {
+		r, err := ch.Recv()
+		got <- result{r, err}
+	}()
+	var res result
+	select {
+	case res = <-got:
+	case <-ctx.Done():
+		ch.Close() // unblocks Recv
+		<-got
+		return fdchan.Hello{}, statusToError("OpenSession", ctx.Err())
+	}
+	switch r := res.r.(type) {
+	case fdchan.Hello:
+		return r, nil
+	case fdchan.Error:
+		return fdchan.Hello{}, statusToError("fd channel", status.Error(codes.Code(r.Code), r.Message))
+	case nil:
+		if errors.Is(res.err, fdchan.ErrProtocol) {
+			return fdchan.Hello{}, newError(ErrProtocol, "OpenSession", "%v", res.err)
+		}
+		return fdchan.Hello{}, newError(ErrUnavailable, "OpenSession", "fd channel closed before HELLO: %v", res.err)
+	default:
+		return fdchan.Hello{}, newError(ErrProtocol, "OpenSession", "first record is %T, not HELLO", r)
+	}
+}
+
+// ID is the session's public id (as in stats).
+func (s *Session) ID() uint64 { return s.ref.GetId() }
+
+// Name is the name the session was opened with.
+func (s *Session) Name() string { return s.name }
+
+// Admin reports whether the daemon granted admin rights (RequestShrink,
+// SetLimits, every session's stats).
+func (s *Session) Admin() bool { return s.admin }
+
+// Peer is the (pid, uid, gid) the daemon read from the fd channel.
+func (s *Session) Peer() (pid, uid, gid uint32) { return s.pid, s.uid, s.gid }
+
+// Info is the daemon's GetInfo answer as of OpenSession.
+func (s *Session) Info() *Info { return s.info }
+
+// Done is closed when the session has ended (Close, or the daemon ended it).
+func (s *Session) Done() <-chan struct{} { return s.readerDone }
+
+// Err is why the session ended (nil while it is open).
+func (s *Session) Err() error {
+	select {
+	case <-s.readerDone:
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return s.endErr
+	default:
+		return nil
+	}
+}
+
+// readLoop owns the fd channel's receiving side.
+func (s *Session) readLoop() {
+	defer s.wg.Done()
+	var end error
+	for end == nil {
+		r, err := s.ch.Recv()
+		switch r := r.(type) {
+		case fdchan.Pages:
+			end = s.deliver(r)
+		case fdchan.Error:
+			end = statusToError("fd channel", status.Error(codes.Code(r.Code), r.Message))
+		case fdchan.Goodbye:
+			end = newError(ErrClosed, "fd channel", "the daemon ended the session")
+		case fdchan.Hello:
+			end = newError(ErrProtocol, "fd channel", "second HELLO on one channel")
+		case nil:
+			switch {
+			case errors.Is(err, fdchan.ErrProtocol):
+				end = newError(ErrProtocol, "fd channel", "%v", err)
+			case errors.Is(err, io.EOF):
+				end = newError(ErrClosed, "fd channel", "the daemon closed the fd channel")
+			default:
+				end = newError(ErrClosed, "fd channel", "%v", err)
+			}
+		}
+	}
+	s.mu.Lock()
+	closing := s.closed
+	if s.endErr == nil {
+		s.endErr = end
+	}
+	for id, pa := range s.allocs {
+		for _, fd := range pa.fds {
+			closeFD(fd)
+		}
+		delete(s.allocs, id)
+	}
+	s.mu.Unlock()
+	if !closing {
+		s.log.Warn("kvcached session ended by the daemon", "err", end)
+	}
+	s.ch.Close()
+	close(s.readerDone)
+}
+
+func (s *Session) deliver(r fdchan.Pages) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	pa := s.allocs[r.AllocationID]
+	if pa == nil {
+		pa = &pendingAlloc{done: make(chan struct{})}
+		s.allocs[r.AllocationID] = pa
+	}
+	if pa.total == 0 {
+		pa.total = int(r.Total)
+		pa.ids = make([]uint64, pa.total)
+		pa.fds = make([]int, pa.total)
+		for i := range pa.fds {
+			pa.fds[i] = -1
+		}
+	}
+	if int(r.Total) != pa.total || int(r.FirstIndex)+len(r.FDs) > pa.total {
+		fdchan.CloseFDs(r.FDs)
+		return newError(ErrProtocol, "fd channel", "allocation %d: record %d+%d of %d does not fit", r.AllocationID, r.FirstIndex, len(r.FDs), r.Total)
+	}
+	for i, fd := range r.FDs {
+		j := int(r.FirstIndex) + i
+		if pa.fds[j] >= 0 {
+			fdchan.CloseFDs(r.FDs[i:])
+			return newError(ErrProtocol, "fd channel", "allocation %d: page index %d sent twice", r.AllocationID, j)
+		}
+		pa.ids[j], pa.fds[j] = r.PageIDs[i], fd
+		pa.received++
+	}
+	if pa.received == pa.total {
+		close(pa.done)
+		if !pa.claimed && s.inflight == 0 {
+			s.dropOrphanLocked(r.AllocationID, pa)
+		}
+	}
+	return nil
+}
+
+// dropOrphanLocked gives back an allocation whose Allocate call failed on
+// this side (its context ended) after the daemon had already sent it.
+func (s *Session) dropOrphanLocked(id uint64, pa *pendingAlloc) {
+	delete(s.allocs, id)
+	for _, fd := range pa.fds {
+		closeFD(fd)
+	}
+	if s.closed {
+		return
+	}
+	ids := pa.ids
+	s.log.Warn("kvcached: freeing pages of an allocation whose Allocate call was abandoned", "allocation_id", id, "pages", len(ids))
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if _, err := s.Free(ctx, ids); err != nil {
+			s.log.Warn("kvcached: freeing abandoned pages failed", "allocation_id", id, "err", err)
+		}
+	}()
+}
+
+func closeFD(fd int) {
+	if fd >= 0 {
+		fdchan.CloseFDs([]int{fd})
+	}
+}
+
+// Page is one page lent to the session: its id and its descriptor (a memfd
+// for host devices, a CUDA POSIX handle for cuda devices). The caller owns
+// File and must close it once mapped (Region does all of this).
+type Page struct {
+	ID   uint64
+	File *os.File
+}
+
+// Allocation is the answer to Allocate.
+type Allocation struct {
+	ID        uint64
+	Device    string
+	PageSize  uint64
+	Pages     []Page
+	HeldBytes uint64 // bytes the session holds on the device afterwards
+}
+
+// Close closes every page descriptor still open (not the pages: Free them).
+func (a *Allocation) Close() {
+	for i := range a.Pages {
+		if a.Pages[i].File != nil {
+			a.Pages[i].File.Close()
+			a.Pages[i].File = nil
+		}
+	}
+}
+
+// IDs returns the page ids in order.
+func (a *Allocation) IDs() []uint64 {
+	ids := make([]uint64, len(a.Pages))
+	for i, p := range a.Pages {
+		ids[i] = p.ID
+	}
+	return ids
+}
+
+// AllocOption configures Allocate.
+type AllocOption func(*pb.AllocateRequest)
+
+// OnDevice picks the device by UUID (default: the daemon's first device).
+func OnDevice(uuid string) AllocOption { return func(r *pb.AllocateRequest) { r.Device = uuid } }
+
+// WaitUpTo lets the daemon reclaim pages from other sessions and wait up
+// to d (0 = the daemon's default) before failing with ErrResourceExhausted.
+func WaitUpTo(d time.Duration) AllocOption {
+	return func(r *pb.AllocateRequest) {
+		r.Wait = true
+		r.WaitTimeoutMs = uint32(d / time.Millisecond)
+	}
+}
+
+// Allocate borrows n pages (all or nothing) and returns them with their
+// descriptors. Most programs use Region.Map instead.
+func (s *Session) Allocate(ctx context.Context, n int, opts ...AllocOption) (*Allocation, error) {
+	if n <= 0 || uint64(n) > uint64(^uint32(0)) {
+		return nil, newError(ErrInvalidArgument, "Allocate", "num_pages %d out of range", n)
+	}
+	req := &pb.AllocateRequest{Session: s.ref, NumPages: uint32(n)}
+	for _, opt := range opts {
+		opt(req)
+	}
+	s.mu.Lock()
+	if s.closed || s.endErr != nil {
+		err := s.closedErrLocked("Allocate")
+		s.mu.Unlock()
+		return nil, err
+	}
+	s.inflight++
+	s.mu.Unlock()
+	defer s.allocateDone()
+
+	resp, err := s.c.rpc.Allocate(ctx, req)
+	if err != nil {
+		return nil, statusToError("Allocate", err)
+	}
+	id := resp.GetAllocationId()
+	s.mu.Lock()
+	pa := s.allocs[id]
+	if pa == nil {
+		pa = &pendingAlloc{done: make(chan struct{})}
+		s.allocs[id] = pa
+	}
+	pa.claimed = true
+	s.mu.Unlock()
+
+	select {
+	case <-pa.done:
+	case <-s.readerDone:
+		return nil, s.closedErr("Allocate")
+	case <-ctx.Done():
+		// The pages are the session's now; give them back once they arrive.
+		s.mu.Lock()
+		pa.claimed = false
+		s.mu.Unlock()
+		return nil, statusToError("Allocate", ctx.Err())
+	}
+	s.mu.Lock()
+	delete(s.allocs, id)
+	s.mu.Unlock()
+	a := &Allocation{ID: id, Device: resp.GetDevice(), PageSize: resp.GetPageSize(), HeldBytes: resp.GetHeldBytes()}
+	want := resp.GetPageIds()
+	mismatch := len(want) != len(pa.ids)
+	for i := 0; !mismatch && i < len(want); i++ {
+		mismatch = want[i] != pa.ids[i]
+	}
+	for i, fd := range pa.fds {
+		a.Pages = append(a.Pages, Page{ID: pa.ids[i], File: os.NewFile(uintptr(fd), fmt.Sprintf("kvcached-page-%d", pa.ids[i]))})
+	}
+	if mismatch {
+		a.Close()
+		return nil, newError(ErrProtocol, "Allocate", "allocation %d: page ids on the fd channel %v differ from the answer %v", id, pa.ids, want)
+	}
+	return a, nil
+}
+
+func (s *Session) allocateDone() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.inflight--
+	if s.inflight > 0 {
+		return
+	}
+	for id, pa := range s.allocs {
+		if !pa.claimed && pa.total > 0 && pa.received == pa.total {
+			s.dropOrphanLocked(id, pa)
+		}
+	}
+}
+
+func (s *Session) closedErr(op string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.closedErrLocked(op)
+}
+
+func (s *Session) closedErrLocked(op string) error {
+	if s.closed {
+		return newError(ErrClosed, op, "session %d is closed", s.ref.GetId())
+	}
+	if s.endErr != nil {
+		return s.endErr
+	}
+	return newError(ErrClosed, op, "session %d ended", s.ref.GetId())
+}
+
+// FreeResult is the answer to Free.
+type FreeResult struct {
+	PagesFreed uint64
+	HeldBytes  uint64 // bytes the session holds (all devices) afterwards
+}
+
+// Free gives pages back (all or nothing). Unmap them first.
+func (s *Session) Free(ctx context.Context, ids []uint64) (FreeResult, error) {
+	resp, err := s.c.rpc.Free(ctx, &pb.FreeRequest{Session: s.ref, PageIds: ids})
+	if err != nil {
+		return FreeResult{}, statusToError("Free", err)
+	}
+	return FreeResult{PagesFreed: resp.GetPagesFreed(), HeldBytes: resp.GetHeldBytes()}, nil
+}
+
+// Stats returns global and device numbers plus this session's (every
+// session's for an admin session).
+func (s *Session) Stats(ctx context.Context) (*Stats, error) {
+	r, err := s.c.rpc.GetStats(ctx, &pb.GetStatsRequest{Session: s.ref})
+	if err != nil {
+		return nil, statusToError("GetStats", err)
+	}
+	return statsFromPB(r), nil
+}
+
+// Own returns this session's line of the daemon's books.
+func (s *Session) Own(ctx context.Context) (SessionStats, error) {
+	st, err := s.Stats(ctx)
+	if err != nil {
+		return SessionStats{}, err
+	}
+	for _, ss := range st.Sessions {
+		if ss.ID == s.ID() {
+			return ss, nil
+		}
+	}
+	return SessionStats{}, newError(ErrNotFound, "GetStats", "session %d is not in the daemon's stats", s.ID())
+}
+
+// Watch streams the session's events to fn until ctx ends (returns nil) or
+// the stream fails (returns the error; ErrClosed-like errors when the
+// session ended). The first event is always EventReady. Sessions opened
+// with WithReclaimHandler already run a Watch of their own.
+func (s *Session) Watch(ctx context.Context, fn func(Event)) error {
+	stream, err := s.c.rpc.Watch(ctx, &pb.WatchRequest{Session: s.ref})
+	if err != nil {
+		return s.watchErr(ctx, err)
+	}
+	for {
+		e, err := stream.Recv()
+		if err != nil {
+			if err == io.EOF {
+				return newError(ErrClosed, "Watch", "the daemon ended the watch stream")
+			}
+			return s.watchErr(ctx, err)
+		}
+		fn(eventFromPB(e))
+	}
+}
+
+func (s *Session) watchErr(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return nil
+	}
+	return statusToError("Watch", err)
+}
+
+func (s *Session) watchLoop(ctx context.Context, o sessionOptions, ready chan struct{}) {
+	defer s.wg.Done()
+	signalled := false
+	signal := func() {
+		if !signalled {
+			signalled = true
+			close(ready)
+		}
+	}
+	defer signal()
+	backoff := 100 * time.Millisecond
+	for ctx.Err() == nil {
+		err := s.Watch(ctx, func(ev Event) {
+			backoff = 100 * time.Millisecond
+			if ev.Kind == EventReady {
+				signal()
+			}
+			if o.onEvent != nil {
+				o.onEvent(ev)
+			}
+			if ev.Kind == EventReclaim && o.onReclaim != nil {
+				s.log.Info("kvcached reclaim request", "device", ev.Reclaim.Device, "pages", ev.Reclaim.Pages,
+					"reason", ev.Reclaim.Reason, "deadline", ev.Reclaim.Deadline)
+				rctx, cancel := context.WithDeadline(ctx, ev.Reclaim.Deadline)
+				if ev.Reclaim.Deadline.IsZero() {
+					rctx, cancel = context.WithCancel(ctx)
+				}
+				o.onReclaim(rctx, *ev.Reclaim)
+				cancel()
+			}
+		})
+		if ctx.Err() != nil {
+			return
+		}
+		select {
+		case <-s.readerDone:
+			return
+		default:
+		}
+		if errorsIsAny(err, ErrFailedPrecondition, ErrNotFound, ErrPermissionDenied, ErrInvalidArgument) ||
+			status.Code(err) == codes.Unimplemented {
+			s.log.Error("kvcached watch stream ended", "err", err)
+			return
+		}
+		s.log.Warn("kvcached watch stream interrupted; retrying", "err", err, "backoff", backoff)
+		select {
+		case <-time.After(backoff):
+		case <-ctx.Done():
+			return
+		case <-s.readerDone:
+			return
+		}
+		if backoff < 2*time.Second {
+			backoff *= 2
+		}
+	}
+}
+
+// Close ends the session: its regions are unmapped and released, the
+// daemon is told (CloseSession), the fd channel is closed and every
+// goroutine of the session has returned when Close returns. Pages go back
+// to the daemon's pool. Close is idempotent.
+func (s *Session) Close(ctx context.Context) error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	regions := make([]*Region, 0, len(s.regions))
+	for r := range s.regions {
+		regions = append(regions, r)
+	}
+	s.mu.Unlock()
+	var errs []error
+	for _, r := range regions {
+		errs = append(errs, r.release(false))
+	}
+	if s.watchCancel != nil {
+		s.watchCancel()
+	}
+	ended := s.Err() != nil
+	if !ended {
+		_, err := s.c.rpc.CloseSession(ctx, &pb.CloseSessionRequest{Session: s.ref})
+		if err != nil {
+			err = statusToError("CloseSession", err)
+			if !errors.Is(err, ErrFailedPrecondition) && !errors.Is(err, ErrNotFound) {
+				errs = append(errs, err)
+			}
+		}
+	}
+	s.ch.Close()
+	s.wg.Wait()
+	s.mu.Lock()
+	for _, m := range s.mappers {
+		m.close()
+	}
+	s.mappers = nil
+	s.mu.Unlock()
+	return errors.Join(errs...)
+}
