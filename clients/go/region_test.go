@@ -77,9 +77,12 @@ func (m *fakeMapper) unmapPage(addr uintptr, size uint64) error {
 	delete(m.mapped, addr)
 	return nil
 }
-func (m *fakeMapper) write(addr uintptr, p []byte) error { m.mem[addr] = append([]byte(nil), p...); return nil }
-func (m *fakeMapper) read(addr uintptr, p []byte) error  { copy(p, m.mem[addr]); return nil }
-func (m *fakeMapper) close()                             {}
+func (m *fakeMapper) write(addr uintptr, p []byte) error {
+	m.mem[addr] = append([]byte(nil), p...)
+	return nil
+}
+func (m *fakeMapper) read(addr uintptr, p []byte) error { copy(p, m.mem[addr]); return nil }
+func (m *fakeMapper) close()                            {}
 
 const pg = 4096
 

@@ -42,7 +42,9 @@ func lookTool(t *testing.T, name string) string {
 // what we pin, but a different protoc that produces the same code is fine.
 var protocLine = regexp.MustCompile(`(?m)^//\s*-?\s*protoc\s+v?\S+\s*$`)
 
-func normalize(b []byte) []byte { return protocLine.ReplaceAll(b, []byte("// protoc (version elided)")) }
+func normalize(b []byte) []byte {
+	return protocLine.ReplaceAll(b, []byte("// protoc (version elided)"))
+}
 
 // TestGeneratedUpToDate regenerates the package from the proto into a
 // temporary directory and compares it with the checked-in files.
