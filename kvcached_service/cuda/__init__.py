@@ -1,0 +1,1 @@
+"""CUDA driver access. `driver` is the only module that calls into libcuda."""

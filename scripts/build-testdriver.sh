@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Build the CUDA test driver (tests/cudadriver/) into build/testdriver/libcuda.so.1.
+#
+# It is compiled against NVIDIA's own cuda.h from the pinned PyPI wheel
+# nvidia-cuda-runtime (see pyproject.toml, dev extra), with -Werror, so a
+# prototype or struct that differs from the real header does not build.
+# The header is taken from the venv's installed wheel when present, else the
+# pinned wheel is downloaded into build/ (pip download; no install).
+#
+# Idempotent: rebuilds only when a source, the header or this script changed.
+# Never installs anything system-wide. Prints the library path last.
+set -euo pipefail
+
+CUDA_RUNTIME_VERSION="13.0.96"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+SRC="$REPO/tests/cudadriver"
+OUT="$REPO/build/testdriver"
+CC="${CC:-cc}"
+mkdir -p "$OUT"
+
+find_header() {
+    local py="$REPO/.venv/bin/python"
+    if [[ -x "$py" ]]; then
+        local h
+        h="$("$py" - <<'EOF' 2>/dev/null || true
+import importlib.metadata as md, pathlib
+try:
+    dist = md.distribution("nvidia-cuda-runtime")
+except md.PackageNotFoundError:
+    raise SystemExit(0)
+for f in dist.files or []:
+    if str(f).endswith("include/cuda.h"):
+        print(pathlib.Path(dist.locate_file(f)).resolve())
+        break
+EOF
+)"
+        if [[ -n "$h" && -f "$h" ]]; then
+            local v
+            v="$("$py" -c 'import importlib.metadata as m; print(m.version("nvidia-cuda-runtime"))')"
+            if [[ "$v" == "$CUDA_RUNTIME_VERSION" ]]; then
+                echo "$h"
+                return
+            fi
+            echo "build-testdriver: venv has nvidia-cuda-runtime $v, want $CUDA_RUNTIME_VERSION; using the pinned wheel" >&2
+        fi
+    fi
+    local dir="$REPO/build/cuda-runtime-$CUDA_RUNTIME_VERSION"
+    local hdr="$dir/nvidia/cu13/include/cuda.h"
+    if [[ ! -f "$hdr" ]]; then
+        local pip="$REPO/.venv/bin/pip"
+        [[ -x "$pip" ]] || pip="python3 -m pip"
+        mkdir -p "$REPO/build/wheels" "$dir"
+        $pip download --quiet --no-deps --only-binary=:all: \
+            --platform manylinux2014_x86_64 --python-version 3.11 \
+            -d "$REPO/build/wheels" "nvidia-cuda-runtime==$CUDA_RUNTIME_VERSION" >&2
+        local whl
+        whl="$(ls "$REPO"/build/wheels/nvidia_cuda_runtime-"$CUDA_RUNTIME_VERSION"-*.whl | head -1)"
+        python3 - "$whl" "$dir" <<'EOF'
+import sys, zipfile
+whl, dest = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(whl) as z:
+    for n in z.namelist():
+        if n.startswith("nvidia/cu13/include/"):
+            z.extract(n, dest)
+EOF
+    fi
+    echo "$hdr"
+}
+
+HDR="$(find_header)"
+if [[ ! -f "$HDR" ]]; then
+    echo "build-testdriver: cuda.h not found (nvidia-cuda-runtime==$CUDA_RUNTIME_VERSION)" >&2
+    exit 1
+fi
+INC="$(dirname "$HDR")"
+
+LIB="$OUT/libcuda.so.1"
+STAMP="$OUT/.stamp"
+want_stamp="$(cat "$SRC/testdriver.c" "$SRC/exports.txt" "$HDR" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1) $CC"
+if [[ -f "$LIB" && -f "$STAMP" && "$(cat "$STAMP")" == "$want_stamp" ]]; then
+    echo "$LIB"
+    exit 0
+fi
+
+# The CUresult table (name + first sentence of the header's description),
+# generated from the header itself so cuGetErrorName/String cannot drift.
+awk '
+    /typedef enum cudaError_enum/ { inside = 1; next }
+    inside && /} CUresult;/ { exit }
+    !inside { next }
+    /\/\*\*/ { doc = ""; indoc = 1; next }
+    indoc && /\*\// { indoc = 0; next }
+    indoc {
+        line = $0
+        sub(/^[ \t]*\*[ \t]?/, "", line)
+        if (line ~ /^\\deprecated/) next
+        doc = doc (doc == "" ? "" : " ") line
+        next
+    }
+    /^[ \t]*CUDA_[A-Z0-9_]+[ \t]*=/ {
+        name = $1
+        gsub(/::/, "", doc); gsub(/\\p /, "", doc); gsub(/\\/, "", doc); gsub(/"/, "\x27", doc)
+        desc = doc
+        i = index(desc, ". ")
+        if (i > 0) desc = substr(desc, 1, i)
+        printf "    TD_ERR(%s, \"%s\")\n", name, desc
+        doc = ""
+    }
+' "$HDR" > "$OUT/cu_errors.inc.tmp"
+mv "$OUT/cu_errors.inc.tmp" "$OUT/cu_errors.inc"
+
+CFLAGS=(-std=gnu11 -O2 -g -fPIC -fvisibility=hidden
+        -Wall -Wextra -Werror -Wmissing-prototypes -Wstrict-prototypes -Wshadow
+        -Wno-format-truncation
+        -D__CUDA_API_PUSH_VISIBILITY_DEFAULT
+        -I"$INC" -I"$OUT")
+"$CC" "${CFLAGS[@]}" -shared -o "$LIB.tmp" "$SRC/testdriver.c" \
+    -Wl,-soname,libcuda.so.1 -Wl,-z,defs -Wl,--no-undefined -lpthread
+
+# The library exports exactly the driver API the project uses, nothing else.
+expected="$SRC/exports.txt"
+actual="$(nm -D --defined-only "$LIB.tmp" | awk '$2 == "T" { print $3 }' | sort)"
+if ! diff <(grep -v '^#' "$expected" | sed '/^$/d' | sort) <(echo "$actual") >&2; then
+    echo "build-testdriver: exported symbols differ from $expected (< expected, > built)" >&2
+    rm -f "$LIB.tmp"
+    exit 1
+fi
+mv "$LIB.tmp" "$LIB"
+echo "$want_stamp" > "$STAMP"
+echo "$LIB"
