@@ -1,0 +1,190 @@
+"""Client-side mapping of CUDA pages (fds from cuMemExportToShareableHandle).
+
+The daemon names a device by UUID; this process may number it differently
+(CUDA_VISIBLE_DEVICES), so the mapper finds its own ordinal for the UUID with
+cuDeviceGetUuid_v2. Mapping a page: cuMemImportFromShareableHandle (the fd
+passed by value), close the fd, cuMemMap at offset 0 into the reservation,
+cuMemSetAccess READWRITE for this process's ordinal, cuMemRelease the imported
+handle (the mapping keeps the memory alive). Unmapping is cuMemUnmap.
+
+Every call runs with the device's primary context current (retained for the
+mapper's lifetime); the calling thread's previous context is restored after.
+Every driver call goes through kvcached_service.cuda.driver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+
+from .. import errors
+from ..cuda import driver as cu
+from .mapping import Mapper
+
+
+class CudaMapper(Mapper):
+    kind = "cuda"
+
+    def __init__(self, device_uuid: str, driver: cu.Driver | None = None):
+        self._drv = driver or cu.load()
+        self.device_uuid = device_uuid
+        self._drv.cuInit(0)
+        self.ordinal = self._find_ordinal(device_uuid)
+        ctx = cu.CUcontext()
+        self._drv.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), self.ordinal)
+        self._ctx = ctx.value
+        self._lock = threading.Lock()
+        self._reservations: dict[int, int] = {}  # base -> reserved size
+        self._mappings: dict[int, int] = {}  # addr -> size
+        self._closed = False
+        try:
+            gran = ctypes.c_size_t()
+            prop = cu.allocation_prop(self.ordinal)
+            self._drv.cuMemGetAllocationGranularity(
+                ctypes.byref(gran), ctypes.byref(prop), cu.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+            )
+            self.granularity = gran.value
+        except BaseException:
+            self._drv.cuDevicePrimaryCtxRelease_v2(self.ordinal)
+            raise
+
+    def _find_ordinal(self, uuid: str) -> int:
+        drv = self._drv
+        count = ctypes.c_int()
+        drv.cuDeviceGetCount(ctypes.byref(count))
+        seen = []
+        for ordinal in range(count.value):
+            dev = cu.CUdevice()
+            drv.cuDeviceGet(ctypes.byref(dev), ordinal)
+            u = cu.CUuuid()
+            drv.cuDeviceGetUuid_v2(ctypes.byref(u), dev)
+            got = cu.format_uuid(u)
+            if got.lower() == uuid.lower():
+                return ordinal
+            seen.append(got)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise errors.NotFound(
+            f"CUDA device {uuid} is not visible to this process (visible: {', '.join(seen) or 'none'}"
+            + (f"; CUDA_VISIBLE_DEVICES={visible}" if visible is not None else "")
+            + ")"
+        )
+
+    @contextlib.contextmanager
+    def _current(self):
+        if self._closed:
+            raise errors.FailedPrecondition("the CUDA mapper is closed")
+        drv = self._drv
+        prev = cu.CUcontext()
+        drv.cuCtxGetCurrent(ctypes.byref(prev))
+        if prev.value == self._ctx:
+            yield
+            return
+        drv.cuCtxSetCurrent(self._ctx)
+        try:
+            yield
+        finally:
+            drv.cuCtxSetCurrent(prev)
+
+    def _round(self, size: int) -> int:
+        g = self.granularity
+        return -(-size // g) * g
+
+    # ------------------------------------------------------------------ Mapper
+
+    def reserve(self, size: int) -> int:
+        rounded = self._round(size)
+        base = cu.CUdeviceptr()
+        with self._current():
+            self._drv.cuMemAddressReserve(ctypes.byref(base), rounded, self.granularity, 0, 0)
+        with self._lock:
+            self._reservations[base.value] = rounded
+        return base.value
+
+    def release(self, base: int, size: int) -> None:
+        with self._lock:
+            rounded = self._reservations.get(base, self._round(size))
+        with self._current():
+            self._drv.cuMemAddressFree(base, rounded)
+        with self._lock:
+            self._reservations.pop(base, None)
+
+    def map(self, addr: int, fd: int, size: int) -> object:
+        drv = self._drv
+        handle = cu.CUmemGenericAllocationHandle()
+        try:
+            with self._current():
+                # the fd travels by value in the void* argument
+                drv.cuMemImportFromShareableHandle(
+                    ctypes.byref(handle), ctypes.c_void_p(fd), cu.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                )
+        finally:
+            os.close(fd)
+        try:
+            with self._current():
+                drv.cuMemMap(addr, size, 0, handle, 0)
+                try:
+                    desc = cu.access_desc(self.ordinal)
+                    drv.cuMemSetAccess(addr, size, ctypes.byref(desc), 1)
+                except BaseException:
+                    with contextlib.suppress(cu.CudaDriverError):
+                        drv.cuMemUnmap(addr, size)
+                    raise
+        finally:
+            # the mapping (if any) keeps the memory; the handle is not needed
+            with contextlib.suppress(cu.CudaDriverError), self._current():
+                drv.cuMemRelease(handle)
+        with self._lock:
+            self._mappings[addr] = size
+        return None
+
+    def unmap(self, addr: int, size: int, token: object) -> None:
+        with self._current():
+            self._drv.cuMemUnmap(addr, size)
+        with self._lock:
+            self._mappings.pop(addr, None)
+
+    def write(self, addr: int, data: bytes) -> None:
+        buf = ctypes.create_string_buffer(bytes(data), len(data))
+        with self._current():
+            self._drv.cuMemcpyHtoD_v2(addr, buf, len(data))
+
+    def read(self, addr: int, size: int) -> bytes:
+        buf = ctypes.create_string_buffer(size)
+        with self._current():
+            self._drv.cuMemcpyDtoH_v2(buf, addr, size)
+        return buf.raw
+
+    def memset(self, addr: int, value: int, size: int) -> None:
+        """Set `size` bytes at a mapped address (clearing a mapped range)."""
+        with self._current():
+            self._drv.cuMemsetD8_v2(addr, value, size)
+            self._drv.cuCtxSynchronize()
+
+    def close(self) -> None:
+        """Unmap what is still mapped, free every reservation, release the
+        primary context. Raises the first error after trying everything."""
+        if self._closed:
+            return
+        first: BaseException | None = None
+        with self._lock:
+            mappings = list(self._mappings.items())
+            reservations = list(self._reservations.items())
+        for addr, size in mappings:
+            try:
+                self.unmap(addr, size, None)
+            except BaseException as exc:
+                first = first or exc
+        for base, size in reservations:
+            try:
+                self.release(base, size)
+            except BaseException as exc:
+                first = first or exc
+        self._closed = True
+        try:
+            self._drv.cuDevicePrimaryCtxRelease_v2(self.ordinal)
+        except BaseException as exc:
+            first = first or exc
+        if first is not None:
+            raise first
