@@ -1,0 +1,1234 @@
+// libkvcached: the C API over gRPC (control plane), the fd channel (pages)
+// and the mapper (host mmap / CUDA VMM). Every extern "C" function catches
+// everything at the boundary: no exception crosses the ABI.
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+#include "fdchannel.h"
+#include "kvcached.h"
+#include "kvcached/v1/kvcached.grpc.pb.h"
+#include "mapper.h"
+#include "pages.h"
+#include "status.h"
+
+namespace pb = kvcached::v1;
+
+namespace {
+
+constexpr uint32_t kDefaultTimeoutMs = 5000;
+constexpr const char *kDefaultSocket = "/tmp/kvcached.sock";
+constexpr uint32_t kApiVersion = 1;
+
+// Run `body` with every exception turned into a status.
+template <typename F>
+kvc_status guarded(F &&body) noexcept
+{
+    try {
+        kvc_clear_error();
+        return body();
+    } catch (const std::bad_alloc &) {
+        return kvc_fail(KVC_ERR_NO_MEMORY, "out of memory");
+    } catch (const std::exception &e) {
+        return kvc_fail(KVC_ERR_INTERNAL, "unexpected C++ exception: %s", e.what());
+    } catch (...) {
+        return kvc_fail(KVC_ERR_INTERNAL, "unexpected C++ exception");
+    }
+}
+
+kvc_status from_grpc(const grpc::Status &st, const char *what)
+{
+    kvc_status k = kvc_status_from_grpc_code(static_cast<int>(st.error_code()));
+    if (k == KVC_OK)
+        return KVC_OK;
+    return kvc_fail(k, "%s: %s", what, st.error_message().c_str());
+}
+
+struct Conn {
+    std::string socket_path;
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<pb::KVCached::Stub> stub;
+    std::atomic<uint32_t> timeout_ms{kDefaultTimeoutMs};
+    pb::GetInfoResponse info;
+
+    void prepare(grpc::ClientContext &ctx) const
+    {
+        uint32_t t = timeout_ms.load();
+        if (t)
+            ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(t));
+    }
+};
+
+}  // namespace
+
+struct kvc_client {
+    std::shared_ptr<Conn> conn;
+    std::vector<kvc_device_info> devices;
+};
+
+struct kvc_session {
+    std::shared_ptr<Conn> conn;
+    pb::SessionRef ref;
+    uint64_t id = 0;
+    bool admin = false;
+    std::string device, kind;
+    uint64_t page_size = 0;
+    uint32_t max_pages = 0;
+    bool wait = false;
+    uint32_t wait_timeout_ms = 0;
+    kvc_mapper *mapper = nullptr;
+    int fd = -1;
+
+    std::mutex alloc_mu;  // one Allocate + its fd records at a time
+    std::mutex mu;        // the books below
+    std::atomic<uint64_t> held_pages{0};
+    std::atomic<uint64_t> limit{0};
+    std::atomic<bool> ended{false};
+    std::string end_reason;
+    size_t regions = 0;
+    std::map<uintptr_t, kvc_region *> blocks;
+
+    // Watch stream
+    std::mutex watch_mu;
+    std::condition_variable watch_cv;
+    std::thread watch;
+    std::unique_ptr<grpc::ClientContext> watch_ctx;
+    bool watch_started = false, watch_ready = false, watch_done = false;
+    grpc::Status watch_status;
+    bool available_pending = false;
+    std::mutex cb_mu;  // held while the callback runs
+    kvc_reclaim_fn reclaim_fn = nullptr;
+    void *reclaim_user = nullptr;
+
+    void mark_ended(const std::string &why)
+    {
+        {
+            std::lock_guard<std::mutex> g(mu);
+            if (!ended.load())
+                end_reason = why;
+            ended = true;
+        }
+        watch_cv.notify_all();
+    }
+
+    kvc_status ended_error()
+    {
+        std::lock_guard<std::mutex> g(mu);
+        return kvc_fail(KVC_ERR_FAILED_PRECONDITION, "session %llu was ended by the daemon: %s",
+                        (unsigned long long)id, end_reason.c_str());
+    }
+};
+
+struct kvc_region {
+    kvc_session *session = nullptr;
+    uintptr_t base = 0;
+    uint64_t size = 0;
+    uint64_t page = 0;
+    std::mutex mu;
+    std::vector<uint64_t> ids;    // page id per slot
+    std::vector<uint8_t> mapped;  // slot mapped?
+    std::atomic<uint64_t> mapped_pages{0};
+};
+
+namespace {
+
+// ---- pages from the daemon -------------------------------------------
+
+// Give pages back (they must be unmapped already).
+kvc_status session_free_ids(kvc_session *s, const std::vector<uint64_t> &ids)
+{
+    if (ids.empty())
+        return KVC_OK;
+    if (s->ended.load()) {
+        // The daemon took everything back when it ended the session.
+        s->held_pages -= std::min<uint64_t>(s->held_pages.load(), ids.size());
+        return KVC_OK;
+    }
+    pb::FreeRequest req;
+    *req.mutable_session() = s->ref;
+    for (uint64_t id : ids)
+        req.add_page_ids(id);
+    pb::FreeResponse resp;
+    grpc::ClientContext ctx;
+    s->conn->prepare(ctx);
+    grpc::Status st = s->conn->stub->Free(&ctx, req, &resp);
+    if (!st.ok())
+        return from_grpc(st, "Free");
+    s->held_pages -= std::min<uint64_t>(s->held_pages.load(), ids.size());
+    return KVC_OK;
+}
+
+void close_fds(std::vector<int> &fds)
+{
+    for (int &fd : fds)
+        if (fd >= 0) {
+            close(fd);
+            fd = -1;
+        }
+}
+
+// Read the PAGES records of one allocation. Records of other allocations
+// (left over from an Allocate whose answer never reached us) are given back.
+kvc_status receive_pages(kvc_session *s, uint64_t allocation_id,
+                         const std::vector<uint64_t> &ids, std::vector<int> &fds)
+{
+    const uint32_t total = static_cast<uint32_t>(ids.size());
+    fds.assign(total, -1);
+    uint32_t got = 0;
+    auto rec = std::make_unique<kvc_fd_record>();
+    char err[512];
+    int timeout = static_cast<int>(s->conn->timeout_ms.load());
+    if (timeout == 0)
+        timeout = -1;
+    while (got < total) {
+        int eof = 0;
+        kvc_status st = kvc_fd_recv(s->fd, timeout, rec.get(), &eof, err, sizeof err);
+        if (st == KVC_ERR_DEADLINE_EXCEEDED)
+            return kvc_fail(KVC_ERR_PROTOCOL,
+                            "allocation %llu: the daemon answered but sent %u of %u page fds",
+                            (unsigned long long)allocation_id, got, total);
+        if (st != KVC_OK)
+            return kvc_fail(st, "fd channel: %s", err);
+        if (eof) {
+            s->mark_ended("the fd channel was closed by the daemon");
+            return s->ended_error();
+        }
+        switch (rec->type) {
+        case KVC_FD_GOODBYE:
+            s->mark_ended("GOODBYE on the fd channel");
+            return s->ended_error();
+        case KVC_FD_ERROR: {
+            kvc_status k = kvc_status_from_grpc_code(static_cast<int>(rec->error_code));
+            std::string why = std::string("ERROR on the fd channel: ") + rec->message;
+            s->mark_ended(why);
+            return kvc_fail(k == KVC_OK ? KVC_ERR_PROTOCOL : k, "session %llu: %s",
+                            (unsigned long long)s->id, why.c_str());
+        }
+        case KVC_FD_HELLO:
+            return kvc_fail(KVC_ERR_PROTOCOL, "a second HELLO on the fd channel");
+        case KVC_FD_PAGES:
+            break;
+        }
+        if (rec->allocation_id != allocation_id) {
+            std::vector<uint64_t> stray(rec->page_ids, rec->page_ids + rec->count);
+            kvc_fd_record_close_fds(rec.get());
+            session_free_ids(s, stray);
+            continue;
+        }
+        if (rec->total != total) {
+            kvc_fd_record_close_fds(rec.get());
+            return kvc_fail(KVC_ERR_PROTOCOL, "allocation %llu: PAGES says %u pages, Allocate %u",
+                            (unsigned long long)allocation_id, rec->total, total);
+        }
+        for (uint32_t i = 0; i < rec->count; i++) {
+            uint32_t k = rec->first_index + i;
+            if (ids[k] != rec->page_ids[i] || fds[k] >= 0) {
+                kvc_fd_record_close_fds(rec.get());
+                return kvc_fail(KVC_ERR_PROTOCOL,
+                                "allocation %llu: page %u is id %llu on the fd channel, "
+                                "%llu in the answer",
+                                (unsigned long long)allocation_id, k,
+                                (unsigned long long)rec->page_ids[i], (unsigned long long)ids[k]);
+            }
+        }
+        for (uint32_t i = 0; i < rec->count; i++) {
+            fds[rec->first_index + i] = rec->fds[i];
+            rec->fds[i] = -1;
+        }
+        rec->num_fds = 0;
+        got += rec->count;
+    }
+    return KVC_OK;
+}
+
+// Allocate n pages (split past max_pages_per_request), with their fds.
+// All or nothing.
+kvc_status session_allocate(kvc_session *s, uint64_t n, std::vector<uint64_t> &ids,
+                            std::vector<int> &fds)
+{
+    ids.clear();
+    fds.clear();
+    if (s->ended.load())
+        return s->ended_error();
+    uint64_t limit = s->limit.load();
+    if (limit && (s->held_pages.load() + n) * s->page_size > limit)
+        return kvc_fail(KVC_ERR_RESOURCE_EXHAUSTED,
+                        "session limit: %llu bytes held + %llu asked > limit %llu "
+                        "(kvc_session_set_limit)",
+                        (unsigned long long)(s->held_pages.load() * s->page_size),
+                        (unsigned long long)(n * s->page_size), (unsigned long long)limit);
+    std::lock_guard<std::mutex> g(s->alloc_mu);
+    {
+        std::lock_guard<std::mutex> w(s->watch_mu);
+        s->available_pending = false;
+    }
+    uint64_t done = 0;
+    while (done < n) {
+        uint32_t chunk = static_cast<uint32_t>(std::min<uint64_t>(n - done, s->max_pages));
+        pb::AllocateRequest req;
+        *req.mutable_session() = s->ref;
+        req.set_device(s->device);
+        req.set_num_pages(chunk);
+        req.set_wait(s->wait);
+        req.set_wait_timeout_ms(s->wait_timeout_ms);
+        pb::AllocateResponse resp;
+        grpc::ClientContext ctx;
+        s->conn->prepare(ctx);
+        grpc::Status st = s->conn->stub->Allocate(&ctx, req, &resp);
+        kvc_status k = KVC_OK;
+        std::vector<uint64_t> got_ids;
+        std::vector<int> got_fds;
+        if (!st.ok()) {
+            k = from_grpc(st, "Allocate");
+        } else if (static_cast<uint32_t>(resp.page_ids_size()) != chunk ||
+                   resp.page_size() != s->page_size) {
+            k = kvc_fail(KVC_ERR_PROTOCOL, "Allocate of %u pages of %llu bytes answered %d of %llu",
+                         chunk, (unsigned long long)s->page_size, resp.page_ids_size(),
+                         (unsigned long long)resp.page_size());
+        } else {
+            got_ids.assign(resp.page_ids().begin(), resp.page_ids().end());
+            s->held_pages += chunk;
+            k = receive_pages(s, resp.allocation_id(), got_ids, got_fds);
+            if (k != KVC_OK) {
+                std::string msg = kvc_last_error();
+                close_fds(got_fds);
+                session_free_ids(s, got_ids);
+                kvc_fail(k, "%s", msg.c_str());
+            }
+        }
+        if (k != KVC_OK) {
+            std::string msg = kvc_last_error();
+            close_fds(fds);
+            session_free_ids(s, ids);
+            ids.clear();
+            return kvc_fail(k, "%s", msg.c_str());
+        }
+        ids.insert(ids.end(), got_ids.begin(), got_ids.end());
+        fds.insert(fds.end(), got_fds.begin(), got_fds.end());
+        done += chunk;
+    }
+    return KVC_OK;
+}
+
+// ---- regions ----------------------------------------------------------
+
+kvc_status region_new(kvc_session *s, uint64_t max_bytes, kvc_region **out)
+{
+    if (s->ended.load())
+        return s->ended_error();
+    uint64_t size = kvc_round_up(max_bytes, s->page_size);
+    if (max_bytes == 0 || size == 0)
+        return kvc_fail(KVC_ERR_INVALID_ARGUMENT, "region size %llu: must be 1..2^64-page",
+                        (unsigned long long)max_bytes);
+    uint64_t npages = size / s->page_size;
+    if (npages > (1ull << 40))
+        return kvc_fail(KVC_ERR_NO_MEMORY, "region of %llu bytes is beyond any address space",
+                        (unsigned long long)size);
+    auto r = std::make_unique<kvc_region>();
+    r->session = s;
+    r->size = size;
+    r->page = s->page_size;
+    r->ids.assign(npages, 0);
+    r->mapped.assign(npages, 0);
+    kvc_status st = kvc_mapper_reserve(s->mapper, size, s->page_size, &r->base);
+    if (st != KVC_OK)
+        return st;
+    {
+        std::lock_guard<std::mutex> g(s->mu);
+        s->regions++;
+    }
+    *out = r.release();
+    return KVC_OK;
+}
+
+// Map a sorted, unique list of unmapped slots with one allocation.
+kvc_status region_map_slots(kvc_region *r, const std::vector<uint64_t> &slots)
+{
+    if (slots.empty())
+        return KVC_OK;
+    kvc_session *s = r->session;
+    std::vector<uint64_t> ids;
+    std::vector<int> fds;
+    kvc_status st = session_allocate(s, slots.size(), ids, fds);
+    if (st != KVC_OK)
+        return st;
+    for (size_t i = 0; i < slots.size(); i++) {
+        st = kvc_mapper_map(s->mapper, r->base + slots[i] * r->page, fds[i], r->page);
+        fds[i] = -1;
+        if (st != KVC_OK) {
+            std::string msg = kvc_last_error();
+            for (size_t j = i + 1; j < fds.size(); j++)
+                close(fds[j]);
+            for (size_t j = 0; j < i; j++)
+                kvc_mapper_unmap(s->mapper, r->base + slots[j] * r->page, r->page);
+            session_free_ids(s, ids);
+            return kvc_fail(st, "%s", msg.c_str());
+        }
+    }
+    for (size_t i = 0; i < slots.size(); i++) {
+        r->ids[slots[i]] = ids[i];
+        r->mapped[slots[i]] = 1;
+    }
+    r->mapped_pages += slots.size();
+    return KVC_OK;
+}
+
+kvc_status region_unmap_slots(kvc_region *r, const std::vector<uint64_t> &slots)
+{
+    kvc_session *s = r->session;
+    std::vector<uint64_t> ids;
+    kvc_status first = KVC_OK;
+    std::string msg;
+    for (uint64_t k : slots) {
+        if (!r->mapped[k])
+            continue;
+        kvc_status st = kvc_mapper_unmap(s->mapper, r->base + k * r->page, r->page);
+        if (st != KVC_OK) {
+            if (first == KVC_OK) {
+                first = st;
+                msg = kvc_last_error();
+            }
+            continue;  // still mapped: keep it on the books
+        }
+        r->mapped[k] = 0;
+        r->mapped_pages--;
+        ids.push_back(r->ids[k]);
+    }
+    kvc_status st = session_free_ids(s, ids);
+    if (first != KVC_OK)
+        return kvc_fail(first, "%s", msg.c_str());
+    return st;
+}
+
+kvc_status check_ranges(const kvc_region *r, const kvc_range *ranges, size_t n)
+{
+    if (n && !ranges)
+        return kvc_fail(KVC_ERR_INVALID_ARGUMENT, "ranges is NULL");
+    for (size_t i = 0; i < n; i++) {
+        uint64_t f = 0, e = 0;
+        if (kvc_pages_covering(ranges[i].offset, ranges[i].size, r->size, r->page, &f, &e) != 0)
+            return kvc_fail(KVC_ERR_INVALID_ARGUMENT,
+                            "range %zu [%llu, +%llu) lies outside the region's %llu bytes", i,
+                            (unsigned long long)ranges[i].offset,
+                            (unsigned long long)ranges[i].size, (unsigned long long)r->size);
+    }
+    return KVC_OK;
+}
+
+kvc_status region_map_ranges(kvc_region *r, const kvc_range *ranges, size_t n)
+{
+    kvc_status st = check_ranges(r, ranges, n);
+    if (st != KVC_OK)
+        return st;
+    std::lock_guard<std::mutex> g(r->mu);
+    std::vector<uint64_t> slots;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t f = 0, e = 0;
+        kvc_pages_covering(ranges[i].offset, ranges[i].size, r->size, r->page, &f, &e);
+        for (uint64_t k = f; k < e; k++)
+            if (!r->mapped[k])
+                slots.push_back(k);
+    }
+    std::sort(slots.begin(), slots.end());
+    slots.erase(std::unique(slots.begin(), slots.end()), slots.end());
+    return region_map_slots(r, slots);
+}
+
+kvc_status region_unmap_ranges(kvc_region *r, const kvc_range *ranges, size_t n)
+{
+    kvc_status st = check_ranges(r, ranges, n);
+    if (st != KVC_OK)
+        return st;
+    std::lock_guard<std::mutex> g(r->mu);
+    std::vector<uint64_t> slots;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t f = 0, e = 0;
+        kvc_pages_inside(ranges[i].offset, ranges[i].size, r->size, r->page, &f, &e);
+        for (uint64_t k = f; k < e; k++)
+            if (r->mapped[k])
+                slots.push_back(k);
+    }
+    std::sort(slots.begin(), slots.end());
+    slots.erase(std::unique(slots.begin(), slots.end()), slots.end());
+    return region_unmap_slots(r, slots);
+}
+
+void region_delete(kvc_region *r)
+{
+    kvc_session *s = r->session;
+    {
+        std::lock_guard<std::mutex> g(r->mu);
+        std::vector<uint64_t> all;
+        for (uint64_t k = 0; k < r->mapped.size(); k++)
+            if (r->mapped[k])
+                all.push_back(k);
+        region_unmap_slots(r, all);
+        kvc_mapper_release(s->mapper, r->base, r->size);
+    }
+    {
+        std::lock_guard<std::mutex> g(s->mu);
+        s->regions--;
+    }
+    delete r;
+}
+
+// Apply `op(addr, len)` to each mapped piece (at most one page) of
+// [offset, offset+size). With require_mapped, any hole fails first.
+template <typename Op>
+kvc_status region_each_piece(kvc_region *r, uint64_t offset, uint64_t size, bool require_mapped,
+                             Op op)
+{
+    uint64_t f = 0, e = 0;
+    if (kvc_pages_covering(offset, size, r->size, r->page, &f, &e) != 0)
+        return kvc_fail(KVC_ERR_INVALID_ARGUMENT,
+                        "range [%llu, +%llu) lies outside the region's %llu bytes",
+                        (unsigned long long)offset, (unsigned long long)size,
+                        (unsigned long long)r->size);
+    std::lock_guard<std::mutex> g(r->mu);
+    if (require_mapped)
+        for (uint64_t k = f; k < e; k++)
+            if (!r->mapped[k])
+                return kvc_fail(KVC_ERR_FAILED_PRECONDITION,
+                                "byte %llu of the region is not mapped (page %llu)",
+                                (unsigned long long)std::max(offset, k * r->page),
+                                (unsigned long long)k);
+    for (uint64_t k = f; k < e; k++) {
+        if (!r->mapped[k])
+            continue;
+        uint64_t lo = std::max(offset, k * r->page);
+        uint64_t hi = std::min(offset + size, (k + 1) * r->page);
+        kvc_status st = op(lo, hi - lo);
+        if (st != KVC_OK)
+            return st;
+    }
+    return kvc_mapper_sync(r->session->mapper);
+}
+
+// ---- Watch ------------------------------------------------------------
+
+void watch_loop(kvc_session *s)
+{
+    pb::WatchRequest req;
+    *req.mutable_session() = s->ref;
+    auto reader = s->conn->stub->Watch(s->watch_ctx.get(), req);
+    pb::WatchEvent ev;
+    while (reader->Read(&ev)) {
+        switch (ev.kind()) {
+        case pb::WatchEvent::READY: {
+            std::lock_guard<std::mutex> g(s->watch_mu);
+            s->watch_ready = true;
+            break;
+        }
+        case pb::WatchEvent::RECLAIM: {
+            std::lock_guard<std::mutex> g(s->cb_mu);
+            if (s->reclaim_fn) {
+                kvc_reclaim rq;
+                rq.device = ev.reclaim().device().c_str();
+                rq.pages = ev.reclaim().pages();
+                rq.bytes = rq.pages * s->page_size;
+                rq.deadline_unix = ev.reclaim().deadline_unix();
+                rq.reason = ev.reclaim().reason().c_str();
+                try {
+                    s->reclaim_fn(s->reclaim_user, &rq);
+                } catch (...) {
+                    // A C callback cannot throw; a C++ one must not take the
+                    // thread down.
+                }
+            }
+            break;
+        }
+        case pb::WatchEvent::MEMORY_AVAILABLE: {
+            std::lock_guard<std::mutex> g(s->watch_mu);
+            s->available_pending = true;
+            break;
+        }
+        case pb::WatchEvent::SHUTDOWN:
+            s->mark_ended("the daemon is shutting down: " + ev.shutdown().reason());
+            break;
+        default:
+            break;
+        }
+        s->watch_cv.notify_all();
+    }
+    grpc::Status st = reader->Finish();
+    {
+        std::lock_guard<std::mutex> g(s->watch_mu);
+        s->watch_done = true;
+        s->watch_status = st;
+    }
+    s->watch_cv.notify_all();
+}
+
+kvc_status watch_start(kvc_session *s)
+{
+    std::unique_lock<std::mutex> g(s->watch_mu);
+    if (!s->watch_started) {
+        if (s->ended.load()) {
+            g.unlock();
+            return s->ended_error();
+        }
+        s->watch_ctx = std::make_unique<grpc::ClientContext>();
+        s->watch_started = true;
+        s->watch = std::thread(watch_loop, s);
+    }
+    uint32_t t = s->conn->timeout_ms.load();
+    auto ready = [s] { return s->watch_ready || s->watch_done; };
+    if (t)
+        s->watch_cv.wait_for(g, std::chrono::milliseconds(t), ready);
+    else
+        s->watch_cv.wait(g, ready);
+    if (s->watch_ready)
+        return KVC_OK;
+    if (s->watch_done)
+        return from_grpc(s->watch_status, "Watch");
+    return kvc_fail(KVC_ERR_DEADLINE_EXCEEDED, "Watch: no READY event within %u ms", t);
+}
+
+void watch_stop(kvc_session *s)
+{
+    std::thread t;
+    {
+        std::lock_guard<std::mutex> g(s->watch_mu);
+        if (!s->watch_started)
+            return;
+        s->watch_ctx->TryCancel();
+        t = std::move(s->watch);
+    }
+    if (t.joinable())
+        t.join();
+}
+
+void fill_pool(kvc_pool_stats *o, const pb::PoolStats &p)
+{
+    o->budget_bytes = p.budget_bytes();
+    o->pooled_bytes = p.pooled_bytes();
+    o->in_use_bytes = p.in_use_bytes();
+    o->free_bytes = p.free_bytes();
+    o->page_size = p.page_size();
+    o->pages_pooled = p.pages_pooled();
+    o->pages_in_use = p.pages_in_use();
+}
+
+kvc_status session_stats(kvc_session *s, kvc_stats *out)
+{
+    if (s->ended.load())
+        return s->ended_error();
+    pb::GetStatsRequest req;
+    *req.mutable_session() = s->ref;
+    pb::GetStatsResponse resp;
+    grpc::ClientContext ctx;
+    s->conn->prepare(ctx);
+    grpc::Status st = s->conn->stub->GetStats(&ctx, req, &resp);
+    if (!st.ok())
+        return from_grpc(st, "GetStats");
+    kvc_stats o;
+    std::memset(&o, 0, sizeof o);
+    o.struct_size = sizeof o;
+    fill_pool(&o.total, resp.total());
+    for (const auto &d : resp.devices())
+        if (d.device().uuid() == s->device)
+            fill_pool(&o.device, d.pool());
+    for (const auto &ss : resp.sessions())
+        if (ss.id() == s->id) {
+            o.held_bytes = ss.held_bytes();
+            o.pages_held = ss.pages_held();
+            o.guaranteed_bytes = ss.guaranteed_bytes();
+            o.max_bytes = ss.max_bytes();
+            o.priority = ss.priority();
+            o.reclaim_ignored = ss.reclaim_ignored();
+            o.allocations_total = ss.allocations_total();
+            o.frees_total = ss.frees_total();
+            o.pid = ss.pid();
+        }
+    o.sessions_open = resp.sessions_open();
+    o.uptime_seconds = resp.uptime_seconds();
+    std::memcpy(out, &o, std::min(sizeof o, out->struct_size ? out->struct_size : sizeof o));
+    out->struct_size = std::min(sizeof o, out->struct_size ? out->struct_size : sizeof o);
+    return KVC_OK;
+}
+
+#define NEED(cond, what) \
+    if (!(cond))         \
+    return kvc_fail(KVC_ERR_INVALID_ARGUMENT, "%s", what)
+
+}  // namespace
+
+// ======================================================================
+// C API
+// ======================================================================
+
+extern "C" {
+
+KVC_API const char *kvc_socket_from_env(void)
+{
+    const char *v = std::getenv("OLLAMA_KVCACHED_SOCKET");
+    if (v && *v)
+        return v;
+    v = std::getenv("KVCACHED_SOCKET");
+    if (v && *v)
+        return v;
+    return nullptr;
+}
+
+KVC_API kvc_status kvc_client_create(const char *socket_path, kvc_client **out)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(out, "out is NULL");
+        *out = nullptr;
+        const char *path = socket_path ? socket_path : kvc_socket_from_env();
+        if (!path)
+            path = kDefaultSocket;
+        NEED(*path, "socket path is empty");
+        auto conn = std::make_shared<Conn>();
+        conn->socket_path = path;
+        grpc::ChannelArguments args;
+        args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
+        conn->channel = grpc::CreateCustomChannel(std::string("unix:") + path,
+                                                  grpc::InsecureChannelCredentials(), args);
+        conn->stub = pb::KVCached::NewStub(conn->channel);
+        grpc::ClientContext ctx;
+        conn->prepare(ctx);
+        grpc::Status st = conn->stub->GetInfo(&ctx, pb::GetInfoRequest(), &conn->info);
+        if (!st.ok()) {
+            kvc_status k = from_grpc(st, (std::string("GetInfo at ") + path).c_str());
+            return k;
+        }
+        if (conn->info.api_version() != kApiVersion ||
+            conn->info.fd_protocol_version() != KVC_FD_VERSION)
+            return kvc_fail(KVC_ERR_PROTOCOL,
+                            "daemon at %s speaks api %u / fd protocol %u; this library "
+                            "speaks %u / %u",
+                            path, conn->info.api_version(), conn->info.fd_protocol_version(),
+                            kApiVersion, KVC_FD_VERSION);
+        if (conn->info.devices_size() == 0)
+            return kvc_fail(KVC_ERR_PROTOCOL, "daemon at %s serves no device", path);
+        auto c = std::make_unique<kvc_client>();
+        c->conn = conn;
+        for (const auto &d : conn->info.devices()) {
+            kvc_device_info di;
+            di.uuid = d.uuid().c_str();
+            di.name = d.name().c_str();
+            di.kind = d.kind().c_str();
+            di.page_size = d.page_size();
+            di.granularity = d.granularity();
+            di.total_bytes = d.total_bytes();
+            di.budget_bytes = d.budget_bytes();
+            c->devices.push_back(di);
+        }
+        *out = c.release();
+        return KVC_OK;
+    });
+}
+
+KVC_API void kvc_client_destroy(kvc_client *client)
+{
+    try {
+        delete client;
+    } catch (...) {
+    }
+}
+
+KVC_API void kvc_client_set_timeout(kvc_client *client, uint32_t timeout_ms)
+{
+    if (client)
+        client->conn->timeout_ms = timeout_ms;
+}
+
+KVC_API const char *kvc_client_daemon_version(const kvc_client *client)
+{
+    return client ? client->conn->info.version().c_str() : "";
+}
+
+KVC_API const char *kvc_client_backend(const kvc_client *client)
+{
+    return client ? client->conn->info.backend().c_str() : "";
+}
+
+KVC_API size_t kvc_client_device_count(const kvc_client *client)
+{
+    return client ? client->devices.size() : 0;
+}
+
+KVC_API kvc_status kvc_client_device(const kvc_client *client, size_t index, kvc_device_info *out)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(client && out, "client or out is NULL");
+        if (index >= client->devices.size())
+            return kvc_fail(KVC_ERR_NOT_FOUND, "device index %zu: the daemon serves %zu", index,
+                            client->devices.size());
+        *out = client->devices[index];
+        return KVC_OK;
+    });
+}
+
+KVC_API void kvc_session_options_init(kvc_session_options *o)
+{
+    if (!o)
+        return;
+    std::memset(o, 0, sizeof *o);
+    o->struct_size = sizeof *o;
+}
+
+KVC_API kvc_status kvc_session_open(kvc_client *client, const kvc_session_options *o,
+                                    kvc_session **out)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(client && o && out, "client, options or out is NULL");
+        *out = nullptr;
+        NEED(o->struct_size == sizeof(kvc_session_options),
+             "options.struct_size is not sizeof(kvc_session_options): call "
+             "kvc_session_options_init");
+        NEED(o->name, "options.name is NULL");
+        NEED(o->num_labels == 0 || o->labels, "options.labels is NULL");
+        const pb::GetInfoResponse &info = client->conn->info;
+        const pb::DeviceInfo *dev = nullptr;
+        for (const auto &d : info.devices())
+            if (!o->device || !*o->device || d.uuid() == o->device) {
+                dev = &d;
+                break;
+            }
+        if (!dev)
+            return kvc_fail(KVC_ERR_NOT_FOUND, "the daemon serves no device %s (first: %s)",
+                            o->device, info.devices(0).uuid().c_str());
+
+        auto s = std::make_unique<kvc_session>();
+        s->conn = client->conn;
+        s->device = dev->uuid();
+        s->kind = dev->kind();
+        s->page_size = dev->page_size();
+        s->max_pages = info.max_pages_per_request() ? info.max_pages_per_request() : 1;
+        s->wait = o->wait != 0;
+        s->wait_timeout_ms = o->wait_timeout_ms;
+        if (s->page_size == 0)
+            return kvc_fail(KVC_ERR_PROTOCOL, "device %s has page size 0", s->device.c_str());
+
+        kvc_status st;
+        if (s->kind == "host")
+            st = kvc_mapper_create_host(&s->mapper);
+        else if (s->kind == "cuda")
+            st = kvc_mapper_create_cuda(s->device.c_str(), &s->mapper);
+        else
+            st = kvc_fail(KVC_ERR_PROTOCOL, "device %s has unknown kind \"%s\"",
+                          s->device.c_str(), s->kind.c_str());
+        if (st != KVC_OK)
+            return st;
+
+        auto cleanup = [&] {
+            if (s->fd >= 0)
+                close(s->fd);
+            s->fd = -1;
+            kvc_mapper_destroy(s->mapper);
+            s->mapper = nullptr;
+        };
+
+        char err[512];
+        st = kvc_fd_connect(info.fd_socket().c_str(), &s->fd, err, sizeof err);
+        if (st != KVC_OK) {
+            cleanup();
+            return kvc_fail(st, "%s", err);
+        }
+        auto rec = std::make_unique<kvc_fd_record>();
+        int eof = 0;
+        uint32_t t = client->conn->timeout_ms.load();
+        st = kvc_fd_recv(s->fd, t ? static_cast<int>(t) : -1, rec.get(), &eof, err, sizeof err);
+        if (st == KVC_OK && eof)
+            st = kvc_fail(KVC_ERR_UNAVAILABLE, "the daemon closed the fd channel before HELLO");
+        else if (st == KVC_OK && rec->type == KVC_FD_ERROR) {
+            kvc_status k = kvc_status_from_grpc_code(static_cast<int>(rec->error_code));
+            st = kvc_fail(k == KVC_OK ? KVC_ERR_PROTOCOL : k, "fd channel refused: %s",
+                          rec->message);
+        } else if (st == KVC_OK && rec->type != KVC_FD_HELLO) {
+            kvc_fd_record_close_fds(rec.get());
+            st = kvc_fail(KVC_ERR_PROTOCOL, "first record on the fd channel is type %u, not HELLO",
+                          rec->type);
+        } else if (st != KVC_OK)
+            st = kvc_fail(st, "waiting for HELLO: %s", err);
+        if (st != KVC_OK) {
+            cleanup();
+            return st;
+        }
+
+        pb::OpenSessionRequest req;
+        req.set_channel_secret(rec->secret, KVC_FD_SECRET_SIZE);
+        req.set_name(o->name);
+        req.set_guaranteed_bytes(o->guaranteed_bytes);
+        req.set_max_bytes(o->max_bytes);
+        req.set_priority(o->priority);
+        for (size_t i = 0; i < o->num_labels; i++) {
+            if (!o->labels[i].key || !o->labels[i].value) {
+                cleanup();
+                return kvc_fail(KVC_ERR_INVALID_ARGUMENT, "label %zu has a NULL key or value", i);
+            }
+            (*req.mutable_labels())[o->labels[i].key] = o->labels[i].value;
+        }
+        pb::OpenSessionResponse resp;
+        grpc::ClientContext ctx;
+        client->conn->prepare(ctx);
+        grpc::Status gs = client->conn->stub->OpenSession(&ctx, req, &resp);
+        if (!gs.ok()) {
+            cleanup();
+            return from_grpc(gs, "OpenSession");
+        }
+        s->ref = resp.session();
+        s->id = resp.session().id();
+        s->admin = resp.admin();
+        *out = s.release();
+        return KVC_OK;
+    });
+}
+
+KVC_API kvc_status kvc_session_close(kvc_session *s)
+{
+    if (!s)
+        return KVC_OK;
+    return guarded([&]() -> kvc_status {
+        {
+            std::lock_guard<std::mutex> g(s->watch_mu);
+            if (s->watch_started && std::this_thread::get_id() == s->watch.get_id())
+                return kvc_fail(KVC_ERR_FAILED_PRECONDITION,
+                                "kvc_session_close called from the session's reclaim callback");
+        }
+        {
+            std::lock_guard<std::mutex> g(s->mu);
+            if (s->regions)
+                return kvc_fail(KVC_ERR_FAILED_PRECONDITION,
+                                "session %llu still has %zu regions or blocks: destroy them first",
+                                (unsigned long long)s->id, s->regions);
+        }
+        if (!s->ended.load()) {
+            pb::CloseSessionRequest req;
+            *req.mutable_session() = s->ref;
+            pb::CloseSessionResponse resp;
+            grpc::ClientContext ctx;
+            s->conn->prepare(ctx);
+            s->conn->stub->CloseSession(&ctx, req, &resp);  // closing the channel ends it anyway
+        }
+        watch_stop(s);
+        if (s->fd >= 0)
+            close(s->fd);
+        kvc_mapper_destroy(s->mapper);
+        delete s;
+        return KVC_OK;
+    });
+}
+
+KVC_API uint64_t kvc_session_id(const kvc_session *s) { return s ? s->id : 0; }
+KVC_API uint64_t kvc_session_page_size(const kvc_session *s) { return s ? s->page_size : 0; }
+KVC_API const char *kvc_session_device(const kvc_session *s) { return s ? s->device.c_str() : ""; }
+KVC_API const char *kvc_session_kind(const kvc_session *s) { return s ? s->kind.c_str() : ""; }
+KVC_API uint64_t kvc_session_held_bytes(const kvc_session *s)
+{
+    return s ? s->held_pages.load() * s->page_size : 0;
+}
+KVC_API int kvc_session_ended(const kvc_session *s) { return s && s->ended.load() ? 1 : 0; }
+KVC_API int kvc_session_is_admin(const kvc_session *s) { return s && s->admin ? 1 : 0; }
+
+KVC_API kvc_status kvc_session_get_stats(kvc_session *s, kvc_stats *out)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(s && out, "session or out is NULL");
+        return session_stats(s, out);
+    });
+}
+
+KVC_API kvc_status kvc_session_set_reclaim_callback(kvc_session *s, kvc_reclaim_fn fn,
+                                                    void *user_data)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(s, "session is NULL");
+        {
+            std::lock_guard<std::mutex> g(s->cb_mu);
+            s->reclaim_fn = fn;
+            s->reclaim_user = user_data;
+        }
+        return watch_start(s);
+    });
+}
+
+KVC_API kvc_status kvc_session_wait_available(kvc_session *s, uint32_t timeout_ms)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(s, "session is NULL");
+        kvc_status st = watch_start(s);
+        if (st != KVC_OK)
+            return st;
+        std::unique_lock<std::mutex> g(s->watch_mu);
+        bool got = s->watch_cv.wait_for(g, std::chrono::milliseconds(timeout_ms), [s] {
+            return s->available_pending || s->watch_done || s->ended.load();
+        });
+        if (s->available_pending) {
+            s->available_pending = false;
+            return KVC_OK;
+        }
+        if (s->ended.load()) {
+            g.unlock();
+            return s->ended_error();
+        }
+        if (s->watch_done)
+            return from_grpc(s->watch_status, "Watch ended");
+        (void)got;
+        return kvc_fail(KVC_ERR_DEADLINE_EXCEEDED,
+                        "no MEMORY_AVAILABLE event for device %s within %u ms",
+                        s->device.c_str(), timeout_ms);
+    });
+}
+
+KVC_API kvc_status kvc_session_request_shrink(kvc_session *s, uint64_t target_id,
+                                              uint64_t target_bytes, uint32_t timeout_ms,
+                                              uint64_t *pages_requested)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(s, "session is NULL");
+        if (s->ended.load())
+            return s->ended_error();
+        pb::RequestShrinkRequest req;
+        *req.mutable_admin() = s->ref;
+        req.set_session_id(target_id);
+        req.set_target_bytes(target_bytes);
+        req.set_timeout_ms(timeout_ms);
+        pb::RequestShrinkResponse resp;
+        grpc::ClientContext ctx;
+        s->conn->prepare(ctx);
+        grpc::Status st = s->conn->stub->RequestShrink(&ctx, req, &resp);
+        if (!st.ok())
+            return from_grpc(st, "RequestShrink");
+        if (pages_requested)
+            *pages_requested = resp.pages_requested();
+        return KVC_OK;
+    });
+}
+
+KVC_API kvc_status kvc_session_alloc(kvc_session *s, size_t size, void **ptr)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(s && ptr, "session or ptr is NULL");
+        *ptr = nullptr;
+        NEED(size > 0, "size is 0");
+        kvc_region *r = nullptr;
+        kvc_status st = region_new(s, size, &r);
+        if (st != KVC_OK)
+            return st;
+        kvc_range all = {0, r->size};
+        st = region_map_ranges(r, &all, 1);
+        if (st != KVC_OK) {
+            std::string msg = kvc_last_error();
+            region_delete(r);
+            return kvc_fail(st, "%s", msg.c_str());
+        }
+        std::lock_guard<std::mutex> g(s->mu);
+        s->blocks[r->base] = r;
+        *ptr = reinterpret_cast<void *>(r->base);
+        return KVC_OK;
+    });
+}
+
+KVC_API kvc_status kvc_session_free(kvc_session *s, void *ptr)
+{
+    if (!ptr)
+        return KVC_OK;
+    return guarded([&]() -> kvc_status {
+        NEED(s, "session is NULL");
+        kvc_region *r = nullptr;
+        {
+            std::lock_guard<std::mutex> g(s->mu);
+            auto it = s->blocks.find(reinterpret_cast<uintptr_t>(ptr));
+            if (it == s->blocks.end())
+                return kvc_fail(KVC_ERR_NOT_FOUND,
+                                "%p is not a block of session %llu (kvc_session_alloc)", ptr,
+                                (unsigned long long)s->id);
+            r = it->second;
+            s->blocks.erase(it);
+        }
+        region_delete(r);
+        return KVC_OK;
+    });
+}
+
+KVC_API kvc_status kvc_session_available(kvc_session *s, uint64_t *bytes)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(s && bytes, "session or bytes is NULL");
+        kvc_stats st;
+        std::memset(&st, 0, sizeof st);
+        st.struct_size = sizeof st;
+        kvc_status k = session_stats(s, &st);
+        if (k != KVC_OK)
+            return k;
+        uint64_t avail = st.device.free_bytes + st.device.pooled_bytes;
+        uint64_t held = st.held_bytes;
+        uint64_t max = st.max_bytes ? st.max_bytes : st.device.budget_bytes;
+        avail = std::min(avail, max > held ? max - held : 0);
+        uint64_t limit = s->limit.load();
+        uint64_t mine = s->held_pages.load() * s->page_size;
+        if (limit)
+            avail = std::min(avail, limit > mine ? limit - mine : 0);
+        *bytes = avail - avail % s->page_size;
+        return KVC_OK;
+    });
+}
+
+KVC_API kvc_status kvc_session_set_limit(kvc_session *s, uint64_t limit_bytes)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(s, "session is NULL");
+        s->limit = limit_bytes;
+        return KVC_OK;
+    });
+}
+
+KVC_API uint64_t kvc_session_limit(const kvc_session *s) { return s ? s->limit.load() : 0; }
+
+KVC_API kvc_status kvc_region_create(kvc_session *s, uint64_t max_bytes, kvc_region **out)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(s && out, "session or out is NULL");
+        *out = nullptr;
+        return region_new(s, max_bytes, out);
+    });
+}
+
+KVC_API void kvc_region_destroy(kvc_region *r)
+{
+    if (!r)
+        return;
+    guarded([&]() -> kvc_status {
+        region_delete(r);
+        return KVC_OK;
+    });
+}
+
+KVC_API void *kvc_region_base(const kvc_region *r)
+{
+    return r ? reinterpret_cast<void *>(r->base) : nullptr;
+}
+KVC_API uint64_t kvc_region_size(const kvc_region *r) { return r ? r->size : 0; }
+KVC_API uint64_t kvc_region_page_size(const kvc_region *r) { return r ? r->page : 0; }
+KVC_API uint64_t kvc_region_mapped_bytes(const kvc_region *r)
+{
+    return r ? r->mapped_pages.load() * r->page : 0;
+}
+
+KVC_API kvc_status kvc_region_map(kvc_region *r, uint64_t offset, uint64_t size)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(r, "region is NULL");
+        kvc_range one = {offset, size};
+        return region_map_ranges(r, &one, 1);
+    });
+}
+
+KVC_API kvc_status kvc_region_map_ranges(kvc_region *r, const kvc_range *ranges, size_t n)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(r, "region is NULL");
+        return region_map_ranges(r, ranges, n);
+    });
+}
+
+KVC_API kvc_status kvc_region_unmap(kvc_region *r, uint64_t offset, uint64_t size)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(r, "region is NULL");
+        kvc_range one = {offset, size};
+        return region_unmap_ranges(r, &one, 1);
+    });
+}
+
+KVC_API kvc_status kvc_region_unmap_ranges(kvc_region *r, const kvc_range *ranges, size_t n)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(r, "region is NULL");
+        return region_unmap_ranges(r, ranges, n);
+    });
+}
+
+KVC_API int kvc_region_is_mapped(kvc_region *r, uint64_t offset, uint64_t size)
+{
+    if (!r)
+        return 0;
+    uint64_t f = 0, e = 0;
+    if (kvc_pages_covering(offset, size, r->size, r->page, &f, &e) != 0)
+        return 0;
+    std::lock_guard<std::mutex> g(r->mu);
+    for (uint64_t k = f; k < e; k++)
+        if (!r->mapped[k])
+            return 0;
+    return 1;
+}
+
+KVC_API kvc_status kvc_region_memset(kvc_region *r, uint64_t offset, uint64_t size, uint8_t value)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(r, "region is NULL");
+        kvc_mapper *m = r->session->mapper;
+        return region_each_piece(r, offset, size, false, [&](uint64_t off, uint64_t len) {
+            return kvc_mapper_memset(m, r->base + off, value, len);
+        });
+    });
+}
+
+KVC_API kvc_status kvc_region_clear(kvc_region *r, uint8_t value)
+{
+    return kvc_region_memset(r, 0, r ? r->size : 0, value);
+}
+
+KVC_API kvc_status kvc_region_write(kvc_region *r, uint64_t offset, const void *src, uint64_t size)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(r && (src || !size), "region or src is NULL");
+        kvc_mapper *m = r->session->mapper;
+        const uint8_t *p = static_cast<const uint8_t *>(src);
+        return region_each_piece(r, offset, size, true, [&](uint64_t off, uint64_t len) {
+            return kvc_mapper_write(m, r->base + off, p + (off - offset), len);
+        });
+    });
+}
+
+KVC_API kvc_status kvc_region_read(kvc_region *r, uint64_t offset, void *dst, uint64_t size)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(r && (dst || !size), "region or dst is NULL");
+        kvc_mapper *m = r->session->mapper;
+        uint8_t *p = static_cast<uint8_t *>(dst);
+        return region_each_piece(r, offset, size, true, [&](uint64_t off, uint64_t len) {
+            return kvc_mapper_read(m, r->base + off, p + (off - offset), len);
+        });
+    });
+}
+
+KVC_API kvc_status kvc_layout_page_aligned(uint64_t page_size, const uint64_t *sizes, size_t count,
+                                           uint64_t *offsets, uint64_t *total_bytes)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(page_size > 0, "page_size is 0");
+        NEED((sizes && offsets) || count == 0, "sizes or offsets is NULL");
+        NEED(total_bytes, "total_bytes is NULL");
+        uint64_t at = 0;
+        for (size_t i = 0; i < count; i++) {
+            offsets[i] = at;
+            uint64_t len = kvc_round_up(sizes[i], page_size);
+            if ((sizes[i] && len == 0) || at > UINT64_MAX - len)
+                return kvc_fail(KVC_ERR_INVALID_ARGUMENT, "layout overflows 64 bits at tensor %zu",
+                                i);
+            at += len;
+        }
+        *total_bytes = at;
+        return KVC_OK;
+    });
+}
+
+}  // extern "C"

@@ -1,0 +1,370 @@
+/* fd channel framing and transport (docs/protocol.md). Plain C. */
+#define _GNU_SOURCE
+#include "fdchannel.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+static void set_err(char *err, size_t err_len, const char *fmt, ...)
+{
+    if (!err || !err_len)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, err_len, fmt, ap);
+    va_end(ap);
+}
+
+static uint16_t get16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+static uint32_t get32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+static uint64_t get64(const uint8_t *p) { return (uint64_t)get32(p) | ((uint64_t)get32(p + 4) << 32); }
+static void put16(uint8_t *p, uint16_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+static void put32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static void put64(uint8_t *p, uint64_t v)
+{
+    put32(p, (uint32_t)v);
+    put32(p + 4, (uint32_t)(v >> 32));
+}
+
+static size_t put_header(uint8_t *buf, uint16_t type, uint32_t payload_len)
+{
+    put32(buf, KVC_FD_MAGIC);
+    put16(buf + 4, KVC_FD_VERSION);
+    put16(buf + 6, type);
+    put32(buf + 8, payload_len);
+    put32(buf + 12, 0);
+    return KVC_FD_HEADER_SIZE;
+}
+
+size_t kvc_fd_encode_hello(uint8_t *buf, size_t cap, uint64_t channel_id, uint32_t pid,
+                           uint32_t uid, uint32_t gid, uint32_t max_fds,
+                           const uint8_t secret[KVC_FD_SECRET_SIZE])
+{
+    size_t len = KVC_FD_HEADER_SIZE + KVC_FD_HELLO_SIZE;
+    if (!buf || cap < len || !secret)
+        return 0;
+    uint8_t *p = buf + put_header(buf, KVC_FD_HELLO, KVC_FD_HELLO_SIZE);
+    put64(p, channel_id);
+    put32(p + 8, pid);
+    put32(p + 12, uid);
+    put32(p + 16, gid);
+    put32(p + 20, max_fds);
+    memcpy(p + 24, secret, KVC_FD_SECRET_SIZE);
+    return len;
+}
+
+size_t kvc_fd_encode_pages(uint8_t *buf, size_t cap, uint64_t allocation_id, uint32_t first_index,
+                           uint32_t total, const uint64_t *page_ids, uint32_t count)
+{
+    if (!buf || !page_ids || count == 0 || count > KVC_FD_MAX_FDS)
+        return 0;
+    uint32_t payload = KVC_FD_PAGES_FIXED + 8u * count;
+    size_t len = KVC_FD_HEADER_SIZE + payload;
+    if (cap < len)
+        return 0;
+    uint8_t *p = buf + put_header(buf, KVC_FD_PAGES, payload);
+    put64(p, allocation_id);
+    put32(p + 8, first_index);
+    put32(p + 12, count);
+    put32(p + 16, total);
+    put32(p + 20, 0);
+    for (uint32_t i = 0; i < count; i++)
+        put64(p + KVC_FD_PAGES_FIXED + 8u * i, page_ids[i]);
+    return len;
+}
+
+size_t kvc_fd_encode_error(uint8_t *buf, size_t cap, uint32_t code, const char *message)
+{
+    size_t mlen = message ? strlen(message) : 0;
+    if (mlen > KVC_FD_MAX_MESSAGE)
+        mlen = KVC_FD_MAX_MESSAGE;
+    size_t len = KVC_FD_HEADER_SIZE + 4 + mlen;
+    if (!buf || cap < len)
+        return 0;
+    uint8_t *p = buf + put_header(buf, KVC_FD_ERROR, (uint32_t)(4 + mlen));
+    put32(p, code);
+    if (mlen)
+        memcpy(p + 4, message, mlen);
+    return len;
+}
+
+size_t kvc_fd_encode_goodbye(uint8_t *buf, size_t cap)
+{
+    if (!buf || cap < KVC_FD_HEADER_SIZE)
+        return 0;
+    return put_header(buf, KVC_FD_GOODBYE, 0);
+}
+
+kvc_status kvc_fd_decode(const uint8_t *buf, size_t len, const int *fds, size_t num_fds,
+                         kvc_fd_record *out, char *err, size_t err_len)
+{
+    if (!buf || !out) {
+        set_err(err, err_len, "null record");
+        return KVC_ERR_PROTOCOL;
+    }
+    if (len < KVC_FD_HEADER_SIZE) {
+        set_err(err, err_len, "record of %zu bytes is shorter than the header", len);
+        return KVC_ERR_PROTOCOL;
+    }
+    uint32_t magic = get32(buf);
+    uint16_t version = get16(buf + 4);
+    uint16_t type = get16(buf + 6);
+    uint32_t plen = get32(buf + 8);
+    if (magic != KVC_FD_MAGIC) {
+        set_err(err, err_len, "bad magic 0x%08x", magic);
+        return KVC_ERR_PROTOCOL;
+    }
+    if (version != KVC_FD_VERSION) {
+        set_err(err, err_len, "unsupported fd protocol version %u", (unsigned)version);
+        return KVC_ERR_PROTOCOL;
+    }
+    if ((size_t)plen != len - KVC_FD_HEADER_SIZE) {
+        set_err(err, err_len, "payload is %zu bytes, header says %u", len - KVC_FD_HEADER_SIZE,
+                plen);
+        return KVC_ERR_PROTOCOL;
+    }
+    const uint8_t *p = buf + KVC_FD_HEADER_SIZE;
+    out->type = type;
+    out->num_fds = 0;
+    switch (type) {
+    case KVC_FD_HELLO:
+        if (plen != KVC_FD_HELLO_SIZE || num_fds) {
+            set_err(err, err_len, "malformed HELLO (%u bytes, %zu fds)", plen, num_fds);
+            return KVC_ERR_PROTOCOL;
+        }
+        out->channel_id = get64(p);
+        out->pid = get32(p + 8);
+        out->uid = get32(p + 12);
+        out->gid = get32(p + 16);
+        out->max_fds = get32(p + 20);
+        memcpy(out->secret, p + 24, KVC_FD_SECRET_SIZE);
+        return KVC_OK;
+    case KVC_FD_PAGES: {
+        if (plen < KVC_FD_PAGES_FIXED) {
+            set_err(err, err_len, "PAGES record too short (%u bytes)", plen);
+            return KVC_ERR_PROTOCOL;
+        }
+        uint32_t count = get32(p + 12);
+        if (count == 0 || count > KVC_FD_MAX_FDS || count != num_fds ||
+            (uint64_t)plen != KVC_FD_PAGES_FIXED + 8ull * count) {
+            set_err(err, err_len, "PAGES record says %u pages, carries %zu fds and %u bytes", count,
+                    num_fds, plen);
+            return KVC_ERR_PROTOCOL;
+        }
+        out->allocation_id = get64(p);
+        out->first_index = get32(p + 8);
+        out->count = count;
+        out->total = get32(p + 16);
+        if ((uint64_t)out->first_index + count > out->total) {
+            set_err(err, err_len, "PAGES record [%u, %u) lies past its allocation's %u pages",
+                    out->first_index, out->first_index + count, out->total);
+            return KVC_ERR_PROTOCOL;
+        }
+        for (uint32_t i = 0; i < count; i++) {
+            out->page_ids[i] = get64(p + KVC_FD_PAGES_FIXED + 8u * i);
+            out->fds[i] = fds[i];
+        }
+        out->num_fds = count;
+        return KVC_OK;
+    }
+    case KVC_FD_ERROR: {
+        if (plen < 4 || num_fds) {
+            set_err(err, err_len, "malformed ERROR");
+            return KVC_ERR_PROTOCOL;
+        }
+        out->error_code = get32(p);
+        size_t mlen = plen - 4;
+        if (mlen > KVC_FD_MAX_MESSAGE)
+            mlen = KVC_FD_MAX_MESSAGE;
+        memcpy(out->message, p + 4, mlen);
+        out->message[mlen] = 0;
+        return KVC_OK;
+    }
+    case KVC_FD_GOODBYE:
+        if (plen || num_fds) {
+            set_err(err, err_len, "malformed GOODBYE");
+            return KVC_ERR_PROTOCOL;
+        }
+        return KVC_OK;
+    default:
+        set_err(err, err_len, "unknown record type %u", (unsigned)type);
+        return KVC_ERR_PROTOCOL;
+    }
+}
+
+kvc_status kvc_fd_connect(const char *path, int *fd_out, char *err, size_t err_len)
+{
+    struct sockaddr_un addr;
+    memset(&addr, 0, sizeof addr);
+    addr.sun_family = AF_UNIX;
+    if (!path || !*path || strlen(path) >= sizeof addr.sun_path) {
+        set_err(err, err_len, "fd socket path \"%s\" is empty or too long", path ? path : "");
+        return KVC_ERR_INVALID_ARGUMENT;
+    }
+    strcpy(addr.sun_path, path);
+    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        set_err(err, err_len, "socket(AF_UNIX, SOCK_SEQPACKET): %s", strerror(errno));
+        return KVC_ERR_SYSTEM;
+    }
+    int rc;
+    do {
+        rc = connect(fd, (struct sockaddr *)&addr, sizeof addr);
+    } while (rc < 0 && errno == EINTR);
+    if (rc < 0) {
+        int e = errno;
+        close(fd);
+        set_err(err, err_len, "connecting the fd channel %s: %s", path, strerror(e));
+        return (e == ENOENT || e == ECONNREFUSED) ? KVC_ERR_UNAVAILABLE : KVC_ERR_SYSTEM;
+    }
+    *fd_out = fd;
+    return KVC_OK;
+}
+
+static void close_all(const int *fds, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        close(fds[i]);
+}
+
+kvc_status kvc_fd_recv(int fd, int timeout_ms, kvc_fd_record *out, int *eof, char *err,
+                       size_t err_len)
+{
+    *eof = 0;
+    struct pollfd pfd = {.fd = fd, .events = POLLIN, .revents = 0};
+    for (;;) {
+        int rc = poll(&pfd, 1, timeout_ms);
+        if (rc > 0)
+            break;
+        if (rc == 0) {
+            set_err(err, err_len, "no record on the fd channel within %d ms", timeout_ms);
+            return KVC_ERR_DEADLINE_EXCEEDED;
+        }
+        if (errno != EINTR) {
+            set_err(err, err_len, "poll on the fd channel: %s", strerror(errno));
+            return KVC_ERR_SYSTEM;
+        }
+    }
+
+    /* One byte more than the largest record, to detect an oversized one. */
+    uint8_t buf[KVC_FD_MAX_RECORD + 1];
+    union {
+        char space[CMSG_SPACE(sizeof(int) * KVC_FD_MAX_FDS)];
+        struct cmsghdr align;
+    } ctl;
+    struct iovec iov = {.iov_base = buf, .iov_len = sizeof buf};
+    struct msghdr msg;
+    memset(&msg, 0, sizeof msg);
+    memset(&ctl, 0, sizeof ctl);
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = ctl.space;
+    msg.msg_controllen = sizeof ctl.space;
+    ssize_t n;
+    do {
+        n = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0) {
+        if (errno == ECONNRESET) {
+            *eof = 1;
+            return KVC_OK;
+        }
+        set_err(err, err_len, "recvmsg on the fd channel: %s", strerror(errno));
+        return KVC_ERR_SYSTEM;
+    }
+
+    int fds[KVC_FD_MAX_FDS];
+    size_t nfds = 0;
+    int too_many = 0;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+            continue;
+        size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        const unsigned char *data = CMSG_DATA(c);
+        for (size_t i = 0; i < k; i++) {
+            int v;
+            memcpy(&v, data + i * sizeof(int), sizeof v);
+            if (nfds < KVC_FD_MAX_FDS)
+                fds[nfds++] = v;
+            else {
+                close(v);
+                too_many = 1;
+            }
+        }
+    }
+    if (n == 0 && nfds == 0) {
+        *eof = 1;
+        return KVC_OK;
+    }
+    if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || too_many) {
+        close_all(fds, nfds);
+        set_err(err, err_len, "record or its descriptors were truncated");
+        return KVC_ERR_PROTOCOL;
+    }
+    kvc_status st = kvc_fd_decode(buf, (size_t)n, fds, nfds, out, err, err_len);
+    if (st != KVC_OK)
+        close_all(fds, nfds);
+    return st;
+}
+
+kvc_status kvc_fd_send(int fd, const uint8_t *buf, size_t len, const int *fds, size_t num_fds,
+                       char *err, size_t err_len)
+{
+    if (num_fds > KVC_FD_MAX_FDS) {
+        set_err(err, err_len, "at most %u fds per record", KVC_FD_MAX_FDS);
+        return KVC_ERR_INVALID_ARGUMENT;
+    }
+    union {
+        char space[CMSG_SPACE(sizeof(int) * KVC_FD_MAX_FDS)];
+        struct cmsghdr align;
+    } ctl;
+    memset(&ctl, 0, sizeof ctl);
+    struct iovec iov = {.iov_base = (void *)buf, .iov_len = len};
+    struct msghdr msg;
+    memset(&msg, 0, sizeof msg);
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    if (num_fds) {
+        msg.msg_control = ctl.space;
+        msg.msg_controllen = CMSG_SPACE(sizeof(int) * num_fds);
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int) * num_fds);
+        memcpy(CMSG_DATA(c), fds, sizeof(int) * num_fds);
+    }
+    ssize_t n;
+    do {
+        n = sendmsg(fd, &msg, MSG_NOSIGNAL);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0 || (size_t)n != len) {
+        set_err(err, err_len, "sendmsg on the fd channel: %s", n < 0 ? strerror(errno) : "short");
+        return KVC_ERR_SYSTEM;
+    }
+    return KVC_OK;
+}
+
+void kvc_fd_record_close_fds(kvc_fd_record *rec)
+{
+    if (!rec)
+        return;
+    close_all(rec->fds, rec->num_fds);
+    rec->num_fds = 0;
+}

@@ -1,0 +1,92 @@
+/* fd channel framing (docs/protocol.md), plain C. Internal to libkvcached.
+ *
+ * Every record is one SOCK_SEQPACKET message: a 16-byte little-endian
+ * header (magic "KVCF", version 1, type, payload_len, reserved) and the
+ * payload. Page fds arrive as SCM_RIGHTS with MSG_CMSG_CLOEXEC. */
+#ifndef KVC_FDCHANNEL_H
+#define KVC_FDCHANNEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvcached.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVC_FD_MAGIC 0x4643564Bu
+#define KVC_FD_VERSION 1u
+#define KVC_FD_HEADER_SIZE 16u
+#define KVC_FD_MAX_FDS 253u
+#define KVC_FD_SECRET_SIZE 32u
+#define KVC_FD_HELLO_SIZE 56u
+#define KVC_FD_PAGES_FIXED 24u
+#define KVC_FD_MAX_RECORD (KVC_FD_HEADER_SIZE + KVC_FD_PAGES_FIXED + 8u * KVC_FD_MAX_FDS)
+#define KVC_FD_MAX_MESSAGE 4096u
+
+enum {
+    KVC_FD_HELLO = 1,
+    KVC_FD_PAGES = 2,
+    KVC_FD_ERROR = 3,
+    KVC_FD_GOODBYE = 4
+};
+
+typedef struct kvc_fd_record {
+    uint16_t type;
+    /* HELLO */
+    uint64_t channel_id;
+    uint32_t pid, uid, gid, max_fds;
+    uint8_t secret[KVC_FD_SECRET_SIZE];
+    /* PAGES */
+    uint64_t allocation_id;
+    uint32_t first_index, count, total;
+    uint64_t page_ids[KVC_FD_MAX_FDS];
+    int fds[KVC_FD_MAX_FDS]; /* owned by the record's receiver */
+    uint32_t num_fds;
+    /* ERROR */
+    uint32_t error_code;
+    char message[KVC_FD_MAX_MESSAGE + 1];
+} kvc_fd_record;
+
+/* Parse one record from `buf`. `fds` are the descriptors that came with it
+ * (copied into the record on success; on failure the caller still owns
+ * and must close them). Returns KVC_OK or KVC_ERR_PROTOCOL with `err`
+ * saying why. */
+kvc_status kvc_fd_decode(const uint8_t *buf, size_t len, const int *fds, size_t num_fds,
+                         kvc_fd_record *out, char *err, size_t err_len);
+
+/* Encoders (the daemon's side; used by tests and the fake peers in them).
+ * Return the record length written to `buf` (capacity `cap`), 0 if it does
+ * not fit or the arguments are invalid. */
+size_t kvc_fd_encode_hello(uint8_t *buf, size_t cap, uint64_t channel_id, uint32_t pid,
+                           uint32_t uid, uint32_t gid, uint32_t max_fds,
+                           const uint8_t secret[KVC_FD_SECRET_SIZE]);
+size_t kvc_fd_encode_pages(uint8_t *buf, size_t cap, uint64_t allocation_id, uint32_t first_index,
+                           uint32_t total, const uint64_t *page_ids, uint32_t count);
+size_t kvc_fd_encode_error(uint8_t *buf, size_t cap, uint32_t code, const char *message);
+size_t kvc_fd_encode_goodbye(uint8_t *buf, size_t cap);
+
+/* Connect a SOCK_SEQPACKET|SOCK_CLOEXEC socket to `path`. */
+kvc_status kvc_fd_connect(const char *path, int *fd_out, char *err, size_t err_len);
+
+/* Receive and parse one record, waiting up to timeout_ms (-1 = forever).
+ * Returns KVC_OK with *eof = 0 and the record, KVC_OK with *eof = 1 at end
+ * of stream, KVC_ERR_DEADLINE_EXCEEDED on timeout, KVC_ERR_PROTOCOL for a
+ * malformed or truncated record (its fds closed), KVC_ERR_SYSTEM for a
+ * failed system call. */
+kvc_status kvc_fd_recv(int fd, int timeout_ms, kvc_fd_record *out, int *eof, char *err,
+                       size_t err_len);
+
+/* Send one record with `num_fds` descriptors (tests' fake daemon). */
+kvc_status kvc_fd_send(int fd, const uint8_t *buf, size_t len, const int *fds, size_t num_fds,
+                       char *err, size_t err_len);
+
+/* Close every fd of a received record. */
+void kvc_fd_record_close_fds(kvc_fd_record *rec);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,212 @@
+/* fd channel framing: byte vectors from docs/protocol.md, decoding of
+ * malformed records, and SCM_RIGHTS transport over a socketpair. */
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "fdchannel.h"
+
+static int failures;
+#define CHECK(cond)                                                            \
+    do {                                                                       \
+        if (!(cond)) {                                                         \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+            failures++;                                                        \
+        }                                                                      \
+    } while (0)
+
+static kvc_fd_record rec;
+static char err[512];
+
+static void test_hello_vector(void)
+{
+    uint8_t secret[32];
+    for (int i = 0; i < 32; i++)
+        secret[i] = (uint8_t)(0xA0 + i);
+    uint8_t buf[256];
+    size_t n = kvc_fd_encode_hello(buf, sizeof buf, 0x0102030405060708ull, 1234, 1000, 100, 253,
+                                   secret);
+    /* header: magic 'K','V','C','F', version 1, type 1, payload_len 56, reserved 0 */
+    static const uint8_t want[] = {
+        'K', 'V', 'C', 'F', 0x01, 0x00, 0x01, 0x00, 0x38, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+        0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01, /* channel_id u64 */
+        0xD2, 0x04, 0x00, 0x00,                         /* pid 1234 */
+        0xE8, 0x03, 0x00, 0x00,                         /* uid 1000 */
+        0x64, 0x00, 0x00, 0x00,                         /* gid 100 */
+        0xFD, 0x00, 0x00, 0x00,                         /* max_fds 253 */
+    };
+    CHECK(n == 16 + 56);
+    CHECK(memcmp(buf, want, sizeof want) == 0);
+    CHECK(memcmp(buf + sizeof want, secret, 32) == 0);
+    CHECK(kvc_fd_decode(buf, n, NULL, 0, &rec, err, sizeof err) == KVC_OK);
+    CHECK(rec.type == KVC_FD_HELLO && rec.channel_id == 0x0102030405060708ull && rec.pid == 1234 &&
+          rec.uid == 1000 && rec.gid == 100 && rec.max_fds == 253 &&
+          memcmp(rec.secret, secret, 32) == 0);
+    /* a HELLO never carries fds */
+    int fake = 99;
+    CHECK(kvc_fd_decode(buf, n, &fake, 1, &rec, err, sizeof err) == KVC_ERR_PROTOCOL);
+}
+
+static void test_pages_vector(void)
+{
+    uint64_t ids[2] = {7, 0x1122334455667788ull};
+    uint8_t buf[256];
+    size_t n = kvc_fd_encode_pages(buf, sizeof buf, 42, 253, 255, ids, 2);
+    static const uint8_t want[] = {
+        'K', 'V', 'C', 'F', 0x01, 0x00, 0x02, 0x00, 0x28, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+        42, 0, 0, 0, 0, 0, 0, 0, /* allocation_id */
+        0xFD, 0, 0, 0,           /* first_index 253 */
+        2, 0, 0, 0,              /* count */
+        0xFF, 0, 0, 0,           /* total 255 */
+        0, 0, 0, 0,              /* reserved */
+        7, 0, 0, 0, 0, 0, 0, 0,
+        0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11,
+    };
+    CHECK(n == sizeof want);
+    CHECK(memcmp(buf, want, sizeof want) == 0);
+    int fds[2] = {10, 11};
+    CHECK(kvc_fd_decode(buf, n, fds, 2, &rec, err, sizeof err) == KVC_OK);
+    CHECK(rec.type == KVC_FD_PAGES && rec.allocation_id == 42 && rec.first_index == 253 &&
+          rec.count == 2 && rec.total == 255 && rec.page_ids[1] == 0x1122334455667788ull &&
+          rec.fds[0] == 10 && rec.fds[1] == 11 && rec.num_fds == 2);
+    /* count and fds must agree */
+    CHECK(kvc_fd_decode(buf, n, fds, 1, &rec, err, sizeof err) == KVC_ERR_PROTOCOL);
+    CHECK(strstr(err, "2 pages") != NULL);
+    /* pages past the allocation */
+    n = kvc_fd_encode_pages(buf, sizeof buf, 42, 254, 255, ids, 2);
+    CHECK(kvc_fd_decode(buf, n, fds, 2, &rec, err, sizeof err) == KVC_ERR_PROTOCOL);
+    /* encoder limits */
+    CHECK(kvc_fd_encode_pages(buf, sizeof buf, 1, 0, 1, ids, 0) == 0);
+    CHECK(kvc_fd_encode_pages(buf, 20, 1, 0, 2, ids, 2) == 0);
+}
+
+static void test_error_goodbye_vectors(void)
+{
+    uint8_t buf[256];
+    size_t n = kvc_fd_encode_error(buf, sizeof buf, 8, "budget");
+    static const uint8_t want[] = {'K', 'V', 'C', 'F', 1, 0, 3, 0, 10, 0, 0, 0, 0, 0, 0, 0,
+                                   8,   0,   0,   0,   'b', 'u', 'd', 'g', 'e', 't'};
+    CHECK(n == sizeof want && memcmp(buf, want, n) == 0);
+    CHECK(kvc_fd_decode(buf, n, NULL, 0, &rec, err, sizeof err) == KVC_OK);
+    CHECK(rec.type == KVC_FD_ERROR && rec.error_code == 8 && strcmp(rec.message, "budget") == 0);
+    n = kvc_fd_encode_goodbye(buf, sizeof buf);
+    static const uint8_t bye[] = {'K', 'V', 'C', 'F', 1, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    CHECK(n == 16 && memcmp(buf, bye, 16) == 0);
+    CHECK(kvc_fd_decode(buf, n, NULL, 0, &rec, err, sizeof err) == KVC_OK);
+    CHECK(rec.type == KVC_FD_GOODBYE);
+}
+
+static void test_malformed(void)
+{
+    uint8_t buf[256];
+    size_t n = kvc_fd_encode_goodbye(buf, sizeof buf);
+    CHECK(kvc_fd_decode(buf, 15, NULL, 0, &rec, err, sizeof err) == KVC_ERR_PROTOCOL);
+    buf[0] = 'X';
+    CHECK(kvc_fd_decode(buf, n, NULL, 0, &rec, err, sizeof err) == KVC_ERR_PROTOCOL);
+    CHECK(strstr(err, "magic") != NULL);
+    n = kvc_fd_encode_goodbye(buf, sizeof buf);
+    buf[4] = 2; /* version */
+    CHECK(kvc_fd_decode(buf, n, NULL, 0, &rec, err, sizeof err) == KVC_ERR_PROTOCOL);
+    CHECK(strstr(err, "version") != NULL);
+    n = kvc_fd_encode_goodbye(buf, sizeof buf);
+    buf[6] = 9; /* type */
+    CHECK(kvc_fd_decode(buf, n, NULL, 0, &rec, err, sizeof err) == KVC_ERR_PROTOCOL);
+    n = kvc_fd_encode_goodbye(buf, sizeof buf);
+    buf[8] = 1; /* payload_len says 1, record has 0 */
+    CHECK(kvc_fd_decode(buf, n, NULL, 0, &rec, err, sizeof err) == KVC_ERR_PROTOCOL);
+    CHECK(strstr(err, "header says 1") != NULL);
+}
+
+static int memfd_with(const char *text)
+{
+    int fd = memfd_create("kvc-test", MFD_CLOEXEC);
+    if (fd < 0 || write(fd, text, strlen(text)) != (ssize_t)strlen(text))
+        abort();
+    return fd;
+}
+
+static void test_transport(void)
+{
+    int sv[2];
+    CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) == 0);
+    uint8_t buf[KVC_FD_MAX_RECORD];
+    int eof = 0;
+
+    /* 253 fds in one record */
+    enum { N = KVC_FD_MAX_FDS };
+    uint64_t ids[N];
+    int fds[N];
+    for (int i = 0; i < N; i++) {
+        char t[32];
+        snprintf(t, sizeof t, "page-%d", i);
+        ids[i] = 1000 + i;
+        fds[i] = memfd_with(t);
+    }
+    size_t n = kvc_fd_encode_pages(buf, sizeof buf, 5, 0, N, ids, N);
+    CHECK(kvc_fd_send(sv[0], buf, n, fds, N, err, sizeof err) == KVC_OK);
+    for (int i = 0; i < N; i++)
+        close(fds[i]);
+    CHECK(kvc_fd_recv(sv[1], 1000, &rec, &eof, err, sizeof err) == KVC_OK);
+    CHECK(!eof && rec.type == KVC_FD_PAGES && rec.count == N && rec.num_fds == N);
+    for (int i = 0; i < (int)rec.num_fds; i++) {
+        char t[32], got[32] = {0};
+        snprintf(t, sizeof t, "page-%d", i);
+        CHECK(pread(rec.fds[i], got, sizeof got - 1, 0) == (ssize_t)strlen(t));
+        CHECK(strcmp(got, t) == 0);
+        CHECK(fcntl(rec.fds[i], F_GETFD) & FD_CLOEXEC); /* MSG_CMSG_CLOEXEC */
+    }
+    kvc_fd_record_close_fds(&rec);
+
+    /* a malformed record with fds: its fds are closed, PROTOCOL returned */
+    int fd = memfd_with("x");
+    n = kvc_fd_encode_pages(buf, sizeof buf, 6, 0, 2, ids, 2); /* says 2, carries 1 */
+    CHECK(kvc_fd_send(sv[0], buf, n, &fd, 1, err, sizeof err) == KVC_OK);
+    close(fd);
+    int before = open("/dev/null", O_RDONLY);
+    close(before);
+    CHECK(kvc_fd_recv(sv[1], 1000, &rec, &eof, err, sizeof err) == KVC_ERR_PROTOCOL);
+    int after = open("/dev/null", O_RDONLY);
+    CHECK(after == before); /* the received fd was closed again */
+    close(after);
+
+    /* an oversized record is truncated: PROTOCOL */
+    static uint8_t big[KVC_FD_MAX_RECORD + 64];
+    memset(big, 0, sizeof big);
+    CHECK(kvc_fd_send(sv[0], big, sizeof big, NULL, 0, err, sizeof err) == KVC_OK);
+    CHECK(kvc_fd_recv(sv[1], 1000, &rec, &eof, err, sizeof err) == KVC_ERR_PROTOCOL);
+    CHECK(strstr(err, "truncated") != NULL);
+
+    /* timeout */
+    CHECK(kvc_fd_recv(sv[1], 10, &rec, &eof, err, sizeof err) == KVC_ERR_DEADLINE_EXCEEDED);
+
+    /* end of stream */
+    close(sv[0]);
+    CHECK(kvc_fd_recv(sv[1], 1000, &rec, &eof, err, sizeof err) == KVC_OK);
+    CHECK(eof == 1);
+    close(sv[1]);
+
+    /* connecting to nothing */
+    int cfd = -1;
+    CHECK(kvc_fd_connect("/nonexistent/kvc.sock.fd", &cfd, err, sizeof err) ==
+          KVC_ERR_UNAVAILABLE);
+}
+
+int main(void)
+{
+    test_hello_vector();
+    test_pages_vector();
+    test_error_goodbye_vectors();
+    test_malformed();
+    test_transport();
+    if (failures) {
+        printf("0 passed, %d failed\n", failures);
+        return 1;
+    }
+    printf("fdchannel: all checks passed\n");
+    return 0;
+}
