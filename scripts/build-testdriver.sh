@@ -9,6 +9,7 @@
 #
 # Idempotent: rebuilds only when a source, the header or this script changed.
 # Never installs anything system-wide. Prints the library path last.
+# `--include-dir` prints the directory holding cuda.h instead of building.
 set -euo pipefail
 
 CUDA_RUNTIME_VERSION="13.0.96"
@@ -73,6 +74,11 @@ if [[ ! -f "$HDR" ]]; then
     exit 1
 fi
 INC="$(dirname "$HDR")"
+if [[ "${1:-}" == "--include-dir" ]]; then
+    # where cuda.h is (tests compile against the same header)
+    echo "$INC"
+    exit 0
+fi
 
 LIB="$OUT/libcuda.so.1"
 STAMP="$OUT/.stamp"

@@ -367,6 +367,7 @@ static void load_config(void) {
         static const unsigned char base[16] = {0x7e, 0x57, 0xd7, 0x1e, 0x00, 0x00, 0x40, 0x00,
                                                0x80, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00};
         memcpy(cfg.uuid[i], base, 16);
+        cfg.uuid[i][5] = (unsigned char)i; /* GPU-7e57d71e-000N-4000-8000-00000000000N */
         cfg.uuid[i][15] = (unsigned char)i;
     }
     if ((s = getenv("KVCACHED_TESTDRV_UUIDS")) && *s) {

@@ -1,0 +1,227 @@
+"""Helpers for the CUDA tests, used by the test modules and, imported by the
+child processes they start, by the scripts those run.
+
+The test driver reads its configuration once per process (at load), so
+every scenario runs in a child process with its own environment; the test
+reads its JSON answer from stdout and the driver's leak report from disk.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+from ctypes import byref
+
+from kvcached_service import errors
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+HERE = pathlib.Path(__file__).resolve().parent
+GRAN = 2 << 20
+
+
+# ---------------------------------------------------------------------------
+# test-process side
+
+
+class Sim:
+    """One simulated machine: a state directory and the env of its processes."""
+
+    def __init__(self, lib: pathlib.Path, state: pathlib.Path, reports: pathlib.Path):
+        self.lib = lib
+        self.state = state
+        self.reports = reports
+        self.env = {
+            "KVCACHED_LIBCUDA": str(lib),
+            "KVCACHED_TESTDRV_STATE": str(state),
+            "KVCACHED_TESTDRV_REPORT": str(reports / "report-%p.json"),
+            "KVCACHED_TESTDRV_MEMORY": str(64 << 20),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)]),
+        }
+
+    def proc_env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "CUDA_VISIBLE"))}
+        env.update(self.env)
+        env.update(extra)
+        return env
+
+    def script(self, body: str) -> list[str]:
+        return [sys.executable, "-c", "from tdkit import *\n" + textwrap.dedent(body)]
+
+    def run(self, body: str, *, expect_rc: int | None = 0, timeout: float = 60, **env: str) -> "Result":
+        p = subprocess.Popen(
+            self.script(body), env=self.proc_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            raise
+        res = Result(p.pid, p.returncode, stdout, stderr, self.report_of(p.pid))
+        if expect_rc is not None and p.returncode != expect_rc:
+            raise AssertionError(f"child exited {p.returncode}, expected {expect_rc}\nstdout:\n{stdout}\nstderr:\n{stderr}")
+        return res
+
+    def spawn(self, body: str, **env: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            self.script(body), env=self.proc_env(**env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )
+
+    def report_of(self, pid: int) -> dict | None:
+        path = self.reports / f"report-{pid}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+
+class Result:
+    def __init__(self, pid: int, returncode: int, stdout: str, stderr: str, report: dict | None):
+        self.pid = pid
+        self.returncode = returncode
+        self.stdout = stdout
+        self.stderr = stderr
+        self.report = report
+        lines = [line for line in stdout.splitlines() if line.startswith("{")]
+        self.out = json.loads(lines[-1]) if lines else None
+
+    def __getitem__(self, key):
+        return self.out[key]
+
+
+# ---------------------------------------------------------------------------
+# child side: the driver and small wrappers around it
+
+
+def out(**kw) -> None:
+    """The child's answer: one JSON line on stdout."""
+    print(json.dumps(kw), flush=True)
+
+
+def drv():
+    from kvcached_service.cuda import driver as cu
+
+    return cu.load()
+
+
+def cu_mod():
+    from kvcached_service.cuda import driver as cu
+
+    return cu
+
+
+def code(fn, *args) -> str:
+    """Call a driver function; the enumerator name of its result."""
+    cu = cu_mod()
+    try:
+        fn(*args)
+        return "CUDA_SUCCESS"
+    except cu.CudaDriverError as exc:
+        return exc.name
+
+
+def init(ordinal: int = 0):
+    """cuInit, retain the primary context of `ordinal`, make it current."""
+    d, cu = drv(), cu_mod()
+    d.cuInit(0)
+    ctx = cu.CUcontext()
+    d.cuDevicePrimaryCtxRetain(byref(ctx), ordinal)
+    d.cuCtxSetCurrent(ctx)
+    return ctx
+
+
+def fini(ordinal: int = 0) -> None:
+    d = drv()
+    d.cuCtxSetCurrent(None)
+    d.cuDevicePrimaryCtxRelease_v2(ordinal)
+
+
+def create(size: int = GRAN, ordinal: int = 0, exportable: bool = True) -> int:
+    d, cu = drv(), cu_mod()
+    h = cu.CUmemGenericAllocationHandle()
+    prop = cu.allocation_prop(ordinal, cu.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR if exportable else 0)
+    d.cuMemCreate(byref(h), size, byref(prop), 0)
+    return h.value
+
+
+def export(h: int) -> int:
+    d, cu = drv(), cu_mod()
+    fd = ctypes.c_int(-1)
+    d.cuMemExportToShareableHandle(byref(fd), h, cu.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
+    return fd.value
+
+
+def import_fd(fd: int) -> int:
+    d, cu = drv(), cu_mod()
+    h = cu.CUmemGenericAllocationHandle()
+    d.cuMemImportFromShareableHandle(byref(h), ctypes.c_void_p(fd), cu.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+    return h.value
+
+
+def reserve(size: int, alignment: int = 0) -> int:
+    d, cu = drv(), cu_mod()
+    p = cu.CUdeviceptr()
+    d.cuMemAddressReserve(byref(p), size, alignment, 0, 0)
+    return p.value
+
+
+def set_access(addr: int, size: int, ordinal: int = 0, flags: int | None = None) -> None:
+    d, cu = drv(), cu_mod()
+    desc = cu.access_desc(ordinal, cu.CU_MEM_ACCESS_FLAGS_PROT_READWRITE if flags is None else flags)
+    d.cuMemSetAccess(addr, size, byref(desc), 1)
+
+
+def map_rw(addr: int, h: int, size: int = GRAN, ordinal: int = 0) -> None:
+    drv().cuMemMap(addr, size, 0, h, 0)
+    set_access(addr, size, ordinal)
+
+
+def write(addr: int, data: bytes) -> None:
+    buf = ctypes.create_string_buffer(data, len(data))
+    drv().cuMemcpyHtoD_v2(addr, buf, len(data))
+
+
+def read(addr: int, n: int) -> bytes:
+    buf = ctypes.create_string_buffer(n)
+    drv().cuMemcpyDtoH_v2(buf, addr, n)
+    return buf.raw
+
+
+def mem_info() -> tuple[int, int]:
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    drv().cuMemGetInfo_v2(byref(free), byref(total))
+    return free.value, total.value
+
+
+def used() -> int:
+    free, total = mem_info()
+    return total - free
+
+
+def send_fds(sock_fd: int, fds: list[int], payload: bytes = b"p") -> None:
+    import socket
+
+    s = socket.socket(fileno=os.dup(sock_fd))
+    try:
+        socket.send_fds(s, [payload], fds)
+    finally:
+        s.close()
+
+
+def recv_fds(sock_fd: int, maxfds: int = 253) -> tuple[bytes, list[int]]:
+    import socket
+
+    s = socket.socket(fileno=os.dup(sock_fd))
+    try:
+        msg, fds, _flags, _addr = socket.recv_fds(s, 1024, maxfds)
+        return msg, fds
+    finally:
+        s.close()
+
+
+def wait_line() -> str:
+    """Block until the test writes a line to our stdin."""
+    return sys.stdin.readline().strip()
