@@ -60,8 +60,13 @@ class HostBackend(Backend):
                 pages.append(self._create_one(page_size))
         except OSError as exc:
             self.release_pages(device, pages)
-            if exc.errno in (errno.ENOMEM, errno.ENOSPC, errno.EMFILE, errno.ENFILE):
-                raise errors.ResourceExhausted(f"host memory exhausted: {exc}") from exc
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise errors.ResourceExhausted(
+                    f"out of file descriptors after {len(pages)} of {count} pages (every page is one fd in the daemon; "
+                    f"raise LimitNOFILE / ulimit -n): {exc.strerror}"
+                ) from exc
+            if exc.errno in (errno.ENOMEM, errno.ENOSPC):
+                raise errors.ResourceExhausted(f"host memory exhausted: {exc.strerror}") from exc
             raise errors.Internal(f"memfd page creation failed: {exc}") from exc
         # memfd pages are zero when created: nothing to do for `zero`.
         return pages

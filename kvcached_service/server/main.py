@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import resource
 import signal
 import sys
 
@@ -77,7 +78,21 @@ def open_backend(settings: Settings) -> Backend:
     return backend
 
 
+def raise_fd_limit() -> int:
+    """Every page is one open fd in the daemon: lift the soft RLIMIT_NOFILE
+    to the hard limit. Returns the limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, exc)
+    return soft
+
+
 async def serve(settings: Settings, ready_hook=None) -> int:
+    nofile = raise_fd_limit()
     backend = open_backend(settings)
     daemon = Daemon(settings, backend)
     try:
@@ -122,6 +137,10 @@ async def serve(settings: Settings, ready_hook=None) -> int:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving on %s (fd channel %s), pid %d", settings.socket, settings.fd_socket, os.getpid())
+    pages = sum(p.budget_pages for p in daemon.pools.values())
+    if pages + 256 > nofile:
+        log.warning("the budget is %d pages but the open-file limit is %d: every page is one fd; "
+                    "raise LimitNOFILE (systemd) or ulimit -n, or use larger pages", pages, nofile)
     if ready_hook is not None:
         ready_hook(daemon)
     await stop.wait()

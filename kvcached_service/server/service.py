@@ -41,6 +41,8 @@ def _rpc(fn):
     return wrapper
 
 
+_LIMIT_FIELDS = ("guaranteed_bytes", "max_bytes", "priority")
+
 _EVENT_KIND = {
     "READY": pb.WatchEvent.READY,
     "RECLAIM": pb.WatchEvent.RECLAIM,
@@ -218,10 +220,8 @@ class KVCachedService(pb_grpc.KVCachedServicer):
     @_rpc
     async def SetSessionLimits(self, request, context):
         self.d.admin_session(request.admin.id, request.admin.token)
-        s = self.d.set_limits(
-            request.session_id,
-            {f: getattr(request, f) for f in request.set_fields},
-        )
+        limits = {f: getattr(request, f) if f in _LIMIT_FIELDS else None for f in request.set_fields}
+        s = self.d.set_limits(request.session_id, limits)
         return pb.SetSessionLimitsResponse(session=session_stats(self.d, s))
 
     @_rpc

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The Python test suite (daemon, Python client, CUDA backend on the test driver).
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+set +e
+.venv/bin/python -m pytest tests "$@"
+rc=$?
+set -e
+if [ $rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi
+exit $rc

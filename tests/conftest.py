@@ -1,0 +1,222 @@
+"""Shared fixtures: a real kvcached-serve process per test, on the host
+backend or on the CUDA backend through the test driver.
+
+`daemon_factory(**settings)` starts one and waits until its health service
+answers SERVING; at teardown it sends SIGTERM and asserts a clean exit
+(status 0, socket files removed, and on the test driver an empty leak
+report).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PY = sys.executable
+SERVE = [PY, "-m", "kvcached_service.server"]
+TESTDRIVER = ROOT / "build" / "testdriver" / "libcuda.so.1"
+HELPERS = pathlib.Path(__file__).resolve().parent / "helpers"
+
+
+def backends() -> list[str]:
+    """Backends the conformance tests run on. The CUDA test driver must be
+    built (scripts/build-testdriver.sh, run by `make test`): if it is
+    missing, the cuda parameter fails loudly instead of being skipped."""
+    return ["host", "cuda"]
+
+
+def testdriver_env(state_dir: pathlib.Path, **extra: str) -> dict[str, str]:
+    if not TESTDRIVER.exists():
+        pytest.fail(f"CUDA test driver not built: {TESTDRIVER} is missing (run scripts/build-testdriver.sh)")
+    env = {
+        "KVCACHED_LIBCUDA": str(TESTDRIVER),
+        "KVCACHED_TESTDRV_STATE": str(state_dir),
+        "KVCACHED_TESTDRV_MEMORY": str(1 << 30),
+    }
+    env.update(extra)
+    return env
+
+
+class Daemon:
+    def __init__(self, proc: subprocess.Popen, socket: str, log: pathlib.Path, env: dict, report: pathlib.Path | None):
+        self.proc = proc
+        self.socket = socket
+        self.fd_socket = socket + ".fd"
+        self.log = log
+        self.env = env  # the environment clients of this daemon need
+        self.report = report
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def client(self, timeout: float = 10.0):
+        from kvcached_service.client import Client
+
+        return Client.connect(self.socket, timeout=timeout)
+
+    def client_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.env)
+        env["KVCACHED_SOCKET"] = self.socket
+        env["PYTHONPATH"] = str(ROOT)
+        return env
+
+    def run_client(self, script: str, *args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
+        """Run tests/helpers/<script> as a separate client process."""
+        proc = subprocess.run(
+            [PY, str(HELPERS / script), *args], env=self.client_env(), capture_output=True, text=True, timeout=timeout
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{script} {args} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+        return proc
+
+    def spawn_client(self, script: str, *args: str, **kw) -> subprocess.Popen:
+        return subprocess.Popen(
+            [PY, str(HELPERS / script), *args], env=self.client_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw
+        )
+
+    def stop(self, timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError("daemon did not stop within 20 s of SIGTERM\n" + self.log_text())
+        return self.proc.returncode
+
+
+def wait_serving(socket: str, proc: subprocess.Popen, log: pathlib.Path, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"daemon exited with {proc.returncode} during start-up:\n{log.read_text()}")
+        if os.path.exists(socket):
+            with grpc.insecure_channel(f"unix:{socket}") as ch:
+                try:
+                    resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+        time.sleep(0.05)
+    raise AssertionError(f"daemon not SERVING within {timeout} s:\n{log.read_text()}")
+
+
+@pytest.fixture
+def daemon_factory(tmp_path):
+    started: list[Daemon] = []
+    cleanup: list[pathlib.Path] = []
+
+    def start(backend: str = "host", *, env: dict | None = None, wait: bool = True, shared_dir: bool = False, **settings) -> Daemon:
+        """shared_dir: put the sockets where other uids can reach them (the
+        pytest tmp dir is private to root)."""
+        n = len(started)
+        sock_dir = tmp_path
+        if shared_dir:
+            sock_dir = pathlib.Path(tempfile.mkdtemp(prefix="kvc-shared-"))
+            sock_dir.chmod(0o755)
+            cleanup.append(sock_dir)
+        sock = str(sock_dir / f"kvc{n}.sock")
+        log = tmp_path / f"daemon{n}.log"
+        extra_env: dict[str, str] = {}
+        report = None
+        if backend == "cuda":
+            state = sock_dir / f"gpu{n}"
+            state.mkdir()
+            if shared_dir:
+                state.chmod(0o1777)
+            extra_env = testdriver_env(state)
+            report = tmp_path / f"leaks{n}.json"
+        extra_env.update(env or {})
+        args = ["--socket", sock, "--backend", backend]
+        settings.setdefault("memory_limit", "256MiB")
+        settings.setdefault("shutdown_grace", "0.5")
+        for k, v in settings.items():
+            if isinstance(v, bool):
+                args.append(f"--{k.replace('_', '-')}" if v else f"--no-{k.replace('_', '-')}")
+            else:
+                args += [f"--{k.replace('_', '-')}", str(v)]
+        penv = dict(os.environ)
+        penv.update(extra_env)
+        if report is not None:
+            penv["KVCACHED_TESTDRV_REPORT"] = str(report)
+        penv["PYTHONPATH"] = str(ROOT)
+        with open(log, "w") as logf:
+            proc = subprocess.Popen(SERVE + args, env=penv, stdout=logf, stderr=subprocess.STDOUT)
+        d = Daemon(proc, sock, log, extra_env, report)
+        started.append(d)
+        if wait:
+            wait_serving(sock, proc, log)
+        return d
+
+    yield start
+    problems = []
+    for d in started:
+        if d.proc.poll() is None:
+            rc = d.stop()
+            if rc != 0:
+                problems.append(f"daemon exited {rc} after SIGTERM:\n{d.log_text()}")
+            for path in (d.socket, d.fd_socket):
+                if os.path.exists(path):
+                    problems.append(f"{path} left behind after shutdown")
+            if d.report is not None:
+                problems.extend(leak_problems(d.report))
+    for path in cleanup:
+        shutil.rmtree(path, ignore_errors=True)
+    if problems:
+        pytest.fail("\n".join(problems))
+
+
+def leak_problems(report: pathlib.Path) -> list[str]:
+    """Problems in a test-driver leak report (empty list = clean)."""
+    if not report.exists():
+        return [f"test driver wrote no leak report at {report}"]
+    data = json.loads(report.read_text())
+    leaks = data.get("leaks", data)
+    bad = {k: v for k, v in leaks.items() if isinstance(v, int) and v}
+    return [f"test driver reports leaks at daemon exit: {bad}"] if bad else []
+
+
+@pytest.fixture(params=backends())
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def daemon(daemon_factory, backend):
+    return daemon_factory(backend)
+
+
+@pytest.fixture
+def host_daemon(daemon_factory):
+    return daemon_factory("host")
+
+
+def wait_until(pred, timeout: float = 5.0, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    return pred()
+
+
+def assert_books(stats) -> None:
+    """Invariant 7: pooled + in_use + free == budget, per device and total."""
+    for name, p in [("total", stats.total), *stats.devices.items()]:
+        assert p.pooled_bytes + p.in_use_bytes + p.free_bytes == p.budget_bytes, (name, p)

@@ -1,0 +1,126 @@
+"""A client process driven by the tests: `client_proc.py MODE [args]`.
+
+Modes (each prints one JSON line on stdout when it reaches its checkpoint):
+  hold N NAME            allocate N pages, write a pattern, print ids, wait for
+                         a line on stdin, verify the pattern, free, exit
+  zeros N                allocate N pages, report whether all read as zeros
+  write-free N BYTE      allocate N pages, fill with BYTE, free, exit
+  keep-after-free N BYTE allocate N pages, fill, free WITHOUT unmapping, print,
+                         wait for stdin, then report what the mapping reads
+  raw-allocate N         Allocate over gRPC but never read the fd channel;
+                         print and sleep until killed
+  loop SECONDS N         allocate/verify/free N pages in a loop; print counts
+  sleep-open             open a session, print, sleep until killed
+"""
+
+import json
+import os
+import sys
+import time
+
+from kvcached_service.client import Client
+from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
+
+
+def out(**kw):
+    print(json.dumps(kw), flush=True)
+
+
+def pattern(page_id: int, size: int) -> bytes:
+    unit = page_id.to_bytes(8, "little") + os.getpid().to_bytes(8, "little")
+    return (unit * (size // len(unit) + 1))[:size]
+
+
+def drop_privileges() -> None:
+    """KVCACHED_TEST_AS_UID=uid:gid: become that user after every import (the
+    interpreter lives where other uids cannot read it), before connecting,
+    so the daemon sees that uid on the fd channel."""
+    spec = os.environ.get("KVCACHED_TEST_AS_UID")
+    if spec:
+        import mmap  # noqa: F401 - imported while still privileged
+        import kvcached_service.client.region  # noqa: F401
+
+        uid, gid = (int(x) for x in spec.split(":"))
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+
+
+def main() -> int:
+    mode, args = sys.argv[1], sys.argv[2:]
+    drop_privileges()
+    client = Client.from_env()
+    s = client.open_session(f"{mode}-{os.getpid()}")
+    if mode == "hold":
+        n = int(args[0])
+        pages = s.allocate(n)
+        for p in pages:
+            p.write(0, pattern(p.id, 4096))
+            p.write(p.size - 4096, pattern(p.id, 4096))
+        out(session=s.id, pages=[p.id for p in pages], pid=os.getpid())
+        sys.stdin.readline()
+        ok = all(p.read(0, 4096) == pattern(p.id, 4096) and p.read(p.size - 4096, 4096) == pattern(p.id, 4096) for p in pages)
+        s.free(pages)
+        out(intact=ok)
+    elif mode == "zeros":
+        n = int(args[0])
+        pages = s.allocate(n)
+        zero = bytes(pages[0].size)
+        out(session=s.id, pages=[p.id for p in pages], zeros=all(p.read() == zero for p in pages))
+        s.free(pages)
+    elif mode == "write-free":
+        n, byte = int(args[0]), int(args[1])
+        pages = s.allocate(n)
+        for p in pages:
+            p.write(0, bytes([byte]) * p.size)
+        ids = [p.id for p in pages]
+        s.free(pages)
+        out(session=s.id, pages=ids)
+    elif mode == "keep-after-free":
+        n, byte = int(args[0]), int(args[1])
+        resp, fds = s.allocate_fds(n)
+        import mmap
+
+        maps = [mmap.mmap(fd, resp.page_size) for fd in fds]
+        for m in maps:
+            m[:] = bytes([byte]) * resp.page_size
+        s.free_ids(resp.page_ids)  # misbehave: keep the mappings and fds
+        out(session=s.id, pages=list(resp.page_ids))
+        sys.stdin.readline()
+        for m in maps:  # write again into pages we no longer own
+            m[:16] = bytes([byte]) * 16
+        out(still=[m[0] for m in maps])
+        sys.stdin.readline()
+    elif mode == "raw-allocate":
+        n = int(args[0])
+        resp = s.client._stub.Allocate(pb.AllocateRequest(session=s.ref, num_pages=n))
+        out(session=s.id, pages=list(resp.page_ids))
+        time.sleep(3600)
+    elif mode == "loop":
+        seconds, n = float(args[0]), int(args[1])
+        end = time.monotonic() + seconds
+        rounds = errors = 0
+        while time.monotonic() < end:
+            pages = s.allocate(n)
+            for p in pages:
+                if p.read(0, 64) != bytes(64):
+                    errors += 1
+                p.write(0, pattern(p.id, 64))
+            for p in pages:
+                if p.read(0, 64) != pattern(p.id, 64):
+                    errors += 1
+            s.free(pages)
+            rounds += 1
+        out(session=s.id, rounds=rounds, errors=errors)
+    elif mode == "sleep-open":
+        out(session=s.id, pid=os.getpid())
+        time.sleep(3600)
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    s.close()
+    client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Region: reserve once, map and unmap any page-aligned range, one Allocate
+per map call, data that survives other ranges changing."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import assert_books
+from kvcached_service import errors
+
+MiB = 1 << 20
+
+
+def test_prefix_growth_and_trim(daemon):
+    with daemon.client() as c, c.open_session("r") as s, s.region(64 * MiB) as r:
+        assert r.mapped_bytes == 0
+        r.grow_to(5 * MiB)  # rounds up to 3 pages
+        assert r.mapped_pages == 3 and r.mapped_ranges() == [(0, 6 * MiB)]
+        r.write(0, b"head")
+        r.write(6 * MiB - 4, b"tail")
+        before = s.my_stats().allocations_total
+        r.grow_to(20 * MiB)
+        assert s.my_stats().allocations_total == before + 1
+        assert r.read(0, 4) == b"head" and r.read(6 * MiB - 4, 4) == b"tail"
+        assert r.read(10 * MiB, 16) == bytes(16)
+        r.trim_to(4 * MiB)
+        assert r.mapped_ranges() == [(0, 4 * MiB)]
+        assert s.my_stats().pages_held == 2
+        assert r.read(0, 4) == b"head"
+        with pytest.raises(errors.FailedPrecondition, match="not mapped"):
+            r.read(5 * MiB, 1)
+        assert_books(s.stats())
+
+
+def test_many_tensor_prefixes_in_one_allocate(daemon):
+    """llama.cpp layout: every layer's K and V at a page-aligned offset; map
+    the prefix [0, n_kv) of each with one Allocate."""
+    layers, tensor = 4, 8 * MiB
+    with daemon.client() as c, c.open_session("kv") as s, s.region(2 * layers * tensor) as r:
+        offsets = [i * tensor for i in range(2 * layers)]
+        before = s.my_stats().allocations_total
+        r.map_ranges([(off, 3 * MiB) for off in offsets])  # 2 pages each
+        assert s.my_stats().allocations_total == before + 1
+        assert r.mapped_pages == 2 * 2 * layers
+        for i, off in enumerate(offsets):
+            r.write(off, bytes([i + 1]) * 64)
+        r.map_ranges([(off, 5 * MiB) for off in offsets])  # grow each prefix to 3 pages
+        assert r.mapped_pages == 3 * 2 * layers
+        for i, off in enumerate(offsets):
+            assert r.read(off, 64) == bytes([i + 1]) * 64
+        # trim every tensor back to one page, in one Free each
+        for off in offsets:
+            r.unmap(off + 2 * MiB, 4 * MiB)
+        assert r.mapped_pages == 2 * layers
+        assert s.my_stats().pages_held == 2 * layers
+
+
+def test_unmap_middle_and_remap_reads_zero(daemon):
+    with daemon.client() as c, c.open_session("r") as s, s.region(16 * MiB) as r:
+        r.map(0, 16 * MiB)
+        r.write(4 * MiB, b"x" * 100)
+        r.unmap(4 * MiB, 2 * MiB)
+        assert r.mapped_ranges() == [(0, 4 * MiB), (6 * MiB, 10 * MiB)]
+        r.map(4 * MiB, 2 * MiB)
+        assert r.read(4 * MiB, 100) == bytes(100), "a page given back and re-mapped must read as zeros"
+
+
+def test_bad_ranges(daemon):
+    with daemon.client() as c, c.open_session("r") as s, s.region(8 * MiB) as r:
+        with pytest.raises(errors.InvalidArgument, match="not a multiple of the page size"):
+            r.map(MiB, MiB)
+        with pytest.raises(errors.InvalidArgument, match="outside the region"):
+            r.map(6 * MiB, 4 * MiB)
+        with pytest.raises(errors.InvalidArgument, match="negative"):
+            r.map(0, -1)
+        with pytest.raises(errors.InvalidArgument, match="not a multiple of the page size"):
+            r.unmap(0, MiB)
+        assert r.mapped_pages == 0 and s.my_stats().pages_held == 0
+
+
+def test_region_close_gives_everything_back(daemon):
+    with daemon.client() as c, c.open_session("r") as s:
+        r = s.region(32 * MiB)
+        r.map(0, 32 * MiB)
+        assert s.my_stats().pages_held == 16
+        r.close()
+        assert s.my_stats().pages_held == 0
+        with pytest.raises(errors.FailedPrecondition, match="closed"):
+            r.map(0, MiB)
+
+
+def test_region_larger_than_budget_reserves_but_cannot_fill(daemon):
+    with daemon.client() as c, c.open_session("r") as s, s.region(1 << 34) as r:  # 16 GiB of address space
+        r.map(0, 64 * MiB)
+        with pytest.raises(errors.ResourceExhausted):
+            r.map(0, 1 << 30)
+        assert r.mapped_bytes == 64 * MiB  # the failed map left the mapped prefix alone
