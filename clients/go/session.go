@@ -416,7 +416,7 @@ func (s *Session) dropOrphanLocked(id uint64, pa *pendingAlloc) {
 		return
 	}
 	ids := pa.ids
-	s.log.Warn("kvcached: freeing pages of an allocation whose Allocate call was abandoned", "allocation_id", id, "pages", len(ids))
+	s.log.Info("kvcached: freeing pages of an allocation whose Allocate call was abandoned", "allocation_id", id, "pages", len(ids))
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
