@@ -48,7 +48,6 @@ class CudaUnavailable(errors.FailedPrecondition):
 class _Device:
     spec: DeviceSpec
     ctx: int | None = None  # retained primary context (worker_init .. worker_exit)
-    thread: int | None = None  # worker thread ident
     window: int = 0  # zeroing window base (0: none reserved)
     window_size: int = 0
     stuck: list = field(default_factory=list)  # (addr, size) the window failed to unmap
@@ -61,6 +60,7 @@ class CudaBackend(Backend):
     def __init__(self, driver: cu.Driver | None = None):
         self._drv = driver or cu.load()
         self._lock = threading.Lock()
+        self._tls = threading.local()  # .current: set of devices whose context this thread made current
         self._devices: list[_Device] = []
         self._closed = False
         self._probe()
@@ -151,7 +151,7 @@ class CudaBackend(Backend):
             self._drv.cuDevicePrimaryCtxRelease_v2(d.spec.ordinal)
             raise
         d.ctx = ctx.value
-        d.thread = threading.get_ident()
+        self._current_set().add(device)
 
     def worker_exit(self, device: int) -> None:
         d = self._dev(device)
@@ -169,7 +169,7 @@ class CudaBackend(Backend):
         except cu.CudaDriverError as exc:
             first = first or exc
         d.ctx = None
-        d.thread = None
+        self._current_set().discard(device)
         if first is not None:
             raise first
 
@@ -264,11 +264,17 @@ class CudaBackend(Backend):
             raise errors.NotFound(f"no CUDA device {device} (this backend has {len(self._devices)})")
         return self._devices[device]
 
+    def _current_set(self) -> set:
+        cur = getattr(self._tls, "current", None)
+        if cur is None:
+            cur = self._tls.current = set()
+        return cur
+
     @contextlib.contextmanager
     def _context(self, d: _Device, force: bool = False):
         """The device's primary context current on this thread for the block.
         On the worker thread after worker_init it already is: no calls."""
-        if not force and d.ctx is not None and d.thread == threading.get_ident():
+        if not force and d.ctx is not None and d.spec.ordinal in self._current_set():
             yield
             return
         drv = self._drv

@@ -18,6 +18,8 @@ import textwrap
 from ctypes import byref
 
 from kvcached_service import errors
+from kvcached_service.backends.cuda import CudaUnavailable, open_backend  # noqa: F401  (for child scripts)
+from kvcached_service.client.cuda_mapper import CudaMapper  # noqa: F401
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HERE = pathlib.Path(__file__).resolve().parent
@@ -67,10 +69,11 @@ class Sim:
             raise AssertionError(f"child exited {p.returncode}, expected {expect_rc}\nstdout:\n{stdout}\nstderr:\n{stderr}")
         return res
 
-    def spawn(self, body: str, **env: str) -> subprocess.Popen:
+    def spawn(self, body: str, pass_fds: tuple[int, ...] = (), **env: str) -> subprocess.Popen:
+        """A child that talks over stdin/stdout lines; `pass_fds` are inherited."""
         return subprocess.Popen(
             self.script(body), env=self.proc_env(**env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
+            stderr=subprocess.PIPE, text=True, pass_fds=pass_fds,
         )
 
     def report_of(self, pid: int) -> dict | None:
@@ -225,3 +228,26 @@ def recv_fds(sock_fd: int, maxfds: int = 253) -> tuple[bytes, list[int]]:
 def wait_line() -> str:
     """Block until the test writes a line to our stdin."""
     return sys.stdin.readline().strip()
+
+
+_worker = None
+
+
+def on_worker(fn):
+    """Run fn on this process's one worker thread (as the daemon runs every
+    backend call of a device on that device's worker); re-raise its error."""
+    global _worker
+    from concurrent.futures import ThreadPoolExecutor
+
+    if _worker is None:
+        _worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cuda-worker")
+    return _worker.submit(fn).result()
+
+
+def describe(exc: BaseException) -> dict:
+    return dict(
+        cls=type(exc).__name__,
+        exhausted=isinstance(exc, errors.ResourceExhausted),
+        internal=isinstance(exc, errors.Internal),
+        message=str(exc),
+    )

@@ -1,0 +1,206 @@
+"""CudaBackend on the test driver: pages, zeroing, rollback under failure
+injection at every driver call of create_pages, start-up checks. Backend
+methods run on a thread of their own (on_worker), as the daemon's
+per-device worker runs them."""
+
+from __future__ import annotations
+
+import pytest
+
+from tdkit import GRAN
+
+def test_create_zero_release(sim):
+    r = sim.run(f"""
+        b = open_backend()
+        spec = b.devices()[0]
+        on_worker(lambda: b.worker_init(0))
+        fresh = on_worker(lambda: b.create_pages(0, 2, 2 * GRAN, zero=False))
+        zeroed = on_worker(lambda: b.create_pages(0, 3, GRAN, zero=True))
+        free_total = b.memory_info(0)             # from another thread: scoped context
+        m = CudaMapper(spec.uuid)
+        base = m.reserve(7 * GRAN)
+        addr = base
+        for p in fresh + zeroed:
+            m.map(addr, os.dup(p.fd), p.size); addr += p.size
+        fresh_bytes = m.read(base, 4).hex()
+        zero_ok = all(m.read(base + 4 * GRAN + i * GRAN, GRAN) == bytes(GRAN) for i in range(3))
+        m.write(base + 4 * GRAN + 10, b"dirty")
+        on_worker(lambda: b.zero_pages(0, zeroed + fresh))
+        after_zero = all(m.read(base + off, GRAN) == bytes(GRAN) for off in range(0, 7 * GRAN, GRAN))
+        addr = base
+        for p in fresh + zeroed:
+            m.unmap(addr, p.size, None); addr += p.size
+        m.release(base, 7 * GRAN); m.close()
+        on_worker(lambda: b.release_pages(0, fresh + zeroed))
+        fds = [p.fd for p in fresh + zeroed]
+        end = b.memory_info(0)
+        on_worker(lambda: b.worker_exit(0)); b.close()
+        out(spec=[spec.uuid, spec.kind, spec.granularity, spec.total_bytes], free_total=free_total,
+            fresh=fresh_bytes, zero_ok=zero_ok, after_zero=after_zero, fds=fds, end=end)
+    """)
+    assert r["spec"] == ["GPU-7e57d71e-0000-4000-8000-000000000000", "cuda", GRAN, 64 << 20]
+    assert r["free_total"] == [(64 << 20) - 7 * GRAN, 64 << 20]
+    assert r["fresh"] == "dbdbdbdb"  # not zeroed: the driver's fresh memory shows
+    assert r["zero_ok"] and r["after_zero"]
+    assert r["fds"] == [-1] * 5
+    assert r["end"] == [64 << 20, 64 << 20]
+    assert r.report["leaks"] == 0, r.report
+
+
+def test_out_of_memory_is_resource_exhausted_and_rolls_back(sim):
+    r = sim.run("""
+        b = open_backend(); on_worker(lambda: b.worker_init(0))
+        keep = on_worker(lambda: b.create_pages(0, 2, GRAN, zero=True))
+        try:
+            on_worker(lambda: b.create_pages(0, 3, GRAN, zero=True))
+            err = None
+        except Exception as exc:
+            err = describe(exc)
+        info = b.memory_info(0)
+        on_worker(lambda: b.release_pages(0, keep)); on_worker(lambda: b.worker_exit(0)); b.close()
+        out(err=err, info=info)
+    """, KVCACHED_TESTDRV_MEMORY=str(4 * GRAN))
+    assert r["err"]["exhausted"] and not r["err"]["internal"]
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in r["err"]["message"] and "cuMemCreate" in r["err"]["message"]
+    assert r["info"] == [2 * GRAN, 4 * GRAN]  # the 2 created before the failure are gone
+    assert r.report["leaks"] == 0, r.report
+
+
+CREATE = """
+    b = open_backend(); on_worker(lambda: b.worker_init(0))
+    try:
+        pages = on_worker(lambda: b.create_pages(0, 40, GRAN, zero=True))
+        err = None
+    except Exception as exc:
+        pages, err = [], describe(exc)
+    info = b.memory_info(0)
+    on_worker(lambda: b.release_pages(0, pages))
+    on_worker(lambda: b.worker_exit(0))
+    b.close()
+    out(err=err, info=info, n=len(pages))
+"""
+
+CREATE_CALLS = (
+    "cuMemCreate",
+    "cuMemExportToShareableHandle",
+    "cuMemAddressReserve",
+    "cuMemMap",
+    "cuMemSetAccess",
+    "cuMemsetD8_v2",
+    "cuCtxSynchronize",
+    "cuMemUnmap",
+)
+
+
+def test_rollback_at_every_driver_call_of_create_pages(sim):
+    """40 pages, zeroed (two zeroing batches): every call of every driver
+    function create_pages makes fails once in turn. Each time: a clean
+    typed error naming the driver error, nothing left allocated, exported,
+    mapped or reserved, and the device all free."""
+    base = sim.run(CREATE, KVCACHED_TESTDRV_MEMORY=str(64 * GRAN))
+    assert base["err"] is None and base["n"] == 40
+    assert base.report["leaks"] == 0
+    calls = base.report["calls"]
+    cases = [(fn, n) for fn in CREATE_CALLS for n in sorted({1, 2, calls[fn] // 2 + 1, calls[fn]}) if n <= calls[fn]]
+    assert all(calls[fn] >= 1 for fn in CREATE_CALLS), calls
+    for fn, n in cases:
+        for err in ("CUDA_ERROR_OUT_OF_MEMORY", "CUDA_ERROR_UNKNOWN"):
+            r = sim.run(CREATE, KVCACHED_TESTDRV_MEMORY=str(64 * GRAN), KVCACHED_TESTDRV_FAIL=f"{fn}:{n}:{err}")
+            case = f"{fn} call {n} -> {err}"
+            assert r["err"] is not None, case
+            assert r["n"] == 0, case
+            assert err in r["err"]["message"] and fn in r["err"]["message"], (case, r["err"])
+            if err == "CUDA_ERROR_OUT_OF_MEMORY":
+                assert r["err"]["exhausted"] and not r["err"]["internal"], (case, r["err"])
+            else:
+                assert r["err"]["internal"] and not r["err"]["exhausted"], (case, r["err"])
+            assert r["info"] == [64 * GRAN, 64 * GRAN], case
+            assert r.report["leaks"] == 0, (case, r.report)
+            assert [i["function"] for i in r.report["injected"]] == [fn], case
+
+
+def test_release_keeps_going_and_close_retries(sim):
+    r = sim.run("""
+        b = open_backend(); on_worker(lambda: b.worker_init(0))
+        pages = on_worker(lambda: b.create_pages(0, 3, GRAN, zero=False))
+        try:
+            on_worker(lambda: b.release_pages(0, pages))
+            err = None
+        except Exception as exc:
+            err = describe(exc)
+        info = b.memory_info(0)
+        on_worker(lambda: b.worker_exit(0))
+        b.close()                                  # retries the page whose release failed
+        out(err=err, info=info, fds=[p.fd for p in pages])
+    """, KVCACHED_TESTDRV_FAIL="cuMemRelease:1")
+    assert r["err"]["internal"] and "cuMemRelease" in r["err"]["message"]
+    assert r["fds"] == [-1, -1, -1]
+    assert r["info"][0] == r["info"][1] - GRAN  # only the failed one is still held
+    assert r.report["leaks"] == 0, r.report
+
+
+def test_close_releases_pages_the_pool_did_not(sim):
+    r = sim.run("""
+        b = open_backend(); on_worker(lambda: b.worker_init(0))
+        pages = on_worker(lambda: b.create_pages(0, 2, GRAN, zero=True))
+        on_worker(lambda: b.worker_exit(0))
+        b.close()
+        out(fds=[p.fd for p in pages])
+    """)
+    assert r["fds"] == [-1, -1]
+    assert r.report["leaks"] == 0, r.report
+
+
+def test_bad_page_size_is_invalid_argument(sim):
+    r = sim.run("""
+        b = open_backend(); on_worker(lambda: b.worker_init(0))
+        try:
+            on_worker(lambda: b.create_pages(0, 1, GRAN + 4096, zero=False)); err = None
+        except Exception as exc:
+            err = type(exc).__name__ + ": " + str(exc)
+        on_worker(lambda: b.worker_exit(0)); b.close()
+        out(err=err)
+    """)
+    assert r["err"].startswith("InvalidArgument") and "granularity" in r["err"]
+
+
+STARTUP = """
+    try:
+        b = open_backend(); err = None; b.close()
+    except CudaUnavailable as exc:
+        err = describe(exc)
+    out(err=err)
+"""
+
+
+@pytest.mark.parametrize(
+    "env, needles",
+    [
+        ({"KVCACHED_TESTDRV_NO_VMM": "1"}, ["device 0", "virtual memory management", "GPU-7e57d71e-0000"]),
+        (
+            {"KVCACHED_TESTDRV_DEVICES": "2", "KVCACHED_TESTDRV_NO_POSIX_FD": "dev1"},
+            ["device 1", "POSIX file descriptors", "GPU-7e57d71e-0001"],
+        ),
+        ({"KVCACHED_TESTDRV_FAIL": "cuMemGetAllocationGranularity:1:CUDA_ERROR_NOT_SUPPORTED"},
+         ["device 0", "granularity", "CUDA_ERROR_NOT_SUPPORTED"]),
+        ({"KVCACHED_TESTDRV_FAIL": "cuDeviceGetAttribute:1:CUDA_ERROR_UNKNOWN"},
+         ["device 0", "cuDeviceGetAttribute", "CUDA_ERROR_UNKNOWN"]),
+        ({"KVCACHED_TESTDRV_FAIL": "cuInit:1"}, ["cuInit", "CUDA_ERROR_NO_DEVICE"]),
+        ({"KVCACHED_TESTDRV_DEVICES": "0"}, ["cuInit", "CUDA_ERROR_NO_DEVICE"]),
+        ({"KVCACHED_LIBCUDA": "/nonexistent/libcuda.so.1"}, ["cannot load", "/nonexistent/libcuda.so.1", "KVCACHED_LIBCUDA"]),
+    ],
+)
+def test_startup_refuses_and_says_why(sim, env, needles):
+    r = sim.run(STARTUP, **env)
+    assert r["err"] is not None, env
+    for needle in needles:
+        assert needle in r["err"]["message"], (needle, r["err"]["message"])
+
+
+def test_startup_ok_on_several_devices_with_visible_devices(sim):
+    r = sim.run("""
+        b = open_backend()
+        out(devs=[[d.uuid, d.ordinal] for d in b.devices()])
+        b.close()
+    """, KVCACHED_TESTDRV_DEVICES="3", CUDA_VISIBLE_DEVICES="2,1")
+    assert r["devs"] == [["GPU-7e57d71e-0002-4000-8000-000000000002", 0], ["GPU-7e57d71e-0001-4000-8000-000000000001", 1]]
