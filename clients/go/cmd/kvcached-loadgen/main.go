@@ -312,18 +312,19 @@ func run(cfg *config) int {
 		runners = append(runners, r)
 	}
 
-	rctx, rcancel := context.WithTimeout(ctx, cfg.duration)
-	defer rcancel()
+	// Requests in flight at the end finish (so nothing is abandoned
+	// half-way); a signal cancels them.
 	start := time.Now()
+	end := start.Add(cfg.duration)
 	var wg sync.WaitGroup
 	for _, r := range runners {
 		wg.Add(1)
 		go func(r *runner) {
 			defer wg.Done()
 			rng := rand.New(rand.NewSource(cfg.seed + int64(r.id)))
-			for rctx.Err() == nil {
-				if err := r.request(rctx, rng); err != nil {
-					if rctx.Err() != nil {
+			for ctx.Err() == nil && time.Now().Before(end) {
+				if err := r.request(ctx, rng); err != nil {
+					if ctx.Err() != nil {
 						return
 					}
 					st.errs.Add(1)
@@ -333,7 +334,7 @@ func run(cfg *config) int {
 				if rng.Float64() < cfg.idle {
 					select {
 					case <-time.After(time.Duration(rng.Intn(200)) * time.Millisecond):
-					case <-rctx.Done():
+					case <-ctx.Done():
 					}
 				}
 			}
