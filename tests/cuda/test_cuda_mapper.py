@@ -1,0 +1,196 @@
+"""CudaMapper: a daemon-side process (CudaBackend) hands pages to client
+processes over SCM_RIGHTS, as the daemon does; the clients map them by
+device UUID with their own ordinals, write and read across processes."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+from tdkit import GRAN
+
+DAEMON = """
+sock = {sock}
+b = open_backend()
+on_worker(lambda: b.worker_init({device}))
+pages = on_worker(lambda: b.create_pages({device}, 3, GRAN, zero=True))
+uuid = b.devices()[{device}].uuid
+send_fds(sock, [p.fd for p in pages], uuid.encode())
+send_fds(sock, [p.fd for p in pages], uuid.encode())   # the same pages to a second client
+out(uuid=uuid)
+wait_line()                                  # clients wrote; now clear page 1 everywhere
+on_worker(lambda: b.zero_pages({device}, pages[1:2]))
+out(zeroed=True)
+wait_line()                                  # clients let go
+info_before = b.memory_info({device})
+on_worker(lambda: b.release_pages({device}, pages))
+info_after = b.memory_info({device})
+on_worker(lambda: b.worker_exit({device})); b.close()
+out(info_before=info_before, info_after=info_after)
+"""
+
+CLIENT = """
+sock = {sock}
+msg, fds = recv_fds(sock)
+m = CudaMapper(msg.decode())
+base = m.reserve(4 * GRAN)
+closed_by_mapper = []
+_close = os.close
+os.close = lambda fd: (closed_by_mapper.append(fd), _close(fd))[1]
+for i, fd in enumerate(fds):
+    m.map(base + i * GRAN, fd, GRAN)           # map() closes the fd
+os.close = _close
+closed = [fd in closed_by_mapper for fd in fds]
+m.write(base + {slot} * GRAN + 100, b"client {name} was here")
+out(ordinal=m.ordinal, closed=closed, zero=m.read(base, 64) == bytes(64))
+wait_line()                                  # the other client wrote
+other = {other}
+out(other=m.read(base + other * GRAN + 100, 17).decode())
+wait_line()                                  # daemon zeroed page 1
+out(page1=m.read(base + GRAN, GRAN) == bytes(GRAN), page0=m.read(base + 100, 17).decode())
+for i in range(3):
+    m.unmap(base + i * GRAN, GRAN, None)
+m.release(base, 4 * GRAN)
+m.close()
+out(done=True)
+"""
+
+
+def _line(proc) -> dict:
+    line = proc.stdout.readline()
+    if not line:
+        raise AssertionError(f"child ended early (rc={proc.poll()}):\n{proc.stderr.read()}")
+    return json.loads(line)
+
+
+def _tell(proc) -> None:
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+
+
+def test_mapper_map_write_read_across_processes_by_uuid(sim):
+    env = dict(KVCACHED_TESTDRV_DEVICES="2")
+    d_a, d_b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    daemon = sim.spawn(DAEMON.format(sock=d_a.fileno(), device=1), pass_fds=(d_a.fileno(),), **env)
+    # client A sees the daemon's device 1 as its ordinal 0; client B sees both devices, in reverse order
+    c1 = sim.spawn(CLIENT.format(sock=d_b.fileno(), slot=0, name="A", other=2),
+                   pass_fds=(d_b.fileno(),), CUDA_VISIBLE_DEVICES="1", **env)
+    procs = [daemon, c1]
+    try:
+        uuid = _line(daemon)["uuid"]
+        assert uuid == "GPU-7e57d71e-0001-4000-8000-000000000001"
+        c2 = sim.spawn(CLIENT.format(sock=d_b.fileno(), slot=2, name="B", other=0),
+                       pass_fds=(d_b.fileno(),), CUDA_VISIBLE_DEVICES="1,0", **env)
+        procs.append(c2)
+        a, b = _line(c1), _line(c2)
+        assert (a["ordinal"], b["ordinal"]) == (0, 0)
+        assert a["closed"] == b["closed"] == [True, True, True]
+        assert a["zero"]  # create_pages(zero=True)
+        _tell(c1), _tell(c2)
+        assert _line(c1) == {"other": "client B was here"}
+        assert _line(c2) == {"other": "client A was here"}
+        _tell(daemon)
+        assert _line(daemon) == {"zeroed": True}
+        _tell(c1), _tell(c2)
+        for c in (c1, c2):
+            assert _line(c) == {"page1": True, "page0": "client A was here"}
+            assert _line(c) == {"done": True}
+            c.stdin.close()
+            assert c.wait(10) == 0, c.stderr.read()
+        _tell(daemon)
+        end = _line(daemon)
+        assert end["info_before"] == [(64 << 20) - 3 * GRAN, 64 << 20]
+        assert end["info_after"] == [64 << 20, 64 << 20]
+        daemon.stdin.close()
+        assert daemon.wait(10) == 0, daemon.stderr.read()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        d_a.close()
+        d_b.close()
+    for p in procs:
+        rep = sim.report_of(p.pid)
+        assert rep is not None and rep["leaks"] == 0, rep
+
+
+def test_client_keeping_a_page_pins_it_device_wide(sim):
+    """A client that keeps a page mapped after the daemon released it still
+    holds the memory: the daemon's cuMemGetInfo sees it."""
+    d_a, d_b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    daemon = sim.spawn(f"""
+        b = open_backend(); on_worker(lambda: b.worker_init(0))
+        pages = on_worker(lambda: b.create_pages(0, 2, GRAN, zero=True))
+        send_fds({d_a.fileno()}, [pages[0].fd], b.devices()[0].uuid.encode())
+        wait_line()
+        on_worker(lambda: b.release_pages(0, pages))
+        out(free=b.memory_info(0)[0])
+        wait_line()
+        out(free=b.memory_info(0)[0])
+        on_worker(lambda: b.worker_exit(0)); b.close()
+    """, pass_fds=(d_a.fileno(),))
+    client = sim.spawn(f"""
+        msg, fds = recv_fds({d_b.fileno()})
+        m = CudaMapper(msg.decode()); base = m.reserve(GRAN); m.map(base, fds[0], GRAN)
+        out(mapped=True)
+        wait_line()
+        m.close()                                # unmaps and frees what is left
+        out(closed=True)
+    """, pass_fds=(d_b.fileno(),))
+    try:
+        assert _line(client) == {"mapped": True}
+        _tell(daemon)
+        assert _line(daemon) == {"free": (64 << 20) - GRAN}
+        _tell(client)
+        assert _line(client) == {"closed": True}
+        _tell(daemon)
+        assert _line(daemon) == {"free": 64 << 20}
+        for p in (client, daemon):
+            p.stdin.close()
+            assert p.wait(10) == 0, p.stderr.read()
+    finally:
+        for p in (client, daemon):
+            if p.poll() is None:
+                p.kill()
+        d_a.close()
+        d_b.close()
+    assert sim.report_of(client.pid)["leaks"] == 0
+    assert sim.report_of(daemon.pid)["leaks"] == 0
+
+
+def test_mapper_unknown_uuid_is_not_found(sim):
+    r = sim.run("""
+        try:
+            CudaMapper("GPU-00000000-0000-0000-0000-000000000000"); err = None
+        except errors.NotFound as exc:
+            err = str(exc)
+        out(err=err)
+    """, CUDA_VISIBLE_DEVICES="0")
+    assert "not visible" in r["err"] and "GPU-7e57d71e-0000" in r["err"] and "CUDA_VISIBLE_DEVICES=0" in r["err"]
+
+
+def test_mapper_map_failure_closes_fd_and_leaks_nothing(sim):
+    r = sim.run("""
+        b = open_backend(); on_worker(lambda: b.worker_init(0))
+        pages = on_worker(lambda: b.create_pages(0, 1, GRAN, zero=True))
+        m = CudaMapper(b.devices()[0].uuid)
+        base = m.reserve(GRAN)
+        results = []
+        closed = []
+        _close = os.close
+        os.close = lambda fd: (closed.append(fd), _close(fd))[1]
+        for _ in range(2):
+            fd = os.dup(pages[0].fd)
+            try:
+                m.map(base, fd, GRAN); results.append("ok")
+            except errors.KVCachedError as exc:
+                results.append(exc.name)
+            results.append("fd closed" if fd in closed else "fd open")
+        os.close = _close
+        m.unmap(base, GRAN, None); m.release(base, GRAN); m.close()
+        on_worker(lambda: b.release_pages(0, pages)); on_worker(lambda: b.worker_exit(0)); b.close()
+        out(results=results)
+    """, KVCACHED_TESTDRV_FAIL="cuMemSetAccess:2:CUDA_ERROR_UNKNOWN")
+    # call 1 of cuMemSetAccess is the daemon's zeroing; call 2 is the mapper's first map
+    assert r["results"] == ["CUDA_ERROR_UNKNOWN", "fd closed", "ok", "fd closed"]
+    assert r.report["leaks"] == 0, r.report
