@@ -255,6 +255,39 @@ kvc_status receive_pages(kvc_session *s, uint64_t allocation_id,
     return KVC_OK;
 }
 
+// Read what the daemon sent while no Allocate was waiting: GOODBYE/ERROR
+// (the session ended) or stray PAGES (given back). Never blocks.
+kvc_status drain_channel(kvc_session *s)
+{
+    auto rec = std::make_unique<kvc_fd_record>();
+    char err[512];
+    for (;;) {
+        int eof = 0;
+        kvc_status st = kvc_fd_recv(s->fd, 0, rec.get(), &eof, err, sizeof err);
+        if (st == KVC_ERR_DEADLINE_EXCEEDED)
+            return KVC_OK;  // nothing pending
+        if (st != KVC_OK)
+            return kvc_fail(st, "fd channel: %s", err);
+        if (eof) {
+            s->mark_ended("the fd channel was closed by the daemon");
+            return s->ended_error();
+        }
+        if (rec->type == KVC_FD_GOODBYE) {
+            s->mark_ended("GOODBYE on the fd channel");
+            return s->ended_error();
+        }
+        if (rec->type == KVC_FD_ERROR) {
+            s->mark_ended(std::string("ERROR on the fd channel: ") + rec->message);
+            return s->ended_error();
+        }
+        if (rec->type == KVC_FD_PAGES) {
+            std::vector<uint64_t> stray(rec->page_ids, rec->page_ids + rec->count);
+            kvc_fd_record_close_fds(rec.get());
+            session_free_ids(s, stray);
+        }
+    }
+}
+
 // Allocate n pages (split past max_pages_per_request), with their fds.
 // All or nothing.
 kvc_status session_allocate(kvc_session *s, uint64_t n, std::vector<uint64_t> &ids,
@@ -272,6 +305,9 @@ kvc_status session_allocate(kvc_session *s, uint64_t n, std::vector<uint64_t> &i
                         (unsigned long long)(s->held_pages.load() * s->page_size),
                         (unsigned long long)(n * s->page_size), (unsigned long long)limit);
     std::lock_guard<std::mutex> g(s->alloc_mu);
+    kvc_status drained = drain_channel(s);
+    if (drained != KVC_OK)
+        return drained;
     {
         std::lock_guard<std::mutex> w(s->watch_mu);
         s->available_pending = false;
@@ -335,18 +371,24 @@ kvc_status region_new(kvc_session *s, uint64_t max_bytes, kvc_region **out)
         return kvc_fail(KVC_ERR_INVALID_ARGUMENT, "region size %llu: must be 1..2^64-page",
                         (unsigned long long)max_bytes);
     uint64_t npages = size / s->page_size;
-    if (npages > (1ull << 40))
+    if (npages > (1ull << 32))
         return kvc_fail(KVC_ERR_NO_MEMORY, "region of %llu bytes is beyond any address space",
                         (unsigned long long)size);
     auto r = std::make_unique<kvc_region>();
     r->session = s;
     r->size = size;
     r->page = s->page_size;
-    r->ids.assign(npages, 0);
-    r->mapped.assign(npages, 0);
     kvc_status st = kvc_mapper_reserve(s->mapper, size, s->page_size, &r->base);
     if (st != KVC_OK)
         return st;
+    try {
+        r->ids.assign(npages, 0);
+        r->mapped.assign(npages, 0);
+    } catch (...) {
+        kvc_mapper_release(s->mapper, r->base, r->size);
+        return kvc_fail(KVC_ERR_NO_MEMORY, "no memory for the books of %llu pages",
+                        (unsigned long long)npages);
+    }
     {
         std::lock_guard<std::mutex> g(s->mu);
         s->regions++;
@@ -817,16 +859,6 @@ KVC_API kvc_status kvc_session_open(kvc_client *client, const kvc_session_option
             return kvc_fail(KVC_ERR_PROTOCOL, "device %s has page size 0", s->device.c_str());
 
         kvc_status st;
-        if (s->kind == "host")
-            st = kvc_mapper_create_host(&s->mapper);
-        else if (s->kind == "cuda")
-            st = kvc_mapper_create_cuda(s->device.c_str(), &s->mapper);
-        else
-            st = kvc_fail(KVC_ERR_PROTOCOL, "device %s has unknown kind \"%s\"",
-                          s->device.c_str(), s->kind.c_str());
-        if (st != KVC_OK)
-            return st;
-
         auto cleanup = [&] {
             if (s->fd >= 0)
                 close(s->fd);
@@ -861,6 +893,20 @@ KVC_API kvc_status kvc_session_open(kvc_client *client, const kvc_session_option
             cleanup();
             return st;
         }
+
+        // The driver is loaded only once the daemon has accepted us.
+        if (s->kind == "host")
+            st = kvc_mapper_create_host(&s->mapper);
+        else if (s->kind == "cuda")
+            st = kvc_mapper_create_cuda(s->device.c_str(), &s->mapper);
+        else
+            st = kvc_fail(KVC_ERR_PROTOCOL, "device %s has unknown kind \"%s\"",
+                          s->device.c_str(), s->kind.c_str());
+        if (st != KVC_OK) {
+            cleanup();
+            return st;
+        }
+
 
         pb::OpenSessionRequest req;
         req.set_channel_secret(rec->secret, KVC_FD_SECRET_SIZE);

@@ -1,0 +1,108 @@
+/* kvc_test_helper: small client processes the integration tests start (so
+ * each has its own environment, CUDA driver and lifetime).
+ *   helper open SOCK            open a session; prints "STATUS <name> <message>"
+ *   helper map SOCK PAGES       open, map PAGES pages of a region; prints the
+ *                               status of the map and the bytes still held
+ *                               after the region is destroyed
+ *   helper hold SOCK PAGES      open, map PAGES pages, print "READY", sleep
+ *   helper shrink SOCK ID       open, RequestShrink(session ID, 0); prints the status
+ *   helper cycle SOCK N         N x (connect, open, alloc, free, close,
+ *                               disconnect); exit 0 if all succeeded */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kvcached.h"
+
+static kvc_session *open_session(const char *sock, kvc_client **client, kvc_status *st)
+{
+    kvc_session *s = NULL;
+    *st = kvc_client_create(sock, client);
+    if (*st != KVC_OK)
+        return NULL;
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "helper";
+    *st = kvc_session_open(*client, &o, &s);
+    return s;
+}
+
+static void print_status(kvc_status st)
+{
+    printf("STATUS %s %s\n", kvc_status_to_string(st), st == KVC_OK ? "" : kvc_last_error());
+    fflush(stdout);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 3)
+        return 2;
+    const char *cmd = argv[1], *sock = argv[2];
+    uint64_t n = argc > 3 ? strtoull(argv[3], NULL, 0) : 1;
+    kvc_client *client = NULL;
+    kvc_status st;
+    if (strcmp(cmd, "cycle") == 0) {
+        for (uint64_t i = 0; i < n; i++) {
+            kvc_session *s = open_session(sock, &client, &st);
+            void *p = NULL;
+            if (st == KVC_OK)
+                st = kvc_session_alloc(s, 3u << 20, &p);
+            if (st == KVC_OK)
+                st = kvc_session_free(s, p);
+            kvc_region *r = NULL;
+            if (st == KVC_OK)
+                st = kvc_region_create(s, 16u << 20, &r);
+            if (st == KVC_OK)
+                st = kvc_region_map(r, 0, 5u << 20);
+            kvc_region_destroy(r);
+            if (s) {
+                kvc_status c = kvc_session_close(s);
+                if (st == KVC_OK)
+                    st = c;
+            }
+            kvc_client_destroy(client);
+            if (st != KVC_OK) {
+                print_status(st);
+                return 1;
+            }
+        }
+        print_status(KVC_OK);
+        return 0;
+    }
+    kvc_session *s = open_session(sock, &client, &st);
+    if (strcmp(cmd, "open") == 0 || st != KVC_OK) {
+        print_status(st);
+        kvc_session_close(s);
+        kvc_client_destroy(client);
+        return 0;
+    }
+    if (strcmp(cmd, "shrink") == 0) {
+        print_status(kvc_session_request_shrink(s, n, 0, 1000, NULL));
+        kvc_session_close(s);
+        kvc_client_destroy(client);
+        return 0;
+    }
+    kvc_region *r = NULL;
+    uint64_t page = kvc_session_page_size(s);
+    st = kvc_region_create(s, n * page, &r);
+    if (st == KVC_OK)
+        st = kvc_region_map(r, 0, n * page);
+    if (strcmp(cmd, "hold") == 0) {
+        if (st == KVC_OK) {
+            printf("READY\n");
+            fflush(stdout);
+            for (;;)
+                pause();
+        }
+        print_status(st);
+        return 1;
+    }
+    print_status(st);
+    kvc_region_destroy(r);
+    printf("HELD %" PRIu64 "\n", kvc_session_held_bytes(s));
+    kvc_session_close(s);
+    kvc_client_destroy(client);
+    return 0;
+}

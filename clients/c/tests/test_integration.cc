@@ -1,0 +1,1045 @@
+// Integration tests of libkvcached against a real kvcached-serve that the
+// tests start: on the host backend, or on the CUDA backend with the test
+// driver (KVC_TEST_BACKEND=cuda, KVCACHED_LIBCUDA pointing at it).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "kvcached.h"
+
+extern char **environ;
+
+namespace {
+
+std::string g_backend = "host";
+std::string g_serve;   // kvcached-serve
+std::string g_python;  // the venv's python
+std::string g_helper;  // kvc_test_helper
+std::string g_repo;
+std::string g_tmp;     // per-run scratch directory
+
+const uint64_t MiB = 1ull << 20;
+
+std::string env_or(const char *name, const char *def)
+{
+    const char *v = std::getenv(name);
+    return v && *v ? v : def;
+}
+
+// ---- processes ---------------------------------------------------------
+
+struct Proc {
+    pid_t pid = -1;
+    int in = -1, out = -1;  // child's stdin (write end), stdout (read end)
+
+    // Start argv with extra "K=V" environment entries; pipes optional.
+    bool start(const std::vector<std::string> &argv, const std::vector<std::string> &extra_env,
+               bool pipes, const std::string &log_path = "")
+    {
+        std::vector<std::string> envs;
+        for (char **e = environ; *e; e++) {
+            std::string kv = *e;
+            bool replaced = false;
+            for (const auto &x : extra_env)
+                if (kv.substr(0, kv.find('=') + 1) == x.substr(0, x.find('=') + 1))
+                    replaced = true;
+            if (!replaced)
+                envs.push_back(kv);
+        }
+        for (const auto &x : extra_env)
+            envs.push_back(x);
+        std::vector<char *> av, ev;
+        for (const auto &a : argv)
+            av.push_back(const_cast<char *>(a.c_str()));
+        av.push_back(nullptr);
+        for (const auto &e : envs)
+            ev.push_back(const_cast<char *>(e.c_str()));
+        ev.push_back(nullptr);
+        posix_spawn_file_actions_t fa;
+        posix_spawn_file_actions_init(&fa);
+        int pin[2] = {-1, -1}, pout[2] = {-1, -1};
+        if (pipes) {
+            if (pipe2(pin, O_CLOEXEC) || pipe2(pout, O_CLOEXEC))
+                return false;
+            posix_spawn_file_actions_adddup2(&fa, pin[0], 0);
+            posix_spawn_file_actions_adddup2(&fa, pout[1], 1);
+        }
+        if (!log_path.empty()) {
+            posix_spawn_file_actions_addopen(&fa, 2, log_path.c_str(),
+                                             O_WRONLY | O_CREAT | O_APPEND, 0644);
+            if (!pipes)
+                posix_spawn_file_actions_addopen(&fa, 1, log_path.c_str(),
+                                                 O_WRONLY | O_CREAT | O_APPEND, 0644);
+        }
+        int rc = posix_spawn(&pid, av[0], &fa, nullptr, av.data(), ev.data());
+        posix_spawn_file_actions_destroy(&fa);
+        if (pipes) {
+            close(pin[0]);
+            close(pout[1]);
+            in = pin[1];
+            out = pout[0];
+        }
+        return rc == 0;
+    }
+
+    std::string read_line(int timeout_s = 30)
+    {
+        std::string line;
+        auto until = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
+        char c;
+        while (std::chrono::steady_clock::now() < until) {
+            ssize_t n = read(out, &c, 1);
+            if (n <= 0)
+                break;
+            if (c == '\n')
+                return line;
+            line += c;
+        }
+        return line;
+    }
+
+    void write_line(const std::string &s)
+    {
+        std::string l = s + "\n";
+        ssize_t n = write(in, l.data(), l.size());
+        (void)n;
+    }
+
+    int wait()
+    {
+        int st = 0;
+        if (pid > 0)
+            waitpid(pid, &st, 0);
+        pid = -1;
+        if (in >= 0)
+            close(in);
+        if (out >= 0)
+            close(out);
+        in = out = -1;
+        return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    }
+
+    void kill_and_wait(int sig)
+    {
+        if (pid > 0)
+            kill(pid, sig);
+        wait();
+    }
+};
+
+// Run to completion, capturing stdout.
+std::string run(const std::vector<std::string> &argv, const std::vector<std::string> &env,
+                int *exit_code)
+{
+    Proc p;
+    if (!p.start(argv, env, true)) {
+        *exit_code = -1;
+        return "";
+    }
+    close(p.in);
+    p.in = -1;
+    std::string all;
+    char buf[4096];
+    ssize_t n;
+    while ((n = read(p.out, buf, sizeof buf)) > 0)
+        all.append(buf, n);
+    *exit_code = p.wait();
+    return all;
+}
+
+// ---- the daemon ----------------------------------------------------------
+
+struct Daemon {
+    std::string dir, sock, log;
+    Proc proc;
+
+    void start(const std::vector<std::string> &extra_args = {},
+               const std::vector<std::string> &extra_env = {})
+    {
+        char tmpl[512];
+        std::snprintf(tmpl, sizeof tmpl, "%s/daemon.XXXXXX", g_tmp.c_str());
+        ASSERT_NE(mkdtemp(tmpl), nullptr);
+        dir = tmpl;
+        sock = dir + "/k.sock";
+        log = dir + "/daemon.log";
+        std::vector<std::string> argv = {g_serve,          "--socket",         sock,
+                                         "--backend",      g_backend,          "--memory-limit",
+                                         "256MiB",         "--max-pages-per-request", "16"};
+        argv.insert(argv.end(), extra_args.begin(), extra_args.end());
+        ASSERT_TRUE(proc.start(argv, extra_env, false, log)) << "cannot start " << g_serve;
+        auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (std::chrono::steady_clock::now() < until) {
+            int st;
+            if (waitpid(proc.pid, &st, WNOHANG) == proc.pid) {
+                proc.pid = -1;
+                FAIL() << "daemon exited during start-up:\n" << tail();
+            }
+            kvc_client *c = nullptr;
+            if (kvc_client_create(sock.c_str(), &c) == KVC_OK) {
+                kvc_client_destroy(c);
+                return;
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        }
+        FAIL() << "daemon did not answer GetInfo within 60 s:\n" << tail();
+    }
+
+    std::string tail() const
+    {
+        std::ifstream f(log);
+        std::stringstream ss;
+        ss << f.rdbuf();
+        std::string s = ss.str();
+        return s.size() > 4000 ? s.substr(s.size() - 4000) : s;
+    }
+
+    void stop()
+    {
+        if (proc.pid > 0) {
+            kill(proc.pid, SIGTERM);
+            for (int i = 0; i < 100; i++) {
+                int st;
+                if (waitpid(proc.pid, &st, WNOHANG) == proc.pid) {
+                    proc.pid = -1;
+                    return;
+                }
+                std::this_thread::sleep_for(std::chrono::milliseconds(100));
+            }
+            proc.kill_and_wait(SIGKILL);
+        }
+    }
+
+    ~Daemon() { stop(); }
+};
+
+#define KVC_OK_OR_FAIL(expr)                                                             \
+    do {                                                                                 \
+        kvc_status st_ = (expr);                                                         \
+        ASSERT_EQ(st_, KVC_OK) << #expr << ": " << kvc_status_to_string(st_) << ": "     \
+                               << kvc_last_error();                                      \
+    } while (0)
+
+#define EXPECT_STATUS(want, expr)                                                        \
+    do {                                                                                 \
+        kvc_status st_ = (expr);                                                         \
+        EXPECT_EQ(st_, want) << #expr << " gave " << kvc_status_to_string(st_) << ": "   \
+                             << kvc_last_error();                                        \
+    } while (0)
+
+// One shared daemon for the suite; tests that need their own start one.
+class Kvc : public ::testing::Test {
+protected:
+    static Daemon *daemon_;
+
+    static void SetUpTestSuite()
+    {
+        daemon_ = new Daemon();
+        daemon_->start();
+    }
+    static void TearDownTestSuite()
+    {
+        delete daemon_;
+        daemon_ = nullptr;
+    }
+
+    kvc_client *client = nullptr;
+    std::vector<kvc_session *> sessions;
+
+    void SetUp() override
+    {
+        ASSERT_NE(daemon_->proc.pid, -1) << "no daemon";
+        KVC_OK_OR_FAIL(kvc_client_create(daemon_->sock.c_str(), &client));
+    }
+    std::vector<kvc_region *> regions;  // destroyed before the sessions
+
+    kvc_region *mkregion(kvc_session *s, uint64_t size)
+    {
+        kvc_region *r = nullptr;
+        kvc_status st = kvc_region_create(s, size, &r);
+        EXPECT_EQ(st, KVC_OK) << kvc_last_error();
+        if (r)
+            regions.push_back(r);
+        return r;
+    }
+
+    void destroy(kvc_region *r)
+    {
+        regions.erase(std::remove(regions.begin(), regions.end(), r), regions.end());
+        kvc_region_destroy(r);
+    }
+
+    void TearDown() override
+    {
+        for (auto *r : regions)
+            kvc_region_destroy(r);
+        for (auto *s : sessions)
+            kvc_session_close(s);
+        kvc_client_destroy(client);
+    }
+
+    kvc_session *open(const char *name, uint64_t max_bytes = 0, int wait = 0,
+                      uint32_t wait_ms = 0, kvc_status *status = nullptr)
+    {
+        kvc_session_options o;
+        kvc_session_options_init(&o);
+        o.name = name;
+        o.max_bytes = max_bytes;
+        o.wait = wait;
+        o.wait_timeout_ms = wait_ms;
+        kvc_session *s = nullptr;
+        kvc_status st = kvc_session_open(client, &o, &s);
+        if (status)
+            *status = st;
+        else
+            EXPECT_EQ(st, KVC_OK) << kvc_last_error();
+        if (s)
+            sessions.push_back(s);
+        return s;
+    }
+
+    void close(kvc_session *s)
+    {
+        EXPECT_STATUS(KVC_OK, kvc_session_close(s));
+        sessions.erase(std::remove(sessions.begin(), sessions.end(), s), sessions.end());
+    }
+
+    static kvc_stats stats(kvc_session *s)
+    {
+        kvc_stats st;
+        std::memset(&st, 0, sizeof st);
+        st.struct_size = sizeof st;
+        kvc_status k = kvc_session_get_stats(s, &st);
+        EXPECT_EQ(k, KVC_OK) << kvc_last_error();
+        return st;
+    }
+
+    static void check_books(const kvc_stats &st)
+    {
+        EXPECT_EQ(st.device.pooled_bytes + st.device.in_use_bytes + st.device.free_bytes,
+                  st.device.budget_bytes);
+    }
+};
+Daemon *Kvc::daemon_ = nullptr;
+
+// ---- connecting ------------------------------------------------------------
+
+TEST_F(Kvc, ConnectReportsDevices)
+{
+    EXPECT_STREQ(kvc_client_backend(client), g_backend.c_str());
+    EXPECT_STRNE(kvc_client_daemon_version(client), "");
+    ASSERT_GE(kvc_client_device_count(client), 1u);
+    kvc_device_info d;
+    KVC_OK_OR_FAIL(kvc_client_device(client, 0, &d));
+    EXPECT_STREQ(d.kind, g_backend.c_str());
+    EXPECT_GT(d.page_size, 0u);
+    EXPECT_EQ(d.page_size % d.granularity, 0u);
+    EXPECT_EQ(d.budget_bytes, 256 * MiB);
+    if (g_backend == "cuda")
+        EXPECT_EQ(std::string(d.uuid).rfind("GPU-", 0), 0u) << d.uuid;
+    EXPECT_STATUS(KVC_ERR_NOT_FOUND, kvc_client_device(client, 99, &d));
+}
+
+TEST_F(Kvc, UnreachableDaemonIsUnavailable)
+{
+    kvc_client *c = nullptr;
+    std::string nowhere = g_tmp + "/no-daemon.sock";
+    EXPECT_STATUS(KVC_ERR_UNAVAILABLE, kvc_client_create(nowhere.c_str(), &c));
+    EXPECT_EQ(c, nullptr);
+    EXPECT_NE(std::string(kvc_last_error()).find("no-daemon.sock"), std::string::npos)
+        << kvc_last_error();
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_client_create("", &c));
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_client_create(nowhere.c_str(), nullptr));
+}
+
+TEST_F(Kvc, SocketFromEnvironment)
+{
+    // OLLAMA_KVCACHED_SOCKET wins over KVCACHED_SOCKET (setenv before any
+    // other thread of this test reads the environment).
+    setenv("KVCACHED_SOCKET", (g_tmp + "/wrong.sock").c_str(), 1);
+    setenv("OLLAMA_KVCACHED_SOCKET", daemon_->sock.c_str(), 1);
+    EXPECT_EQ(std::string(kvc_socket_from_env()), daemon_->sock);
+    kvc_client *c = nullptr;
+    EXPECT_STATUS(KVC_OK, kvc_client_create(nullptr, &c));
+    kvc_client_destroy(c);
+    unsetenv("OLLAMA_KVCACHED_SOCKET");
+    EXPECT_EQ(std::string(kvc_socket_from_env()), g_tmp + "/wrong.sock");
+    EXPECT_STATUS(KVC_ERR_UNAVAILABLE, kvc_client_create(nullptr, &c));
+    setenv("KVCACHED_SOCKET", daemon_->sock.c_str(), 1);
+    EXPECT_STATUS(KVC_OK, kvc_client_create(nullptr, &c));
+    kvc_client_destroy(c);
+    unsetenv("KVCACHED_SOCKET");
+    EXPECT_EQ(kvc_socket_from_env(), nullptr);
+}
+
+// ---- sessions ----------------------------------------------------------------
+
+TEST_F(Kvc, SessionOpenValidates)
+{
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    kvc_session *s = nullptr;
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_session_open(client, &o, &s));  // no name
+    o.name = "";  // the daemon refuses an empty name
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_session_open(client, &o, &s));
+    EXPECT_NE(std::string(kvc_last_error()).find("OpenSession"), std::string::npos);
+    o.name = "bad limits";
+    o.guaranteed_bytes = 8 * MiB;
+    o.max_bytes = 4 * MiB;  // guarantee above maximum
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_session_open(client, &o, &s));
+    o.guaranteed_bytes = o.max_bytes = 0;
+    o.device = "GPU-00000000-0000-0000-0000-000000000000";
+    EXPECT_STATUS(KVC_ERR_NOT_FOUND, kvc_session_open(client, &o, &s));
+    o.device = nullptr;
+    o.struct_size = 3;
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_session_open(client, &o, &s));
+    EXPECT_EQ(s, nullptr);
+}
+
+TEST_F(Kvc, SessionFactsAndStats)
+{
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "facts";
+    o.priority = 3;
+    o.max_bytes = 64 * MiB;
+    kvc_label labels[] = {{"model_digest", "sha256:abc"}, {"runner", "c-test"}};
+    o.labels = labels;
+    o.num_labels = 2;
+    kvc_session *s = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(client, &o, &s));
+    sessions.push_back(s);
+    EXPECT_GT(kvc_session_id(s), 0u);
+    EXPECT_STREQ(kvc_session_kind(s), g_backend.c_str());
+    EXPECT_EQ(kvc_session_ended(s), 0);
+    EXPECT_EQ(kvc_session_is_admin(s), 1);  // the daemon's own uid is admin
+    kvc_stats st = stats(s);
+    EXPECT_EQ(st.priority, 3);
+    EXPECT_EQ(st.max_bytes, 64 * MiB);
+    EXPECT_EQ(st.pid, static_cast<uint32_t>(getpid()));
+    EXPECT_EQ(st.held_bytes, 0u);
+    EXPECT_GE(st.sessions_open, 1u);
+    check_books(st);
+}
+
+// ---- malloc-style blocks -------------------------------------------------------
+
+TEST_F(Kvc, AllocFreeAvailableLimit)
+{
+    kvc_session *s = open("alloc");
+    uint64_t page = kvc_session_page_size(s);
+    uint64_t before = 0;
+    KVC_OK_OR_FAIL(kvc_session_available(s, &before));
+    EXPECT_GT(before, 0u);
+    EXPECT_LE(before, 256 * MiB);
+
+    void *p = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_alloc(s, page + 1, &p));  // rounds up to 2 pages
+    ASSERT_NE(p, nullptr);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % page, 0u);
+    EXPECT_EQ(kvc_session_held_bytes(s), 2 * page);
+    EXPECT_EQ(stats(s).held_bytes, 2 * page);
+    if (g_backend == "host") {  // host pointers are plain memory
+        auto *b = static_cast<unsigned char *>(p);
+        for (uint64_t i = 0; i < 2 * page; i += 4096)
+            ASSERT_EQ(b[i], 0) << "fresh page not zero at " << i;
+        std::memset(b, 0x5a, 2 * page);
+    }
+    uint64_t after = 0;
+    KVC_OK_OR_FAIL(kvc_session_available(s, &after));
+    EXPECT_EQ(after, before - 2 * page);
+
+    // The client-side limit (the seed's kvcached_set_limit).
+    KVC_OK_OR_FAIL(kvc_session_set_limit(s, 3 * page));
+    EXPECT_EQ(kvc_session_limit(s), 3 * page);
+    KVC_OK_OR_FAIL(kvc_session_available(s, &after));
+    EXPECT_EQ(after, page);
+    void *q = nullptr;
+    EXPECT_STATUS(KVC_ERR_RESOURCE_EXHAUSTED, kvc_session_alloc(s, 2 * page, &q));
+    EXPECT_NE(std::string(kvc_last_error()).find("limit"), std::string::npos);
+    EXPECT_EQ(q, nullptr);
+    KVC_OK_OR_FAIL(kvc_session_alloc(s, page, &q));
+    KVC_OK_OR_FAIL(kvc_session_set_limit(s, 0));
+
+    EXPECT_STATUS(KVC_ERR_NOT_FOUND, kvc_session_free(s, reinterpret_cast<char *>(p) + 1));
+    EXPECT_STATUS(KVC_OK, kvc_session_free(s, nullptr));
+    KVC_OK_OR_FAIL(kvc_session_free(s, p));
+    KVC_OK_OR_FAIL(kvc_session_free(s, q));
+    EXPECT_STATUS(KVC_ERR_NOT_FOUND, kvc_session_free(s, p));  // twice
+    EXPECT_EQ(kvc_session_held_bytes(s), 0u);
+    kvc_stats st = stats(s);
+    EXPECT_EQ(st.held_bytes, 0u);
+    check_books(st);
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_session_alloc(s, 0, &p));
+}
+
+TEST_F(Kvc, DaemonLimitsAreResourceExhausted)
+{
+    kvc_session *s = open("max", 4 * 2 * MiB);
+    uint64_t page = kvc_session_page_size(s);
+    void *p = nullptr;
+    EXPECT_STATUS(KVC_ERR_RESOURCE_EXHAUSTED, kvc_session_alloc(s, 5 * page, &p));
+    KVC_OK_OR_FAIL(kvc_session_alloc(s, 4 * page, &p));
+    KVC_OK_OR_FAIL(kvc_session_free(s, p));
+    // Beyond the whole budget.
+    kvc_session *t = open("budget");
+    EXPECT_STATUS(KVC_ERR_RESOURCE_EXHAUSTED, kvc_session_alloc(t, 300 * MiB, &p));
+    EXPECT_EQ(kvc_session_held_bytes(t), 0u);
+    check_books(stats(t));
+}
+
+// ---- regions ------------------------------------------------------------------------
+
+TEST_F(Kvc, RegionMapUnmapRanges)
+{
+    kvc_session *s = open("region");
+    const uint64_t P = kvc_session_page_size(s);
+    kvc_region *r = nullptr;
+    KVC_OK_OR_FAIL(kvc_region_create(s, 40 * P - 5, &r));
+    EXPECT_EQ(kvc_region_size(r), 40 * P);
+    EXPECT_EQ(kvc_region_page_size(r), P);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(kvc_region_base(r)) % P, 0u);
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 0u);
+
+    uint64_t allocs0 = stats(s).allocations_total;
+    // Prefixes of three "tensors" at page-aligned offsets, overlapping pages
+    // counted once: [0, P+1) -> pages 0,1; [10P, 10P+1) -> 10; [P, 2P) -> 1.
+    kvc_range rs[] = {{0, P + 1}, {10 * P, 1}, {P, P}};
+    KVC_OK_OR_FAIL(kvc_region_map_ranges(r, rs, 3));
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 3 * P);
+    EXPECT_EQ(stats(s).allocations_total, allocs0 + 1) << "one Allocate for all ranges";
+    EXPECT_EQ(stats(s).pages_held, 3u);
+    EXPECT_TRUE(kvc_region_is_mapped(r, 0, 2 * P));
+    EXPECT_FALSE(kvc_region_is_mapped(r, 0, 2 * P + 1));
+    EXPECT_TRUE(kvc_region_is_mapped(r, 10 * P, P));
+
+    // Mapping what is mapped is free.
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 2 * P));
+    EXPECT_EQ(stats(s).allocations_total, allocs0 + 1);
+
+    // Data across a page boundary; fresh pages are zero.
+    std::vector<uint8_t> data(P + 100), back(P + 100);
+    for (size_t i = 0; i < data.size(); i++)
+        data[i] = static_cast<uint8_t>(i * 7 + 1);
+    KVC_OK_OR_FAIL(kvc_region_read(r, 10 * P, back.data(), P));
+    for (uint64_t i = 0; i < P; i++)
+        ASSERT_EQ(back[i], 0) << "fresh page not zero at " << i;
+    KVC_OK_OR_FAIL(kvc_region_write(r, P / 2, data.data(), data.size()));
+    KVC_OK_OR_FAIL(kvc_region_read(r, P / 2, back.data(), back.size()));
+    EXPECT_EQ(data, back);
+    EXPECT_STATUS(KVC_ERR_FAILED_PRECONDITION, kvc_region_read(r, 2 * P - 10, back.data(), 20));
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_region_map(r, 39 * P, 2 * P));
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_region_unmap(r, 41 * P, 1));
+
+    // Unmap narrows inward: [P/2, 2P) only contains page 1 wholly.
+    KVC_OK_OR_FAIL(kvc_region_unmap(r, P / 2, P + P / 2));
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 2 * P);
+    EXPECT_TRUE(kvc_region_is_mapped(r, 0, P));
+    EXPECT_FALSE(kvc_region_is_mapped(r, P, 1));
+    EXPECT_EQ(stats(s).pages_held, 2u);
+    // Page 0 kept its data.
+    KVC_OK_OR_FAIL(kvc_region_read(r, P / 2, back.data(), P / 2));
+    EXPECT_EQ(0, std::memcmp(back.data(), data.data(), P / 2));
+
+    // Grow the prefix again past the hole.
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 5 * P));
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 6 * P);
+    kvc_range trim[] = {{2 * P, 3 * P}, {10 * P, P}};
+    KVC_OK_OR_FAIL(kvc_region_unmap_ranges(r, trim, 2));
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 2 * P);
+    EXPECT_EQ(kvc_session_held_bytes(s), 2 * P);
+
+    EXPECT_STATUS(KVC_ERR_FAILED_PRECONDITION, kvc_session_close(s));  // region alive
+    kvc_region_destroy(r);
+    EXPECT_EQ(kvc_session_held_bytes(s), 0u);
+    kvc_stats st = stats(s);
+    EXPECT_EQ(st.pages_held, 0u);
+    check_books(st);
+}
+
+TEST_F(Kvc, ClearTouchesOnlyMappedPages)
+{
+    kvc_session *s = open("clear");
+    const uint64_t P = kvc_session_page_size(s);
+    kvc_region *r = nullptr;
+    KVC_OK_OR_FAIL(kvc_region_create(s, 8 * P, &r));
+    kvc_range rs[] = {{0, P}, {4 * P, 2 * P}};
+    KVC_OK_OR_FAIL(kvc_region_map_ranges(r, rs, 2));
+    KVC_OK_OR_FAIL(kvc_region_clear(r, 0xab));
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 3 * P) << "clear mapped nothing new";
+    std::vector<uint8_t> b(P);
+    KVC_OK_OR_FAIL(kvc_region_read(r, 5 * P, b.data(), P));
+    EXPECT_EQ(b[0], 0xab);
+    EXPECT_EQ(b[P - 1], 0xab);
+    // Partial memset inside mapped pages and across a hole.
+    KVC_OK_OR_FAIL(kvc_region_memset(r, P - 8, 3 * P + 16, 0x11));
+    KVC_OK_OR_FAIL(kvc_region_read(r, 0, b.data(), P));
+    EXPECT_EQ(b[P - 9], 0xab);
+    EXPECT_EQ(b[P - 8], 0x11);
+    KVC_OK_OR_FAIL(kvc_region_read(r, 4 * P, b.data(), P));
+    EXPECT_EQ(b[7], 0x11);
+    EXPECT_EQ(b[8], 0xab);
+    // A hole mapped afterwards reads zero.
+    KVC_OK_OR_FAIL(kvc_region_map(r, 2 * P, P));
+    KVC_OK_OR_FAIL(kvc_region_read(r, 2 * P, b.data(), P));
+    EXPECT_EQ(b[0], 0);
+    EXPECT_EQ(b[P - 1], 0);
+    kvc_region_destroy(r);
+}
+
+TEST_F(Kvc, LargeMapIsSplitAtMaxPagesPerRequest)
+{
+    kvc_session *s = open("split");
+    const uint64_t P = kvc_session_page_size(s);
+    kvc_region *r = nullptr;
+    KVC_OK_OR_FAIL(kvc_region_create(s, 64 * P, &r));
+    uint64_t a0 = stats(s).allocations_total;
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 40 * P));  // the daemon allows 16 per call
+    EXPECT_EQ(stats(s).allocations_total, a0 + 3);
+    EXPECT_EQ(stats(s).pages_held, 40u);
+    kvc_region_destroy(r);
+    EXPECT_EQ(stats(s).pages_held, 0u);
+}
+
+TEST_F(Kvc, HugeRegionIsNoMemory)
+{
+    kvc_session *s = open("huge");
+    kvc_region *r = nullptr;
+    EXPECT_STATUS(KVC_ERR_NO_MEMORY, kvc_region_create(s, 1ull << 50, &r));  // 1 PiB
+    EXPECT_EQ(r, nullptr);
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_region_create(s, 0, &r));
+}
+
+TEST_F(Kvc, ConcurrentRegionsOnOneSession)
+{
+    kvc_session *s = open("threads");
+    const uint64_t P = kvc_session_page_size(s);
+    std::atomic<int> bad{0};
+    std::vector<std::thread> ts;
+    for (int t = 0; t < 4; t++)
+        ts.emplace_back([&, t] {
+            kvc_region *r = nullptr;
+            if (kvc_region_create(s, 8 * P, &r) != KVC_OK) {
+                bad++;
+                return;
+            }
+            for (int i = 0; i < 10; i++) {
+                uint8_t v = static_cast<uint8_t>(t * 16 + i), w = 0;
+                if (kvc_region_map(r, 0, (1 + i % 4) * P) != KVC_OK ||
+                    kvc_region_write(r, P - 1, &v, 1) != KVC_OK ||
+                    kvc_region_read(r, P - 1, &w, 1) != KVC_OK || v != w ||
+                    kvc_region_unmap(r, P, 8 * P - P) != KVC_OK)
+                    bad++;
+            }
+            kvc_region_destroy(r);
+        });
+    for (auto &t : ts)
+        t.join();
+    EXPECT_EQ(bad.load(), 0);
+    EXPECT_EQ(stats(s).pages_held, 0u);
+}
+
+// ---- reclaim -----------------------------------------------------------------------------
+
+struct ReclaimLog {
+    std::mutex mu;
+    std::vector<kvc_reclaim> seen;
+    std::vector<std::string> devices, reasons;
+    kvc_region *region = nullptr;  // unmap from its end when asked
+    bool comply = true;
+    std::atomic<int> calls{0};
+};
+
+void on_reclaim(void *user, const kvc_reclaim *rq)
+{
+    auto *log = static_cast<ReclaimLog *>(user);
+    {
+        std::lock_guard<std::mutex> g(log->mu);
+        log->seen.push_back(*rq);
+        log->devices.push_back(rq->device);
+        log->reasons.push_back(rq->reason);
+    }
+    if (log->comply && log->region) {
+        uint64_t size = kvc_region_size(log->region);
+        uint64_t give = rq->bytes > size ? size : rq->bytes;
+        kvc_region_unmap(log->region, size - give, give);
+    }
+    log->calls++;
+}
+
+TEST_F(Kvc, ReclaimCallbackOnAdminShrink)
+{
+    kvc_session *a = open("shrink-me");
+    const uint64_t P = kvc_session_page_size(a);
+    ReclaimLog log;
+    kvc_region *ra = mkregion(a, 20 * P);
+    ASSERT_NE(ra, nullptr);
+    KVC_OK_OR_FAIL(kvc_region_map(ra, 0, 20 * P));
+    log.region = ra;
+    KVC_OK_OR_FAIL(kvc_session_set_reclaim_callback(a, on_reclaim, &log));
+    kvc_session *b = open("admin-b");
+    double t0 = static_cast<double>(time(nullptr));
+    uint64_t asked = 0;
+    KVC_OK_OR_FAIL(kvc_session_request_shrink(b, kvc_session_id(a), 4 * P, 5000, &asked));
+    EXPECT_EQ(asked, 16u);
+    for (int i = 0; i < 100 && log.calls.load() < 1; i++)
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    {
+        std::lock_guard<std::mutex> g(log.mu);
+        ASSERT_EQ(log.seen.size(), 1u);
+        EXPECT_EQ(log.seen[0].pages, 16u);
+        EXPECT_EQ(log.seen[0].bytes, 16 * P);
+        EXPECT_GE(log.seen[0].deadline_unix, t0);
+        EXPECT_EQ(log.devices[0], kvc_session_device(a));
+        EXPECT_EQ(log.reasons[0], "admin");
+    }
+    EXPECT_EQ(kvc_region_mapped_bytes(ra), 4 * P);
+    EXPECT_EQ(stats(a).pages_held, 4u);
+    EXPECT_STATUS(KVC_ERR_NOT_FOUND, kvc_session_request_shrink(b, 999999, 0, 0, nullptr));
+    KVC_OK_OR_FAIL(kvc_session_set_reclaim_callback(a, nullptr, nullptr));
+    destroy(ra);
+}
+
+// Needs the daemon's waiting Allocate (issue 4: wait=true asks other
+// sessions to give pages back through Watch).
+TEST_F(Kvc, WaitingAllocateReclaimsFromAnIdleSession)
+{
+    kvc_session *a = open("idle-a");
+    const uint64_t P = kvc_session_page_size(a);
+    ReclaimLog log;
+    kvc_region *ra = mkregion(a, 100 * P);
+    ASSERT_NE(ra, nullptr);
+    KVC_OK_OR_FAIL(kvc_region_map(ra, 0, 100 * P));
+    log.region = ra;
+    KVC_OK_OR_FAIL(kvc_session_set_reclaim_callback(a, on_reclaim, &log));
+
+    kvc_session *b = open("busy-b", 0, 1, 10000);
+    kvc_region *rb = mkregion(b, 60 * P);
+    ASSERT_NE(rb, nullptr);
+    KVC_OK_OR_FAIL(kvc_region_map(rb, 0, 60 * P));  // needs pages a holds
+    EXPECT_GE(log.calls.load(), 1);
+    {
+        std::lock_guard<std::mutex> g(log.mu);
+        ASSERT_FALSE(log.seen.empty());
+        EXPECT_EQ(log.reasons[0], "allocate");
+    }
+    check_books(stats(b));
+    KVC_OK_OR_FAIL(kvc_session_set_reclaim_callback(a, nullptr, nullptr));
+}
+
+// Also needs issue 4's waiting Allocate.
+TEST_F(Kvc, WaitingAllocateIgnoredFailsAtTheDeadlineNamingTheHolder)
+{
+    kvc_session *a = open("stubborn-holder");
+    const uint64_t P = kvc_session_page_size(a);
+    ReclaimLog log;
+    log.comply = false;
+    kvc_region *ra = mkregion(a, 120 * P);
+    ASSERT_NE(ra, nullptr);
+    KVC_OK_OR_FAIL(kvc_region_map(ra, 0, 120 * P));
+    KVC_OK_OR_FAIL(kvc_session_set_reclaim_callback(a, on_reclaim, &log));
+    kvc_session *b = open("waiter", 0, 1, 400);
+    void *p = nullptr;
+    EXPECT_STATUS(KVC_ERR_RESOURCE_EXHAUSTED, kvc_session_alloc(b, 20 * P, &p));
+    EXPECT_NE(std::string(kvc_last_error()).find("stubborn-holder"), std::string::npos)
+        << kvc_last_error();
+    EXPECT_GE(log.calls.load(), 1) << "the holder was never asked";
+    destroy(ra);
+}
+
+TEST_F(Kvc, WaitAvailableTimesOut)
+{
+    kvc_session *b = open("waits");
+    EXPECT_STATUS(KVC_ERR_DEADLINE_EXCEEDED, kvc_session_wait_available(b, 200));
+    EXPECT_NE(std::string(kvc_last_error()).find("MEMORY_AVAILABLE"), std::string::npos);
+}
+
+TEST_F(Kvc, CloseFromTheReclaimCallbackIsRefused)
+{
+    kvc_session *a = open("self-close");
+    const uint64_t P = kvc_session_page_size(a);
+    struct Ctx {
+        kvc_session *s;
+        std::atomic<int> status{-1};
+    } ctx{a};
+    auto cb = [](void *u, const kvc_reclaim *) {
+        auto *c = static_cast<Ctx *>(u);
+        c->status = kvc_session_close(c->s);
+    };
+    void *p = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_alloc(a, 4 * P, &p));
+    KVC_OK_OR_FAIL(kvc_session_set_reclaim_callback(a, cb, &ctx));
+    kvc_session *b = open("admin");
+    KVC_OK_OR_FAIL(kvc_session_request_shrink(b, kvc_session_id(a), 0, 2000, nullptr));
+    for (int i = 0; i < 50 && ctx.status.load() < 0; i++)
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    EXPECT_EQ(ctx.status.load(), KVC_ERR_FAILED_PRECONDITION);
+    KVC_OK_OR_FAIL(kvc_session_free(a, p));
+}
+
+// ---- processes ---------------------------------------------------------------------------
+
+TEST_F(Kvc, KilledClientGivesEverythingBackWithinASecond)
+{
+    kvc_session *s = open("observer");
+    uint64_t in_use0 = stats(s).device.in_use_bytes;
+    Proc p;
+    ASSERT_TRUE(p.start({g_helper, "hold", daemon_->sock, "10"}, {}, true));
+    ASSERT_EQ(p.read_line(), "READY");
+    const uint64_t P = kvc_session_page_size(s);
+    EXPECT_EQ(stats(s).device.in_use_bytes, in_use0 + 10 * P);
+    p.kill_and_wait(SIGKILL);
+    auto t0 = std::chrono::steady_clock::now();
+    uint64_t now = 0;
+    while (std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(1000)) {
+        now = stats(s).device.in_use_bytes;
+        if (now == in_use0)
+            break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    EXPECT_EQ(now, in_use0);
+    check_books(stats(s));
+}
+
+TEST_F(Kvc, PythonReadsWhatCWrote)
+{
+    Proc py;
+    ASSERT_TRUE(py.start({g_python, g_repo + "/clients/c/tests/python_readback.py", daemon_->sock},
+                         {"PYTHONPATH=" + g_repo}, true));
+    std::string ready = py.read_line(60);
+    ASSERT_EQ(ready.rfind("READY ", 0), 0u) << "python said: " << ready;
+    kvc_session *s = open("c-writer");
+    const uint64_t P = kvc_session_page_size(s);
+    kvc_region *r = nullptr;
+    KVC_OK_OR_FAIL(kvc_region_create(s, P, &r));
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, P));
+    std::vector<uint8_t> head(64), tail(64);
+    for (int i = 0; i < 64; i++) {
+        head[i] = static_cast<uint8_t>(0xC0 + i);
+        tail[i] = static_cast<uint8_t>(255 - i);
+    }
+    KVC_OK_OR_FAIL(kvc_region_write(r, 0, head.data(), 64));
+    KVC_OK_OR_FAIL(kvc_region_write(r, P - 64, tail.data(), 64));
+    py.write_line("go");
+    std::string data = py.read_line(60);
+    auto hex = [](const std::vector<uint8_t> &v) {
+        std::string s;
+        char b[3];
+        for (uint8_t x : v) {
+            std::snprintf(b, sizeof b, "%02x", x);
+            s += b;
+        }
+        return s;
+    };
+    EXPECT_EQ(data, "DATA " + hex(head) + " " + hex(tail));
+    EXPECT_EQ(py.wait(), 0);
+    kvc_region_destroy(r);
+}
+
+// valgrind: a connect / allocate / free / disconnect cycle leaks nothing.
+// Run by the valgrind_host ctest entry (KVC_VALGRIND set); gRPC's and
+// protobuf's one-time process globals are suppressed by valgrind.supp.
+TEST_F(Kvc, ValgrindCycleLeaksNothing)
+{
+    std::string vg = env_or("KVC_VALGRIND", "");
+    ASSERT_FALSE(vg.empty()) << "set KVC_VALGRIND to valgrind's path";
+    std::string supp = g_repo + "/clients/c/tests/valgrind.supp";
+    std::string log = g_tmp + "/valgrind.log";
+    int code = 0;
+    std::string out = run({vg, "--leak-check=full", "--show-leak-kinds=definite,indirect,possible",
+                           "--errors-for-leak-kinds=definite,indirect,possible",
+                           "--error-exitcode=99", "--suppressions=" + supp, "--log-file=" + log,
+                           g_helper, "cycle", daemon_->sock, "3"},
+                          {}, &code);
+    std::ifstream f(log);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    EXPECT_EQ(code, 0) << out << "\n" << ss.str();
+    EXPECT_NE(out.find("STATUS KVC_OK"), std::string::npos) << out;
+    EXPECT_NE(ss.str().find("definitely lost: 0 bytes"), std::string::npos) << ss.str();
+}
+
+// ---- statuses that need a daemon of their own ----------------------------------------
+
+// The daemon's own uid is always allowed and always admin, so these run the
+// helper as other uids (setpriv; the tests run as root, as on CI).
+TEST(KvcOwnDaemon, OtherUidsArePermissionDenied)
+{
+    ASSERT_EQ(geteuid(), 0u) << "needs root to run clients as other uids";
+    chmod(g_tmp.c_str(), 0755);
+    Daemon d;
+    ASSERT_NO_FATAL_FAILURE(d.start({"--allowed-uids", "65534", "--socket-mode", "666"}));
+    chmod(d.dir.c_str(), 0755);
+    kvc_client *c = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c));
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "root-admin";
+    kvc_session *s = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &s));
+    int code = 0;
+    // uid 65533 is not in allowed_uids: refused on the fd channel.
+    std::string out = run({"/usr/bin/setpriv", "--reuid=65533", "--regid=65533", "--clear-groups",
+                           g_helper, "open", d.sock},
+                          {}, &code);
+    EXPECT_EQ(out.rfind("STATUS KVC_ERR_PERMISSION_DENIED", 0), 0u) << out;
+    EXPECT_NE(out.find("allowed_uids"), std::string::npos) << out;
+    // uid 65534 may open a session but is no admin.
+    out = run({"/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", g_helper,
+               "shrink", d.sock, std::to_string(kvc_session_id(s))},
+              {}, &code);
+    EXPECT_EQ(out.rfind("STATUS KVC_ERR_PERMISSION_DENIED", 0), 0u) << out;
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s));
+    kvc_client_destroy(c);
+}
+
+TEST(KvcOwnDaemon, TooManySessionsIsResourceExhausted)
+{
+    Daemon d;
+    ASSERT_NO_FATAL_FAILURE(d.start({"--max-sessions", "1"}));
+    kvc_client *c = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c));
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "first";
+    kvc_session *s1 = nullptr, *s2 = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &s1));
+    o.name = "second";
+    EXPECT_STATUS(KVC_ERR_RESOURCE_EXHAUSTED, kvc_session_open(c, &o, &s2));
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s1));
+    kvc_client_destroy(c);
+}
+
+TEST(KvcOwnDaemon, ShutdownEndsTheSession)
+{
+    Daemon d;
+    ASSERT_NO_FATAL_FAILURE(d.start());
+    kvc_client *c = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c));
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "until-shutdown";
+    kvc_session *s = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &s));
+    KVC_OK_OR_FAIL(kvc_session_set_reclaim_callback(s, [](void *, const kvc_reclaim *) {}, nullptr));
+    kvc_region *r = nullptr;
+    const uint64_t P = kvc_session_page_size(s);
+    KVC_OK_OR_FAIL(kvc_region_create(s, 8 * P, &r));
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 4 * P));
+    kill(d.proc.pid, SIGTERM);
+    for (int i = 0; i < 100 && !kvc_session_ended(s); i++)
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_EQ(kvc_session_ended(s), 1);
+    void *p = nullptr;
+    EXPECT_STATUS(KVC_ERR_FAILED_PRECONDITION, kvc_session_alloc(s, 1, &p));
+    EXPECT_STATUS(KVC_ERR_FAILED_PRECONDITION, kvc_region_map(r, 4 * P, P));
+    EXPECT_STATUS(KVC_OK, kvc_region_map(r, 0, 4 * P));  // mapped already: no daemon needed
+    kvc_region_destroy(r);  // unmaps locally; the daemon already took the pages
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s));
+    kvc_client_destroy(c);
+    d.stop();
+}
+
+// CUDA only: the local driver and the daemon's backend failing.
+TEST(KvcOwnDaemon, DriverFailuresOnCuda)
+{
+    // Registered for the CUDA run only (CMake filters it out of the host run).
+    ASSERT_EQ(g_backend, "cuda") << "this test needs the CUDA test driver";
+    Daemon d;
+    ASSERT_NO_FATAL_FAILURE(d.start({"--prealloc", "0"},
+                                    {"KVCACHED_TESTDRV_FAIL=cuMemCreate:1:CUDA_ERROR_INVALID_VALUE"}));
+    kvc_client *c = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c));
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "driver";
+    kvc_session *s = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &s));
+    void *p = nullptr;
+    EXPECT_STATUS(KVC_ERR_INTERNAL, kvc_session_alloc(s, 1, &p));
+    EXPECT_NE(std::string(kvc_last_error()).find("CUDA_ERROR_INVALID_VALUE"), std::string::npos)
+        << kvc_last_error();
+    KVC_OK_OR_FAIL(kvc_session_alloc(s, 1, &p));  // the next create works
+    KVC_OK_OR_FAIL(kvc_session_free(s, p));
+
+    // A client that cannot load the driver.
+    int code = 0;
+    std::string out = run({g_helper, "open", d.sock}, {"KVCACHED_LIBCUDA=/nonexistent/libcuda.so.1"},
+                          &code);
+    EXPECT_EQ(out.rfind("STATUS KVC_ERR_DRIVER", 0), 0u) << out;
+    // A client whose cuMemMap fails on the 2nd page: nothing stays mapped or held.
+    out = run({g_helper, "map", d.sock, "3"}, {"KVCACHED_TESTDRV_FAIL=cuMemMap:2"}, &code);
+    EXPECT_EQ(out.rfind("STATUS KVC_ERR_DRIVER", 0), 0u) << out;
+    EXPECT_NE(out.find("cuMemMap"), std::string::npos) << out;
+    EXPECT_NE(out.find("HELD 0"), std::string::npos) << out;
+    // A clean client leaks no driver object (the test driver's report).
+    std::string report = d.dir + "/client-report.json";
+    out = run({g_helper, "map", d.sock, "3"}, {"KVCACHED_TESTDRV_REPORT=" + report}, &code);
+    EXPECT_EQ(out.rfind("STATUS KVC_OK", 0), 0u) << out;
+    std::ifstream f(report);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    EXPECT_NE(ss.str().find("\"leaks\": 0"), std::string::npos) << ss.str();
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s));
+    kvc_client_destroy(c);
+}
+
+}  // namespace
+
+int main(int argc, char **argv)
+{
+    ::testing::InitGoogleTest(&argc, argv);
+    g_backend = env_or("KVC_TEST_BACKEND", "host");
+    g_repo = env_or("KVC_REPO_ROOT", KVC_REPO_ROOT_DEFAULT);
+    g_serve = env_or("KVC_SERVE", (g_repo + "/.venv/bin/kvcached-serve").c_str());
+    g_python = env_or("KVC_PYTHON", (g_repo + "/.venv/bin/python").c_str());
+    g_helper = env_or("KVC_TEST_HELPER", KVC_TEST_HELPER_DEFAULT);
+    char tmpl[] = "/tmp/kvc-ctest.XXXXXX";
+    if (!mkdtemp(tmpl)) {
+        perror("mkdtemp");
+        return 1;
+    }
+    g_tmp = tmpl;
+    if (g_backend == "cuda") {
+        // One simulated machine for the daemon and every client of this run.
+        std::string state = g_tmp + "/gpu";
+        mkdir(state.c_str(), 0700);
+        chmod(state.c_str(), 01777);  // clients of other uids share the machine
+        setenv("KVCACHED_TESTDRV_STATE", state.c_str(), 1);
+        if (!std::getenv("KVCACHED_LIBCUDA")) {
+            std::fprintf(stderr, "KVC_TEST_BACKEND=cuda needs KVCACHED_LIBCUDA (the test driver)\n");
+            return 1;
+        }
+        if (access(std::getenv("KVCACHED_LIBCUDA"), R_OK) != 0) {
+            std::fprintf(stderr, "KVCACHED_LIBCUDA=%s is missing: run scripts/build-testdriver.sh\n",
+                         std::getenv("KVCACHED_LIBCUDA"));
+            return 1;
+        }
+    }
+    if (access(g_serve.c_str(), X_OK) != 0) {
+        std::fprintf(stderr, "%s is missing: run scripts/setup.sh\n", g_serve.c_str());
+        return 1;
+    }
+    int rc = RUN_ALL_TESTS();
+    std::string rm = "rm -rf '" + g_tmp + "'";
+    if (std::system(rm.c_str()) != 0)
+        std::fprintf(stderr, "could not remove %s\n", g_tmp.c_str());
+    return rc;
+}
