@@ -9,6 +9,7 @@ report).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pathlib
@@ -37,15 +38,33 @@ def backends() -> list[str]:
     return ["host", "cuda"]
 
 
-def testdriver_env(state_dir: pathlib.Path, **extra: str) -> dict[str, str]:
+_gpu_state: pathlib.Path | None = None
+
+
+def gpu_state() -> pathlib.Path:
+    """The simulated machine of this pytest session. The test driver reads
+    its state directory once per process, and in-process clients must share
+    the daemon's machine, so every CUDA daemon of the session uses this one
+    (tests run one after another). Other uids may use it (mode 1777)."""
+    global _gpu_state
+    if _gpu_state is None:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        _gpu_state = pathlib.Path(tempfile.mkdtemp(prefix="kvc-gpu-", dir=base))
+        _gpu_state.chmod(0o1777)
+        atexit.register(shutil.rmtree, _gpu_state, True)
+    return _gpu_state
+
+
+def testdriver_env(**extra: str) -> dict[str, str]:
     if not TESTDRIVER.exists():
         pytest.fail(f"CUDA test driver not built: {TESTDRIVER} is missing (run scripts/build-testdriver.sh)")
     env = {
         "KVCACHED_LIBCUDA": str(TESTDRIVER),
-        "KVCACHED_TESTDRV_STATE": str(state_dir),
+        "KVCACHED_TESTDRV_STATE": str(gpu_state()),
         "KVCACHED_TESTDRV_MEMORY": str(1 << 30),
     }
     env.update(extra)
+    os.environ.update(env)  # for clients inside this pytest process
     return env
 
 
@@ -135,11 +154,7 @@ def daemon_factory(tmp_path):
         extra_env: dict[str, str] = {}
         report = None
         if backend == "cuda":
-            state = sock_dir / f"gpu{n}"
-            state.mkdir()
-            if shared_dir:
-                state.chmod(0o1777)
-            extra_env = testdriver_env(state)
+            extra_env = testdriver_env()
             report = tmp_path / f"leaks{n}.json"
         extra_env.update(env or {})
         args = ["--socket", sock, "--backend", backend]
@@ -186,9 +201,9 @@ def leak_problems(report: pathlib.Path) -> list[str]:
     if not report.exists():
         return [f"test driver wrote no leak report at {report}"]
     data = json.loads(report.read_text())
-    leaks = data.get("leaks", data)
-    bad = {k: v for k, v in leaks.items() if isinstance(v, int) and v}
-    return [f"test driver reports leaks at daemon exit: {bad}"] if bad else []
+    if data["leaks"]:
+        return [f"test driver reports {data['leaks']} leaked objects at daemon exit: {data['counts']}"]
+    return []
 
 
 @pytest.fixture(params=backends())

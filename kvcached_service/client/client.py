@@ -92,11 +92,15 @@ class SessionStats:
     frees_total: int
     labels: dict
     opened_unix: float
+    held_bytes_by_device: dict
+    reclaim_pending_pages: int
+    reclaim_requests: int
 
     @classmethod
     def from_pb(cls, m: pb.SessionStats) -> "SessionStats":
         vals = {f: getattr(m, f) for f in cls.__dataclass_fields__}
         vals["labels"] = dict(m.labels)
+        vals["held_bytes_by_device"] = dict(m.held_bytes_by_device)
         return cls(**vals)
 
 
@@ -330,12 +334,17 @@ class Session:
             return m
 
     # -- raw pages (fds; the caller maps them)
-    def allocate_fds(self, num_pages: int, device: str = "", wait: bool = False, wait_timeout_ms: int = 0) -> tuple[pb.AllocateResponse, list[int]]:
-        """Allocate and return the rpc answer and one fd per page (caller closes)."""
+    def allocate_fds(self, num_pages: int, device: str = "", wait: bool = False, wait_timeout_ms: int = 0, notify: bool = False) -> tuple[pb.AllocateResponse, list[int]]:
+        """Allocate and return the rpc answer and one fd per page (caller
+        closes). wait: let the daemon reclaim from other sessions for up to
+        wait_timeout_ms (0 = its default). notify: if it fails for lack of
+        memory, get a MEMORY_AVAILABLE event when enough pages are free."""
+        wait_budget = (wait_timeout_ms or 60_000) / 1000 if wait else 0
         resp = self._rpc(
             "Allocate",
-            pb.AllocateRequest(session=self.ref, device=device, num_pages=num_pages, wait=wait, wait_timeout_ms=wait_timeout_ms),
-            None if not wait else (wait_timeout_ms / 1000 + self.client.timeout),
+            pb.AllocateRequest(session=self.ref, device=device, num_pages=num_pages, wait=wait,
+                               wait_timeout_ms=wait_timeout_ms, notify_when_available=notify),
+            self.client.timeout + wait_budget,
         )
         return resp, self._channel.receive(resp.allocation_id, resp.page_ids)
 
@@ -343,9 +352,9 @@ class Session:
         return self._rpc("Free", pb.FreeRequest(session=self.ref, page_ids=list(page_ids))).pages_freed
 
     # -- mapped pages
-    def allocate(self, num_pages: int, device: str = "", wait: bool = False, wait_timeout_ms: int = 0) -> list[Page]:
+    def allocate(self, num_pages: int, device: str = "", wait: bool = False, wait_timeout_ms: int = 0, notify: bool = False) -> list[Page]:
         """Allocate pages and map them, contiguously, into this process."""
-        resp, fds = self.allocate_fds(num_pages, device, wait, wait_timeout_ms)
+        resp, fds = self.allocate_fds(num_pages, device, wait, wait_timeout_ms, notify)
         mapper = self.mapper(resp.device)
         size = resp.page_size
         res = None
@@ -466,6 +475,10 @@ class Session:
             self._channel.close()
             for t in self._watch_threads:
                 t.join(timeout=2)
+            with self._lock:
+                mappers, self._mappers = list(self._mappers.values()), {}
+            for m in mappers:
+                m.close()
 
     def __enter__(self) -> "Session":
         return self

@@ -32,6 +32,7 @@ class Region:
         self.base = self._mapper.reserve(self.size)
         self._slots: list[tuple[int, object] | None] = [None] * self.n_slots  # (page id, map token)
         self._lock = threading.Lock()
+        self._pending: set[int] = set()  # slots whose pages are being allocated
         self._closed = False
 
     # ---- ranges ---------------------------------------------------------
@@ -46,27 +47,37 @@ class Region:
             raise errors.InvalidArgument(f"range [{offset}, {end}) is outside the region of {self.size} bytes")
         return range(offset // ps, -(-end // ps))
 
-    def map(self, offset: int, length: int) -> int:
+    def map(self, offset: int, length: int, *, wait: bool = False, wait_timeout_ms: int = 0) -> int:
         """Back [offset, offset+length) (rounded up to whole pages) with pages.
         Returns the number of pages newly mapped."""
-        return self.map_ranges([(offset, length)])
+        return self.map_ranges([(offset, length)], wait=wait, wait_timeout_ms=wait_timeout_ms)
 
-    def map_ranges(self, ranges: Iterable[tuple[int, int]]) -> int:
-        """Back several ranges with one Allocate for all their missing pages."""
+    def map_ranges(self, ranges: Iterable[tuple[int, int]], *, wait: bool = False, wait_timeout_ms: int = 0) -> int:
+        """Back several ranges with one Allocate for all their missing pages.
+        With wait, the daemon may ask other sessions for pages first. The
+        region's lock is not held while the daemon works, so a reclaim
+        callback of this session can trim other ranges meanwhile."""
         with self._lock:
             self._check_open()
             want: list[int] = []
-            seen: set[int] = set()
             for off, length in ranges:
                 for i in self._slot_range(off, length):
-                    if self._slots[i] is None and i not in seen:
-                        seen.add(i)
+                    if self._slots[i] is None and i not in self._pending and i not in want:
                         want.append(i)
             if not want:
                 return 0
-            resp, fds = self.session.allocate_fds(len(want), self.device.uuid)
+            self._pending.update(want)
+        try:
+            resp, fds = self.session.allocate_fds(len(want), self.device.uuid, wait, wait_timeout_ms)
+        except BaseException:
+            with self._lock:
+                self._pending.difference_update(want)
+            raise
+        with self._lock:
+            self._pending.difference_update(want)
             done = 0
             try:
+                self._check_open()
                 for slot, pid, fd in zip(want, resp.page_ids, fds):
                     token = self._mapper.map(self.base + slot * self.page_size, fd, self.page_size)
                     fds[done] = -1
@@ -109,9 +120,9 @@ class Region:
             self._mapper.unmap(self.base + i * self.page_size, self.page_size, entry[1])
             self._slots[i] = None
 
-    def grow_to(self, nbytes: int) -> int:
+    def grow_to(self, nbytes: int, *, wait: bool = False, wait_timeout_ms: int = 0) -> int:
         """Make sure the prefix [0, nbytes) is mapped."""
-        return self.map(0, nbytes)
+        return self.map(0, nbytes, wait=wait, wait_timeout_ms=wait_timeout_ms)
 
     def trim_to(self, nbytes: int) -> int:
         """Give back every page past the first `nbytes` (rounded up to pages)."""
@@ -119,6 +130,15 @@ class Region:
         if keep >= self.size:
             return 0
         return self.unmap(keep, self.size - keep)
+
+    def release_pages(self, pages: int, keep_bytes: int = 0) -> int:
+        """Answer a reclaim request: give back up to `pages` pages from the
+        end of the mapped area, never below the first `keep_bytes`. Returns
+        pages given back."""
+        with self._lock:
+            floor = -(-keep_bytes // self.page_size)
+            slots = [i for i in range(self.n_slots - 1, floor - 1, -1) if self._slots[i] is not None][:pages]
+            return self._unmap_slots(slots)
 
     # ---- inspection -----------------------------------------------------
     @property

@@ -22,6 +22,7 @@ from typing import Callable
 from .. import __version__, errors, fdchannel
 from ..backends.base import Backend
 from ..config import Settings, format_size, resolve_limit
+from .elastic import Reclaimer, pending_pages
 from .pool import DevicePool, Page, PageState, Shortage
 from .sessions import Channel, ChannelClosed, Session, Tombstones, check_labels, check_name
 from .worker import DeviceWorker
@@ -104,6 +105,9 @@ class Daemon:
         # Observers (metrics, the elasticity manager) may hook these.
         self.on_session_end: list[Callable[[Session, str], None]] = []
         self.counters = {"sessions_opened": 0, "sessions_closed": 0, "sessions_crashed": 0, "fd_channel_errors": 0}
+        self.reclaimer = Reclaimer(lambda: list(self.sessions.values()), self._post, settings.reclaim_timeout_ms / 1000)
+        # (session, pool uuid, pages): tell the session when that many pages could be had
+        self._notify: list[tuple[Session, str, int]] = []
 
     # ---- start-up -------------------------------------------------------
     def start_devices(self) -> None:
@@ -131,6 +135,7 @@ class Daemon:
                 idle_seconds=self.settings.pool_idle_seconds,
                 zero_pages=self.settings.zero_pages,
             )
+            pool.on_pages_returned = self._pages_returned
             self.pools[spec.uuid] = pool
             log.info(
                 "device %s (%s): budget %s of %s, page %s, warm pages %d",
@@ -173,6 +178,7 @@ class Daemon:
                     await pool.trim_idle(now)
                 except Exception:  # keep the loop alive whatever happens
                     log.exception("idle trim failed on %s", pool.uuid)
+            self.reclaimer.idle_scan(list(self.pools.values()), self.settings.idle_shrink_seconds)
             limit = self.settings.channel_bind_timeout
             for ch in [c for c in self._unbound.values() if now - c.created > limit]:
                 self._drop_channel(ch, errors.FailedPrecondition(f"no OpenSession within {limit:g} s"))
@@ -393,7 +399,7 @@ class Daemon:
             raise errors.NotFound(f"no device {device!r}; this daemon serves {', '.join(self.pools)}")
         return pool
 
-    async def allocate(self, s: Session, device: str, count: int, wait: bool, wait_ms: int) -> tuple[int, DevicePool, list[Page]]:
+    async def allocate(self, s: Session, device: str, count: int, wait: bool, wait_ms: int, notify: bool = False) -> tuple[int, DevicePool, list[Page]]:
         self._check_serving()
         limit = self.settings.max_pages_per_request
         if count <= 0 or count > limit:
@@ -406,7 +412,7 @@ class Daemon:
                 f"session {s.id} '{s.name}' holds {held} pages on {pool.uuid}; {count} more would exceed its maximum of {cap} pages"
                 + (f" (max_bytes {format_size(s.max_bytes)})" if s.max_bytes else " (the device budget)")
             )
-        pages = await self._acquire(s, pool, count, wait, wait_ms)
+        pages = await self._acquire(s, pool, count, wait, wait_ms, notify)
         if s.closed:
             # The session ended while its pages were being made: nobody got them.
             await pool.give_back(pages)
@@ -427,12 +433,62 @@ class Daemon:
         s.touch()
         return alloc_id, pool, pages
 
-    async def _acquire(self, s: Session, pool: DevicePool, count: int, wait: bool, wait_ms: int) -> list[Page]:
-        try:
-            return await pool.acquire(s, count)
-        except Shortage:
-            pool.counters.allocation_failures_total += 1
-            raise
+    async def _acquire(self, s: Session, pool: DevicePool, count: int, wait: bool, wait_ms: int, notify: bool) -> list[Page]:
+        """pool.acquire, and when memory is short and the caller may wait:
+        ask other sessions for pages (elastic.Reclaimer) and retry each time
+        pages come back, until the deadline."""
+        loop = asyncio.get_running_loop()
+        wait_s = (wait_ms or self.settings.default_wait_ms) / 1000
+        deadline = loop.time() + wait_s
+        asked: dict[int, tuple[Session, int]] = {}
+        while True:
+            try:
+                return await pool.acquire(s, count)
+            except Shortage as short:
+                now = loop.time()
+                if not wait or now >= deadline:
+                    pool.counters.allocation_failures_total += 1
+                    if notify:
+                        self._notify.append((s, pool.uuid, count))
+                    if not wait:
+                        raise
+                    raise errors.ResourceExhausted(self._waited_message(short, wait_s, asked)) from None
+                for victim, n in self.reclaimer.request(pool, s, short.missing, time.time() + (deadline - now)):
+                    prev = asked.get(victim.id, (victim, 0))[1]
+                    asked[victim.id] = (victim, prev + n)
+                await pool.wait_changed(min(deadline - now, 0.25))
+                if s.closed:
+                    raise errors.FailedPrecondition(f"session {s.id} closed while waiting for pages")
+
+    @staticmethod
+    def _waited_message(short: Shortage, waited: float, asked: dict[int, tuple[Session, int]]) -> str:
+        msg = f"after waiting {waited:g} s, still {short.missing} pages short: {short.message}"
+        if asked:
+            msg += "; asked to give back: " + ", ".join(
+                f"session {v.id} '{v.name}' {n} pages{' (ignored)' if not v.closed and v.reclaim_ignored else ''}"
+                for v, n in asked.values()
+            )
+        else:
+            msg += "; no session had pages above its guarantee to ask for"
+        return msg
+
+    def _post(self, s: Session, kind: str, data: dict) -> None:
+        s.post(Event(kind, time.time(), data))
+
+    def _pages_returned(self, uuid: str, n: int) -> None:
+        """Pages came back to a pool: tell sessions that asked to know."""
+        if not self._notify:
+            return
+        pool = self.pools[uuid]
+        keep = []
+        for s, dev, want in self._notify:
+            if s.closed:
+                continue
+            if dev == uuid and pool.available_for(s.uid) >= want:
+                self._post(s, "MEMORY_AVAILABLE", {"device": uuid, "pages": pool.available_for(s.uid)})
+            else:
+                keep.append((s, dev, want))
+        self._notify = keep
 
     async def _deliver(self, s: Session, alloc_id: int, pages: list[Page]) -> None:
         total = len(pages)
@@ -462,6 +518,7 @@ class Daemon:
             by_pool.setdefault(page.device, []).append(page)
         for uuid, group in by_pool.items():
             s.remove_pages(self.pools[uuid], group)
+            self.reclaimer.settle(s, uuid)
         s.frees_total += 1
         s.touch()
         await asyncio.gather(*(self.pools[u].give_back(g) for u, g in by_pool.items()))
@@ -510,28 +567,11 @@ class Daemon:
         asked = 0
         for pool in self.pools.values():
             keep = max(target_bytes, s.guaranteed_bytes) // pool.page_size
-            extra = s.held_pages(pool.uuid) - keep
+            extra = s.held_pages(pool.uuid) - keep - pending_pages(s, pool, time.time())
             if extra > 0:
                 asked += extra
-                self.post_reclaim(s, pool, extra, timeout, reason)
+                self.reclaimer.ask(s, pool, extra, time.time() + timeout, reason)
         return asked
-
-    def post_reclaim(self, s: Session, pool: DevicePool, pages: int, timeout: float, reason: str) -> None:
-        """Send one reclaim request; if the session still holds more than it
-        was asked to keep when the deadline passes, count it as ignored."""
-        deadline = time.time() + timeout
-        s.post(Event("RECLAIM", time.time(), {"device": pool.uuid, "pages": pages, "deadline_unix": deadline, "reason": reason}))
-        keep = s.held_pages(pool.uuid) - pages
-        loop = asyncio.get_running_loop()
-        loop.call_later(timeout, self._reclaim_expired, s, pool.uuid, keep)
-        self.counters["reclaim_requests"] = self.counters.get("reclaim_requests", 0) + 1
-
-    def _reclaim_expired(self, s: Session, uuid: str, keep: int) -> None:
-        if not s.closed and s.held_pages(uuid) > keep:
-            s.reclaim_ignored += 1
-            self.counters["reclaim_ignored"] = self.counters.get("reclaim_ignored", 0) + 1
-            log.warning("session %d '%s' ignored a reclaim request: holds %d pages on %s, was asked to keep %d",
-                        s.id, s.name, s.held_pages(uuid), uuid, keep)
 
     # ---- watch ----------------------------------------------------------
     def watch(self, s: Session) -> asyncio.Queue:

@@ -16,6 +16,7 @@ from .. import __version__, errors, fdchannel
 from .._generated.kvcached.v1 import kvcached_pb2 as pb
 from .._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 from .daemon import API_VERSION, Daemon, Event
+from .elastic import pending_pages
 from .pool import DevicePool
 from .sessions import Session
 
@@ -111,6 +112,9 @@ def session_stats(daemon: Daemon, s: Session) -> pb.SessionStats:
         frees_total=s.frees_total,
         labels=s.labels,
         opened_unix=s.opened_unix,
+        held_bytes_by_device={u: n * daemon.pools[u].page_size for u, n in s.held_by_device.items() if n},
+        reclaim_pending_pages=sum(pending_pages(s, p, time.time()) for p in daemon.pools.values()),
+        reclaim_requests=s.reclaim_requests,
     )
 
 
@@ -163,7 +167,7 @@ class KVCachedService(pb_grpc.KVCachedServicer):
     async def Allocate(self, request, context):
         s = self._session(request.session)
         alloc_id, pool, pages = await self.d.allocate(
-            s, request.device, request.num_pages, request.wait, request.wait_timeout_ms
+            s, request.device, request.num_pages, request.wait, request.wait_timeout_ms, request.notify_when_available
         )
         return pb.AllocateResponse(
             allocation_id=alloc_id,

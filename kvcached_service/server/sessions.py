@@ -129,6 +129,9 @@ class Session:
     allocations_total: int = 0
     frees_total: int = 0
     reclaim_ignored: int = 0
+    reclaim_requests: int = 0
+    asks: dict = field(default_factory=dict)  # device uuid -> elastic.Ask
+    idle_asked: bool = False
     closed: bool = False
     watchers: list[asyncio.Queue] = field(default_factory=list)
 
@@ -147,6 +150,7 @@ class Session:
     def touch(self) -> None:
         self.last_active_unix = time.time()
         self.last_active = time.monotonic()
+        self.idle_asked = False
 
     def add_pages(self, pool: "DevicePool", pages: list["Page"]) -> None:
         for p in pages:

@@ -676,8 +676,11 @@ type AllocateRequest struct {
 	// (0 = the daemon's default) before failing with RESOURCE_EXHAUSTED.
 	Wait          bool   `protobuf:"varint,4,opt,name=wait,proto3" json:"wait,omitempty"`
 	WaitTimeoutMs uint32 `protobuf:"varint,5,opt,name=wait_timeout_ms,json=waitTimeoutMs,proto3" json:"wait_timeout_ms,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// If this Allocate fails for lack of memory, send MEMORY_AVAILABLE on the
+	// session's Watch stream once num_pages pages could be had on the device.
+	NotifyWhenAvailable bool `protobuf:"varint,6,opt,name=notify_when_available,json=notifyWhenAvailable,proto3" json:"notify_when_available,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *AllocateRequest) Reset() {
@@ -743,6 +746,13 @@ func (x *AllocateRequest) GetWaitTimeoutMs() uint32 {
 		return x.WaitTimeoutMs
 	}
 	return 0
+}
+
+func (x *AllocateRequest) GetNotifyWhenAvailable() bool {
+	if x != nil {
+		return x.NotifyWhenAvailable
+	}
+	return false
 }
 
 type AllocateResponse struct {
@@ -1240,9 +1250,16 @@ type SessionStats struct {
 	FreesTotal       uint64            `protobuf:"varint,13,opt,name=frees_total,json=freesTotal,proto3" json:"frees_total,omitempty"`
 	Labels           map[string]string `protobuf:"bytes,14,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// Unix time the session opened.
-	OpenedUnix    float64 `protobuf:"fixed64,15,opt,name=opened_unix,json=openedUnix,proto3" json:"opened_unix,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	OpenedUnix float64 `protobuf:"fixed64,15,opt,name=opened_unix,json=openedUnix,proto3" json:"opened_unix,omitempty"`
+	// Bytes held per device uuid.
+	HeldBytesByDevice map[string]uint64 `protobuf:"bytes,16,rep,name=held_bytes_by_device,json=heldBytesByDevice,proto3" json:"held_bytes_by_device,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	// Pages the daemon has asked this session to give back and is still
+	// waiting for (reclaim requests not yet answered or expired).
+	ReclaimPendingPages uint64 `protobuf:"varint,17,opt,name=reclaim_pending_pages,json=reclaimPendingPages,proto3" json:"reclaim_pending_pages,omitempty"`
+	// Reclaim requests sent to this session over its life.
+	ReclaimRequests uint64 `protobuf:"varint,18,opt,name=reclaim_requests,json=reclaimRequests,proto3" json:"reclaim_requests,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *SessionStats) Reset() {
@@ -1376,6 +1393,27 @@ func (x *SessionStats) GetLabels() map[string]string {
 func (x *SessionStats) GetOpenedUnix() float64 {
 	if x != nil {
 		return x.OpenedUnix
+	}
+	return 0
+}
+
+func (x *SessionStats) GetHeldBytesByDevice() map[string]uint64 {
+	if x != nil {
+		return x.HeldBytesByDevice
+	}
+	return nil
+}
+
+func (x *SessionStats) GetReclaimPendingPages() uint64 {
+	if x != nil {
+		return x.ReclaimPendingPages
+	}
+	return 0
+}
+
+func (x *SessionStats) GetReclaimRequests() uint64 {
+	if x != nil {
+		return x.ReclaimRequests
 	}
 	return 0
 }
@@ -2058,13 +2096,14 @@ const file_kvcached_v1_kvcached_proto_rawDesc = "" +
 	"\x13CloseSessionRequest\x121\n" +
 	"\asession\x18\x01 \x01(\v2\x17.kvcached.v1.SessionRefR\asession\"=\n" +
 	"\x14CloseSessionResponse\x12%\n" +
-	"\x0epages_returned\x18\x01 \x01(\x04R\rpagesReturned\"\xb5\x01\n" +
+	"\x0epages_returned\x18\x01 \x01(\x04R\rpagesReturned\"\xe9\x01\n" +
 	"\x0fAllocateRequest\x121\n" +
 	"\asession\x18\x01 \x01(\v2\x17.kvcached.v1.SessionRefR\asession\x12\x16\n" +
 	"\x06device\x18\x02 \x01(\tR\x06device\x12\x1b\n" +
 	"\tnum_pages\x18\x03 \x01(\rR\bnumPages\x12\x12\n" +
 	"\x04wait\x18\x04 \x01(\bR\x04wait\x12&\n" +
-	"\x0fwait_timeout_ms\x18\x05 \x01(\rR\rwaitTimeoutMs\"\xa6\x01\n" +
+	"\x0fwait_timeout_ms\x18\x05 \x01(\rR\rwaitTimeoutMs\x122\n" +
+	"\x15notify_when_available\x18\x06 \x01(\bR\x13notifyWhenAvailable\"\xa6\x01\n" +
 	"\x10AllocateResponse\x12#\n" +
 	"\rallocation_id\x18\x01 \x01(\x04R\fallocationId\x12\x16\n" +
 	"\x06device\x18\x02 \x01(\tR\x06device\x12\x1b\n" +
@@ -2103,7 +2142,7 @@ const file_kvcached_v1_kvcached_proto_rawDesc = "" +
 	"\x14pages_released_total\x18\t \x01(\x04R\x12pagesReleasedTotal\"j\n" +
 	"\vDeviceStats\x12/\n" +
 	"\x06device\x18\x01 \x01(\v2\x17.kvcached.v1.DeviceInfoR\x06device\x12*\n" +
-	"\x04pool\x18\x02 \x01(\v2\x16.kvcached.v1.PoolStatsR\x04pool\"\xb4\x04\n" +
+	"\x04pool\x18\x02 \x01(\v2\x16.kvcached.v1.PoolStatsR\x04pool\"\xbc\x06\n" +
 	"\fSessionStats\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x10\n" +
@@ -2124,10 +2163,16 @@ const file_kvcached_v1_kvcached_proto_rawDesc = "" +
 	"freesTotal\x12=\n" +
 	"\x06labels\x18\x0e \x03(\v2%.kvcached.v1.SessionStats.LabelsEntryR\x06labels\x12\x1f\n" +
 	"\vopened_unix\x18\x0f \x01(\x01R\n" +
-	"openedUnix\x1a9\n" +
+	"openedUnix\x12a\n" +
+	"\x14held_bytes_by_device\x18\x10 \x03(\v20.kvcached.v1.SessionStats.HeldBytesByDeviceEntryR\x11heldBytesByDevice\x122\n" +
+	"\x15reclaim_pending_pages\x18\x11 \x01(\x04R\x13reclaimPendingPages\x12)\n" +
+	"\x10reclaim_requests\x18\x12 \x01(\x04R\x0freclaimRequests\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"A\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1aD\n" +
+	"\x16HeldBytesByDeviceEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"A\n" +
 	"\fWatchRequest\x121\n" +
 	"\asession\x18\x01 \x01(\v2\x17.kvcached.v1.SessionRefR\asession\"\x9c\x03\n" +
 	"\n" +
@@ -2206,7 +2251,7 @@ func file_kvcached_v1_kvcached_proto_rawDescGZIP() []byte {
 }
 
 var file_kvcached_v1_kvcached_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvcached_v1_kvcached_proto_msgTypes = make([]protoimpl.MessageInfo, 29)
+var file_kvcached_v1_kvcached_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
 var file_kvcached_v1_kvcached_proto_goTypes = []any{
 	(WatchEvent_Kind)(0),             // 0: kvcached.v1.WatchEvent.Kind
 	(*SessionRef)(nil),               // 1: kvcached.v1.SessionRef
@@ -2238,6 +2283,7 @@ var file_kvcached_v1_kvcached_proto_goTypes = []any{
 	(*RequestShrinkResponse)(nil),    // 27: kvcached.v1.RequestShrinkResponse
 	nil,                              // 28: kvcached.v1.OpenSessionRequest.LabelsEntry
 	nil,                              // 29: kvcached.v1.SessionStats.LabelsEntry
+	nil,                              // 30: kvcached.v1.SessionStats.HeldBytesByDeviceEntry
 }
 var file_kvcached_v1_kvcached_proto_depIdxs = []int32{
 	4,  // 0: kvcached.v1.GetInfoResponse.devices:type_name -> kvcached.v1.DeviceInfo
@@ -2253,38 +2299,39 @@ var file_kvcached_v1_kvcached_proto_depIdxs = []int32{
 	4,  // 10: kvcached.v1.DeviceStats.device:type_name -> kvcached.v1.DeviceInfo
 	15, // 11: kvcached.v1.DeviceStats.pool:type_name -> kvcached.v1.PoolStats
 	29, // 12: kvcached.v1.SessionStats.labels:type_name -> kvcached.v1.SessionStats.LabelsEntry
-	1,  // 13: kvcached.v1.WatchRequest.session:type_name -> kvcached.v1.SessionRef
-	0,  // 14: kvcached.v1.WatchEvent.kind:type_name -> kvcached.v1.WatchEvent.Kind
-	20, // 15: kvcached.v1.WatchEvent.reclaim:type_name -> kvcached.v1.Reclaim
-	21, // 16: kvcached.v1.WatchEvent.budget:type_name -> kvcached.v1.BudgetChanged
-	22, // 17: kvcached.v1.WatchEvent.available:type_name -> kvcached.v1.MemoryAvailable
-	23, // 18: kvcached.v1.WatchEvent.shutdown:type_name -> kvcached.v1.Shutdown
-	1,  // 19: kvcached.v1.SetSessionLimitsRequest.admin:type_name -> kvcached.v1.SessionRef
-	17, // 20: kvcached.v1.SetSessionLimitsResponse.session:type_name -> kvcached.v1.SessionStats
-	1,  // 21: kvcached.v1.RequestShrinkRequest.admin:type_name -> kvcached.v1.SessionRef
-	2,  // 22: kvcached.v1.KVCached.GetInfo:input_type -> kvcached.v1.GetInfoRequest
-	5,  // 23: kvcached.v1.KVCached.OpenSession:input_type -> kvcached.v1.OpenSessionRequest
-	7,  // 24: kvcached.v1.KVCached.CloseSession:input_type -> kvcached.v1.CloseSessionRequest
-	9,  // 25: kvcached.v1.KVCached.Allocate:input_type -> kvcached.v1.AllocateRequest
-	11, // 26: kvcached.v1.KVCached.Free:input_type -> kvcached.v1.FreeRequest
-	13, // 27: kvcached.v1.KVCached.GetStats:input_type -> kvcached.v1.GetStatsRequest
-	18, // 28: kvcached.v1.KVCached.Watch:input_type -> kvcached.v1.WatchRequest
-	24, // 29: kvcached.v1.KVCached.SetSessionLimits:input_type -> kvcached.v1.SetSessionLimitsRequest
-	26, // 30: kvcached.v1.KVCached.RequestShrink:input_type -> kvcached.v1.RequestShrinkRequest
-	3,  // 31: kvcached.v1.KVCached.GetInfo:output_type -> kvcached.v1.GetInfoResponse
-	6,  // 32: kvcached.v1.KVCached.OpenSession:output_type -> kvcached.v1.OpenSessionResponse
-	8,  // 33: kvcached.v1.KVCached.CloseSession:output_type -> kvcached.v1.CloseSessionResponse
-	10, // 34: kvcached.v1.KVCached.Allocate:output_type -> kvcached.v1.AllocateResponse
-	12, // 35: kvcached.v1.KVCached.Free:output_type -> kvcached.v1.FreeResponse
-	14, // 36: kvcached.v1.KVCached.GetStats:output_type -> kvcached.v1.GetStatsResponse
-	19, // 37: kvcached.v1.KVCached.Watch:output_type -> kvcached.v1.WatchEvent
-	25, // 38: kvcached.v1.KVCached.SetSessionLimits:output_type -> kvcached.v1.SetSessionLimitsResponse
-	27, // 39: kvcached.v1.KVCached.RequestShrink:output_type -> kvcached.v1.RequestShrinkResponse
-	31, // [31:40] is the sub-list for method output_type
-	22, // [22:31] is the sub-list for method input_type
-	22, // [22:22] is the sub-list for extension type_name
-	22, // [22:22] is the sub-list for extension extendee
-	0,  // [0:22] is the sub-list for field type_name
+	30, // 13: kvcached.v1.SessionStats.held_bytes_by_device:type_name -> kvcached.v1.SessionStats.HeldBytesByDeviceEntry
+	1,  // 14: kvcached.v1.WatchRequest.session:type_name -> kvcached.v1.SessionRef
+	0,  // 15: kvcached.v1.WatchEvent.kind:type_name -> kvcached.v1.WatchEvent.Kind
+	20, // 16: kvcached.v1.WatchEvent.reclaim:type_name -> kvcached.v1.Reclaim
+	21, // 17: kvcached.v1.WatchEvent.budget:type_name -> kvcached.v1.BudgetChanged
+	22, // 18: kvcached.v1.WatchEvent.available:type_name -> kvcached.v1.MemoryAvailable
+	23, // 19: kvcached.v1.WatchEvent.shutdown:type_name -> kvcached.v1.Shutdown
+	1,  // 20: kvcached.v1.SetSessionLimitsRequest.admin:type_name -> kvcached.v1.SessionRef
+	17, // 21: kvcached.v1.SetSessionLimitsResponse.session:type_name -> kvcached.v1.SessionStats
+	1,  // 22: kvcached.v1.RequestShrinkRequest.admin:type_name -> kvcached.v1.SessionRef
+	2,  // 23: kvcached.v1.KVCached.GetInfo:input_type -> kvcached.v1.GetInfoRequest
+	5,  // 24: kvcached.v1.KVCached.OpenSession:input_type -> kvcached.v1.OpenSessionRequest
+	7,  // 25: kvcached.v1.KVCached.CloseSession:input_type -> kvcached.v1.CloseSessionRequest
+	9,  // 26: kvcached.v1.KVCached.Allocate:input_type -> kvcached.v1.AllocateRequest
+	11, // 27: kvcached.v1.KVCached.Free:input_type -> kvcached.v1.FreeRequest
+	13, // 28: kvcached.v1.KVCached.GetStats:input_type -> kvcached.v1.GetStatsRequest
+	18, // 29: kvcached.v1.KVCached.Watch:input_type -> kvcached.v1.WatchRequest
+	24, // 30: kvcached.v1.KVCached.SetSessionLimits:input_type -> kvcached.v1.SetSessionLimitsRequest
+	26, // 31: kvcached.v1.KVCached.RequestShrink:input_type -> kvcached.v1.RequestShrinkRequest
+	3,  // 32: kvcached.v1.KVCached.GetInfo:output_type -> kvcached.v1.GetInfoResponse
+	6,  // 33: kvcached.v1.KVCached.OpenSession:output_type -> kvcached.v1.OpenSessionResponse
+	8,  // 34: kvcached.v1.KVCached.CloseSession:output_type -> kvcached.v1.CloseSessionResponse
+	10, // 35: kvcached.v1.KVCached.Allocate:output_type -> kvcached.v1.AllocateResponse
+	12, // 36: kvcached.v1.KVCached.Free:output_type -> kvcached.v1.FreeResponse
+	14, // 37: kvcached.v1.KVCached.GetStats:output_type -> kvcached.v1.GetStatsResponse
+	19, // 38: kvcached.v1.KVCached.Watch:output_type -> kvcached.v1.WatchEvent
+	25, // 39: kvcached.v1.KVCached.SetSessionLimits:output_type -> kvcached.v1.SetSessionLimitsResponse
+	27, // 40: kvcached.v1.KVCached.RequestShrink:output_type -> kvcached.v1.RequestShrinkResponse
+	32, // [32:41] is the sub-list for method output_type
+	23, // [23:32] is the sub-list for method input_type
+	23, // [23:23] is the sub-list for extension type_name
+	23, // [23:23] is the sub-list for extension extendee
+	0,  // [0:23] is the sub-list for field type_name
 }
 
 func init() { file_kvcached_v1_kvcached_proto_init() }
@@ -2298,7 +2345,7 @@ func file_kvcached_v1_kvcached_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvcached_v1_kvcached_proto_rawDesc), len(file_kvcached_v1_kvcached_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   29,
+			NumMessages:   30,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

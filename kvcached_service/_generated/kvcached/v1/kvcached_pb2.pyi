@@ -106,18 +106,20 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, pages_returned: _Optional[int] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("session", "device", "num_pages", "wait", "wait_timeout_ms")
+    __slots__ = ("session", "device", "num_pages", "wait", "wait_timeout_ms", "notify_when_available")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    NOTIFY_WHEN_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     device: str
     num_pages: int
     wait: bool
     wait_timeout_ms: int
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., device: _Optional[str] = ..., num_pages: _Optional[int] = ..., wait: _Optional[bool] = ..., wait_timeout_ms: _Optional[int] = ...) -> None: ...
+    notify_when_available: bool
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., device: _Optional[str] = ..., num_pages: _Optional[int] = ..., wait: _Optional[bool] = ..., wait_timeout_ms: _Optional[int] = ..., notify_when_available: _Optional[bool] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
     __slots__ = ("allocation_id", "device", "page_size", "page_ids", "held_bytes")
@@ -200,7 +202,7 @@ class DeviceStats(_message.Message):
     def __init__(self, device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., pool: _Optional[_Union[PoolStats, _Mapping]] = ...) -> None: ...
 
 class SessionStats(_message.Message):
-    __slots__ = ("id", "name", "pid", "uid", "held_bytes", "pages_held", "guaranteed_bytes", "max_bytes", "priority", "last_active_unix", "reclaim_ignored", "allocations_total", "frees_total", "labels", "opened_unix")
+    __slots__ = ("id", "name", "pid", "uid", "held_bytes", "pages_held", "guaranteed_bytes", "max_bytes", "priority", "last_active_unix", "reclaim_ignored", "allocations_total", "frees_total", "labels", "opened_unix", "held_bytes_by_device", "reclaim_pending_pages", "reclaim_requests")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +210,13 @@ class SessionStats(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class HeldBytesByDeviceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +232,9 @@ class SessionStats(_message.Message):
     FREES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     OPENED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_BY_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_PENDING_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     id: int
     name: str
     pid: int
@@ -238,7 +250,10 @@ class SessionStats(_message.Message):
     frees_total: int
     labels: _containers.ScalarMap[str, str]
     opened_unix: float
-    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., held_bytes: _Optional[int] = ..., pages_held: _Optional[int] = ..., guaranteed_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., last_active_unix: _Optional[float] = ..., reclaim_ignored: _Optional[int] = ..., allocations_total: _Optional[int] = ..., frees_total: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., opened_unix: _Optional[float] = ...) -> None: ...
+    held_bytes_by_device: _containers.ScalarMap[str, int]
+    reclaim_pending_pages: int
+    reclaim_requests: int
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., held_bytes: _Optional[int] = ..., pages_held: _Optional[int] = ..., guaranteed_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., last_active_unix: _Optional[float] = ..., reclaim_ignored: _Optional[int] = ..., allocations_total: _Optional[int] = ..., frees_total: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., opened_unix: _Optional[float] = ..., held_bytes_by_device: _Optional[_Mapping[str, int]] = ..., reclaim_pending_pages: _Optional[int] = ..., reclaim_requests: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("session",)

@@ -1,0 +1,238 @@
+"""Elastic sharing (issue 4): budgets, guarantees, reclaim through Watch,
+waiting Allocates, idle shrink, ignored requests, priorities."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from conftest import assert_books, wait_until
+from kvcached_service import errors
+
+MiB = 1 << 20
+
+
+class Tenant:
+    """A session with a Region that answers reclaim requests the way an
+    engine would: give back pages from the end of what it has mapped, never
+    below its guarantee."""
+
+    def __init__(self, client, name, *, guaranteed=0, priority=0, size=256 * MiB, answer=True):
+        self.s = client.open_session(name, guaranteed_bytes=guaranteed, priority=priority)
+        self.r = self.s.region(size)
+        self.guaranteed = guaranteed
+        self.reclaims = []
+        self.min_mapped = None
+        if answer:
+            self.s.on_reclaim(self._on_reclaim)
+        else:
+            self.s.on_reclaim(self.reclaims.append)
+
+    def _on_reclaim(self, ev):
+        self.reclaims.append(ev)
+        self.r.release_pages(ev.pages, keep_bytes=self.guaranteed)
+        self._note()
+
+    def _note(self):
+        m = self.r.mapped_bytes
+        self.min_mapped = m if self.min_mapped is None else min(self.min_mapped, m)
+
+    def grow(self, nbytes, wait_ms=10000):
+        self.r.grow_to(nbytes, wait=True, wait_timeout_ms=wait_ms)
+        self._note()
+
+    def close(self):
+        self.r.close()
+        self.s.close()
+
+
+def test_three_tenants_taking_turns_all_bursts_served(daemon_factory, backend):
+    # budget 160 MiB (80 pages); each tenant peaks at 96 MiB: together 288 MiB
+    d = daemon_factory(backend, memory_limit="160MiB", reclaim_timeout_ms="3000")
+    with d.client() as c:
+        tenants = [Tenant(c, f"model-{i}", guaranteed=16 * MiB) for i in range(3)]
+        for t in tenants:
+            t.grow(16 * MiB)
+        served = 0
+        for rnd in range(3):
+            for i, t in enumerate(tenants):
+                t0 = time.monotonic()
+                t.grow(96 * MiB)  # a burst: most of the budget
+                t.r.write(96 * MiB - 8, b"burst%03d" % rnd)
+                served += 1
+                assert t.r.read(96 * MiB - 8, 8) == b"burst%03d" % rnd
+                st = c.stats()
+                assert_books(st)
+                assert st.total.in_use_bytes <= st.total.budget_bytes
+                t.r.trim_to(48 * MiB)  # the burst ends; the context shrinks
+                print(f"round {rnd} tenant {i}: burst served in {(time.monotonic() - t0) * 1e3:.0f} ms")
+        assert served == 9
+        for t in tenants:
+            assert t.min_mapped >= t.guaranteed, "a tenant was reclaimed below its guarantee"
+        assert sum(len(t.reclaims) for t in tenants) > 0
+        stats = {s.name: s for s in tenants[0].s.stats().sessions}
+        assert all(stats[f"model-{i}"].reclaim_ignored == 0 for i in range(3))
+        for t in tenants:
+            t.close()
+        assert_books(c.stats())
+
+
+def test_ignoring_session_fails_waiter_at_deadline_naming_it(daemon_factory):
+    d = daemon_factory("host", memory_limit="64MiB", reclaim_timeout_ms="300")
+    with d.client() as c:
+        hog = Tenant(c, "hog", answer=False)
+        hog.r.map(0, 56 * MiB)  # 28 of 32 pages, and it will not give any back
+        other = c.open_session("bystander")
+        keep = other.allocate(2)
+        waiter = c.open_session("new-model")
+        t0 = time.monotonic()
+        with pytest.raises(errors.ResourceExhausted) as info:
+            waiter.allocate(10, wait=True, wait_timeout_ms=800)
+        waited = time.monotonic() - t0
+        msg = str(info.value)
+        assert 0.7 < waited < 3, waited
+        assert "after waiting 0.8 s" in msg and "pages short" in msg
+        assert f"session {hog.s.id} 'hog'" in msg  # who holds it
+        assert "asked to give back" in msg
+        assert wait_until(lambda: hog.reclaims), "the hog was never asked"
+        me = {s.name: s for s in waiter.stats().sessions}
+        assert wait_until(lambda: {s.name: s for s in waiter.stats().sessions}["hog"].reclaim_ignored >= 1, timeout=3)
+        assert me["bystander"].reclaim_ignored == 0
+        # others unharmed: the bystander still works, and the waiter can use what is free
+        other.free(keep)
+        assert len(waiter.allocate(4)) == 4
+        assert "ignored a reclaim request" in d.log_text()
+        assert_books(c.stats())
+        hog.close()
+        other.close()
+        waiter.close()
+
+
+def test_ignorer_is_asked_first_next_time(daemon_factory):
+    d = daemon_factory("host", memory_limit="64MiB", reclaim_timeout_ms="300")  # 32 pages
+    with d.client() as c:
+        polite = Tenant(c, "polite")
+        rude = Tenant(c, "rude", answer=False)
+        polite.r.map(0, 24 * MiB)  # 12 pages
+        rude.r.map(0, 24 * MiB)  # 12 pages
+        time.sleep(0.05)
+        rude.r.map(24 * MiB, 2 * MiB)  # rude is now the more recently active
+        w = c.open_session("w")
+        w.allocate(12, wait=True, wait_timeout_ms=2000)  # 7 free: 5 short
+        # same priority, nobody ignored anything yet: the least recently active is asked
+        assert [e.pages for e in polite.reclaims] == [5] and not rude.reclaims
+        admin = c.open_session("admin")
+        admin.request_shrink(rude.s.id, 0, timeout_ms=200)
+        assert wait_until(lambda: {s.name: s for s in admin.stats().sessions}["rude"].reclaim_ignored == 1, timeout=3)
+        # the budget is full again; the next shortage asks the ignorer first
+        with pytest.raises(errors.ResourceExhausted, match="ignored"):
+            w.allocate(4, wait=True, wait_timeout_ms=400)
+        assert rude.reclaims[-1].reason == "allocate" and rude.reclaims[-1].pages == 4
+        assert len(polite.reclaims) == 1, "the polite session was asked although the ignorer covered the shortage"
+        for x in (polite, rude):
+            x.close()
+        w.close()
+        admin.close()
+
+
+def test_guarantee_is_never_reclaimed(daemon_factory):
+    d = daemon_factory("host", memory_limit="64MiB", reclaim_timeout_ms="200")
+    with d.client() as c:
+        g = Tenant(c, "guaranteed", guaranteed=48 * MiB)
+        g.r.map(0, 48 * MiB)
+        n = c.open_session("newcomer")
+        with pytest.raises(errors.ResourceExhausted) as info:
+            n.allocate(12, wait=True, wait_timeout_ms=300)
+        assert "no session had pages above its guarantee" in str(info.value)
+        assert not g.reclaims
+        assert g.r.mapped_bytes == 48 * MiB
+        g.close()
+        n.close()
+
+
+def test_session_below_guarantee_can_claim_it(daemon_factory):
+    d = daemon_factory("host", memory_limit="64MiB", reclaim_timeout_ms="2000")
+    with d.client() as c:
+        hi = Tenant(c, "busy-high-priority", priority=10)
+        hi.r.map(0, 64 * MiB)  # the whole budget
+        lo = Tenant(c, "low-with-guarantee", guaranteed=16 * MiB, priority=0)
+        lo.grow(16 * MiB)  # below its guarantee: may ask even a higher priority
+        assert hi.reclaims and lo.r.mapped_bytes == 16 * MiB
+        with pytest.raises(errors.ResourceExhausted, match="no session had pages above its guarantee"):
+            lo.grow(32 * MiB, wait_ms=300)  # above it: it may not take from a higher priority
+        hi.close()
+        lo.close()
+
+
+def test_sum_of_guarantees_cannot_exceed_budget(daemon_factory):
+    d = daemon_factory("host", memory_limit="64MiB")
+    with d.client() as c:
+        a = c.open_session("a", guaranteed_bytes=40 * MiB)
+        with pytest.raises(errors.ResourceExhausted, match="guarantees would total"):
+            c.open_session("b", guaranteed_bytes=30 * MiB)
+        b = c.open_session("b", guaranteed_bytes=20 * MiB)
+        with pytest.raises(errors.ResourceExhausted, match="guarantees would total"):
+            a.set_limits(b.id, guaranteed_bytes=30 * MiB)
+        st = a.set_limits(b.id, guaranteed_bytes=24 * MiB, max_bytes=32 * MiB, priority=3)
+        assert (st.guaranteed_bytes, st.max_bytes, st.priority) == (24 * MiB, 32 * MiB, 3)
+        with pytest.raises(errors.ResourceExhausted, match="maximum of 16 pages"):
+            b.allocate(17)
+        a.close()
+        b.close()
+
+
+def test_idle_session_is_asked_to_shrink_and_pool_returns_memory(daemon_factory):
+    d = daemon_factory("host", memory_limit="64MiB", idle_shrink_seconds="0.4", pool_idle_seconds="0.3")
+    with d.client() as c:
+        t = Tenant(c, "idle", guaranteed=8 * MiB)
+        t.r.map(0, 40 * MiB)
+        assert wait_until(lambda: t.reclaims, timeout=5)
+        ev = t.reclaims[0]
+        assert ev.reason == "idle" and ev.pages == 16 and ev.device == "HOST-0"
+        assert wait_until(lambda: t.r.mapped_bytes == 8 * MiB)
+        # the 16 pages returned go back to the backend after their idle time
+        assert wait_until(lambda: c.stats().total.pooled_bytes == 0, timeout=5)
+        st = c.stats()
+        assert st.total.in_use_bytes == 8 * MiB and st.total.free_bytes == 56 * MiB
+        assert len(t.reclaims) == 1  # asked once per idle period
+        t.close()
+
+
+def test_memory_available_notification(daemon_factory):
+    d = daemon_factory("host", memory_limit="32MiB")
+    with d.client() as c:
+        a = c.open_session("a")
+        held = a.allocate(16)
+        b = c.open_session("b")
+        got = []
+        ready = threading.Event()
+        b.on_event(lambda ev: (got.append(ev), ready.set()), kinds=("MEMORY_AVAILABLE",))
+        with pytest.raises(errors.ResourceExhausted):
+            b.allocate(4, notify=True)
+        a.free(held[:2])
+        assert not ready.wait(0.3), "told too early: only 2 of 4 pages are free"
+        a.free(held[2:6])
+        assert ready.wait(3)
+        assert got[0].device == "HOST-0" and got[0].pages >= 4
+        assert len(b.allocate(4)) == 4
+        a.close()
+        b.close()
+
+
+def test_stats_show_elastic_fields(daemon_factory):
+    d = daemon_factory("host", memory_limit="64MiB")
+    with d.client() as c:
+        s = c.open_session("m", guaranteed_bytes=4 * MiB, max_bytes=32 * MiB, priority=2)
+        s.allocate(3)
+        me = s.my_stats()
+        assert (me.guaranteed_bytes, me.max_bytes, me.priority) == (4 * MiB, 32 * MiB, 2)
+        assert me.held_bytes == 6 * MiB and me.held_bytes_by_device == {"HOST-0": 6 * MiB}
+        assert me.last_active_unix > time.time() - 5 and me.reclaim_ignored == 0
+        admin = c.open_session("admin")
+        assert admin.request_shrink(s.id, 2 * MiB) == 1  # never below the 4 MiB guarantee
+        assert wait_until(lambda: {x.name: x for x in admin.stats().sessions}["m"].reclaim_pending_pages == 1)
+        s.close()
+        admin.close()
