@@ -323,7 +323,13 @@ kvc_status session_allocate(kvc_session *s, uint64_t n, std::vector<uint64_t> &i
         req.set_wait_timeout_ms(s->wait_timeout_ms);
         pb::AllocateResponse resp;
         grpc::ClientContext ctx;
-        s->conn->prepare(ctx);
+        uint32_t t = s->conn->timeout_ms.load();
+        if (t) {
+            // A waiting Allocate may take the daemon's wait on top of the rpc
+            // itself (wait_timeout_ms 0 = the daemon's default: allow 30 s).
+            uint64_t ms = t + (s->wait ? (s->wait_timeout_ms ? s->wait_timeout_ms : 30000) : 0);
+            ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms));
+        }
         grpc::Status st = s->conn->stub->Allocate(&ctx, req, &resp);
         kvc_status k = KVC_OK;
         std::vector<uint64_t> got_ids;

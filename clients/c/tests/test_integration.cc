@@ -724,16 +724,17 @@ TEST_F(Kvc, WaitingAllocateReclaimsFromAnIdleSession)
     kvc_session *a = open("idle-a");
     const uint64_t P = kvc_session_page_size(a);
     ReclaimLog log;
-    kvc_region *ra = mkregion(a, 100 * P);
+    kvc_region *ra = mkregion(a, 120 * P);
     ASSERT_NE(ra, nullptr);
-    KVC_OK_OR_FAIL(kvc_region_map(ra, 0, 100 * P));
+    KVC_OK_OR_FAIL(kvc_region_map(ra, 0, 120 * P));
     log.region = ra;
     KVC_OK_OR_FAIL(kvc_session_set_reclaim_callback(a, on_reclaim, &log));
 
-    kvc_session *b = open("busy-b", 0, 1, 10000);
-    kvc_region *rb = mkregion(b, 60 * P);
+    kvc_session *b = open("busy-b", 0, 1, 3000);
+    kvc_region *rb = mkregion(b, 16 * P);
     ASSERT_NE(rb, nullptr);
-    KVC_OK_OR_FAIL(kvc_region_map(rb, 0, 60 * P));  // needs pages a holds
+    // One Allocate of 16 pages; at most 8 are left, the rest must come from a.
+    KVC_OK_OR_FAIL(kvc_region_map(rb, 0, 16 * P));
     EXPECT_GE(log.calls.load(), 1);
     {
         std::lock_guard<std::mutex> g(log.mu);
