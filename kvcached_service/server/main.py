@@ -24,7 +24,9 @@ from .._generated.kvcached.v1 import kvcached_pb2 as pb
 from .._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 from ..backends.base import Backend
 from ..config import ConfigError, Settings, load_settings, parse_size
+from . import sdnotify
 from .daemon import Daemon, apply_socket_permissions, prepare_socket_path
+from .metrics import Metrics
 from .service import KVCachedService
 
 log = logging.getLogger("kvcached")
@@ -102,13 +104,15 @@ async def serve(settings: Settings, ready_hook=None) -> int:
         raise StartupError(exc.message) from None
 
     prepare_socket_path(settings.socket)
+    metrics = Metrics(daemon) if settings.metrics_address else None
     server = grpc.aio.server(
+        interceptors=metrics.interceptors() if metrics else None,
         options=[
             ("grpc.max_receive_message_length", 4 * 1024 * 1024),
             ("grpc.so_reuseport", 0),
         ]
     )
-    pb_grpc.add_KVCachedServicer_to_server(KVCachedService(daemon), server)
+    pb_grpc.add_KVCachedServicer_to_server(KVCachedService(daemon, observe_error=metrics.observe_error if metrics else None), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -124,6 +128,8 @@ async def serve(settings: Settings, ready_hook=None) -> int:
     try:
         daemon.start_fd_listener()
         await daemon.prefill()
+        if metrics:
+            metrics.start_http(settings.metrics_address)
     except Exception:
         await server.stop(None)
         _unlink(settings.socket)
@@ -143,7 +149,9 @@ async def serve(settings: Settings, ready_hook=None) -> int:
                     "raise LimitNOFILE (systemd) or ulimit -n, or use larger pages", pages, nofile)
     if ready_hook is not None:
         ready_hook(daemon)
+    notifier = sdnotify.start_for(daemon)
     await stop.wait()
+    notifier.stopping("stopping: telling sessions")
 
     log.info("shutting down: telling %d sessions", len(daemon.sessions))
     await health_servicer.enter_graceful_shutdown()
@@ -151,6 +159,9 @@ async def serve(settings: Settings, ready_hook=None) -> int:
     await server.stop(grace=0.5)
     await daemon.finish_shutdown()
     _unlink(settings.socket)
+    if metrics:
+        metrics.stop()
+    notifier.close()
     log.info("stopped: every page released")
     return 0
 

@@ -1,0 +1,476 @@
+"""Prometheus metrics of kvcached-serve (`--metrics-address host:port`).
+
+Design (after prometheus/client_python's custom collectors):
+- One injectable CollectorRegistry per Metrics object; nothing goes to the
+  library's global REGISTRY, so tests can build as many as they like.
+- Pool, session and daemon numbers are *read at scrape time* by
+  DaemonCollector from `daemon.pools`, `daemon.sessions`, `daemon.counters`
+  and `daemon.reclaimer`; there is no second copy of that state. The daemon's
+  state belongs to its event loop, so the collector (which runs on the HTTP
+  server's thread) asks the loop for one snapshot per scrape: the numbers of
+  one scrape come from one instant, so pooled + in_use + free == budget holds
+  in the scraped values too.
+- What the daemon does not count itself -- rpc outcomes by status code and
+  Allocate latency -- is observed by a grpc.aio server interceptor
+  (MetricsInterceptor) and kept in ordinary Counter/Histogram objects.
+- Device memory from NVML (nvidia-ml-py) when a driver is present: total,
+  used and free bytes per GPU UUID. Without a driver these series are absent
+  and one debug line says why; nothing is retried per scrape.
+
+Label cardinality is bounded: `device` (one per device), `session` (the
+session *name*; sessions sharing a name are summed), `rpc` (the nine
+methods of kvcached.v1.KVCached), `code` (gRPC status names).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.exposition import generate_latest
+from prometheus_client.process_collector import ProcessCollector
+
+from .. import __version__, errors
+
+if TYPE_CHECKING:
+    from .daemon import Daemon
+
+log = logging.getLogger("kvcached.metrics")
+
+SERVICE_PREFIX = "/kvcached.v1.KVCached/"
+# Allocate latency buckets (seconds): a pooled page is tens of microseconds of
+# daemon work plus the fd transfer; creating pages on a GPU is ~0.2 ms each; a
+# waiting Allocate may take up to its wait timeout (default 10 s).
+ALLOCATE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+SNAPSHOT_TIMEOUT = 5.0
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """'127.0.0.1:9400' -> ('127.0.0.1', 9400); '[::1]:9400' -> ('::1', 9400);
+    ':9400' -> ('0.0.0.0', 9400)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected host:port, got {address!r}")
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port)
+
+
+def code_name(code: Any) -> str:
+    """A grpc.StatusCode, the integer cygrpc uses inside aio, or None (OK)."""
+    if code is None:
+        return "OK"
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    for sc in grpc.StatusCode:
+        if sc.value[0] == code:
+            return sc.name
+    return str(code)
+
+
+# ---------------------------------------------------------------------------
+# NVML (device memory as the driver sees it)
+class Nvml:
+    """Total/used/free bytes per GPU UUID from NVML, or nothing.
+
+    Initialised once; if NVML is missing (no driver, no library) one DEBUG
+    line is logged and `memory()` returns {} forever after."""
+
+    def __init__(self, loader: Callable[[], Any] | None = None):
+        self._nv = None
+        self._handles: list[tuple[str, Any]] = []
+        try:
+            nv = loader() if loader else _import_pynvml()
+            nv.nvmlInit()
+            for i in range(nv.nvmlDeviceGetCount()):
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+                uuid = nv.nvmlDeviceGetUUID(h)
+                self._handles.append((uuid.decode() if isinstance(uuid, bytes) else uuid, h))
+            self._nv = nv
+        except Exception as exc:  # noqa: BLE001 - any reason NVML is unusable
+            log.debug("NVML device memory metrics off: %s: %s", type(exc).__name__, exc)
+
+    @property
+    def available(self) -> bool:
+        return self._nv is not None
+
+    def memory(self) -> dict[str, tuple[int, int, int]]:
+        if self._nv is None:
+            return {}
+        out = {}
+        for uuid, h in self._handles:
+            try:
+                m = self._nv.nvmlDeviceGetMemoryInfo(h)
+                out[uuid] = (int(m.total), int(m.used), int(m.free))
+            except Exception as exc:  # noqa: BLE001 - a lost GPU: skip it this scrape
+                log.debug("NVML memory info for %s failed: %s", uuid, exc)
+        return out
+
+    def close(self) -> None:
+        if self._nv is not None:
+            try:
+                self._nv.nvmlShutdown()
+            except Exception:  # noqa: BLE001
+                pass
+            self._nv = None
+
+
+def _import_pynvml():
+    import pynvml  # nvidia-ml-py
+
+    return pynvml
+
+
+# ---------------------------------------------------------------------------
+# scrape-time collector
+def snapshot(daemon: "Daemon") -> dict:
+    """Every number the collector exports, read from the daemon's live state.
+    Must run on the daemon's event loop thread (or with the loop idle)."""
+    now = time.time()
+    devices = []
+    for uuid, pool in daemon.pools.items():
+        ps = pool.page_size
+        devices.append(
+            {
+                "uuid": uuid,
+                "name": pool.spec.name,
+                "kind": pool.spec.kind,
+                "page_size": ps,
+                "total": pool.spec.total_bytes,
+                "budget": pool.budget_pages * ps,
+                "in_use": pool.n_in_use * ps,
+                "pooled": pool.n_pooled * ps,
+                "free": pool.n_free * ps,
+                "created_total": pool.counters.created_total,
+                "released_total": pool.counters.released_total,
+                "allocations_total": pool.counters.allocations_total,
+                "allocation_failures_total": pool.counters.allocation_failures_total,
+            }
+        )
+    by_name: dict[str, dict] = {}
+    held: dict[tuple[str, str], int] = collections.Counter()
+    for s in list(daemon.sessions.values()):
+        agg = by_name.setdefault(s.name, {"open": 0, "guaranteed": 0, "max": 0, "ignored": 0, "requests": 0})
+        agg["open"] += 1
+        agg["guaranteed"] += s.guaranteed_bytes
+        agg["max"] += s.max_bytes
+        agg["ignored"] += s.reclaim_ignored
+        agg["requests"] += s.reclaim_requests
+        for uuid, n in s.held_by_device.items():
+            pool = daemon.pools.get(uuid)
+            if pool is not None:
+                held[(s.name, uuid)] += n * pool.page_size
+    r = daemon.reclaimer
+    c = daemon.counters
+    return {
+        "time": now,
+        "backend": getattr(daemon.backend, "kind", "unknown"),
+        "uptime": time.monotonic() - daemon.started_monotonic,
+        "devices": devices,
+        "sessions": by_name,
+        "held": dict(held),
+        "sessions_open": len(daemon.sessions),
+        "counters": dict(c),
+        "reclaim": {
+            "requests": r.requests_total,
+            "ignored": r.ignored_total,
+            "pages_asked": r.pages_asked_total,
+        },
+    }
+
+
+class DaemonCollector:
+    """A prometheus_client custom collector over a live Daemon.
+
+    `loop`: the daemon's event loop. When given, each scrape runs `snapshot`
+    on that loop (call_soon_threadsafe) and waits up to SNAPSHOT_TIMEOUT; a
+    stuck loop makes the scrape fail, which is the honest answer."""
+
+    def __init__(self, daemon: "Daemon", loop: asyncio.AbstractEventLoop | None = None, nvml: Nvml | None = None):
+        self.daemon = daemon
+        self.loop = loop
+        self.nvml = nvml
+
+    def _snapshot(self) -> dict:
+        loop = self.loop
+        if loop is None or _on_loop_thread(loop):
+            return snapshot(self.daemon)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(snapshot(self.daemon))
+            except BaseException as exc:  # noqa: BLE001 - hand it to the scraper
+                fut.set_exception(exc)
+
+        loop.call_soon_threadsafe(run)
+        return fut.result(SNAPSHOT_TIMEOUT)
+
+    def describe(self):
+        # Let the registry learn the names without taking a snapshot.
+        return []
+
+    def collect(self):
+        snap = self._snapshot()
+        info = InfoMetricFamily("kvcached_build", "kvcached-serve version and page backend", labels=["version", "backend"])
+        info.add_metric([__version__, snap["backend"]], {})
+        yield info
+        yield GaugeMetricFamily("kvcached_uptime_seconds", "Seconds since the daemon started", value=snap["uptime"])
+
+        def dev_gauge(name: str, doc: str, key: str) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["device"])
+            for d in snap["devices"]:
+                g.add_metric([d["uuid"]], d[key])
+            return g
+
+        def dev_counter(name: str, doc: str, key: str) -> CounterMetricFamily:
+            g = CounterMetricFamily(name, doc, labels=["device"])
+            for d in snap["devices"]:
+                g.add_metric([d["uuid"]], d[key])
+            return g
+
+        dinfo = InfoMetricFamily("kvcached_device", "A device the daemon serves", labels=["device", "name", "kind"])
+        for d in snap["devices"]:
+            dinfo.add_metric([d["uuid"], d["name"], d["kind"]], {})
+        yield dinfo
+        yield dev_gauge("kvcached_device_total_bytes", "Device memory as the backend reports it", "total")
+        yield dev_gauge("kvcached_device_budget_bytes", "The daemon's budget on the device", "budget")
+        yield dev_gauge("kvcached_device_in_use_bytes", "Bytes in pages held by sessions (or being delivered or created)", "in_use")
+        yield dev_gauge("kvcached_device_pooled_bytes", "Bytes in created pages held by no session (warm pool)", "pooled")
+        yield dev_gauge("kvcached_device_free_bytes", "Budget not backed by any page (pooled + in_use + free = budget)", "free")
+        yield dev_gauge("kvcached_device_page_size_bytes", "Bytes per page", "page_size")
+        yield dev_counter("kvcached_device_pages_created", "Pages created on the device", "created_total")
+        yield dev_counter("kvcached_device_pages_released", "Pages released back to the device", "released_total")
+        yield dev_counter("kvcached_device_allocations", "Allocations the pool satisfied", "allocations_total")
+        yield dev_counter(
+            "kvcached_device_allocation_failures",
+            "Allocations the pool could not satisfy (budget exhausted, after any wait)",
+            "allocation_failures_total",
+        )
+
+        if self.nvml is not None:
+            mem = self.nvml.memory()
+            if mem:
+                for i, (name, doc) in enumerate(
+                    (
+                        ("kvcached_gpu_memory_total_bytes", "GPU memory in total (NVML)"),
+                        ("kvcached_gpu_memory_used_bytes", "GPU memory used by every process (NVML)"),
+                        ("kvcached_gpu_memory_free_bytes", "GPU memory free (NVML)"),
+                    )
+                ):
+                    g = GaugeMetricFamily(name, doc, labels=["device"])
+                    for uuid, vals in sorted(mem.items()):
+                        g.add_metric([uuid], vals[i])
+                    yield g
+
+        sessions = snap["sessions"]
+        yield GaugeMetricFamily("kvcached_sessions_open", "Open sessions", value=snap["sessions_open"])
+        g = GaugeMetricFamily("kvcached_session_open", "Open sessions with this name", labels=["session"])
+        for name, agg in sorted(sessions.items()):
+            g.add_metric([name], agg["open"])
+        yield g
+        g = GaugeMetricFamily("kvcached_session_held_bytes", "Bytes held by the sessions of this name on the device", labels=["session", "device"])
+        for (name, uuid), n in sorted(snap["held"].items()):
+            g.add_metric([name, uuid], n)
+        yield g
+        g = GaugeMetricFamily("kvcached_session_guaranteed_bytes", "Guaranteed bytes per device (summed over sessions of this name)", labels=["session"])
+        for name, agg in sorted(sessions.items()):
+            g.add_metric([name], agg["guaranteed"])
+        yield g
+        g = GaugeMetricFamily("kvcached_session_max_bytes", "Maximum bytes per device (summed over sessions of this name; 0 = the device budget)", labels=["session"])
+        for name, agg in sorted(sessions.items()):
+            g.add_metric([name], agg["max"])
+        yield g
+        g = GaugeMetricFamily(
+            "kvcached_session_reclaim_ignored",
+            "Reclaim requests the open sessions of this name let expire (resets when a session ends)",
+            labels=["session"],
+        )
+        for name, agg in sorted(sessions.items()):
+            g.add_metric([name], agg["ignored"])
+        yield g
+
+        c = snap["counters"]
+        yield CounterMetricFamily("kvcached_sessions_opened", "Sessions opened", value=c.get("sessions_opened", 0))
+        yield CounterMetricFamily("kvcached_sessions_closed", "Sessions ended normally (CloseSession, channel closed, shutdown)", value=c.get("sessions_closed", 0))
+        yield CounterMetricFamily("kvcached_sessions_crashed", "Sessions ended because the client process exited without closing", value=c.get("sessions_crashed", 0))
+        yield CounterMetricFamily("kvcached_fd_channel_errors", "fd channel failures (accept, set-up, page delivery)", value=c.get("fd_channel_errors", 0))
+
+        r = snap["reclaim"]
+        yield CounterMetricFamily("kvcached_reclaim_requests", "Reclaim requests sent to sessions", value=r["requests"])
+        yield CounterMetricFamily("kvcached_reclaim_asked_pages", "Pages asked back by reclaim requests", value=r["pages_asked"])
+        yield CounterMetricFamily("kvcached_reclaim_ignored", "Reclaim requests that expired without the pages coming back", value=r["ignored"])
+
+
+def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+# ---------------------------------------------------------------------------
+# rpc outcomes and latency: a grpc.aio server interceptor
+class RpcMetrics:
+    """Counters and histograms the daemon does not keep itself."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.requests = Counter(
+            "kvcached_rpc_requests",
+            "Control-plane rpcs handled, by method and gRPC status code",
+            ["rpc", "code"],
+            registry=registry,
+        )
+        self.allocate_seconds = Histogram(
+            "kvcached_allocate_duration_seconds",
+            "Allocate rpc latency in the daemon (including the fd transfer), by whether the caller allowed waiting",
+            ["wait"],
+            buckets=ALLOCATE_BUCKETS,
+            registry=registry,
+        )
+        # Make the common series exist from the start (0 is better than absent).
+        for rpc in ("Allocate", "Free"):
+            self.requests.labels(rpc, "OK")
+        for w in ("false", "true"):
+            self.allocate_seconds.labels(w)
+
+    def observe(self, rpc: str, code: Any, seconds: float, request: Any = None) -> None:
+        self.requests.labels(rpc, code_name(code)).inc()
+        if rpc == "Allocate":
+            wait = "true" if getattr(request, "wait", False) else "false"
+            self.allocate_seconds.labels(wait).observe(seconds)
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Times and counts every rpc of kvcached.v1.KVCached by status code.
+
+    The status is read from the servicer context after the handler returns
+    (or aborts): the servicer maps every error to its code in one place and
+    aborts with it, so the code seen here is the code the client sees."""
+
+    def __init__(self, rpc_metrics: RpcMetrics):
+        self.m = rpc_metrics
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method or ""
+        if handler is None or not method.startswith(SERVICE_PREFIX):
+            return handler
+        rpc = method[len(SERVICE_PREFIX) :]
+        m = self.m
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                t0 = time.perf_counter()
+                code: Any = None
+                try:
+                    resp = await inner(request, context)
+                    code = context.code()
+                    return resp
+                except BaseException as exc:
+                    code = context.code()
+                    if code is None or code_name(code) == "OK":
+                        code = grpc.StatusCode.CANCELLED if isinstance(exc, asyncio.CancelledError) else grpc.StatusCode.UNKNOWN
+                    raise
+                finally:
+                    m.observe(rpc, code, time.perf_counter() - t0, request)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def stream(request, context):
+                t0 = time.perf_counter()
+                code: Any = None
+                try:
+                    async for item in inner_stream(request, context):
+                        yield item
+                    code = context.code()
+                except BaseException as exc:
+                    code = context.code()
+                    if code is None or code_name(code) == "OK":
+                        code = grpc.StatusCode.CANCELLED if isinstance(exc, (asyncio.CancelledError, GeneratorExit)) else grpc.StatusCode.UNKNOWN
+                    raise
+                finally:
+                    m.observe(rpc, code, time.perf_counter() - t0, request)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+            )
+        return handler
+
+
+# ---------------------------------------------------------------------------
+# the whole thing, as main.py uses it
+class Metrics:
+    """Registry + collector + interceptor + HTTP endpoint for one daemon.
+
+        metrics = Metrics(daemon)                     # before the grpc server exists
+        server = grpc.aio.server(interceptors=metrics.interceptors())
+        metrics.start_http("127.0.0.1:9400")          # once the loop runs
+        ...
+        metrics.stop()
+    """
+
+    def __init__(self, daemon: "Daemon", registry: CollectorRegistry | None = None, *, nvml: Nvml | None = None, process: bool = True):
+        self.daemon = daemon
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
+        self.rpc = RpcMetrics(self.registry)
+        self.nvml = nvml if nvml is not None else Nvml()
+        self.collector = DaemonCollector(daemon, None, self.nvml)
+        self.registry.register(self.collector)
+        if process:
+            # process_open_fds / process_max_fds matter here: every page is one fd.
+            ProcessCollector(registry=self.registry)
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self.address: tuple[str, int] | None = None
+
+    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        return [MetricsInterceptor(self.rpc)]
+
+    def observe_error(self, rpc: str, code: grpc.StatusCode) -> None:
+        """KVCachedService's observe_error hook. The interceptor already counts
+        every outcome by code, so this only logs at debug level."""
+        log.debug("rpc %s failed: %s", rpc, code_name(code))
+
+    def text(self) -> bytes:
+        """The exposition, as a scrape would get it."""
+        return generate_latest(self.registry)
+
+    def start_http(self, address: str) -> tuple[str, int]:
+        """Serve /metrics on `address` (host:port; port 0 = any free port).
+        Call from the daemon's event loop. Returns the bound (host, port)."""
+        from prometheus_client import start_http_server
+
+        self.collector.loop = asyncio.get_running_loop()
+        host, port = parse_address(address)
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise errors.FailedPrecondition(f"metrics_address {address}: cannot listen: {exc.strerror or exc}") from None
+        bound = self._server.server_address
+        self.address = (bound[0], bound[1])
+        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        log.info("metrics on http://%s:%d/metrics", shown, bound[1])
+        return self.address
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        self.nvml.close()
