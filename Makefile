@@ -26,3 +26,5 @@ test-c: setup testdriver
 
 test: setup testdriver
 	scripts/test-python.sh
+	scripts/test-go.sh
+	scripts/test-c.sh

@@ -11,7 +11,7 @@ APT_PACKAGES=(
   python3-venv
   build-essential cmake pkg-config
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  valgrind
+  libgtest-dev valgrind util-linux
 )
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
@@ -39,5 +39,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip >/dev/null
   .venv/bin/pip install -q -e '.[dev]'
   touch "$stamp"
+fi
+if ! command -v go >/dev/null 2>&1; then
+  log "Go is not installed: the Go client (clients/go) needs Go >= 1.24 (https://go.dev/dl); the daemon does not"
 fi
 log "ready: .venv/bin/kvcached-serve"

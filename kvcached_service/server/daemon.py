@@ -440,7 +440,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         wait_s = (wait_ms or self.settings.default_wait_ms) / 1000
         deadline = loop.time() + wait_s
-        asked: dict[int, tuple[Session, int]] = {}
+        asked: dict[int, tuple[Session, int, int]] = {}  # id -> (session, pages asked, held when first asked)
         while True:
             try:
                 return await pool.acquire(s, count)
@@ -452,25 +452,25 @@ class Daemon:
                         self._notify.append((s, pool.uuid, count))
                     if not wait:
                         raise
-                    raise errors.ResourceExhausted(self._waited_message(short, wait_s, asked)) from None
+                    raise errors.ResourceExhausted(self._waited_message(short, wait_s, pool, asked)) from None
                 for victim, n in self.reclaimer.request(pool, s, short.missing, time.time() + (deadline - now)):
-                    prev = asked.get(victim.id, (victim, 0))[1]
-                    asked[victim.id] = (victim, prev + n)
+                    _, prev, held0 = asked.get(victim.id, (victim, 0, victim.held_pages(pool.uuid) + n))
+                    asked[victim.id] = (victim, prev + n, held0 - n if prev == 0 else held0)
                 await pool.wait_changed(min(deadline - now, 0.25))
                 if s.closed:
                     raise errors.FailedPrecondition(f"session {s.id} closed while waiting for pages")
 
     @staticmethod
-    def _waited_message(short: Shortage, waited: float, asked: dict[int, tuple[Session, int]]) -> str:
+    def _waited_message(short: Shortage, waited: float, pool: DevicePool, asked: dict[int, tuple[Session, int, int]]) -> str:
         msg = f"after waiting {waited:g} s, still {short.missing} pages short: {short.message}"
-        if asked:
-            msg += "; asked to give back: " + ", ".join(
-                f"session {v.id} '{v.name}' {n} pages{' (ignored)' if not v.closed and v.reclaim_ignored else ''}"
-                for v, n in asked.values()
-            )
-        else:
-            msg += "; no session had pages above its guarantee to ask for"
-        return msg
+        if not asked:
+            return msg + "; no session had pages above its guarantee to ask for"
+        parts = []
+        for v, n, held0 in asked.values():
+            given = max(0, held0 - v.held_pages(pool.uuid))
+            state = "session ended" if v.closed else f"gave back {min(given, n)}"
+            parts.append(f"session {v.id} '{v.name}' {n} pages ({state}{'; ignored requests before' if v.reclaim_ignored else ''})")
+        return msg + "; asked to give back: " + ", ".join(parts)
 
     def _post(self, s: Session, kind: str, data: dict) -> None:
         s.post(Event(kind, time.time(), data))
