@@ -39,7 +39,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import PY, ROOT, SERVE, TESTDRIVER, assert_books, gpu_state, leak_problems, testdriver_env
+from kvtest import PY, ROOT, SERVE, TESTDRIVER, assert_books, gpu_state, leak_problems, testdriver_env
 from kvcached_service import errors
 
 MiB = 1 << 20
@@ -384,7 +384,7 @@ def test_backend_cuda_refuses_and_auto_falls_back(tmp_path, knob, needle):
     proc = subprocess.Popen(SERVE + ["--socket", sock, "--memory-limit", "64MiB", "--shutdown-grace", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        from conftest import wait_until
+        from kvtest import wait_until
         from kvcached_service.client import Client
 
         assert wait_until(lambda: os.path.exists(sock), timeout=30), "auto daemon did not come up"
