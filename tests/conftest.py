@@ -1,5 +1,5 @@
-"""Shared fixtures: a real kvcached-serve process per test, on the host
-backend or on the CUDA backend through the test driver.
+"""Fixtures: a real kvcached-serve process per test, on the host backend
+or on the CUDA backend through the test driver (helpers live in kvtest.py).
 
 `daemon_factory(**settings)` starts one and waits until its health service
 answers SERVING; at teardown it sends SIGTERM and asserts a clean exit
@@ -9,130 +9,15 @@ report).
 
 from __future__ import annotations
 
-import atexit
-import json
 import os
 import pathlib
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
-import time
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-PY = sys.executable
-SERVE = [PY, "-m", "kvcached_service.server"]
-TESTDRIVER = ROOT / "build" / "testdriver" / "libcuda.so.1"
-HELPERS = pathlib.Path(__file__).resolve().parent / "helpers"
-
-
-def backends() -> list[str]:
-    """Backends the conformance tests run on. The CUDA test driver must be
-    built (scripts/build-testdriver.sh, run by `make test`): if it is
-    missing, the cuda parameter fails loudly instead of being skipped."""
-    return ["host", "cuda"]
-
-
-_gpu_state: pathlib.Path | None = None
-
-
-def gpu_state() -> pathlib.Path:
-    """The simulated machine of this pytest session. The test driver reads
-    its state directory once per process, and in-process clients must share
-    the daemon's machine, so every CUDA daemon of the session uses this one
-    (tests run one after another). Other uids may use it (mode 1777)."""
-    global _gpu_state
-    if _gpu_state is None:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        _gpu_state = pathlib.Path(tempfile.mkdtemp(prefix="kvc-gpu-", dir=base))
-        _gpu_state.chmod(0o1777)
-        atexit.register(shutil.rmtree, _gpu_state, True)
-    return _gpu_state
-
-
-def testdriver_env(**extra: str) -> dict[str, str]:
-    if not TESTDRIVER.exists():
-        pytest.fail(f"CUDA test driver not built: {TESTDRIVER} is missing (run scripts/build-testdriver.sh)")
-    env = {
-        "KVCACHED_LIBCUDA": str(TESTDRIVER),
-        "KVCACHED_TESTDRV_STATE": str(gpu_state()),
-        "KVCACHED_TESTDRV_MEMORY": str(1 << 30),
-    }
-    env.update(extra)
-    os.environ.update(env)  # for clients inside this pytest process
-    return env
-
-
-class Daemon:
-    def __init__(self, proc: subprocess.Popen, socket: str, log: pathlib.Path, env: dict, report: pathlib.Path | None):
-        self.proc = proc
-        self.socket = socket
-        self.fd_socket = socket + ".fd"
-        self.log = log
-        self.env = env  # the environment clients of this daemon need
-        self.report = report
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def client(self, timeout: float = 10.0):
-        from kvcached_service.client import Client
-
-        return Client.connect(self.socket, timeout=timeout)
-
-    def client_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(self.env)
-        env["KVCACHED_SOCKET"] = self.socket
-        env["PYTHONPATH"] = str(ROOT)
-        return env
-
-    def run_client(self, script: str, *args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
-        """Run tests/helpers/<script> as a separate client process."""
-        proc = subprocess.run(
-            [PY, str(HELPERS / script), *args], env=self.client_env(), capture_output=True, text=True, timeout=timeout
-        )
-        if check and proc.returncode != 0:
-            raise AssertionError(f"{script} {args} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
-        return proc
-
-    def spawn_client(self, script: str, *args: str, **kw) -> subprocess.Popen:
-        return subprocess.Popen(
-            [PY, str(HELPERS / script), *args], env=self.client_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw
-        )
-
-    def stop(self, timeout: float = 20) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError("daemon did not stop within 20 s of SIGTERM\n" + self.log_text())
-        return self.proc.returncode
-
-
-def wait_serving(socket: str, proc: subprocess.Popen, log: pathlib.Path, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"daemon exited with {proc.returncode} during start-up:\n{log.read_text()}")
-        if os.path.exists(socket):
-            with grpc.insecure_channel(f"unix:{socket}") as ch:
-                try:
-                    resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-        time.sleep(0.05)
-    raise AssertionError(f"daemon not SERVING within {timeout} s:\n{log.read_text()}")
+from kvtest import ROOT, SERVE, Daemon, backends, leak_problems, testdriver_env, wait_serving
 
 
 @pytest.fixture
@@ -196,16 +81,6 @@ def daemon_factory(tmp_path):
         pytest.fail("\n".join(problems))
 
 
-def leak_problems(report: pathlib.Path) -> list[str]:
-    """Problems in a test-driver leak report (empty list = clean)."""
-    if not report.exists():
-        return [f"test driver wrote no leak report at {report}"]
-    data = json.loads(report.read_text())
-    if data["leaks"]:
-        return [f"test driver reports {data['leaks']} leaked objects at daemon exit: {data['counts']}"]
-    return []
-
-
 @pytest.fixture(params=backends())
 def backend(request) -> str:
     return request.param
@@ -221,17 +96,3 @@ def host_daemon(daemon_factory):
     return daemon_factory("host")
 
 
-def wait_until(pred, timeout: float = 5.0, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(interval)
-    return pred()
-
-
-def assert_books(stats) -> None:
-    """Invariant 7: pooled + in_use + free == budget, per device and total."""
-    for name, p in [("total", stats.total), *stats.devices.items()]:
-        assert p.pooled_bytes + p.in_use_bytes + p.free_bytes == p.budget_bytes, (name, p)

@@ -9,7 +9,7 @@ import socket
 import grpc
 import pytest
 
-from conftest import assert_books
+from kvtest import assert_books
 from kvcached_service import fdchannel
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc

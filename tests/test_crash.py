@@ -9,7 +9,7 @@ import random
 import signal
 import time
 
-from conftest import assert_books, wait_until
+from kvtest import assert_books, wait_until
 
 
 def _reclaimed_within(c, seconds: float) -> float:

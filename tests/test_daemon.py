@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from conftest import PY, SERVE, assert_books, wait_until
+from kvtest import PY, SERVE, assert_books, wait_until
 from kvcached_service import errors
 
 

@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from conftest import assert_books, wait_until
+from kvtest import assert_books, wait_until
 from kvcached_service import errors
 
 MiB = 1 << 20

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from conftest import PY, HELPERS, assert_books, wait_until
+from kvtest import PY, HELPERS, assert_books, wait_until
 
 NOBODY = pwd.getpwnam("nobody")
 # These tests run a client as another uid, which needs root (CI and the dev

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_books
+from kvtest import assert_books
 from kvcached_service import errors
 
 MiB = 1 << 20

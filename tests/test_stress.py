@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import assert_books, wait_until
+from kvtest import assert_books, wait_until
 
 
 def test_32_processes_for_10_seconds(daemon_factory, backend):

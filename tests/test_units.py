@@ -12,7 +12,7 @@ import sys
 import grpc
 import pytest
 
-from conftest import ROOT
+from kvtest import ROOT
 from kvcached_service import errors, fdchannel
 from kvcached_service.backends.base import Backend, DeviceSpec, PageHandle
 from kvcached_service.backends.host import HostBackend

@@ -7,8 +7,10 @@ are awaited. Counters change *before* an await, so every snapshot adds up:
     pooled + in_use + free == budget        (in pages; times page_size bytes)
 
 where
-    pooled  = pages created and held by no session (ready, or being zeroed)
-    in_use  = pages held by sessions (or being delivered) + pages being created
+    pooled  = pages held by no session: ready, being zeroed, or being created
+              for the warm pool
+    in_use  = pages held by sessions (or being delivered) + pages being
+              created for an Allocate
     free    = budget not backed by any page
 
 Who may get a pooled page (invariant 2 of the brief):
@@ -316,14 +318,14 @@ class DevicePool:
                 want = min(self.warm_pages - self.n_ready_total(), self.n_free, 64)
                 if want <= 0:
                     return
-                self.n_creating += want
+                self.n_pooled += want  # warm pages in the making are pooled, not in use
                 try:
                     handles = await self.worker.call(self.backend.create_pages, self.spec.ordinal, want, self.page_size, self.zero_pages)
                 except Exception as exc:
                     log.warning("device %s: warm page creation failed: %s", self.uuid, exc)
                     return
                 finally:
-                    self.n_creating -= want
+                    self.n_pooled -= want
                 now = time.monotonic()
                 for h in handles:
                     page = Page(id=next(_page_ids), device=self.uuid, handle=h)

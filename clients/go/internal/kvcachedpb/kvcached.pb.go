@@ -1069,9 +1069,11 @@ func (x *GetStatsResponse) GetSessionsOpen() uint32 {
 type PoolStats struct {
 	state       protoimpl.MessageState `protogen:"open.v1"`
 	BudgetBytes uint64                 `protobuf:"varint,1,opt,name=budget_bytes,json=budgetBytes,proto3" json:"budget_bytes,omitempty"`
-	// Created pages held by no session (warm, ready to hand out).
+	// Pages held by no session: warm and ready to hand out, being zeroed, or
+	// being created for the warm pool.
 	PooledBytes uint64 `protobuf:"varint,2,opt,name=pooled_bytes,json=pooledBytes,proto3" json:"pooled_bytes,omitempty"`
-	// Pages held by sessions, including pages being delivered.
+	// Pages held by sessions (including pages being delivered) and pages being
+	// created for an Allocate.
 	InUseBytes uint64 `protobuf:"varint,3,opt,name=in_use_bytes,json=inUseBytes,proto3" json:"in_use_bytes,omitempty"`
 	// Budget not backed by any page.
 	FreeBytes   uint64 `protobuf:"varint,4,opt,name=free_bytes,json=freeBytes,proto3" json:"free_bytes,omitempty"`
