@@ -12,7 +12,7 @@
 # `--include-dir` prints the directory holding cuda.h instead of building.
 set -euo pipefail
 
-CUDA_RUNTIME_VERSION="13.0.96"
+CUDA_RUNTIME_VERSION="13.2.86"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SRC="$REPO/tests/cudadriver"
 OUT="$REPO/build/testdriver"

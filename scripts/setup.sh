@@ -35,9 +35,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.kvcached-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  log "installing kvcached-service (editable) with dev extras into .venv"
+  log "installing kvcached-service (editable) with the dev and torch extras into .venv (torch from PyPI is a ~5 GB CUDA build)"
   .venv/bin/pip install -q --upgrade pip >/dev/null
-  .venv/bin/pip install -q -e '.[dev]'
+  .venv/bin/pip install -q -e '.[dev,torch]'
   touch "$stamp"
 fi
 if ! command -v go >/dev/null 2>&1; then

@@ -166,9 +166,9 @@ class CudaBackend(Backend):
             self._drv.cuCtxSetCurrent(None)
         try:
             self._drv.cuDevicePrimaryCtxRelease_v2(d.spec.ordinal)
+            d.ctx = None  # kept on failure: close() retries the release
         except cu.CudaDriverError as exc:
             first = first or exc
-        d.ctx = None
         self._current_set().discard(device)
         if first is not None:
             raise first
@@ -253,6 +253,12 @@ class CudaBackend(Backend):
                         self._free_window(d)
             except BaseException as exc:
                 first = first or exc
+            if d.ctx is not None:  # worker_exit could not release it
+                try:
+                    self._drv.cuDevicePrimaryCtxRelease_v2(d.spec.ordinal)
+                    d.ctx = None
+                except BaseException as exc:
+                    first = first or exc
         self._closed = True
         if first is not None:
             raise first

@@ -607,6 +607,10 @@ class Daemon:
             await asyncio.sleep(0.05)
 
     async def finish_shutdown(self) -> None:
+        """End every session and release everything. Each step runs even if
+        an earlier one failed; failures are logged and raised together at
+        the end (ShutdownIncomplete), so a driver error cannot leave the
+        other devices, the backend or the socket files behind."""
         for s in list(self.sessions.values()):
             s.channel.send_nowait(fdchannel.encode_error(errors.Unavailable.code.value[0], "the daemon is shutting down"))
             self.end_session(s, "daemon shutdown", goodbye=False)
@@ -615,13 +619,32 @@ class Daemon:
         # Let the give_back tasks settle, then release everything.
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5)
+        failures: list[str] = []
+
+        def step(what: str, fn, final: bool) -> None:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - keep releasing the rest
+                msg = exc.message if isinstance(exc, errors.KVCachedError) else f"{type(exc).__name__}: {exc}"
+                if final:
+                    log.error("shutdown: %s failed: %s", what, msg)
+                    failures.append(f"{what}: {msg}")
+                else:  # backend.close() retries whatever is left
+                    log.warning("shutdown: %s failed (%s); retrying when the backend closes", what, msg)
+
         for pool in self.pools.values():
-            pool.release_everything_sync()
+            step(f"releasing the pages of {pool.uuid}", pool.release_everything_sync, False)
         for worker in self.workers:
-            worker.stop()
+            step("stopping a device worker", worker.stop, False)
         self.workers.clear()
-        self.backend.close()
+        step("closing the backend", self.backend.close, True)
         try:
             os.unlink(self.settings.fd_socket)
         except FileNotFoundError:
             pass
+        if failures:
+            raise ShutdownIncomplete("; ".join(failures))
+
+
+class ShutdownIncomplete(Exception):
+    """Shutdown finished but could not release everything (the message says what)."""

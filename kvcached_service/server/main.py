@@ -25,7 +25,7 @@ from .._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 from ..backends.base import Backend
 from ..config import ConfigError, Settings, load_settings, parse_size
 from . import sdnotify
-from .daemon import Daemon, apply_socket_permissions, prepare_socket_path
+from .daemon import Daemon, ShutdownIncomplete, apply_socket_permissions, prepare_socket_path
 from .metrics import Metrics
 from .service import KVCachedService
 

@@ -110,7 +110,7 @@ func (x WatchEvent_Kind) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use WatchEvent_Kind.Descriptor instead.
 func (WatchEvent_Kind) EnumDescriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{18, 0}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{20, 0}
 }
 
 // Identifies a session on every call. The id is public (it appears in
@@ -505,7 +505,10 @@ type OpenSessionResponse struct {
 	Uid uint32 `protobuf:"varint,3,opt,name=uid,proto3" json:"uid,omitempty"`
 	Gid uint32 `protobuf:"varint,4,opt,name=gid,proto3" json:"gid,omitempty"`
 	// True when this session may use the admin rpcs (peer uid in admin_uids).
-	Admin         bool `protobuf:"varint,5,opt,name=admin,proto3" json:"admin,omitempty"`
+	Admin bool `protobuf:"varint,5,opt,name=admin,proto3" json:"admin,omitempty"`
+	// Secret for ResumeSession after a daemon restart; empty when the daemon
+	// keeps no journal (no state directory).
+	ResumeToken   []byte `protobuf:"bytes,6,opt,name=resume_token,json=resumeToken,proto3" json:"resume_token,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -575,6 +578,156 @@ func (x *OpenSessionResponse) GetAdmin() bool {
 	return false
 }
 
+func (x *OpenSessionResponse) GetResumeToken() []byte {
+	if x != nil {
+		return x.ResumeToken
+	}
+	return nil
+}
+
+type ResumeSessionRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The secret from the HELLO of the new fd channel, on which the client
+	// has already sent its pages as ADOPT records.
+	ChannelSecret []byte `protobuf:"bytes,1,opt,name=channel_secret,json=channelSecret,proto3" json:"channel_secret,omitempty"`
+	SessionId     uint64 `protobuf:"varint,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
+	ResumeToken   []byte `protobuf:"bytes,3,opt,name=resume_token,json=resumeToken,proto3" json:"resume_token,omitempty"`
+	// The pages the client still holds, the same ids it sent as ADOPT.
+	PageIds       []uint64 `protobuf:"varint,4,rep,packed,name=page_ids,json=pageIds,proto3" json:"page_ids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResumeSessionRequest) Reset() {
+	*x = ResumeSessionRequest{}
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResumeSessionRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResumeSessionRequest) ProtoMessage() {}
+
+func (x *ResumeSessionRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResumeSessionRequest.ProtoReflect.Descriptor instead.
+func (*ResumeSessionRequest) Descriptor() ([]byte, []int) {
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *ResumeSessionRequest) GetChannelSecret() []byte {
+	if x != nil {
+		return x.ChannelSecret
+	}
+	return nil
+}
+
+func (x *ResumeSessionRequest) GetSessionId() uint64 {
+	if x != nil {
+		return x.SessionId
+	}
+	return 0
+}
+
+func (x *ResumeSessionRequest) GetResumeToken() []byte {
+	if x != nil {
+		return x.ResumeToken
+	}
+	return nil
+}
+
+func (x *ResumeSessionRequest) GetPageIds() []uint64 {
+	if x != nil {
+		return x.PageIds
+	}
+	return nil
+}
+
+type ResumeSessionResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The session, with a new token (the old one died with the old daemon).
+	Session *SessionRef `protobuf:"bytes,1,opt,name=session,proto3" json:"session,omitempty"`
+	// Pages adopted into the daemon's books.
+	PagesAdopted uint64 `protobuf:"varint,2,opt,name=pages_adopted,json=pagesAdopted,proto3" json:"pages_adopted,omitempty"`
+	// Pages the journal had for this session that the client did not claim:
+	// forgotten (the client no longer holds them).
+	PagesForgotten uint64 `protobuf:"varint,3,opt,name=pages_forgotten,json=pagesForgotten,proto3" json:"pages_forgotten,omitempty"`
+	Admin          bool   `protobuf:"varint,4,opt,name=admin,proto3" json:"admin,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *ResumeSessionResponse) Reset() {
+	*x = ResumeSessionResponse{}
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResumeSessionResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResumeSessionResponse) ProtoMessage() {}
+
+func (x *ResumeSessionResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResumeSessionResponse.ProtoReflect.Descriptor instead.
+func (*ResumeSessionResponse) Descriptor() ([]byte, []int) {
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *ResumeSessionResponse) GetSession() *SessionRef {
+	if x != nil {
+		return x.Session
+	}
+	return nil
+}
+
+func (x *ResumeSessionResponse) GetPagesAdopted() uint64 {
+	if x != nil {
+		return x.PagesAdopted
+	}
+	return 0
+}
+
+func (x *ResumeSessionResponse) GetPagesForgotten() uint64 {
+	if x != nil {
+		return x.PagesForgotten
+	}
+	return 0
+}
+
+func (x *ResumeSessionResponse) GetAdmin() bool {
+	if x != nil {
+		return x.Admin
+	}
+	return false
+}
+
 type CloseSessionRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Session       *SessionRef            `protobuf:"bytes,1,opt,name=session,proto3" json:"session,omitempty"`
@@ -584,7 +737,7 @@ type CloseSessionRequest struct {
 
 func (x *CloseSessionRequest) Reset() {
 	*x = CloseSessionRequest{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[6]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -596,7 +749,7 @@ func (x *CloseSessionRequest) String() string {
 func (*CloseSessionRequest) ProtoMessage() {}
 
 func (x *CloseSessionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[6]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -609,7 +762,7 @@ func (x *CloseSessionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseSessionRequest.ProtoReflect.Descriptor instead.
 func (*CloseSessionRequest) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{6}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *CloseSessionRequest) GetSession() *SessionRef {
@@ -629,7 +782,7 @@ type CloseSessionResponse struct {
 
 func (x *CloseSessionResponse) Reset() {
 	*x = CloseSessionResponse{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[7]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -641,7 +794,7 @@ func (x *CloseSessionResponse) String() string {
 func (*CloseSessionResponse) ProtoMessage() {}
 
 func (x *CloseSessionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[7]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -654,7 +807,7 @@ func (x *CloseSessionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseSessionResponse.ProtoReflect.Descriptor instead.
 func (*CloseSessionResponse) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{7}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *CloseSessionResponse) GetPagesReturned() uint64 {
@@ -685,7 +838,7 @@ type AllocateRequest struct {
 
 func (x *AllocateRequest) Reset() {
 	*x = AllocateRequest{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[8]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -697,7 +850,7 @@ func (x *AllocateRequest) String() string {
 func (*AllocateRequest) ProtoMessage() {}
 
 func (x *AllocateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[8]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -710,7 +863,7 @@ func (x *AllocateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AllocateRequest.ProtoReflect.Descriptor instead.
 func (*AllocateRequest) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{8}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *AllocateRequest) GetSession() *SessionRef {
@@ -771,7 +924,7 @@ type AllocateResponse struct {
 
 func (x *AllocateResponse) Reset() {
 	*x = AllocateResponse{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[9]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -783,7 +936,7 @@ func (x *AllocateResponse) String() string {
 func (*AllocateResponse) ProtoMessage() {}
 
 func (x *AllocateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[9]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -796,7 +949,7 @@ func (x *AllocateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AllocateResponse.ProtoReflect.Descriptor instead.
 func (*AllocateResponse) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{9}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *AllocateResponse) GetAllocationId() uint64 {
@@ -845,7 +998,7 @@ type FreeRequest struct {
 
 func (x *FreeRequest) Reset() {
 	*x = FreeRequest{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[10]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -857,7 +1010,7 @@ func (x *FreeRequest) String() string {
 func (*FreeRequest) ProtoMessage() {}
 
 func (x *FreeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[10]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -870,7 +1023,7 @@ func (x *FreeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FreeRequest.ProtoReflect.Descriptor instead.
 func (*FreeRequest) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{10}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *FreeRequest) GetSession() *SessionRef {
@@ -898,7 +1051,7 @@ type FreeResponse struct {
 
 func (x *FreeResponse) Reset() {
 	*x = FreeResponse{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[11]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -910,7 +1063,7 @@ func (x *FreeResponse) String() string {
 func (*FreeResponse) ProtoMessage() {}
 
 func (x *FreeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[11]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -923,7 +1076,7 @@ func (x *FreeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FreeResponse.ProtoReflect.Descriptor instead.
 func (*FreeResponse) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{11}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *FreeResponse) GetPagesFreed() uint64 {
@@ -951,7 +1104,7 @@ type GetStatsRequest struct {
 
 func (x *GetStatsRequest) Reset() {
 	*x = GetStatsRequest{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[12]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -963,7 +1116,7 @@ func (x *GetStatsRequest) String() string {
 func (*GetStatsRequest) ProtoMessage() {}
 
 func (x *GetStatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[12]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -976,7 +1129,7 @@ func (x *GetStatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatsRequest.ProtoReflect.Descriptor instead.
 func (*GetStatsRequest) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{12}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *GetStatsRequest) GetSession() *SessionRef {
@@ -1001,7 +1154,7 @@ type GetStatsResponse struct {
 
 func (x *GetStatsResponse) Reset() {
 	*x = GetStatsResponse{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[13]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1013,7 +1166,7 @@ func (x *GetStatsResponse) String() string {
 func (*GetStatsResponse) ProtoMessage() {}
 
 func (x *GetStatsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[13]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1026,7 +1179,7 @@ func (x *GetStatsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatsResponse.ProtoReflect.Descriptor instead.
 func (*GetStatsResponse) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{13}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *GetStatsResponse) GetTotal() *PoolStats {
@@ -1089,7 +1242,7 @@ type PoolStats struct {
 
 func (x *PoolStats) Reset() {
 	*x = PoolStats{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[14]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1101,7 +1254,7 @@ func (x *PoolStats) String() string {
 func (*PoolStats) ProtoMessage() {}
 
 func (x *PoolStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[14]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1114,7 +1267,7 @@ func (x *PoolStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolStats.ProtoReflect.Descriptor instead.
 func (*PoolStats) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{14}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *PoolStats) GetBudgetBytes() uint64 {
@@ -1190,7 +1343,7 @@ type DeviceStats struct {
 
 func (x *DeviceStats) Reset() {
 	*x = DeviceStats{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[15]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1202,7 +1355,7 @@ func (x *DeviceStats) String() string {
 func (*DeviceStats) ProtoMessage() {}
 
 func (x *DeviceStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[15]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1215,7 +1368,7 @@ func (x *DeviceStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceStats.ProtoReflect.Descriptor instead.
 func (*DeviceStats) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{15}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *DeviceStats) GetDevice() *DeviceInfo {
@@ -1266,7 +1419,7 @@ type SessionStats struct {
 
 func (x *SessionStats) Reset() {
 	*x = SessionStats{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[16]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1278,7 +1431,7 @@ func (x *SessionStats) String() string {
 func (*SessionStats) ProtoMessage() {}
 
 func (x *SessionStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[16]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1291,7 +1444,7 @@ func (x *SessionStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SessionStats.ProtoReflect.Descriptor instead.
 func (*SessionStats) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{16}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *SessionStats) GetId() uint64 {
@@ -1429,7 +1582,7 @@ type WatchRequest struct {
 
 func (x *WatchRequest) Reset() {
 	*x = WatchRequest{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[17]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1441,7 +1594,7 @@ func (x *WatchRequest) String() string {
 func (*WatchRequest) ProtoMessage() {}
 
 func (x *WatchRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[17]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1454,7 +1607,7 @@ func (x *WatchRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchRequest.ProtoReflect.Descriptor instead.
 func (*WatchRequest) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{17}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *WatchRequest) GetSession() *SessionRef {
@@ -1479,7 +1632,7 @@ type WatchEvent struct {
 
 func (x *WatchEvent) Reset() {
 	*x = WatchEvent{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[18]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1491,7 +1644,7 @@ func (x *WatchEvent) String() string {
 func (*WatchEvent) ProtoMessage() {}
 
 func (x *WatchEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[18]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1504,7 +1657,7 @@ func (x *WatchEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchEvent.ProtoReflect.Descriptor instead.
 func (*WatchEvent) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{18}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *WatchEvent) GetKind() WatchEvent_Kind {
@@ -1564,7 +1717,7 @@ type Reclaim struct {
 
 func (x *Reclaim) Reset() {
 	*x = Reclaim{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[19]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1576,7 +1729,7 @@ func (x *Reclaim) String() string {
 func (*Reclaim) ProtoMessage() {}
 
 func (x *Reclaim) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[19]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1589,7 +1742,7 @@ func (x *Reclaim) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Reclaim.ProtoReflect.Descriptor instead.
 func (*Reclaim) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{19}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *Reclaim) GetDevice() string {
@@ -1633,7 +1786,7 @@ type BudgetChanged struct {
 
 func (x *BudgetChanged) Reset() {
 	*x = BudgetChanged{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[20]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1645,7 +1798,7 @@ func (x *BudgetChanged) String() string {
 func (*BudgetChanged) ProtoMessage() {}
 
 func (x *BudgetChanged) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[20]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1658,7 +1811,7 @@ func (x *BudgetChanged) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BudgetChanged.ProtoReflect.Descriptor instead.
 func (*BudgetChanged) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{20}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *BudgetChanged) GetDevice() string {
@@ -1706,7 +1859,7 @@ type MemoryAvailable struct {
 
 func (x *MemoryAvailable) Reset() {
 	*x = MemoryAvailable{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[21]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1718,7 +1871,7 @@ func (x *MemoryAvailable) String() string {
 func (*MemoryAvailable) ProtoMessage() {}
 
 func (x *MemoryAvailable) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[21]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1731,7 +1884,7 @@ func (x *MemoryAvailable) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemoryAvailable.ProtoReflect.Descriptor instead.
 func (*MemoryAvailable) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{21}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *MemoryAvailable) GetDevice() string {
@@ -1759,7 +1912,7 @@ type Shutdown struct {
 
 func (x *Shutdown) Reset() {
 	*x = Shutdown{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[22]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1771,7 +1924,7 @@ func (x *Shutdown) String() string {
 func (*Shutdown) ProtoMessage() {}
 
 func (x *Shutdown) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[22]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1784,7 +1937,7 @@ func (x *Shutdown) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Shutdown.ProtoReflect.Descriptor instead.
 func (*Shutdown) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{22}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *Shutdown) GetReason() string {
@@ -1819,7 +1972,7 @@ type SetSessionLimitsRequest struct {
 
 func (x *SetSessionLimitsRequest) Reset() {
 	*x = SetSessionLimitsRequest{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[23]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1831,7 +1984,7 @@ func (x *SetSessionLimitsRequest) String() string {
 func (*SetSessionLimitsRequest) ProtoMessage() {}
 
 func (x *SetSessionLimitsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[23]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1844,7 +1997,7 @@ func (x *SetSessionLimitsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetSessionLimitsRequest.ProtoReflect.Descriptor instead.
 func (*SetSessionLimitsRequest) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{23}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *SetSessionLimitsRequest) GetAdmin() *SessionRef {
@@ -1898,7 +2051,7 @@ type SetSessionLimitsResponse struct {
 
 func (x *SetSessionLimitsResponse) Reset() {
 	*x = SetSessionLimitsResponse{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[24]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1910,7 +2063,7 @@ func (x *SetSessionLimitsResponse) String() string {
 func (*SetSessionLimitsResponse) ProtoMessage() {}
 
 func (x *SetSessionLimitsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[24]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1923,7 +2076,7 @@ func (x *SetSessionLimitsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetSessionLimitsResponse.ProtoReflect.Descriptor instead.
 func (*SetSessionLimitsResponse) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{24}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *SetSessionLimitsResponse) GetSession() *SessionStats {
@@ -1949,7 +2102,7 @@ type RequestShrinkRequest struct {
 
 func (x *RequestShrinkRequest) Reset() {
 	*x = RequestShrinkRequest{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[25]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1961,7 +2114,7 @@ func (x *RequestShrinkRequest) String() string {
 func (*RequestShrinkRequest) ProtoMessage() {}
 
 func (x *RequestShrinkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[25]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1974,7 +2127,7 @@ func (x *RequestShrinkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RequestShrinkRequest.ProtoReflect.Descriptor instead.
 func (*RequestShrinkRequest) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{25}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *RequestShrinkRequest) GetAdmin() *SessionRef {
@@ -2015,7 +2168,7 @@ type RequestShrinkResponse struct {
 
 func (x *RequestShrinkResponse) Reset() {
 	*x = RequestShrinkResponse{}
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[26]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2027,7 +2180,7 @@ func (x *RequestShrinkResponse) String() string {
 func (*RequestShrinkResponse) ProtoMessage() {}
 
 func (x *RequestShrinkResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvcached_v1_kvcached_proto_msgTypes[26]
+	mi := &file_kvcached_v1_kvcached_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2040,7 +2193,7 @@ func (x *RequestShrinkResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RequestShrinkResponse.ProtoReflect.Descriptor instead.
 func (*RequestShrinkResponse) Descriptor() ([]byte, []int) {
-	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{26}
+	return file_kvcached_v1_kvcached_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *RequestShrinkResponse) GetPagesRequested() uint64 {
@@ -2088,13 +2241,25 @@ const file_kvcached_v1_kvcached_proto_rawDesc = "" +
 	"\x06labels\x18\x06 \x03(\v2+.kvcached.v1.OpenSessionRequest.LabelsEntryR\x06labels\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x94\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xb7\x01\n" +
 	"\x13OpenSessionResponse\x121\n" +
 	"\asession\x18\x01 \x01(\v2\x17.kvcached.v1.SessionRefR\asession\x12\x10\n" +
 	"\x03pid\x18\x02 \x01(\rR\x03pid\x12\x10\n" +
 	"\x03uid\x18\x03 \x01(\rR\x03uid\x12\x10\n" +
 	"\x03gid\x18\x04 \x01(\rR\x03gid\x12\x14\n" +
-	"\x05admin\x18\x05 \x01(\bR\x05admin\"H\n" +
+	"\x05admin\x18\x05 \x01(\bR\x05admin\x12!\n" +
+	"\fresume_token\x18\x06 \x01(\fR\vresumeToken\"\x9a\x01\n" +
+	"\x14ResumeSessionRequest\x12%\n" +
+	"\x0echannel_secret\x18\x01 \x01(\fR\rchannelSecret\x12\x1d\n" +
+	"\n" +
+	"session_id\x18\x02 \x01(\x04R\tsessionId\x12!\n" +
+	"\fresume_token\x18\x03 \x01(\fR\vresumeToken\x12\x19\n" +
+	"\bpage_ids\x18\x04 \x03(\x04R\apageIds\"\xae\x01\n" +
+	"\x15ResumeSessionResponse\x121\n" +
+	"\asession\x18\x01 \x01(\v2\x17.kvcached.v1.SessionRefR\asession\x12#\n" +
+	"\rpages_adopted\x18\x02 \x01(\x04R\fpagesAdopted\x12'\n" +
+	"\x0fpages_forgotten\x18\x03 \x01(\x04R\x0epagesForgotten\x12\x14\n" +
+	"\x05admin\x18\x04 \x01(\bR\x05admin\"H\n" +
 	"\x13CloseSessionRequest\x121\n" +
 	"\asession\x18\x01 \x01(\v2\x17.kvcached.v1.SessionRefR\asession\"=\n" +
 	"\x14CloseSessionResponse\x12%\n" +
@@ -2228,10 +2393,11 @@ const file_kvcached_v1_kvcached_proto_rawDesc = "" +
 	"\n" +
 	"timeout_ms\x18\x04 \x01(\rR\ttimeoutMs\"@\n" +
 	"\x15RequestShrinkResponse\x12'\n" +
-	"\x0fpages_requested\x18\x01 \x01(\x04R\x0epagesRequested2\xbe\x05\n" +
+	"\x0fpages_requested\x18\x01 \x01(\x04R\x0epagesRequested2\x96\x06\n" +
 	"\bKVCached\x12D\n" +
 	"\aGetInfo\x12\x1b.kvcached.v1.GetInfoRequest\x1a\x1c.kvcached.v1.GetInfoResponse\x12P\n" +
-	"\vOpenSession\x12\x1f.kvcached.v1.OpenSessionRequest\x1a .kvcached.v1.OpenSessionResponse\x12S\n" +
+	"\vOpenSession\x12\x1f.kvcached.v1.OpenSessionRequest\x1a .kvcached.v1.OpenSessionResponse\x12V\n" +
+	"\rResumeSession\x12!.kvcached.v1.ResumeSessionRequest\x1a\".kvcached.v1.ResumeSessionResponse\x12S\n" +
 	"\fCloseSession\x12 .kvcached.v1.CloseSessionRequest\x1a!.kvcached.v1.CloseSessionResponse\x12G\n" +
 	"\bAllocate\x12\x1c.kvcached.v1.AllocateRequest\x1a\x1d.kvcached.v1.AllocateResponse\x12;\n" +
 	"\x04Free\x12\x18.kvcached.v1.FreeRequest\x1a\x19.kvcached.v1.FreeResponse\x12G\n" +
@@ -2253,7 +2419,7 @@ func file_kvcached_v1_kvcached_proto_rawDescGZIP() []byte {
 }
 
 var file_kvcached_v1_kvcached_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvcached_v1_kvcached_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
+var file_kvcached_v1_kvcached_proto_msgTypes = make([]protoimpl.MessageInfo, 32)
 var file_kvcached_v1_kvcached_proto_goTypes = []any{
 	(WatchEvent_Kind)(0),             // 0: kvcached.v1.WatchEvent.Kind
 	(*SessionRef)(nil),               // 1: kvcached.v1.SessionRef
@@ -2262,78 +2428,83 @@ var file_kvcached_v1_kvcached_proto_goTypes = []any{
 	(*DeviceInfo)(nil),               // 4: kvcached.v1.DeviceInfo
 	(*OpenSessionRequest)(nil),       // 5: kvcached.v1.OpenSessionRequest
 	(*OpenSessionResponse)(nil),      // 6: kvcached.v1.OpenSessionResponse
-	(*CloseSessionRequest)(nil),      // 7: kvcached.v1.CloseSessionRequest
-	(*CloseSessionResponse)(nil),     // 8: kvcached.v1.CloseSessionResponse
-	(*AllocateRequest)(nil),          // 9: kvcached.v1.AllocateRequest
-	(*AllocateResponse)(nil),         // 10: kvcached.v1.AllocateResponse
-	(*FreeRequest)(nil),              // 11: kvcached.v1.FreeRequest
-	(*FreeResponse)(nil),             // 12: kvcached.v1.FreeResponse
-	(*GetStatsRequest)(nil),          // 13: kvcached.v1.GetStatsRequest
-	(*GetStatsResponse)(nil),         // 14: kvcached.v1.GetStatsResponse
-	(*PoolStats)(nil),                // 15: kvcached.v1.PoolStats
-	(*DeviceStats)(nil),              // 16: kvcached.v1.DeviceStats
-	(*SessionStats)(nil),             // 17: kvcached.v1.SessionStats
-	(*WatchRequest)(nil),             // 18: kvcached.v1.WatchRequest
-	(*WatchEvent)(nil),               // 19: kvcached.v1.WatchEvent
-	(*Reclaim)(nil),                  // 20: kvcached.v1.Reclaim
-	(*BudgetChanged)(nil),            // 21: kvcached.v1.BudgetChanged
-	(*MemoryAvailable)(nil),          // 22: kvcached.v1.MemoryAvailable
-	(*Shutdown)(nil),                 // 23: kvcached.v1.Shutdown
-	(*SetSessionLimitsRequest)(nil),  // 24: kvcached.v1.SetSessionLimitsRequest
-	(*SetSessionLimitsResponse)(nil), // 25: kvcached.v1.SetSessionLimitsResponse
-	(*RequestShrinkRequest)(nil),     // 26: kvcached.v1.RequestShrinkRequest
-	(*RequestShrinkResponse)(nil),    // 27: kvcached.v1.RequestShrinkResponse
-	nil,                              // 28: kvcached.v1.OpenSessionRequest.LabelsEntry
-	nil,                              // 29: kvcached.v1.SessionStats.LabelsEntry
-	nil,                              // 30: kvcached.v1.SessionStats.HeldBytesByDeviceEntry
+	(*ResumeSessionRequest)(nil),     // 7: kvcached.v1.ResumeSessionRequest
+	(*ResumeSessionResponse)(nil),    // 8: kvcached.v1.ResumeSessionResponse
+	(*CloseSessionRequest)(nil),      // 9: kvcached.v1.CloseSessionRequest
+	(*CloseSessionResponse)(nil),     // 10: kvcached.v1.CloseSessionResponse
+	(*AllocateRequest)(nil),          // 11: kvcached.v1.AllocateRequest
+	(*AllocateResponse)(nil),         // 12: kvcached.v1.AllocateResponse
+	(*FreeRequest)(nil),              // 13: kvcached.v1.FreeRequest
+	(*FreeResponse)(nil),             // 14: kvcached.v1.FreeResponse
+	(*GetStatsRequest)(nil),          // 15: kvcached.v1.GetStatsRequest
+	(*GetStatsResponse)(nil),         // 16: kvcached.v1.GetStatsResponse
+	(*PoolStats)(nil),                // 17: kvcached.v1.PoolStats
+	(*DeviceStats)(nil),              // 18: kvcached.v1.DeviceStats
+	(*SessionStats)(nil),             // 19: kvcached.v1.SessionStats
+	(*WatchRequest)(nil),             // 20: kvcached.v1.WatchRequest
+	(*WatchEvent)(nil),               // 21: kvcached.v1.WatchEvent
+	(*Reclaim)(nil),                  // 22: kvcached.v1.Reclaim
+	(*BudgetChanged)(nil),            // 23: kvcached.v1.BudgetChanged
+	(*MemoryAvailable)(nil),          // 24: kvcached.v1.MemoryAvailable
+	(*Shutdown)(nil),                 // 25: kvcached.v1.Shutdown
+	(*SetSessionLimitsRequest)(nil),  // 26: kvcached.v1.SetSessionLimitsRequest
+	(*SetSessionLimitsResponse)(nil), // 27: kvcached.v1.SetSessionLimitsResponse
+	(*RequestShrinkRequest)(nil),     // 28: kvcached.v1.RequestShrinkRequest
+	(*RequestShrinkResponse)(nil),    // 29: kvcached.v1.RequestShrinkResponse
+	nil,                              // 30: kvcached.v1.OpenSessionRequest.LabelsEntry
+	nil,                              // 31: kvcached.v1.SessionStats.LabelsEntry
+	nil,                              // 32: kvcached.v1.SessionStats.HeldBytesByDeviceEntry
 }
 var file_kvcached_v1_kvcached_proto_depIdxs = []int32{
 	4,  // 0: kvcached.v1.GetInfoResponse.devices:type_name -> kvcached.v1.DeviceInfo
-	28, // 1: kvcached.v1.OpenSessionRequest.labels:type_name -> kvcached.v1.OpenSessionRequest.LabelsEntry
+	30, // 1: kvcached.v1.OpenSessionRequest.labels:type_name -> kvcached.v1.OpenSessionRequest.LabelsEntry
 	1,  // 2: kvcached.v1.OpenSessionResponse.session:type_name -> kvcached.v1.SessionRef
-	1,  // 3: kvcached.v1.CloseSessionRequest.session:type_name -> kvcached.v1.SessionRef
-	1,  // 4: kvcached.v1.AllocateRequest.session:type_name -> kvcached.v1.SessionRef
-	1,  // 5: kvcached.v1.FreeRequest.session:type_name -> kvcached.v1.SessionRef
-	1,  // 6: kvcached.v1.GetStatsRequest.session:type_name -> kvcached.v1.SessionRef
-	15, // 7: kvcached.v1.GetStatsResponse.total:type_name -> kvcached.v1.PoolStats
-	16, // 8: kvcached.v1.GetStatsResponse.devices:type_name -> kvcached.v1.DeviceStats
-	17, // 9: kvcached.v1.GetStatsResponse.sessions:type_name -> kvcached.v1.SessionStats
-	4,  // 10: kvcached.v1.DeviceStats.device:type_name -> kvcached.v1.DeviceInfo
-	15, // 11: kvcached.v1.DeviceStats.pool:type_name -> kvcached.v1.PoolStats
-	29, // 12: kvcached.v1.SessionStats.labels:type_name -> kvcached.v1.SessionStats.LabelsEntry
-	30, // 13: kvcached.v1.SessionStats.held_bytes_by_device:type_name -> kvcached.v1.SessionStats.HeldBytesByDeviceEntry
-	1,  // 14: kvcached.v1.WatchRequest.session:type_name -> kvcached.v1.SessionRef
-	0,  // 15: kvcached.v1.WatchEvent.kind:type_name -> kvcached.v1.WatchEvent.Kind
-	20, // 16: kvcached.v1.WatchEvent.reclaim:type_name -> kvcached.v1.Reclaim
-	21, // 17: kvcached.v1.WatchEvent.budget:type_name -> kvcached.v1.BudgetChanged
-	22, // 18: kvcached.v1.WatchEvent.available:type_name -> kvcached.v1.MemoryAvailable
-	23, // 19: kvcached.v1.WatchEvent.shutdown:type_name -> kvcached.v1.Shutdown
-	1,  // 20: kvcached.v1.SetSessionLimitsRequest.admin:type_name -> kvcached.v1.SessionRef
-	17, // 21: kvcached.v1.SetSessionLimitsResponse.session:type_name -> kvcached.v1.SessionStats
-	1,  // 22: kvcached.v1.RequestShrinkRequest.admin:type_name -> kvcached.v1.SessionRef
-	2,  // 23: kvcached.v1.KVCached.GetInfo:input_type -> kvcached.v1.GetInfoRequest
-	5,  // 24: kvcached.v1.KVCached.OpenSession:input_type -> kvcached.v1.OpenSessionRequest
-	7,  // 25: kvcached.v1.KVCached.CloseSession:input_type -> kvcached.v1.CloseSessionRequest
-	9,  // 26: kvcached.v1.KVCached.Allocate:input_type -> kvcached.v1.AllocateRequest
-	11, // 27: kvcached.v1.KVCached.Free:input_type -> kvcached.v1.FreeRequest
-	13, // 28: kvcached.v1.KVCached.GetStats:input_type -> kvcached.v1.GetStatsRequest
-	18, // 29: kvcached.v1.KVCached.Watch:input_type -> kvcached.v1.WatchRequest
-	24, // 30: kvcached.v1.KVCached.SetSessionLimits:input_type -> kvcached.v1.SetSessionLimitsRequest
-	26, // 31: kvcached.v1.KVCached.RequestShrink:input_type -> kvcached.v1.RequestShrinkRequest
-	3,  // 32: kvcached.v1.KVCached.GetInfo:output_type -> kvcached.v1.GetInfoResponse
-	6,  // 33: kvcached.v1.KVCached.OpenSession:output_type -> kvcached.v1.OpenSessionResponse
-	8,  // 34: kvcached.v1.KVCached.CloseSession:output_type -> kvcached.v1.CloseSessionResponse
-	10, // 35: kvcached.v1.KVCached.Allocate:output_type -> kvcached.v1.AllocateResponse
-	12, // 36: kvcached.v1.KVCached.Free:output_type -> kvcached.v1.FreeResponse
-	14, // 37: kvcached.v1.KVCached.GetStats:output_type -> kvcached.v1.GetStatsResponse
-	19, // 38: kvcached.v1.KVCached.Watch:output_type -> kvcached.v1.WatchEvent
-	25, // 39: kvcached.v1.KVCached.SetSessionLimits:output_type -> kvcached.v1.SetSessionLimitsResponse
-	27, // 40: kvcached.v1.KVCached.RequestShrink:output_type -> kvcached.v1.RequestShrinkResponse
-	32, // [32:41] is the sub-list for method output_type
-	23, // [23:32] is the sub-list for method input_type
-	23, // [23:23] is the sub-list for extension type_name
-	23, // [23:23] is the sub-list for extension extendee
-	0,  // [0:23] is the sub-list for field type_name
+	1,  // 3: kvcached.v1.ResumeSessionResponse.session:type_name -> kvcached.v1.SessionRef
+	1,  // 4: kvcached.v1.CloseSessionRequest.session:type_name -> kvcached.v1.SessionRef
+	1,  // 5: kvcached.v1.AllocateRequest.session:type_name -> kvcached.v1.SessionRef
+	1,  // 6: kvcached.v1.FreeRequest.session:type_name -> kvcached.v1.SessionRef
+	1,  // 7: kvcached.v1.GetStatsRequest.session:type_name -> kvcached.v1.SessionRef
+	17, // 8: kvcached.v1.GetStatsResponse.total:type_name -> kvcached.v1.PoolStats
+	18, // 9: kvcached.v1.GetStatsResponse.devices:type_name -> kvcached.v1.DeviceStats
+	19, // 10: kvcached.v1.GetStatsResponse.sessions:type_name -> kvcached.v1.SessionStats
+	4,  // 11: kvcached.v1.DeviceStats.device:type_name -> kvcached.v1.DeviceInfo
+	17, // 12: kvcached.v1.DeviceStats.pool:type_name -> kvcached.v1.PoolStats
+	31, // 13: kvcached.v1.SessionStats.labels:type_name -> kvcached.v1.SessionStats.LabelsEntry
+	32, // 14: kvcached.v1.SessionStats.held_bytes_by_device:type_name -> kvcached.v1.SessionStats.HeldBytesByDeviceEntry
+	1,  // 15: kvcached.v1.WatchRequest.session:type_name -> kvcached.v1.SessionRef
+	0,  // 16: kvcached.v1.WatchEvent.kind:type_name -> kvcached.v1.WatchEvent.Kind
+	22, // 17: kvcached.v1.WatchEvent.reclaim:type_name -> kvcached.v1.Reclaim
+	23, // 18: kvcached.v1.WatchEvent.budget:type_name -> kvcached.v1.BudgetChanged
+	24, // 19: kvcached.v1.WatchEvent.available:type_name -> kvcached.v1.MemoryAvailable
+	25, // 20: kvcached.v1.WatchEvent.shutdown:type_name -> kvcached.v1.Shutdown
+	1,  // 21: kvcached.v1.SetSessionLimitsRequest.admin:type_name -> kvcached.v1.SessionRef
+	19, // 22: kvcached.v1.SetSessionLimitsResponse.session:type_name -> kvcached.v1.SessionStats
+	1,  // 23: kvcached.v1.RequestShrinkRequest.admin:type_name -> kvcached.v1.SessionRef
+	2,  // 24: kvcached.v1.KVCached.GetInfo:input_type -> kvcached.v1.GetInfoRequest
+	5,  // 25: kvcached.v1.KVCached.OpenSession:input_type -> kvcached.v1.OpenSessionRequest
+	7,  // 26: kvcached.v1.KVCached.ResumeSession:input_type -> kvcached.v1.ResumeSessionRequest
+	9,  // 27: kvcached.v1.KVCached.CloseSession:input_type -> kvcached.v1.CloseSessionRequest
+	11, // 28: kvcached.v1.KVCached.Allocate:input_type -> kvcached.v1.AllocateRequest
+	13, // 29: kvcached.v1.KVCached.Free:input_type -> kvcached.v1.FreeRequest
+	15, // 30: kvcached.v1.KVCached.GetStats:input_type -> kvcached.v1.GetStatsRequest
+	20, // 31: kvcached.v1.KVCached.Watch:input_type -> kvcached.v1.WatchRequest
+	26, // 32: kvcached.v1.KVCached.SetSessionLimits:input_type -> kvcached.v1.SetSessionLimitsRequest
+	28, // 33: kvcached.v1.KVCached.RequestShrink:input_type -> kvcached.v1.RequestShrinkRequest
+	3,  // 34: kvcached.v1.KVCached.GetInfo:output_type -> kvcached.v1.GetInfoResponse
+	6,  // 35: kvcached.v1.KVCached.OpenSession:output_type -> kvcached.v1.OpenSessionResponse
+	8,  // 36: kvcached.v1.KVCached.ResumeSession:output_type -> kvcached.v1.ResumeSessionResponse
+	10, // 37: kvcached.v1.KVCached.CloseSession:output_type -> kvcached.v1.CloseSessionResponse
+	12, // 38: kvcached.v1.KVCached.Allocate:output_type -> kvcached.v1.AllocateResponse
+	14, // 39: kvcached.v1.KVCached.Free:output_type -> kvcached.v1.FreeResponse
+	16, // 40: kvcached.v1.KVCached.GetStats:output_type -> kvcached.v1.GetStatsResponse
+	21, // 41: kvcached.v1.KVCached.Watch:output_type -> kvcached.v1.WatchEvent
+	27, // 42: kvcached.v1.KVCached.SetSessionLimits:output_type -> kvcached.v1.SetSessionLimitsResponse
+	29, // 43: kvcached.v1.KVCached.RequestShrink:output_type -> kvcached.v1.RequestShrinkResponse
+	34, // [34:44] is the sub-list for method output_type
+	24, // [24:34] is the sub-list for method input_type
+	24, // [24:24] is the sub-list for extension type_name
+	24, // [24:24] is the sub-list for extension extendee
+	0,  // [0:24] is the sub-list for field type_name
 }
 
 func init() { file_kvcached_v1_kvcached_proto_init() }
@@ -2347,7 +2518,7 @@ func file_kvcached_v1_kvcached_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvcached_v1_kvcached_proto_rawDesc), len(file_kvcached_v1_kvcached_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   30,
+			NumMessages:   32,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -49,6 +49,7 @@ const _ = grpc.SupportPackageIsVersion9
 const (
 	KVCached_GetInfo_FullMethodName          = "/kvcached.v1.KVCached/GetInfo"
 	KVCached_OpenSession_FullMethodName      = "/kvcached.v1.KVCached/OpenSession"
+	KVCached_ResumeSession_FullMethodName    = "/kvcached.v1.KVCached/ResumeSession"
 	KVCached_CloseSession_FullMethodName     = "/kvcached.v1.KVCached/CloseSession"
 	KVCached_Allocate_FullMethodName         = "/kvcached.v1.KVCached/Allocate"
 	KVCached_Free_FullMethodName             = "/kvcached.v1.KVCached/Free"
@@ -69,6 +70,13 @@ type KVCachedClient interface {
 	// daemon sent on that connection). The session lives until CloseSession,
 	// until the channel closes, or until the peer process exits.
 	OpenSession(ctx context.Context, in *OpenSessionRequest, opts ...grpc.CallOption) (*OpenSessionResponse, error)
+	// Re-attaches a session after the daemon restarted (the daemon must run
+	// with a state directory). The client connects a new fd channel, sends
+	// every page it still holds as ADOPT records (docs/protocol.md), then calls
+	// ResumeSession with the new channel's secret. The daemon checks the claim
+	// against its journal (same uid, resume token, pages that were the
+	// session's, page identity) and adopts the pages into its books.
+	ResumeSession(ctx context.Context, in *ResumeSessionRequest, opts ...grpc.CallOption) (*ResumeSessionResponse, error)
 	// Ends a session: every page it holds returns to the pool, and the daemon
 	// closes the session's fd channel.
 	CloseSession(ctx context.Context, in *CloseSessionRequest, opts ...grpc.CallOption) (*CloseSessionResponse, error)
@@ -114,6 +122,16 @@ func (c *kVCachedClient) OpenSession(ctx context.Context, in *OpenSessionRequest
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(OpenSessionResponse)
 	err := c.cc.Invoke(ctx, KVCached_OpenSession_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *kVCachedClient) ResumeSession(ctx context.Context, in *ResumeSessionRequest, opts ...grpc.CallOption) (*ResumeSessionResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ResumeSessionResponse)
+	err := c.cc.Invoke(ctx, KVCached_ResumeSession_FullMethodName, in, out, cOpts...)
 	if err != nil {
 		return nil, err
 	}
@@ -210,6 +228,13 @@ type KVCachedServer interface {
 	// daemon sent on that connection). The session lives until CloseSession,
 	// until the channel closes, or until the peer process exits.
 	OpenSession(context.Context, *OpenSessionRequest) (*OpenSessionResponse, error)
+	// Re-attaches a session after the daemon restarted (the daemon must run
+	// with a state directory). The client connects a new fd channel, sends
+	// every page it still holds as ADOPT records (docs/protocol.md), then calls
+	// ResumeSession with the new channel's secret. The daemon checks the claim
+	// against its journal (same uid, resume token, pages that were the
+	// session's, page identity) and adopts the pages into its books.
+	ResumeSession(context.Context, *ResumeSessionRequest) (*ResumeSessionResponse, error)
 	// Ends a session: every page it holds returns to the pool, and the daemon
 	// closes the session's fd channel.
 	CloseSession(context.Context, *CloseSessionRequest) (*CloseSessionResponse, error)
@@ -246,6 +271,9 @@ func (UnimplementedKVCachedServer) GetInfo(context.Context, *GetInfoRequest) (*G
 }
 func (UnimplementedKVCachedServer) OpenSession(context.Context, *OpenSessionRequest) (*OpenSessionResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method OpenSession not implemented")
+}
+func (UnimplementedKVCachedServer) ResumeSession(context.Context, *ResumeSessionRequest) (*ResumeSessionResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method ResumeSession not implemented")
 }
 func (UnimplementedKVCachedServer) CloseSession(context.Context, *CloseSessionRequest) (*CloseSessionResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method CloseSession not implemented")
@@ -321,6 +349,24 @@ func _KVCached_OpenSession_Handler(srv interface{}, ctx context.Context, dec fun
 	}
 	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
 		return srv.(KVCachedServer).OpenSession(ctx, req.(*OpenSessionRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _KVCached_ResumeSession_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ResumeSessionRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(KVCachedServer).ResumeSession(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: KVCached_ResumeSession_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(KVCachedServer).ResumeSession(ctx, req.(*ResumeSessionRequest))
 	}
 	return interceptor(ctx, in, info, handler)
 }
@@ -458,6 +504,10 @@ var KVCached_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "OpenSession",
 			Handler:    _KVCached_OpenSession_Handler,
+		},
+		{
+			MethodName: "ResumeSession",
+			Handler:    _KVCached_ResumeSession_Handler,
 		},
 		{
 			MethodName: "CloseSession",

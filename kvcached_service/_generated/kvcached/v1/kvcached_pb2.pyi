@@ -80,18 +80,44 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, channel_secret: _Optional[bytes] = ..., name: _Optional[str] = ..., guaranteed_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session", "pid", "uid", "gid", "admin")
+    __slots__ = ("session", "pid", "uid", "gid", "admin", "resume_token")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
     GID_FIELD_NUMBER: _ClassVar[int]
     ADMIN_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     pid: int
     uid: int
     gid: int
     admin: bool
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., admin: _Optional[bool] = ...) -> None: ...
+    resume_token: bytes
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., admin: _Optional[bool] = ..., resume_token: _Optional[bytes] = ...) -> None: ...
+
+class ResumeSessionRequest(_message.Message):
+    __slots__ = ("channel_secret", "session_id", "resume_token", "page_ids")
+    CHANNEL_SECRET_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    channel_secret: bytes
+    session_id: int
+    resume_token: bytes
+    page_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, channel_secret: _Optional[bytes] = ..., session_id: _Optional[int] = ..., resume_token: _Optional[bytes] = ..., page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ResumeSessionResponse(_message.Message):
+    __slots__ = ("session", "pages_adopted", "pages_forgotten", "admin")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PAGES_ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    pages_adopted: int
+    pages_forgotten: int
+    admin: bool
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., pages_adopted: _Optional[int] = ..., pages_forgotten: _Optional[int] = ..., admin: _Optional[bool] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session",)

@@ -45,6 +45,11 @@ class KVCachedStub:
                 request_serializer=kvcached__service_dot___generated_dot_kvcached_dot_v1_dot_kvcached__pb2.OpenSessionRequest.SerializeToString,
                 response_deserializer=kvcached__service_dot___generated_dot_kvcached_dot_v1_dot_kvcached__pb2.OpenSessionResponse.FromString,
                 _registered_method=True)
+        self.ResumeSession = channel.unary_unary(
+                '/kvcached.v1.KVCached/ResumeSession',
+                request_serializer=kvcached__service_dot___generated_dot_kvcached_dot_v1_dot_kvcached__pb2.ResumeSessionRequest.SerializeToString,
+                response_deserializer=kvcached__service_dot___generated_dot_kvcached_dot_v1_dot_kvcached__pb2.ResumeSessionResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/kvcached.v1.KVCached/CloseSession',
                 request_serializer=kvcached__service_dot___generated_dot_kvcached_dot_v1_dot_kvcached__pb2.CloseSessionRequest.SerializeToString,
@@ -97,6 +102,18 @@ class KVCachedServicer:
         """Opens a session bound to an fd channel connection (by the secret the
         daemon sent on that connection). The session lives until CloseSession,
         until the channel closes, or until the peer process exits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeSession(self, request, context):
+        """Re-attaches a session after the daemon restarted (the daemon must run
+        with a state directory). The client connects a new fd channel, sends
+        every page it still holds as ADOPT records (docs/protocol.md), then calls
+        ResumeSession with the new channel's secret. The daemon checks the claim
+        against its journal (same uid, resume token, pages that were the
+        session's, page identity) and adopts the pages into its books.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -170,6 +187,11 @@ def add_KVCachedServicer_to_server(servicer, server):
                     servicer.OpenSession,
                     request_deserializer=kvcached__service_dot___generated_dot_kvcached_dot_v1_dot_kvcached__pb2.OpenSessionRequest.FromString,
                     response_serializer=kvcached__service_dot___generated_dot_kvcached_dot_v1_dot_kvcached__pb2.OpenSessionResponse.SerializeToString,
+            ),
+            'ResumeSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeSession,
+                    request_deserializer=kvcached__service_dot___generated_dot_kvcached_dot_v1_dot_kvcached__pb2.ResumeSessionRequest.FromString,
+                    response_serializer=kvcached__service_dot___generated_dot_kvcached_dot_v1_dot_kvcached__pb2.ResumeSessionResponse.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -261,6 +283,33 @@ class KVCached:
             '/kvcached.v1.KVCached/OpenSession',
             kvcached__service_dot___generated_dot_kvcached_dot_v1_dot_kvcached__pb2.OpenSessionRequest.SerializeToString,
             kvcached__service_dot___generated_dot_kvcached_dot_v1_dot_kvcached__pb2.OpenSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcached.v1.KVCached/ResumeSession',
+            kvcached__service_dot___generated_dot_kvcached_dot_v1_dot_kvcached__pb2.ResumeSessionRequest.SerializeToString,
+            kvcached__service_dot___generated_dot_kvcached_dot_v1_dot_kvcached__pb2.ResumeSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
