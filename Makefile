@@ -8,6 +8,7 @@ ARGS ?=
 
 setup:
 	@scripts/setup.sh
+	@scripts/setup-ops.sh
 
 serve: setup
 	.venv/bin/kvcached-serve --socket $(SOCKET) $(ARGS)

@@ -98,7 +98,8 @@ class Settings(BaseSettings):
     idle_shrink_seconds: float = Field(0.0, ge=0, description="ask sessions idle this long to shrink to their guarantee; 0 = never")
     shutdown_grace: float = Field(2.0, ge=0, description="seconds between telling sessions about shutdown and closing them")
     metrics_address: str = Field("", description="host:port for Prometheus metrics; empty = off")
-    state_dir: str = Field("", description="directory for the daemon's journal; empty = none")
+    state_dir: str = Field("", description="directory for the daemon's journal, which lets clients resume their sessions after a crash; empty = none")
+    resume_grace: float = Field(60.0, gt=0, description="seconds a restarted daemon keeps a journaled session's pages for its client to resume it")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
 
     @classmethod

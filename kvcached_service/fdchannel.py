@@ -21,6 +21,7 @@ HELLO = 1
 PAGES = 2
 ERROR = 3
 GOODBYE = 4
+ADOPT = 5  # client to daemon: pages re-sent for ResumeSession
 
 _HEADER = struct.Struct("<IHHII")  # magic, version, type, payload_len, reserved
 _HELLO = struct.Struct("<QIIII32s")  # channel_id, pid, uid, gid, max_fds, secret
@@ -56,6 +57,18 @@ class Pages:
 
 
 @dataclass(frozen=True)
+class Adopt:
+    """Pages a client re-sends after a daemon restart (same layout as PAGES;
+    allocation_id is the session id being resumed)."""
+
+    session_id: int
+    first_index: int
+    total: int
+    page_ids: tuple[int, ...]
+    fds: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Error:
     code: int
     message: str
@@ -66,7 +79,7 @@ class Goodbye:
     pass
 
 
-Record = Hello | Pages | Error | Goodbye
+Record = Hello | Pages | Adopt | Error | Goodbye
 
 
 def _frame(kind: int, payload: bytes) -> bytes:
@@ -79,11 +92,15 @@ def encode_hello(h: Hello) -> bytes:
     return _frame(HELLO, _HELLO.pack(h.channel_id, h.pid, h.uid, h.gid, h.max_fds, h.secret))
 
 
-def encode_pages(allocation_id: int, first_index: int, total: int, page_ids: list[int]) -> bytes:
+def encode_pages(allocation_id: int, first_index: int, total: int, page_ids: list[int], kind: int = PAGES) -> bytes:
     if not 1 <= len(page_ids) <= MAX_FDS:
         raise ValueError(f"a PAGES record carries 1..{MAX_FDS} pages, not {len(page_ids)}")
     payload = _PAGES.pack(allocation_id, first_index, len(page_ids), total, 0)
-    return _frame(PAGES, payload + struct.pack(f"<{len(page_ids)}Q", *page_ids))
+    return _frame(kind, payload + struct.pack(f"<{len(page_ids)}Q", *page_ids))
+
+
+def encode_adopt(session_id: int, first_index: int, total: int, page_ids: list[int]) -> bytes:
+    return encode_pages(session_id, first_index, total, page_ids, kind=ADOPT)
 
 
 def encode_error(code: int, message: str) -> bytes:
@@ -110,14 +127,14 @@ def decode(data: bytes, fds: list[int]) -> Record:
         if length != _HELLO.size or fds:
             raise ProtocolError("malformed HELLO")
         return Hello(*_HELLO.unpack(payload))
-    if kind == PAGES:
+    if kind in (PAGES, ADOPT):
         if length < _PAGES.size:
             raise ProtocolError("PAGES record too short")
         alloc, first, count, total, _ = _PAGES.unpack_from(payload)
         if length != _PAGES.size + 8 * count or count != len(fds) or count == 0:
             raise ProtocolError(f"PAGES record says {count} pages, carries {len(fds)} fds and {length} bytes")
         ids = struct.unpack_from(f"<{count}Q", payload, _PAGES.size)
-        return Pages(alloc, first, total, tuple(ids), tuple(fds))
+        return (Pages if kind == PAGES else Adopt)(alloc, first, total, tuple(ids), tuple(fds))
     if kind == ERROR:
         if length < _ERROR.size or fds:
             raise ProtocolError("malformed ERROR")

@@ -25,7 +25,8 @@ def daemon_factory(tmp_path):
     started: list[Daemon] = []
     cleanup: list[pathlib.Path] = []
 
-    def start(backend: str = "host", *, env: dict | None = None, wait: bool = True, shared_dir: bool = False, **settings) -> Daemon:
+    def start(backend: str = "host", *, env: dict | None = None, wait: bool = True, shared_dir: bool = False,
+              socket: str | None = None, **settings) -> Daemon:
         """shared_dir: put the sockets where other uids can reach them (the
         pytest tmp dir is private to root)."""
         n = len(started)
@@ -34,7 +35,7 @@ def daemon_factory(tmp_path):
             sock_dir = pathlib.Path(tempfile.mkdtemp(prefix="kvc-shared-"))
             sock_dir.chmod(0o755)
             cleanup.append(sock_dir)
-        sock = str(sock_dir / f"kvc{n}.sock")
+        sock = socket or str(sock_dir / f"kvc{n}.sock")
         log = tmp_path / f"daemon{n}.log"
         extra_env: dict[str, str] = {}
         report = None

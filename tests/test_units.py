@@ -185,6 +185,10 @@ class FakeBackend(Backend):
     def release_pages(self, device, pages):
         self.live -= len(pages)
 
+    def adopt_pages(self, device, fds, page_size):
+        self.live += len(fds)
+        return [PageHandle(fd=fd, size=page_size) for fd in fds]
+
 
 def _pool(backend, budget_pages=16, warm=0):
     from kvcached_service.server.pool import DevicePool

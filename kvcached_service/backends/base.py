@@ -12,6 +12,7 @@ event loop.
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass, field
 
 
@@ -71,6 +72,20 @@ class Backend(abc.ABC):
         alive while another process still references a page; the daemon
         forgets it either way. Must release every page even if one fails;
         raises the first error afterwards."""
+
+    def identity(self, fd: int) -> str:
+        """A stable name for the page behind an fd, the same in every
+        process and for every fd of that page: the journal records it and a
+        resume claim must match it. Both backends' fds are files, so the
+        file's (device, inode) names the page."""
+        st = os.fstat(fd)
+        return f"{st.st_dev}:{st.st_ino}"
+
+    @abc.abstractmethod
+    def adopt_pages(self, device: int, fds: list[int], page_size: int) -> list[PageHandle]:
+        """Take pages a client re-sent after a daemon restart back into the
+        daemon's keeping (ownership of the fds passes to the backend). All
+        or nothing: on failure nothing is kept and the fds are closed."""
 
     def memory_info(self, device: int) -> tuple[int, int]:
         """(free, total) bytes of the device as the backend sees it."""

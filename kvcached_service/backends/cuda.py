@@ -199,6 +199,31 @@ class CudaBackend(Backend):
                 d.live[id(page)] = page
         return pages
 
+    def adopt_pages(self, device: int, fds: list[int], page_size: int) -> list[PageHandle]:
+        """Import each re-sent fd (the handle lets the daemon zero and
+        release the page later) and keep the fd to send again."""
+        d = self._dev(device)
+        pages: list[PageHandle] = []
+        try:
+            with self._context(d):
+                for i, fd in enumerate(fds):
+                    handle = cu.CUmemGenericAllocationHandle()
+                    self._drv.cuMemImportFromShareableHandle(
+                        ctypes.byref(handle), ctypes.c_void_p(fd), cu.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                    )
+                    pages.append(PageHandle(fd=fd, size=page_size, native=handle.value))
+        except BaseException as exc:
+            self._rollback(d, pages)
+            for fd in fds[len(pages):]:
+                os.close(fd)
+            if isinstance(exc, cu.CudaDriverError):
+                raise exc.with_context(f"adopting {len(fds)} re-sent page(s) on {d.spec.uuid}") from None
+            raise
+        with self._lock:
+            for page in pages:
+                d.live[id(page)] = page
+        return pages
+
     def zero_pages(self, device: int, pages: list[PageHandle]) -> None:
         d = self._dev(device)
         try:

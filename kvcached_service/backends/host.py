@@ -88,6 +88,24 @@ class HostBackend(Backend):
                 err = ctypes.get_errno()
                 raise errors.Internal(f"zeroing page (fallocate PUNCH_HOLE) failed: {os.strerror(err)}")
 
+    def adopt_pages(self, device: int, fds: list[int], page_size: int) -> list[PageHandle]:
+        want = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+        try:
+            for fd in fds:
+                size = os.fstat(fd).st_size
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+                if size != page_size or seals & want != want:
+                    raise errors.PermissionDenied(f"a re-sent fd is not a sealed page of {page_size} bytes (size {size})")
+        except OSError as exc:
+            for fd in fds:
+                os.close(fd)
+            raise errors.PermissionDenied(f"a re-sent fd is not a page: {exc.strerror}") from None
+        except errors.KVCachedError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return [PageHandle(fd=fd, size=page_size) for fd in fds]
+
     def release_pages(self, device: int, pages: list[PageHandle]) -> None:
         first: OSError | None = None
         for page in pages:

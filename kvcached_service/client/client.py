@@ -17,7 +17,9 @@ Every failed call raises a subclass of kvcached_service.errors.KVCachedError
 
 from __future__ import annotations
 
+import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -32,6 +34,16 @@ from .._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 from .mapping import HostMapper, Mapper
 
 ENV_VARS = ("KVCACHED_SOCKET", "OLLAMA_KVCACHED_SOCKET")
+
+log = logging.getLogger("kvcached.client")
+
+# Reconnect quickly after a daemon restart (gRPC's default backoff grows to minutes).
+_CHANNEL_OPTIONS = [
+    ("grpc.enable_http_proxy", 0),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 def _call(fn, request, timeout: float | None = None):
@@ -312,10 +324,102 @@ class Session:
         self._closed = False
         self._watch_threads: list[threading.Thread] = []
         self._calls: list[grpc.Future] = []
+        # Resume after a daemon restart (the daemon keeps a journal): keep a
+        # duplicate fd of every page held, to prove and re-send it.
+        self.resume_token = resp.resume_token
+        self.resumable = bool(resp.resume_token)
+        self._keep: dict[int, int] = {}
+        self._deferred_free: set[int] = set()
+        self._state = "ok"  # ok | resuming | dead
+        self._dead: errors.KVCachedError | None = None
+        self._resumed = threading.Event()
+        self._resumed.set()
+        self.resumes = 0
+        if self.resumable:
+            self._watch_channel(self._channel)
 
     # -- plumbing
     def _rpc(self, method: str, request, timeout: float | None = None):
+        if self._state == "resuming":
+            raise errors.Unavailable(f"the daemon went away; session {self.id} is being resumed: the pages you hold stay usable, try again shortly")
+        if self._state == "dead":
+            raise self._dead
         return _call(getattr(self.client._stub, method), request, timeout or self.client.timeout)
+
+    # -- resume after a daemon restart
+    def _watch_channel(self, ch: "_Channel") -> None:
+        """A thread that waits for the daemon's end of the fd channel to go
+        away (without reading from it) and then resumes the session."""
+
+        def run() -> None:
+            p = select.poll()
+            p.register(ch.sock.fileno(), select.POLLRDHUP)
+            while not self._closed and ch is self._channel:
+                if p.poll(500):
+                    break
+            if not self._closed and ch is self._channel:
+                self._resume()
+
+        threading.Thread(target=run, name=f"kvcached-resume-{self.id}", daemon=True).start()
+
+    def _resume(self, timeout: float = 120.0) -> None:
+        self._state = "resuming"
+        self._resumed.clear()
+        log.warning("session %d: the daemon went away; resuming (holding %d pages)", self.id, len(self._keep))
+        delay, deadline = 0.05, time.monotonic() + timeout
+        while not self._closed and time.monotonic() < deadline:
+            try:
+                ch = _Channel(self.client.info.fd_socket, self.client.timeout)
+            except errors.KVCachedError:
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            try:
+                with self._lock:
+                    # Pages whose Free failed while the daemon was away are
+                    # not claimed (the old daemon may or may not have freed
+                    # them): the new one forgets them, which frees them.
+                    for i in self._deferred_free:
+                        if i in self._keep:
+                            fdchannel.close_fds([self._keep.pop(i)])
+                    self._deferred_free.clear()
+                    ids = list(self._keep)
+                    for i in range(0, len(ids), fdchannel.MAX_FDS):
+                        chunk = ids[i : i + fdchannel.MAX_FDS]
+                        fdchannel.send_record(ch.sock, fdchannel.encode_adopt(self.id, i, len(ids), chunk), [self._keep[x] for x in chunk])
+                resp = _call(
+                    self.client._stub.ResumeSession,
+                    pb.ResumeSessionRequest(channel_secret=ch.hello.secret, session_id=self.id, resume_token=self.resume_token, page_ids=ids),
+                    self.client.timeout,
+                )
+            except (errors.Unavailable, OSError):
+                ch.close()
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            except errors.KVCachedError as exc:
+                ch.close()
+                self._dead = errors.FailedPrecondition(f"session {self.id} could not be resumed after the daemon restarted: {exc.message}")
+                self._state = "dead"
+                self._resumed.set()
+                log.error("%s", self._dead.message)
+                return
+            old, self._channel = self._channel, ch
+            old.close()
+            self.ref = resp.session
+            self.resumes += 1
+            self._state = "ok"
+            self._resumed.set()
+            log.warning("session %d resumed: %d pages adopted, %d forgotten", self.id, resp.pages_adopted, resp.pages_forgotten)
+            self._watch_channel(ch)
+            return
+        self._dead = errors.Unavailable(f"session {self.id}: the daemon did not come back within {timeout:g} s")
+        self._state = "dead"
+        self._resumed.set()
+
+    def wait_resumed(self, timeout: float | None = None) -> bool:
+        """Block until the session is usable again after a daemon restart."""
+        return self._resumed.wait(timeout) and self._state == "ok"
 
     def mapper(self, device: str) -> Mapper:
         with self._lock:
@@ -346,10 +450,30 @@ class Session:
                                wait_timeout_ms=wait_timeout_ms, notify_when_available=notify),
             self.client.timeout + wait_budget,
         )
-        return resp, self._channel.receive(resp.allocation_id, resp.page_ids)
+        fds = self._channel.receive(resp.allocation_id, resp.page_ids)
+        if self.resumable:
+            with self._lock:
+                for pid, fd in zip(resp.page_ids, fds):
+                    self._keep[pid] = os.dup(fd)
+        return resp, fds
 
     def free_ids(self, page_ids: Iterable[int]) -> int:
-        return self._rpc("Free", pb.FreeRequest(session=self.ref, page_ids=list(page_ids))).pages_freed
+        """Give pages back. If the daemon is away (UNAVAILABLE) on a
+        resumable session, the pages are not claimed when the session
+        resumes, which gives them back; the error is still raised so the
+        caller knows."""
+        ids = list(page_ids)
+        try:
+            n = self._rpc("Free", pb.FreeRequest(session=self.ref, page_ids=ids)).pages_freed
+        except errors.Unavailable:
+            if self.resumable:
+                with self._lock:
+                    self._deferred_free.update(ids)
+            raise
+        if self.resumable:
+            with self._lock:
+                fdchannel.close_fds([self._keep.pop(i) for i in ids if i in self._keep])
+        return n
 
     # -- mapped pages
     def allocate(self, num_pages: int, device: str = "", wait: bool = False, wait_timeout_ms: int = 0, notify: bool = False) -> list[Page]:
@@ -429,13 +553,19 @@ class Session:
 
         def run() -> None:
             try:
-                for ev in self.events():
-                    if ev.kind == "READY":
-                        ready.set()
-                    elif ev.kind in kinds:
-                        callback(ev)
-            except errors.KVCachedError:
-                pass
+                while not self._closed:
+                    try:
+                        for ev in self.events():
+                            if ev.kind == "READY":
+                                ready.set()
+                            elif ev.kind in kinds:
+                                callback(ev)
+                        return  # the stream ended: session closed or daemon shutdown
+                    except errors.KVCachedError:
+                        # the daemon went away: carry on once the session is resumed
+                        time.sleep(0.2)
+                        if not self.resumable or not self._resumed.wait(130) or self._state != "ok":
+                            return
             finally:
                 ready.set()
 
@@ -477,6 +607,8 @@ class Session:
                 t.join(timeout=2)
             with self._lock:
                 mappers, self._mappers = list(self._mappers.values()), {}
+                fdchannel.close_fds(self._keep.values())
+                self._keep.clear()
             for m in mappers:
                 m.close()
 
@@ -493,7 +625,7 @@ class Client:
     def __init__(self, path: str, timeout: float = 10.0):
         self.path = path
         self.timeout = timeout
-        self._grpc = grpc.insecure_channel(f"unix:{path}", options=[("grpc.enable_http_proxy", 0)])
+        self._grpc = grpc.insecure_channel(f"unix:{path}", options=_CHANNEL_OPTIONS)
         try:
             grpc.channel_ready_future(self._grpc).result(timeout=timeout)
         except grpc.FutureTimeoutError:

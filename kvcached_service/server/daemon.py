@@ -8,11 +8,13 @@ errors into status codes; it holds no state of its own.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import itertools
 import logging
 import os
 import secrets
+import select
 import socket
 import stat
 import time
@@ -23,7 +25,8 @@ from .. import __version__, errors, fdchannel
 from ..backends.base import Backend
 from ..config import Settings, format_size, resolve_limit
 from .elastic import Reclaimer, pending_pages
-from .pool import DevicePool, Page, PageState, Shortage
+from .journal import JSession, Journal
+from .pool import DevicePool, Page, PageState, Shortage, continue_page_ids, next_page_id
 from .sessions import Channel, ChannelClosed, Session, Tombstones, check_labels, check_name
 from .worker import DeviceWorker
 
@@ -95,7 +98,6 @@ class Daemon:
         self.channels: dict[int, Channel] = {}
         self._unbound: dict[bytes, Channel] = {}
         self.tombstones = Tombstones()
-        self._session_ids = itertools.count(1)
         self._channel_ids = itertools.count(1)
         self._alloc_ids = itertools.count(1)
         self._listener: socket.socket | None = None
@@ -108,6 +110,11 @@ class Daemon:
         self.reclaimer = Reclaimer(lambda: list(self.sessions.values()), self._post, settings.reclaim_timeout_ms / 1000)
         # (session, pool uuid, pages): tell the session when that many pages could be had
         self._notify: list[tuple[Session, str, int]] = []
+        self.journal: Journal | None = Journal(settings.state_dir) if settings.state_dir else None
+        # sessions of a previous daemon, waiting for their clients to resume them
+        self.orphans: dict[int, JSession] = {}
+        self._orphan_deadline: dict[int, float] = {}
+        self._next_session_id = 1
 
     # ---- start-up -------------------------------------------------------
     def start_devices(self) -> None:
@@ -147,6 +154,62 @@ class Daemon:
                 pool.warm_pages,
             )
 
+    def recover(self) -> None:
+        """Read the journal a previous daemon left: its live sessions become
+        orphans whose pages count as in use until their clients resume them
+        (ResumeSession) or resume_grace passes. Then start a new journal."""
+        if self.journal is None:
+            return
+        j = self.journal
+        j.load()
+        self._next_session_id = j.next_session_id
+        continue_page_ids(j.next_page_id)
+        deadline = time.monotonic() + self.settings.resume_grace
+        for js in j.sessions.values():
+            for pid, (dev, _) in list(js.pages.items()):
+                pool = self.pools.get(dev)
+                if pool is None:
+                    log.warning("journal: session %d page %d is on device %s, which this daemon does not serve; forgotten", js.sid, pid, dev)
+                    del js.pages[pid]
+                    continue
+                pool.n_held += 1
+            self.orphans[js.sid] = js
+            self._orphan_deadline[js.sid] = deadline
+        j.start(self.orphans, j.next_session_id, j.next_page_id)
+        if self.orphans:
+            log.info(
+                "journal: %d session(s) of the previous daemon (%d pages) wait %gs for their clients to resume them",
+                len(self.orphans), sum(len(js.pages) for js in self.orphans.values()), self.settings.resume_grace,
+            )
+
+    def _journal(self, rec: dict) -> None:
+        j = self.journal
+        if j is None:
+            return
+        j.append(rec)
+        live = sum(len(s.pages) + 1 for s in self.sessions.values()) + sum(len(o.pages) + 1 for o in self.orphans.values())
+        if j.wants_compaction(live):
+            j.compact(self._live_state(), self._next_session_id, next_page_id())
+
+    def _live_state(self) -> dict[int, JSession]:
+        out = dict(self.orphans)
+        for s in self.sessions.values():
+            out[s.id] = JSession(
+                s.id, s.uid, s.name, s.resume_hash, s.guaranteed_bytes, s.max_bytes, s.priority, s.labels,
+                {p.id: (p.device, p.ident) for p in s.pages.values()},
+            )
+        return out
+
+    def _forget_orphan(self, sid: int, reason: str) -> None:
+        js = self.orphans.pop(sid)
+        self._orphan_deadline.pop(sid, None)
+        for dev, _ in js.pages.values():
+            self.pools[dev].n_held -= 1
+        self._journal({"op": "close", "sid": sid})
+        self.tombstones.add(sid, reason)
+        log.warning("session %d '%s' (uid %d): %s; forgetting its %d pages (their memory stays with whoever still maps them)",
+                    sid, js.name, js.uid, reason, len(js.pages))
+
     async def prefill(self) -> None:
         await asyncio.gather(*(p.prefill() for p in self.pools.values()))
 
@@ -179,6 +242,8 @@ class Daemon:
                 except Exception:  # keep the loop alive whatever happens
                     log.exception("idle trim failed on %s", pool.uuid)
             self.reclaimer.idle_scan(list(self.pools.values()), self.settings.idle_shrink_seconds)
+            for sid in [k for k, t in self._orphan_deadline.items() if t <= now]:
+                self._forget_orphan(sid, f"not resumed within {self.settings.resume_grace:g} s of the restart")
             limit = self.settings.channel_bind_timeout
             for ch in [c for c in self._unbound.values() if now - c.created > limit]:
                 self._drop_channel(ch, errors.FailedPrecondition(f"no OpenSession within {limit:g} s"))
@@ -250,22 +315,30 @@ class Daemon:
         return None
 
     def _channel_readable(self, ch: Channel) -> None:
-        """Protocol v1 clients send nothing: data is dropped, EOF ends it."""
+        """Clients send only ADOPT records (before ResumeSession); EOF ends
+        the channel. Anything else is dropped with its descriptors."""
         try:
-            data, anc, _, _ = ch.sock.recvmsg(fdchannel.MAX_RECORD, socket.CMSG_SPACE(fdchannel.MAX_FDS * 4))
+            rec = fdchannel.recv_record(ch.sock)
         except (BlockingIOError, InterruptedError):
             return
+        except fdchannel.ProtocolError as exc:
+            self.counters["fd_channel_errors"] += 1
+            log.info("fd channel %d (pid %d): dropped a malformed record: %s", ch.id, ch.pid, exc)
+            return
         except OSError:
-            data, anc = b"", []
-        for level, kind, cdata in anc:  # never keep a descriptor a client pushed at us
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                import array
-
-                fds = array.array("i")
-                fds.frombytes(cdata[: len(cdata) - len(cdata) % 4])
-                fdchannel.close_fds(fds)
-        if not data and not anc:
+            rec = None
+        if rec is None:
             self._drop_channel(ch, None, crashed=ch.session is not None)
+            return
+        if isinstance(rec, fdchannel.Adopt) and ch.session is None and len(ch.adopted) + len(rec.fds) <= (1 << 20):
+            ch.adopt_session = rec.session_id
+            for pid, fd in zip(rec.page_ids, rec.fds):
+                old = ch.adopted.pop(pid, None)
+                if old is not None:
+                    fdchannel.close_fds([old])
+                ch.adopted[pid] = fd
+            return
+        fdchannel.close_fds(getattr(rec, "fds", ()))
 
     def _peer_exited(self, ch: Channel) -> None:
         self._drop_channel(ch, None, crashed=True)
@@ -299,23 +372,16 @@ class Daemon:
         self._check_serving()
         check_name(name)
         labels = check_labels(labels)
-        if len(secret) != fdchannel.SECRET_SIZE:
-            raise errors.InvalidArgument(f"channel_secret must be {fdchannel.SECRET_SIZE} bytes from the fd channel's HELLO, got {len(secret)}")
         if max_bytes and guaranteed_bytes > max_bytes:
             raise errors.InvalidArgument(f"guaranteed_bytes {guaranteed_bytes} exceeds max_bytes {max_bytes}")
-        ch = None
-        for candidate_secret, candidate in self._unbound.items():
-            if hmac.compare_digest(candidate_secret, secret):
-                ch = candidate
-                break
-        if ch is None or ch.closed:
-            raise errors.FailedPrecondition("unknown or already used channel secret: connect the fd channel and use the secret from its HELLO")
+        ch = self._unbound_channel(secret)
         if len(self.sessions) >= self.settings.max_sessions:
             raise errors.ResourceExhausted(f"{len(self.sessions)} sessions open (max_sessions)")
         self._check_guarantees(guaranteed_bytes, None)
         del self._unbound[ch.secret]
+        resume_token = secrets.token_bytes(32) if self.journal is not None else b""
         s = Session(
-            id=next(self._session_ids),
+            id=self._next_session_id,
             token=secrets.token_bytes(32),
             name=name,
             channel=ch,
@@ -324,12 +390,118 @@ class Daemon:
             guaranteed_bytes=guaranteed_bytes,
             max_bytes=max_bytes,
             priority=priority,
+            resume_hash=hashlib.sha256(resume_token).hexdigest() if resume_token else "",
         )
+        self._next_session_id += 1
+        s.resume_token = resume_token  # handed to the client once, never stored
         ch.session = s
         self.sessions[s.id] = s
         self.counters["sessions_opened"] += 1
+        self._journal({"op": "open", "sid": s.id, "uid": s.uid, "name": name, "rh": s.resume_hash,
+                       "g": guaranteed_bytes, "m": max_bytes, "p": priority, "labels": labels})
         log.info("session %d '%s' opened by pid %d uid %d%s", s.id, name, s.pid, s.uid, " (admin)" if s.admin else "")
         return s
+
+    def _unbound_channel(self, secret: bytes) -> Channel:
+        if len(secret) != fdchannel.SECRET_SIZE:
+            raise errors.InvalidArgument(f"channel_secret must be {fdchannel.SECRET_SIZE} bytes from the fd channel's HELLO, got {len(secret)}")
+        for candidate_secret, candidate in self._unbound.items():
+            if hmac.compare_digest(candidate_secret, secret) and not candidate.closed:
+                return candidate
+        raise errors.FailedPrecondition("unknown or already used channel secret: connect the fd channel and use the secret from its HELLO")
+
+    async def resume_session(self, secret: bytes, sid: int, token: bytes, page_ids: list[int]) -> tuple[Session, int, int]:
+        """Re-attach a session of the previous daemon to a new fd channel,
+        adopting the pages its client re-sent (ADOPT) after checking the
+        claim against the journal. Returns (session, adopted, forgotten)."""
+        self._check_serving()
+        if self.journal is None:
+            raise errors.FailedPrecondition("this daemon keeps no journal (--state-dir), so sessions cannot be resumed; open a new one")
+        ch = self._unbound_channel(secret)
+        # the client sent its ADOPT records before this call: read them all now
+        while not ch.closed and ch.sock.fileno() >= 0:
+            before = len(ch.adopted)
+            try:
+                select_ready = bool(select.select([ch.sock], [], [], 0)[0])
+            except (OSError, ValueError):
+                break
+            if not select_ready:
+                break
+            self._channel_readable(ch)
+            if len(ch.adopted) == before and not select.select([ch.sock], [], [], 0)[0]:
+                break
+        if ch.closed:
+            raise errors.FailedPrecondition("the fd channel closed before ResumeSession")
+        js = self.orphans.get(sid)
+        if js is None:
+            if sid in self.sessions:
+                raise errors.FailedPrecondition(f"session {sid} is live; only a session of a previous daemon can be resumed")
+            reason = self.tombstones.get(sid)
+            raise errors.NotFound(f"no session {sid} to resume" + (f" ({reason})" if reason else " in the journal"))
+        if not hmac.compare_digest(hashlib.sha256(token).hexdigest(), js.resume_hash):
+            raise errors.PermissionDenied(f"resume token does not match session {sid}")
+        if ch.uid != js.uid:
+            raise errors.PermissionDenied(f"session {sid} belonged to uid {js.uid}, not to uid {ch.uid}")
+        if len(set(page_ids)) != len(page_ids):
+            raise errors.InvalidArgument("page_ids repeats a page; nothing was adopted")
+        if ch.adopted and ch.adopt_session != sid:
+            raise errors.InvalidArgument(f"the ADOPT records on this channel name session {ch.adopt_session}, not {sid}")
+        for pid in page_ids:
+            if pid not in js.pages:
+                raise errors.PermissionDenied(f"page {pid} was not held by session {sid}; nothing was adopted")
+            if pid not in ch.adopted:
+                raise errors.InvalidArgument(f"page {pid} is claimed but its fd was not sent as ADOPT; nothing was adopted")
+        for pid in page_ids:
+            if self.backend.identity(ch.adopted[pid]) != js.pages[pid][1]:
+                raise errors.PermissionDenied(f"the fd sent for page {pid} is not the page the journal recorded; nothing was adopted")
+        by_dev: dict[str, list[int]] = {}
+        for pid in page_ids:
+            by_dev.setdefault(js.pages[pid][0], []).append(pid)
+        adopted: dict[int, tuple[str, object]] = {}
+        for dev, pids in by_dev.items():
+            pool = self.pools[dev]
+            fds = [ch.adopted.pop(pid) for pid in pids]
+            try:
+                handles = await pool.worker.call(self.backend.adopt_pages, pool.spec.ordinal, fds, pool.page_size)
+            except BaseException:
+                # undo earlier devices: the orphan keeps its pages, the client may retry
+                for d2, h in adopted.values():
+                    await self.pools[d2].worker.call(self.backend.release_pages, self.pools[d2].spec.ordinal, [h])
+                raise
+            for pid, h in zip(pids, handles):
+                adopted[pid] = (dev, h)
+        fdchannel.close_fds(ch.adopted.values())
+        ch.adopted.clear()
+        if sid not in self.orphans or ch.closed:  # lost a race with the grace timer or the client
+            for dev, h in adopted.values():
+                await self.pools[dev].worker.call(self.backend.release_pages, self.pools[dev].spec.ordinal, [h])
+            raise errors.FailedPrecondition(f"session {sid} could not be resumed: it expired or its channel closed meanwhile")
+        del self.orphans[sid]
+        self._orphan_deadline.pop(sid, None)
+        del self._unbound[ch.secret]
+        s = Session(
+            id=sid, token=secrets.token_bytes(32), name=js.name, channel=ch, admin=self.settings.is_admin(ch.uid),
+            labels=dict(js.labels), guaranteed_bytes=js.guaranteed_bytes, max_bytes=js.max_bytes,
+            priority=js.priority, resume_hash=js.resume_hash,
+        )
+        ch.session = s
+        self.sessions[sid] = s
+        forgotten = [pid for pid in js.pages if pid not in adopted]
+        for pid in forgotten:
+            self.pools[js.pages[pid][0]].n_held -= 1
+        by_pool: dict[str, list[Page]] = {}
+        for pid, (dev, h) in adopted.items():
+            page = Page(id=pid, device=dev, handle=h, state=PageState.HELD, session=s, uid=s.uid, ident=js.pages[pid][1])
+            self.pools[dev].pages[pid] = page
+            by_pool.setdefault(dev, []).append(page)
+        for dev, pages in by_pool.items():
+            s.add_pages(self.pools[dev], pages)
+        if forgotten:
+            self._journal({"op": "free", "sid": sid, "pages": forgotten})
+        self.counters["sessions_resumed"] = self.counters.get("sessions_resumed", 0) + 1
+        log.info("session %d '%s' resumed by pid %d uid %d: %d pages adopted, %d forgotten",
+                 sid, s.name, s.pid, s.uid, len(adopted), len(forgotten))
+        return s, len(adopted), len(forgotten)
 
     def _check_guarantees(self, guaranteed_bytes: int, exclude: Session | None) -> None:
         if not guaranteed_bytes:
@@ -371,6 +543,8 @@ class Daemon:
         self.sessions.pop(s.id, None)
         self.tombstones.add(s.id, reason)
         self.counters["sessions_crashed" if crashed else "sessions_closed"] += 1
+        if not self.shutting_down:
+            self._journal({"op": "close", "sid": s.id})
         by_pool: dict[str, list[Page]] = {}
         for page in s.pages.values():
             by_pool.setdefault(page.device, []).append(page)
@@ -418,6 +592,11 @@ class Daemon:
             await pool.give_back(pages)
             raise errors.FailedPrecondition(f"session {s.id} closed while allocating")
         s.add_pages(pool, pages)
+        if self.journal is not None:
+            for p in pages:
+                if not p.ident:
+                    p.ident = self.backend.identity(p.handle.fd)
+            self._journal({"op": "alloc", "sid": s.id, "dev": pool.uuid, "pages": [[p.id, p.ident] for p in pages]})
         alloc_id = next(self._alloc_ids)
         try:
             await self._deliver(s, alloc_id, pages)
@@ -521,6 +700,7 @@ class Daemon:
             self.reclaimer.settle(s, uuid)
         s.frees_total += 1
         s.touch()
+        self._journal({"op": "free", "sid": s.id, "pages": [p.id for p in pages]})
         await asyncio.gather(*(self.pools[u].give_back(g) for u, g in by_pool.items()))
         return len(pages)
 
@@ -552,6 +732,7 @@ class Daemon:
         self._check_guarantees(g, s)
         s.guaranteed_bytes, s.max_bytes = g, m
         s.priority = fields.get("priority", s.priority)
+        self._journal({"op": "limits", "sid": s.id, "g": s.guaranteed_bytes, "m": s.max_bytes, "p": s.priority})
         for pool in self.pools.values():
             s.post(Event("BUDGET_CHANGED", time.time(), {
                 "device": pool.uuid, "budget_bytes": pool.budget_pages * pool.page_size,
@@ -638,6 +819,8 @@ class Daemon:
             step("stopping a device worker", worker.stop, False)
         self.workers.clear()
         step("closing the backend", self.backend.close, True)
+        if self.journal is not None:  # every session ended: nothing left to resume
+            self.journal.close(remove=True)
         try:
             os.unlink(self.settings.fd_socket)
         except FileNotFoundError:

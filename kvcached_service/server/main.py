@@ -99,9 +99,13 @@ async def serve(settings: Settings, ready_hook=None) -> int:
     daemon = Daemon(settings, backend)
     try:
         daemon.start_devices()
+        daemon.recover()
     except errors.KVCachedError as exc:
         backend.close()
         raise StartupError(exc.message) from None
+    except (OSError, ValueError) as exc:  # an unreadable or corrupt journal
+        backend.close()
+        raise StartupError(f"state directory {settings.state_dir}: {exc}") from None
 
     prepare_socket_path(settings.socket)
     metrics = Metrics(daemon) if settings.metrics_address else None

@@ -46,6 +46,16 @@ log = logging.getLogger("kvcached.pool")
 _page_ids = itertools.count(1)
 
 
+def continue_page_ids(start: int) -> None:
+    """After a restart: never reuse a page id the journal knows."""
+    global _page_ids
+    _page_ids = itertools.count(start)
+
+
+def next_page_id() -> int:
+    return next(_page_ids)
+
+
 class PageState(enum.Enum):
     POOLED = "pooled"
     ZEROING = "zeroing"
@@ -62,6 +72,7 @@ class Page:
     session: "Session | None" = None
     uid: int | None = None  # last uid it was handed to; None = never handed out
     pooled_at: float = 0.0
+    ident: str = ""  # backend identity, recorded in the journal
 
 
 @dataclass
@@ -169,7 +180,7 @@ class DevicePool:
         self.n_creating -= create
         now = time.monotonic()
         for h in new_handles:
-            page = Page(id=next(_page_ids), device=self.uuid, handle=h, pooled_at=now)
+            page = Page(id=next_page_id(), device=self.uuid, handle=h, pooled_at=now)
             self.pages[page.id] = page
             got.append(page)
         self.counters.created_total += len(new_handles)
@@ -328,7 +339,7 @@ class DevicePool:
                     self.n_pooled -= want
                 now = time.monotonic()
                 for h in handles:
-                    page = Page(id=next(_page_ids), device=self.uuid, handle=h)
+                    page = Page(id=next_page_id(), device=self.uuid, handle=h)
                     self.pages[page.id] = page
                     self._pool(page, now)
                 self.counters.created_total += len(handles)

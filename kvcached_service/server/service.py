@@ -154,7 +154,17 @@ class KVCachedService(pb_grpc.KVCachedServicer):
             dict(request.labels),
         )
         return pb.OpenSessionResponse(
-            session=pb.SessionRef(id=s.id, token=s.token), pid=s.pid, uid=s.uid, gid=s.gid, admin=s.admin
+            session=pb.SessionRef(id=s.id, token=s.token), pid=s.pid, uid=s.uid, gid=s.gid, admin=s.admin,
+            resume_token=s.resume_token,
+        )
+
+    @_rpc
+    async def ResumeSession(self, request, context):
+        s, adopted, forgotten = await self.d.resume_session(
+            request.channel_secret, request.session_id, request.resume_token, list(request.page_ids)
+        )
+        return pb.ResumeSessionResponse(
+            session=pb.SessionRef(id=s.id, token=s.token), pages_adopted=adopted, pages_forgotten=forgotten, admin=s.admin
         )
 
     @_rpc

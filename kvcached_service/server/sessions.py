@@ -40,6 +40,9 @@ class Channel:
         self.created = time.monotonic()
         self._send_lock = asyncio.Lock()
         self.on_close: Callable[["Channel", str], None] | None = None
+        # ADOPT records received before ResumeSession: page id -> fd
+        self.adopted: dict[int, int] = {}
+        self.adopt_session = 0
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -91,6 +94,8 @@ class Channel:
         if self.closed:
             return
         self.closed = True
+        fdchannel.close_fds(self.adopted.values())
+        self.adopted.clear()
         loop = asyncio.get_event_loop()
         for fd in (self.sock.fileno(), self.pidfd):
             if fd is not None and fd >= 0:
@@ -118,6 +123,8 @@ class Session:
     channel: Channel
     admin: bool
     labels: dict[str, str]
+    resume_hash: str = ""
+    resume_token: bytes = b""  # set once at open, returned to the client, not kept anywhere else
     guaranteed_bytes: int = 0
     max_bytes: int = 0  # 0 = the device budget
     priority: int = 0

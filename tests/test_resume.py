@@ -1,0 +1,193 @@
+"""Daemon restart with clients alive (issue 9): pages clients have mapped
+survive the daemon's death; a restarted daemon with the same state
+directory adopts them back when the clients resume, refuses claims that do
+not add up, and forgets sessions nobody resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+
+import grpc
+import pytest
+
+from kvtest import assert_books, wait_until
+from kvcached_service import errors, fdchannel
+from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
+from kvcached_service._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
+
+MiB = 1 << 20
+
+
+def _kill(d):
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+
+
+def _restart(daemon_factory, d, backend, **settings):
+    return daemon_factory(backend, socket=d.socket, **settings)
+
+
+def test_session_resumes_after_daemon_sigkill(daemon_factory, backend, tmp_path):
+    state = str(tmp_path / "state")
+    d = daemon_factory(backend, state_dir=state)
+    c = d.client()
+    s = c.open_session("survivor", guaranteed_bytes=4 * MiB, priority=3)
+    assert s.resumable and len(s.resume_token) == 32
+    r = s.region(32 * MiB)
+    r.map(0, 20 * MiB)
+    for i in range(10):
+        r.write(i * 2 * MiB, f"page {i}".encode())
+    pages = s.allocate(2)
+    pages[0].write(0, b"loose page")
+    r.unmap(16 * MiB, 4 * MiB)  # 8 region pages + 2 loose = 10 held
+    held_ids = set(r.page_ids()) | {p.id for p in pages}
+    _kill(d)
+    # the daemon is gone: the memory is not
+    assert r.read(0, 6) == b"page 0" and pages[0].read(0, 10) == b"loose page"
+    with pytest.raises(errors.Unavailable, match="resumed|daemon"):
+        s.allocate(1)
+    d2 = _restart(daemon_factory, d, backend, state_dir=state)
+    assert s.wait_resumed(20), "the session did not resume"
+    assert s.resumes == 1
+    me = s.my_stats()
+    assert me.id == s.id and me.pages_held == 10 and me.priority == 3 and me.guaranteed_bytes == 4 * MiB
+    assert set(r.page_ids()) | {p.id for p in pages} == held_ids
+    for i in range(8):
+        assert r.read(i * 2 * MiB, len(f"page {i}")) == f"page {i}".encode()
+    assert_books(s.stats())
+    assert s.stats().total.pages_in_use == 10
+    # fully usable again: grow, free, and the adopted pages recycle zeroed
+    r.map(16 * MiB, 16 * MiB)
+    s.free(pages)
+    r.close()
+    st = c.stats()
+    assert st.total.pages_in_use == 0
+    assert_books(st)
+    again = s.allocate(12)
+    assert all(p.read(0, 16) == bytes(16) for p in again)
+    assert "resumed by pid" in d2.log_text()
+    s.close()
+    c.close()
+
+
+def test_eight_busy_clients_survive_a_daemon_kill(daemon_factory, tmp_path):
+    state = str(tmp_path / "state")
+    d = daemon_factory("host", state_dir=state, memory_limit="512MiB")
+    procs = [d.spawn_client("resume_client.py", "8") for _ in range(8)]
+    for p in procs:
+        assert json.loads(p.stdout.readline())["ready"]
+    time.sleep(2.0)
+    _kill(d)  # in the middle of the busy run
+    time.sleep(0.5)
+    d2 = _restart(daemon_factory, d, "host", state_dir=state, memory_limit="512MiB")
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.splitlines()[-1]))
+    assert all(r["bad"] == 0 for r in results), results  # no client lost data
+    assert all(r["resumes"] == 1 for r in results), results  # every session resumed
+    assert all(r["held"] == r["mapped"] for r in results), results  # books agree with what each maps
+    assert sum(r["unavailable"] for r in results) > 0  # they did notice the outage
+    with d2.client() as c:
+        assert wait_until(lambda: c.stats().sessions_open == 0)
+        st = c.stats()
+        assert st.total.pages_in_use == 0
+        assert_books(st)
+    assert d2.log_text().count("resumed by pid") == 8
+
+
+def _raw_resume(d, sid, token, ids, fds, keep_open=None):
+    """Resume by hand: new fd channel, ADOPT records, ResumeSession. The
+    channel is closed afterwards unless keep_open (a list) takes it."""
+    ch = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ch.connect(d.fd_socket)
+    hello = fdchannel.recv_record(ch)
+    if ids:
+        fdchannel.send_record(ch, fdchannel.encode_adopt(sid, 0, len(ids), ids), fds)
+    stub = pb_grpc.KVCachedStub(grpc.insecure_channel(f"unix:{d.socket}"))
+    try:
+        return stub.ResumeSession(pb.ResumeSessionRequest(channel_secret=hello.secret, session_id=sid, resume_token=token, page_ids=ids), timeout=10)
+    finally:
+        if keep_open is None:
+            ch.close()
+        else:
+            keep_open.append(ch)
+
+
+def test_claims_that_do_not_add_up_are_refused(daemon_factory, tmp_path):
+    state = str(tmp_path / "state")
+    d = daemon_factory("host", state_dir=state)
+    c = d.client()
+    a = c.open_session("a")
+    b = c.open_session("b")
+    ra, fa = a.allocate_fds(2)
+    rb, fb = b.allocate_fds(1)
+    a_token, a_id, b_id = a.resume_token, a.id, b.id
+    # stop the client library from resuming by itself: we play the client
+    a._closed = b._closed = True
+    _kill(d)
+    d2 = _restart(daemon_factory, d, "host", state_dir=state)
+
+    def refused(code, fragment, *args):
+        with pytest.raises(grpc.RpcError) as info:
+            _raw_resume(d2, *args)
+        assert info.value.code() == code, info.value.details()
+        assert fragment in info.value.details(), info.value.details()
+
+    ids = list(ra.page_ids)
+    refused(grpc.StatusCode.PERMISSION_DENIED, "resume token does not match", a_id, b"x" * 32, ids, fa)
+    refused(grpc.StatusCode.PERMISSION_DENIED, f"page {rb.page_ids[0]} was not held by session {a_id}", a_id, a_token, ids + [rb.page_ids[0]], fa + fb)
+    refused(grpc.StatusCode.PERMISSION_DENIED, f"the fd sent for page {ids[0]} is not the page", a_id, a_token, ids, [fa[1], fa[0]])
+    refused(grpc.StatusCode.INVALID_ARGUMENT, "its fd was not sent", a_id, a_token, ids, [])
+    refused(grpc.StatusCode.NOT_FOUND, "no session 999 to resume", 999, a_token, [], [])
+    # after all that, the honest claim works, and may leave a page out
+    live = []
+    ok = _raw_resume(d2, a_id, a_token, ids[:1], fa[:1], keep_open=live)
+    assert (ok.pages_adopted, ok.pages_forgotten) == (1, 1)
+    refused(grpc.StatusCode.FAILED_PRECONDITION, "is live", a_id, a_token, ids[:1], fa[:1])
+    fdchannel.close_fds(fa + fb)
+    with d2.client() as c2:
+        st = c2.stats()
+        assert_books(st)
+        # a's forgotten page is gone from the books; b still waits for its client
+        assert st.total.pages_in_use == 1 + 1
+    live[0].close()  # a's new channel closes: the resumed session ends like any other
+    with d2.client() as c2:
+        assert wait_until(lambda: c2.stats().total.pages_in_use == 1)
+    c.close()
+
+
+def test_unresumed_sessions_are_forgotten_after_the_grace(daemon_factory, tmp_path):
+    state = str(tmp_path / "state")
+    d = daemon_factory("host", state_dir=state)
+    p = d.spawn_client("client_proc.py", "hold", "5")
+    json.loads(p.stdout.readline())
+    _kill(d)
+    p.kill()  # the client dies while the daemon is down
+    p.wait()
+    d2 = _restart(daemon_factory, d, "host", state_dir=state, resume_grace="1")
+    with d2.client() as c:
+        assert c.stats().total.pages_in_use == 5  # held for the client to come back...
+        assert wait_until(lambda: c.stats().total.pages_in_use == 0, timeout=5)  # ...until the grace ends
+        assert_books(c.stats())
+    assert "not resumed within 1 s" in d2.log_text()
+
+
+def test_clean_shutdown_removes_the_journal(daemon_factory, tmp_path):
+    state = tmp_path / "state"
+    d = daemon_factory("host", state_dir=str(state))
+    with d.client() as c, c.open_session("x") as s:
+        s.allocate(2)
+        assert (state / "journal.jsonl").exists()
+    assert d.stop() == 0
+    assert not (state / "journal.jsonl").exists()
+
+
+def test_daemon_without_state_dir_offers_no_resume(host_daemon):
+    with host_daemon.client() as c, c.open_session("x") as s:
+        assert not s.resumable and s.resume_token == b""
