@@ -1,0 +1,249 @@
+"""kvcached-service benchmark harness: `scripts/bench.sh [--quick] [--backend host|cuda|all] [--out DIR]`.
+
+Starts its own daemons, measures every scenario of docs/benchmarks.md on
+each backend with its baseline in the same run, and writes DIR/results.json
+and DIR/results.md (the table printed at the end). Backends:
+
+- host: memfd pages.
+- cuda-testdriver: the CUDA backend on the project's test driver
+  (build/testdriver/libcuda.so.1): its timings say nothing about a GPU.
+- cuda-gpu: the CUDA backend on the real driver, when libcuda.so.1 loads
+  and reports a device (otherwise the result says why it did not run).
+
+Exit status 1 if any scenario failed (the error is in results.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+from . import common
+
+LABELS = {
+    "host": "host (memfd)",
+    "cuda-testdriver": "CUDA (test driver: timings say nothing about a GPU)",
+    "cuda-gpu": "CUDA (real GPU)",
+}
+
+
+def machine() -> dict:
+    cpu = ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"nproc": os.cpu_count(), "cpu": cpu, "ram_bytes": mem, "kernel": platform.release(),
+            "python": platform.python_version(), "loadavg_at_start": os.getloadavg()}
+
+
+# ---- figures: (value, baseline, ratio) rows from the raw results --------------------------------------
+def _row(scenario, figure, value, baseline, unit, better, baseline_what, note=""):
+    ratio = value / baseline if baseline and not math.isnan(baseline) and not math.isnan(value) else float("nan")
+    return {"scenario": scenario, "figure": figure, "value": value, "baseline": baseline, "unit": unit,
+            "ratio": ratio, "better": better, "baseline_is": baseline_what, "note": note}
+
+
+def figures(res: dict) -> list[dict]:
+    rows: list[dict] = []
+    sc = res.get("scenarios", {})
+    if "allocate64" in sc:
+        s = sc["allocate64"]
+        b = s["baseline_inproc_create_map"]
+        bw = "in-process create+map of 64 pages"
+        for key, label in (("daemon_warm", "warm pool"), ("daemon_cold", "cold (pages created)")):
+            for p in ("p50", "p99"):
+                rows.append(_row("1 Allocate 64 pages", f"{label} {p}", s[key][f"{p}_us"], b[f"{p}_us"], "us", "lower", bw))
+    if "roundtrip" in sc:
+        s = sc["roundtrip"]
+        bw = "in-process create+map+unmap+release"
+        for conc in (1, 16):
+            for p in ("p50", "p99"):
+                rows.append(_row("2 Allocate+Free 1 page", f"{conc} client{'s' if conc > 1 else ''} {p}",
+                                 s[f"rtt_{conc}_daemon"][f"{p}_us"], s[f"rtt_{conc}_base"][f"{p}_us"], "us", "lower", bw))
+        rows.append(_row("2 Allocate+Free 1 page", "64 clients pairs/s", s["tput_64_daemon"]["pairs_per_s"],
+                         s["tput_64_base"]["pairs_per_s"], "/s", "higher", bw))
+    if "reclaim" in sc:
+        s = sc["reclaim"]
+        gib = s["moved_bytes"] / (1 << 30)
+        rows.append(_row("3 Reclaim", f"move {gib:.2f} GiB idle->new (median of {s['reps']})", s["daemon_reclaim"]["p50_us"] / 1e3,
+                         s["baseline_unload_reload"]["p50_us"] / 1e3, "ms", "lower",
+                         "idle process frees all, new one creates+maps in-process"))
+    if "scale" in sc:
+        s = sc["scale"]
+        lv = s["levels"]
+        ref = lv.get("1000")
+        for label, l in lv.items():
+            if label in ("0", "1000") or ref is None:
+                continue
+            fig = f"{l['pages_tracked']} pages tracked"
+            bw = "same figure at 1000 pages tracked"
+            rows.append(_row("4 Scale", f"{fig}: daemon RSS", l["daemon_rss_kib"] / 1024, ref["daemon_rss_kib"] / 1024, "MiB", "lower", bw))
+            for what in ("allocate", "getstats"):
+                for p in ("p50", "p99"):
+                    rows.append(_row("4 Scale", f"{fig}: {'Allocate+map 1 page' if what == 'allocate' else 'GetStats'} {p}",
+                                     l[what][f"{p}_us"], ref[what][f"{p}_us"], "us", "lower", bw))
+        if "limit" in s:
+            lim = s["limit"]
+            rows.append(_row("4 Scale", f"{lim['target']} pages: not reachable (fd limit {s['daemon_nofile']['hard']})",
+                             lim["reached_pages"], lim["target"], "pages", "higher", "pages asked for",
+                             note=lim["error"][:160]))
+    if "loadgen" in sc:
+        s = sc["loadgen"]
+        lg = s["loadgen"]
+        bw = "derived: in-process create/map (unmap/release) cost per page x pages per op, measured in this run"
+        rows.append(_row("5 Ollama-shaped load (Go)", f"ops/s ({s['args']['runners']} runners x {s['args']['layers']} layers)",
+                         lg["ops_per_sec"], s["baseline_ops_per_s"], "/s", "higher", bw,
+                         note=f"{lg['requests']} requests, {lg['pages_mapped']} pages mapped, {lg['resource_exhausted']} exhausted, {lg['pages_bad']} bad pages"))
+        for op, key in (("grow", "baseline_grow_us"), ("trim", "baseline_trim_us")):
+            if op in lg["latency_us"]:
+                l = lg["latency_us"][op]
+                rows.append(_row("5 Ollama-shaped load (Go)", f"{op} p50 ({s['pages_per_' + op]:.1f} pages/op)", l["p50"], s[key], "us", "lower", bw))
+                rows.append(_row("5 Ollama-shaped load (Go)", f"{op} p99", l["p99"], s[key], "us", "lower", bw))
+    if "capacity" in sc:
+        s = sc["capacity"]
+        st, el = s["static"], s["elastic"]
+        bw = "static worst-case reservation (Ollama/llama.cpp today)"
+        rows.append(_row("6 Capacity", f"requests served (of {el['requests']})", el["served"], st["served"], "req", "higher", bw))
+        for p in ("p50", "p90", "p99"):
+            rows.append(_row("6 Capacity", f"queueing delay {p} (simulated s)", el["queue_delay_s"][p], st["queue_delay_s"][p], "s", "lower", bw))
+        rows.append(_row("6 Capacity", "models resident (time-average)", el["resident_models"]["mean"], st["resident_models"]["mean"], "models", "higher", bw))
+        rows.append(_row("6 Capacity", "model loads (incl. reloads)", el["loads"], st["loads"], "loads", "lower", bw,
+                         note=f"elastic: {el['reclaim_callbacks']} reclaim callbacks, {el['reclaimed_pages']} pages reclaimed, {el['alloc_stalls']} stalls, {el['failed']} failed"))
+    return rows
+
+
+def _fmt(v, unit) -> str:
+    if isinstance(v, float) and math.isnan(v):
+        return "n/a"
+    if unit in ("req", "pages", "loads"):
+        return f"{v:.0f}"
+    if unit == "models":
+        return f"{v:.2f}"
+    if abs(v) >= 100:
+        return f"{v:,.0f} {unit}"
+    if abs(v) >= 10:
+        return f"{v:.1f} {unit}"
+    return f"{v:.2f} {unit}"
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    out = [
+        f"Run {result['date']} · `{result['command']}` · {'quick' if result['quick'] else 'full'} mode",
+        f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['ram_bytes'] / (1 << 30):.1f} GiB RAM, kernel {m['kernel']}, "
+        f"Python {m['python']}; load average at start {', '.join(f'{x:.2f}' for x in m['loadavg_at_start'])}",
+        f"GPU: {'present' if result['gpu']['gpu'] else 'none (' + result['gpu']['reason'] + ')'}",
+        "",
+        "Ratio = kvcached / baseline; `better` says which direction wins for kvcached (lower ratio for times, higher for rates and counts).",
+        "",
+    ]
+    for be, res in result["backends"].items():
+        out.append(f"### {LABELS.get(be, be)}")
+        out.append("")
+        if res.get("skipped"):
+            out.append(f"Not run: {res['skipped']}")
+            out.append("")
+            continue
+        out.append("| scenario | figure | kvcached | baseline | ratio | better | baseline is |")
+        out.append("|---|---|---:|---:|---:|---|---|")
+        for r in res["figures"]:
+            ratio = "n/a" if math.isnan(r["ratio"]) else f"{r['ratio']:.2f}x"
+            fig = r["figure"] + (f" ({r['note']})" if r["note"] else "")
+            out.append(f"| {r['scenario']} | {fig} | {_fmt(r['value'], r['unit'])} | {_fmt(r['baseline'], r['unit'])} | {ratio} | {r['better']} | {r['baseline_is']} |")
+        for name, err in res.get("errors", {}).items():
+            out.append(f"\n**{name} failed**: `{err.strip().splitlines()[-1]}`")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="scripts/bench.sh", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes and short runs (CI; under 2 minutes)")
+    ap.add_argument("--backend", default="all", choices=["host", "cuda", "all"],
+                    help="cuda = the test driver, plus the real GPU when one is present")
+    ap.add_argument("--out", default="", help="directory for results.json and results.md (default: a new temp dir)")
+    ap.add_argument("--only", default="", help="comma-separated scenarios: " + ",".join(
+        ["allocate64", "roundtrip", "reclaim", "scale", "loadgen", "capacity"]))
+    a = ap.parse_args(argv)
+    out_dir = pathlib.Path(a.out or tempfile.mkdtemp(prefix="kvc-bench-out-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gpu = common.detect_gpu()
+    wanted = []
+    if a.backend in ("host", "all"):
+        wanted.append("host")
+    if a.backend in ("cuda", "all"):
+        wanted += ["cuda-testdriver", "cuda-gpu"]
+    cmd = "scripts/bench.sh" + (" --quick" if a.quick else "") + f" --backend {a.backend}" + (f" --only {a.only}" if a.only else "")
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": cmd,
+              "quick": a.quick, "machine": machine(), "gpu": gpu, "backends": {}}
+    rc = 0
+    t_all = time.monotonic()
+    for be in wanted:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(common.ROOT)
+        state = None
+        if be == "cuda-gpu":
+            if not gpu["gpu"]:
+                result["backends"][be] = {"skipped": f"no GPU on this machine: {gpu['reason']}"}
+                continue
+            env.pop("KVCACHED_LIBCUDA", None)
+            env = {k: v for k, v in env.items() if not k.startswith("KVCACHED_TESTDRV_")}
+        elif be == "cuda-testdriver":
+            if not common.TESTDRIVER.exists():
+                result["backends"][be] = {"errors": {"setup": f"CUDA test driver not built: {common.TESTDRIVER} (run scripts/build-testdriver.sh)"},
+                                          "figures": []}
+                rc = 1
+                continue
+            base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            state = tempfile.mkdtemp(prefix="kvc-bench-gpu-", dir=base)
+            env["KVCACHED_LIBCUDA"] = str(common.TESTDRIVER)
+            env["KVCACHED_TESTDRV_STATE"] = state
+            env["KVCACHED_TESTDRV_MEMORY"] = str(8 << 30)
+            # 64 KiB granularity so the scale scenario can use 64 KiB pages (the
+            # others use 2 MiB pages, a multiple of it, as on a GPU)
+            env["KVCACHED_TESTDRV_GRANULARITY"] = str(64 << 10)
+        raw = out_dir / f"raw-{be}.json"
+        cmdline = [common.PY, "-m", "bench.suite", "--backend", be, "--out", str(raw)] + (["--quick"] if a.quick else [])
+        if a.only:
+            cmdline += ["--only", a.only]
+        t0 = time.monotonic()
+        p = subprocess.run(cmdline, env=env, cwd=common.ROOT)
+        if state:
+            import shutil
+
+            shutil.rmtree(state, ignore_errors=True)
+        res = json.loads(raw.read_text()) if raw.exists() else {"errors": {"suite": f"suite exited {p.returncode} without results"}, "scenarios": {}}
+        res["seconds"] = time.monotonic() - t0
+        try:
+            res["figures"] = figures(res)
+        except Exception as exc:  # noqa: BLE001
+            res.setdefault("errors", {})["figures"] = f"cannot compute figures: {exc!r}"
+            res["figures"] = []
+        result["backends"][be] = res
+        if p.returncode != 0 or res.get("errors"):
+            rc = 1
+    result["seconds"] = time.monotonic() - t_all
+    (out_dir / "results.json").write_text(json.dumps(result, indent=1))
+    md = markdown(result)
+    (out_dir / "results.md").write_text(md + "\n")
+    print(md)
+    print(f"\nresults: {out_dir}/results.json, {out_dir}/results.md ({result['seconds']:.0f} s)")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
