@@ -352,8 +352,11 @@ class Session:
         away (without reading from it) and then resumes the session."""
 
         def run() -> None:
+            fd = ch.sock.fileno()
+            if fd < 0:  # closed before this thread started
+                return
             p = select.poll()
-            p.register(ch.sock.fileno(), select.POLLRDHUP)
+            p.register(fd, select.POLLRDHUP)
             while not self._closed and ch is self._channel:
                 if p.poll(500):
                     break
