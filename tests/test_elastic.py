@@ -3,6 +3,7 @@ waiting Allocates, idle shrink, ignored requests, priorities."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -236,3 +237,24 @@ def test_stats_show_elastic_fields(daemon_factory):
         assert wait_until(lambda: {x.name: x for x in admin.stats().sessions}["m"].reclaim_pending_pages == 1)
         s.close()
         admin.close()
+
+
+def test_reclaim_counters_in_metrics(daemon_factory):
+    import urllib.request
+
+    d = daemon_factory("host", memory_limit="32MiB", reclaim_timeout_ms="2000", metrics_address="127.0.0.1:0")
+    with d.client() as c:
+        t = Tenant(c, "giver")
+        t.r.map(0, 32 * MiB)
+        w = c.open_session("taker")
+        w.allocate(5, wait=True)
+        admin = c.open_session("admin")
+        admin.request_shrink(t.s.id, 0, timeout_ms=2000)
+        assert wait_until(lambda: t.r.mapped_pages == 0)
+        port = int(re.search(r"metrics on http://127.0.0.1:(\d+)", d.log_text()).group(1))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert "kvcached_reclaim_returned_pages_total 16.0" in text  # 5 for the taker + the 11 left, asked by the admin
+        assert 'kvcached_reclaim_requests_by_reason_total{reason="allocate"} 1.0' in text
+        assert 'kvcached_reclaim_requests_by_reason_total{reason="admin"} 1.0' in text
+        for x in (t, w, admin):
+            x.close()

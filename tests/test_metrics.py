@@ -134,7 +134,8 @@ def fake_daemon():
         backend=types.SimpleNamespace(kind="cuda"),
         started_monotonic=time.monotonic() - 5,
         counters={"sessions_opened": 3, "sessions_closed": 1, "sessions_crashed": 0, "fd_channel_errors": 0},
-        reclaimer=types.SimpleNamespace(requests_total=4, ignored_total=2, pages_asked_total=9),
+        reclaimer=types.SimpleNamespace(requests_total=4, ignored_total=2, pages_asked_total=9, pages_returned_total=6,
+                                        requests_by_reason={"allocate": 3, "idle": 1}),
     )
 
 

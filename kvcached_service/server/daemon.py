@@ -697,7 +697,7 @@ class Daemon:
             by_pool.setdefault(page.device, []).append(page)
         for uuid, group in by_pool.items():
             s.remove_pages(self.pools[uuid], group)
-            self.reclaimer.settle(s, uuid)
+            self.reclaimer.settle(s, uuid, len(group))
         s.frees_total += 1
         s.touch()
         self._journal({"op": "free", "sid": s.id, "pages": [p.id for p in pages]})

@@ -65,8 +65,10 @@ class Reclaimer:
         self._post = post
         self.reclaim_timeout = reclaim_timeout
         self.requests_total = 0
+        self.requests_by_reason: dict[str, int] = {}
         self.ignored_total = 0
         self.pages_asked_total = 0
+        self.pages_returned_total = 0  # pages freed while a request for them was open
 
     def victims(self, pool: "DevicePool", requester: "Session", now: float) -> list["Session"]:
         below_guarantee = requester.held_pages(pool.uuid) < guaranteed_pages(requester, pool)
@@ -112,6 +114,7 @@ class Reclaimer:
         s.asks[pool.uuid] = ask
         s.reclaim_requests += 1
         self.requests_total += 1
+        self.requests_by_reason[reason] = self.requests_by_reason.get(reason, 0) + 1
         self.pages_asked_total += held - keep
         self._post(s, "RECLAIM", {"device": pool.uuid, "pages": held - keep, "deadline_unix": deadline, "reason": reason})
         log.info("asked session %d '%s' to give back %d pages of %s by %.2fs from now (%s)",
@@ -131,10 +134,15 @@ class Reclaimer:
                 s.id, s.name, s.pid, s.held_pages(uuid), uuid, ask.keep,
             )
 
-    def settle(self, s: "Session", uuid: str) -> None:
-        """After a Free: an ask the session has met is done."""
+    def settle(self, s: "Session", uuid: str, freed: int) -> None:
+        """After a Free of `freed` pages: count what answered an open ask;
+        an ask the session has met is done."""
         ask = s.asks.get(uuid)
-        if ask is not None and s.held_pages(uuid) <= ask.keep:
+        if ask is None:
+            return
+        held = s.held_pages(uuid)
+        self.pages_returned_total += min(freed, max(0, held + freed - ask.keep))
+        if held <= ask.keep:
             del s.asks[uuid]
 
     def idle_scan(self, pools: list["DevicePool"], idle_seconds: float) -> None:

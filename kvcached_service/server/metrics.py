@@ -182,6 +182,8 @@ def snapshot(daemon: "Daemon") -> dict:
             "requests": r.requests_total,
             "ignored": r.ignored_total,
             "pages_asked": r.pages_asked_total,
+            "pages_returned": r.pages_returned_total,
+            "by_reason": dict(r.requests_by_reason),
         },
     }
 
@@ -307,6 +309,11 @@ class DaemonCollector:
         yield CounterMetricFamily("kvcached_reclaim_requests", "Reclaim requests sent to sessions", value=r["requests"])
         yield CounterMetricFamily("kvcached_reclaim_asked_pages", "Pages asked back by reclaim requests", value=r["pages_asked"])
         yield CounterMetricFamily("kvcached_reclaim_ignored", "Reclaim requests that expired without the pages coming back", value=r["ignored"])
+        yield CounterMetricFamily("kvcached_reclaim_returned_pages", "Pages freed in answer to an open reclaim request", value=r["pages_returned"])
+        by_reason = CounterMetricFamily("kvcached_reclaim_requests_by_reason", "Reclaim requests by reason (allocate, idle, admin)", labels=["reason"])
+        for reason, n in sorted(r["by_reason"].items()):
+            by_reason.add_metric([reason], n)
+        yield by_reason
 
 
 def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
