@@ -52,6 +52,9 @@ MODELS = [
 BUDGET = 256 * MiB
 PREFILL_TOK_S = 2000.0
 DECODE_TOK_S = 25.0
+WAIT_MS = 250  # Allocate wait=true deadline (real ms) per attempt
+ADMIT_PATIENCE_S = 30.0  # a new request waits this long (real s) for its prompt's KV, then fails
+DECODE_PATIENCE_S = 0.5  # a running request waits this long (real s) for one more step, then is preempted
 
 
 def worst(m) -> int:
@@ -118,6 +121,7 @@ class Replay:
         self.records = []  # (arrival, start, end, ok)
         self.stalls = 0
         self.failed = 0
+        self.preemptions = 0
         self.reclaims = 0
         self.reclaimed_pages = 0
         self.evictions = 0
@@ -215,17 +219,18 @@ class Replay:
                     self.cv.wait(0.02)
 
     # ---- serving -----------------------------------------------------------------
-    def _grow(self, m: _Model, sl: _Slot, tokens: int) -> bool:
-        """Elastic: back `tokens` cells of the slot; False if the KV could not be had."""
+    def _grow(self, m: _Model, sl: _Slot, tokens: int, patience_s: float) -> bool:
+        """Elastic: back `tokens` cells of the slot, waiting up to patience_s
+        (real seconds) for other models to give pages back; False if not."""
         tokens = min(m.ctx, -(-tokens // STEP) * STEP)
         if tokens <= sl.tokens:
             return True
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + patience_s
         from kvcached_service import errors
 
         while True:
             try:
-                sl.region.grow_to(tokens * m.bpt, wait=True, wait_timeout_ms=2000)
+                sl.region.grow_to(tokens * m.bpt, wait=True, wait_timeout_ms=WAIT_MS)
                 sl.tokens = tokens
                 return True
             except errors.ResourceExhausted:
@@ -253,19 +258,25 @@ class Replay:
                 arrival, p, o = m.queue.popleft()
                 m.active += 1
                 sl.lock.acquire()
-            ok = True
+            ok, preempted = True, False
+            start = None
             try:
-                start = None
                 if self.policy == "elastic":
-                    ok = self._grow(m, sl, p + 1)
+                    ok = self._grow(m, sl, p + 1, ADMIT_PATIENCE_S)
                 start = self.now()
                 if ok:
                     self.sleep_sim(p / PREFILL_TOK_S)
                     done = 0
-                    while done < o and ok:
+                    while done < o:
                         step = min(STEP, o - done)
-                        if self.policy == "elastic":
-                            ok = self._grow(m, sl, p + done + step)
+                        if self.policy == "elastic" and not self._grow(m, sl, p + done + step, DECODE_PATIENCE_S):
+                            # KV oversubscribed: preempt (drop this sequence's cells, run it
+                            # again later, as vLLM's recompute preemption does) so the
+                            # other running sequences can finish
+                            sl.region.trim_to(0)
+                            sl.tokens = 0
+                            preempted = True
+                            break
                         self.sleep_sim(step / DECODE_TOK_S)
                         done += step
             finally:
@@ -273,9 +284,13 @@ class Replay:
                 with self.cv:
                     m.active -= 1
                     m.last_used = self.now()
-                    self.records.append((arrival, start, self.now(), ok))
-                    if not ok:
-                        self.failed += 1
+                    if preempted and not self.stop:
+                        self.preemptions += 1
+                        m.queue.appendleft((arrival, p, o))
+                    else:
+                        self.records.append((arrival, start, self.now(), ok))
+                        if not ok:
+                            self.failed += 1
                     self.cv.notify_all()
 
     def sampler(self) -> None:
@@ -334,6 +349,7 @@ class Replay:
             "loads": sum(m.loads for m in self.models),
             "evictions": self.evictions,
             "alloc_stalls": self.stalls,
+            "preemptions": self.preemptions,
             "reclaim_callbacks": self.reclaims,
             "reclaimed_pages": self.reclaimed_pages,
             "sim_seconds": sim_elapsed,

@@ -122,7 +122,7 @@ def figures(res: dict) -> list[dict]:
             rows.append(_row("6 Capacity", f"queueing delay {p} (simulated s)", el["queue_delay_s"][p], st["queue_delay_s"][p], "s", "lower", bw))
         rows.append(_row("6 Capacity", "models resident (time-average)", el["resident_models"]["mean"], st["resident_models"]["mean"], "models", "higher", bw))
         rows.append(_row("6 Capacity", "model loads (incl. reloads)", el["loads"], st["loads"], "loads", "lower", bw,
-                         note=f"elastic: {el['reclaim_callbacks']} reclaim callbacks, {el['reclaimed_pages']} pages reclaimed, {el['alloc_stalls']} stalls, {el['failed']} failed"))
+                         note=f"elastic: {el['reclaim_callbacks']} reclaim callbacks, {el['reclaimed_pages']} pages reclaimed, {el['alloc_stalls']} stalls, {el.get('preemptions', 0)} preemptions, {el['failed']} failed"))
     return rows
 
 
