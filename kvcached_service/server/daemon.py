@@ -701,7 +701,8 @@ class Daemon:
         s.frees_total += 1
         s.touch()
         self._journal({"op": "free", "sid": s.id, "pages": [p.id for p in pages]})
-        await asyncio.gather(*(self.pools[u].give_back(g) for u, g in by_pool.items()))
+        # Tasks of their own: a cancelled Free (its client died) still returns the pages.
+        await asyncio.wait([self._spawn(self.pools[u].give_back(g)) for u, g in by_pool.items()])
         return len(pages)
 
     def held_bytes(self, s: Session) -> int:

@@ -167,14 +167,17 @@ class DevicePool:
             raise Shortage(self._shortage_message(session, count), create - self.n_free - (self.n_ready_total() - ready))
         got: list[Page] = self._take_ready(uid, take)
         victims = self._take_foreign(uid, evict)
-        # Reserve the budget for the pages we are about to create.
+        # The pages taken count as in use from now on (not as free budget
+        # while we await), and the budget is reserved for the new ones.
+        self.n_held += len(got)
         self.n_creating += create
         try:
             if victims:
                 await self._release(victims)
-            new_handles = await self.worker.call(self.backend.create_pages, self.spec.ordinal, create, self.page_size, self.zero_pages) if create else []
+            new_handles = await self._create(create) if create else []
         except BaseException:
             self.n_creating -= create
+            self.n_held -= len(got)
             self._put_back(got)
             raise
         self.n_creating -= create
@@ -188,10 +191,23 @@ class DevicePool:
             page.state = PageState.DELIVERING
             page.session = session
             page.uid = uid
-        self.n_held += len(got)
+        self.n_held += len(new_handles)
         self.counters.allocations_total += 1
         self._maybe_refill()
         return got
+
+    async def _create(self, count: int) -> list[PageHandle]:
+        """create_pages on the worker. If the caller is cancelled (its client
+        went away) the pages are still made: release them, never leak them."""
+        fut = asyncio.ensure_future(self.worker.call(self.backend.create_pages, self.spec.ordinal, count, self.page_size, self.zero_pages))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            def release(f: asyncio.Future) -> None:
+                if not f.cancelled() and f.exception() is None and f.result():
+                    asyncio.ensure_future(self.worker.call(self.backend.release_pages, self.spec.ordinal, f.result()))
+            fut.add_done_callback(release)
+            raise
 
     def _take_ready(self, uid: int, n: int) -> list[Page]:
         out: list[Page] = []
@@ -274,6 +290,11 @@ class DevicePool:
             page.session = None
         self.n_held -= len(pages)
         self.n_pooled += len(pages)
+        # Finish even if the caller is cancelled (its client died mid-Free):
+        # otherwise the pages would stay "being zeroed" forever.
+        await asyncio.shield(self._zero_and_pool(pages))
+
+    async def _zero_and_pool(self, pages: list[Page]) -> None:
         try:
             if self.zero_pages:
                 await self.worker.call(self.backend.zero_pages, self.spec.ordinal, [p.handle for p in pages])

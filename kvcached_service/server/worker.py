@@ -34,8 +34,10 @@ class DeviceWorker:
         return self._pool.submit(fn, *args).result()
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run on the worker thread; the event loop awaits it."""
-        return await asyncio.wrap_future(self._pool.submit(fn, *args))
+        """Run on the worker thread; the event loop awaits it. The call runs
+        to its end even if the awaiting task is cancelled (a release or a
+        zeroing must not be dropped from the queue half-way)."""
+        return await asyncio.shield(asyncio.wrap_future(self._pool.submit(fn, *args)))
 
     def stop(self) -> None:
         if self._started:
