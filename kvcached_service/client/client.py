@@ -344,7 +344,14 @@ class Session:
             raise errors.Unavailable(f"the daemon went away; session {self.id} is being resumed: the pages you hold stay usable, try again shortly")
         if self._state == "dead":
             raise self._dead
-        return _call(getattr(self.client._stub, method), request, timeout or self.client.timeout)
+        try:
+            return _call(getattr(self.client._stub, method), request, timeout or self.client.timeout)
+        except errors.Unavailable as exc:
+            if not self.resumable or self._closed:
+                raise
+            raise errors.Unavailable(
+                f"the daemon is unreachable; session {self.id} resumes when it is back and the pages you hold stay usable ({exc.message})"
+            ) from None
 
     # -- resume after a daemon restart
     def _watch_channel(self, ch: "_Channel") -> None:
