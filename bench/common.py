@@ -87,21 +87,12 @@ class Daemon:
 
     def _wait_ready(self, timeout: float = 60) -> None:
         import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        from kvcached_service.client.health import wait_serving
 
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode} at start:\n{self.log_path.read_text()}")
-            if os.path.exists(self.socket):
-                with grpc.insecure_channel(f"unix:{self.socket}") as ch:
-                    try:
-                        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-                        if r.status == health_pb2.HealthCheckResponse.SERVING:
-                            return
-                    except grpc.RpcError:
-                        pass
-            time.sleep(0.05)
+        if wait_serving(self.socket, timeout, alive=lambda: self.proc.poll() is None):
+            return
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"daemon exited with {self.proc.returncode} at start:\n{self.log_path.read_text()}")
         raise RuntimeError(f"daemon not serving within {timeout} s:\n{self.log_path.read_text()}")
 
     def client(self, timeout: float = 30.0):

@@ -20,9 +20,7 @@ import sys
 import tempfile
 import time
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -119,20 +117,12 @@ class Daemon:
 
 
 def wait_serving(socket: str, proc: subprocess.Popen, log: pathlib.Path, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    from kvcached_service.client.health import wait_serving as serving
+
+    if not serving(socket, timeout, alive=lambda: proc.poll() is None):
         if proc.poll() is not None:
             raise AssertionError(f"daemon exited with {proc.returncode} during start-up:\n{log.read_text()}")
-        if os.path.exists(socket):
-            with grpc.insecure_channel(f"unix:{socket}") as ch:
-                try:
-                    resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-        time.sleep(0.05)
-    raise AssertionError(f"daemon not SERVING within {timeout} s:\n{log.read_text()}")
+        raise AssertionError(f"daemon not SERVING within {timeout} s:\n{log.read_text()}")
 
 
 def leak_problems(report: pathlib.Path) -> list[str]:

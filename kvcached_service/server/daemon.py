@@ -518,12 +518,7 @@ class Daemon:
         """The session a request names; checks the token."""
         if not ref_id:
             raise errors.InvalidArgument("session is required (SessionRef with id and token)")
-        s = self.sessions.get(ref_id)
-        if s is None:
-            reason = self.tombstones.get(ref_id)
-            if reason is not None:
-                raise errors.FailedPrecondition(f"session {ref_id} is closed ({reason})")
-            raise errors.NotFound(f"no session {ref_id}")
+        s = self.target_session(ref_id)
         if not hmac.compare_digest(s.token, token):
             raise errors.PermissionDenied(f"token does not match session {ref_id}")
         return s

@@ -59,24 +59,19 @@ def client():
 
 
 def mode_wait(sock: str, pid: str) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from kvcached_service.client.health import wait_serving
 
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    def alive() -> bool:
         try:
             os.kill(int(pid), 0)
+            return True
         except ProcessLookupError:
-            sys.exit("the daemon exited")
-        if os.path.exists(sock):
-            with grpc.insecure_channel(f"unix:{sock}") as ch:
-                try:
-                    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-        time.sleep(0.1)
+            return False
+
+    if wait_serving(sock, 60, alive=alive, interval=0.1):
+        return
+    if not alive():
+        sys.exit("the daemon exited")
     sys.exit("daemon not serving within 60 s")
 
 
