@@ -88,14 +88,16 @@ static void cuda_load(void)
                  dlerror());
         return;
     }
+    /* Only the versioned names where cuda.h redirects: the unversioned
+     * cuMemsetD8 / cuMemcpyHtoD / cuMemcpyDtoH are the old 32-bit-size ABI. */
     struct sym syms[] = {
         {(void **)&g_cu.Init, {"cuInit"}, 0},
         {(void **)&g_cu.DeviceGetCount, {"cuDeviceGetCount"}, 0},
         {(void **)&g_cu.DeviceGet, {"cuDeviceGet"}, 0},
-        {(void **)&g_cu.DeviceGetUuid, {"cuDeviceGetUuid_v2", "cuDeviceGetUuid"}, 0},
+        {(void **)&g_cu.DeviceGetUuid, {"cuDeviceGetUuid_v2"}, 0},
         {(void **)&g_cu.DevicePrimaryCtxRetain, {"cuDevicePrimaryCtxRetain"}, 0},
         {(void **)&g_cu.DevicePrimaryCtxRelease,
-         {"cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"}, 0},
+         {"cuDevicePrimaryCtxRelease_v2"}, 0},
         {(void **)&g_cu.CtxSetCurrent, {"cuCtxSetCurrent"}, 0},
         {(void **)&g_cu.CtxSynchronize, {"cuCtxSynchronize"}, 1},
         {(void **)&g_cu.MemAddressReserve, {"cuMemAddressReserve"}, 0},
@@ -105,9 +107,9 @@ static void cuda_load(void)
         {(void **)&g_cu.MemSetAccess, {"cuMemSetAccess"}, 0},
         {(void **)&g_cu.MemRelease, {"cuMemRelease"}, 0},
         {(void **)&g_cu.MemUnmap, {"cuMemUnmap"}, 0},
-        {(void **)&g_cu.MemsetD8, {"cuMemsetD8_v2", "cuMemsetD8"}, 0},
-        {(void **)&g_cu.MemcpyHtoD, {"cuMemcpyHtoD_v2", "cuMemcpyHtoD"}, 0},
-        {(void **)&g_cu.MemcpyDtoH, {"cuMemcpyDtoH_v2", "cuMemcpyDtoH"}, 0},
+        {(void **)&g_cu.MemsetD8, {"cuMemsetD8_v2"}, 0},
+        {(void **)&g_cu.MemcpyHtoD, {"cuMemcpyHtoD_v2"}, 0},
+        {(void **)&g_cu.MemcpyDtoH, {"cuMemcpyDtoH_v2"}, 0},
         {(void **)&g_cu.GetErrorName, {"cuGetErrorName"}, 1},
     };
     for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
