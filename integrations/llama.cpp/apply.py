@@ -1,0 +1,341 @@
+#!/usr/bin/env python3
+"""Apply kvcached-service's KV-cache hook to a llama.cpp source tree.
+
+    apply.py LLAMA_CPP_DIR                  patch the tree in place
+    apply.py LLAMA_CPP_DIR --check          only check that every anchor is found
+    apply.py LLAMA_CPP_DIR --list           the files it edits or adds
+    apply.py LLAMA_CPP_DIR --emit-patch F   write the change as a git-style diff
+                                            (the form of Ollama's llama/compat/
+                                            *.patch files) and leave the tree alone
+
+The hook's code lives in this directory (kvcached_kv.h, kvcached_kv.cpp) and
+is copied into the tree as src/kvcached/. Everything else is a handful of
+call sites inserted at anchor points found by function and call names; if an
+anchor is missing or ambiguous (llama.cpp moved on), the script stops with a
+message naming it and changes nothing. Applying twice is refused (the tree
+carries a marker).
+
+The hook links the C client (libkvcached): configure llama.cpp with
+CMAKE_PREFIX_PATH pointing at an install of clients/c (find_package(kvcached)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import pathlib
+import re
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+MARKER = "kvcached-service hook"
+HOOK_FILES = ["kvcached_kv.h", "kvcached_kv.cpp"]
+
+
+class AnchorError(Exception):
+    pass
+
+
+def sub_once(text: str, pattern: str, repl, what: str, flags: int = re.M) -> str:
+    """Replace the single match of `pattern`; fail when it matches 0 or >1 times."""
+    matches = list(re.finditer(pattern, text, flags))
+    if len(matches) != 1:
+        raise AnchorError(f"anchor {what!r}: pattern /{pattern}/ matched {len(matches)} times (expected exactly 1)")
+    m = matches[0]
+    new = repl(m) if callable(repl) else m.expand(repl)
+    return text[: m.start()] + new + text[m.end() :]
+
+
+def after_function_open(text: str, signature: str, insert: str, what: str) -> str:
+    """Insert `insert` as the first statement of the function whose definition
+    line matches `signature` (a regex for the line up to and including '{')."""
+    return sub_once(text, r"^(" + signature + r")\n", lambda m: m.group(1) + "\n" + insert, what)
+
+
+# ---------------------------------------------------------------------------
+# src/llama-kv-cache.cpp
+
+KV_INCLUDE = '#include "kvcached/kvcached_kv.h" // kvcached-service hook: KV cache in daemon pages\n'
+
+KV_ALLOC = """{
+                // kvcached-service hook: with OLLAMA_KVCACHED_SOCKET / KVCACHED_SOCKET set, one daemon
+                // region per buffer type, every K/V tensor page aligned; else exactly the call below
+                llama_kvcached_cache_info kvc_info;
+                kvc_info.owner      = this;
+                kvc_info.kv_size    = kv_size;
+                kvc_info.n_stream   = n_stream;
+                kvc_info.n_pad      = std::max(n_pad, 256u);
+                kvc_info.v_trans    = v_trans;
+                kvc_info.is_v       = [this](const ggml_tensor * t) {
+                    for (const auto & l : layers) { if (l.v == t) { return true; } }
+                    return false;
+                };
+                kvc_info.used_cells = [this](uint32_t s) { return v_cells[s].used_max_p1(); };
+                buf = llama_kvcached_alloc_kv(ctx.get(), buft, kvc_info); // real buffer: ggml_backend_alloc_ctx_tensors_from_buft without the daemon
+            }"""
+
+KV_PREPARE_MAP = """    // kvcached-service hook: back cells [0, n_kv) of every K/V tensor for all ubatches (one Allocate)
+    if (success && llama_kvcached_active(this)) {
+        std::vector<uint32_t> kvc_need(n_stream, 0);
+        for (const auto & kvc_si : res) {
+            const uint32_t kvc_n = get_n_kv(kvc_si);
+            for (uint32_t s = kvc_si.s0; s <= kvc_si.s1 && s < n_stream; ++s) {
+                kvc_need[s] = std::max(kvc_need[s], kvc_n);
+            }
+        }
+        if (!llama_kvcached_map(this, kvc_need.data(), n_stream)) {
+            success = false;
+        }
+    }
+
+"""
+
+KV_UPDATE_MAP = """    // kvcached-service hook: K shift and stream copies read whole tensors
+    if ((do_shift || !sc_info.empty()) && !llama_kvcached_map_all(this)) {
+        GGML_ABORT("kvcached: cannot back the whole KV cache for a K shift / stream copy");
+    }
+"""
+
+KV_STATE_MAP = """    // kvcached-service hook: the restored cells must be backed before their data is written
+    if (!llama_kvcached_map_used(this)) {
+        return false;
+    }
+"""
+
+KV_TRIM = "    llama_kvcached_trim_on_exit kvc_trim(this); // kvcached-service hook: give back pages past the used cells\n"
+
+
+def patch_kv_cache(text: str) -> str:
+    text = sub_once(text, r'^#include "llama-kv-cache\.h"\n', lambda m: m.group(0) + KV_INCLUDE, "#include llama-kv-cache.h")
+    # constructor: the one ggml_backend_alloc_ctx_tensors_from_buft call
+    text = sub_once(
+        text,
+        r"buf = ggml_backend_alloc_ctx_tensors_from_buft\(ctx\.get\(\), buft\);[^\n]*",
+        KV_ALLOC,
+        "llama_kv_cache::llama_kv_cache: ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft)",
+    )
+    # the "KV buffer size" log line reports the physical size
+    text = sub_once(
+        text,
+        r'(KV buffer size = [^\n]*?)ggml_backend_buffer_get_size\(buf\)',
+        r"\1llama_kvcached_buffer_size(buf)",
+        'LLAMA_LOG_INFO("... KV buffer size ...", ggml_backend_buffer_get_size(buf))',
+    )
+    # memory_breakdown: physical size
+    text = sub_once(
+        text,
+        r"ret\[buft\] \+= ggml_backend_buffer_get_size\(buf\.get\(\)\);",
+        "ret[buft] += llama_kvcached_buffer_size(buf.get()); // kvcached-service hook: physical size",
+        "llama_kv_cache::memory_breakdown: ret[buft] += ggml_backend_buffer_get_size(buf.get())",
+    )
+    # prepare(): map before the cells are restored
+    text = sub_once(
+        text,
+        r"^(    // iterate backwards and restore the cells to their original state\n)?    for \(auto it = states\.rbegin\(\); it != states\.rend\(\); \+\+it\) \{\n",
+        lambda m: KV_PREPARE_MAP + m.group(0),
+        "llama_kv_cache::prepare: for (auto it = states.rbegin(); ...)",
+    )
+    text = after_function_open(
+        text,
+        r"bool llama_kv_cache::update\(llama_context \* lctx, bool do_shift, const stream_copy_info & sc_info\) \{",
+        KV_UPDATE_MAP,
+        "llama_kv_cache::update(lctx, do_shift, sc_info)",
+    )
+    text = after_function_open(
+        text,
+        r"bool llama_kv_cache::state_read_data\([^)]*\) \{",
+        KV_STATE_MAP,
+        "llama_kv_cache::state_read_data(...)",
+    )
+    for sig, what in [
+        (r"void llama_kv_cache::clear\(bool data\) \{", "llama_kv_cache::clear(bool data)"),
+        (r"bool llama_kv_cache::seq_rm\(llama_seq_id seq_id, llama_pos p0, llama_pos p1\) \{", "llama_kv_cache::seq_rm"),
+        (r"void llama_kv_cache::seq_keep\(llama_seq_id seq_id\) \{", "llama_kv_cache::seq_keep"),
+    ]:
+        text = after_function_open(text, sig, KV_TRIM, what)
+    return text
+
+
+# ---------------------------------------------------------------------------
+# tools/server/server-context.cpp
+
+SERVER_DECLS = """
+// kvcached-service hook (src/kvcached/kvcached_kv.h): the server holds this lock
+// while its main loop touches slots, so the daemon's reclaim callback can
+// release idle slots from its own thread at any time.
+extern "C" {
+void     llama_kvcached_lock(void);
+void     llama_kvcached_unlock(void);
+void     llama_kvcached_set_idle_release(void (*fn)(void * user, uint64_t bytes), void * user);
+uint64_t llama_kvcached_held_bytes(void);
+}
+namespace {
+struct llama_kvcached_guard {
+    bool held;
+    explicit llama_kvcached_guard(bool take) : held(take) { if (held) { llama_kvcached_lock(); } }
+    ~llama_kvcached_guard() { if (held) { llama_kvcached_unlock(); } }
+    llama_kvcached_guard(const llama_kvcached_guard &) = delete;
+    llama_kvcached_guard & operator=(const llama_kvcached_guard &) = delete;
+};
+}
+"""
+
+SERVER_REGISTER = """        // kvcached-service hook: a reclaim request from the daemon clears idle slots,
+        // least recently used first, until enough pages went back
+        llama_kvcached_set_idle_release([](void * user, uint64_t bytes) {
+            auto * self = static_cast<server_context_impl *>(user);
+            const uint64_t held0 = llama_kvcached_held_bytes();
+            std::vector<server_slot *> idle;
+            for (auto & slot : self->slots) {
+                if (!slot.is_processing() && !slot.prompt.tokens.empty()) {
+                    idle.push_back(&slot);
+                }
+            }
+            std::sort(idle.begin(), idle.end(), [](const server_slot * a, const server_slot * b) {
+                return a->t_last_used < b->t_last_used;
+            });
+            for (auto * slot : idle) {
+                SLT_INF(*slot, "%s", "kvcached: clearing idle slot for a reclaim request\\n");
+                slot->prompt_clear();
+                if (held0 - std::min(held0, llama_kvcached_held_bytes()) >= bytes) {
+                    break;
+                }
+            }
+        }, this);
+"""
+
+
+def patch_server(text: str) -> str:
+    text = sub_once(text, r'^#include "server-context\.h"\n', lambda m: m.group(0) + SERVER_DECLS, '#include "server-context.h"')
+    text = sub_once(
+        text,
+        r"^([ \t]*)return process_single_task\(std::move\(task\), is_yielding\);",
+        lambda m: f"{m.group(1)}llama_kvcached_guard kvc_guard(!is_yielding); // kvcached-service hook\n{m.group(0)}",
+        "queue_tasks.on_new_task: return process_single_task(std::move(task), is_yielding)",
+    )
+    text = sub_once(
+        text,
+        r"(queue_tasks\.on_update_slots\(\[this\]\(\) \{\n)([ \t]*)(update_slots\(\);)",
+        lambda m: f"{m.group(1)}{m.group(2)}llama_kvcached_guard kvc_guard(true); // kvcached-service hook\n{m.group(2)}{m.group(3)}",
+        "queue_tasks.on_update_slots([this]() { update_slots(); })",
+    )
+    text = sub_once(
+        text,
+        r"^([ \t]*)queue_tasks\.on_new_task\(\[this\]",
+        lambda m: SERVER_REGISTER + m.group(0),
+        "queue_tasks.on_new_task([this] ...) (register the idle release)",
+    )
+    text = after_function_open(
+        text,
+        r"    ~server_context_impl\(\) \{",
+        "        llama_kvcached_set_idle_release(nullptr, nullptr); // kvcached-service hook\n",
+        "~server_context_impl()",
+    )
+    return text
+
+
+# ---------------------------------------------------------------------------
+# src/CMakeLists.txt
+
+CMAKE_BLOCK = """
+# kvcached-service hook: llama.cpp's KV cache in kvcached-serve pages
+# (src/kvcached, docs/llama-cpp.md of kvcached-service). Needs the C client:
+# CMAKE_PREFIX_PATH=<prefix of clients/c install>.
+find_package(kvcached 1 REQUIRED)
+target_sources(llama PRIVATE kvcached/kvcached_kv.cpp kvcached/kvcached_kv.h)
+set_source_files_properties(kvcached/kvcached_kv.cpp PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
+target_include_directories(llama PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/../ggml/src)
+target_link_libraries(llama PRIVATE kvcached::kvcached)
+"""
+
+
+def patch_cmake(text: str) -> str:
+    return sub_once(
+        text,
+        r"^target_link_libraries\(llama PUBLIC ggml\)\n",
+        lambda m: m.group(0) + CMAKE_BLOCK,
+        "src/CMakeLists.txt: target_link_libraries(llama PUBLIC ggml)",
+    )
+
+
+EDITS = {
+    "src/llama-kv-cache.cpp": patch_kv_cache,
+    "tools/server/server-context.cpp": patch_server,
+    "src/CMakeLists.txt": patch_cmake,
+}
+
+
+def compute(tree: pathlib.Path) -> dict[str, tuple[str | None, str]]:
+    """{path: (old text or None for a new file, new text)}."""
+    out: dict[str, tuple[str | None, str]] = {}
+    for rel, fn in EDITS.items():
+        p = tree / rel
+        if not p.is_file():
+            raise AnchorError(f"file {rel} is missing from {tree}")
+        old = p.read_text()
+        if MARKER in old:
+            raise AnchorError(f"{rel} already carries the hook ({MARKER!r}); start from a clean tree")
+        out[rel] = (old, fn(old))
+    for name in HOOK_FILES:
+        rel = f"src/kvcached/{name}"
+        old = (tree / rel).read_text() if (tree / rel).exists() else None
+        out[rel] = (old, (HERE / name).read_text())
+    return out
+
+
+def git_diff(changes: dict[str, tuple[str | None, str]]) -> str:
+    parts = []
+    for rel in sorted(changes):
+        old, new = changes[rel]
+        a = [] if old is None else old.splitlines(keepends=True)
+        b = new.splitlines(keepends=True)
+        head = f"diff --git a/{rel} b/{rel}\n"
+        if old is None:
+            head += "new file mode 100644\n"
+        body = list(difflib.unified_diff(a, b, "/dev/null" if old is None else f"a/{rel}", f"b/{rel}", n=3))
+        if not body:
+            continue
+        # difflib puts a space after ---/+++ names only when dates are given; git wants none
+        body[0] = body[0].rstrip() + "\n"
+        body[1] = body[1].rstrip() + "\n"
+        for i, line in enumerate(body):
+            if not line.endswith("\n"):
+                body[i] = line + "\n\\ No newline at end of file\n"
+        parts.append(head + "".join(body))
+    return "".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("tree", type=pathlib.Path, help="llama.cpp source tree (has src/llama-kv-cache.cpp)")
+    ap.add_argument("--emit-patch", type=pathlib.Path, metavar="FILE", help="write the change as a patch; leave the tree alone")
+    ap.add_argument("--check", action="store_true", help="only check the anchors")
+    ap.add_argument("--list", action="store_true", help="print the files the hook edits or adds and exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        print("\n".join([*EDITS, *(f"src/kvcached/{n}" for n in HOOK_FILES)]))
+        return 0
+    try:
+        changes = compute(args.tree)
+    except AnchorError as e:
+        print(f"apply.py: {e}", file=sys.stderr)
+        print("apply.py: nothing was changed", file=sys.stderr)
+        return 1
+    if args.check:
+        print(f"apply.py: all anchors found in {args.tree}")
+        return 0
+    if args.emit_patch:
+        args.emit_patch.write_text(git_diff(changes))
+        print(f"apply.py: wrote {args.emit_patch} ({len(changes)} files); apply with: git apply {args.emit_patch.name}")
+        return 0
+    for rel, (_, new) in changes.items():
+        p = args.tree / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(new)
+        print(f"apply.py: {rel}")
+    print(f"apply.py: hook applied to {args.tree}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

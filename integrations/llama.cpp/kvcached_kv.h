@@ -1,0 +1,93 @@
+// kvcached_kv.h: llama.cpp's KV cache in kvcached-serve pages.
+//
+// Part of kvcached-service (integrations/llama.cpp). integrations/llama.cpp/
+// apply.py copies this file and kvcached_kv.cpp into a llama.cpp tree as
+// src/kvcached/ and inserts the calls below at named anchor points of
+// src/llama-kv-cache.cpp and tools/server/server-context.cpp
+// (docs/llama-cpp.md).
+//
+// When OLLAMA_KVCACHED_SOCKET (or KVCACHED_SOCKET) is set and the daemon
+// answers, every KV buffer of a llama_kv_cache becomes one kvc_region of the
+// process's daemon session: all of its K/V tensors sit at page-aligned
+// offsets of one reservation, and only what the cells use is backed by
+// daemon pages. Without the variable every function here is a pass-through
+// and llama.cpp allocates exactly as before.
+#pragma once
+
+#include "ggml-backend.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+
+#if defined(_WIN32)
+#    define LLAMA_KVCACHED_API
+#else
+#    define LLAMA_KVCACHED_API __attribute__((visibility("default")))
+#endif
+
+// What the hook needs to know about one llama_kv_cache. Built in the cache's
+// constructor (the lambdas capture `this` and so may read its private cells).
+struct llama_kvcached_cache_info {
+    const void * owner    = nullptr; // the llama_kv_cache (registry key)
+    uint32_t     kv_size  = 0;       // cells per stream
+    uint32_t     n_stream = 1;
+    uint32_t     n_pad    = 256;     // n_kv is padded to this (get_n_kv)
+    bool         v_trans  = true;    // V stored transposed (no flash attention)
+    std::function<bool(const ggml_tensor *)> is_v;      // V tensor of a layer?
+    std::function<uint32_t(uint32_t)>        used_cells; // used_max_p1 of a stream
+};
+
+// Drop-in for ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft) in the
+// constructor. With the daemon: one region, tensors page aligned, nothing
+// mapped yet. Without it: exactly ggml_backend_alloc_ctx_tensors_from_buft.
+ggml_backend_buffer_t llama_kvcached_alloc_kv(ggml_context * ctx, ggml_backend_buffer_type_t buft,
+                                              const llama_kvcached_cache_info & info);
+
+// Physical bytes of a KV buffer: pages mapped for a daemon buffer,
+// ggml_backend_buffer_get_size() for any other buffer.
+size_t llama_kvcached_buffer_size(ggml_backend_buffer_t buf);
+
+// Whether the cache `owner` lives in daemon pages.
+bool llama_kvcached_active(const void * owner);
+
+// Back cells [0, n_cells[s]) of stream s of every K tensor (and V tensor,
+// with flash attention) with pages: one Allocate for everything missing.
+// false when the daemon cannot lend them (the batch then does not fit).
+bool llama_kvcached_map(const void * owner, const uint32_t * n_cells, uint32_t n_stream);
+
+// Back every cell (K shift and stream copies read whole tensors).
+bool llama_kvcached_map_all(const void * owner);
+
+// Back what the cells use now (state restore writes cells directly).
+bool llama_kvcached_map_used(const void * owner);
+
+// Give back pages past what the cells use (rounded up to n_pad cells).
+void llama_kvcached_trim(const void * owner);
+
+// Trims when the enclosing scope ends (seq_rm, seq_keep, clear: every
+// return path).
+struct llama_kvcached_trim_on_exit {
+    const void * owner;
+    explicit llama_kvcached_trim_on_exit(const void * o) : owner(o) {}
+    ~llama_kvcached_trim_on_exit() { llama_kvcached_trim(owner); }
+    llama_kvcached_trim_on_exit(const llama_kvcached_trim_on_exit &) = delete;
+    llama_kvcached_trim_on_exit & operator=(const llama_kvcached_trim_on_exit &) = delete;
+};
+
+// For the server (C linkage so the server can declare them without this
+// header). The reclaim callback of the daemon runs on the client library's
+// Watch thread; a server that registers an idle-release function and holds
+// llama_kvcached_lock() whenever its main loop touches slots lets the
+// callback release idle slots safely (under the lock) at any time, also
+// while the server waits for requests.
+extern "C" {
+// Recursive, process-wide.
+LLAMA_KVCACHED_API void llama_kvcached_lock(void);
+LLAMA_KVCACHED_API void llama_kvcached_unlock(void);
+// fn(user, bytes): drop idle sequences (least recently used first) until
+// about `bytes` were given back; called with the lock held.
+LLAMA_KVCACHED_API void llama_kvcached_set_idle_release(void (*fn)(void * user, uint64_t bytes), void * user);
+// Bytes of daemon pages mapped by all KV buffers of this process.
+LLAMA_KVCACHED_API uint64_t llama_kvcached_held_bytes(void);
+}

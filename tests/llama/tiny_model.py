@@ -1,0 +1,121 @@
+"""A tiny random-weight llama GGUF for llama-server tests (no download).
+
+    python tests/llama/tiny_model.py OUT.gguf [--seed N]
+
+Architecture "llama": 4 layers, n_embd 256, 4 heads of 64 (no GQA), FFN 512,
+F32 weights drawn from a seeded generator, so the same seed always gives the
+same bytes. Vocabulary: SentencePiece-style ("llama" tokenizer) with
+<unk>/<s>/</s>, the 256 byte-fallback tokens <0x00>..<0xFF> and the printable
+ASCII characters (and "▁" + letter), enough for llama.cpp to tokenize any
+text. The output projection is scaled up so greedy decoding has clear
+winners (no near ties that rounding could flip).
+
+KV bytes per token (F16 cache): 4 layers x (K 256 + V 256) x 2 B = 4 KiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+import numpy as np
+
+N_LAYER = 4
+N_EMBD = 256
+N_HEAD = 4
+N_HEAD_KV = 4
+N_FF = 512
+N_CTX_TRAIN = 16384
+
+KV_BYTES_PER_TOKEN_F16 = N_LAYER * 2 * (N_EMBD // N_HEAD * N_HEAD_KV) * 2
+
+
+def vocab() -> tuple[list[str], list[float], list[int]]:
+    import gguf
+
+    T = gguf.TokenType
+    toks: list[str] = ["<unk>", "<s>", "</s>"]
+    types: list[int] = [T.UNKNOWN, T.CONTROL, T.CONTROL]
+    for b in range(256):
+        toks.append(f"<0x{b:02X}>")
+        types.append(T.BYTE)
+    normal = ["\u2581"] + [chr(c) for c in range(33, 127)] + ["\u2581" + chr(c) for c in range(ord("a"), ord("z") + 1)]
+    for t in normal:
+        toks.append(t)
+        types.append(T.NORMAL)
+    scores = [0.0] * (3 + 256) + [-float(i) for i in range(len(normal))]
+    return toks, scores, [int(t) for t in types]
+
+
+def write(path: str | pathlib.Path, seed: int = 0, name: str = "tiny-llama") -> pathlib.Path:
+    import gguf
+
+    path = pathlib.Path(path)
+    rng = np.random.default_rng(seed)
+    toks, scores, types = vocab()
+    n_vocab = len(toks)
+    head_dim = N_EMBD // N_HEAD
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(f"{name}-seed{seed}")
+    w.add_context_length(N_CTX_TRAIN)
+    w.add_embedding_length(N_EMBD)
+    w.add_block_count(N_LAYER)
+    w.add_feed_forward_length(N_FF)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(N_HEAD_KV)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_vocab_size(n_vocab)
+
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(toks)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+
+    def mat(rows: int, cols: int, std: float) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * std).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    s = 1.0 / np.sqrt(N_EMBD)
+    w.add_tensor("token_embd.weight", mat(n_vocab, N_EMBD, 1.0))
+    for i in range(N_LAYER):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", norm(N_EMBD))
+        w.add_tensor(f"blk.{i}.attn_q.weight", mat(N_EMBD, N_EMBD, 2 * s))
+        w.add_tensor(f"blk.{i}.attn_k.weight", mat(head_dim * N_HEAD_KV, N_EMBD, 2 * s))
+        w.add_tensor(f"blk.{i}.attn_v.weight", mat(head_dim * N_HEAD_KV, N_EMBD, s))
+        w.add_tensor(f"blk.{i}.attn_output.weight", mat(N_EMBD, N_EMBD, s))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", norm(N_EMBD))
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", mat(N_FF, N_EMBD, s))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", mat(N_FF, N_EMBD, s))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", mat(N_EMBD, N_FF, 1.0 / np.sqrt(N_FF)))
+    w.add_tensor("output_norm.weight", norm(N_EMBD))
+    w.add_tensor("output.weight", mat(n_vocab, N_EMBD, 0.5))
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("out")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    print(write(a.out, a.seed))
+
+
+if __name__ == "__main__":
+    main()
