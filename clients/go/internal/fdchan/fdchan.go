@@ -13,6 +13,7 @@ import (
 	"net"
 	"os"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -29,6 +30,7 @@ const (
 	TypePages   = 2
 	TypeError   = 3
 	TypeGoodbye = 4
+	TypeAdopt   = 5 // client to daemon, before ResumeSession
 
 	helloSize  = 56
 	pagesFixed = 24
@@ -43,7 +45,8 @@ func protoErr(format string, a ...any) error {
 	return fmt.Errorf("%w: %s", ErrProtocol, fmt.Sprintf(format, a...))
 }
 
-// Record is one of Hello, Pages, Error, Goodbye.
+// Record is one of Hello, Pages, Error, Goodbye (daemon to client) or
+// Adopt (client to daemon).
 type Record interface{ recordType() uint16 }
 
 // Hello is the first record on a channel.
@@ -74,10 +77,22 @@ type Error struct {
 // Goodbye: the daemon ended the session normally.
 type Goodbye struct{}
 
+// Adopt re-sends up to MaxFDs pages a client still holds to a restarted
+// daemon, before ResumeSession. Same layout as Pages, with the id of the
+// session being resumed in the first field.
+type Adopt struct {
+	SessionID  uint64
+	FirstIndex uint32
+	Total      uint32
+	PageIDs    []uint64
+	FDs        []int // FDs[i] is the page PageIDs[i]; the sender keeps them
+}
+
 func (Hello) recordType() uint16   { return TypeHello }
 func (Pages) recordType() uint16   { return TypePages }
 func (Error) recordType() uint16   { return TypeError }
 func (Goodbye) recordType() uint16 { return TypeGoodbye }
+func (Adopt) recordType() uint16   { return TypeAdopt }
 
 func frame(typ uint16, payload []byte) []byte {
 	b := make([]byte, HeaderSize+len(payload))
@@ -103,15 +118,9 @@ func Encode(r Record) []byte {
 		copy(p[24:], r.Secret[:])
 		return frame(TypeHello, p)
 	case Pages:
-		p := make([]byte, pagesFixed+8*len(r.PageIDs))
-		binary.LittleEndian.PutUint64(p[0:], r.AllocationID)
-		binary.LittleEndian.PutUint32(p[8:], r.FirstIndex)
-		binary.LittleEndian.PutUint32(p[12:], uint32(len(r.PageIDs)))
-		binary.LittleEndian.PutUint32(p[16:], r.Total)
-		for i, id := range r.PageIDs {
-			binary.LittleEndian.PutUint64(p[pagesFixed+8*i:], id)
-		}
-		return frame(TypePages, p)
+		return frame(TypePages, encodePages(r.AllocationID, r.FirstIndex, r.Total, r.PageIDs))
+	case Adopt:
+		return frame(TypeAdopt, encodePages(r.SessionID, r.FirstIndex, r.Total, r.PageIDs))
 	case Error:
 		p := make([]byte, 4+len(r.Message))
 		binary.LittleEndian.PutUint32(p, r.Code)
@@ -121,6 +130,18 @@ func Encode(r Record) []byte {
 		return frame(TypeGoodbye, nil)
 	}
 	panic(fmt.Sprintf("fdchan: unknown record %T", r))
+}
+
+func encodePages(first uint64, index, total uint32, ids []uint64) []byte {
+	p := make([]byte, pagesFixed+8*len(ids))
+	binary.LittleEndian.PutUint64(p[0:], first)
+	binary.LittleEndian.PutUint32(p[8:], index)
+	binary.LittleEndian.PutUint32(p[12:], uint32(len(ids)))
+	binary.LittleEndian.PutUint32(p[16:], total)
+	for i, id := range ids {
+		binary.LittleEndian.PutUint64(p[pagesFixed+8*i:], id)
+	}
+	return p
 }
 
 // Decode parses one record. nfds is the number of descriptors that arrived
@@ -158,7 +179,7 @@ func Decode(data []byte, nfds int) (Record, error) {
 		}
 		copy(h.Secret[:], p[24:56])
 		return h, nil
-	case TypePages:
+	case TypePages, TypeAdopt:
 		if len(p) < pagesFixed {
 			return nil, protoErr("PAGES record too short (%d bytes)", len(p))
 		}
@@ -177,6 +198,9 @@ func Decode(data []byte, nfds int) (Record, error) {
 		}
 		for i := range r.PageIDs {
 			r.PageIDs[i] = binary.LittleEndian.Uint64(p[pagesFixed+8*i:])
+		}
+		if typ == TypeAdopt {
+			return Adopt{SessionID: r.AllocationID, FirstIndex: r.FirstIndex, Total: r.Total, PageIDs: r.PageIDs}, nil
 		}
 		return r, nil
 	case TypeError:
@@ -243,11 +267,52 @@ func (c *Conn) Recv() (Record, error) {
 		closeAll(fds)
 		return nil, err
 	}
-	if p, ok := r.(Pages); ok {
+	switch p := r.(type) {
+	case Pages:
 		p.FDs = fds
 		return p, nil
+	case Adopt:
+		closeAll(fds)
+		return nil, protoErr("ADOPT record from the daemon (only clients send ADOPT)")
 	}
 	return r, nil
+}
+
+// Send writes one record with its descriptors (at most MaxFDs), blocking
+// until deadline at most (zero: no deadline). The caller keeps the fds.
+func (c *Conn) Send(r Record, fds []int, deadline time.Time) error {
+	if len(fds) > MaxFDs {
+		return fmt.Errorf("fdchan: %d fds in one record, at most %d", len(fds), MaxFDs)
+	}
+	if err := c.c.SetWriteDeadline(deadline); err != nil {
+		return err
+	}
+	var oob []byte
+	if len(fds) > 0 {
+		oob = unix.UnixRights(fds...)
+	}
+	data := Encode(r)
+	n, _, err := c.c.WriteMsgUnix(data, oob, nil)
+	if err == nil && n != len(data) {
+		err = fmt.Errorf("fdchan: short send of a record: %d of %d bytes", n, len(data))
+	}
+	return err
+}
+
+// SendAdopt sends the pages of session as ADOPT records, MaxFDs per
+// record (docs/protocol.md): ids[i] is the page whose descriptor is fds[i].
+func (c *Conn) SendAdopt(session uint64, ids []uint64, fds []int, deadline time.Time) error {
+	if len(ids) != len(fds) {
+		return fmt.Errorf("fdchan: %d page ids and %d fds", len(ids), len(fds))
+	}
+	for i := 0; i < len(ids); i += MaxFDs {
+		j := min(i+MaxFDs, len(ids))
+		r := Adopt{SessionID: session, FirstIndex: uint32(i), Total: uint32(len(ids)), PageIDs: ids[i:j]}
+		if err := c.Send(r, fds[i:j], deadline); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // Close closes the channel; a Recv blocked in another goroutine returns.

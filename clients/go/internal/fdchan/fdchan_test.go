@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -40,6 +41,10 @@ const pagesHex = `4b564346 0100 0200 28000000 00000000
 	0900000000000000 05000000 02000000 07000000 00000000
 	1100000000000000 2200000000000000`
 
+const adoptHex = `4b564346 0100 0500 28000000 00000000
+	0900000000000000 05000000 02000000 07000000 00000000
+	1100000000000000 2200000000000000`
+
 const errorHex = `4b564346 0100 0300 09000000 00000000 08000000 66756c6c21`
 
 const goodbyeHex = `4b564346 0100 0400 00000000 00000000`
@@ -53,6 +58,7 @@ func TestVectors(t *testing.T) {
 	}{
 		{"hello", helloHex, Hello{ChannelID: 0x0102030405060708, PID: 1000, UID: 1001, GID: 1002, MaxFDs: 253, Secret: secret}, 0},
 		{"pages", pagesHex, Pages{AllocationID: 9, FirstIndex: 5, Total: 7, PageIDs: []uint64{0x11, 0x22}}, 2},
+		{"adopt", adoptHex, Adopt{SessionID: 9, FirstIndex: 5, Total: 7, PageIDs: []uint64{0x11, 0x22}}, 2},
 		{"error", errorHex, Error{Code: 8, Message: "full!"}, 0},
 		{"goodbye", goodbyeHex, Goodbye{}, 0},
 	}
@@ -74,6 +80,14 @@ func TestVectors(t *testing.T) {
 }
 
 func equalRecord(a, b Record) bool {
+	if x, ok := a.(Adopt); ok {
+		a = Pages{AllocationID: x.SessionID, FirstIndex: x.FirstIndex, Total: x.Total, PageIDs: x.PageIDs}
+		y, ok := b.(Adopt)
+		if !ok {
+			return false
+		}
+		b = Pages{AllocationID: y.SessionID, FirstIndex: y.FirstIndex, Total: y.Total, PageIDs: y.PageIDs}
+	}
 	pa, oka := a.(Pages)
 	pb, okb := b.(Pages)
 	if oka || okb {
@@ -138,6 +152,7 @@ print(f.encode_hello(f.Hello(0x0102030405060708, 1000, 1001, 1002, 253, bytes(ra
 print(f.encode_pages(9, 5, 7, [0x11, 0x22]).hex())
 print(f.encode_error(8, "full!").hex())
 print(f.encode_goodbye().hex())
+print(f.encode_adopt(9, 5, 7, [0x11, 0x22]).hex())
 `
 	cmd := exec.Command(py, "-c", script)
 	cmd.Dir = repo
@@ -146,7 +161,7 @@ print(f.encode_goodbye().hex())
 		t.Fatalf("python: %v\n%s", err, out)
 	}
 	lines := strings.Fields(string(out))
-	for i, h := range []string{helloHex, pagesHex, errorHex, goodbyeHex} {
+	for i, h := range []string{helloHex, pagesHex, errorHex, goodbyeHex, adoptHex} {
 		if want := hex.EncodeToString(unhex(t, h)); i >= len(lines) || lines[i] != want {
 			t.Errorf("record %d: python %v, Go vector %s", i, lines, want)
 		}
@@ -208,5 +223,49 @@ func TestConnRecvWithFDs(t *testing.T) {
 	r, err = c.Recv()
 	if r != nil || !errors.Is(err, io.EOF) {
 		t.Fatalf("end of stream: %#v %v", r, err)
+	}
+}
+
+// SendAdopt splits a claim into records of at most MaxFDs descriptors,
+// each arriving with its own fds, in order.
+func TestSendAdopt(t *testing.T) {
+	c, peer := socketPair(t)
+	defer c.Close()
+	const n = MaxFDs + 7
+	memfd, err := unix.MemfdCreate("page", unix.MFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(memfd)
+	ids := make([]uint64, n)
+	fds := make([]int, n)
+	for i := range ids {
+		ids[i], fds[i] = uint64(100+i), memfd
+	}
+	if err := c.SendAdopt(77, ids, fds, time.Now().Add(5*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, MaxRecord)
+	oob := make([]byte, unix.CmsgSpace(MaxFDs*4))
+	next := 0
+	for _, want := range []int{MaxFDs, 7} {
+		nb, noob, _, _, err := unix.Recvmsg(peer, buf, oob, unix.MSG_CMSG_CLOEXEC)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := parseRights(oob[:noob])
+		if err != nil {
+			t.Fatal(err)
+		}
+		closeAll(got)
+		r, err := Decode(buf[:nb], len(got))
+		a, ok := r.(Adopt)
+		if err != nil || !ok || len(got) != want || a.SessionID != 77 || a.Total != n || int(a.FirstIndex) != next || a.PageIDs[0] != uint64(100+next) {
+			t.Fatalf("record at %d: %#v (%d fds) %v", next, r, len(got), err)
+		}
+		next += want
+	}
+	if err := c.SendAdopt(77, ids[:1], nil, time.Time{}); err == nil {
+		t.Fatal("ids and fds of different lengths accepted")
 	}
 }
