@@ -330,13 +330,17 @@ class Daemon:
         if rec is None:
             self._drop_channel(ch, None, crashed=ch.session is not None)
             return
-        if isinstance(rec, fdchannel.Adopt) and ch.session is None and len(ch.adopted) + len(rec.fds) <= (1 << 20):
+        js = self.orphans.get(rec.session_id) if isinstance(rec, fdchannel.Adopt) and ch.session is None else None
+        if js is not None and js.uid == ch.uid and (not ch.adopted or ch.adopt_session == rec.session_id):
+            # Keep only fds of pages the journal gave this orphan (of this
+            # uid): nobody can make the daemon hold descriptors for nothing.
             ch.adopt_session = rec.session_id
             for pid, fd in zip(rec.page_ids, rec.fds):
-                old = ch.adopted.pop(pid, None)
+                old = ch.adopted.pop(pid, None) if pid in js.pages else fd
                 if old is not None:
                     fdchannel.close_fds([old])
-                ch.adopted[pid] = fd
+                if pid in js.pages:
+                    ch.adopted[pid] = fd
             return
         fdchannel.close_fds(getattr(rec, "fds", ()))
 
@@ -602,6 +606,14 @@ class Daemon:
             if not s.closed:
                 self.end_session(s, str(exc))
             raise err from None
+        except asyncio.CancelledError:
+            # The caller gave up (its deadline passed) before the answer: it
+            # never learns these page ids, so the session must not keep them.
+            if not s.closed and all(p.id in s.pages for p in pages):
+                s.remove_pages(pool, pages)
+                self._journal({"op": "free", "sid": s.id, "pages": [p.id for p in pages]})
+                self._spawn(pool.give_back(pages))
+            raise
         pool.mark_held(pages)
         s.allocations_total += 1
         s.touch()
