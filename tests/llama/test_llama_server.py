@@ -335,3 +335,33 @@ def test_two_servers_share_a_budget_reclaim_moves_pages(daemon_factory, servers,
         assert a.complete(text(3800, 41), 16)["tokens"] == ref[1][1]
         assert "clearing idle slot for a reclaim request" in a.log_text()
         assert_books(c.stats())
+
+
+@pytest.mark.parametrize("page", [PAGE, 2 << 20])
+def test_report_kv_bytes_held_vs_context(daemon_factory, servers, models, page):
+    """KV bytes held vs context for one slot of an 8192-cell context (the
+    unpatched build reserves all of it: 32 MiB for this model). Written to
+    build/llama/kv-held-vs-context-<page>.json and printed."""
+    d = daemon_factory("host", memory_limit="256MiB", page_size=str(page))
+    srv = servers(KVC, models[0], kvc_socket=d.socket, ctx=8192, parallel=1)
+    reserved = tiny_model.KV_BYTES_PER_TOKEN_F16 * 8192
+    rows = []
+    with observe(d) as c:
+        rows.append({"tokens": 0, "held_bytes": held(c, srv.pid)})
+        for n_chars in (100, 600, 1200, 2500, 5000, 9000):
+            r = srv.complete(text(n_chars, 100 + n_chars), 8, id_slot=0)
+            rows.append({"tokens": r["tokens_evaluated"] + r["tokens_predicted"] - 1, "held_bytes": held(c, srv.pid)})
+    for row in rows:
+        row["unpatched_bytes"] = reserved
+        row["kv_bytes_of_tokens"] = row["tokens"] * tiny_model.KV_BYTES_PER_TOKEN_F16
+    out = ROOT / "build" / "llama" / f"kv-held-vs-context-{page >> 10}KiB.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"page_bytes": page, "reserved_bytes": reserved, "rows": rows}, indent=1))
+    print(f"\npage {page >> 10} KiB: tokens in cache -> MiB held (unpatched: {reserved / 2**20:.0f} MiB)")
+    for row in rows:
+        print(f"  {row['tokens']:6d} -> {row['held_bytes'] / 2**20:6.2f} MiB")
+    helds = [r["held_bytes"] for r in rows]
+    assert helds[0] == 0
+    assert all(a <= b for a, b in zip(helds, helds[1:])), helds
+    for row in rows[1:]:
+        assert row["kv_bytes_of_tokens"] <= row["held_bytes"] <= reserved, row
