@@ -70,8 +70,9 @@ size_t kvc_fd_encode_hello(uint8_t *buf, size_t cap, uint64_t channel_id, uint32
     return len;
 }
 
-size_t kvc_fd_encode_pages(uint8_t *buf, size_t cap, uint64_t allocation_id, uint32_t first_index,
-                           uint32_t total, const uint64_t *page_ids, uint32_t count)
+static size_t encode_pages(uint8_t *buf, size_t cap, uint16_t type, uint64_t first_field,
+                           uint32_t first_index, uint32_t total, const uint64_t *page_ids,
+                           uint32_t count)
 {
     if (!buf || !page_ids || count == 0 || count > KVC_FD_MAX_FDS)
         return 0;
@@ -79,8 +80,8 @@ size_t kvc_fd_encode_pages(uint8_t *buf, size_t cap, uint64_t allocation_id, uin
     size_t len = KVC_FD_HEADER_SIZE + payload;
     if (cap < len)
         return 0;
-    uint8_t *p = buf + put_header(buf, KVC_FD_PAGES, payload);
-    put64(p, allocation_id);
+    uint8_t *p = buf + put_header(buf, type, payload);
+    put64(p, first_field);
     put32(p + 8, first_index);
     put32(p + 12, count);
     put32(p + 16, total);
@@ -88,6 +89,18 @@ size_t kvc_fd_encode_pages(uint8_t *buf, size_t cap, uint64_t allocation_id, uin
     for (uint32_t i = 0; i < count; i++)
         put64(p + KVC_FD_PAGES_FIXED + 8u * i, page_ids[i]);
     return len;
+}
+
+size_t kvc_fd_encode_pages(uint8_t *buf, size_t cap, uint64_t allocation_id, uint32_t first_index,
+                           uint32_t total, const uint64_t *page_ids, uint32_t count)
+{
+    return encode_pages(buf, cap, KVC_FD_PAGES, allocation_id, first_index, total, page_ids, count);
+}
+
+size_t kvc_fd_encode_adopt(uint8_t *buf, size_t cap, uint64_t session_id, uint32_t first_index,
+                           uint32_t total, const uint64_t *page_ids, uint32_t count)
+{
+    return encode_pages(buf, cap, KVC_FD_ADOPT, session_id, first_index, total, page_ids, count);
 }
 
 size_t kvc_fd_encode_error(uint8_t *buf, size_t cap, uint32_t code, const char *message)

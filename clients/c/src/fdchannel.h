@@ -29,7 +29,8 @@ enum {
     KVC_FD_HELLO = 1,
     KVC_FD_PAGES = 2,
     KVC_FD_ERROR = 3,
-    KVC_FD_GOODBYE = 4
+    KVC_FD_GOODBYE = 4,
+    KVC_FD_ADOPT = 5 /* client to daemon: pages re-sent before ResumeSession */
 };
 
 typedef struct kvc_fd_record {
@@ -63,6 +64,10 @@ size_t kvc_fd_encode_hello(uint8_t *buf, size_t cap, uint64_t channel_id, uint32
                            uint32_t uid, uint32_t gid, uint32_t max_fds,
                            const uint8_t secret[KVC_FD_SECRET_SIZE]);
 size_t kvc_fd_encode_pages(uint8_t *buf, size_t cap, uint64_t allocation_id, uint32_t first_index,
+                           uint32_t total, const uint64_t *page_ids, uint32_t count);
+/* ADOPT (client to daemon): the PAGES layout with the resumed session's id
+ * in the first field. */
+size_t kvc_fd_encode_adopt(uint8_t *buf, size_t cap, uint64_t session_id, uint32_t first_index,
                            uint32_t total, const uint64_t *page_ids, uint32_t count);
 size_t kvc_fd_encode_error(uint8_t *buf, size_t cap, uint32_t code, const char *message);
 size_t kvc_fd_encode_goodbye(uint8_t *buf, size_t cap);

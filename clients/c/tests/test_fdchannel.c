@@ -85,6 +85,27 @@ static void test_pages_vector(void)
     CHECK(kvc_fd_encode_pages(buf, 20, 1, 0, 2, ids, 2) == 0);
 }
 
+/* ADOPT (type 5): the PAGES layout with the session id first. */
+static void test_adopt_vector(void)
+{
+    uint8_t buf[256];
+    uint64_t ids[2] = {7, 0x1122334455667788ull};
+    size_t n = kvc_fd_encode_adopt(buf, sizeof buf, 9, 0, 2, ids, 2);
+    static const uint8_t want[] = {
+        'K', 'V', 'C', 'F', 0x01, 0x00, 0x05, 0x00, 0x28, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+        9, 0, 0, 0, 0, 0, 0, 0,  /* session_id */
+        0, 0, 0, 0,              /* first_index */
+        2, 0, 0, 0,              /* count */
+        2, 0, 0, 0,              /* total */
+        0, 0, 0, 0,              /* reserved */
+        7, 0, 0, 0, 0, 0, 0, 0,
+        0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11,
+    };
+    CHECK(n == sizeof want);
+    CHECK(memcmp(buf, want, sizeof want) == 0);
+    CHECK(kvc_fd_encode_adopt(buf, sizeof buf, 9, 0, 1, ids, 0) == 0);
+}
+
 static void test_error_goodbye_vectors(void)
 {
     uint8_t buf[256];
@@ -200,6 +221,7 @@ int main(void)
 {
     test_hello_vector();
     test_pages_vector();
+    test_adopt_vector();
     test_error_goodbye_vectors();
     test_malformed();
     test_transport();
