@@ -1,0 +1,347 @@
+"""Resource exhaustion (issue 9): tenants that open thousands of fd channels
+and sessions, never bind or never read their channels, flood ADOPT records,
+hold their maximum and ignore reclaim, or send huge messages. Each limit
+applies with a precise error, and the daemon and the other tenants keep
+working (a bystander allocates and frees throughout).
+
+Limits and their defaults (kvcached_service/config.py):
+  max_sessions          4096   fd channels (bound or not) and sessions in total
+  max_sessions_per_uid  1024   fd channels (bound or not) per uid
+  channel_bind_timeout  30 s   an fd channel without OpenSession is closed
+  fd_send_timeout       5 s    a client leaving its channel full loses its session
+  max_pages_per_request 65536  pages in one Allocate
+  max_bytes (session)   0 = the device budget
+  gRPC messages         4 MiB  (grpc.max_receive_message_length, main.py)
+  labels                16, keys/values up to 256 bytes; name 1-128 chars
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+
+import grpc
+import pytest
+
+from kvtest import HELPERS, PY, assert_books, wait_until
+from kvcached_service import errors, fdchannel
+from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
+from kvcached_service._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
+from test_hostile import AS_DAEMON, AS_NOBODY, NOBODY
+
+C = grpc.StatusCode
+
+
+def daemon_fds(d) -> int:
+    return len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+
+
+def daemon_rss(d) -> int:
+    with open(f"/proc/{d.proc.pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+class Bystander:
+    """A session that allocates, checks and frees in a loop on a thread;
+    counts rounds and records any failure."""
+
+    def __init__(self, d, pages: int = 2):
+        self.client = d.client()
+        self.s = self.client.open_session("bystander")
+        self.pages = pages
+        self.rounds = 0
+        self.failures: list[str] = []
+        self.worst = 0.0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                ps = self.s.allocate(self.pages)
+                ps[0].write(0, b"by")
+                assert ps[0].read(0, 2) == b"by"
+                self.s.free(ps)
+                self.rounds += 1
+            except Exception as exc:  # noqa: BLE001
+                self.failures.append(f"{type(exc).__name__}: {exc}")
+            self.worst = max(self.worst, time.monotonic() - t0)
+            time.sleep(0.01)
+
+    def settled(self) -> "Bystander":
+        """After its first round (its pages exist: fd baselines hold)."""
+        assert wait_until(lambda: self.rounds >= 1, timeout=5), self.failures
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join(10)
+        self.s.close()
+        self.client.close()
+        assert not self.failures, f"the bystander failed: {self.failures[:5]}"
+        assert self.rounds >= 5, f"the bystander got only {self.rounds} rounds"
+
+
+def hog(d, n: int, do_open: bool, env: dict) -> tuple[subprocess.Popen, dict]:
+    p = subprocess.Popen([PY, str(HELPERS / "hog.py"), str(n), "1" if do_open else "0"], env=dict(d.client_env(), **env),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    assert line, p.stderr.read()
+    return p, json.loads(line)
+
+
+def end(p: subprocess.Popen) -> None:
+    p.stdin.write("\n")
+    p.stdin.flush()
+    p.wait(30)
+
+
+def test_thousands_of_channels_and_sessions_per_uid(daemon_factory):
+    """nobody opens 1,200 fd channels and a session on each it gets: the
+    1,025th and later are refused with RESOURCE_EXHAUSTED naming the limit;
+    root's bystander is served all along; everything goes when nobody exits."""
+    d = daemon_factory("host", shared_dir=True, socket_mode="0666", log_level="WARNING")
+    by = Bystander(d).settled()
+    base = daemon_fds(d)
+    t0 = time.monotonic()
+    p, res = hog(d, 1200, True, AS_NOBODY)
+    took = time.monotonic() - t0
+    print(f"\n1200 channels as nobody: {res} in {took:.1f} s; bystander {by.rounds} rounds, worst {by.worst * 1000:.0f} ms")
+    assert res["hello"] == 1024 and res["opened"] == 1024
+    msg = f"8: uid {NOBODY.pw_uid} already has 1024 fd channels open (max_sessions_per_uid=1024)"
+    assert res["errors"] == {msg: 176}, res["errors"]
+    with d.client() as c:
+        assert c.stats().sessions_open == 1024 + 1
+    end(p)
+    with d.client() as c:
+        assert wait_until(lambda: c.stats().sessions_open == 1, timeout=5), c.stats().sessions_open
+    by.stop()
+    assert wait_until(lambda: daemon_fds(d) <= base, timeout=3), f"{daemon_fds(d) - base} fds left behind"
+
+
+def test_max_sessions_caps_all_uids_per_uid_limit_protects_others(daemon_factory):
+    """max_sessions counts every channel; with max_sessions_per_uid below it
+    one uid cannot take them all: nobody gets its 40, the uid `daemon` gets
+    what is left of 60 and is then refused naming max_sessions, root's
+    bystander (opened first) keeps working."""
+    d = daemon_factory("host", shared_dir=True, socket_mode="0666", max_sessions="60", max_sessions_per_uid="40")
+    by = Bystander(d).settled()
+    p1, r1 = hog(d, 50, True, AS_NOBODY)
+    p2, r2 = hog(d, 30, False, AS_DAEMON)
+    print(f"\nmax_sessions 60, per uid 40: nobody {r1}, daemon {r2}")
+    assert r1["hello"] == 40 and r1["errors"] == {f"8: uid {NOBODY.pw_uid} already has 40 fd channels open (max_sessions_per_uid=40)": 10}
+    left = 60 - 40 - 1  # the bystander's channel counts
+    assert r2["hello"] == left and r2["errors"] == {"8: the daemon already has 60 channels open (max_sessions)": 30 - left}, r2
+    # root (the daemon's own uid) is not exempt from the total: a new session is refused precisely
+    with d.client() as c:
+        with pytest.raises(errors.ResourceExhausted, match=r"already has 60 channels open \(max_sessions\)"):
+            c.open_session("one-too-many")
+    end(p1)
+    end(p2)
+    with d.client() as c, c.open_session("after") as s:  # room again
+        s.free(s.allocate(1))
+    by.stop()
+
+
+def test_unbound_channels_are_closed_after_channel_bind_timeout(daemon_factory):
+    d = daemon_factory("host", channel_bind_timeout="1")
+    by = Bystander(d).settled()
+    base = daemon_fds(d)
+    socks = []
+    for _ in range(300):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect(d.fd_socket)
+        s.settimeout(5)
+        assert isinstance(fdchannel.recv_record(s), fdchannel.Hello)
+        socks.append(s)
+    assert daemon_fds(d) >= base + 300
+    t0 = time.monotonic()
+    got = [fdchannel.recv_record(s) for s in socks]
+    waited = time.monotonic() - t0
+    eofs = sum(1 for s in socks if fdchannel.recv_record(s) is None)
+    print(f"\n300 unbound channels: closed after {waited:.2f} s")
+    assert all(isinstance(r, fdchannel.Error) and r.code == 9 and r.message == "no OpenSession within 1 s" for r in got), got[:3]
+    assert eofs == 300 and waited < 2.5
+    for s in socks:
+        s.close()
+    assert wait_until(lambda: daemon_fds(d) <= base, timeout=3), f"{daemon_fds(d) - base} fds left behind"
+    by.stop()
+
+
+def _raw_session(d, stub, name):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(d.fd_socket)
+    hello = fdchannel.recv_record(s)
+    ref = stub.OpenSession(pb.OpenSessionRequest(channel_secret=hello.secret, name=name), timeout=10).session
+    return s, ref
+
+
+def test_sessions_that_never_read_their_fds(daemon_factory):
+    """A session asks for 15,000 4 KiB pages and never reads its fd channel,
+    next to one that reads nothing but asked little: the big Allocate fails UNAVAILABLE after fd_send_timeout
+    naming the reason, the sessions end, every page returns, no descriptor
+    stays behind; the bystander is never held up meanwhile."""
+    # A full socket takes ~50 PAGES records (~12,000 fds, the daemon's send
+    # buffer); this machine's hard RLIMIT_NOFILE is 20,000 and cannot be
+    # raised here (no CAP_SYS_RESOURCE), so one session is stuck at a time.
+    d = daemon_factory("host", page_size="4KiB", memory_limit="256MiB", fd_send_timeout="1", log_level="WARNING")
+    stub = pb_grpc.KVCachedStub(grpc.insecure_channel(f"unix:{d.socket}"))
+    by = Bystander(d).settled()
+    time.sleep(0.2)
+    per_page = 1
+    st0 = stub.GetStats(pb.GetStatsRequest(), timeout=10).total
+    base = daemon_fds(d) - per_page * (st0.pages_pooled + st0.pages_in_use)
+    sessions = [_raw_session(d, stub, f"deaf-{i}") for i in range(2)]
+    results = [None] * 2
+
+    def ask(i):
+        sock, ref = sessions[i]
+        t0 = time.monotonic()
+        try:
+            stub.Allocate(pb.AllocateRequest(session=ref, num_pages=15_000 if i == 0 else 300), timeout=30)
+            results[i] = ("OK", "", time.monotonic() - t0)
+        except grpc.RpcError as exc:
+            results[i] = (exc.code().name, exc.details(), time.monotonic() - t0)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    print(f"\nnon-reading sessions: {[(r[0], round(r[2], 2)) for r in results]}; bystander {by.rounds} rounds, worst {by.worst * 1000:.0f} ms")
+    code, details, took = results[0]
+    assert code == "UNAVAILABLE", (code, details)
+    assert "could not deliver pages on session" in details and "did not read its fd channel for 1 s" in details, details
+    assert 1.0 <= took < 5
+    assert results[1][0] == "OK"  # fds waiting in a socket that has room are fine: that session lives on
+    assert by.worst < 0.9, f"the bystander waited {by.worst:.2f} s for one round"
+    st = stub.GetStats(pb.GetStatsRequest(), timeout=10)
+    assert st.sessions_open == 2 and st.total.pages_in_use <= by.pages + 300
+    by.stop()
+    for sock, _ in sessions:
+        sock.close()
+    assert wait_until(lambda: stub.GetStats(pb.GetStatsRequest(), timeout=10).total.in_use_bytes == 0, timeout=3)
+    t = stub.GetStats(pb.GetStatsRequest(), timeout=10).total
+    with d.client() as c:
+        assert_books(c.stats())
+    assert wait_until(lambda: daemon_fds(d) - per_page * (t.pages_pooled + t.pages_in_use) <= base, timeout=3), \
+        f"{daemon_fds(d)} fds for {t.pages_pooled + t.pages_in_use} pages; baseline {base} + pages"
+
+
+def test_adopt_flood_cannot_fill_the_daemon_fd_table(daemon_factory, tmp_path):
+    """One descriptor sent 25,300 times as ADOPT records (more than the
+    daemon's RLIMIT_NOFILE here) on one channel, for a session that is not
+    waiting to be resumed: the daemon keeps none of them and can still
+    create pages and accept channels."""
+    d = daemon_factory("host", state_dir=str(tmp_path / "state"), memory_limit="64MiB")
+    by = Bystander(d).settled()
+    with open(f"/proc/{d.proc.pid}/limits") as f:
+        nofile = int(next(x for x in f if x.startswith("Max open files")).split()[3])
+    base = daemon_fds(d)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(d.fd_socket)
+    s.settimeout(10)
+    fdchannel.recv_record(s)
+    r, w = os.pipe()
+    sent = 0
+    for i in range(100):
+        ids = list(range(i * 253 + 1, i * 253 + 254))
+        fdchannel.send_record(s, fdchannel.encode_adopt(424242, i * 253, 25300, ids), [r] * 253)
+        sent += 253
+    print(f"\nADOPT flood: {sent} descriptors sent; daemon RLIMIT_NOFILE {nofile}; daemon fds {daemon_fds(d)} (baseline {base})")
+    assert wait_until(lambda: daemon_fds(d) <= base + 2 + by.pages, timeout=5), f"the daemon keeps {daemon_fds(d) - base} fds"
+    with d.client() as c, c.open_session("after-flood") as x:  # new pages and a new channel still possible
+        x.free(x.allocate(16))
+        assert_books(c.stats())
+    s.close()
+    os.close(r)
+    os.close(w)
+    by.stop()
+
+
+def test_hog_at_its_maximum_ignoring_reclaim_is_bounded_by_max_bytes(daemon_factory):
+    """The daemon cannot take pages by force; max_bytes is what bounds a
+    tenant that ignores reclaim. The hog holds its maximum (half the budget)
+    and never answers: beyond it, RESOURCE_EXHAUSTED naming max_bytes; the
+    others get the other half; a waiting Allocate for more fails precisely
+    after its wait, naming the hog, and the hog is counted as an ignorer."""
+    d = daemon_factory("host", memory_limit="64MiB", reclaim_timeout_ms="200")  # 32 pages
+    with d.client() as c:
+        hog_s = c.open_session("hog", max_bytes=32 << 20)
+        held = hog_s.allocate(16)
+        with pytest.raises(errors.ResourceExhausted, match=r"holds 16 pages on HOST-0; 1 more would exceed its maximum of 16 pages \(max_bytes 32 MiB\)"):
+            hog_s.allocate(1)
+        other = c.open_session("other")
+        mine = other.allocate(16, wait=True, wait_timeout_ms=500)
+        t0 = time.monotonic()
+        with pytest.raises(errors.ResourceExhausted, match=r"after waiting 0.5 s, still 4 pages short.*session %d 'hog' 4 pages \(gave back 0" % hog_s.id):
+            other.allocate(4, wait=True, wait_timeout_ms=500)
+        assert 0.45 < time.monotonic() - t0 < 3
+        admin = c.open_session("admin")
+        assert wait_until(lambda: {s.name: s for s in admin.stats().sessions}["hog"].reclaim_ignored >= 1, timeout=3)
+        other.free(mine)
+        hog_s.free(held)
+        assert_books(c.stats())
+        for s in (hog_s, other, admin):
+            s.close()
+
+
+def test_huge_messages(daemon_factory, tmp_path):
+    """Messages at and beyond gRPC's 4 MiB limit: under it, precise errors
+    after validation that takes well under a second; over it,
+    RESOURCE_EXHAUSTED from gRPC for every method; the daemon's memory does
+    not balloon and it keeps serving."""
+    d = daemon_factory("host", state_dir=str(tmp_path / "state"))
+    by = Bystander(d).settled()
+    with d.client() as c, c.open_session("big") as s:
+        stub = c._stub
+        held = s.allocate(1)
+        rss0 = daemon_rss(d)
+
+        def expect(fn, code, fragment):
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                fn()
+            took = time.monotonic() - t0
+            assert info.value.code() == code, (info.value.code(), info.value.details()[:300])
+            assert fragment in info.value.details(), info.value.details()[:300]
+            return took
+
+        many = list(range(10**6, 10**6 + 900_000))  # 3-byte varints: ~2.7 MB
+        t_free = expect(lambda: stub.Free(pb.FreeRequest(session=s.ref, page_ids=many), timeout=20), C.NOT_FOUND, f"page {10**6} is not held")
+        same = [held[0].id] * 900_000
+        t_dup = expect(lambda: stub.Free(pb.FreeRequest(session=s.ref, page_ids=same), timeout=20), C.INVALID_ARGUMENT, "appears more than once")
+        expect(lambda: stub.OpenSession(pb.OpenSessionRequest(channel_secret=b"s" * 32, name="n" * (3 << 20)), timeout=20), C.INVALID_ARGUMENT, "session name must be 1-128")
+        labels = {f"k{i}": "v" * 100 for i in range(30_000)}  # ~3.5 MB
+        ch = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ch.connect(d.fd_socket)
+        secret = fdchannel.recv_record(ch).secret
+        expect(lambda: stub.OpenSession(pb.OpenSessionRequest(channel_secret=secret, name="x", labels=labels), timeout=20), C.INVALID_ARGUMENT, "at most 16 labels")
+        expect(lambda: stub.ResumeSession(pb.ResumeSessionRequest(channel_secret=secret, session_id=77, page_ids=many), timeout=20), C.NOT_FOUND, "no session 77 to resume")
+        ch.close()
+        grpc_ch = grpc.insecure_channel(f"unix:{d.socket}")
+        for m in pb.DESCRIPTOR.services_by_name["KVCached"].methods:
+            path = f"/kvcached.v1.KVCached/{m.name}"
+            call = grpc_ch.unary_stream(path) if m.server_streaming else grpc_ch.unary_unary(path)
+            expect(lambda: list(call(b"\x0a" + b"\xff" * (5 << 20), timeout=20)) if m.server_streaming else call(b"\x0a" + b"\xff" * (5 << 20), timeout=20),
+                   C.RESOURCE_EXHAUSTED, "")
+        # a 1 MiB header: refused by gRPC (on either side), the daemon carries on
+        with pytest.raises(grpc.RpcError):
+            stub.GetInfo(pb.GetInfoRequest(), metadata=[("x-big", "a" * (1 << 20))], timeout=10)
+        grpc_ch.close()
+        s.free(held)
+        grown = daemon_rss(d) - rss0
+        print(f"\nhuge messages: Free of 900k unknown ids {t_free * 1000:.0f} ms, of 900k repeats {t_dup * 1000:.0f} ms; daemon RSS +{grown >> 20} MiB")
+        assert t_free < 2 and t_dup < 2
+        assert grown < 200 << 20, f"daemon RSS grew by {grown >> 20} MiB"
+        assert_books(c.stats())
+    by.stop()
