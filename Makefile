@@ -1,16 +1,17 @@
 # kvcached-service: two commands for a fresh machine.
 #   make serve   set up, then run the daemon on /tmp/kvcached.sock
-#   make test    set up, then run every test suite (Python, Go, C)
+#   make test    set up, then run every test suite (Python, Go, C, llama.cpp)
 SOCKET ?= /tmp/kvcached.sock
 ARGS ?=
 
-.PHONY: serve test setup testdriver test-python test-go test-c
+.PHONY: serve test setup testdriver test-python test-go test-c test-llama
 
 setup:
-	@scripts/setup.sh
+	@scripts/setup.sh --dev
 	@scripts/setup-ops.sh
 
-serve: setup
+serve:
+	@scripts/setup.sh
 	.venv/bin/kvcached-serve --socket $(SOCKET) $(ARGS)
 
 testdriver: setup
@@ -25,7 +26,8 @@ test-go: setup testdriver
 test-c: setup testdriver
 	scripts/test-c.sh
 
+test-llama: setup testdriver
+	scripts/test-llama.sh
+
 test: setup testdriver
-	scripts/test-python.sh
-	scripts/test-go.sh
-	scripts/test-c.sh
+	scripts/test-all.sh

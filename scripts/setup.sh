@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
-# Install everything kvcached-service needs to build, run and test, on a
-# fresh Debian/Ubuntu machine. Idempotent: re-running only fills gaps.
-#   - Debian packages (C++ gRPC, protoc, cmake, valgrind, prometheus, ...)
-#   - .venv with the Python package (editable) and its dev extras
+# Install what kvcached-service needs on a fresh Debian/Ubuntu machine.
+# Idempotent: re-running only fills gaps.
+#   scripts/setup.sh         to run the daemon: .venv with the package
+#   scripts/setup.sh --dev   to build and test everything: Debian packages
+#                            (C++ gRPC, protoc, cmake, valgrind, ...) and the
+#                            dev and torch extras (torch from PyPI is a
+#                            ~5 GB CUDA build)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 
-APT_PACKAGES=(
-  python3-venv
-  build-essential cmake pkg-config
-  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  libgtest-dev valgrind util-linux
-)
+DEV=0
+[ "${1:-}" = "--dev" ] && DEV=1
+
+APT_PACKAGES=(python3-venv)
+if [ "$DEV" = 1 ]; then
+  APT_PACKAGES+=(
+    build-essential cmake pkg-config
+    libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+    libgtest-dev valgrind util-linux
+  )
+fi
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 
@@ -33,14 +41,20 @@ if [ ! -x .venv/bin/python ]; then
   log "creating .venv with $($PY --version)"
   "$PY" -m venv .venv
 fi
-stamp=.venv/.kvcached-installed
+if [ "$DEV" = 1 ]; then
+  stamp=.venv/.kvcached-installed-dev extras='.[dev,torch]'
+  what="with the dev and torch extras (torch from PyPI is a ~5 GB CUDA build)"
+else
+  stamp=.venv/.kvcached-installed extras='.'
+  what="(the daemon and its Python client)"
+fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  log "installing kvcached-service (editable) with the dev and torch extras into .venv (torch from PyPI is a ~5 GB CUDA build)"
+  log "installing kvcached-service into .venv $what"
   .venv/bin/pip install -q --upgrade pip >/dev/null
-  .venv/bin/pip install -q -e '.[dev,torch]'
+  .venv/bin/pip install -q -e "$extras"
   touch "$stamp"
 fi
-if ! command -v go >/dev/null 2>&1; then
+if [ "$DEV" = 1 ] && ! command -v go >/dev/null 2>&1; then
   log "Go is not installed: the Go client (clients/go) needs Go >= 1.24 (https://go.dev/dl); the daemon does not"
 fi
 log "ready: .venv/bin/kvcached-serve"

@@ -9,6 +9,8 @@ import random
 import signal
 import time
 
+import pytest
+
 from kvtest import assert_books, wait_until
 
 
@@ -78,3 +80,43 @@ def test_client_that_stops_reading_cannot_stall_others(daemon_factory):
         assert wait_until(lambda: c.stats().total.pages_in_use == 0, timeout=3)
         assert_books(c.stats())
     assert "could not deliver pages" in d.log_text() or "did not read its fd channel" in d.log_text()
+
+
+def test_allocate_cancelled_by_its_deadline_leaves_nothing_held(daemon_factory):
+    """A client whose Allocate times out while its fds are still being
+    delivered (it does not read its fd channel yet) must not be left holding
+    pages it never learned about."""
+    import socket as so
+
+    import grpc
+
+    from kvcached_service import fdchannel
+    from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
+
+    d = daemon_factory("host", page_size="4KiB", memory_limit="1GiB", fd_send_timeout="30")
+    with d.client() as c:
+        raw = so.socket(so.AF_UNIX, so.SOCK_SEQPACKET)
+        raw.connect(d.fd_socket)
+        hello = fdchannel.recv_record(raw)
+        ref = c._stub.OpenSession(pb.OpenSessionRequest(channel_secret=hello.secret, name="impatient")).session
+        # 16000 pages: more records than the socket buffer holds, so delivery blocks
+        with pytest.raises(grpc.RpcError) as info:
+            c._stub.Allocate(pb.AllocateRequest(session=ref, num_pages=16000), timeout=1.0)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        def held():
+            return {s.id: s for s in c._stub.GetStats(pb.GetStatsRequest(session=ref)).sessions}[ref.id].pages_held
+
+        assert wait_until(lambda: held() == 0, timeout=5)
+        assert_books(c.stats())
+        # the session is still usable once it drains what was already queued
+        while True:
+            raw.settimeout(0.2)
+            try:
+                rec = fdchannel.recv_record(raw)
+            except so.timeout:
+                break
+            fdchannel.close_fds(rec.fds)
+        resp = c._stub.Allocate(pb.AllocateRequest(session=ref, num_pages=3), timeout=10)
+        assert len(resp.page_ids) == 3
+        raw.close()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import socket
 import threading
 import time
@@ -167,10 +166,17 @@ class Event:
 
 # ---- the fd channel, client side -------------------------------------------
 class _Channel:
-    """The client's end of the fd channel: HELLO at connect, then PAGES
-    records collected by allocation id (several threads may allocate)."""
+    """The client's end of the fd channel. A reader thread takes every
+    record off the socket as it arrives (the daemon writes an allocation's
+    fds before the rpc answers, and an allocation can be larger than a
+    socket buffer), keeping PAGES by allocation id until `receive` claims
+    them. Records nobody claims within STALE_AFTER seconds (the rpc that
+    asked for them failed) are closed. The end of the stream (the daemon
+    went away, or ended the session) calls `on_hangup` once."""
 
-    def __init__(self, path: str, timeout: float):
+    STALE_AFTER = 120.0
+
+    def __init__(self, path: str, timeout: float, on_hangup: Callable[["_Channel"], None] | None = None):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout)
         self.timeout = timeout
@@ -187,33 +193,66 @@ class _Channel:
             self.sock.close()
             raise errors.Unavailable(f"fd channel {path}: expected HELLO, got {rec!r}")
         self.hello = rec
-        self._lock = threading.Lock()
-        self._stash: dict[int, dict[int, tuple[int, int]]] = {}  # alloc -> index -> (page id, fd)
+        self.sock.settimeout(None)
+        self._cond = threading.Condition()
+        # alloc -> (first arrival, {index: (page id, fd)})
+        self._stash: dict[int, tuple[float, dict[int, tuple[int, int]]]] = {}
         self._ended: errors.KVCachedError | None = None
+        self._closing = False
+        self.on_hangup = on_hangup
+        self._reader = threading.Thread(target=self._read, name="kvcached-fdchannel", daemon=True)
+        self._reader.start()
 
-    def receive(self, alloc_id: int, page_ids: Sequence[int]) -> list[int]:
-        """The fds of an allocation, in page order (blocks until all came)."""
-        total = len(page_ids)
-        with self._lock:
-            while len(self._stash.get(alloc_id, {})) < total:
-                if self._ended is not None:
-                    raise self._ended
-                try:
-                    rec = fdchannel.recv_record(self.sock)
-                except socket.timeout:
-                    raise errors.Unavailable(f"fds of allocation {alloc_id} did not arrive within {self.timeout:g} s") from None
-                except (OSError, fdchannel.ProtocolError) as exc:
-                    self._ended = errors.Unavailable(f"fd channel failed: {exc}")
-                    continue
-                if isinstance(rec, fdchannel.Pages):
-                    slot = self._stash.setdefault(rec.allocation_id, {})
+    def _read(self) -> None:
+        ended: errors.KVCachedError
+        while True:
+            try:
+                rec = fdchannel.recv_record(self.sock)
+            except fdchannel.ProtocolError:
+                continue  # its descriptors are closed; the stream goes on
+            except OSError as exc:
+                ended = errors.Unavailable(f"fd channel failed: {exc}")
+                break
+            if isinstance(rec, fdchannel.Pages):
+                with self._cond:
+                    slot = self._stash.setdefault(rec.allocation_id, (time.monotonic(), {}))[1]
                     for i, (pid, fd) in enumerate(zip(rec.page_ids, rec.fds)):
                         slot[rec.first_index + i] = (pid, fd)
-                elif isinstance(rec, fdchannel.Error):
-                    self._ended = _error_for_code(rec.code, rec.message)
-                elif rec is None or isinstance(rec, fdchannel.Goodbye):
-                    self._ended = errors.FailedPrecondition("the daemon ended this session")
-            got = self._stash.pop(alloc_id)
+                    self._purge_stale()
+                    self._cond.notify_all()
+                continue
+            if isinstance(rec, fdchannel.Error):
+                ended = _error_for_code(rec.code, rec.message)
+            elif rec is None or isinstance(rec, fdchannel.Goodbye):
+                ended = errors.Unavailable("the daemon closed this session's fd channel")
+            else:
+                continue
+            break
+        with self._cond:
+            self._ended = ended
+            self._cond.notify_all()
+            closing = self._closing
+        if not closing and self.on_hangup is not None:
+            self.on_hangup(self)
+
+    def _purge_stale(self) -> None:
+        now = time.monotonic()
+        for alloc in [a for a, (t, _) in self._stash.items() if now - t > self.STALE_AFTER]:
+            fdchannel.close_fds(fd for _, fd in self._stash.pop(alloc)[1].values())
+
+    def receive(self, alloc_id: int, page_ids: Sequence[int]) -> list[int]:
+        """The fds of an allocation, in page order. They were written before
+        the rpc answered, so this waits only for the reader thread."""
+        total = len(page_ids)
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: len(self._stash.get(alloc_id, (0, {}))[1]) >= total or self._ended is not None, self.timeout
+            )
+            if len(self._stash.get(alloc_id, (0, {}))[1]) < total:
+                if self._ended is not None:
+                    raise self._ended
+                raise errors.Unavailable(f"fds of allocation {alloc_id} did not arrive within {self.timeout:g} s") if not ok else errors.Internal("fd channel reader stopped")
+            got = self._stash.pop(alloc_id)[1]
         fds = [got[i][1] for i in range(total)]
         ids = [got[i][0] for i in range(total)]
         if ids != list(page_ids):
@@ -222,8 +261,16 @@ class _Channel:
         return fds
 
     def close(self) -> None:
-        with self._lock:
-            for slot in self._stash.values():
+        with self._cond:
+            self._closing = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the reader
+        except OSError:
+            pass
+        if self._reader is not threading.current_thread():
+            self._reader.join(timeout=5)
+        with self._cond:
+            for _, slot in self._stash.values():
                 fdchannel.close_fds(fd for _, fd in slot.values())
             self._stash.clear()
         self.sock.close()
@@ -299,7 +346,7 @@ class Session:
     def __init__(self, client: "Client", name: str, guaranteed_bytes: int, max_bytes: int, priority: int, labels: dict[str, str] | None):
         self.client = client
         self.name = name
-        self._channel = _Channel(client.info.fd_socket, client.timeout)
+        self._channel = _Channel(client.info.fd_socket, client.timeout, self._hangup)
         try:
             resp = _call(
                 client._stub.OpenSession,
@@ -335,8 +382,6 @@ class Session:
         self._resumed = threading.Event()
         self._resumed.set()
         self.resumes = 0
-        if self.resumable:
-            self._watch_channel(self._channel)
 
     # -- plumbing
     def _rpc(self, method: str, request, timeout: float | None = None):
@@ -354,23 +399,13 @@ class Session:
             ) from None
 
     # -- resume after a daemon restart
-    def _watch_channel(self, ch: "_Channel") -> None:
-        """A thread that waits for the daemon's end of the fd channel to go
-        away (without reading from it) and then resumes the session."""
-
-        def run() -> None:
-            fd = ch.sock.fileno()
-            if fd < 0:  # closed before this thread started
-                return
-            p = select.poll()
-            p.register(fd, select.POLLRDHUP)
-            while not self._closed and ch is self._channel:
-                if p.poll(500):
-                    break
-            if not self._closed and ch is self._channel:
-                self._resume()
-
-        threading.Thread(target=run, name=f"kvcached-resume-{self.id}", daemon=True).start()
+    def _hangup(self, ch: "_Channel") -> None:
+        """The fd channel ended (reader thread). A resumable session resumes
+        on a thread of its own; any other session is over."""
+        if self._closed or ch is not self._channel:
+            return
+        if self.resumable:
+            threading.Thread(target=self._resume, name=f"kvcached-resume-{self.id}", daemon=True).start()
 
     def _resume(self, timeout: float = 120.0) -> None:
         self._state = "resuming"
@@ -379,7 +414,7 @@ class Session:
         delay, deadline = 0.05, time.monotonic() + timeout
         while not self._closed and time.monotonic() < deadline:
             try:
-                ch = _Channel(self.client.info.fd_socket, self.client.timeout)
+                ch = _Channel(self.client.info.fd_socket, self.client.timeout, self._hangup)
             except errors.KVCachedError:
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
@@ -415,13 +450,15 @@ class Session:
                 log.error("%s", self._dead.message)
                 return
             old, self._channel = self._channel, ch
+            old.on_hangup = None
             old.close()
             self.ref = resp.session
             self.resumes += 1
             self._state = "ok"
             self._resumed.set()
             log.warning("session %d resumed: %d pages adopted, %d forgotten", self.id, resp.pages_adopted, resp.pages_forgotten)
-            self._watch_channel(ch)
+            if ch._ended is not None:  # the daemon went away again before the swap
+                self._hangup(ch)
             return
         self._dead = errors.Unavailable(f"session {self.id}: the daemon did not come back within {timeout:g} s")
         self._state = "dead"

@@ -92,9 +92,19 @@ def main() -> int:
         out(still=[m[0] for m in maps])
         sys.stdin.readline()
     elif mode == "raw-allocate":
+        # A client that never reads its fd channel: its own raw channel (the
+        # library's channel has a reader thread), a session on it, Allocate.
+        import socket as so
+
+        from kvcached_service import fdchannel
+
         n = int(args[0])
-        resp = s.client._stub.Allocate(pb.AllocateRequest(session=s.ref, num_pages=n))
-        out(session=s.id, pages=list(resp.page_ids))
+        raw = so.socket(so.AF_UNIX, so.SOCK_SEQPACKET)
+        raw.connect(client.info.fd_socket)
+        hello = fdchannel.recv_record(raw)
+        opened = client._stub.OpenSession(pb.OpenSessionRequest(channel_secret=hello.secret, name="never-reads"))
+        resp = client._stub.Allocate(pb.AllocateRequest(session=opened.session, num_pages=n))
+        out(session=opened.session.id, pages=list(resp.page_ids))
         time.sleep(3600)
     elif mode == "loop":
         seconds, n = float(args[0]), int(args[1])
