@@ -38,7 +38,7 @@
 /* API version: KVC_API_VERSION = major * 10000 + minor * 100 + patch.
  * kvc_api_version() returns the version of the library actually loaded. */
 #define KVC_API_VERSION_MAJOR 1
-#define KVC_API_VERSION_MINOR 0
+#define KVC_API_VERSION_MINOR 1
 #define KVC_API_VERSION_PATCH 0
 #define KVC_API_VERSION \
     (KVC_API_VERSION_MAJOR * 10000 + KVC_API_VERSION_MINOR * 100 + KVC_API_VERSION_PATCH)
@@ -190,10 +190,52 @@ KVC_API const char *kvc_session_device(const kvc_session *session); /* uuid */
 KVC_API const char *kvc_session_kind(const kvc_session *session);   /* "cuda" / "host" */
 /* Bytes of daemon pages this session holds, by this library's books. */
 KVC_API uint64_t kvc_session_held_bytes(const kvc_session *session);
-/* Nonzero once the daemon ended the session (GOODBYE/ERROR on the fd
- * channel, SHUTDOWN on Watch, or the channel closed). Every call that needs
- * the daemon then fails with KVC_ERR_FAILED_PRECONDITION. */
+/* Nonzero once the session is over: the daemon ended it (GOODBYE/ERROR on
+ * the fd channel, SHUTDOWN on Watch, or the channel closed on a session
+ * that cannot be resumed), or a resume failed (see below). Every call that
+ * needs the daemon then fails with KVC_ERR_FAILED_PRECONDITION and
+ * kvc_last_error() says why. Thread-safe. */
 KVC_API int kvc_session_ended(const kvc_session *session);
+
+/* ---- resume after a daemon restart (since 1.1) -----------------------
+ *
+ * When the daemon keeps a journal (kvcached-serve --state-dir), OpenSession
+ * gives the session a resume token and the session survives a daemon crash
+ * or restart: the library keeps a duplicate fd of every page it holds, a
+ * background thread notices the fd channel hang up, reconnects (backoff
+ * 50 ms doubling to 1 s, for up to 120 s), re-sends the pages (ADOPT) and
+ * calls ResumeSession; the session goes on with the same id and pages.
+ *
+ * While it is resuming, calls that need the daemon (map, alloc, stats,
+ * request_shrink, the reclaim callback's registration) fail with
+ * KVC_ERR_UNAVAILABLE and kvc_last_error() says that the daemon is
+ * unreachable, that the session resumes when it is back and that the pages
+ * held stay usable: mapped memory, kvc_region_read/write/memset/clear keep
+ * working. Unmapping and freeing work too: the pages are unmapped here and
+ * are not claimed at the resume, which gives them back (KVC_OK). A Watch
+ * thread (reclaim callback) is reconnected after the resume. If the daemon
+ * refuses the claim or does not come back in time, the session ends
+ * (kvc_session_ended() == 1, KVC_ERR_FAILED_PRECONDITION "... could not be
+ * resumed ..."); mapped memory stays readable until unmapped.
+ *
+ * A resumable session holds one extra fd per page (the library raises the
+ * soft RLIMIT_NOFILE to the hard limit once if it runs out). */
+
+/* Nonzero if the daemon gave this session a resume token. Thread-safe. */
+KVC_API int kvc_session_is_resumable(const kvc_session *session);
+
+/* Nonzero while the session is being resumed (the daemon went away and the
+ * session has not been resumed or ended yet). Thread-safe. */
+KVC_API int kvc_session_is_resuming(const kvc_session *session);
+
+/* Number of successful resumes so far. Thread-safe. */
+KVC_API uint64_t kvc_session_resume_count(const kvc_session *session);
+
+/* Wait until the session is usable: KVC_OK at once when it is not
+ * resuming, else when the resume is done; KVC_ERR_DEADLINE_EXCEEDED after
+ * timeout_ms; KVC_ERR_FAILED_PRECONDITION if the session ended (e.g. the
+ * resume was refused) or is not resumable. Thread-safe. */
+KVC_API kvc_status kvc_session_wait_resumed(kvc_session *session, uint32_t timeout_ms);
 
 typedef struct kvc_pool_stats {
     uint64_t budget_bytes;

@@ -13,10 +13,16 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "fdchannel.h"
@@ -33,6 +39,10 @@ namespace {
 constexpr uint32_t kDefaultTimeoutMs = 5000;
 constexpr const char *kDefaultSocket = "/tmp/kvcached.sock";
 constexpr uint32_t kApiVersion = 1;
+// Resuming after a daemon restart: reconnect backoff and how long to try.
+constexpr uint32_t kResumeFirstDelayMs = 50;
+constexpr uint32_t kResumeMaxDelayMs = 1000;
+constexpr uint32_t kResumeTimeoutMs = 120000;
 
 // Run `body` with every exception turned into a status.
 template <typename F>
@@ -80,18 +90,20 @@ struct kvc_client {
     std::vector<kvc_device_info> devices;
 };
 
+enum SessionState { kLive = 0, kResuming = 1 };
+
 struct kvc_session {
     std::shared_ptr<Conn> conn;
-    pb::SessionRef ref;
+    pb::SessionRef ref;  // guarded by mu (a resume replaces it)
     uint64_t id = 0;
-    bool admin = false;
+    std::atomic<bool> admin{false};
     std::string device, kind;
     uint64_t page_size = 0;
     uint32_t max_pages = 0;
     bool wait = false;
     uint32_t wait_timeout_ms = 0;
     kvc_mapper *mapper = nullptr;
-    int fd = -1;
+    int fd = -1;  // the fd channel; replaced by a resume (under alloc_mu and mu)
 
     std::mutex alloc_mu;  // one Allocate + its fd records at a time
     std::mutex mu;        // the books below
@@ -102,17 +114,35 @@ struct kvc_session {
     size_t regions = 0;
     std::map<uintptr_t, kvc_region *> blocks;
 
+    // Resume after a daemon restart (OpenSession gave a resume token).
+    bool resumable = false;
+    std::string resume_token;
+    std::map<uint64_t, int> keep;   // page id -> dup of its fd (mu)
+    std::set<uint64_t> deferred;    // pages whose Free could not reach the daemon (mu)
+    std::atomic<int> state{kLive};
+    std::atomic<uint64_t> resumes{0};
+    std::atomic<bool> closing{false};
+    std::thread monitor;            // polls the fd channel for the daemon's hang-up
+    int wake_fd = -1;               // eventfd: wakes the monitor at close
+
     // Watch stream
     std::mutex watch_mu;
     std::condition_variable watch_cv;
     std::thread watch;
     std::unique_ptr<grpc::ClientContext> watch_ctx;
-    bool watch_started = false, watch_ready = false, watch_done = false;
+    bool watch_started = false, watch_ready = false, watch_done = false, watch_stopping = false;
     grpc::Status watch_status;
     bool available_pending = false;
     std::mutex cb_mu;  // held while the callback runs
     kvc_reclaim_fn reclaim_fn = nullptr;
     void *reclaim_user = nullptr;
+
+    // Wake everyone waiting on watch_cv after a change of ended/state/resumes.
+    void notify()
+    {
+        { std::lock_guard<std::mutex> w(watch_mu); }
+        watch_cv.notify_all();
+    }
 
     void mark_ended(const std::string &why)
     {
@@ -122,14 +152,82 @@ struct kvc_session {
                 end_reason = why;
             ended = true;
         }
-        watch_cv.notify_all();
+        notify();
     }
 
     kvc_status ended_error()
     {
         std::lock_guard<std::mutex> g(mu);
-        return kvc_fail(KVC_ERR_FAILED_PRECONDITION, "session %llu was ended by the daemon: %s",
+        return kvc_fail(KVC_ERR_FAILED_PRECONDITION, "session %llu has ended: %s",
                         (unsigned long long)id, end_reason.c_str());
+    }
+
+    // The fd channel is gone (daemon crash or restart): a resumable session
+    // goes into resuming (the monitor thread does the work).
+    void note_gone()
+    {
+        if (!ended.load() && state.exchange(kResuming) != kResuming)
+            notify();
+    }
+
+    bool resuming() const { return resumable && state.load() == kResuming && !ended.load(); }
+
+    kvc_status resuming_error()
+    {
+        return kvc_fail(KVC_ERR_UNAVAILABLE,
+                        "the daemon went away; session %llu is being resumed: the pages you "
+                        "hold stay usable, try again shortly",
+                        (unsigned long long)id);
+    }
+
+    // Ended or resuming: the daemon cannot be asked now.
+    kvc_status check_live()
+    {
+        if (ended.load())
+            return ended_error();
+        if (resuming())
+            return resuming_error();
+        return KVC_OK;
+    }
+
+    pb::SessionRef ref_copy()
+    {
+        std::lock_guard<std::mutex> g(mu);
+        return ref;
+    }
+
+    // A failed rpc of this session. On a resumable session an unreachable
+    // daemon is said as such (and the session resumes when it is back).
+    kvc_status rpc_error(const grpc::Status &st, const char *what)
+    {
+        if (resumable && !closing.load() && !ended.load() &&
+            (st.error_code() == grpc::StatusCode::UNAVAILABLE || state.load() == kResuming))
+            return kvc_fail(KVC_ERR_UNAVAILABLE,
+                            "%s: the daemon is unreachable; session %llu resumes when it is "
+                            "back and the pages you hold stay usable (%s)",
+                            what, (unsigned long long)id, st.error_message().c_str());
+        return from_grpc(st, what);
+    }
+
+    // Close the kept duplicates of these pages (mu held).
+    void drop_kept_locked(const std::vector<uint64_t> &ids)
+    {
+        for (uint64_t i : ids) {
+            auto it = keep.find(i);
+            if (it != keep.end()) {
+                close(it->second);
+                keep.erase(it);
+            }
+        }
+    }
+
+    void drop_all_kept()
+    {
+        std::lock_guard<std::mutex> g(mu);
+        for (auto &kv : keep)
+            close(kv.second);
+        keep.clear();
+        deferred.clear();
     }
 };
 
@@ -148,30 +246,6 @@ namespace {
 
 // ---- pages from the daemon -------------------------------------------
 
-// Give pages back (they must be unmapped already).
-kvc_status session_free_ids(kvc_session *s, const std::vector<uint64_t> &ids)
-{
-    if (ids.empty())
-        return KVC_OK;
-    if (s->ended.load()) {
-        // The daemon took everything back when it ended the session.
-        s->held_pages -= std::min<uint64_t>(s->held_pages.load(), ids.size());
-        return KVC_OK;
-    }
-    pb::FreeRequest req;
-    *req.mutable_session() = s->ref;
-    for (uint64_t id : ids)
-        req.add_page_ids(id);
-    pb::FreeResponse resp;
-    grpc::ClientContext ctx;
-    s->conn->prepare(ctx);
-    grpc::Status st = s->conn->stub->Free(&ctx, req, &resp);
-    if (!st.ok())
-        return from_grpc(st, "Free");
-    s->held_pages -= std::min<uint64_t>(s->held_pages.load(), ids.size());
-    return KVC_OK;
-}
-
 void close_fds(std::vector<int> &fds)
 {
     for (int &fd : fds)
@@ -179,6 +253,97 @@ void close_fds(std::vector<int> &fds)
             close(fd);
             fd = -1;
         }
+}
+
+void drop_held(kvc_session *s, size_t n)
+{
+    s->held_pages -= std::min<uint64_t>(s->held_pages.load(), n);
+}
+
+// Give pages back (they must be unmapped already).
+//
+// On a resumable session whose daemon is away (the session is resuming, or
+// the Free fails with UNAVAILABLE), the pages are left out of the claim
+// when the session resumes, which gives them back (the old daemon may or
+// may not have processed the Free; the new one forgets what is not
+// claimed, and a session that cannot be resumed gives back everything).
+// That is a completed give-back from the caller's point of view: KVC_OK.
+kvc_status session_free_ids(kvc_session *s, const std::vector<uint64_t> &ids)
+{
+    if (ids.empty())
+        return KVC_OK;
+    auto defer = [&] {
+        std::lock_guard<std::mutex> g(s->mu);
+        s->deferred.insert(ids.begin(), ids.end());
+        drop_held(s, ids.size());
+        return KVC_OK;
+    };
+    if (s->ended.load()) {
+        // The daemon took everything back when it ended the session.
+        std::lock_guard<std::mutex> g(s->mu);
+        s->drop_kept_locked(ids);
+        drop_held(s, ids.size());
+        return KVC_OK;
+    }
+    if (s->resuming())
+        return defer();
+    uint64_t gen = s->resumes.load();
+    pb::FreeRequest req;
+    *req.mutable_session() = s->ref_copy();
+    for (uint64_t id : ids)
+        req.add_page_ids(id);
+    pb::FreeResponse resp;
+    grpc::ClientContext ctx;
+    s->conn->prepare(ctx);
+    grpc::Status st = s->conn->stub->Free(&ctx, req, &resp);
+    if (!st.ok()) {
+        if (s->resumable && !s->closing.load() && !s->ended.load() &&
+            (st.error_code() == grpc::StatusCode::UNAVAILABLE || s->resuming() ||
+             s->resumes.load() != gen))
+            return defer();
+        return s->rpc_error(st, "Free");
+    }
+    std::lock_guard<std::mutex> g(s->mu);
+    s->drop_kept_locked(ids);
+    drop_held(s, ids.size());
+    return KVC_OK;
+}
+
+// Keep a duplicate of each page fd (resumable sessions): ADOPT re-sends them.
+kvc_status keep_fds(kvc_session *s, const std::vector<uint64_t> &ids, const std::vector<int> &fds)
+{
+    if (!s->resumable)
+        return KVC_OK;
+    std::vector<int> dups;
+    for (int fd : fds) {
+        int d = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+        if (d < 0 && errno == EMFILE) {
+            // One fd per page held: raise the soft limit to the hard one.
+            struct rlimit rl;
+            if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+                rl.rlim_cur = rl.rlim_max;
+                setrlimit(RLIMIT_NOFILE, &rl);
+            }
+            d = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+        }
+        if (d < 0) {
+            int e = errno;
+            close_fds(dups);
+            return kvc_fail(KVC_ERR_SYSTEM,
+                            "cannot keep a duplicate page fd for resuming (%s; a resumable "
+                            "session holds one fd per page: raise RLIMIT_NOFILE)",
+                            std::strerror(e));
+        }
+        dups.push_back(d);
+    }
+    std::lock_guard<std::mutex> g(s->mu);
+    for (size_t i = 0; i < ids.size(); i++) {
+        auto it = s->keep.find(ids[i]);
+        if (it != s->keep.end())
+            close(it->second);  // cannot happen: the daemon never lends a page twice
+        s->keep[ids[i]] = dups[i];
+    }
+    return KVC_OK;
 }
 
 // Read the PAGES records of one allocation. Records of other allocations
@@ -201,6 +366,10 @@ kvc_status receive_pages(kvc_session *s, uint64_t allocation_id,
             return kvc_fail(KVC_ERR_PROTOCOL,
                             "allocation %llu: the daemon answered but sent %u of %u page fds",
                             (unsigned long long)allocation_id, got, total);
+        if ((eof || st == KVC_ERR_SYSTEM) && s->resumable) {
+            s->note_gone();
+            return s->resuming_error();
+        }
         if (st != KVC_OK)
             return kvc_fail(st, "fd channel: %s", err);
         if (eof) {
@@ -266,6 +435,10 @@ kvc_status drain_channel(kvc_session *s)
         kvc_status st = kvc_fd_recv(s->fd, 0, rec.get(), &eof, err, sizeof err);
         if (st == KVC_ERR_DEADLINE_EXCEEDED)
             return KVC_OK;  // nothing pending
+        if ((eof || st == KVC_ERR_SYSTEM) && s->resumable) {
+            s->note_gone();
+            return s->resuming_error();
+        }
         if (st != KVC_OK)
             return kvc_fail(st, "fd channel: %s", err);
         if (eof) {
@@ -295,8 +468,9 @@ kvc_status session_allocate(kvc_session *s, uint64_t n, std::vector<uint64_t> &i
 {
     ids.clear();
     fds.clear();
-    if (s->ended.load())
-        return s->ended_error();
+    kvc_status live = s->check_live();
+    if (live != KVC_OK)
+        return live;
     uint64_t limit = s->limit.load();
     if (limit && (s->held_pages.load() + n) * s->page_size > limit)
         return kvc_fail(KVC_ERR_RESOURCE_EXHAUSTED,
@@ -305,6 +479,10 @@ kvc_status session_allocate(kvc_session *s, uint64_t n, std::vector<uint64_t> &i
                         (unsigned long long)(s->held_pages.load() * s->page_size),
                         (unsigned long long)(n * s->page_size), (unsigned long long)limit);
     std::lock_guard<std::mutex> g(s->alloc_mu);
+    live = s->check_live();  // a resume may have ended while we waited
+    if (live != KVC_OK)
+        return live;
+    const pb::SessionRef ref = s->ref_copy();
     kvc_status drained = drain_channel(s);
     if (drained != KVC_OK)
         return drained;
@@ -316,7 +494,7 @@ kvc_status session_allocate(kvc_session *s, uint64_t n, std::vector<uint64_t> &i
     while (done < n) {
         uint32_t chunk = static_cast<uint32_t>(std::min<uint64_t>(n - done, s->max_pages));
         pb::AllocateRequest req;
-        *req.mutable_session() = s->ref;
+        *req.mutable_session() = ref;
         req.set_device(s->device);
         req.set_num_pages(chunk);
         req.set_wait(s->wait);
@@ -335,7 +513,7 @@ kvc_status session_allocate(kvc_session *s, uint64_t n, std::vector<uint64_t> &i
         std::vector<uint64_t> got_ids;
         std::vector<int> got_fds;
         if (!st.ok()) {
-            k = from_grpc(st, "Allocate");
+            k = s->rpc_error(st, "Allocate");
         } else if (static_cast<uint32_t>(resp.page_ids_size()) != chunk ||
                    resp.page_size() != s->page_size) {
             k = kvc_fail(KVC_ERR_PROTOCOL, "Allocate of %u pages of %llu bytes answered %d of %llu",
@@ -345,6 +523,8 @@ kvc_status session_allocate(kvc_session *s, uint64_t n, std::vector<uint64_t> &i
             got_ids.assign(resp.page_ids().begin(), resp.page_ids().end());
             s->held_pages += chunk;
             k = receive_pages(s, resp.allocation_id(), got_ids, got_fds);
+            if (k == KVC_OK)
+                k = keep_fds(s, got_ids, got_fds);
             if (k != KVC_OK) {
                 std::string msg = kvc_last_error();
                 close_fds(got_fds);
@@ -568,11 +748,12 @@ kvc_status region_each_piece(kvc_region *r, uint64_t offset, uint64_t size, bool
 
 // ---- Watch ------------------------------------------------------------
 
-void watch_loop(kvc_session *s)
+// One Watch stream; returns its final status.
+grpc::Status watch_stream(kvc_session *s, grpc::ClientContext *ctx)
 {
     pb::WatchRequest req;
-    *req.mutable_session() = s->ref;
-    auto reader = s->conn->stub->Watch(s->watch_ctx.get(), req);
+    *req.mutable_session() = s->ref_copy();
+    auto reader = s->conn->stub->Watch(ctx, req);
     pb::WatchEvent ev;
     while (reader->Read(&ev)) {
         switch (ev.kind()) {
@@ -612,7 +793,46 @@ void watch_loop(kvc_session *s)
         }
         s->watch_cv.notify_all();
     }
-    grpc::Status st = reader->Finish();
+    return reader->Finish();
+}
+
+// The Watch thread. On a resumable session a stream cut by the daemon's
+// death is opened again (with the new SessionRef) once the session resumed.
+void watch_loop(kvc_session *s)
+{
+    grpc::Status st;
+    for (;;) {
+        uint64_t gen = s->resumes.load();
+        grpc::ClientContext *ctx;
+        {
+            std::lock_guard<std::mutex> g(s->watch_mu);
+            if (s->watch_stopping)
+                break;
+            s->watch_ctx = std::make_unique<grpc::ClientContext>();
+            ctx = s->watch_ctx.get();
+        }
+        st = watch_stream(s, ctx);
+        if (!s->resumable || st.ok() || s->ended.load())
+            break;
+        std::unique_lock<std::mutex> g(s->watch_mu);
+        if (s->watch_stopping)
+            break;
+        // A daemon that died cuts the stream about when its fd channel
+        // hangs up; anything else ends the thread as before.
+        s->watch_cv.wait_for(g, std::chrono::seconds(2), [&] {
+            return s->watch_stopping || s->ended.load() || s->state.load() == kResuming ||
+                   s->resumes.load() != gen;
+        });
+        if (s->state.load() != kResuming && s->resumes.load() == gen)
+            break;
+        s->watch_cv.wait(g, [&] {
+            return s->watch_stopping || s->ended.load() ||
+                   (s->state.load() == kLive && s->resumes.load() != gen);
+        });
+        if (s->watch_stopping || s->ended.load())
+            break;
+        s->watch_ready = false;
+    }
     {
         std::lock_guard<std::mutex> g(s->watch_mu);
         s->watch_done = true;
@@ -629,7 +849,10 @@ kvc_status watch_start(kvc_session *s)
             g.unlock();
             return s->ended_error();
         }
-        s->watch_ctx = std::make_unique<grpc::ClientContext>();
+        if (s->resuming()) {
+            g.unlock();
+            return s->resuming_error();
+        }
         s->watch_started = true;
         s->watch = std::thread(watch_loop, s);
     }
@@ -642,7 +865,11 @@ kvc_status watch_start(kvc_session *s)
     if (s->watch_ready)
         return KVC_OK;
     if (s->watch_done)
-        return from_grpc(s->watch_status, "Watch");
+        return s->rpc_error(s->watch_status, "Watch");
+    if (s->resuming()) {
+        g.unlock();
+        return s->resuming_error();
+    }
     return kvc_fail(KVC_ERR_DEADLINE_EXCEEDED, "Watch: no READY event within %u ms", t);
 }
 
@@ -653,11 +880,261 @@ void watch_stop(kvc_session *s)
         std::lock_guard<std::mutex> g(s->watch_mu);
         if (!s->watch_started)
             return;
-        s->watch_ctx->TryCancel();
+        s->watch_stopping = true;
+        if (s->watch_ctx)
+            s->watch_ctx->TryCancel();
         t = std::move(s->watch);
     }
+    s->watch_cv.notify_all();
     if (t.joinable())
         t.join();
+}
+
+// ---- resume after a daemon restart ---------------------------------------
+
+// After the fd channel hung up: did the daemon end the session (GOODBYE or
+// ERROR still queued) or did it go away? Records left unread are dropped
+// (page fds of an allocation nobody waits for: not claimed, so forgotten).
+bool channel_gone(kvc_session *s)
+{
+    std::lock_guard<std::mutex> g(s->alloc_mu);
+    auto rec = std::make_unique<kvc_fd_record>();
+    char err[512];
+    for (;;) {
+        if (s->ended.load())
+            return false;
+        int eof = 0;
+        kvc_status st = kvc_fd_recv(s->fd, 0, rec.get(), &eof, err, sizeof err);
+        if (st != KVC_OK || eof)
+            return true;
+        switch (rec->type) {
+        case KVC_FD_GOODBYE:
+            s->mark_ended("GOODBYE on the fd channel");
+            return false;
+        case KVC_FD_ERROR:
+            s->mark_ended(std::string("ERROR on the fd channel: ") + rec->message);
+            return false;
+        default:
+            kvc_fd_record_close_fds(rec.get());
+            break;
+        }
+    }
+}
+
+// Sleep up to ms, or until the session closes. False if it is closing.
+bool resume_sleep(kvc_session *s, uint32_t ms)
+{
+    std::unique_lock<std::mutex> g(s->watch_mu);
+    s->watch_cv.wait_for(g, std::chrono::milliseconds(ms), [s] { return s->closing.load(); });
+    return !s->closing.load();
+}
+
+// The session is dead: the daemon refused the claim or did not come back.
+void resume_failed(kvc_session *s, const std::string &why)
+{
+    s->mark_ended(why);
+    s->drop_all_kept();
+}
+
+// Reconnect with backoff, new fd channel + HELLO, ADOPT every page still
+// held (not the ones whose Free could not reach the daemon), ResumeSession,
+// swap in the new channel and SessionRef. True once resumed.
+bool session_resume(kvc_session *s)
+{
+    s->note_gone();
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(kResumeTimeoutMs);
+    uint32_t delay = kResumeFirstDelayMs;
+    std::string last = "no answer";
+    auto backoff = [&] {
+        bool go = resume_sleep(s, delay);
+        delay = std::min(delay * 2, kResumeMaxDelayMs);
+        return go;
+    };
+    char err[512];
+    while (!s->closing.load() && std::chrono::steady_clock::now() < deadline) {
+        uint32_t t = s->conn->timeout_ms.load();
+        if (t == 0)
+            t = kDefaultTimeoutMs;
+        pb::GetInfoResponse info;
+        {
+            grpc::ClientContext ctx;
+            ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(1000));
+            grpc::Status gs = s->conn->stub->GetInfo(&ctx, pb::GetInfoRequest(), &info);
+            if (!gs.ok()) {
+                last = "GetInfo: " + gs.error_message();
+                if (!backoff())
+                    return false;
+                continue;
+            }
+        }
+        int nfd = -1;
+        kvc_status st = kvc_fd_connect(info.fd_socket().c_str(), &nfd, err, sizeof err);
+        auto hello = std::make_unique<kvc_fd_record>();
+        if (st == KVC_OK) {
+            int eof = 0;
+            st = kvc_fd_recv(nfd, static_cast<int>(t), hello.get(), &eof, err, sizeof err);
+            if (st == KVC_OK && (eof || hello->type != KVC_FD_HELLO)) {
+                if (!eof)
+                    kvc_fd_record_close_fds(hello.get());
+                std::snprintf(err, sizeof err, "no HELLO on the new fd channel");
+                st = KVC_ERR_UNAVAILABLE;
+            }
+        }
+        if (st != KVC_OK) {
+            if (nfd >= 0)
+                close(nfd);
+            last = std::string("fd channel: ") + err;
+            if (!backoff())
+                return false;
+            continue;
+        }
+
+        std::unique_lock<std::mutex> alloc(s->alloc_mu);  // nobody reads the old channel
+        std::vector<uint64_t> ids;
+        bool sent = true;
+        {
+            std::lock_guard<std::mutex> g(s->mu);
+            // Not claiming a page whose Free failed gives it back.
+            std::vector<uint64_t> gone(s->deferred.begin(), s->deferred.end());
+            s->drop_kept_locked(gone);
+            s->deferred.clear();
+            std::vector<int> fds;
+            for (auto &kv : s->keep) {
+                ids.push_back(kv.first);
+                fds.push_back(kv.second);
+            }
+            std::vector<uint8_t> buf(KVC_FD_MAX_RECORD);
+            for (size_t i = 0; sent && i < ids.size(); i += KVC_FD_MAX_FDS) {
+                uint32_t n = static_cast<uint32_t>(std::min<size_t>(KVC_FD_MAX_FDS, ids.size() - i));
+                size_t len = kvc_fd_encode_adopt(buf.data(), buf.size(), s->id,
+                                                 static_cast<uint32_t>(i),
+                                                 static_cast<uint32_t>(ids.size()), &ids[i], n);
+                sent = len > 0 && kvc_fd_send(nfd, buf.data(), len, &fds[i], n, err,
+                                              sizeof err) == KVC_OK;
+            }
+        }
+        if (!sent) {
+            close(nfd);
+            alloc.unlock();
+            last = std::string("ADOPT: ") + err;
+            if (!backoff())
+                return false;
+            continue;
+        }
+        pb::ResumeSessionRequest req;
+        req.set_channel_secret(hello->secret, KVC_FD_SECRET_SIZE);
+        req.set_session_id(s->id);
+        req.set_resume_token(s->resume_token);
+        for (uint64_t i : ids)
+            req.add_page_ids(i);
+        pb::ResumeSessionResponse resp;
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(t));
+        grpc::Status gs = s->conn->stub->ResumeSession(&ctx, req, &resp);
+        if (!gs.ok()) {
+            close(nfd);
+            alloc.unlock();
+            if (gs.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                gs.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+                last = "ResumeSession: " + gs.error_message();
+                if (!backoff())
+                    return false;
+                continue;
+            }
+            kvc_status k = kvc_status_from_grpc_code(static_cast<int>(gs.error_code()));
+            resume_failed(s, std::string("it could not be resumed after the daemon restarted: ") +
+                                 "ResumeSession refused (" + kvc_status_to_string(k) + "): " +
+                                 gs.error_message());
+            return false;
+        }
+        std::vector<uint64_t> late;  // Frees deferred while the claim was in flight
+        {
+            std::lock_guard<std::mutex> g(s->mu);
+            close(s->fd);
+            s->fd = nfd;
+            s->ref = resp.session();
+            s->admin = resp.admin();
+            for (uint64_t i : s->deferred)
+                if (s->keep.count(i))
+                    late.push_back(i);
+            for (uint64_t i : late)
+                s->deferred.erase(i);
+            s->resumes++;
+            s->state = kLive;
+        }
+        alloc.unlock();
+        s->notify();
+        if (!late.empty()) {
+            // Claimed, but the caller gave them back meanwhile: Free them now
+            // (held_pages already counts them as gone).
+            pb::FreeRequest freq;
+            *freq.mutable_session() = s->ref_copy();
+            for (uint64_t i : late)
+                freq.add_page_ids(i);
+            pb::FreeResponse fresp;
+            grpc::ClientContext fctx;
+            s->conn->prepare(fctx);
+            grpc::Status fs = s->conn->stub->Free(&fctx, freq, &fresp);
+            std::lock_guard<std::mutex> g(s->mu);
+            if (fs.ok())
+                s->drop_kept_locked(late);
+            else
+                s->deferred.insert(late.begin(), late.end());
+        }
+        return true;
+    }
+    if (s->closing.load())
+        return false;
+    resume_failed(s, "it could not be resumed: the daemon did not come back within " +
+                         std::to_string(kResumeTimeoutMs / 1000) + " s (last: " + last + ")");
+    return false;
+}
+
+// The monitor thread of a resumable session: waits for the daemon's end of
+// the fd channel to hang up (POLLRDHUP; it reads nothing while the channel
+// is up) and then resumes the session.
+void monitor_loop(kvc_session *s)
+{
+    while (!s->closing.load() && !s->ended.load()) {
+        struct pollfd p[2];
+        p[0].fd = s->fd;  // only this thread replaces it
+        p[0].events = POLLRDHUP;
+        p[0].revents = 0;
+        p[1].fd = s->wake_fd;
+        p[1].events = POLLIN;
+        p[1].revents = 0;
+        int n = poll(p, 2, -1);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return;
+        }
+        if (s->closing.load())
+            return;
+        if (!(p[0].revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)))
+            continue;
+        if (!channel_gone(s))
+            continue;  // ended by the daemon (loop condition), or a spurious wake
+        if (!session_resume(s))
+            return;
+    }
+}
+
+void monitor_stop(kvc_session *s)
+{
+    s->closing = true;
+    if (s->wake_fd >= 0) {
+        uint64_t one = 1;
+        ssize_t n = write(s->wake_fd, &one, sizeof one);
+        (void)n;
+    }
+    s->notify();
+    if (s->monitor.joinable())
+        s->monitor.join();
+    if (s->wake_fd >= 0)
+        close(s->wake_fd);
+    s->wake_fd = -1;
 }
 
 void fill_pool(kvc_pool_stats *o, const pb::PoolStats &p)
@@ -673,16 +1150,17 @@ void fill_pool(kvc_pool_stats *o, const pb::PoolStats &p)
 
 kvc_status session_stats(kvc_session *s, kvc_stats *out)
 {
-    if (s->ended.load())
-        return s->ended_error();
+    kvc_status live = s->check_live();
+    if (live != KVC_OK)
+        return live;
     pb::GetStatsRequest req;
-    *req.mutable_session() = s->ref;
+    *req.mutable_session() = s->ref_copy();
     pb::GetStatsResponse resp;
     grpc::ClientContext ctx;
     s->conn->prepare(ctx);
     grpc::Status st = s->conn->stub->GetStats(&ctx, req, &resp);
     if (!st.ok())
-        return from_grpc(st, "GetStats");
+        return s->rpc_error(st, "GetStats");
     kvc_stats o;
     std::memset(&o, 0, sizeof o);
     o.struct_size = sizeof o;
@@ -745,6 +1223,10 @@ KVC_API kvc_status kvc_client_create(const char *socket_path, kvc_client **out)
         conn->socket_path = path;
         grpc::ChannelArguments args;
         args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
+        // After a daemon restart the channel reconnects within a second.
+        args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+        args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+        args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
         conn->channel = grpc::CreateCustomChannel(std::string("unix:") + path,
                                                   grpc::InsecureChannelCredentials(), args);
         conn->stub = pb::KVCached::NewStub(conn->channel);
@@ -938,6 +1420,17 @@ KVC_API kvc_status kvc_session_open(kvc_client *client, const kvc_session_option
         s->ref = resp.session();
         s->id = resp.session().id();
         s->admin = resp.admin();
+        s->resume_token = resp.resume_token();
+        if (!s->resume_token.empty()) {
+            s->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+            if (s->wake_fd < 0) {
+                int e = errno;
+                cleanup();
+                return kvc_fail(KVC_ERR_SYSTEM, "eventfd: %s", std::strerror(e));
+            }
+            s->resumable = true;
+            s->monitor = std::thread(monitor_loop, s.get());
+        }
         *out = s.release();
         return KVC_OK;
     });
@@ -961,9 +1454,12 @@ KVC_API kvc_status kvc_session_close(kvc_session *s)
                                 "session %llu still has %zu regions or blocks: destroy them first",
                                 (unsigned long long)s->id, s->regions);
         }
-        if (!s->ended.load()) {
+        // First the resume monitor (a CloseSession hangs up the channel; a
+        // resume in progress is abandoned).
+        monitor_stop(s);
+        if (!s->ended.load() && s->state.load() == kLive) {
             pb::CloseSessionRequest req;
-            *req.mutable_session() = s->ref;
+            *req.mutable_session() = s->ref_copy();
             pb::CloseSessionResponse resp;
             grpc::ClientContext ctx;
             s->conn->prepare(ctx);
@@ -972,6 +1468,7 @@ KVC_API kvc_status kvc_session_close(kvc_session *s)
         watch_stop(s);
         if (s->fd >= 0)
             close(s->fd);
+        s->drop_all_kept();
         kvc_mapper_destroy(s->mapper);
         delete s;
         return KVC_OK;
@@ -987,7 +1484,43 @@ KVC_API uint64_t kvc_session_held_bytes(const kvc_session *s)
     return s ? s->held_pages.load() * s->page_size : 0;
 }
 KVC_API int kvc_session_ended(const kvc_session *s) { return s && s->ended.load() ? 1 : 0; }
-KVC_API int kvc_session_is_admin(const kvc_session *s) { return s && s->admin ? 1 : 0; }
+KVC_API int kvc_session_is_admin(const kvc_session *s) { return s && s->admin.load() ? 1 : 0; }
+KVC_API int kvc_session_is_resumable(const kvc_session *s) { return s && s->resumable ? 1 : 0; }
+KVC_API int kvc_session_is_resuming(const kvc_session *s)
+{
+    return s && s->resuming() ? 1 : 0;
+}
+KVC_API uint64_t kvc_session_resume_count(const kvc_session *s)
+{
+    return s ? s->resumes.load() : 0;
+}
+
+KVC_API kvc_status kvc_session_wait_resumed(kvc_session *s, uint32_t timeout_ms)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(s, "session is NULL");
+        if (s->ended.load())
+            return s->ended_error();
+        if (!s->resumable)
+            return kvc_fail(KVC_ERR_FAILED_PRECONDITION,
+                            "session %llu is not resumable: the daemon keeps no state (start "
+                            "kvcached-serve with --state-dir)",
+                            (unsigned long long)s->id);
+        std::unique_lock<std::mutex> g(s->watch_mu);
+        s->watch_cv.wait_for(g, std::chrono::milliseconds(timeout_ms), [s] {
+            return s->ended.load() || s->state.load() == kLive;
+        });
+        g.unlock();
+        if (s->ended.load())
+            return s->ended_error();
+        if (s->state.load() == kLive)
+            return KVC_OK;
+        return kvc_fail(KVC_ERR_DEADLINE_EXCEEDED,
+                        "session %llu is still being resumed after %u ms (the daemon is not "
+                        "back yet)",
+                        (unsigned long long)s->id, timeout_ms);
+    });
+}
 
 KVC_API kvc_status kvc_session_get_stats(kvc_session *s, kvc_stats *out)
 {
@@ -1031,7 +1564,7 @@ KVC_API kvc_status kvc_session_wait_available(kvc_session *s, uint32_t timeout_m
             return s->ended_error();
         }
         if (s->watch_done)
-            return from_grpc(s->watch_status, "Watch ended");
+            return s->rpc_error(s->watch_status, "Watch ended");
         (void)got;
         return kvc_fail(KVC_ERR_DEADLINE_EXCEEDED,
                         "no MEMORY_AVAILABLE event for device %s within %u ms",
@@ -1045,10 +1578,11 @@ KVC_API kvc_status kvc_session_request_shrink(kvc_session *s, uint64_t target_id
 {
     return guarded([&]() -> kvc_status {
         NEED(s, "session is NULL");
-        if (s->ended.load())
-            return s->ended_error();
+        kvc_status live = s->check_live();
+        if (live != KVC_OK)
+            return live;
         pb::RequestShrinkRequest req;
-        *req.mutable_admin() = s->ref;
+        *req.mutable_admin() = s->ref_copy();
         req.set_session_id(target_id);
         req.set_target_bytes(target_bytes);
         req.set_timeout_ms(timeout_ms);
@@ -1057,7 +1591,7 @@ KVC_API kvc_status kvc_session_request_shrink(kvc_session *s, uint64_t target_id
         s->conn->prepare(ctx);
         grpc::Status st = s->conn->stub->RequestShrink(&ctx, req, &resp);
         if (!st.ok())
-            return from_grpc(st, "RequestShrink");
+            return s->rpc_error(st, "RequestShrink");
         if (pages_requested)
             *pages_requested = resp.pages_requested();
         return KVC_OK;
