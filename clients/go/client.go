@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
@@ -73,7 +74,15 @@ func Dial(ctx context.Context, socket string, opts ...Option) (*Client, error) {
 	if _, err := os.Stat(socket); err != nil {
 		return nil, newError(ErrNoSocket, "Dial", "%v (is kvcached-serve running?)", err)
 	}
-	dopts := append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, o.dialOpts...)
+	dopts := append([]grpc.DialOption{
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		// Reconnect quickly after a daemon restart (sessions resume as soon
+		// as it is back): 50 ms doubling to at most 1 s between attempts.
+		grpc.WithConnectParams(grpc.ConnectParams{
+			Backoff:           backoff.Config{BaseDelay: 50 * time.Millisecond, Multiplier: 2, Jitter: 0.2, MaxDelay: time.Second},
+			MinConnectTimeout: 5 * time.Second,
+		}),
+	}, o.dialOpts...)
 	conn, err := grpc.NewClient("unix://"+socket, dopts...)
 	if err != nil {
 		return nil, newError(ErrInvalidArgument, "Dial", "%v", err)

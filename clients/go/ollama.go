@@ -163,10 +163,14 @@ func (s *Session) RunnerUsage(ctx context.Context, digest string) (RunnerUsage, 
 // the pages asked for (0 if already small enough). The pages come back
 // when the runner frees them; poll RunnerUsage to see it happen.
 func (s *Session) RequestShrink(ctx context.Context, id, targetBytes uint64, timeout time.Duration) (uint64, error) {
-	r, err := s.c.rpc.RequestShrink(ctx, &pb.RequestShrinkRequest{Admin: s.ref, SessionId: id, TargetBytes: targetBytes,
+	ref, gen, err := s.call("RequestShrink")
+	if err != nil {
+		return 0, err
+	}
+	r, err := s.c.rpc.RequestShrink(ctx, &pb.RequestShrinkRequest{Admin: ref, SessionId: id, TargetBytes: targetBytes,
 		TimeoutMs: uint32(timeout / time.Millisecond)})
 	if err != nil {
-		return 0, statusToError("RequestShrink", err)
+		return 0, s.rpcErr("RequestShrink", gen, err)
 	}
 	return r.GetPagesRequested(), nil
 }
@@ -199,7 +203,11 @@ type Limits struct {
 
 // SetLimits (admin) changes another session's limits.
 func (s *Session) SetLimits(ctx context.Context, id uint64, l Limits) (SessionStats, error) {
-	req := &pb.SetSessionLimitsRequest{Admin: s.ref, SessionId: id}
+	ref, gen, err := s.call("SetSessionLimits")
+	if err != nil {
+		return SessionStats{}, err
+	}
+	req := &pb.SetSessionLimitsRequest{Admin: ref, SessionId: id}
 	if l.GuaranteedBytes != nil {
 		req.GuaranteedBytes = *l.GuaranteedBytes
 		req.SetFields = append(req.SetFields, "guaranteed_bytes")
@@ -214,7 +222,7 @@ func (s *Session) SetLimits(ctx context.Context, id uint64, l Limits) (SessionSt
 	}
 	r, err := s.c.rpc.SetSessionLimits(ctx, req)
 	if err != nil {
-		return SessionStats{}, statusToError("SetSessionLimits", err)
+		return SessionStats{}, s.rpcErr("SetSessionLimits", gen, err)
 	}
 	return sessionStatsFromPB(r.GetSession()), nil
 }

@@ -127,6 +127,7 @@ type sessionOptions struct {
 	labels          map[string]string
 	onReclaim       ReclaimHandler
 	onEvent         func(Event)
+	resumeTimeout   time.Duration
 }
 
 // WithGuaranteedBytes: bytes per device never reclaimed from the session.
@@ -162,32 +163,62 @@ func WithReclaimHandler(h ReclaimHandler) SessionOption {
 // before the reclaim handler, on the same goroutine).
 func WithEventHandler(h func(Event)) SessionOption { return func(o *sessionOptions) { o.onEvent = h } }
 
+// WithResumeTimeout bounds how long a resumable session keeps trying to
+// resume after the daemon went away (default 2 minutes); after that it ends
+// with ErrUnavailable.
+func WithResumeTimeout(d time.Duration) SessionOption {
+	return func(o *sessionOptions) { o.resumeTimeout = d }
+}
+
 // Session is one session with the daemon, bound to its own fd channel. It
 // is safe for concurrent use.
 type Session struct {
-	c     *Client
-	ref   *pb.SessionRef
-	info  *Info
-	name  string
-	admin bool
-	pid   uint32
-	uid   uint32
-	gid   uint32
-	ch    *fdchan.Conn
-	log   *slog.Logger
+	c         *Client
+	id        uint64
+	info      *Info
+	name      string
+	admin     bool
+	pid       uint32
+	uid       uint32
+	gid       uint32
+	log       *slog.Logger
+	resumable bool // the daemon gave a resume token (it keeps a journal)
+	// resumeToken proves the session to a restarted daemon; it stays the
+	// same across resumes (the SessionRef token changes).
+	resumeToken []byte
 
-	watchCancel context.CancelFunc
-	wg          sync.WaitGroup
-	readerDone  chan struct{}
+	watchCancel   context.CancelFunc
+	wg            sync.WaitGroup
+	readerDone    chan struct{}
+	stopCtx       context.Context // ends at Close: interrupts a resume
+	stop          context.CancelFunc
+	resumeTimeout time.Duration
 
 	mu       sync.Mutex
-	allocs   map[uint64]*pendingAlloc
+	ref      *pb.SessionRef // changes (new token) at each resume
+	ch       *fdchan.Conn   // changes at each resume
+	allocs   map[allocKey]*pendingAlloc
 	inflight int
 	endErr   error // why the fd channel ended (set before readerDone closes)
 	closed   bool
 	regions  map[*Region]struct{}
 	mappers  map[string]mapper
+
+	// Resume state (resume.go); only used when resumable.
+	keep      map[uint64]kept   // page id -> dup of its fd, for ADOPT
+	keepSeq   uint64            // numbers kept entries (page ids are lent again)
+	deferred  map[uint64]uint64 // page id -> kept seq: Free failed with Unavailable
+	gen       uint64            // fd channel generation: +1 per resume
+	lost      chan struct{}     // closed when the current fd channel hangs up
+	resuming  bool
+	resumed   chan struct{} // closed whenever not resuming
+	resumes   uint64
+	resumeErr error // the resume was refused or timed out: the session is dead
 }
+
+// allocKey names a pending allocation: allocation ids start again at a
+// restarted daemon, so they are qualified by the fd channel generation.
+type allocKey struct{ gen, id uint64 }
 
 type pendingAlloc struct {
 	total    int
@@ -231,16 +262,28 @@ func (c *Client) OpenSession(ctx context.Context, name string, opts ...SessionOp
 		return nil, statusToError("OpenSession", err)
 	}
 	s := &Session{
-		c: c, ref: resp.GetSession(), info: info, name: name, admin: resp.GetAdmin(),
+		c: c, ref: resp.GetSession(), id: resp.GetSession().GetId(), info: info, name: name, admin: resp.GetAdmin(),
 		pid: resp.GetPid(), uid: resp.GetUid(), gid: resp.GetGid(), ch: ch,
-		readerDone: make(chan struct{}),
-		allocs:     map[uint64]*pendingAlloc{},
-		regions:    map[*Region]struct{}{},
-		mappers:    map[string]mapper{},
+		resumable:     len(resp.GetResumeToken()) > 0,
+		resumeTimeout: o.resumeTimeout,
+		readerDone:    make(chan struct{}),
+		allocs:        map[allocKey]*pendingAlloc{},
+		regions:       map[*Region]struct{}{},
+		mappers:       map[string]mapper{},
+		keep:          map[uint64]kept{},
+		deferred:      map[uint64]uint64{},
+		lost:          make(chan struct{}),
+		resumed:       make(chan struct{}),
 	}
-	s.log = c.log.With("session_id", s.ref.GetId(), "session_name", name)
+	close(s.resumed)
+	if s.resumeTimeout <= 0 {
+		s.resumeTimeout = 2 * time.Minute
+	}
+	s.resumeToken = resp.GetResumeToken()
+	s.stopCtx, s.stop = context.WithCancel(context.Background())
+	s.log = c.log.With("session_id", s.id, "session_name", name)
 	s.wg.Add(1)
-	go s.readLoop()
+	go s.readLoop(ch)
 	if o.onReclaim != nil || o.onEvent != nil {
 		wctx, cancel := context.WithCancel(context.Background())
 		s.watchCancel = cancel
@@ -292,7 +335,7 @@ func readHello(ctx context.Context, ch *fdchan.Conn) (fdchan.Hello, error) {
 }
 
 // ID is the session's public id (as in stats).
-func (s *Session) ID() uint64 { return s.ref.GetId() }
+func (s *Session) ID() uint64 { return s.id }
 
 // Name is the name the session was opened with.
 func (s *Session) Name() string { return s.name }
@@ -322,12 +365,33 @@ func (s *Session) Err() error {
 	}
 }
 
-// readLoop owns the fd channel's receiving side.
-func (s *Session) readLoop() {
+// readLoop owns the fd channel's receiving side. When a resumable
+// session's channel hangs up (the daemon died) it resumes the session
+// (resume.go) and goes on reading the new channel.
+func (s *Session) readLoop(ch *fdchan.Conn) {
 	defer s.wg.Done()
-	var end error
+	for {
+		end, hangup := s.readChannel(ch)
+		if hangup && s.resumable {
+			next, err := s.resume(ch, end)
+			if next != nil {
+				ch = next
+				continue
+			}
+			if err != nil {
+				end = err
+			}
+		}
+		s.finish(ch, end)
+		return
+	}
+}
+
+// readChannel reads records until the channel ends; hangup reports an end
+// of stream or a read error rather than a record that ended the session.
+func (s *Session) readChannel(ch *fdchan.Conn) (end error, hangup bool) {
 	for end == nil {
-		r, err := s.ch.Recv()
+		r, err := ch.Recv()
 		switch r := r.(type) {
 		case fdchan.Pages:
 			end = s.deliver(r)
@@ -342,38 +406,56 @@ func (s *Session) readLoop() {
 			case errors.Is(err, fdchan.ErrProtocol):
 				end = newError(ErrProtocol, "fd channel", "%v", err)
 			case errors.Is(err, io.EOF):
-				end = newError(ErrClosed, "fd channel", "the daemon closed the fd channel")
+				end, hangup = newError(ErrClosed, "fd channel", "the daemon closed the fd channel"), true
 			default:
-				end = newError(ErrClosed, "fd channel", "%v", err)
+				end, hangup = newError(ErrClosed, "fd channel", "%v", err), true
 			}
+		default:
+			end = newError(ErrProtocol, "fd channel", "unexpected record %T", r)
 		}
 	}
+	return end, hangup
+}
+
+// finish ends the session for good: pending allocations and kept page
+// descriptors are closed, Done is closed.
+func (s *Session) finish(ch *fdchan.Conn, end error) {
 	s.mu.Lock()
 	closing := s.closed
 	if s.endErr == nil {
 		s.endErr = end
 	}
-	for id, pa := range s.allocs {
+	for k, pa := range s.allocs {
 		for _, fd := range pa.fds {
 			closeFD(fd)
 		}
-		delete(s.allocs, id)
+		delete(s.allocs, k)
 	}
+	for id, k := range s.keep {
+		closeFD(k.fd)
+		delete(s.keep, id)
+	}
+	if s.resuming {
+		s.resuming = false
+		close(s.resumed)
+	}
+	logged := s.resumeErr != nil // resumeFailed said why
 	s.mu.Unlock()
-	if !closing {
+	if !closing && !logged {
 		s.log.Warn("kvcached session ended by the daemon", "err", end)
 	}
-	s.ch.Close()
+	ch.Close()
 	close(s.readerDone)
 }
 
 func (s *Session) deliver(r fdchan.Pages) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	pa := s.allocs[r.AllocationID]
+	key := allocKey{s.gen, r.AllocationID}
+	pa := s.allocs[key]
 	if pa == nil {
 		pa = &pendingAlloc{done: make(chan struct{})}
-		s.allocs[r.AllocationID] = pa
+		s.allocs[key] = pa
 	}
 	if pa.total == 0 {
 		pa.total = int(r.Total)
@@ -395,11 +477,12 @@ func (s *Session) deliver(r fdchan.Pages) error {
 		}
 		pa.ids[j], pa.fds[j] = r.PageIDs[i], fd
 		pa.received++
+		s.keepLocked(r.PageIDs[i], fd)
 	}
 	if pa.received == pa.total {
 		close(pa.done)
 		if !pa.claimed && s.inflight == 0 {
-			s.dropOrphanLocked(r.AllocationID, pa)
+			s.dropOrphanLocked(key, pa)
 		}
 	}
 	return nil
@@ -407,8 +490,9 @@ func (s *Session) deliver(r fdchan.Pages) error {
 
 // dropOrphanLocked gives back an allocation whose Allocate call failed on
 // this side (its context ended) after the daemon had already sent it.
-func (s *Session) dropOrphanLocked(id uint64, pa *pendingAlloc) {
-	delete(s.allocs, id)
+func (s *Session) dropOrphanLocked(key allocKey, pa *pendingAlloc) {
+	id := key.id
+	delete(s.allocs, key)
 	for _, fd := range pa.fds {
 		closeFD(fd)
 	}
@@ -491,7 +575,7 @@ func (s *Session) Allocate(ctx context.Context, n int, opts ...AllocOption) (*Al
 	if n <= 0 || uint64(n) > uint64(^uint32(0)) {
 		return nil, newError(ErrInvalidArgument, "Allocate", "num_pages %d out of range", n)
 	}
-	req := &pb.AllocateRequest{Session: s.ref, NumPages: uint32(n)}
+	req := &pb.AllocateRequest{NumPages: uint32(n)}
 	for _, opt := range opts {
 		opt(req)
 	}
@@ -501,20 +585,28 @@ func (s *Session) Allocate(ctx context.Context, n int, opts ...AllocOption) (*Al
 		s.mu.Unlock()
 		return nil, err
 	}
+	if s.resuming {
+		err := s.unavailableLocked("Allocate", "")
+		s.mu.Unlock()
+		return nil, err
+	}
+	req.Session = s.ref
+	gen, lost := s.gen, s.lost
 	s.inflight++
 	s.mu.Unlock()
 	defer s.allocateDone()
 
 	resp, err := s.c.rpc.Allocate(ctx, req)
 	if err != nil {
-		return nil, statusToError("Allocate", err)
+		return nil, s.rpcErr("Allocate", gen, err)
 	}
 	id := resp.GetAllocationId()
+	key := allocKey{gen, id}
 	s.mu.Lock()
-	pa := s.allocs[id]
+	pa := s.allocs[key]
 	if pa == nil {
 		pa = &pendingAlloc{done: make(chan struct{})}
-		s.allocs[id] = pa
+		s.allocs[key] = pa
 	}
 	pa.claimed = true
 	s.mu.Unlock()
@@ -523,6 +615,20 @@ func (s *Session) Allocate(ctx context.Context, n int, opts ...AllocOption) (*Al
 	case <-pa.done:
 	case <-s.readerDone:
 		return nil, s.closedErr("Allocate")
+	case <-lost:
+		select {
+		case <-pa.done: // every page arrived before the channel hung up
+		default:
+			// The daemon went away before sending every page: they are not
+			// claimed at resume, which gives them back.
+			s.mu.Lock()
+			if s.allocs[key] == pa {
+				delete(s.allocs, key)
+			}
+			err := s.unavailableLocked("Allocate", "the pages of allocation %d did not all arrive", id)
+			s.mu.Unlock()
+			return nil, err
+		}
 	case <-ctx.Done():
 		// The pages are the session's now; give them back once they arrive.
 		s.mu.Lock()
@@ -531,7 +637,7 @@ func (s *Session) Allocate(ctx context.Context, n int, opts ...AllocOption) (*Al
 		return nil, statusToError("Allocate", ctx.Err())
 	}
 	s.mu.Lock()
-	delete(s.allocs, id)
+	delete(s.allocs, key)
 	s.mu.Unlock()
 	a := &Allocation{ID: id, Device: resp.GetDevice(), PageSize: resp.GetPageSize(), HeldBytes: resp.GetHeldBytes()}
 	want := resp.GetPageIds()
@@ -556,9 +662,9 @@ func (s *Session) allocateDone() {
 	if s.inflight > 0 {
 		return
 	}
-	for id, pa := range s.allocs {
+	for key, pa := range s.allocs {
 		if !pa.claimed && pa.total > 0 && pa.received == pa.total {
-			s.dropOrphanLocked(id, pa)
+			s.dropOrphanLocked(key, pa)
 		}
 	}
 }
@@ -571,12 +677,12 @@ func (s *Session) closedErr(op string) error {
 
 func (s *Session) closedErrLocked(op string) error {
 	if s.closed {
-		return newError(ErrClosed, op, "session %d is closed", s.ref.GetId())
+		return newError(ErrClosed, op, "session %d is closed", s.id)
 	}
 	if s.endErr != nil {
 		return s.endErr
 	}
-	return newError(ErrClosed, op, "session %d ended", s.ref.GetId())
+	return newError(ErrClosed, op, "session %d ended", s.id)
 }
 
 // FreeResult is the answer to Free.
@@ -585,21 +691,41 @@ type FreeResult struct {
 	HeldBytes  uint64 // bytes the session holds (all devices) afterwards
 }
 
-// Free gives pages back (all or nothing). Unmap them first.
+// Free gives pages back (all or nothing). Unmap them first. On a
+// resumable session, a Free that fails with ErrUnavailable (the daemon is
+// away) still gives the pages back: they are not claimed when the session
+// resumes, which frees them.
 func (s *Session) Free(ctx context.Context, ids []uint64) (FreeResult, error) {
-	resp, err := s.c.rpc.Free(ctx, &pb.FreeRequest{Session: s.ref, PageIds: ids})
-	if err != nil {
-		return FreeResult{}, statusToError("Free", err)
+	for {
+		seqs := s.keptSeqs(ids)
+		ref, gen, err := s.call("Free")
+		if err == nil {
+			var resp *pb.FreeResponse
+			resp, err = s.c.rpc.Free(ctx, &pb.FreeRequest{Session: ref, PageIds: ids})
+			if err == nil {
+				s.unkeep(seqs)
+				return FreeResult{PagesFreed: resp.GetPagesFreed(), HeldBytes: resp.GetHeldBytes()}, nil
+			}
+			err = s.rpcErr("Free", gen, err)
+		}
+		if !s.resumable || !errors.Is(err, ErrUnavailable) || s.deferFree(gen, seqs) {
+			return FreeResult{}, err
+		}
+		// A resume completed during the call and claimed these pages:
+		// free them at the daemon that has them now.
 	}
-	return FreeResult{PagesFreed: resp.GetPagesFreed(), HeldBytes: resp.GetHeldBytes()}, nil
 }
 
 // Stats returns global and device numbers plus this session's (every
 // session's for an admin session).
 func (s *Session) Stats(ctx context.Context) (*Stats, error) {
-	r, err := s.c.rpc.GetStats(ctx, &pb.GetStatsRequest{Session: s.ref})
+	ref, gen, err := s.call("GetStats")
 	if err != nil {
-		return nil, statusToError("GetStats", err)
+		return nil, err
+	}
+	r, err := s.c.rpc.GetStats(ctx, &pb.GetStatsRequest{Session: ref})
+	if err != nil {
+		return nil, s.rpcErr("GetStats", gen, err)
 	}
 	return statsFromPB(r), nil
 }
@@ -623,9 +749,13 @@ func (s *Session) Own(ctx context.Context) (SessionStats, error) {
 // session ended). The first event is always EventReady. Sessions opened
 // with WithReclaimHandler already run a Watch of their own.
 func (s *Session) Watch(ctx context.Context, fn func(Event)) error {
-	stream, err := s.c.rpc.Watch(ctx, &pb.WatchRequest{Session: s.ref})
+	ref, gen, err := s.call("Watch")
 	if err != nil {
-		return s.watchErr(ctx, err)
+		return err
+	}
+	stream, err := s.c.rpc.Watch(ctx, &pb.WatchRequest{Session: ref})
+	if err != nil {
+		return s.watchErr(ctx, gen, err)
 	}
 	for {
 		e, err := stream.Recv()
@@ -633,17 +763,17 @@ func (s *Session) Watch(ctx context.Context, fn func(Event)) error {
 			if err == io.EOF {
 				return newError(ErrClosed, "Watch", "the daemon ended the watch stream")
 			}
-			return s.watchErr(ctx, err)
+			return s.watchErr(ctx, gen, err)
 		}
 		fn(eventFromPB(e))
 	}
 }
 
-func (s *Session) watchErr(ctx context.Context, err error) error {
+func (s *Session) watchErr(ctx context.Context, gen uint64, err error) error {
 	if ctx.Err() != nil {
 		return nil
 	}
-	return statusToError("Watch", err)
+	return s.rpcErr("Watch", gen, err)
 }
 
 func (s *Session) watchLoop(ctx context.Context, o sessionOptions, ready chan struct{}) {
@@ -684,6 +814,18 @@ func (s *Session) watchLoop(ctx context.Context, o sessionOptions, ready chan st
 		case <-s.readerDone:
 			return
 		default:
+		}
+		if s.resumable && errors.Is(err, ErrUnavailable) {
+			// The daemon went away: wait until the session is resumed (or
+			// the fd channel's hang-up is noticed, then resumed), then
+			// watch again with the new session token.
+			if s.resumingNow() {
+				if s.WaitResumed(ctx) != nil {
+					return
+				}
+				backoff = 100 * time.Millisecond
+				continue
+			}
 		}
 		if errorsIsAny(err, ErrFailedPrecondition, ErrNotFound, ErrPermissionDenied, ErrInvalidArgument) ||
 			status.Code(err) == codes.Unimplemented {
@@ -727,9 +869,12 @@ func (s *Session) Close(ctx context.Context) error {
 	if s.watchCancel != nil {
 		s.watchCancel()
 	}
+	s.stop() // ends a resume in progress
 	ended := s.Err() != nil
-	if !ended {
-		_, err := s.c.rpc.CloseSession(ctx, &pb.CloseSessionRequest{Session: s.ref})
+	if ref, _, err := s.call("CloseSession"); !ended && err == nil {
+		// (Not while resuming: the daemon is away, and the session's
+		// pages are forgotten when nobody resumes it.)
+		_, err := s.c.rpc.CloseSession(ctx, &pb.CloseSessionRequest{Session: ref})
 		if err != nil {
 			err = statusToError("CloseSession", err)
 			if !errors.Is(err, ErrFailedPrecondition) && !errors.Is(err, ErrNotFound) {
@@ -737,7 +882,10 @@ func (s *Session) Close(ctx context.Context) error {
 			}
 		}
 	}
-	s.ch.Close()
+	s.mu.Lock()
+	ch := s.ch
+	s.mu.Unlock()
+	ch.Close()
 	s.wg.Wait()
 	s.mu.Lock()
 	for _, m := range s.mappers {
