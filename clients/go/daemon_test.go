@@ -83,11 +83,20 @@ func testDriver() (string, error) {
 
 // startDaemon starts kvcached-serve and waits until it is healthy.
 func startDaemon(backend string, extraEnv []string, args ...string) (*daemon, error) {
-	bin, err := serveBinary()
-	if err != nil {
+	if _, err := serveBinary(); err != nil {
 		return nil, err
 	}
 	dir, err := os.MkdirTemp("", "kvcgo-")
+	if err != nil {
+		return nil, err
+	}
+	return startDaemonIn(dir, backend, extraEnv, args...)
+}
+
+// startDaemonIn starts kvcached-serve with its socket in dir (a restart on
+// the same socket after kill); stop removes dir.
+func startDaemonIn(dir, backend string, extraEnv []string, args ...string) (*daemon, error) {
+	bin, err := serveBinary()
 	if err != nil {
 		return nil, err
 	}
@@ -131,6 +140,12 @@ func startDaemon(backend string, extraEnv []string, args ...string) (*daemon, er
 	}
 }
 
+// kill SIGKILLs the daemon and waits for it; its directory stays.
+func (d *daemon) kill() {
+	_ = d.cmd.Process.Signal(syscall.SIGKILL)
+	<-d.exited
+}
+
 func (d *daemon) stop() {
 	if d.cmd.Process != nil {
 		_ = d.cmd.Process.Signal(syscall.SIGTERM)
@@ -157,23 +172,29 @@ func sharedDaemon(t *testing.T, backend string) *daemon {
 		}
 		return d
 	}
-	var env []string
-	if backend == "cuda" {
-		drv, err := testDriver()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if os.Getenv(EnvLibCUDA) != drv {
-			t.Fatalf("%s must be %s for the whole test process (TestMain sets it)", EnvLibCUDA, drv)
-		}
-		env = []string{EnvLibCUDA + "=" + drv, "KVCACHED_TESTDRV_STATE=" + cudaState}
-	}
-	d, err := startDaemon(backend, env)
+	d, err := startDaemon(backend, backendEnv(t, backend))
 	if err != nil {
 		t.Fatal(err)
 	}
 	daemons[backend] = d
 	return d
+}
+
+// backendEnv is the extra environment of a daemon of backend: the CUDA
+// test driver, sharing this process's simulated machine.
+func backendEnv(t *testing.T, backend string) []string {
+	t.Helper()
+	if backend != "cuda" {
+		return nil
+	}
+	drv, err := testDriver()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if os.Getenv(EnvLibCUDA) != drv {
+		t.Fatalf("%s must be %s for the whole test process (TestMain sets it)", EnvLibCUDA, drv)
+	}
+	return []string{EnvLibCUDA + "=" + drv, "KVCACHED_TESTDRV_STATE=" + cudaState}
 }
 
 func TestMain(m *testing.M) {
