@@ -478,3 +478,45 @@ func TestBusyClientsSurviveDaemonKill(t *testing.T) {
 		t.Fatalf("books at the end: %+v", p)
 	}
 }
+
+// Close while the daemon is away ends the resume at once, with nothing
+// left running.
+func TestCloseWhileResuming(t *testing.T) {
+	checkGoroutines(t)
+	d, _ := startStateDaemon(t, "host")
+	ctx := testCtx(t)
+	c, err := Dial(ctx, d.socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	s, err := c.OpenSession(ctx, "go-closed-while-away", WithReclaimHandler(func(context.Context, Reclaim) {}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := s.NewRegion(ctx, 4*s.Info().Devices[0].PageSize)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Grow(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	d.kill()
+	waitFor(t, 5*time.Second, "resuming", func() (bool, string) { return s.resumingNow(), "" })
+	start := time.Now()
+	if err := s.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if took := time.Since(start); took > 2*time.Second {
+		t.Fatalf("Close while resuming took %v", took)
+	}
+	if err := s.WaitResumed(ctx); !errors.Is(err, ErrClosed) {
+		t.Fatalf("WaitResumed after Close: %v", err)
+	}
+	if _, err := s.Allocate(ctx, 1); !errors.Is(err, ErrClosed) {
+		t.Fatalf("Allocate after Close: %v", err)
+	}
+	if got := keptFDs(s); got != 0 {
+		t.Fatalf("%d descriptors kept after Close", got)
+	}
+}
