@@ -21,13 +21,12 @@ from grpc_reflection.v1alpha import reflection
 
 from .. import __version__, errors
 from .._generated.kvcached.v1 import kvcached_pb2 as pb
-from .._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 from ..backends.base import Backend
 from ..config import ConfigError, Settings, load_settings, parse_size
 from . import sdnotify
 from .daemon import Daemon, ShutdownIncomplete, apply_socket_permissions, prepare_socket_path
 from .metrics import Metrics
-from .service import KVCachedService
+from .service import KVCachedService, add_to_server
 
 log = logging.getLogger("kvcached")
 
@@ -116,7 +115,7 @@ async def serve(settings: Settings, ready_hook=None) -> int:
             ("grpc.so_reuseport", 0),
         ]
     )
-    pb_grpc.add_KVCachedServicer_to_server(KVCachedService(daemon, observe_error=metrics.observe_error if metrics else None), server)
+    add_to_server(KVCachedService(daemon, observe_error=metrics.observe_error if metrics else None), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -11,6 +11,7 @@ import logging
 import time
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from .. import __version__, errors, fdchannel
 from .._generated.kvcached.v1 import kvcached_pb2 as pb
@@ -23,13 +24,25 @@ from .sessions import Session
 log = logging.getLogger("kvcached.rpc")
 
 
+def _parse(request, cls):
+    """Requests arrive as raw bytes (see add_to_server): a body that is not a
+    valid message is bad input, answered like any other."""
+    if isinstance(request, (bytes, bytearray, memoryview)):
+        try:
+            return cls.FromString(bytes(request))
+        except DecodeError as exc:
+            raise errors.InvalidArgument(f"the request is not a valid {cls.DESCRIPTOR.full_name}: {exc}") from None
+    return request
+
+
 def _rpc(fn):
     """Run a unary handler; map any error to its status (the one place)."""
+    request_cls = getattr(pb, _REQUEST_TYPES[fn.__name__])
 
     @functools.wraps(fn)
     async def wrapper(self, request, context):
         try:
-            return await fn(self, request, context)
+            return await fn(self, _parse(request, request_cls), context)
         except Exception as exc:  # noqa: BLE001 - every error gets a status
             code, message = errors.to_status(exc)
             if code is grpc.StatusCode.INTERNAL:
@@ -41,6 +54,9 @@ def _rpc(fn):
 
     return wrapper
 
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["KVCached"]
+_REQUEST_TYPES = {m.name: m.input_type.name for m in _SERVICE.methods}
 
 _LIMIT_FIELDS = ("guaranteed_bytes", "max_bytes", "priority")
 
@@ -213,6 +229,7 @@ class KVCachedService(pb_grpc.KVCachedServicer):
 
     async def Watch(self, request, context):
         try:
+            request = _parse(request, pb.WatchRequest)
             s = self._session(request.session)
         except Exception as exc:  # noqa: BLE001
             code, message = errors.to_status(exc)
@@ -243,3 +260,17 @@ class KVCachedService(pb_grpc.KVCachedServicer):
         self.d.admin_session(request.admin.id, request.admin.token)
         n = self.d.request_shrink(request.session_id, request.target_bytes, request.timeout_ms, reason="admin")
         return pb.RequestShrinkResponse(pages_requested=n)
+
+
+def add_to_server(service: KVCachedService, server) -> None:
+    """Register the service like the generated add_KVCachedServicer_to_server,
+    but with requests delivered as raw bytes, so that the servicer decodes
+    them and a malformed body gets INVALID_ARGUMENT with a message instead of
+    grpcio's own UNKNOWN."""
+    handlers = {}
+    for m in _SERVICE.methods:
+        resp_cls = getattr(pb, m.output_type.name)
+        fn = getattr(service, m.name)
+        make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[m.name] = make(fn, request_deserializer=None, response_serializer=resp_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
