@@ -7,7 +7,10 @@
  *   helper hold SOCK PAGES      open, map PAGES pages, print "READY", sleep
  *   helper shrink SOCK ID       open, RequestShrink(session ID, 0); prints the status
  *   helper cycle SOCK N         N x (connect, open, alloc, free, close,
- *                               disconnect); exit 0 if all succeeded */
+ *                               disconnect); exit 0 if all succeeded; prints
+ *                               whether the sessions were resumable and how
+ *                               many fds cycles 2..N left open */
+#include <dirent.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,6 +32,18 @@ static kvc_session *open_session(const char *sock, kvc_client **client, kvc_stat
     return s;
 }
 
+static int count_fds(void)
+{
+    DIR *d = opendir("/proc/self/fd");
+    int n = 0;
+    if (!d)
+        return -1;
+    while (readdir(d))
+        n++;
+    closedir(d);
+    return n;
+}
+
 static void print_status(kvc_status st)
 {
     printf("STATUS %s %s\n", kvc_status_to_string(st), st == KVC_OK ? "" : kvc_last_error());
@@ -44,8 +59,12 @@ int main(int argc, char **argv)
     kvc_client *client = NULL;
     kvc_status st;
     if (strcmp(cmd, "cycle") == 0) {
+        int resumable = 0;
+        int fds_before = -1; /* after the first cycle: gRPC's process-wide fds stay */
         for (uint64_t i = 0; i < n; i++) {
             kvc_session *s = open_session(sock, &client, &st);
+            if (s)
+                resumable = kvc_session_is_resumable(s);
             void *p = NULL;
             if (st == KVC_OK)
                 st = kvc_session_alloc(s, 3u << 20, &p);
@@ -67,8 +86,12 @@ int main(int argc, char **argv)
                 print_status(st);
                 return 1;
             }
+            if (i == 0)
+                fds_before = count_fds();
         }
         print_status(KVC_OK);
+        /* Every page fd (and a resumable session's kept duplicates) closed. */
+        printf("RESUMABLE %d FDS_LEAKED %d\n", resumable, count_fds() - fds_before);
         return 0;
     }
     kvc_session *s = open_session(sock, &client, &st);

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -170,20 +171,27 @@ std::string run(const std::vector<std::string> &argv, const std::vector<std::str
 struct Daemon {
     std::string dir, sock, log;
     Proc proc;
+    std::vector<std::string> args_, env_;
 
+    // "@STATE@" in extra_args stands for dir/state (for --state-dir).
     void start(const std::vector<std::string> &extra_args = {},
                const std::vector<std::string> &extra_env = {})
     {
-        char tmpl[512];
-        std::snprintf(tmpl, sizeof tmpl, "%s/daemon.XXXXXX", g_tmp.c_str());
-        ASSERT_NE(mkdtemp(tmpl), nullptr);
-        dir = tmpl;
+        if (dir.empty()) {
+            char tmpl[512];
+            std::snprintf(tmpl, sizeof tmpl, "%s/daemon.XXXXXX", g_tmp.c_str());
+            ASSERT_NE(mkdtemp(tmpl), nullptr);
+            dir = tmpl;
+        }
+        args_ = extra_args;
+        env_ = extra_env;
         sock = dir + "/k.sock";
         log = dir + "/daemon.log";
         std::vector<std::string> argv = {g_serve,          "--socket",         sock,
                                          "--backend",      g_backend,          "--memory-limit",
                                          "256MiB",         "--max-pages-per-request", "16"};
-        argv.insert(argv.end(), extra_args.begin(), extra_args.end());
+        for (const auto &a : extra_args)
+            argv.push_back(a == "@STATE@" ? dir + "/state" : a);
         ASSERT_TRUE(proc.start(argv, extra_env, false, log)) << "cannot start " << g_serve;
         auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
         while (std::chrono::steady_clock::now() < until) {
@@ -201,6 +209,9 @@ struct Daemon {
         }
         FAIL() << "daemon did not answer GetInfo within 60 s:\n" << tail();
     }
+
+    // The same daemon again: same socket, same state directory.
+    void restart() { start(args_, env_); }
 
     std::string tail() const
     {
@@ -735,6 +746,10 @@ TEST_F(Kvc, WaitingAllocateReclaimsFromAnIdleSession)
     ASSERT_NE(rb, nullptr);
     // One Allocate of 16 pages; at most 8 are left, the rest must come from a.
     KVC_OK_OR_FAIL(kvc_region_map(rb, 0, 16 * P));
+    // The Allocate may return as soon as the callback's Free landed, before
+    // the callback itself returns and counts.
+    for (int i = 0; i < 100 && log.calls.load() < 1; i++)
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
     EXPECT_GE(log.calls.load(), 1);
     {
         std::lock_guard<std::mutex> g(log.mu);
@@ -857,24 +872,39 @@ TEST_F(Kvc, PythonReadsWhatCWrote)
 // valgrind: a connect / allocate / free / disconnect cycle leaks nothing.
 // Run by the valgrind_host ctest entry (KVC_VALGRIND set); gRPC's and
 // protobuf's one-time process globals are suppressed by valgrind.supp.
-TEST_F(Kvc, ValgrindCycleLeaksNothing)
+void valgrind_cycle(const std::string &sock, bool resumable)
 {
     std::string vg = env_or("KVC_VALGRIND", "");
     ASSERT_FALSE(vg.empty()) << "set KVC_VALGRIND to valgrind's path";
     std::string supp = g_repo + "/clients/c/tests/valgrind.supp";
     std::string log = g_tmp + "/valgrind.log";
+    unlink(log.c_str());
     int code = 0;
     std::string out = run({vg, "--leak-check=full", "--show-leak-kinds=definite,indirect,possible",
                            "--errors-for-leak-kinds=definite,indirect,possible",
                            "--error-exitcode=99", "--suppressions=" + supp, "--log-file=" + log,
-                           g_helper, "cycle", daemon_->sock, "3"},
+                           g_helper, "cycle", sock, "3"},
                           {}, &code);
     std::ifstream f(log);
     std::stringstream ss;
     ss << f.rdbuf();
     EXPECT_EQ(code, 0) << out << "\n" << ss.str();
     EXPECT_NE(out.find("STATUS KVC_OK"), std::string::npos) << out;
+    EXPECT_NE(out.find(std::string("RESUMABLE ") + (resumable ? "1" : "0") + " FDS_LEAKED 0"),
+              std::string::npos)
+        << out;
     EXPECT_NE(ss.str().find("definitely lost: 0 bytes"), std::string::npos) << ss.str();
+}
+
+TEST_F(Kvc, ValgrindCycleLeaksNothing) { valgrind_cycle(daemon_->sock, false); }
+
+// The same with resumable sessions (kept page fds, the monitor thread).
+TEST(KvcOwnDaemon, ValgrindResumableCycleLeaksNothing)
+{
+    Daemon d;
+    ASSERT_NO_FATAL_FAILURE(d.start({"--state-dir", "@STATE@"}));
+    valgrind_cycle(d.sock, true);
+    d.stop();
 }
 
 // ---- statuses that need a daemon of their own ----------------------------------------
@@ -953,6 +983,320 @@ TEST(KvcOwnDaemon, ShutdownEndsTheSession)
     EXPECT_STATUS(KVC_ERR_FAILED_PRECONDITION, kvc_region_map(r, 4 * P, P));
     EXPECT_STATUS(KVC_OK, kvc_region_map(r, 0, 4 * P));  // mapped already: no daemon needed
     kvc_region_destroy(r);  // unmaps locally; the daemon already took the pages
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s));
+    kvc_client_destroy(c);
+    d.stop();
+}
+
+// ---- resume after a daemon restart (--state-dir) ----------------------------
+
+bool wait_until(const std::function<bool()> &cond, int ms)
+{
+    auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+    while (!cond()) {
+        if (std::chrono::steady_clock::now() > until)
+            return false;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return true;
+}
+
+kvc_stats own_stats(kvc_session *s)
+{
+    kvc_stats st;
+    std::memset(&st, 0, sizeof st);
+    st.struct_size = sizeof st;
+    kvc_status k = kvc_session_get_stats(s, &st);
+    EXPECT_EQ(k, KVC_OK) << kvc_last_error();
+    return st;
+}
+
+std::vector<uint8_t> pattern(uint64_t n, uint8_t seed)
+{
+    std::vector<uint8_t> v(n);
+    for (uint64_t i = 0; i < n; i++)
+        v[i] = static_cast<uint8_t>(i * 131 + (i >> 12) + seed);
+    return v;
+}
+
+void on_reclaim_count(void *user, const kvc_reclaim *) { ++*static_cast<std::atomic<int> *>(user); }
+
+// SIGKILL the daemon while a session holds region pages with data and a
+// malloc-style block; everything keeps working locally, daemon calls are
+// UNAVAILABLE, a free during the outage is not claimed; restart on the same
+// socket and state dir: the same session holds the same pages, data intact,
+// the reclaim callback reconnected, new maps and frees work.
+TEST(KvcOwnDaemon, SessionResumesAfterDaemonSigkill)
+{
+    Daemon d;
+    ASSERT_NO_FATAL_FAILURE(d.start({"--state-dir", "@STATE@"}));
+    kvc_client *c = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c));
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "resumer";
+    o.max_bytes = 64 * MiB;
+    o.priority = 3;
+    kvc_session *s = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &s));
+    EXPECT_EQ(kvc_session_is_resumable(s), 1);
+    EXPECT_EQ(kvc_session_is_resuming(s), 0);
+    EXPECT_EQ(kvc_session_resume_count(s), 0u);
+    KVC_OK_OR_FAIL(kvc_session_wait_resumed(s, 0));  // not resuming: at once
+    std::atomic<int> reclaims{0};
+    KVC_OK_OR_FAIL(kvc_session_set_reclaim_callback(s, on_reclaim_count, &reclaims));
+
+    const uint64_t P = kvc_session_page_size(s);
+    const uint64_t id = kvc_session_id(s);
+    kvc_region *r = nullptr;
+    KVC_OK_OR_FAIL(kvc_region_create(s, 16 * P, &r));
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 6 * P));
+    const std::vector<uint8_t> data = pattern(6 * P, 7);
+    KVC_OK_OR_FAIL(kvc_region_write(r, 0, data.data(), data.size()));
+    void *blk = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_alloc(s, 2 * P, &blk));
+    kvc_stats before = own_stats(s);
+    EXPECT_EQ(before.pages_held, 8u);
+
+    d.proc.kill_and_wait(SIGKILL);
+    ASSERT_TRUE(wait_until([&] { return kvc_session_is_resuming(s) == 1; }, 5000));
+    EXPECT_EQ(kvc_session_ended(s), 0);
+    EXPECT_STATUS(KVC_ERR_UNAVAILABLE, kvc_region_map(r, 8 * P, P));
+    std::string msg = kvc_last_error();
+    EXPECT_NE(msg.find("is being resumed"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("stay usable"), std::string::npos) << msg;
+    void *p = nullptr;
+    EXPECT_STATUS(KVC_ERR_UNAVAILABLE, kvc_session_alloc(s, P, &p));
+    kvc_stats tmp;
+    std::memset(&tmp, 0, sizeof tmp);
+    tmp.struct_size = sizeof tmp;
+    EXPECT_STATUS(KVC_ERR_UNAVAILABLE, kvc_session_get_stats(s, &tmp));
+    EXPECT_STATUS(KVC_ERR_DEADLINE_EXCEEDED, kvc_session_wait_resumed(s, 100));
+    // Held pages stay usable: read back, write, memset.
+    std::vector<uint8_t> got(6 * P);
+    KVC_OK_OR_FAIL(kvc_region_read(r, 0, got.data(), got.size()));
+    EXPECT_TRUE(got == data);
+    KVC_OK_OR_FAIL(kvc_region_write(r, 0, data.data(), P));
+    // A free while the daemon is away: unmapped here, not claimed at resume.
+    EXPECT_STATUS(KVC_OK, kvc_region_unmap(r, 4 * P, 2 * P));
+    EXPECT_EQ(kvc_region_is_mapped(r, 4 * P, 1), 0);
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 4 * P);
+    EXPECT_EQ(kvc_session_held_bytes(s), 6 * P);
+
+    ASSERT_NO_FATAL_FAILURE(d.restart());
+    KVC_OK_OR_FAIL(kvc_session_wait_resumed(s, 60000));
+    EXPECT_EQ(kvc_session_is_resuming(s), 0);
+    EXPECT_EQ(kvc_session_ended(s), 0);
+    EXPECT_EQ(kvc_session_resume_count(s), 1u);
+    EXPECT_EQ(kvc_session_id(s), id);
+    got.assign(4 * P, 0);
+    KVC_OK_OR_FAIL(kvc_region_read(r, 0, got.data(), got.size()));
+    EXPECT_TRUE(std::equal(got.begin(), got.end(), data.begin()));
+    // The daemon's books: the same session holds the pages it claimed (4
+    // region pages and the 2-page block), not the 2 freed during the outage.
+    kvc_stats after = own_stats(s);
+    EXPECT_EQ(after.pages_held, 6u);
+    EXPECT_EQ(after.held_bytes, 6 * P);
+    EXPECT_EQ(after.max_bytes, 64 * MiB);
+    EXPECT_EQ(after.priority, 3);
+    EXPECT_EQ(after.device.pages_in_use, 6u);
+    EXPECT_EQ(after.sessions_open, 1u);
+    EXPECT_EQ(after.device.pooled_bytes + after.device.in_use_bytes + after.device.free_bytes,
+              after.device.budget_bytes);
+    // New allocations (zeroed) and frees work.
+    KVC_OK_OR_FAIL(kvc_region_map(r, 8 * P, 2 * P));
+    std::vector<uint8_t> fresh(2 * P, 0xAA);
+    KVC_OK_OR_FAIL(kvc_region_read(r, 8 * P, fresh.data(), fresh.size()));
+    EXPECT_TRUE(std::all_of(fresh.begin(), fresh.end(), [](uint8_t b) { return b == 0; }));
+    KVC_OK_OR_FAIL(kvc_session_free(s, blk));
+    KVC_OK_OR_FAIL(kvc_region_unmap(r, 2 * P, 2 * P));
+    after = own_stats(s);
+    EXPECT_EQ(after.pages_held, 4u);
+    EXPECT_EQ(after.device.pages_in_use, 4u);
+    EXPECT_EQ(kvc_session_held_bytes(s), 4 * P);
+    // The Watch thread came back: an admin shrink reaches the callback.
+    uint64_t asked = 0;
+    KVC_OK_OR_FAIL(kvc_session_request_shrink(s, id, 0, 1000, &asked));
+    EXPECT_TRUE(wait_until([&] { return reclaims.load() > 0; }, 5000));
+    kvc_region_destroy(r);
+    EXPECT_EQ(own_stats(s).pages_held, 0u);
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s));
+    kvc_client_destroy(c);
+    d.stop();
+}
+
+// Threads keep mapping, stamping, checking and unmapping while the daemon
+// is SIGKILLed and restarted: only KVC_OK or KVC_ERR_UNAVAILABLE, no stamp
+// lost, and afterwards the daemon's books equal what the client maps.
+TEST(KvcOwnDaemon, BusyThreadsSurviveADaemonRestart)
+{
+    Daemon d;
+    ASSERT_NO_FATAL_FAILURE(d.start({"--state-dir", "@STATE@"}));
+    kvc_client *c = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c));
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "busy";
+    kvc_session *s = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &s));
+    const uint64_t P = kvc_session_page_size(s);
+    const int kThreads = 3;
+    const uint64_t kPages = 12;
+    std::atomic<bool> stop{false};
+    std::atomic<int> bad{0}, unavailable{0}, ok{0};
+    std::vector<kvc_region *> regions(kThreads, nullptr);
+    std::vector<std::string> errors(kThreads);
+    for (int t = 0; t < kThreads; t++)
+        KVC_OK_OR_FAIL(kvc_region_create(s, kPages * P, &regions[t]));
+    auto work = [&](int t) {
+        kvc_region *r = regions[t];
+        std::vector<uint8_t> stamp(kPages, 0);  // 0: not mapped by us
+        uint32_t seed = 12345u + t;
+        uint64_t word;
+        while (!stop.load()) {
+            seed = seed * 1103515245u + 12345u;
+            uint64_t k = (seed >> 8) % kPages;
+            if (!stamp[k]) {
+                kvc_status st = kvc_region_map(r, k * P, P);
+                if (st == KVC_ERR_UNAVAILABLE) {
+                    unavailable++;
+                    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+                    continue;
+                }
+                if (st != KVC_OK) {
+                    errors[t] = std::string("map: ") + kvc_status_to_string(st) + ": " + kvc_last_error();
+                    bad++;
+                    return;
+                }
+                uint8_t v = static_cast<uint8_t>(1 + (seed >> 16) % 250);
+                word = v * 0x0101010101010101ull;
+                if (kvc_region_read(r, k * P, &word, 8) != KVC_OK || word != 0) {
+                    errors[t] = "fresh page not zero";
+                    bad++;
+                    return;
+                }
+                word = v * 0x0101010101010101ull;
+                kvc_region_write(r, k * P + P - 8, &word, 8);
+                stamp[k] = v;
+                ok++;
+            } else {
+                if (kvc_region_read(r, k * P + P - 8, &word, 8) != KVC_OK ||
+                    word != stamp[k] * 0x0101010101010101ull) {
+                    errors[t] = "stamp lost on page " + std::to_string(k);
+                    bad++;
+                    return;
+                }
+                if ((seed >> 20) % 2) {
+                    kvc_status st = kvc_region_unmap(r, k * P, P);
+                    if (st != KVC_OK) {
+                        errors[t] = std::string("unmap: ") + kvc_status_to_string(st) + ": " + kvc_last_error();
+                        bad++;
+                        return;
+                    }
+                    stamp[k] = 0;
+                }
+            }
+        }
+    };
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; t++)
+        threads.emplace_back(work, t);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    d.proc.kill_and_wait(SIGKILL);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    d.restart();
+    EXPECT_STATUS(KVC_OK, kvc_session_wait_resumed(s, 60000));
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    stop = true;
+    for (auto &th : threads)
+        th.join();
+    for (int t = 0; t < kThreads; t++)
+        EXPECT_TRUE(errors[t].empty()) << "thread " << t << ": " << errors[t];
+    EXPECT_EQ(bad.load(), 0);
+    EXPECT_GT(ok.load(), 0);
+    EXPECT_GT(unavailable.load(), 0);
+    EXPECT_EQ(kvc_session_resume_count(s), 1u);
+    uint64_t mapped = 0;
+    for (auto *r : regions)
+        mapped += kvc_region_mapped_bytes(r);
+    EXPECT_EQ(kvc_session_held_bytes(s), mapped);
+    kvc_stats st = own_stats(s);
+    EXPECT_EQ(st.held_bytes, mapped);
+    EXPECT_EQ(st.device.in_use_bytes, mapped);
+    for (auto *r : regions)
+        kvc_region_destroy(r);
+    EXPECT_EQ(own_stats(s).pages_held, 0u);
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s));
+    kvc_client_destroy(c);
+    d.stop();
+}
+
+// The daemon comes back without its journal: the claim is refused and the
+// session ends with a status that says so; mapped memory stays readable.
+TEST(KvcOwnDaemon, RefusedResumeEndsTheSession)
+{
+    Daemon d;
+    ASSERT_NO_FATAL_FAILURE(d.start({"--state-dir", "@STATE@"}));
+    kvc_client *c = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c));
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "refused";
+    kvc_session *s = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &s));
+    const uint64_t P = kvc_session_page_size(s);
+    kvc_region *r = nullptr;
+    KVC_OK_OR_FAIL(kvc_region_create(s, 4 * P, &r));
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 2 * P));
+    const std::vector<uint8_t> data = pattern(2 * P, 1);
+    KVC_OK_OR_FAIL(kvc_region_write(r, 0, data.data(), data.size()));
+    d.proc.kill_and_wait(SIGKILL);
+    ASSERT_TRUE(wait_until([&] { return kvc_session_is_resuming(s) == 1; }, 5000));
+    std::string rm = "rm -rf '" + d.dir + "/state'";
+    ASSERT_EQ(std::system(rm.c_str()), 0);
+    ASSERT_NO_FATAL_FAILURE(d.restart());
+    EXPECT_STATUS(KVC_ERR_FAILED_PRECONDITION, kvc_session_wait_resumed(s, 60000));
+    std::string msg = kvc_last_error();
+    EXPECT_NE(msg.find("could not be resumed"), std::string::npos) << msg;
+    EXPECT_EQ(kvc_session_ended(s), 1);
+    EXPECT_EQ(kvc_session_is_resuming(s), 0);
+    void *p = nullptr;
+    EXPECT_STATUS(KVC_ERR_FAILED_PRECONDITION, kvc_session_alloc(s, 1, &p));
+    std::vector<uint8_t> got(2 * P);
+    KVC_OK_OR_FAIL(kvc_region_read(r, 0, got.data(), got.size()));
+    EXPECT_TRUE(got == data);
+    kvc_region_destroy(r);
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s));
+    kvc_client_destroy(c);
+    d.stop();
+}
+
+// Without --state-dir there is no resume token: the session ends.
+TEST(KvcOwnDaemon, WithoutStateDirNoResume)
+{
+    Daemon d;
+    ASSERT_NO_FATAL_FAILURE(d.start());
+    kvc_client *c = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c));
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "no-state";
+    kvc_session *s = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &s));
+    EXPECT_EQ(kvc_session_is_resumable(s), 0);
+    EXPECT_STATUS(KVC_ERR_FAILED_PRECONDITION, kvc_session_wait_resumed(s, 0));
+    EXPECT_NE(std::string(kvc_last_error()).find("--state-dir"), std::string::npos);
+    const uint64_t P = kvc_session_page_size(s);
+    kvc_region *r = nullptr;
+    KVC_OK_OR_FAIL(kvc_region_create(s, 4 * P, &r));
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, P));
+    d.proc.kill_and_wait(SIGKILL);
+    ASSERT_NO_FATAL_FAILURE(d.restart());
+    EXPECT_STATUS(KVC_ERR_FAILED_PRECONDITION, kvc_region_map(r, P, P));
+    EXPECT_EQ(kvc_session_ended(s), 1);
+    EXPECT_EQ(kvc_session_is_resuming(s), 0);
+    EXPECT_EQ(kvc_session_resume_count(s), 0u);
+    kvc_region_destroy(r);
     EXPECT_STATUS(KVC_OK, kvc_session_close(s));
     kvc_client_destroy(c);
     d.stop();
