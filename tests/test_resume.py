@@ -191,3 +191,55 @@ def test_clean_shutdown_removes_the_journal(daemon_factory, tmp_path):
 def test_daemon_without_state_dir_offers_no_resume(host_daemon):
     with host_daemon.client() as c, c.open_session("x") as s:
         assert not s.resumable and s.resume_token == b""
+
+
+def test_threads_of_one_session_across_a_kill(daemon_factory, tmp_path):
+    """Several threads share a session; the daemon lends a freed page id
+    again, possibly to another thread before the first thread's Free
+    returned. Across a kill and restart the books must still equal what is
+    mapped, and every kept fd must belong to a held page."""
+    import random
+    import threading
+
+    state = str(tmp_path / "state")
+    d = daemon_factory("host", state_dir=state, memory_limit="256MiB")
+    c = d.client()
+    s = c.open_session("threads")
+    regions = [s.region(16 * MiB) for _ in range(4)]
+    stop = threading.Event()
+    problems = []
+
+    def work(r, seed):
+        rng = random.Random(seed)
+        while not stop.is_set():
+            try:
+                r.grow_to(rng.randint(1, 8) * 2 * MiB)
+                r.trim_to(rng.randint(0, 8) * 2 * MiB)
+            except errors.Unavailable:
+                time.sleep(0.02)
+            except Exception as exc:  # noqa: BLE001 - anything else is a failure
+                problems.append(repr(exc))
+                return
+
+    threads = [threading.Thread(target=work, args=(r, i)) for i, r in enumerate(regions)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    _kill(d)
+    time.sleep(0.3)
+    d2 = _restart(daemon_factory, d, "host", state_dir=state, memory_limit="256MiB")
+    assert s.wait_resumed(20)
+    time.sleep(1.5)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert not problems, problems
+    mapped = sum(r.mapped_pages for r in regions)
+    assert s.my_stats().pages_held == mapped
+    assert set(s._keep) == {pid for r in regions for pid in r.page_ids()}
+    for r in regions:
+        r.close()
+    assert_books(s.stats())
+    s.close()
+    c.close()
+    del d2

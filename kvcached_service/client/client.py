@@ -375,8 +375,13 @@ class Session:
         # duplicate fd of every page held, to prove and re-send it.
         self.resume_token = resp.resume_token
         self.resumable = bool(resp.resume_token)
-        self._keep: dict[int, int] = {}
-        self._deferred_free: set[int] = set()
+        # page id -> (sequence, dup fd). The daemon lends a freed page again
+        # under the same id, possibly to another thread of this session
+        # before the first thread's Free has returned: the sequence lets a
+        # Free drop only the entry it saw.
+        self._keep: dict[int, tuple[int, int]] = {}
+        self._keep_seq = 0
+        self._deferred_free: dict[int, int] = {}  # page id -> sequence of the kept fd
         self._state = "ok"  # ok | resuming | dead
         self._dead: errors.KVCachedError | None = None
         self._resumed = threading.Event()
@@ -424,14 +429,15 @@ class Session:
                     # Pages whose Free failed while the daemon was away are
                     # not claimed (the old daemon may or may not have freed
                     # them): the new one forgets them, which frees them.
-                    for i in self._deferred_free:
-                        if i in self._keep:
-                            fdchannel.close_fds([self._keep.pop(i)])
+                    for i, seq in self._deferred_free.items():
+                        kept = self._keep.get(i)
+                        if kept is not None and kept[0] == seq:
+                            fdchannel.close_fds([self._keep.pop(i)[1]])
                     self._deferred_free.clear()
                     ids = list(self._keep)
                     for i in range(0, len(ids), fdchannel.MAX_FDS):
                         chunk = ids[i : i + fdchannel.MAX_FDS]
-                        fdchannel.send_record(ch.sock, fdchannel.encode_adopt(self.id, i, len(ids), chunk), [self._keep[x] for x in chunk])
+                        fdchannel.send_record(ch.sock, fdchannel.encode_adopt(self.id, i, len(ids), chunk), [self._keep[x][1] for x in chunk])
                 resp = _call(
                     self.client._stub.ResumeSession,
                     pb.ResumeSessionRequest(channel_secret=ch.hello.secret, session_id=self.id, resume_token=self.resume_token, page_ids=ids),
@@ -501,7 +507,11 @@ class Session:
         if self.resumable:
             with self._lock:
                 for pid, fd in zip(resp.page_ids, fds):
-                    self._keep[pid] = os.dup(fd)
+                    self._keep_seq += 1
+                    old = self._keep.get(pid)
+                    if old is not None:  # re-lent before an earlier Free of it returned
+                        fdchannel.close_fds([old[1]])
+                    self._keep[pid] = (self._keep_seq, os.dup(fd))
         return resp, fds
 
     def free_ids(self, page_ids: Iterable[int]) -> int:
@@ -510,16 +520,21 @@ class Session:
         resumes, which gives them back; the error is still raised so the
         caller knows."""
         ids = list(page_ids)
+        with self._lock:
+            seen = {i: self._keep[i][0] for i in ids if i in self._keep}
         try:
             n = self._rpc("Free", pb.FreeRequest(session=self.ref, page_ids=ids)).pages_freed
         except errors.Unavailable:
             if self.resumable:
                 with self._lock:
-                    self._deferred_free.update(ids)
+                    self._deferred_free.update(seen)
             raise
         if self.resumable:
             with self._lock:
-                fdchannel.close_fds([self._keep.pop(i) for i in ids if i in self._keep])
+                for i, seq in seen.items():
+                    kept = self._keep.get(i)
+                    if kept is not None and kept[0] == seq:
+                        fdchannel.close_fds([self._keep.pop(i)[1]])
         return n
 
     # -- mapped pages
@@ -654,7 +669,7 @@ class Session:
                 t.join(timeout=2)
             with self._lock:
                 mappers, self._mappers = list(self._mappers.values()), {}
-                fdchannel.close_fds(self._keep.values())
+                fdchannel.close_fds(fd for _, fd in self._keep.values())
                 self._keep.clear()
             for m in mappers:
                 m.close()
