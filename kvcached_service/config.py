@@ -90,6 +90,7 @@ class Settings(BaseSettings):
     max_pages_per_request: int = Field(65536, ge=1, le=1 << 24, description="largest Allocate, in pages")
     max_sessions: int = Field(4096, ge=1, description="open sessions in total")
     max_sessions_per_uid: int = Field(1024, ge=1, description="open sessions (and unbound fd channels) per uid")
+    channel_ops_only: bool = Field(False, description="serve Allocate/Free/CloseSession only as fd channel requests (the kernel names the sender), refusing them over gRPC")
     fd_send_timeout: float = Field(5.0, gt=0, description="seconds a client may leave its fd channel full before its session is ended")
     channel_bind_timeout: float = Field(30.0, gt=0, description="seconds an fd channel may stay without a session")
     host_memory: str = Field("", description="device size the host backend reports (default: physical RAM)")

@@ -22,15 +22,31 @@ PAGES = 2
 ERROR = 3
 GOODBYE = 4
 ADOPT = 5  # client to daemon: pages re-sent for ResumeSession
+REQ_ALLOCATE = 6  # client to daemon, on a session's channel
+REQ_FREE = 7
+REQ_CLOSE = 8
+REPLY = 9  # daemon to client: the answer to a request record
+# Allocations asked for on the channel are delivered with allocation_id =
+# req_id | CHANNEL_ALLOC_BIT, so they never collide with gRPC Allocate ids.
+CHANNEL_ALLOC_BIT = 1 << 63
+MAX_FREE_IDS = 16384  # page ids in one FREE record
 
 _HEADER = struct.Struct("<IHHII")  # magic, version, type, payload_len, reserved
 _HELLO = struct.Struct("<QIIII32s")  # channel_id, pid, uid, gid, max_fds, secret
 _PAGES = struct.Struct("<QIIII")  # allocation_id, first_index, count, total, reserved
 _ERROR = struct.Struct("<I")  # code, then message
+_REQ_ALLOC = struct.Struct("<QIIII")  # req_id, num_pages, flags, wait_timeout_ms, device_len; then device
+_REQ_FREE = struct.Struct("<QII")  # req_id, count, reserved; then page ids
+_REQ_CLOSE = struct.Struct("<Q")  # req_id
+_REPLY = struct.Struct("<QIIQ")  # req_id, code, reserved, value; then message
+ALLOC_WAIT = 1
+ALLOC_NOTIFY = 2
 HEADER_SIZE = _HEADER.size
 SECRET_SIZE = 32
-# Largest record the daemon sends: a PAGES record with MAX_FDS page ids.
-MAX_RECORD = HEADER_SIZE + _PAGES.size + 8 * MAX_FDS
+# Largest record a client sends (a FREE with MAX_FREE_IDS ids), and the
+# largest the daemon sends (a REPLY with its message, or a full PAGES record).
+MAX_CLIENT_RECORD = HEADER_SIZE + 16 + 8 * MAX_FREE_IDS
+MAX_RECORD = HEADER_SIZE + 4096 + 64
 
 
 class ProtocolError(Exception):
@@ -69,6 +85,35 @@ class Adopt:
 
 
 @dataclass(frozen=True)
+class AllocateReq:
+    req_id: int
+    num_pages: int
+    wait: bool
+    notify: bool
+    wait_timeout_ms: int
+    device: str
+
+
+@dataclass(frozen=True)
+class FreeReq:
+    req_id: int
+    page_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CloseReq:
+    req_id: int
+
+
+@dataclass(frozen=True)
+class Reply:
+    req_id: int
+    code: int  # a gRPC status code; 0 = OK
+    value: int  # held bytes (ALLOCATE), pages freed (FREE), pages returned (CLOSE)
+    message: str
+
+
+@dataclass(frozen=True)
 class Error:
     code: int
     message: str
@@ -79,7 +124,7 @@ class Goodbye:
     pass
 
 
-Record = Hello | Pages | Adopt | Error | Goodbye
+Record = Hello | Pages | Adopt | Error | Goodbye | AllocateReq | FreeReq | CloseReq | Reply
 
 
 def _frame(kind: int, payload: bytes) -> bytes:
@@ -105,6 +150,26 @@ def encode_adopt(session_id: int, first_index: int, total: int, page_ids: list[i
 
 def encode_error(code: int, message: str) -> bytes:
     return _frame(ERROR, _ERROR.pack(code) + message.encode("utf-8", "replace")[:4000])
+
+
+def encode_allocate(req_id: int, num_pages: int, device: str = "", wait: bool = False, notify: bool = False, wait_timeout_ms: int = 0) -> bytes:
+    dev = device.encode()
+    flags = (ALLOC_WAIT if wait else 0) | (ALLOC_NOTIFY if notify else 0)
+    return _frame(REQ_ALLOCATE, _REQ_ALLOC.pack(req_id, num_pages, flags, wait_timeout_ms, len(dev)) + dev)
+
+
+def encode_free(req_id: int, page_ids: list[int]) -> bytes:
+    if not 1 <= len(page_ids) <= MAX_FREE_IDS:
+        raise ValueError(f"a FREE record carries 1..{MAX_FREE_IDS} page ids, not {len(page_ids)}")
+    return _frame(REQ_FREE, _REQ_FREE.pack(req_id, len(page_ids), 0) + struct.pack(f"<{len(page_ids)}Q", *page_ids))
+
+
+def encode_close(req_id: int) -> bytes:
+    return _frame(REQ_CLOSE, _REQ_CLOSE.pack(req_id))
+
+
+def encode_reply(req_id: int, code: int, value: int = 0, message: str = "") -> bytes:
+    return _frame(REPLY, _REPLY.pack(req_id, code, 0, value) + message.encode("utf-8", "replace")[:4000])
 
 
 def encode_goodbye() -> bytes:
@@ -135,6 +200,32 @@ def decode(data: bytes, fds: list[int]) -> Record:
             raise ProtocolError(f"PAGES record says {count} pages, carries {len(fds)} fds and {length} bytes")
         ids = struct.unpack_from(f"<{count}Q", payload, _PAGES.size)
         return (Pages if kind == PAGES else Adopt)(alloc, first, total, tuple(ids), tuple(fds))
+    if kind in (REQ_ALLOCATE, REQ_FREE, REQ_CLOSE, REPLY) and fds:
+        raise ProtocolError(f"record type {kind} carries no descriptors")
+    if kind == REQ_ALLOCATE:
+        if length < _REQ_ALLOC.size:
+            raise ProtocolError("ALLOCATE record too short")
+        req, n, flags, wait_ms, dev_len = _REQ_ALLOC.unpack_from(payload)
+        if length != _REQ_ALLOC.size + dev_len:
+            raise ProtocolError("ALLOCATE record's device length does not match")
+        dev = payload[_REQ_ALLOC.size :].decode("utf-8", "replace")
+        return AllocateReq(req, n, bool(flags & ALLOC_WAIT), bool(flags & ALLOC_NOTIFY), wait_ms, dev)
+    if kind == REQ_FREE:
+        if length < _REQ_FREE.size:
+            raise ProtocolError("FREE record too short")
+        req, count, _ = _REQ_FREE.unpack_from(payload)
+        if length != _REQ_FREE.size + 8 * count:
+            raise ProtocolError(f"FREE record says {count} page ids in {length} bytes")
+        return FreeReq(req, struct.unpack_from(f"<{count}Q", payload, _REQ_FREE.size))
+    if kind == REQ_CLOSE:
+        if length != _REQ_CLOSE.size:
+            raise ProtocolError("malformed CLOSE")
+        return CloseReq(*_REQ_CLOSE.unpack(payload))
+    if kind == REPLY:
+        if length < _REPLY.size:
+            raise ProtocolError("REPLY record too short")
+        req, code, _, value = _REPLY.unpack_from(payload)
+        return Reply(req, code, value, payload[_REPLY.size :].decode("utf-8", "replace"))
     if kind == ERROR:
         if length < _ERROR.size or fds:
             raise ProtocolError("malformed ERROR")
@@ -158,11 +249,11 @@ def send_record(sock: socket.socket, data: bytes, fds: list[int] | tuple[int, ..
         raise ProtocolError(f"short send of a record: {sent} of {len(data)} bytes")
 
 
-def recv_record(sock: socket.socket) -> Record | None:
+def recv_record(sock: socket.socket, max_size: int = MAX_RECORD) -> Record | None:
     """Receive and parse one record; None at end of stream. Descriptors of a
     malformed record are closed before ProtocolError is raised."""
     fd_space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
-    data, ancdata, flags, _ = sock.recvmsg(MAX_RECORD + 1, fd_space, socket.MSG_CMSG_CLOEXEC)
+    data, ancdata, flags, _ = sock.recvmsg(max_size + 1, fd_space, socket.MSG_CMSG_CLOEXEC)
     fds: list[int] = []
     for level, ctype, cdata in ancdata:
         if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:

@@ -134,6 +134,29 @@ def test_stolen_ref_from_another_uid_is_refused(daemon_factory):
         v.wait()
 
 
+def test_channel_ops_only_makes_a_stolen_ref_powerless_to_change_pages(daemon_factory):
+    """With channel_ops_only the daemon takes Allocate, Free and CloseSession
+    only as requests on the session's own fd channel, whose peer the kernel
+    names: a stolen SessionRef can no longer allocate against the victim,
+    free its pages (zeroing them under its mapping) or close its session.
+    (GetStats and Watch with it still work: read-only, see docs.)"""
+    d = daemon_factory("host", shared_dir=True, socket_mode="0666", memory_limit="32MiB", channel_ops_only=True)
+    v, info = _victim(d, 6, 0x3C)
+    try:
+        res = run(d, "stolen", str(info["session"]), info["token"], *map(str, info["pages"]), env=AS_NOBODY)
+        print("\nstolen ref with channel_ops_only, as nobody:", res)
+        for rpc in ("Allocate", "Free", "CloseSession"):
+            assert res[rpc] == "FAILED_PRECONDITION", (rpc, res)
+        assert res["records_on_own_channel"] == []
+        assert _intact(v), "the victim's pages changed"
+        with d.client() as c:
+            me = [s for s in c.open_session("admin-view").stats().sessions if s.id == info["session"]]
+            assert me and me[0].pages_held == 6
+    finally:
+        v.kill()
+        v.wait()
+
+
 def test_own_session_cannot_free_see_or_limit_another_uids(daemon_factory):
     d = daemon_factory("host", shared_dir=True, socket_mode="0666", memory_limit="32MiB")
     v, info = _victim(d, 4, 0x3C)

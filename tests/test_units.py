@@ -130,7 +130,7 @@ def test_malformed_records_are_rejected():
     with pytest.raises(fdchannel.ProtocolError, match="shorter than the header"):
         fdchannel.decode(b"KV", [])
     with pytest.raises(fdchannel.ProtocolError, match="unknown record type"):
-        fdchannel.decode(good[:6] + b"\x09\x00" + good[8:], [1])
+        fdchannel.decode(good[:6] + b"\x7f\x00" + good[8:], [1])
     with pytest.raises(ValueError):
         fdchannel.encode_pages(1, 0, 254, list(range(254)))
     err = fdchannel.decode(fdchannel.encode_error(7, "nope"), [])

@@ -17,6 +17,7 @@ Every failed call raises a subclass of kvcached_service.errors.KVCachedError
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -40,7 +41,7 @@ log = logging.getLogger("kvcached.client")
 _CHANNEL_OPTIONS = [
     ("grpc.enable_http_proxy", 0),
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 1000),  # also the connect timeout: not too short
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
@@ -199,6 +200,9 @@ class _Channel:
         self._stash: dict[int, tuple[float, dict[int, tuple[int, int]]]] = {}
         self._ended: errors.KVCachedError | None = None
         self._closing = False
+        self._replies: dict[int, fdchannel.Reply] = {}
+        self._totals: dict[int, int] = {}  # allocation id -> pages it has in all
+        self._req_ids = itertools.count(1)
         self.on_hangup = on_hangup
         self._reader = threading.Thread(target=self._read, name="kvcached-fdchannel", daemon=True)
         self._reader.start()
@@ -213,8 +217,14 @@ class _Channel:
             except OSError as exc:
                 ended = errors.Unavailable(f"fd channel failed: {exc}")
                 break
+            if isinstance(rec, fdchannel.Reply):
+                with self._cond:
+                    self._replies[rec.req_id] = rec
+                    self._cond.notify_all()
+                continue
             if isinstance(rec, fdchannel.Pages):
                 with self._cond:
+                    self._totals[rec.allocation_id] = rec.total
                     slot = self._stash.setdefault(rec.allocation_id, (time.monotonic(), {}))[1]
                     for i, (pid, fd) in enumerate(zip(rec.page_ids, rec.fds)):
                         slot[rec.first_index + i] = (pid, fd)
@@ -239,6 +249,39 @@ class _Channel:
         now = time.monotonic()
         for alloc in [a for a, (t, _) in self._stash.items() if now - t > self.STALE_AFTER]:
             fdchannel.close_fds(fd for _, fd in self._stash.pop(alloc)[1].values())
+            self._totals.pop(alloc, None)
+
+    def request(self, record: bytes, req_id: int, timeout: float) -> fdchannel.Reply:
+        """Send a request record and wait for its REPLY (raised as the
+        error its code names)."""
+        try:
+            fdchannel.send_record(self.sock, record)
+        except OSError as exc:
+            raise errors.Unavailable(f"fd channel failed: {exc}") from None
+        with self._cond:
+            self._cond.wait_for(lambda: req_id in self._replies or self._ended is not None, timeout)
+            rep = self._replies.pop(req_id, None)
+            if rep is None:
+                if self._ended is not None:
+                    raise self._ended
+                raise errors.DeadlineExceeded(f"no answer on the fd channel within {timeout:g} s")
+        if rep.code:
+            raise _error_for_code(rep.code, rep.message)
+        return rep
+
+    def next_request_id(self) -> int:
+        return next(self._req_ids)
+
+    def receive_all(self, alloc_id: int) -> tuple[list[int], list[int]]:
+        """(page ids, fds) of an allocation asked for on the channel: its
+        PAGES records came before the REPLY, so they are all here."""
+        with self._cond:
+            total = self._totals.pop(alloc_id, 0)
+            got = self._stash.pop(alloc_id, (0, {}))[1]
+        if len(got) != total or total == 0:
+            fdchannel.close_fds(fd for _, fd in got.values())
+            raise errors.Internal(f"allocation {alloc_id}: {len(got)} of {total} pages arrived before the answer")
+        return [got[i][0] for i in range(total)], [got[i][1] for i in range(total)]
 
     def receive(self, alloc_id: int, page_ids: Sequence[int]) -> list[int]:
         """The fds of an allocation, in page order. They were written before
@@ -253,6 +296,7 @@ class _Channel:
                     raise self._ended
                 raise errors.Unavailable(f"fds of allocation {alloc_id} did not arrive within {self.timeout:g} s") if not ok else errors.Internal("fd channel reader stopped")
             got = self._stash.pop(alloc_id)[1]
+            self._totals.pop(alloc_id, None)
         fds = [got[i][1] for i in range(total)]
         ids = [got[i][0] for i in range(total)]
         if ids != list(page_ids):
@@ -389,11 +433,14 @@ class Session:
         self.resumes = 0
 
     # -- plumbing
-    def _rpc(self, method: str, request, timeout: float | None = None):
+    def _check_state(self) -> None:
         if self._state == "resuming":
             raise errors.Unavailable(f"the daemon went away; session {self.id} is being resumed: the pages you hold stay usable, try again shortly")
         if self._state == "dead":
             raise self._dead
+
+    def _rpc(self, method: str, request, timeout: float | None = None):
+        self._check_state()
         try:
             return _call(getattr(self.client._stub, method), request, timeout or self.client.timeout)
         except errors.Unavailable as exc:
@@ -497,6 +544,8 @@ class Session:
         wait_timeout_ms (0 = its default). notify: if it fails for lack of
         memory, get a MEMORY_AVAILABLE event when enough pages are free."""
         wait_budget = (wait_timeout_ms or 60_000) / 1000 if wait else 0
+        if self.client.info.fd_channel_requests:
+            return self._allocate_on_channel(num_pages, device, wait, wait_timeout_ms, notify, self.client.timeout + wait_budget)
         resp = self._rpc(
             "Allocate",
             pb.AllocateRequest(session=self.ref, device=device, num_pages=num_pages, wait=wait,
@@ -514,6 +563,49 @@ class Session:
                     self._keep[pid] = (self._keep_seq, os.dup(fd))
         return resp, fds
 
+    def _on_channel(self, fn):
+        """Run a request on the fd channel with the same error handling as _rpc."""
+        self._check_state()
+        try:
+            return fn(self._channel)
+        except errors.Unavailable as exc:
+            if not self.resumable or self._closed:
+                raise
+            raise errors.Unavailable(
+                f"the daemon is unreachable; session {self.id} resumes when it is back and the pages you hold stay usable ({exc.message})"
+            ) from None
+
+    def _allocate_on_channel(self, n: int, device: str, wait: bool, wait_ms: int, notify: bool, timeout: float):
+        def run(ch: _Channel):
+            req = ch.next_request_id()
+            rep = ch.request(fdchannel.encode_allocate(req, n, device, wait, notify, wait_ms), req, timeout)
+            ids, fds = ch.receive_all(req | fdchannel.CHANNEL_ALLOC_BIT)
+            return rep, ids, fds
+
+        rep, ids, fds = self._on_channel(run)
+        dev = self.client.device(device)
+        resp = pb.AllocateResponse(allocation_id=rep.req_id | fdchannel.CHANNEL_ALLOC_BIT, device=dev.uuid,
+                                   page_size=dev.page_size, page_ids=ids, held_bytes=rep.value)
+        if self.resumable:
+            with self._lock:
+                for pid, fd in zip(ids, fds):
+                    self._keep_seq += 1
+                    old = self._keep.get(pid)
+                    if old is not None:
+                        fdchannel.close_fds([old[1]])
+                    self._keep[pid] = (self._keep_seq, os.dup(fd))
+        return resp, fds
+
+    def _free_on_channel(self, ids: list[int]) -> int:
+        def run(ch: _Channel) -> int:
+            n = 0
+            for i in range(0, len(ids), fdchannel.MAX_FREE_IDS):
+                req = ch.next_request_id()
+                n += ch.request(fdchannel.encode_free(req, ids[i : i + fdchannel.MAX_FREE_IDS]), req, self.client.timeout).value
+            return n
+
+        return self._on_channel(run)
+
     def free_ids(self, page_ids: Iterable[int]) -> int:
         """Give pages back. If the daemon is away (UNAVAILABLE) on a
         resumable session, the pages are not claimed when the session
@@ -523,7 +615,12 @@ class Session:
         with self._lock:
             seen = {i: self._keep[i][0] for i in ids if i in self._keep}
         try:
-            n = self._rpc("Free", pb.FreeRequest(session=self.ref, page_ids=ids)).pages_freed
+            if not ids:
+                raise errors.InvalidArgument("page_ids is empty: name the pages to free")
+            if self.client.info.fd_channel_requests:
+                n = self._free_on_channel(ids)
+            else:
+                n = self._rpc("Free", pb.FreeRequest(session=self.ref, page_ids=ids)).pages_freed
         except errors.Unavailable:
             if self.resumable:
                 with self._lock:
@@ -658,7 +755,12 @@ class Session:
             return
         self._closed = True
         try:
-            self._rpc("CloseSession", pb.CloseSessionRequest(session=self.ref))
+            if self.client.info.fd_channel_requests and self._state == "ok":
+                ch = self._channel
+                req = ch.next_request_id()
+                ch.request(fdchannel.encode_close(req), req, self.client.timeout)
+            else:
+                self._rpc("CloseSession", pb.CloseSessionRequest(session=self.ref))
         except errors.KVCachedError:
             pass  # already ended by the daemon; closing the channel is enough
         finally:

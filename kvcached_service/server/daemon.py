@@ -106,6 +106,8 @@ class Daemon:
         self._tasks: set[asyncio.Task] = set()
         # Observers (metrics, the elasticity manager) may hook these.
         self.on_session_end: list[Callable[[Session, str], None]] = []
+        # (rpc name, status code number, seconds, waited) for requests served on fd channels
+        self.on_request: list[Callable[[str, int, float, bool], None]] = []
         self.counters = {"sessions_opened": 0, "sessions_closed": 0, "sessions_crashed": 0, "fd_channel_errors": 0}
         self.reclaimer = Reclaimer(lambda: list(self.sessions.values()), self._post, settings.reclaim_timeout_ms / 1000)
         # (session, pool uuid, pages): tell the session when that many pages could be had
@@ -315,10 +317,11 @@ class Daemon:
         return None
 
     def _channel_readable(self, ch: Channel) -> None:
-        """Clients send only ADOPT records (before ResumeSession); EOF ends
-        the channel. Anything else is dropped with its descriptors."""
+        """Clients send request records (ALLOCATE, FREE, CLOSE) on a bound
+        channel and ADOPT records before ResumeSession; EOF ends the channel.
+        Anything else is dropped with its descriptors."""
         try:
-            rec = fdchannel.recv_record(ch.sock)
+            rec = fdchannel.recv_record(ch.sock, fdchannel.MAX_CLIENT_RECORD)
         except (BlockingIOError, InterruptedError):
             return
         except fdchannel.ProtocolError as exc:
@@ -329,6 +332,13 @@ class Daemon:
             rec = None
         if rec is None:
             self._drop_channel(ch, None, crashed=ch.session is not None)
+            return
+        if isinstance(rec, (fdchannel.AllocateReq, fdchannel.FreeReq, fdchannel.CloseReq)):
+            if ch.session is None:
+                ch.send_nowait(fdchannel.encode_reply(rec.req_id, errors.FailedPrecondition.code.value[0], 0,
+                                                      "no session on this fd channel yet: call OpenSession first"))
+            else:
+                self._spawn(self._serve_request(ch, ch.session, rec))
             return
         js = self.orphans.get(rec.session_id) if isinstance(rec, fdchannel.Adopt) and ch.session is None else None
         if js is not None and js.uid == ch.uid and (not ch.adopted or ch.adopt_session == rec.session_id):
@@ -343,6 +353,40 @@ class Daemon:
                     ch.adopted[pid] = fd
             return
         fdchannel.close_fds(getattr(rec, "fds", ()))
+
+    async def _serve_request(self, ch: Channel, s: Session, rec) -> None:
+        """A request record from a session's own fd channel: the kernel
+        vouches for the sender, so no token is needed. Answered with REPLY
+        (for ALLOCATE after its PAGES records)."""
+        t0 = time.monotonic()
+        kind = {fdchannel.AllocateReq: "Allocate", fdchannel.FreeReq: "Free", fdchannel.CloseReq: "CloseSession"}[type(rec)]
+        code, value, message = 0, 0, ""
+        try:
+            if s.closed:
+                raise errors.FailedPrecondition(f"session {s.id} is closed")
+            if isinstance(rec, fdchannel.AllocateReq):
+                _, pool, _ = await self.allocate(s, rec.device, rec.num_pages, rec.wait, rec.wait_timeout_ms, rec.notify,
+                                                 alloc_id=rec.req_id | fdchannel.CHANNEL_ALLOC_BIT)
+                value = s.held_pages(pool.uuid) * pool.page_size
+            elif isinstance(rec, fdchannel.FreeReq):
+                value = await self.free(s, list(rec.page_ids))
+            else:  # answer first: ending the session closes the channel
+                await ch.send(fdchannel.encode_reply(rec.req_id, 0, len(s.pages)), [], self.settings.fd_send_timeout)
+                self.end_session(s, "closed by client")
+        except ChannelClosed:
+            return  # nobody to answer
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a REPLY code
+            status, message = errors.to_status(exc)
+            code = status.value[0]
+            if status.name == "INTERNAL":
+                log.exception("fd channel %s failed", kind)
+        if not isinstance(rec, fdchannel.CloseReq) or code:
+            try:
+                await ch.send(fdchannel.encode_reply(rec.req_id, code, value, message), [], self.settings.fd_send_timeout)
+            except ChannelClosed:
+                pass
+        for hook in self.on_request:
+            hook(kind, code, time.monotonic() - t0, getattr(rec, "wait", False))
 
     def _peer_exited(self, ch: Channel) -> None:
         self._drop_channel(ch, None, crashed=True)
@@ -572,7 +616,8 @@ class Daemon:
             raise errors.NotFound(f"no device {device!r}; this daemon serves {', '.join(self.pools)}")
         return pool
 
-    async def allocate(self, s: Session, device: str, count: int, wait: bool, wait_ms: int, notify: bool = False) -> tuple[int, DevicePool, list[Page]]:
+    async def allocate(self, s: Session, device: str, count: int, wait: bool, wait_ms: int, notify: bool = False,
+                       alloc_id: int | None = None) -> tuple[int, DevicePool, list[Page]]:
         self._check_serving()
         limit = self.settings.max_pages_per_request
         if count <= 0 or count > limit:
@@ -596,7 +641,8 @@ class Daemon:
                 if not p.ident:
                     p.ident = self.backend.identity(p.handle.fd)
             self._journal({"op": "alloc", "sid": s.id, "dev": pool.uuid, "pages": [[p.id, p.ident] for p in pages]})
-        alloc_id = next(self._alloc_ids)
+        if alloc_id is None:
+            alloc_id = next(self._alloc_ids)
         try:
             await self._deliver(s, alloc_id, pages)
         except ChannelClosed as exc:

@@ -146,6 +146,13 @@ class KVCachedService(pb_grpc.KVCachedServicer):
     def _session(self, ref: pb.SessionRef) -> Session:
         return self.d.session(ref.id, ref.token)
 
+    def _mutating(self, rpc: str) -> None:
+        if self.d.settings.channel_ops_only:
+            raise errors.FailedPrecondition(
+                f"this daemon serves {rpc} only as a request on the session's fd channel (channel_ops_only), "
+                "where the kernel vouches for the sender; see docs/protocol.md"
+            )
+
     @_rpc
     async def GetInfo(self, request, context):
         d = self.d
@@ -157,6 +164,8 @@ class KVCachedService(pb_grpc.KVCachedServicer):
             backend=d.backend.kind,
             devices=[device_info(p) for p in d.pools.values()],
             max_pages_per_request=d.settings.max_pages_per_request,
+            fd_channel_requests=True,
+            fd_channel_requests_only=d.settings.channel_ops_only,
         )
 
     @_rpc
@@ -185,12 +194,14 @@ class KVCachedService(pb_grpc.KVCachedServicer):
 
     @_rpc
     async def CloseSession(self, request, context):
+        self._mutating("CloseSession")
         s = self._session(request.session)
         n = self.d.end_session(s, "closed by client")
         return pb.CloseSessionResponse(pages_returned=n)
 
     @_rpc
     async def Allocate(self, request, context):
+        self._mutating("Allocate")
         s = self._session(request.session)
         alloc_id, pool, pages = await self.d.allocate(
             s, request.device, request.num_pages, request.wait, request.wait_timeout_ms, request.notify_when_available
@@ -205,6 +216,7 @@ class KVCachedService(pb_grpc.KVCachedServicer):
 
     @_rpc
     async def Free(self, request, context):
+        self._mutating("Free")
         s = self._session(request.session)
         n = await self.d.free(s, list(request.page_ids))
         return pb.FreeResponse(pages_freed=n, held_bytes=self.d.held_bytes(s))

@@ -220,8 +220,16 @@ type GetInfoResponse struct {
 	Devices []*DeviceInfo `protobuf:"bytes,6,rep,name=devices,proto3" json:"devices,omitempty"`
 	// Largest num_pages one Allocate may ask for.
 	MaxPagesPerRequest uint32 `protobuf:"varint,7,opt,name=max_pages_per_request,json=maxPagesPerRequest,proto3" json:"max_pages_per_request,omitempty"`
-	unknownFields      protoimpl.UnknownFields
-	sizeCache          protoimpl.SizeCache
+	// True: Allocate, Free and CloseSession may also be sent as request
+	// records on the session's fd channel (docs/protocol.md), where the
+	// kernel vouches for the sender; it is also the faster path.
+	FdChannelRequests bool `protobuf:"varint,8,opt,name=fd_channel_requests,json=fdChannelRequests,proto3" json:"fd_channel_requests,omitempty"`
+	// True: the daemon refuses Allocate, Free and CloseSession over gRPC
+	// (FAILED_PRECONDITION); only the fd channel's requests are served, so a
+	// SessionRef is useless to any other process.
+	FdChannelRequestsOnly bool `protobuf:"varint,9,opt,name=fd_channel_requests_only,json=fdChannelRequestsOnly,proto3" json:"fd_channel_requests_only,omitempty"`
+	unknownFields         protoimpl.UnknownFields
+	sizeCache             protoimpl.SizeCache
 }
 
 func (x *GetInfoResponse) Reset() {
@@ -301,6 +309,20 @@ func (x *GetInfoResponse) GetMaxPagesPerRequest() uint32 {
 		return x.MaxPagesPerRequest
 	}
 	return 0
+}
+
+func (x *GetInfoResponse) GetFdChannelRequests() bool {
+	if x != nil {
+		return x.FdChannelRequests
+	}
+	return false
+}
+
+func (x *GetInfoResponse) GetFdChannelRequestsOnly() bool {
+	if x != nil {
+		return x.FdChannelRequestsOnly
+	}
+	return false
 }
 
 type DeviceInfo struct {
@@ -2212,7 +2234,7 @@ const file_kvcached_v1_kvcached_proto_rawDesc = "" +
 	"SessionRef\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12\x14\n" +
 	"\x05token\x18\x02 \x01(\fR\x05token\"\x10\n" +
-	"\x0eGetInfoRequest\"\x99\x02\n" +
+	"\x0eGetInfoRequest\"\x82\x03\n" +
 	"\x0fGetInfoResponse\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12\x1f\n" +
 	"\vapi_version\x18\x02 \x01(\rR\n" +
@@ -2221,7 +2243,9 @@ const file_kvcached_v1_kvcached_proto_rawDesc = "" +
 	"\x13fd_protocol_version\x18\x04 \x01(\rR\x11fdProtocolVersion\x12\x18\n" +
 	"\abackend\x18\x05 \x01(\tR\abackend\x121\n" +
 	"\adevices\x18\x06 \x03(\v2\x17.kvcached.v1.DeviceInfoR\adevices\x121\n" +
-	"\x15max_pages_per_request\x18\a \x01(\rR\x12maxPagesPerRequest\"\xcb\x01\n" +
+	"\x15max_pages_per_request\x18\a \x01(\rR\x12maxPagesPerRequest\x12.\n" +
+	"\x13fd_channel_requests\x18\b \x01(\bR\x11fdChannelRequests\x127\n" +
+	"\x18fd_channel_requests_only\x18\t \x01(\bR\x15fdChannelRequestsOnly\"\xcb\x01\n" +
 	"\n" +
 	"DeviceInfo\x12\x12\n" +
 	"\x04uuid\x18\x01 \x01(\tR\x04uuid\x12\x12\n" +
