@@ -1,17 +1,21 @@
 // Package fdchan implements the client side of the fd channel: the
 // SOCK_SEQPACKET socket on which the daemon sends a HELLO with the channel
-// secret, then page descriptors (SCM_RIGHTS) in PAGES records. The framing
+// secret, then page descriptors (SCM_RIGHTS) in PAGES records, and on which
+// a client may send ALLOCATE, FREE and CLOSE requests answered by REPLY
+// records (when GetInfo().fd_channel_requests is true). The framing
 // is specified in docs/protocol.md; kvcached_service/fdchannel.py is the
 // daemon's implementation of the same format.
 package fdchan
 
 import (
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"os"
+	"sync"
 	"syscall"
 	"time"
 
@@ -31,11 +35,32 @@ const (
 	TypeError   = 3
 	TypeGoodbye = 4
 	TypeAdopt   = 5 // client to daemon, before ResumeSession
+	// Requests on a session's own channel (client to daemon) and their
+	// answer (daemon to client).
+	TypeAllocate = 6
+	TypeFree     = 7
+	TypeClose    = 8
+	TypeReply    = 9
+
+	// AllocBit is set in the allocation id of the PAGES records that answer
+	// an ALLOCATE record: allocation_id = req_id | AllocBit, so they never
+	// collide with the ids of gRPC Allocate calls.
+	AllocBit = uint64(1) << 63
+	// MaxFreeIDs is the most page ids one FREE record carries.
+	MaxFreeIDs = 16384
+	// ALLOCATE flags.
+	AllocWait   = 1
+	AllocNotify = 2
 
 	helloSize  = 56
 	pagesFixed = 24
-	// MaxRecord is the largest record the daemon sends.
-	MaxRecord = HeaderSize + pagesFixed + 8*MaxFDs
+	allocFixed = 24
+	freeFixed  = 16
+	closeSize  = 8
+	replyFixed = 24
+	// MaxRecord is the largest record the daemon sends (a REPLY or ERROR
+	// with its message, or a full PAGES record); as in fdchannel.py.
+	MaxRecord = HeaderSize + 4096 + 64
 )
 
 // ErrProtocol marks a record that does not follow docs/protocol.md.
@@ -45,8 +70,8 @@ func protoErr(format string, a ...any) error {
 	return fmt.Errorf("%w: %s", ErrProtocol, fmt.Sprintf(format, a...))
 }
 
-// Record is one of Hello, Pages, Error, Goodbye (daemon to client) or
-// Adopt (client to daemon).
+// Record is one of Hello, Pages, Error, Goodbye, Reply (daemon to client)
+// or Adopt, AllocateReq, FreeReq, CloseReq (client to daemon).
 type Record interface{ recordType() uint16 }
 
 // Hello is the first record on a channel.
@@ -88,11 +113,47 @@ type Adopt struct {
 	FDs        []int // FDs[i] is the page PageIDs[i]; the sender keeps them
 }
 
+// AllocateReq asks for NumPages pages on the session's own channel. They
+// arrive as PAGES records with AllocationID = ReqID|AllocBit, all before
+// the Reply.
+type AllocateReq struct {
+	ReqID         uint64
+	NumPages      uint32
+	Wait          bool   // let the daemon reclaim and wait
+	Notify        bool   // MEMORY_AVAILABLE event if it fails for lack of memory
+	WaitTimeoutMs uint32 // 0 = the daemon's default
+	Device        string // UUID; "" = the daemon's first device
+}
+
+// FreeReq gives back 1..MaxFreeIDs pages.
+type FreeReq struct {
+	ReqID   uint64
+	PageIDs []uint64
+}
+
+// CloseReq ends the session; after its Reply the daemon closes the channel.
+type CloseReq struct {
+	ReqID uint64
+}
+
+// Reply answers a request record.
+type Reply struct {
+	ReqID   uint64
+	Code    uint32 // a gRPC status code; 0 = OK
+	Value   uint64 // ALLOCATE: bytes held on the device; FREE: pages freed; CLOSE: pages returned
+	Message string // on errors
+}
+
 func (Hello) recordType() uint16   { return TypeHello }
 func (Pages) recordType() uint16   { return TypePages }
 func (Error) recordType() uint16   { return TypeError }
 func (Goodbye) recordType() uint16 { return TypeGoodbye }
 func (Adopt) recordType() uint16   { return TypeAdopt }
+
+func (AllocateReq) recordType() uint16 { return TypeAllocate }
+func (FreeReq) recordType() uint16     { return TypeFree }
+func (CloseReq) recordType() uint16    { return TypeClose }
+func (Reply) recordType() uint16       { return TypeReply }
 
 func frame(typ uint16, payload []byte) []byte {
 	b := make([]byte, HeaderSize+len(payload))
@@ -104,8 +165,10 @@ func frame(typ uint16, payload []byte) []byte {
 	return b
 }
 
-// Encode builds the bytes of a record (the daemon's side; used by tests and
-// fakes). The fds of a Pages record travel separately.
+// Encode builds the bytes of a record (requests and ADOPT for the client;
+// the daemon's records for tests and fakes). The fds of a Pages or Adopt
+// record travel separately. It panics on a FreeReq of more than MaxFreeIDs
+// ids (Conn.Send checks first).
 func Encode(r Record) []byte {
 	switch r := r.(type) {
 	case Hello:
@@ -128,6 +191,44 @@ func Encode(r Record) []byte {
 		return frame(TypeError, p)
 	case Goodbye:
 		return frame(TypeGoodbye, nil)
+	case AllocateReq:
+		p := make([]byte, allocFixed+len(r.Device))
+		var flags uint32
+		if r.Wait {
+			flags |= AllocWait
+		}
+		if r.Notify {
+			flags |= AllocNotify
+		}
+		binary.LittleEndian.PutUint64(p[0:], r.ReqID)
+		binary.LittleEndian.PutUint32(p[8:], r.NumPages)
+		binary.LittleEndian.PutUint32(p[12:], flags)
+		binary.LittleEndian.PutUint32(p[16:], r.WaitTimeoutMs)
+		binary.LittleEndian.PutUint32(p[20:], uint32(len(r.Device)))
+		copy(p[allocFixed:], r.Device)
+		return frame(TypeAllocate, p)
+	case FreeReq:
+		if len(r.PageIDs) > MaxFreeIDs {
+			panic(fmt.Sprintf("fdchan: FREE of %d page ids, at most %d", len(r.PageIDs), MaxFreeIDs))
+		}
+		p := make([]byte, freeFixed+8*len(r.PageIDs))
+		binary.LittleEndian.PutUint64(p[0:], r.ReqID)
+		binary.LittleEndian.PutUint32(p[8:], uint32(len(r.PageIDs)))
+		for i, id := range r.PageIDs {
+			binary.LittleEndian.PutUint64(p[freeFixed+8*i:], id)
+		}
+		return frame(TypeFree, p)
+	case CloseReq:
+		p := make([]byte, closeSize)
+		binary.LittleEndian.PutUint64(p, r.ReqID)
+		return frame(TypeClose, p)
+	case Reply:
+		p := make([]byte, replyFixed+len(r.Message))
+		binary.LittleEndian.PutUint64(p[0:], r.ReqID)
+		binary.LittleEndian.PutUint32(p[8:], r.Code)
+		binary.LittleEndian.PutUint64(p[16:], r.Value)
+		copy(p[replyFixed:], r.Message)
+		return frame(TypeReply, p)
 	}
 	panic(fmt.Sprintf("fdchan: unknown record %T", r))
 }
@@ -213,15 +314,65 @@ func Decode(data []byte, nfds int) (Record, error) {
 			return nil, protoErr("malformed GOODBYE (%d bytes, %d fds)", len(p), nfds)
 		}
 		return Goodbye{}, nil
+	case TypeAllocate, TypeFree, TypeClose, TypeReply:
+		if nfds != 0 {
+			return nil, protoErr("record type %d carries no descriptors (got %d)", typ, nfds)
+		}
+		return decodeRequest(typ, p)
 	}
 	return nil, protoErr("unknown record type %d", typ)
 }
 
-// Conn is a client's end of the fd channel.
+func decodeRequest(typ uint16, p []byte) (Record, error) {
+	switch typ {
+	case TypeAllocate:
+		if len(p) < allocFixed {
+			return nil, protoErr("ALLOCATE record too short (%d bytes)", len(p))
+		}
+		flags := binary.LittleEndian.Uint32(p[12:])
+		if uint64(len(p)) != allocFixed+uint64(binary.LittleEndian.Uint32(p[20:])) {
+			return nil, protoErr("ALLOCATE record's device length does not match")
+		}
+		return AllocateReq{
+			ReqID: binary.LittleEndian.Uint64(p[0:]), NumPages: binary.LittleEndian.Uint32(p[8:]),
+			Wait: flags&AllocWait != 0, Notify: flags&AllocNotify != 0,
+			WaitTimeoutMs: binary.LittleEndian.Uint32(p[16:]), Device: string(p[allocFixed:]),
+		}, nil
+	case TypeFree:
+		if len(p) < freeFixed {
+			return nil, protoErr("FREE record too short (%d bytes)", len(p))
+		}
+		count := binary.LittleEndian.Uint32(p[8:])
+		if uint64(len(p)) != freeFixed+8*uint64(count) {
+			return nil, protoErr("FREE record says %d page ids in %d bytes", count, len(p))
+		}
+		r := FreeReq{ReqID: binary.LittleEndian.Uint64(p[0:]), PageIDs: make([]uint64, count)}
+		for i := range r.PageIDs {
+			r.PageIDs[i] = binary.LittleEndian.Uint64(p[freeFixed+8*i:])
+		}
+		return r, nil
+	case TypeClose:
+		if len(p) != closeSize {
+			return nil, protoErr("malformed CLOSE (%d bytes)", len(p))
+		}
+		return CloseReq{ReqID: binary.LittleEndian.Uint64(p)}, nil
+	}
+	if len(p) < replyFixed {
+		return nil, protoErr("REPLY record too short (%d bytes)", len(p))
+	}
+	return Reply{
+		ReqID: binary.LittleEndian.Uint64(p[0:]), Code: binary.LittleEndian.Uint32(p[8:]),
+		Value: binary.LittleEndian.Uint64(p[16:]), Message: string(p[replyFixed:]),
+	}, nil
+}
+
+// Conn is a client's end of the fd channel. Recv is for one goroutine;
+// Send may be called from many (records are sent whole, one at a time).
 type Conn struct {
-	c   *net.UnixConn
-	buf []byte
-	oob []byte
+	c      *net.UnixConn
+	buf    []byte
+	oob    []byte
+	sendMu sync.Mutex // one Send at a time: the write deadline is per socket
 }
 
 // Dial connects to the daemon's fd socket (SOCK_SEQPACKET).
@@ -271,9 +422,9 @@ func (c *Conn) Recv() (Record, error) {
 	case Pages:
 		p.FDs = fds
 		return p, nil
-	case Adopt:
+	case Adopt, AllocateReq, FreeReq, CloseReq:
 		closeAll(fds)
-		return nil, protoErr("ADOPT record from the daemon (only clients send ADOPT)")
+		return nil, protoErr("%T record from the daemon (only clients send it)", r)
 	}
 	return r, nil
 }
@@ -281,11 +432,49 @@ func (c *Conn) Recv() (Record, error) {
 // Send writes one record with its descriptors (at most MaxFDs), blocking
 // until deadline at most (zero: no deadline). The caller keeps the fds.
 func (c *Conn) Send(r Record, fds []int, deadline time.Time) error {
+	return c.send(nil, r, fds, deadline)
+}
+
+// SendContext writes one record (no descriptors), blocking until ctx ends
+// at most; then it returns ctx's error and nothing was sent (a
+// SOCK_SEQPACKET record goes whole or not at all).
+func (c *Conn) SendContext(ctx context.Context, r Record) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	deadline, _ := ctx.Deadline()
+	err := c.send(ctx, r, nil, deadline)
+	if err != nil && ctx.Err() != nil && errors.Is(err, os.ErrDeadlineExceeded) {
+		return ctx.Err()
+	}
+	return err
+}
+
+func (c *Conn) send(ctx context.Context, r Record, fds []int, deadline time.Time) error {
 	if len(fds) > MaxFDs {
 		return fmt.Errorf("fdchan: %d fds in one record, at most %d", len(fds), MaxFDs)
 	}
+	if f, ok := r.(FreeReq); ok && (len(f.PageIDs) == 0 || len(f.PageIDs) > MaxFreeIDs) {
+		return fmt.Errorf("fdchan: a FREE record carries 1..%d page ids, not %d", MaxFreeIDs, len(f.PageIDs))
+	}
+	c.sendMu.Lock()
+	defer c.sendMu.Unlock()
 	if err := c.c.SetWriteDeadline(deadline); err != nil {
 		return err
+	}
+	if ctx != nil && ctx.Done() != nil {
+		// A cancellation (not only a deadline) interrupts a blocked send.
+		// The deadline it sets must not outlive this send: wait for it.
+		fired := make(chan struct{})
+		stop := context.AfterFunc(ctx, func() {
+			defer close(fired)
+			_ = c.c.SetWriteDeadline(time.Unix(1, 0))
+		})
+		defer func() {
+			if !stop() {
+				<-fired
+			}
+		}()
 	}
 	var oob []byte
 	if len(fds) > 0 {

@@ -2,8 +2,10 @@ package fdchan
 
 import (
 	"bytes"
+	"context"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -49,6 +51,19 @@ const errorHex = `4b564346 0100 0300 09000000 00000000 08000000 66756c6c21`
 
 const goodbyeHex = `4b564346 0100 0400 00000000 00000000`
 
+// Requests on the channel and their answer ("Requests on the channel" in
+// docs/protocol.md).
+const allocateHex = `4b564346 0100 0600 1e000000 00000000
+	0500000000000000 03000000 03000000 fa000000 06000000 484f53542d30`
+
+const freeHex = `4b564346 0100 0700 20000000 00000000
+	0600000000000000 02000000 00000000 1100000000000000 2200000000000000`
+
+const closeHex = `4b564346 0100 0800 08000000 00000000 0700000000000000`
+
+const replyHex = `4b564346 0100 0900 1d000000 00000000
+	0500000000000000 08000000 00000000 0000100000000000 66756c6c21`
+
 func TestVectors(t *testing.T) {
 	cases := []struct {
 		name string
@@ -61,6 +76,10 @@ func TestVectors(t *testing.T) {
 		{"adopt", adoptHex, Adopt{SessionID: 9, FirstIndex: 5, Total: 7, PageIDs: []uint64{0x11, 0x22}}, 2},
 		{"error", errorHex, Error{Code: 8, Message: "full!"}, 0},
 		{"goodbye", goodbyeHex, Goodbye{}, 0},
+		{"allocate", allocateHex, AllocateReq{ReqID: 5, NumPages: 3, Wait: true, Notify: true, WaitTimeoutMs: 250, Device: "HOST-0"}, 0},
+		{"free", freeHex, FreeReq{ReqID: 6, PageIDs: []uint64{0x11, 0x22}}, 0},
+		{"close", closeHex, CloseReq{ReqID: 7}, 0},
+		{"reply", replyHex, Reply{ReqID: 5, Code: 8, Value: 0x100000, Message: "full!"}, 0},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -80,6 +99,10 @@ func TestVectors(t *testing.T) {
 }
 
 func equalRecord(a, b Record) bool {
+	if x, ok := a.(FreeReq); ok {
+		y, ok := b.(FreeReq)
+		return ok && x.ReqID == y.ReqID && fmt.Sprint(x.PageIDs) == fmt.Sprint(y.PageIDs)
+	}
 	if x, ok := a.(Adopt); ok {
 		a = Pages{AllocationID: x.SessionID, FirstIndex: x.FirstIndex, Total: x.Total, PageIDs: x.PageIDs}
 		y, ok := b.(Adopt)
@@ -126,9 +149,18 @@ func TestDecodeRejects(t *testing.T) {
 		{"pages-fd-count", pages, 1},
 		{"pages-count-zero", mut(pages, HeaderSize+12, 0), 0},
 		{"pages-beyond-total", mut(pages, HeaderSize+16, 3), 2},
-		{"unknown-type", mut(unhex(t, goodbyeHex), 6, 9), 0},
+		{"unknown-type", mut(unhex(t, goodbyeHex), 6, 0), 0},
 		{"goodbye-with-fds", unhex(t, goodbyeHex), 1},
 		{"error-short", unhex(t, `4b564346 0100 0300 02000000 00000000 0800`), 0},
+		{"allocate-device-length", mut(unhex(t, allocateHex), HeaderSize+20, 7), 0},
+		{"allocate-short", unhex(t, `4b564346 0100 0600 04000000 00000000 05000000`), 0},
+		{"allocate-with-fds", unhex(t, allocateHex), 1},
+		{"free-count", mut(unhex(t, freeHex), HeaderSize+8, 3), 0},
+		{"free-short", unhex(t, `4b564346 0100 0700 08000000 00000000 0600000000000000`), 0},
+		{"close-size", unhex(t, `4b564346 0100 0800 04000000 00000000 07000000`), 0},
+		{"reply-short", unhex(t, `4b564346 0100 0900 10000000 00000000 0500000000000000 0800000000000000`), 0},
+		{"reply-with-fds", unhex(t, replyHex), 1},
+		{"unknown-type-10", mut(unhex(t, goodbyeHex), 6, 10), 0},
 	}
 	for _, c := range cases {
 		if _, err := Decode(c.data, c.nfds); !errors.Is(err, ErrProtocol) {
@@ -153,6 +185,13 @@ print(f.encode_pages(9, 5, 7, [0x11, 0x22]).hex())
 print(f.encode_error(8, "full!").hex())
 print(f.encode_goodbye().hex())
 print(f.encode_adopt(9, 5, 7, [0x11, 0x22]).hex())
+print(f.encode_allocate(5, 3, "HOST-0", wait=True, notify=True, wait_timeout_ms=250).hex())
+print(f.encode_free(6, [0x11, 0x22]).hex())
+print(f.encode_close(7).hex())
+print(f.encode_reply(5, 8, 0x100000, "full!").hex())
+assert f.CHANNEL_ALLOC_BIT == 1 << 63 and f.MAX_FREE_IDS == 16384 and f.ALLOC_WAIT == 1 and f.ALLOC_NOTIFY == 2
+assert (f.REQ_ALLOCATE, f.REQ_FREE, f.REQ_CLOSE, f.REPLY) == (6, 7, 8, 9)
+print(f.MAX_RECORD)
 `
 	cmd := exec.Command(py, "-c", script)
 	cmd.Dir = repo
@@ -161,10 +200,131 @@ print(f.encode_adopt(9, 5, 7, [0x11, 0x22]).hex())
 		t.Fatalf("python: %v\n%s", err, out)
 	}
 	lines := strings.Fields(string(out))
-	for i, h := range []string{helloHex, pagesHex, errorHex, goodbyeHex, adoptHex} {
+	vectors := []string{helloHex, pagesHex, errorHex, goodbyeHex, adoptHex, allocateHex, freeHex, closeHex, replyHex}
+	for i, h := range vectors {
 		if want := hex.EncodeToString(unhex(t, h)); i >= len(lines) || lines[i] != want {
 			t.Errorf("record %d: python %v, Go vector %s", i, lines, want)
 		}
+	}
+	if len(lines) != len(vectors)+1 || lines[len(vectors)] != fmt.Sprint(MaxRecord) {
+		t.Errorf("python's MAX_RECORD is %v, Go's MaxRecord %d", lines[len(lines)-1], MaxRecord)
+	}
+	// And the other way round: the daemon decodes what this package encodes.
+	check := `
+import sys
+from kvcached_service import fdchannel as f
+for line in sys.stdin.read().split():
+    print(repr(f.decode(bytes.fromhex(line), [])))
+`
+	recs := []Record{
+		AllocateReq{ReqID: AllocBit - 1, NumPages: 1 << 20, WaitTimeoutMs: 1},
+		FreeReq{ReqID: 2, PageIDs: []uint64{1<<64 - 1}},
+		CloseReq{ReqID: 3},
+	}
+	var in strings.Builder
+	for _, r := range recs {
+		in.WriteString(hex.EncodeToString(Encode(r)) + "\n")
+	}
+	cmd = exec.Command(py, "-c", check)
+	cmd.Dir = repo
+	cmd.Stdin = strings.NewReader(in.String())
+	out, err = cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("python decode: %v\n%s", err, out)
+	}
+	want := "AllocateReq(req_id=9223372036854775807, num_pages=1048576, wait=False, notify=False, wait_timeout_ms=1, device='')\n" +
+		"FreeReq(req_id=2, page_ids=(18446744073709551615,))\n" +
+		"CloseReq(req_id=3)\n"
+	if string(out) != want {
+		t.Errorf("python decodes Go's requests as\n%s\nwant\n%s", out, want)
+	}
+}
+
+// A FREE record carries 1..MaxFreeIDs ids; the largest one goes through a
+// SOCK_SEQPACKET socket whole. Requests are refused from the daemon.
+func TestSendRequests(t *testing.T) {
+	c, peer := socketPair(t)
+	defer c.Close()
+	for _, n := range []int{0, MaxFreeIDs + 1} {
+		if err := c.Send(FreeReq{ReqID: 1, PageIDs: make([]uint64, n)}, nil, time.Time{}); err == nil {
+			t.Errorf("FREE of %d ids accepted", n)
+		}
+	}
+	ids := make([]uint64, MaxFreeIDs)
+	for i := range ids {
+		ids[i] = uint64(i + 1)
+	}
+	if err := c.SendContext(context.Background(), FreeReq{ReqID: 9, PageIDs: ids}); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, HeaderSize+freeFixed+8*MaxFreeIDs+1)
+	n, _, _, _, err := unix.Recvmsg(peer, buf, nil, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := Decode(buf[:n], 0)
+	if f, ok := r.(FreeReq); err != nil || !ok || f.ReqID != 9 || len(f.PageIDs) != MaxFreeIDs || f.PageIDs[MaxFreeIDs-1] != MaxFreeIDs {
+		t.Fatalf("FREE of %d ids: %d bytes, %v", MaxFreeIDs, n, err)
+	}
+	canceled, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := c.SendContext(canceled, CloseReq{ReqID: 1}); !errors.Is(err, context.Canceled) {
+		t.Fatalf("SendContext with a canceled context: %v", err)
+	}
+	// A REPLY with a long message fits the receive buffer.
+	msg := strings.Repeat("x", 4000)
+	if err := unix.Sendmsg(peer, Encode(Reply{ReqID: 4, Code: 5, Message: msg}), nil, nil, 0); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := c.Recv(); err != nil || r.(Reply).Message != msg {
+		t.Fatalf("long REPLY: %v", err)
+	}
+	// Request records only go from client to daemon.
+	if err := unix.Sendmsg(peer, Encode(CloseReq{ReqID: 1}), nil, nil, 0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Recv(); !errors.Is(err, ErrProtocol) {
+		t.Fatalf("CLOSE from the daemon: %v", err)
+	}
+}
+
+// A send blocked on a full socket returns when its context is canceled
+// (not only at a deadline), and a later send is not affected.
+func TestSendContextCancelsBlockedSend(t *testing.T) {
+	c, peer := socketPair(t)
+	defer c.Close()
+	ids := make([]uint64, MaxFreeIDs)
+	for {
+		err := c.Send(FreeReq{ReqID: 1, PageIDs: ids}, nil, time.Now().Add(50*time.Millisecond))
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.SendContext(ctx, CloseReq{ReqID: 2}) }()
+	time.Sleep(50 * time.Millisecond)
+	cancel()
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("canceled send: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("a canceled send stayed blocked")
+	}
+	// Drain the peer: the next send goes through.
+	buf := make([]byte, 1<<18)
+	for {
+		if _, _, _, _, err := unix.Recvmsg(peer, buf, nil, unix.MSG_DONTWAIT); err != nil {
+			break
+		}
+	}
+	if err := c.SendContext(context.Background(), CloseReq{ReqID: 3}); err != nil {
+		t.Fatalf("send after a canceled one: %v", err)
 	}
 }
 
