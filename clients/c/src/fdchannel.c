@@ -125,6 +125,72 @@ size_t kvc_fd_encode_goodbye(uint8_t *buf, size_t cap)
     return put_header(buf, KVC_FD_GOODBYE, 0);
 }
 
+size_t kvc_fd_encode_reply(uint8_t *buf, size_t cap, uint64_t req_id, uint32_t code,
+                           uint64_t value, const char *message)
+{
+    size_t mlen = message ? strlen(message) : 0;
+    if (mlen > 4000)
+        mlen = 4000; /* as the daemon cuts it */
+    size_t len = KVC_FD_HEADER_SIZE + KVC_FD_REPLY_FIXED + mlen;
+    if (!buf || cap < len)
+        return 0;
+    uint8_t *p = buf + put_header(buf, KVC_FD_REPLY, (uint32_t)(KVC_FD_REPLY_FIXED + mlen));
+    put64(p, req_id);
+    put32(p + 8, code);
+    put32(p + 12, 0);
+    put64(p + 16, value);
+    if (mlen)
+        memcpy(p + KVC_FD_REPLY_FIXED, message, mlen);
+    return len;
+}
+
+size_t kvc_fd_encode_allocate(uint8_t *buf, size_t cap, uint64_t req_id, uint32_t num_pages,
+                              uint32_t flags, uint32_t wait_timeout_ms, const char *device)
+{
+    size_t dlen = device ? strlen(device) : 0;
+    if (dlen > 1024)
+        return 0;
+    size_t len = KVC_FD_HEADER_SIZE + KVC_FD_ALLOCATE_FIXED + dlen;
+    if (!buf || cap < len)
+        return 0;
+    uint8_t *p = buf + put_header(buf, KVC_FD_ALLOCATE, (uint32_t)(KVC_FD_ALLOCATE_FIXED + dlen));
+    put64(p, req_id);
+    put32(p + 8, num_pages);
+    put32(p + 12, flags);
+    put32(p + 16, wait_timeout_ms);
+    put32(p + 20, (uint32_t)dlen);
+    if (dlen)
+        memcpy(p + KVC_FD_ALLOCATE_FIXED, device, dlen);
+    return len;
+}
+
+size_t kvc_fd_encode_free(uint8_t *buf, size_t cap, uint64_t req_id, const uint64_t *page_ids,
+                          uint32_t count)
+{
+    if (!buf || !page_ids || count == 0 || count > KVC_FD_MAX_FREE_IDS)
+        return 0;
+    uint32_t payload = KVC_FD_FREE_FIXED + 8u * count;
+    size_t len = KVC_FD_HEADER_SIZE + payload;
+    if (cap < len)
+        return 0;
+    uint8_t *p = buf + put_header(buf, KVC_FD_FREE, payload);
+    put64(p, req_id);
+    put32(p + 8, count);
+    put32(p + 12, 0);
+    for (uint32_t i = 0; i < count; i++)
+        put64(p + KVC_FD_FREE_FIXED + 8u * i, page_ids[i]);
+    return len;
+}
+
+size_t kvc_fd_encode_close(uint8_t *buf, size_t cap, uint64_t req_id)
+{
+    size_t len = KVC_FD_HEADER_SIZE + 8;
+    if (!buf || cap < len)
+        return 0;
+    put64(buf + put_header(buf, KVC_FD_CLOSE, 8), req_id);
+    return len;
+}
+
 kvc_status kvc_fd_decode(const uint8_t *buf, size_t len, const int *fds, size_t num_fds,
                          kvc_fd_record *out, char *err, size_t err_len)
 {
@@ -207,6 +273,21 @@ kvc_status kvc_fd_decode(const uint8_t *buf, size_t len, const int *fds, size_t 
         if (mlen > KVC_FD_MAX_MESSAGE)
             mlen = KVC_FD_MAX_MESSAGE;
         memcpy(out->message, p + 4, mlen);
+        out->message[mlen] = 0;
+        return KVC_OK;
+    }
+    case KVC_FD_REPLY: {
+        if (plen < KVC_FD_REPLY_FIXED || num_fds) {
+            set_err(err, err_len, "malformed REPLY (%u bytes, %zu fds)", plen, num_fds);
+            return KVC_ERR_PROTOCOL;
+        }
+        out->req_id = get64(p);
+        out->error_code = get32(p + 8);
+        out->value = get64(p + 16);
+        size_t mlen = plen - KVC_FD_REPLY_FIXED;
+        if (mlen > KVC_FD_MAX_MESSAGE)
+            mlen = KVC_FD_MAX_MESSAGE;
+        memcpy(out->message, p + KVC_FD_REPLY_FIXED, mlen);
         out->message[mlen] = 0;
         return KVC_OK;
     }

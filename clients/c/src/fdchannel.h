@@ -22,15 +22,33 @@ extern "C" {
 #define KVC_FD_SECRET_SIZE 32u
 #define KVC_FD_HELLO_SIZE 56u
 #define KVC_FD_PAGES_FIXED 24u
-#define KVC_FD_MAX_RECORD (KVC_FD_HEADER_SIZE + KVC_FD_PAGES_FIXED + 8u * KVC_FD_MAX_FDS)
+/* Largest record the daemon sends: a full PAGES record (2064 bytes) or a
+ * REPLY/ERROR with its message (fdchannel.py MAX_RECORD). */
+#define KVC_FD_MAX_RECORD (KVC_FD_HEADER_SIZE + 4096u + 64u)
 #define KVC_FD_MAX_MESSAGE 4096u
+#define KVC_FD_REPLY_FIXED 24u
+#define KVC_FD_ALLOCATE_FIXED 24u
+#define KVC_FD_FREE_FIXED 16u
+/* Page ids in one FREE record, and the largest record a client sends. */
+#define KVC_FD_MAX_FREE_IDS 16384u
+#define KVC_FD_MAX_CLIENT_RECORD (KVC_FD_HEADER_SIZE + KVC_FD_FREE_FIXED + 8u * KVC_FD_MAX_FREE_IDS)
+/* Allocations asked for on the channel arrive as PAGES with
+ * allocation_id = req_id | KVC_FD_CHANNEL_ALLOC_BIT. */
+#define KVC_FD_CHANNEL_ALLOC_BIT (1ull << 63)
+#define KVC_FD_ALLOC_WAIT 1u
+#define KVC_FD_ALLOC_NOTIFY 2u
 
 enum {
     KVC_FD_HELLO = 1,
     KVC_FD_PAGES = 2,
     KVC_FD_ERROR = 3,
     KVC_FD_GOODBYE = 4,
-    KVC_FD_ADOPT = 5 /* client to daemon: pages re-sent before ResumeSession */
+    KVC_FD_ADOPT = 5, /* client to daemon: pages re-sent before ResumeSession */
+    /* Requests on a session's own channel (client to daemon) and their answer. */
+    KVC_FD_ALLOCATE = 6,
+    KVC_FD_FREE = 7,
+    KVC_FD_CLOSE = 8,
+    KVC_FD_REPLY = 9
 };
 
 typedef struct kvc_fd_record {
@@ -45,8 +63,11 @@ typedef struct kvc_fd_record {
     uint64_t page_ids[KVC_FD_MAX_FDS];
     int fds[KVC_FD_MAX_FDS]; /* owned by the record's receiver */
     uint32_t num_fds;
-    /* ERROR */
+    /* ERROR (error_code, message) and REPLY (req_id, error_code = its
+     * gRPC status code, value, message) */
     uint32_t error_code;
+    uint64_t req_id;
+    uint64_t value;
     char message[KVC_FD_MAX_MESSAGE + 1];
 } kvc_fd_record;
 
@@ -71,6 +92,19 @@ size_t kvc_fd_encode_adopt(uint8_t *buf, size_t cap, uint64_t session_id, uint32
                            uint32_t total, const uint64_t *page_ids, uint32_t count);
 size_t kvc_fd_encode_error(uint8_t *buf, size_t cap, uint32_t code, const char *message);
 size_t kvc_fd_encode_goodbye(uint8_t *buf, size_t cap);
+/* REPLY (daemon to client; tests). */
+size_t kvc_fd_encode_reply(uint8_t *buf, size_t cap, uint64_t req_id, uint32_t code,
+                           uint64_t value, const char *message);
+
+/* Requests (client to daemon) on the session's channel. `flags` is
+ * KVC_FD_ALLOC_WAIT | KVC_FD_ALLOC_NOTIFY; `device` may be NULL or "".
+ * FREE carries 1..KVC_FD_MAX_FREE_IDS ids (buffer of
+ * KVC_FD_HEADER_SIZE + KVC_FD_FREE_FIXED + 8 * count bytes). */
+size_t kvc_fd_encode_allocate(uint8_t *buf, size_t cap, uint64_t req_id, uint32_t num_pages,
+                              uint32_t flags, uint32_t wait_timeout_ms, const char *device);
+size_t kvc_fd_encode_free(uint8_t *buf, size_t cap, uint64_t req_id, const uint64_t *page_ids,
+                          uint32_t count);
+size_t kvc_fd_encode_close(uint8_t *buf, size_t cap, uint64_t req_id);
 
 /* Connect a SOCK_SEQPACKET|SOCK_CLOEXEC socket to `path`. */
 kvc_status kvc_fd_connect(const char *path, int *fd_out, char *err, size_t err_len);

@@ -217,12 +217,119 @@ static void test_transport(void)
           KVC_ERR_UNAVAILABLE);
 }
 
+/* Requests on the channel and their REPLY. Expected bytes were produced
+ * once by the daemon's encoder (kvcached_service/fdchannel.py), e.g.
+ * encode_allocate(0x0102030405060708, 300, "GPU-ab", wait=True,
+ * notify=True, wait_timeout_ms=2500). */
+static void test_request_vectors(void)
+{
+    uint8_t buf[256];
+    static const uint8_t alloc[] = {
+        0x4b, 0x56, 0x43, 0x46, 0x01, 0x00, 0x06, 0x00, 0x1e, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+        0x00, 0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01, 0x2c, 0x01, 0x00, 0x00, 0x03, 0x00,
+        0x00, 0x00, 0xc4, 0x09, 0x00, 0x00, 0x06, 0x00, 0x00, 0x00, 0x47, 0x50, 0x55, 0x2d, 0x61,
+        0x62};
+    size_t n = kvc_fd_encode_allocate(buf, sizeof buf, 0x0102030405060708ull, 300,
+                                      KVC_FD_ALLOC_WAIT | KVC_FD_ALLOC_NOTIFY, 2500, "GPU-ab");
+    CHECK(n == sizeof alloc && memcmp(buf, alloc, sizeof alloc) == 0);
+    /* encode_allocate(1, 16): no device, no flags */
+    static const uint8_t alloc0[] = {
+        0x4b, 0x56, 0x43, 0x46, 0x01, 0x00, 0x06, 0x00, 0x18, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+        0x00, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x10, 0x00, 0x00, 0x00, 0x00, 0x00,
+        0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00};
+    n = kvc_fd_encode_allocate(buf, sizeof buf, 1, 16, 0, 0, NULL);
+    CHECK(n == sizeof alloc0 && memcmp(buf, alloc0, sizeof alloc0) == 0);
+    CHECK(kvc_fd_encode_allocate(buf, 20, 1, 16, 0, 0, "") == 0); /* does not fit */
+
+    /* encode_free(9, [7, 0x1122334455667788]) */
+    static const uint8_t fr[] = {
+        0x4b, 0x56, 0x43, 0x46, 0x01, 0x00, 0x07, 0x00, 0x20, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+        0x00, 0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x02, 0x00, 0x00, 0x00, 0x00, 0x00,
+        0x00, 0x00, 0x07, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x88, 0x77, 0x66, 0x55, 0x44,
+        0x33, 0x22, 0x11};
+    uint64_t ids[2] = {7, 0x1122334455667788ull};
+    n = kvc_fd_encode_free(buf, sizeof buf, 9, ids, 2);
+    CHECK(n == sizeof fr && memcmp(buf, fr, sizeof fr) == 0);
+    CHECK(kvc_fd_encode_free(buf, sizeof buf, 9, ids, 0) == 0);
+    /* the largest FREE: 16384 ids, 131104 bytes (as Python's), no more */
+    static uint64_t many[KVC_FD_MAX_FREE_IDS + 1];
+    static uint8_t big[KVC_FD_MAX_CLIENT_RECORD + 8];
+    for (uint32_t i = 0; i <= KVC_FD_MAX_FREE_IDS; i++)
+        many[i] = i + 1;
+    n = kvc_fd_encode_free(big, sizeof big, 3, many, KVC_FD_MAX_FREE_IDS);
+    CHECK(n == 131104 && n == KVC_FD_MAX_CLIENT_RECORD);
+    CHECK(big[8] == 0x10 && big[9] == 0x00 && big[10] == 0x02 && big[11] == 0x00); /* 131088 */
+    CHECK(big[24] == 0x00 && big[25] == 0x40);                                    /* count */
+    CHECK(big[n - 8] == 0x00 && big[n - 7] == 0x40 && big[n - 1] == 0);           /* id 16384 */
+    CHECK(kvc_fd_encode_free(big, sizeof big, 3, many, KVC_FD_MAX_FREE_IDS + 1) == 0);
+
+    /* encode_close(0xfffffffffffffffe) */
+    static const uint8_t cl[] = {0x4b, 0x56, 0x43, 0x46, 0x01, 0x00, 0x08, 0x00,
+                                 0x08, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+                                 0xfe, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
+    n = kvc_fd_encode_close(buf, sizeof buf, 0xfffffffffffffffeull);
+    CHECK(n == sizeof cl && memcmp(buf, cl, sizeof cl) == 0);
+
+    /* encode_reply(5, 8, 1 << 40, "no room") */
+    static const uint8_t rep[] = {
+        0x4b, 0x56, 0x43, 0x46, 0x01, 0x00, 0x09, 0x00, 0x1f, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+        0x00, 0x05, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x08, 0x00, 0x00, 0x00, 0x00, 0x00,
+        0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x6e, 0x6f, 0x20, 0x72, 0x6f,
+        0x6f, 0x6d};
+    n = kvc_fd_encode_reply(buf, sizeof buf, 5, 8, 1ull << 40, "no room");
+    CHECK(n == sizeof rep && memcmp(buf, rep, sizeof rep) == 0);
+    CHECK(kvc_fd_decode(rep, sizeof rep, NULL, 0, &rec, err, sizeof err) == KVC_OK);
+    CHECK(rec.type == KVC_FD_REPLY && rec.req_id == 5 && rec.error_code == 8 &&
+          rec.value == (1ull << 40) && strcmp(rec.message, "no room") == 0);
+    /* encode_reply(6, 0, 3) */
+    static const uint8_t rep0[] = {
+        0x4b, 0x56, 0x43, 0x46, 0x01, 0x00, 0x09, 0x00, 0x18, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+        0x00, 0x06, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+        0x00, 0x00, 0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00};
+    n = kvc_fd_encode_reply(buf, sizeof buf, 6, 0, 3, NULL);
+    CHECK(n == sizeof rep0 && memcmp(buf, rep0, sizeof rep0) == 0);
+    CHECK(kvc_fd_decode(rep0, sizeof rep0, NULL, 0, &rec, err, sizeof err) == KVC_OK);
+    CHECK(rec.type == KVC_FD_REPLY && rec.req_id == 6 && rec.error_code == 0 && rec.value == 3 &&
+          rec.message[0] == 0);
+    /* a REPLY never carries fds, and has its 24 fixed bytes */
+    int fake = 99;
+    CHECK(kvc_fd_decode(rep0, sizeof rep0, &fake, 1, &rec, err, sizeof err) == KVC_ERR_PROTOCOL);
+    uint8_t shortrep[sizeof rep0];
+    memcpy(shortrep, rep0, sizeof rep0);
+    shortrep[8] = 0x10;
+    CHECK(kvc_fd_decode(shortrep, 16 + 16, NULL, 0, &rec, err, sizeof err) == KVC_ERR_PROTOCOL);
+    /* requests are the client's to send, never to receive */
+    CHECK(kvc_fd_decode(cl, sizeof cl, NULL, 0, &rec, err, sizeof err) == KVC_ERR_PROTOCOL);
+
+    /* a REPLY with the longest message the daemon sends fits a receive */
+    char msg[4001];
+    memset(msg, 'm', 4000);
+    msg[4000] = 0;
+    static uint8_t lbuf[KVC_FD_MAX_RECORD];
+    n = kvc_fd_encode_reply(lbuf, sizeof lbuf, 7, 13, 0, msg);
+    CHECK(n == 16 + 24 + 4000);
+    int sv[2];
+    int eof = 0;
+    CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) == 0);
+    CHECK(kvc_fd_send(sv[0], lbuf, n, NULL, 0, err, sizeof err) == KVC_OK);
+    CHECK(kvc_fd_recv(sv[1], 1000, &rec, &eof, err, sizeof err) == KVC_OK);
+    CHECK(!eof && rec.type == KVC_FD_REPLY && rec.error_code == 13 && strlen(rec.message) == 4000);
+    /* and the largest FREE goes through a SOCK_SEQPACKET socket as one record */
+    n = kvc_fd_encode_free(big, sizeof big, 3, many, KVC_FD_MAX_FREE_IDS);
+    CHECK(kvc_fd_send(sv[1], big, n, NULL, 0, err, sizeof err) == KVC_OK);
+    static uint8_t got[KVC_FD_MAX_CLIENT_RECORD + 8];
+    CHECK(recv(sv[0], got, sizeof got, 0) == (ssize_t)n && memcmp(got, big, n) == 0);
+    close(sv[0]);
+    close(sv[1]);
+}
+
 int main(void)
 {
     test_hello_vector();
     test_pages_vector();
     test_adopt_vector();
     test_error_goodbye_vectors();
+    test_request_vectors();
     test_malformed();
     test_transport();
     if (failures) {
