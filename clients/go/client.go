@@ -42,6 +42,9 @@ type Client struct {
 	health healthpb.HealthClient
 	socket string
 	log    *slog.Logger
+	// grpcOnly makes sessions use the gRPC Allocate/Free/CloseSession even
+	// when the daemon serves them on the fd channel (tests of the fallback).
+	grpcOnly bool
 }
 
 // Option configures Dial and FromEnv.
@@ -150,6 +153,13 @@ type Info struct {
 	Backend            string
 	Devices            []Device
 	MaxPagesPerRequest uint32
+	// FDChannelRequests: the daemon serves Allocate, Free and CloseSession
+	// as request records on the session's own fd channel (sessions then use
+	// it: no token travels, the kernel names the sender).
+	FDChannelRequests bool
+	// FDChannelRequestsOnly: the daemon refuses the gRPC versions of those
+	// calls (kvcached-serve --channel-ops-only).
+	FDChannelRequestsOnly bool
 }
 
 func deviceFromPB(d *pb.DeviceInfo) Device {
@@ -164,7 +174,8 @@ func (c *Client) Info(ctx context.Context) (*Info, error) {
 		return nil, statusToError("GetInfo", err)
 	}
 	info := &Info{Version: r.GetVersion(), APIVersion: r.GetApiVersion(), FDSocket: r.GetFdSocket(),
-		FDProtocolVersion: r.GetFdProtocolVersion(), Backend: r.GetBackend(), MaxPagesPerRequest: r.GetMaxPagesPerRequest()}
+		FDProtocolVersion: r.GetFdProtocolVersion(), Backend: r.GetBackend(), MaxPagesPerRequest: r.GetMaxPagesPerRequest(),
+		FDChannelRequests: r.GetFdChannelRequests(), FDChannelRequestsOnly: r.GetFdChannelRequestsOnly()}
 	for _, d := range r.GetDevices() {
 		info.Devices = append(info.Devices, deviceFromPB(d))
 	}

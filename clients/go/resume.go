@@ -173,6 +173,10 @@ func (s *Session) unkeep(seqs map[uint64]uint64) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.unkeepSeqsLocked(seqs)
+}
+
+func (s *Session) unkeepSeqsLocked(seqs map[uint64]uint64) {
 	for id, seq := range seqs {
 		if k, ok := s.keep[id]; ok && k.seq == seq {
 			s.unkeepLocked(id)
@@ -218,9 +222,11 @@ func (s *Session) resume(old *fdchan.Conn, cause error) (*fdchan.Conn, error) {
 	s.resumed = make(chan struct{})
 	close(s.lost)
 	// Allocations not fully delivered are lost: close what arrived and do
-	// not claim it (complete ones are taken by their Allocate call).
+	// not claim it (complete ones are taken by their Allocate call). So
+	// are ALLOCATE requests not answered yet: their callers get
+	// ErrUnavailable.
 	for k, pa := range s.allocs {
-		if pa.total > 0 && pa.received == pa.total {
+		if pa.total > 0 && pa.received == pa.total && (k.id&fdchan.AllocBit == 0 || pa.replied) {
 			continue
 		}
 		for j, fd := range pa.fds {
@@ -345,6 +351,7 @@ func (s *Session) finishResume(ch *fdchan.Conn, resp *pb.ResumeSessionResponse, 
 	s.ch = ch
 	s.ref = resp.GetSession()
 	s.gen++
+	s.dropWaitersLocked()
 	s.lost = make(chan struct{})
 	s.resumes++
 	s.resuming = false
@@ -353,7 +360,19 @@ func (s *Session) finishResume(ch *fdchan.Conn, resp *pb.ResumeSessionResponse, 
 	s.mu.Unlock()
 	s.log.Warn("kvcached session resumed", "pages_adopted", resp.GetPagesAdopted(),
 		"pages_forgotten", resp.GetPagesForgotten(), "attempts", attempts, "took", took)
-	if len(late) > 0 {
+	if len(late) > 0 && s.chanOps {
+		// Over the new channel, whose REPLY this (reader) goroutine reads:
+		// from another goroutine.
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			ctx, cancel := context.WithTimeout(s.stopCtx, resumeAttempt)
+			defer cancel()
+			if _, err := s.freeOnChannel(ctx, late); err != nil {
+				s.log.Warn("kvcached: freeing pages released during the resume failed", "pages", len(late), "err", err)
+			}
+		}()
+	} else if len(late) > 0 {
 		ctx, cancel := context.WithTimeout(s.stopCtx, resumeAttempt)
 		_, err := s.c.rpc.Free(ctx, &pb.FreeRequest{Session: ref, PageIds: late})
 		cancel()

@@ -199,7 +199,10 @@ type Session struct {
 	ch       *fdchan.Conn   // changes at each resume
 	allocs   map[allocKey]*pendingAlloc
 	inflight int
-	endErr   error // why the fd channel ended (set before readerDone closes)
+	chanOps  bool               // Allocate/Free/Close as request records on the fd channel (chanops.go)
+	reqSeq   uint64             // the last request id
+	waiters  map[uint64]*waiter // request id -> the call waiting for its REPLY
+	endErr   error              // why the fd channel ended (set before readerDone closes)
 	closed   bool
 	regions  map[*Region]struct{}
 	mappers  map[string]mapper
@@ -226,6 +229,7 @@ type pendingAlloc struct {
 	fds      []int
 	received int
 	claimed  bool
+	replied  bool          // an ALLOCATE request's REPLY came
 	done     chan struct{} // closed when received == total
 }
 
@@ -268,6 +272,8 @@ func (c *Client) OpenSession(ctx context.Context, name string, opts ...SessionOp
 		resumeTimeout: o.resumeTimeout,
 		readerDone:    make(chan struct{}),
 		allocs:        map[allocKey]*pendingAlloc{},
+		chanOps:       info.FDChannelRequests && !c.grpcOnly,
+		waiters:       map[uint64]*waiter{},
 		regions:       map[*Region]struct{}{},
 		mappers:       map[string]mapper{},
 		keep:          map[uint64]kept{},
@@ -395,6 +401,8 @@ func (s *Session) readChannel(ch *fdchan.Conn) (end error, hangup bool) {
 		switch r := r.(type) {
 		case fdchan.Pages:
 			end = s.deliver(r)
+		case fdchan.Reply:
+			s.replied(r)
 		case fdchan.Error:
 			end = statusToError("fd channel", status.Error(codes.Code(r.Code), r.Message))
 		case fdchan.Goodbye:
@@ -435,6 +443,7 @@ func (s *Session) finish(ch *fdchan.Conn, end error) {
 		closeFD(k.fd)
 		delete(s.keep, id)
 	}
+	clear(s.waiters)
 	if s.resuming {
 		s.resuming = false
 		close(s.resumed)
@@ -579,6 +588,9 @@ func (s *Session) Allocate(ctx context.Context, n int, opts ...AllocOption) (*Al
 	for _, opt := range opts {
 		opt(req)
 	}
+	if s.chanOps {
+		return s.allocateOnChannel(ctx, req)
+	}
 	s.mu.Lock()
 	if s.closed || s.endErr != nil {
 		err := s.closedErrLocked("Allocate")
@@ -688,14 +700,21 @@ func (s *Session) closedErrLocked(op string) error {
 // FreeResult is the answer to Free.
 type FreeResult struct {
 	PagesFreed uint64
-	HeldBytes  uint64 // bytes the session holds (all devices) afterwards
+	// HeldBytes is the bytes the session holds (all devices) afterwards,
+	// as the gRPC Free reports it; 0 when the Free went over the fd channel
+	// (Session.ChannelRequests: its REPLY counts only the pages freed).
+	HeldBytes uint64
 }
 
 // Free gives pages back (all or nothing). Unmap them first. On a
 // resumable session, a Free that fails with ErrUnavailable (the daemon is
 // away) still gives the pages back: they are not claimed when the session
-// resumes, which frees them.
+// resumes, which frees them. Over the fd channel a Free of more than
+// 16384 pages is sent as several requests, all or nothing each.
 func (s *Session) Free(ctx context.Context, ids []uint64) (FreeResult, error) {
+	if s.chanOps {
+		return s.freeOnChannel(ctx, ids)
+	}
 	for {
 		seqs := s.keptSeqs(ids)
 		ref, gen, err := s.call("Free")
@@ -847,7 +866,8 @@ func (s *Session) watchLoop(ctx context.Context, o sessionOptions, ready chan st
 }
 
 // Close ends the session: its regions are unmapped and released, the
-// daemon is told (CloseSession), the fd channel is closed and every
+// daemon is told (a CLOSE request on the fd channel, or CloseSession), the
+// fd channel is closed and every
 // goroutine of the session has returned when Close returns. Pages go back
 // to the daemon's pool. Close is idempotent.
 func (s *Session) Close(ctx context.Context) error {
@@ -871,15 +891,16 @@ func (s *Session) Close(ctx context.Context) error {
 	}
 	s.stop() // ends a resume in progress
 	ended := s.Err() != nil
+	// (Not while resuming: the daemon is away, and the session's pages
+	// are forgotten when nobody resumes it.)
 	if ref, _, err := s.call("CloseSession"); !ended && err == nil {
-		// (Not while resuming: the daemon is away, and the session's
-		// pages are forgotten when nobody resumes it.)
-		_, err := s.c.rpc.CloseSession(ctx, &pb.CloseSessionRequest{Session: ref})
-		if err != nil {
+		if s.chanOps {
+			err = s.closeOnChannel(ctx)
+		} else if _, err = s.c.rpc.CloseSession(ctx, &pb.CloseSessionRequest{Session: ref}); err != nil {
 			err = statusToError("CloseSession", err)
-			if !errors.Is(err, ErrFailedPrecondition) && !errors.Is(err, ErrNotFound) {
-				errs = append(errs, err)
-			}
+		}
+		if err != nil && !errors.Is(err, ErrFailedPrecondition) && !errors.Is(err, ErrNotFound) {
+			errs = append(errs, err)
 		}
 	}
 	s.mu.Lock()
