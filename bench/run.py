@@ -76,6 +76,11 @@ def figures(res: dict) -> list[dict]:
                                  s[f"rtt_{conc}_daemon"][f"{p}_us"], s[f"rtt_{conc}_base"][f"{p}_us"], "us", "lower", bw))
         rows.append(_row("2 Allocate+Free 1 page", "64 clients pairs/s", s["tput_64_daemon"]["pairs_per_s"],
                          s["tput_64_base"]["pairs_per_s"], "/s", "higher", bw))
+        if "rtt_1_grpc" in s:
+            for p in ("p50", "p99"):
+                rows.append(_row("2 Allocate+Free 1 page", f"fd channel requests vs gRPC calls, 1 client {p}",
+                                 s["rtt_1_daemon"][f"{p}_us"], s["rtt_1_grpc"][f"{p}_us"], "us", "lower",
+                                 "the same pair as gRPC Allocate/Free calls"))
     if "reclaim" in sc:
         s = sc["reclaim"]
         gib = s["moved_bytes"] / (1 << 30)

@@ -139,7 +139,7 @@ def s2_roundtrip(c: Ctx) -> dict:
 
             for conc, n in ((1, c.q(60, 1000)), (16, c.q(15, 150))):
                 group = procs[:conc]
-                for mode in ("daemon", "base"):
+                for mode in ("daemon", "grpc", "base") if conc == 1 else ("daemon", "base"):
                     lat = [x for r in run(group, {"op": "rtt", "mode": mode, "n": n}) for x in r["lat"]]
                     out[f"rtt_{conc}_{mode}"] = summary_us(lat)
             secs = c.q(1.0, 5.0)

@@ -5,7 +5,7 @@
         prepares the in-process baseline, prints {"ready": ...}, then runs
         commands read from stdin, one JSON object per line, answering each
         with one JSON line:
-          {"op": "rtt", "mode": "daemon"|"base", "n": N, "start": T}
+          {"op": "rtt", "mode": "daemon"|"grpc"|"base", "n": N, "start": T}
               N Allocate+Free pairs (daemon: region.map + region.unmap of one
               page; base: create+map+unmap+release in-process), starting at
               wall-clock time T; answers {"lat": [seconds...]}
@@ -49,6 +49,12 @@ def pairs(kind: str, page_size: int) -> None:
     client = Client.connect(timeout=60)
     session = client.open_session(f"bench-pairs-{__import__('os').getpid()}")
     region = session.region(page_size)
+    # the same work with Allocate/Free as gRPC calls instead of fd channel requests
+    grpc_client = Client.connect(timeout=60, channel_requests=False)
+    grpc_session = grpc_client.open_session(f"bench-pairs-grpc-{__import__('os').getpid()}")
+    grpc_region = grpc_session.region(page_size)
+    grpc_region.map(0, page_size)
+    grpc_region.unmap(0, page_size)
     base = common.inproc(kind, page_size)
     slot = base.reserve(page_size)
     # warm both paths once (first map creates the client's mapper / context)
@@ -63,12 +69,16 @@ def pairs(kind: str, page_size: int) -> None:
     def base_pair() -> None:
         base.unmap_release(base.create_map(slot))
 
+    def grpc_pair() -> None:
+        grpc_region.map(0, page_size)
+        grpc_region.unmap(0, page_size)
+
     _out({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "quit":
             break
-        fn = daemon_pair if cmd["mode"] == "daemon" else base_pair
+        fn = {"daemon": daemon_pair, "grpc": grpc_pair, "base": base_pair}[cmd["mode"]]
         _sleep_until(cmd["start"])
         if cmd["op"] == "rtt":
             lat = []
@@ -86,6 +96,9 @@ def pairs(kind: str, page_size: int) -> None:
             _out({"pairs": n})
     region.close()
     session.close()
+    grpc_region.close()
+    grpc_session.close()
+    grpc_client.close()
     base.free_reservation(slot, page_size)
     base.close()
     client.close()

@@ -544,7 +544,7 @@ class Session:
         wait_timeout_ms (0 = its default). notify: if it fails for lack of
         memory, get a MEMORY_AVAILABLE event when enough pages are free."""
         wait_budget = (wait_timeout_ms or 60_000) / 1000 if wait else 0
-        if self.client.info.fd_channel_requests:
+        if self.client.channel_requests:
             return self._allocate_on_channel(num_pages, device, wait, wait_timeout_ms, notify, self.client.timeout + wait_budget)
         resp = self._rpc(
             "Allocate",
@@ -617,7 +617,7 @@ class Session:
         try:
             if not ids:
                 raise errors.InvalidArgument("page_ids is empty: name the pages to free")
-            if self.client.info.fd_channel_requests:
+            if self.client.channel_requests:
                 n = self._free_on_channel(ids)
             else:
                 n = self._rpc("Free", pb.FreeRequest(session=self.ref, page_ids=ids)).pages_freed
@@ -755,7 +755,7 @@ class Session:
             return
         self._closed = True
         try:
-            if self.client.info.fd_channel_requests and self._state == "ok":
+            if self.client.channel_requests and self._state == "ok":
                 ch = self._channel
                 req = ch.next_request_id()
                 ch.request(fdchannel.encode_close(req), req, self.client.timeout)
@@ -786,7 +786,9 @@ class Session:
 class Client:
     """A connection to kvcached-serve's control socket."""
 
-    def __init__(self, path: str, timeout: float = 10.0):
+    def __init__(self, path: str, timeout: float = 10.0, channel_requests: bool | None = None):
+        """channel_requests: send Allocate/Free/Close as fd channel requests
+        (None = whenever the daemon offers them; False = always gRPC)."""
         self.path = path
         self.timeout = timeout
         self._grpc = grpc.insecure_channel(f"unix:{path}", options=_CHANNEL_OPTIONS)
@@ -798,11 +800,17 @@ class Client:
         self._stub = pb_grpc.KVCachedStub(self._grpc)
         self.info = _call(self._stub.GetInfo, pb.GetInfoRequest(), timeout)
         self.devices = [Device.from_pb(d) for d in self.info.devices]
+        offered = self.info.fd_channel_requests
+        if channel_requests and not offered:
+            raise errors.FailedPrecondition("this daemon does not take requests on the fd channel")
+        if channel_requests is False and self.info.fd_channel_requests_only:
+            raise errors.FailedPrecondition("this daemon takes Allocate/Free/Close only on the fd channel (channel_ops_only)")
+        self.channel_requests = offered if channel_requests is None else channel_requests
 
     @classmethod
-    def connect(cls, path: str | None = None, timeout: float = 10.0) -> "Client":
+    def connect(cls, path: str | None = None, timeout: float = 10.0, channel_requests: bool | None = None) -> "Client":
         """Connect to `path`, or to the socket named by the environment."""
-        return cls(path or socket_from_env(), timeout)
+        return cls(path or socket_from_env(), timeout, channel_requests)
 
     @classmethod
     def from_env(cls, timeout: float = 10.0) -> "Client":
