@@ -553,15 +553,20 @@ class Session:
             self.client.timeout + wait_budget,
         )
         fds = self._channel.receive(resp.allocation_id, resp.page_ids)
-        if self.resumable:
-            with self._lock:
-                for pid, fd in zip(resp.page_ids, fds):
-                    self._keep_seq += 1
-                    old = self._keep.get(pid)
-                    if old is not None:  # re-lent before an earlier Free of it returned
-                        fdchannel.close_fds([old[1]])
-                    self._keep[pid] = (self._keep_seq, os.dup(fd))
+        self._keep_fds(resp.page_ids, fds)
         return resp, fds
+
+    def _keep_fds(self, ids: Sequence[int], fds: Sequence[int]) -> None:
+        """A resumable session keeps a duplicate of every page fd it got."""
+        if not self.resumable:
+            return
+        with self._lock:
+            for pid, fd in zip(ids, fds):
+                self._keep_seq += 1
+                old = self._keep.get(pid)
+                if old is not None:  # re-lent before an earlier Free of it returned
+                    fdchannel.close_fds([old[1]])
+                self._keep[pid] = (self._keep_seq, os.dup(fd))
 
     def _on_channel(self, fn):
         """Run a request on the fd channel with the same error handling as _rpc."""
@@ -586,14 +591,7 @@ class Session:
         dev = self.client.device(device)
         resp = pb.AllocateResponse(allocation_id=rep.req_id | fdchannel.CHANNEL_ALLOC_BIT, device=dev.uuid,
                                    page_size=dev.page_size, page_ids=ids, held_bytes=rep.value)
-        if self.resumable:
-            with self._lock:
-                for pid, fd in zip(ids, fds):
-                    self._keep_seq += 1
-                    old = self._keep.get(pid)
-                    if old is not None:
-                        fdchannel.close_fds([old[1]])
-                    self._keep[pid] = (self._keep_seq, os.dup(fd))
+        self._keep_fds(ids, fds)
         return resp, fds
 
     def _free_on_channel(self, ids: list[int]) -> int:
