@@ -162,21 +162,28 @@ func (d *daemon) stop() {
 // sharedDaemon returns the daemon of a backend, starting it on first use.
 func sharedDaemon(t *testing.T, backend string) *daemon {
 	t.Helper()
+	return sharedDaemonWith(t, backend, backend)
+}
+
+// sharedDaemonWith returns the daemon named key (a backend started with
+// args), starting it on first use.
+func sharedDaemonWith(t *testing.T, key, backend string, args ...string) *daemon {
+	t.Helper()
 	daemonsMu.Lock()
 	defer daemonsMu.Unlock()
-	if d := daemons[backend]; d != nil {
+	if d := daemons[key]; d != nil {
 		select {
 		case <-d.exited:
-			t.Fatalf("the %s daemon died:\n%s", backend, d.log.String())
+			t.Fatalf("the %s daemon died:\n%s", key, d.log.String())
 		default:
 		}
 		return d
 	}
-	d, err := startDaemon(backend, backendEnv(t, backend))
+	d, err := startDaemon(backend, backendEnv(t, backend), args...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	daemons[backend] = d
+	daemons[key] = d
 	return d
 }
 

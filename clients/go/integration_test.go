@@ -36,91 +36,95 @@ func TestRegionAgainstDaemon(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, backend string) {
 		checkGoroutines(t)
 		_, c := connect(t, backend)
-		ctx := testCtx(t)
-		s, err := c.OpenSession(ctx, "go-region-test", WithLabels(map[string]string{"model_digest": "sha256:abc"}))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer s.Close(ctx)
-		dev := s.Info().Devices[0]
-		if dev.Kind != backend {
-			t.Fatalf("device kind %q on the %s daemon", dev.Kind, backend)
-		}
-		ps := dev.PageSize
-		r, err := s.NewRegion(ctx, 16*ps)
-		if err != nil {
-			t.Fatal(err)
-		}
-		// Grow in llama.cpp-like steps; write a pattern in every page.
-		for _, n := range []uint64{1, 3*ps + 5, 8 * ps} {
-			if err := r.Grow(ctx, n); err != nil {
-				t.Fatal(err)
-			}
-		}
-		if err := r.Map(ctx, 12*ps, 2*ps); err != nil { // a second, separate range
-			t.Fatal(err)
-		}
-		own, err := s.Own(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if own.PagesHeld != 10 || own.HeldBytes != 10*ps || own.Labels["model_digest"] != "sha256:abc" {
-			t.Fatalf("daemon's books: %+v", own)
-		}
-		for _, i := range []uint64{0, 1, 2, 3, 4, 5, 6, 7, 12, 13} {
-			// Fresh pages read as zeros (invariant 2).
-			got := make([]byte, 64)
-			if _, err := r.ReadAt(got, int64(i*ps+ps-64)); err != nil {
-				t.Fatal(err)
-			}
-			if !bytes.Equal(got, make([]byte, 64)) {
-				t.Fatalf("page %d is not zero", i)
-			}
-			if _, err := r.WriteAt(pattern(int(i), int(ps)), int64(i*ps)); err != nil {
-				t.Fatal(err)
-			}
-		}
-		for _, i := range []uint64{0, 1, 2, 3, 4, 5, 6, 7, 12, 13} {
-			got := make([]byte, ps)
-			if _, err := r.ReadAt(got, int64(i*ps)); err != nil {
-				t.Fatal(err)
-			}
-			if !bytes.Equal(got, pattern(int(i), int(ps))) {
-				t.Fatalf("page %d lost its bytes", i)
-			}
-		}
-		if _, err := r.ReadAt(make([]byte, 1), int64(9*ps)); !errors.Is(err, ErrNotMapped) {
-			t.Fatalf("read of unmapped page: %v", err)
-		}
-		if err := r.Trim(ctx, 2*ps); err != nil {
-			t.Fatal(err)
-		}
-		own, _ = s.Own(ctx)
-		if own.PagesHeld != 2 {
-			t.Fatalf("after trim the daemon says %d pages", own.PagesHeld)
-		}
-		if err := r.Close(ctx); err != nil {
-			t.Fatal(err)
-		}
-		own, _ = s.Own(ctx)
-		if own.PagesHeld != 0 {
-			t.Fatalf("after close the daemon says %d pages", own.PagesHeld)
-		}
-		st, err := c.Stats(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		p := st.Total
-		if p.PooledBytes+p.InUseBytes+p.FreeBytes != p.BudgetBytes {
-			t.Fatalf("books do not add up: %+v", p)
-		}
-		if err := s.Close(ctx); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := s.Allocate(ctx, 1); !errors.Is(err, ErrClosed) {
-			t.Fatalf("Allocate after Close: %v", err)
-		}
+		regionScenario(t, c, backend)
 	})
+}
+
+func regionScenario(t *testing.T, c *Client, backend string) {
+	ctx := testCtx(t)
+	s, err := c.OpenSession(ctx, "go-region-test", WithLabels(map[string]string{"model_digest": "sha256:abc"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close(ctx)
+	dev := s.Info().Devices[0]
+	if dev.Kind != backend {
+		t.Fatalf("device kind %q on the %s daemon", dev.Kind, backend)
+	}
+	ps := dev.PageSize
+	r, err := s.NewRegion(ctx, 16*ps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Grow in llama.cpp-like steps; write a pattern in every page.
+	for _, n := range []uint64{1, 3*ps + 5, 8 * ps} {
+		if err := r.Grow(ctx, n); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := r.Map(ctx, 12*ps, 2*ps); err != nil { // a second, separate range
+		t.Fatal(err)
+	}
+	own, err := s.Own(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if own.PagesHeld != 10 || own.HeldBytes != 10*ps || own.Labels["model_digest"] != "sha256:abc" {
+		t.Fatalf("daemon's books: %+v", own)
+	}
+	for _, i := range []uint64{0, 1, 2, 3, 4, 5, 6, 7, 12, 13} {
+		// Fresh pages read as zeros (invariant 2).
+		got := make([]byte, 64)
+		if _, err := r.ReadAt(got, int64(i*ps+ps-64)); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, make([]byte, 64)) {
+			t.Fatalf("page %d is not zero", i)
+		}
+		if _, err := r.WriteAt(pattern(int(i), int(ps)), int64(i*ps)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, i := range []uint64{0, 1, 2, 3, 4, 5, 6, 7, 12, 13} {
+		got := make([]byte, ps)
+		if _, err := r.ReadAt(got, int64(i*ps)); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, pattern(int(i), int(ps))) {
+			t.Fatalf("page %d lost its bytes", i)
+		}
+	}
+	if _, err := r.ReadAt(make([]byte, 1), int64(9*ps)); !errors.Is(err, ErrNotMapped) {
+		t.Fatalf("read of unmapped page: %v", err)
+	}
+	if err := r.Trim(ctx, 2*ps); err != nil {
+		t.Fatal(err)
+	}
+	own, _ = s.Own(ctx)
+	if own.PagesHeld != 2 {
+		t.Fatalf("after trim the daemon says %d pages", own.PagesHeld)
+	}
+	if err := r.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	own, _ = s.Own(ctx)
+	if own.PagesHeld != 0 {
+		t.Fatalf("after close the daemon says %d pages", own.PagesHeld)
+	}
+	st, err := c.Stats(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := st.Total
+	if p.PooledBytes+p.InUseBytes+p.FreeBytes != p.BudgetBytes {
+		t.Fatalf("books do not add up: %+v", p)
+	}
+	if err := s.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Allocate(ctx, 1); !errors.Is(err, ErrClosed) {
+		t.Fatalf("Allocate after Close: %v", err)
+	}
 }
 
 // Large allocations cross several PAGES records (253 fds each): a daemon
@@ -310,46 +314,50 @@ func helperMain() int {
 func TestSIGKILLReturnsPages(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, backend string) {
 		d, c := connect(t, backend)
-		ctx := testCtx(t)
-		before, err := c.Stats(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		const pages = 20
-		cmd := exec.Command(os.Args[0], "-test.run=^$")
-		cmd.Env = append(append([]string{}, d.env...), helperEnv+"="+strconv.Itoa(pages),
-			EnvOllamaSocket+"="+d.socket, "KVCACHED_SESSION_NAME=sha256:doomed")
-		stdout, _ := cmd.StdoutPipe()
-		cmd.Stderr = os.Stderr
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		line, _ := bufio.NewReader(stdout).ReadString('\n')
-		if !strings.HasPrefix(line, "READY") {
-			cmd.Process.Kill()
-			cmd.Wait()
-			t.Fatalf("helper: %q", line)
-		}
-		st, _ := c.Stats(ctx)
-		if got := st.Total.PagesInUse - before.Total.PagesInUse; got != pages {
-			t.Fatalf("helper holds %d pages, want %d", got, pages)
-		}
-		killed := time.Now()
-		if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
-			t.Fatal(err)
-		}
-		cmd.Wait()
-		took := waitFor(t, time.Second, "pages returned after SIGKILL", func() (bool, string) {
-			st, err := c.Stats(ctx)
-			if err != nil {
-				return false, err.Error()
-			}
-			p := st.Total
-			return p.PagesInUse == before.Total.PagesInUse && p.PooledBytes+p.InUseBytes+p.FreeBytes == p.BudgetBytes,
-				fmt.Sprintf("%+v", p)
-		})
-		t.Logf("%s: pages back %v after SIGKILL (%v since kill)", backend, took, time.Since(killed))
+		sigkillScenario(t, d, c, backend)
 	})
+}
+
+func sigkillScenario(t *testing.T, d *daemon, c *Client, backend string) {
+	ctx := testCtx(t)
+	before, err := c.Stats(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const pages = 20
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(append([]string{}, d.env...), helperEnv+"="+strconv.Itoa(pages),
+		EnvOllamaSocket+"="+d.socket, "KVCACHED_SESSION_NAME=sha256:doomed")
+	stdout, _ := cmd.StdoutPipe()
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	line, _ := bufio.NewReader(stdout).ReadString('\n')
+	if !strings.HasPrefix(line, "READY") {
+		cmd.Process.Kill()
+		cmd.Wait()
+		t.Fatalf("helper: %q", line)
+	}
+	st, _ := c.Stats(ctx)
+	if got := st.Total.PagesInUse - before.Total.PagesInUse; got != pages {
+		t.Fatalf("helper holds %d pages, want %d", got, pages)
+	}
+	killed := time.Now()
+	if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	cmd.Wait()
+	took := waitFor(t, time.Second, "pages returned after SIGKILL", func() (bool, string) {
+		st, err := c.Stats(ctx)
+		if err != nil {
+			return false, err.Error()
+		}
+		p := st.Total
+		return p.PagesInUse == before.Total.PagesInUse && p.PooledBytes+p.InUseBytes+p.FreeBytes == p.BudgetBytes,
+			fmt.Sprintf("%+v", p)
+	})
+	t.Logf("%s: pages back %v after SIGKILL (%v since kill)", backend, took, time.Since(killed))
 }
 
 // The reclaim callback is honoured: an admin shrink request and a waiting
@@ -358,67 +366,71 @@ func TestReclaimCallback(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, backend string) {
 		checkGoroutines(t)
 		_, c := connect(t, backend)
-		ctx := testCtx(t)
-		var region atomic.Pointer[Region]
-		var calls atomic.Int32
-		reclaims := make(chan Reclaim, 8)
-		idle, err := c.OpenSession(ctx, "sha256:idle-runner", WithReclaimHandler(func(ctx context.Context, r Reclaim) {
-			calls.Add(1)
-			reclaims <- r
-			reg := region.Load()
-			keep := reg.MappedBytes()
-			if want := r.Pages * reg.PageSize(); keep > want {
-				keep -= want
-			} else {
-				keep = 0
-			}
-			if err := reg.Trim(ctx, keep); err != nil {
-				t.Errorf("trim in reclaim handler: %v", err)
-			}
-		}))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer idle.Close(ctx)
-		ps := idle.Info().Devices[0].PageSize
-		budget := idle.Info().Devices[0].BudgetBytes / ps
-		r, err := idle.NewRegion(ctx, budget*ps)
-		if err != nil {
-			t.Fatal(err)
-		}
-		region.Store(r)
-		if err := r.Grow(ctx, (budget-10)*ps); err != nil {
-			t.Fatal(err)
-		}
+		reclaimCallbackScenario(t, c, backend)
+	})
+}
 
-		admin, err := c.OpenSession(ctx, "ollama-scheduler")
-		if err != nil {
-			t.Fatal(err)
+func reclaimCallbackScenario(t *testing.T, c *Client, backend string) {
+	ctx := testCtx(t)
+	var region atomic.Pointer[Region]
+	var calls atomic.Int32
+	reclaims := make(chan Reclaim, 8)
+	idle, err := c.OpenSession(ctx, "sha256:idle-runner", WithReclaimHandler(func(ctx context.Context, r Reclaim) {
+		calls.Add(1)
+		reclaims <- r
+		reg := region.Load()
+		keep := reg.MappedBytes()
+		if want := r.Pages * reg.PageSize(); keep > want {
+			keep -= want
+		} else {
+			keep = 0
 		}
-		defer admin.Close(ctx)
-		if !admin.Admin() {
-			t.Fatalf("the test runs as the daemon's uid, which is always admin")
+		if err := reg.Trim(ctx, keep); err != nil {
+			t.Errorf("trim in reclaim handler: %v", err)
 		}
-		// 1. Admin shrink to 20 pages.
-		asked, err := admin.RequestShrink(ctx, idle.ID(), 20*ps, 2*time.Second)
-		if err != nil {
-			t.Fatal(err)
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer idle.Close(ctx)
+	ps := idle.Info().Devices[0].PageSize
+	budget := idle.Info().Devices[0].BudgetBytes / ps
+	r, err := idle.NewRegion(ctx, budget*ps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	region.Store(r)
+	if err := r.Grow(ctx, (budget-10)*ps); err != nil {
+		t.Fatal(err)
+	}
+
+	admin, err := c.OpenSession(ctx, "ollama-scheduler")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer admin.Close(ctx)
+	if !admin.Admin() {
+		t.Fatalf("the test runs as the daemon's uid, which is always admin")
+	}
+	// 1. Admin shrink to 20 pages.
+	asked, err := admin.RequestShrink(ctx, idle.ID(), 20*ps, 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if asked != budget-10-20 {
+		t.Fatalf("shrink asked for %d pages, want %d", asked, budget-10-20)
+	}
+	select {
+	case rc := <-reclaims:
+		if rc.Reason != "admin" || rc.Pages != asked || rc.Deadline.IsZero() {
+			t.Fatalf("reclaim event %+v", rc)
 		}
-		if asked != budget-10-20 {
-			t.Fatalf("shrink asked for %d pages, want %d", asked, budget-10-20)
-		}
-		select {
-		case rc := <-reclaims:
-			if rc.Reason != "admin" || rc.Pages != asked || rc.Deadline.IsZero() {
-				t.Fatalf("reclaim event %+v", rc)
-			}
-		case <-time.After(5 * time.Second):
-			t.Fatal("no reclaim callback after RequestShrink")
-		}
-		waitFor(t, 3*time.Second, "idle session shrunk to 20 pages", func() (bool, string) {
-			u, err := admin.RunnerUsage(ctx, "sha256:idle-runner")
-			return err == nil && u.HeldBytes == 20*ps, fmt.Sprintf("%+v %v", u, err)
-		})
+	case <-time.After(5 * time.Second):
+		t.Fatal("no reclaim callback after RequestShrink")
+	}
+	waitFor(t, 3*time.Second, "idle session shrunk to 20 pages", func() (bool, string) {
+		u, err := admin.RunnerUsage(ctx, "sha256:idle-runner")
+		return err == nil && u.HeldBytes == 20*ps, fmt.Sprintf("%+v %v", u, err)
 	})
 }
 
@@ -428,52 +440,56 @@ func TestReclaimForWaitingAllocate(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, backend string) {
 		checkGoroutines(t)
 		_, c := connect(t, backend)
-		ctx := testCtx(t)
-		var region atomic.Pointer[Region]
-		var calls atomic.Int32
-		idle, err := c.OpenSession(ctx, "sha256:idle-runner-2", WithReclaimHandler(func(ctx context.Context, r Reclaim) {
-			calls.Add(1)
-			reg := region.Load()
-			keep := reg.MappedBytes()
-			if want := r.Pages * reg.PageSize(); keep > want {
-				keep -= want
-			} else {
-				keep = 0
-			}
-			if err := reg.Trim(ctx, keep); err != nil {
-				t.Errorf("trim in reclaim handler: %v", err)
-			}
-		}))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer idle.Close(ctx)
-		ps := idle.Info().Devices[0].PageSize
-		budget := idle.Info().Devices[0].BudgetBytes / ps
-		r, err := idle.NewRegion(ctx, budget*ps)
-		if err != nil {
-			t.Fatal(err)
-		}
-		region.Store(r)
-		if err := r.Grow(ctx, (budget-10)*ps); err != nil {
-			t.Fatal(err)
-		}
-		busy, err := c.OpenSession(ctx, "sha256:new-runner")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer busy.Close(ctx)
-		start := time.Now()
-		a, err := busy.Allocate(ctx, int(budget/2), WaitUpTo(5*time.Second))
-		if err != nil {
-			t.Fatalf("waiting allocate: %v (reclaim calls %d)", err, calls.Load())
-		}
-		t.Logf("%s: %d pages moved by reclaim in %v", backend, budget/2, time.Since(start))
-		a.Close()
-		if calls.Load() < 1 {
-			t.Fatalf("reclaim handler called %d times", calls.Load())
-		}
+		reclaimWaitingScenario(t, c, backend)
 	})
+}
+
+func reclaimWaitingScenario(t *testing.T, c *Client, backend string) {
+	ctx := testCtx(t)
+	var region atomic.Pointer[Region]
+	var calls atomic.Int32
+	idle, err := c.OpenSession(ctx, "sha256:idle-runner-2", WithReclaimHandler(func(ctx context.Context, r Reclaim) {
+		calls.Add(1)
+		reg := region.Load()
+		keep := reg.MappedBytes()
+		if want := r.Pages * reg.PageSize(); keep > want {
+			keep -= want
+		} else {
+			keep = 0
+		}
+		if err := reg.Trim(ctx, keep); err != nil {
+			t.Errorf("trim in reclaim handler: %v", err)
+		}
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer idle.Close(ctx)
+	ps := idle.Info().Devices[0].PageSize
+	budget := idle.Info().Devices[0].BudgetBytes / ps
+	r, err := idle.NewRegion(ctx, budget*ps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	region.Store(r)
+	if err := r.Grow(ctx, (budget-10)*ps); err != nil {
+		t.Fatal(err)
+	}
+	busy, err := c.OpenSession(ctx, "sha256:new-runner")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer busy.Close(ctx)
+	start := time.Now()
+	a, err := busy.Allocate(ctx, int(budget/2), WaitUpTo(5*time.Second))
+	if err != nil {
+		t.Fatalf("waiting allocate: %v (reclaim calls %d)", err, calls.Load())
+	}
+	t.Logf("%s: %d pages moved by reclaim in %v", backend, budget/2, time.Since(start))
+	a.Close()
+	if calls.Load() < 1 {
+		t.Fatalf("reclaim handler called %d times", calls.Load())
+	}
 }
 
 // Every error path returns a sentinel error.

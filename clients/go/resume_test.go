@@ -16,7 +16,7 @@ import (
 
 // startStateDaemon starts a daemon of its own with a journal in
 // dir/state; restart brings it back on the same socket and state dir.
-func startStateDaemon(t *testing.T, backend string) (d *daemon, restart func(stateDir string) *daemon) {
+func startStateDaemon(t *testing.T, backend string, args ...string) (d *daemon, restart func(stateDir string) *daemon) {
 	t.Helper()
 	dir, err := os.MkdirTemp("", "kvcgo-resume-")
 	if err != nil {
@@ -33,7 +33,7 @@ func startStateDaemon(t *testing.T, backend string) (d *daemon, restart func(sta
 	})
 	start := func(stateDir string) *daemon {
 		t.Helper()
-		d, err := startDaemonIn(dir, backend, env, "--state-dir", stateDir)
+		d, err := startDaemonIn(dir, backend, env, append([]string{"--state-dir", stateDir}, args...)...)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -62,157 +62,162 @@ func keptFDs(s *Session) int {
 func TestResumeAfterDaemonSIGKILL(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, backend string) {
 		checkGoroutines(t)
-		d, restart := startStateDaemon(t, backend)
-		ctx := testCtx(t)
-		c, err := Dial(ctx, d.socket)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
-		reclaims := make(chan Reclaim, 4)
-		s, err := c.OpenSession(ctx, "go-survivor", WithPriority(3), WithGuaranteedBytes(1<<20),
-			WithReclaimHandler(func(ctx context.Context, r Reclaim) { reclaims <- r }))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer s.Close(ctx)
-		if !s.Resumable() {
-			t.Fatal("a daemon with --state-dir gave no resume token")
-		}
-		ps := s.Info().Devices[0].PageSize
-		r, err := s.NewRegion(ctx, 16*ps)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := r.Grow(ctx, 8*ps); err != nil {
-			t.Fatal(err)
-		}
-		for i := 0; i < 8; i++ {
-			if _, err := r.WriteAt(pattern(i, int(ps)), int64(i)*int64(ps)); err != nil {
-				t.Fatal(err)
-			}
-		}
-		loose, err := s.Allocate(ctx, 2)
-		if err != nil {
-			t.Fatal(err)
-		}
-		loose.Close()                             // the descriptors; the pages stay the session's
-		if err := r.Trim(ctx, 6*ps); err != nil { // a Free that works
-			t.Fatal(err)
-		}
-		if got := keptFDs(s); got != 8 {
-			t.Fatalf("%d page descriptors kept for resume, want 8 (6 region + 2 loose)", got)
-		}
-
-		d.kill()
-		waitFor(t, 5*time.Second, "the session notices the daemon went away", func() (bool, string) {
-			return s.resumingNow(), ""
-		})
-		// The memory is still there and the region still readable.
-		for i := 0; i < 6; i++ {
-			got := make([]byte, ps)
-			if _, err := r.ReadAt(got, int64(i)*int64(ps)); err != nil || !bytes.Equal(got, pattern(i, int(ps))) {
-				t.Fatalf("page %d unreadable or changed while the daemon is down: %v", i, err)
-			}
-		}
-		if _, err := s.Allocate(ctx, 1); !isResumeUnavailable(err) {
-			t.Fatalf("Allocate while the daemon is down: %v", err)
-		}
-		if err := r.Grow(ctx, 10*ps); !isResumeUnavailable(err) {
-			t.Fatalf("Region.Grow while the daemon is down: %v", err)
-		}
-		if _, err := s.Stats(ctx); !isResumeUnavailable(err) {
-			t.Fatalf("Stats while the daemon is down: %v", err)
-		}
-		// A Free while the daemon is away fails, and gives the page back.
-		if err := r.Trim(ctx, 5*ps); !isResumeUnavailable(err) {
-			t.Fatalf("Trim while the daemon is down: %v", err)
-		}
-		if r.MappedBytes() != 5*ps {
-			t.Fatalf("mapped %d bytes after the failed Free, want 5 pages", r.MappedBytes())
-		}
-		short, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
-		err = s.WaitResumed(short)
-		cancel()
-		if !errors.Is(err, ErrDeadlineExceeded) {
-			t.Fatalf("WaitResumed while the daemon is down: %v", err)
-		}
-
-		d = restart(filepath.Join(filepath.Dir(d.socket), "state"))
-		wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
-		defer cancel()
-		if err := s.WaitResumed(wctx); err != nil {
-			t.Fatalf("WaitResumed: %v\n%s", err, d.log.String())
-		}
-		if s.Resumes() != 1 {
-			t.Fatalf("resumed %d times", s.Resumes())
-		}
-		own, err := s.Own(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		// 5 mapped region pages + 2 loose; the page freed while the daemon
-		// was away was not claimed.
-		if own.ID != s.ID() || own.PagesHeld != 7 || own.HeldBytes != 7*ps || own.Priority != 3 || own.GuaranteedBytes != 1<<20 {
-			t.Fatalf("the restarted daemon's books: %+v", own)
-		}
-		if got := keptFDs(s); got != 7 {
-			t.Fatalf("%d page descriptors kept after the resume, want 7", got)
-		}
-		for i := 0; i < 5; i++ {
-			got := make([]byte, ps)
-			if _, err := r.ReadAt(got, int64(i)*int64(ps)); err != nil || !bytes.Equal(got, pattern(i, int(ps))) {
-				t.Fatalf("page %d lost its bytes across the resume: %v", i, err)
-			}
-		}
-		if !strings.Contains(d.log.String(), "resumed by pid") {
-			t.Errorf("the daemon's log does not say it resumed the session:\n%s", d.log.String())
-		}
-		// The Watch stream runs again: an admin shrink reaches the handler.
-		if _, err := s.RequestShrink(ctx, s.ID(), 0, 2*time.Second); err != nil {
-			t.Fatal(err)
-		}
-		select {
-		case rc := <-reclaims:
-			if rc.Reason != "admin" {
-				t.Fatalf("reclaim %+v", rc)
-			}
-		case <-time.After(10 * time.Second):
-			t.Fatal("no reclaim callback after the resume: the watch stream did not come back")
-		}
-		// Fully usable again.
-		if err := r.Grow(ctx, 12*ps); err != nil {
-			t.Fatal(err)
-		}
-		zero := make([]byte, 64)
-		got := make([]byte, 64)
-		if _, err := r.ReadAt(got, int64(11*ps)); err != nil || !bytes.Equal(got, zero) {
-			t.Fatalf("a new page is not zero: %v", err)
-		}
-		if _, err := s.Free(ctx, loose.IDs()); err != nil {
-			t.Fatal(err)
-		}
-		if err := r.Close(ctx); err != nil {
-			t.Fatal(err)
-		}
-		own, err = s.Own(ctx)
-		if err != nil || own.PagesHeld != 0 {
-			t.Fatalf("after freeing everything: %+v %v", own, err)
-		}
-		if got := keptFDs(s); got != 0 {
-			t.Fatalf("%d page descriptors still kept after freeing everything", got)
-		}
-		st, err := c.Stats(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if p := st.Total; p.PagesInUse != 0 || p.PooledBytes+p.InUseBytes+p.FreeBytes != p.BudgetBytes {
-			t.Fatalf("books after the resumed session freed everything: %+v", p)
-		}
-		if err := s.Close(ctx); err != nil {
-			t.Fatal(err)
-		}
+		resumeScenario(t, backend)
 	})
+}
+
+// resumeScenario is the test with a daemon started with args.
+func resumeScenario(t *testing.T, backend string, args ...string) {
+	d, restart := startStateDaemon(t, backend, args...)
+	ctx := testCtx(t)
+	c, err := Dial(ctx, d.socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	reclaims := make(chan Reclaim, 4)
+	s, err := c.OpenSession(ctx, "go-survivor", WithPriority(3), WithGuaranteedBytes(1<<20),
+		WithReclaimHandler(func(ctx context.Context, r Reclaim) { reclaims <- r }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close(ctx)
+	if !s.Resumable() {
+		t.Fatal("a daemon with --state-dir gave no resume token")
+	}
+	ps := s.Info().Devices[0].PageSize
+	r, err := s.NewRegion(ctx, 16*ps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Grow(ctx, 8*ps); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 8; i++ {
+		if _, err := r.WriteAt(pattern(i, int(ps)), int64(i)*int64(ps)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	loose, err := s.Allocate(ctx, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	loose.Close()                             // the descriptors; the pages stay the session's
+	if err := r.Trim(ctx, 6*ps); err != nil { // a Free that works
+		t.Fatal(err)
+	}
+	if got := keptFDs(s); got != 8 {
+		t.Fatalf("%d page descriptors kept for resume, want 8 (6 region + 2 loose)", got)
+	}
+
+	d.kill()
+	waitFor(t, 5*time.Second, "the session notices the daemon went away", func() (bool, string) {
+		return s.resumingNow(), ""
+	})
+	// The memory is still there and the region still readable.
+	for i := 0; i < 6; i++ {
+		got := make([]byte, ps)
+		if _, err := r.ReadAt(got, int64(i)*int64(ps)); err != nil || !bytes.Equal(got, pattern(i, int(ps))) {
+			t.Fatalf("page %d unreadable or changed while the daemon is down: %v", i, err)
+		}
+	}
+	if _, err := s.Allocate(ctx, 1); !isResumeUnavailable(err) {
+		t.Fatalf("Allocate while the daemon is down: %v", err)
+	}
+	if err := r.Grow(ctx, 10*ps); !isResumeUnavailable(err) {
+		t.Fatalf("Region.Grow while the daemon is down: %v", err)
+	}
+	if _, err := s.Stats(ctx); !isResumeUnavailable(err) {
+		t.Fatalf("Stats while the daemon is down: %v", err)
+	}
+	// A Free while the daemon is away fails, and gives the page back.
+	if err := r.Trim(ctx, 5*ps); !isResumeUnavailable(err) {
+		t.Fatalf("Trim while the daemon is down: %v", err)
+	}
+	if r.MappedBytes() != 5*ps {
+		t.Fatalf("mapped %d bytes after the failed Free, want 5 pages", r.MappedBytes())
+	}
+	short, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+	err = s.WaitResumed(short)
+	cancel()
+	if !errors.Is(err, ErrDeadlineExceeded) {
+		t.Fatalf("WaitResumed while the daemon is down: %v", err)
+	}
+
+	d = restart(filepath.Join(filepath.Dir(d.socket), "state"))
+	wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	if err := s.WaitResumed(wctx); err != nil {
+		t.Fatalf("WaitResumed: %v\n%s", err, d.log.String())
+	}
+	if s.Resumes() != 1 {
+		t.Fatalf("resumed %d times", s.Resumes())
+	}
+	own, err := s.Own(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// 5 mapped region pages + 2 loose; the page freed while the daemon
+	// was away was not claimed.
+	if own.ID != s.ID() || own.PagesHeld != 7 || own.HeldBytes != 7*ps || own.Priority != 3 || own.GuaranteedBytes != 1<<20 {
+		t.Fatalf("the restarted daemon's books: %+v", own)
+	}
+	if got := keptFDs(s); got != 7 {
+		t.Fatalf("%d page descriptors kept after the resume, want 7", got)
+	}
+	for i := 0; i < 5; i++ {
+		got := make([]byte, ps)
+		if _, err := r.ReadAt(got, int64(i)*int64(ps)); err != nil || !bytes.Equal(got, pattern(i, int(ps))) {
+			t.Fatalf("page %d lost its bytes across the resume: %v", i, err)
+		}
+	}
+	if !strings.Contains(d.log.String(), "resumed by pid") {
+		t.Errorf("the daemon's log does not say it resumed the session:\n%s", d.log.String())
+	}
+	// The Watch stream runs again: an admin shrink reaches the handler.
+	if _, err := s.RequestShrink(ctx, s.ID(), 0, 2*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case rc := <-reclaims:
+		if rc.Reason != "admin" {
+			t.Fatalf("reclaim %+v", rc)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no reclaim callback after the resume: the watch stream did not come back")
+	}
+	// Fully usable again.
+	if err := r.Grow(ctx, 12*ps); err != nil {
+		t.Fatal(err)
+	}
+	zero := make([]byte, 64)
+	got := make([]byte, 64)
+	if _, err := r.ReadAt(got, int64(11*ps)); err != nil || !bytes.Equal(got, zero) {
+		t.Fatalf("a new page is not zero: %v", err)
+	}
+	if _, err := s.Free(ctx, loose.IDs()); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	own, err = s.Own(ctx)
+	if err != nil || own.PagesHeld != 0 {
+		t.Fatalf("after freeing everything: %+v %v", own, err)
+	}
+	if got := keptFDs(s); got != 0 {
+		t.Fatalf("%d page descriptors still kept after freeing everything", got)
+	}
+	st, err := c.Stats(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p := st.Total; p.PagesInUse != 0 || p.PooledBytes+p.InUseBytes+p.FreeBytes != p.BudgetBytes {
+		t.Fatalf("books after the resumed session freed everything: %+v", p)
+	}
+	if err := s.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // A restarted daemon that does not know the session (another state dir)
