@@ -52,6 +52,7 @@ type result struct {
 	Regions      int                `json:"regions"`
 	PageSize     uint64             `json:"page_size"`
 	Backend      string             `json:"backend"`
+	Transport    string             `json:"transport"` // "fd-channel" or "grpc": how Allocate/Free went
 	DurationS    float64            `json:"duration_s"`
 	Ops          int64              `json:"ops"`
 	OpsPerSec    float64            `json:"ops_per_sec"`
@@ -287,6 +288,7 @@ func run(cfg *config) int {
 	var runners []*runner
 	var backend string
 	var pageSize uint64
+	transport := "grpc"
 	for i := 0; i < cfg.runners; i++ {
 		r := &runner{id: i, cfg: cfg, rec: rec, st: st, log: log}
 		digest := fmt.Sprintf("sha256:%x", sha256.Sum256([]byte(fmt.Sprintf("loadgen-model-%d", i))))
@@ -298,6 +300,9 @@ func run(cfg *config) int {
 		}
 		r.sess = s
 		defer s.Close(context.Background())
+		if s.ChannelRequests() {
+			transport = "fd-channel"
+		}
 		for j := 0; j < 2*cfg.layers; j++ {
 			reg, err := s.NewRegion(dctx, uint64(cfg.cells*cfg.cellBytes))
 			if err != nil {
@@ -353,7 +358,7 @@ func run(cfg *config) int {
 	lat, ops := rec.summary()
 	res := result{
 		Runners: cfg.runners, Layers: cfg.layers, Regions: cfg.runners * 2 * cfg.layers, PageSize: pageSize, Backend: backend,
-		DurationS: elapsed.Seconds(), Ops: ops, OpsPerSec: float64(ops) / elapsed.Seconds(),
+		Transport: transport, DurationS: elapsed.Seconds(), Ops: ops, OpsPerSec: float64(ops) / elapsed.Seconds(),
 		PagesMapped: st.pagesMapped.Load(), PagesFreed: st.pagesFreed.Load(), Requests: st.requests.Load(),
 		Exhausted: st.exhausted.Load(), Reclaims: st.reclaims.Load(), CheckedPages: st.checked.Load(),
 		BadPages: st.bad.Load(), Errors: st.errs.Load(), Latency: lat,
@@ -363,8 +368,8 @@ func run(cfg *config) int {
 		enc.SetIndent("", "  ")
 		_ = enc.Encode(res)
 	} else {
-		fmt.Printf("kvcached-loadgen: %d runners x %d regions (%s backend, %d KiB pages), %.1fs\n",
-			res.Runners, 2*cfg.layers, res.Backend, res.PageSize/1024, res.DurationS)
+		fmt.Printf("kvcached-loadgen: %d runners x %d regions (%s backend, %d KiB pages, requests over %s), %.1fs\n",
+			res.Runners, 2*cfg.layers, res.Backend, res.PageSize/1024, res.Transport, res.DurationS)
 		fmt.Printf("  %d ops (%.0f ops/s), %d requests, %d pages mapped, %d freed, %d exhausted, %d reclaims answered\n",
 			res.Ops, res.OpsPerSec, res.Requests, res.PagesMapped, res.PagesFreed, res.Exhausted, res.Reclaims)
 		fmt.Printf("  pages checked %d, bad %d, errors %d\n", res.CheckedPages, res.BadPages, res.Errors)
