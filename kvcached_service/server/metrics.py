@@ -30,6 +30,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+import types
 from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
@@ -351,8 +352,22 @@ class RpcMetrics:
     def observe(self, rpc: str, code: Any, seconds: float, request: Any = None) -> None:
         self.requests.labels(rpc, code_name(code)).inc()
         if rpc == "Allocate":
-            wait = "true" if getattr(request, "wait", False) else "false"
+            wait = "true" if _waits(request) else "false"
             self.allocate_seconds.labels(wait).observe(seconds)
+
+
+def _waits(request: Any) -> bool:
+    """Whether an Allocate asked to wait. The servicer receives raw bytes
+    (it decodes them itself), so decode here too when needed."""
+    if isinstance(request, (bytes, bytearray)):
+        from .._generated.kvcached.v1 import kvcached_pb2 as pb
+        from google.protobuf.message import DecodeError
+
+        try:
+            return pb.AllocateRequest.FromString(bytes(request)).wait
+        except DecodeError:
+            return False
+    return bool(getattr(request, "wait", False))
 
 
 class MetricsInterceptor(grpc.aio.ServerInterceptor):
@@ -442,6 +457,14 @@ class Metrics:
         self._server = None
         self._thread: threading.Thread | None = None
         self.address: tuple[str, int] | None = None
+        # Allocate/Free/Close sent as fd channel requests never pass the
+        # gRPC interceptor: the daemon reports them here, into the same series.
+        hooks = getattr(daemon, "on_request", None)
+        if hooks is not None:
+            hooks.append(self._channel_request)
+
+    def _channel_request(self, rpc: str, code: int, seconds: float, waited: bool) -> None:
+        self.rpc.observe(rpc, code, seconds, types.SimpleNamespace(wait=waited))  # code_name takes the number
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         return [MetricsInterceptor(self.rpc)]
