@@ -14,6 +14,7 @@
 #include <mutex>
 #include <new>
 #include <set>
+#include <shared_mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -68,6 +69,18 @@ kvc_status from_grpc(const grpc::Status &st, const char *what)
     return kvc_fail(k, "%s: %s", what, st.error_message().c_str());
 }
 
+// Allocate, Free and CloseSession go on the fd channel when the daemon
+// offers it; KVCACHED_CHANNEL_REQUESTS=0 keeps them on gRPC (the fallback
+// for older daemons, and its tests) unless the daemon takes them only on
+// the channel.
+bool use_channel_requests(const pb::GetInfoResponse &info)
+{
+    if (!info.fd_channel_requests())
+        return false;
+    const char *v = std::getenv("KVCACHED_CHANNEL_REQUESTS");
+    return info.fd_channel_requests_only() || !(v && std::strcmp(v, "0") == 0);
+}
+
 struct Conn {
     std::string socket_path;
     std::shared_ptr<grpc::Channel> channel;
@@ -81,6 +94,55 @@ struct Conn {
         if (t)
             ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(t));
     }
+};
+
+// The fd channel of a session (one connection; a resume makes a new one).
+// Owns the socket: it is closed when the last user lets go.
+//
+// Requests on the channel (ALLOCATE, FREE, CLOSE; docs/protocol.md) are
+// answered by REPLY records, with an allocation's PAGES before its REPLY.
+// Nobody reads the socket in the background: a thread waiting for a REPLY
+// reads it (one at a time, the "reader"), filing every record it takes
+// off (REPLY by request id, PAGES by allocation id), and hands the job to
+// another waiter when its own answer is in. So records are consumed while
+// anyone waits (an allocation larger than the socket buffer does not
+// stall), and several threads may have requests in flight.
+struct Chan {
+    struct Reply {
+        uint32_t code = 0;
+        uint64_t value = 0;
+        std::string message;
+    };
+    struct Stash {
+        uint32_t total = 0;
+        std::map<uint32_t, std::pair<uint64_t, int>> pages;  // index -> (page id, fd)
+    };
+    enum End { kOpen = 0, kGone, kGoodbye, kError };
+
+    explicit Chan(int fd_) : fd(fd_), rec(new kvc_fd_record) {}
+    ~Chan()
+    {
+        for (auto &a : stash)
+            for (auto &p : a.second.pages)
+                close(p.second.second);
+        if (fd >= 0)
+            close(fd);
+    }
+    Chan(const Chan &) = delete;
+    Chan &operator=(const Chan &) = delete;
+
+    const int fd;
+    std::mutex mu;  // everything below
+    std::condition_variable cv;
+    bool reading = false;                    // a thread is reading the socket
+    std::unique_ptr<kvc_fd_record> rec;      // the reader's record
+    uint64_t next_req = 1;
+    std::set<uint64_t> waiting;              // request ids someone waits for
+    std::map<uint64_t, Reply> replies;       // request id -> its REPLY
+    std::map<uint64_t, Stash> stash;         // allocation id -> its pages so far
+    End end = kOpen;
+    uint32_t end_code = 0;                   // ERROR's code
+    std::string end_message;
 };
 
 }  // namespace
@@ -103,7 +165,14 @@ struct kvc_session {
     bool wait = false;
     uint32_t wait_timeout_ms = 0;
     kvc_mapper *mapper = nullptr;
-    int fd = -1;  // the fd channel; replaced by a resume (under alloc_mu and mu)
+    int fd = -1;  // the fd channel (chan->fd); replaced by a resume (under alloc_mu and mu)
+    std::shared_ptr<Chan> chan;  // owns fd (mu)
+    // Allocate, Free and CloseSession as request records on the fd channel
+    // (GetInfo().fd_channel_requests); else gRPC. Set again by a resume.
+    std::atomic<bool> chan_ops{false};
+    // Channel allocations hold it shared from request to keeping their fds;
+    // a resume holds it exclusively (its ADOPT lists every page held).
+    std::shared_mutex chan_rw;
 
     std::mutex alloc_mu;  // one Allocate + its fd records at a time
     std::mutex mu;        // the books below
@@ -190,6 +259,12 @@ struct kvc_session {
         return KVC_OK;
     }
 
+    std::shared_ptr<Chan> chan_copy()
+    {
+        std::lock_guard<std::mutex> g(mu);
+        return chan;
+    }
+
     pb::SessionRef ref_copy()
     {
         std::lock_guard<std::mutex> g(mu);
@@ -260,6 +335,294 @@ void drop_held(kvc_session *s, size_t n)
     s->held_pages -= std::min<uint64_t>(s->held_pages.load(), n);
 }
 
+// ---- requests on the fd channel ---------------------------------------
+
+// Send a FREE for pages nobody will use (an allocation whose requester gave
+// up waiting, or stray pages) without waiting for its REPLY (dropped: no
+// one waits for its id).
+void chan_free_nowait(Chan *ch, const std::vector<uint64_t> &ids)
+{
+    std::vector<uint8_t> buf;
+    char err[256];
+    for (size_t i = 0; i < ids.size(); i += KVC_FD_MAX_FREE_IDS) {
+        uint32_t n = static_cast<uint32_t>(std::min<size_t>(KVC_FD_MAX_FREE_IDS, ids.size() - i));
+        uint64_t req;
+        {
+            std::lock_guard<std::mutex> g(ch->mu);
+            req = ch->next_req++;
+        }
+        buf.resize(KVC_FD_HEADER_SIZE + KVC_FD_FREE_FIXED + 8u * n);
+        size_t len = kvc_fd_encode_free(buf.data(), buf.size(), req, &ids[i], n);
+        if (!len || kvc_fd_send(ch->fd, buf.data(), len, nullptr, 0, err, sizeof err) != KVC_OK)
+            return;  // the channel is gone: the session's pages go back anyway
+    }
+}
+
+// File one record taken off the channel (the caller is the reader; ch->mu
+// not held). st/eof are what kvc_fd_recv said.
+void chan_file(kvc_session *s, Chan *ch, kvc_status st, int eof)
+{
+    kvc_fd_record *rec = ch->rec.get();
+    if (st == KVC_ERR_DEADLINE_EXCEEDED || st == KVC_ERR_PROTOCOL)
+        return;  // nothing yet; or a malformed record (its fds closed): the stream goes on
+    Chan::End end = Chan::kOpen;
+    std::vector<uint64_t> unwanted;  // pages to give back
+    {
+        std::lock_guard<std::mutex> g(ch->mu);
+        if (st != KVC_OK || eof) {
+            end = Chan::kGone;
+        } else {
+            switch (rec->type) {
+            case KVC_FD_REPLY:
+                if (ch->waiting.count(rec->req_id)) {
+                    Chan::Reply &r = ch->replies[rec->req_id];
+                    r.code = rec->error_code;
+                    r.value = rec->value;
+                    r.message = rec->message;
+                } else {
+                    // Its requester gave up: give back what it was lent.
+                    auto it = ch->stash.find(rec->req_id | KVC_FD_CHANNEL_ALLOC_BIT);
+                    if (it != ch->stash.end()) {
+                        for (auto &p : it->second.pages) {
+                            unwanted.push_back(p.second.first);
+                            close(p.second.second);
+                        }
+                        ch->stash.erase(it);
+                    }
+                }
+                break;
+            case KVC_FD_PAGES:
+                if ((rec->allocation_id & KVC_FD_CHANNEL_ALLOC_BIT) &&
+                    ch->waiting.count(rec->allocation_id & ~KVC_FD_CHANNEL_ALLOC_BIT)) {
+                    Chan::Stash &a = ch->stash[rec->allocation_id];
+                    a.total = rec->total;
+                    for (uint32_t i = 0; i < rec->count; i++) {
+                        auto ins = a.pages.emplace(rec->first_index + i,
+                                                   std::make_pair(rec->page_ids[i], rec->fds[i]));
+                        if (!ins.second) {  // the same index twice: keep the last
+                            close(ins.first->second.second);
+                            ins.first->second = {rec->page_ids[i], rec->fds[i]};
+                        }
+                    }
+                    rec->num_fds = 0;
+                } else {
+                    // Nobody waits for these (a gRPC Allocate whose answer was
+                    // lost, or a request given up): give them back.
+                    unwanted.assign(rec->page_ids, rec->page_ids + rec->count);
+                    kvc_fd_record_close_fds(rec);
+                }
+                break;
+            case KVC_FD_GOODBYE:
+                end = Chan::kGoodbye;
+                break;
+            case KVC_FD_ERROR:
+                end = Chan::kError;
+                ch->end_code = rec->error_code;
+                ch->end_message = rec->message;
+                break;
+            default:
+                kvc_fd_record_close_fds(rec);
+                break;
+            }
+        }
+        if (end != Chan::kOpen && ch->end == Chan::kOpen)
+            ch->end = end;
+        ch->cv.notify_all();
+    }
+    if (!unwanted.empty() && end == Chan::kOpen)
+        chan_free_nowait(ch, unwanted);
+    switch (end) {
+    case Chan::kGone:
+        if (s->resumable)
+            s->note_gone();  // the monitor resumes the session
+        else
+            s->mark_ended("the fd channel was closed by the daemon");
+        break;
+    case Chan::kGoodbye:
+        s->mark_ended("GOODBYE on the fd channel");
+        break;
+    case Chan::kError:
+        s->mark_ended(std::string("ERROR on the fd channel: ") + rec->message);
+        break;
+    default:
+        break;
+    }
+}
+
+// Why the channel ended, as the status a request on it fails with.
+kvc_status chan_end_error(kvc_session *s, Chan *ch)
+{
+    Chan::End end;
+    uint32_t code;
+    std::string msg;
+    {
+        std::lock_guard<std::mutex> g(ch->mu);
+        end = ch->end;
+        code = ch->end_code;
+        msg = ch->end_message;
+    }
+    if (end == Chan::kError) {
+        kvc_status k = kvc_status_from_grpc_code(static_cast<int>(code));
+        return kvc_fail(k == KVC_OK ? KVC_ERR_PROTOCOL : k, "session %llu: ERROR on the fd channel: %s",
+                        (unsigned long long)s->id, msg.c_str());
+    }
+    if (end == Chan::kGone && s->resumable && !s->closing.load() && !s->ended.load())
+        return s->resuming_error();
+    if (s->ended.load())
+        return s->ended_error();
+    return kvc_fail(KVC_ERR_UNAVAILABLE, "session %llu: the fd channel was closed",
+                    (unsigned long long)s->id);
+}
+
+// Read and file every record already queued on the channel (never blocks
+// for long: waits for the reader role, then reads what is there).
+void chan_pump_pending(kvc_session *s, Chan *ch)
+{
+    std::unique_lock<std::mutex> g(ch->mu);
+    ch->cv.wait(g, [ch] { return !ch->reading || ch->end != Chan::kOpen; });
+    if (ch->end != Chan::kOpen)
+        return;
+    ch->reading = true;
+    g.unlock();
+    char err[512];
+    for (;;) {
+        int eof = 0;
+        kvc_status st = kvc_fd_recv(ch->fd, 0, ch->rec.get(), &eof, err, sizeof err);
+        if (st == KVC_ERR_DEADLINE_EXCEEDED)
+            break;
+        chan_file(s, ch, st, eof);
+        std::lock_guard<std::mutex> l(ch->mu);
+        if (ch->end != Chan::kOpen)
+            break;
+    }
+    g.lock();
+    ch->reading = false;
+    ch->cv.notify_all();
+}
+
+uint64_t chan_next_req(Chan *ch)
+{
+    std::lock_guard<std::mutex> g(ch->mu);
+    return ch->next_req++;
+}
+
+// Send one request record and wait up to timeout_ms (0 = forever) for its
+// REPLY, reading the channel meanwhile if nobody else does. KVC_OK with
+// *out filled (out->code is the daemon's gRPC status code, maybe an error);
+// for an ALLOCATE, *pages gets its pages by index (the caller owns their
+// fds). Else why it could not be asked or answered.
+kvc_status chan_request(kvc_session *s, Chan *ch, uint64_t req, const uint8_t *buf, size_t len,
+                        uint64_t timeout_ms, const char *what, Chan::Reply *out,
+                        Chan::Stash *pages)
+{
+    {
+        std::lock_guard<std::mutex> g(ch->mu);
+        if (ch->end != Chan::kOpen)
+            return chan_end_error(s, ch);
+        ch->waiting.insert(req);
+    }
+    char err[512];
+    bool sent = kvc_fd_send(ch->fd, buf, len, nullptr, 0, err, sizeof err) == KVC_OK;
+    std::string send_err = sent ? "" : err;
+    using clock = std::chrono::steady_clock;
+    // Unsent (the daemon hung up?): only look for the records that say why.
+    const bool forever = sent && timeout_ms == 0;
+    const auto deadline = clock::now() + std::chrono::milliseconds(sent ? timeout_ms : 1000);
+    const uint64_t alloc_id = req | KVC_FD_CHANNEL_ALLOC_BIT;
+    std::unique_lock<std::mutex> g(ch->mu);
+    auto give_up = [&] {
+        ch->waiting.erase(req);
+        ch->replies.erase(req);
+        auto it = ch->stash.find(alloc_id);
+        if (it != ch->stash.end() && !sent) {
+            for (auto &p : it->second.pages)
+                close(p.second.second);
+            ch->stash.erase(it);
+        }
+        // Sent and unanswered: pages that arrive later are given back when
+        // their REPLY comes (nobody waits for it any more).
+    };
+    for (;;) {
+        auto it = ch->replies.find(req);
+        if (it != ch->replies.end()) {
+            *out = std::move(it->second);
+            ch->replies.erase(it);
+            ch->waiting.erase(req);
+            auto a = ch->stash.find(alloc_id);
+            if (a != ch->stash.end()) {
+                if (pages)
+                    *pages = std::move(a->second);
+                else
+                    for (auto &p : a->second.pages)
+                        close(p.second.second);
+                ch->stash.erase(a);
+            }
+            return KVC_OK;
+        }
+        if (ch->end != Chan::kOpen) {
+            give_up();
+            g.unlock();
+            return chan_end_error(s, ch);
+        }
+        auto now = clock::now();
+        if (!forever && now >= deadline) {
+            give_up();
+            g.unlock();
+            if (!sent)
+                return kvc_fail(KVC_ERR_UNAVAILABLE, "%s: fd channel: %s", what, send_err.c_str());
+            return kvc_fail(KVC_ERR_DEADLINE_EXCEEDED,
+                            "%s: no answer on the fd channel within %llu ms", what,
+                            (unsigned long long)timeout_ms);
+        }
+        if (ch->reading) {
+            if (forever)
+                ch->cv.wait(g);
+            else
+                ch->cv.wait_until(g, deadline);
+            continue;
+        }
+        // Read one record (at most a second at a time).
+        ch->reading = true;
+        g.unlock();
+        int wait_ms = 1000;
+        if (!forever) {
+            auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
+            wait_ms = static_cast<int>(std::max<long long>(0, std::min<long long>(left, 1000)));
+        }
+        int eof = 0;
+        kvc_status st = kvc_fd_recv(ch->fd, wait_ms, ch->rec.get(), &eof, err, sizeof err);
+        chan_file(s, ch, st, eof);
+        g.lock();
+        ch->reading = false;
+        ch->cv.notify_all();
+    }
+}
+
+// Free on the fd channel, in FREE records of at most 16384 ids. Returns
+// how many of `ids` (from the front) the daemon freed in *done.
+kvc_status chan_free(kvc_session *s, Chan *ch, const std::vector<uint64_t> &ids, size_t *done)
+{
+    *done = 0;
+    std::vector<uint8_t> buf;
+    uint32_t t = s->conn->timeout_ms.load();
+    for (size_t i = 0; i < ids.size(); i += KVC_FD_MAX_FREE_IDS) {
+        uint32_t n = static_cast<uint32_t>(std::min<size_t>(KVC_FD_MAX_FREE_IDS, ids.size() - i));
+        uint64_t req = chan_next_req(ch);
+        buf.resize(KVC_FD_HEADER_SIZE + KVC_FD_FREE_FIXED + 8u * n);
+        size_t len = kvc_fd_encode_free(buf.data(), buf.size(), req, &ids[i], n);
+        Chan::Reply rep;
+        kvc_status st = chan_request(s, ch, req, buf.data(), len, t, "Free", &rep, nullptr);
+        if (st != KVC_OK)
+            return st;
+        if (rep.code != 0) {
+            kvc_status k = kvc_status_from_grpc_code(static_cast<int>(rep.code));
+            return kvc_fail(k == KVC_OK ? KVC_ERR_PROTOCOL : k, "Free: %s", rep.message.c_str());
+        }
+        *done = i + n;
+    }
+    return KVC_OK;
+}
+
 // Give pages back (they must be unmapped already).
 //
 // On a resumable session whose daemon is away (the session is resuming, or
@@ -288,6 +651,34 @@ kvc_status session_free_ids(kvc_session *s, const std::vector<uint64_t> &ids)
     if (s->resuming())
         return defer();
     uint64_t gen = s->resumes.load();
+    if (s->chan_ops.load()) {
+        std::shared_ptr<Chan> ch = s->chan_copy();
+        size_t done = 0;
+        kvc_status st = chan_free(s, ch.get(), ids, &done);
+        {
+            std::lock_guard<std::mutex> g(s->mu);
+            std::vector<uint64_t> freed(ids.begin(), ids.begin() + done);
+            s->drop_kept_locked(freed);
+            drop_held(s, done);
+        }
+        if (st == KVC_OK)
+            return KVC_OK;
+        if (s->ended.load()) {  // ended meanwhile: the daemon took everything back
+            std::lock_guard<std::mutex> g(s->mu);
+            std::vector<uint64_t> rest(ids.begin() + done, ids.end());
+            s->drop_kept_locked(rest);
+            drop_held(s, rest.size());
+            return KVC_OK;
+        }
+        if (s->resumable && !s->closing.load() && !s->ended.load() &&
+            (st == KVC_ERR_UNAVAILABLE || s->resuming() || s->resumes.load() != gen)) {
+            std::lock_guard<std::mutex> g(s->mu);
+            s->deferred.insert(ids.begin() + done, ids.end());
+            drop_held(s, ids.size() - done);
+            return KVC_OK;
+        }
+        return st;
+    }
     pb::FreeRequest req;
     *req.mutable_session() = s->ref_copy();
     for (uint64_t id : ids)
@@ -461,6 +852,106 @@ kvc_status drain_channel(kvc_session *s)
     }
 }
 
+// One ALLOCATE of `chunk` pages on the fd channel: its pages (PAGES with
+// allocation id req|1<<63, filed while we wait) and then its REPLY.
+kvc_status chan_allocate_chunk(kvc_session *s, Chan *ch, uint32_t chunk, std::vector<uint64_t> &ids,
+                               std::vector<int> &fds)
+{
+    uint64_t req = chan_next_req(ch);
+    uint32_t flags = s->wait ? KVC_FD_ALLOC_WAIT : 0;
+    uint8_t buf[KVC_FD_HEADER_SIZE + KVC_FD_ALLOCATE_FIXED + 1024];
+    size_t len = kvc_fd_encode_allocate(buf, sizeof buf, req, chunk, flags, s->wait_timeout_ms,
+                                        s->device.c_str());
+    if (!len)
+        return kvc_fail(KVC_ERR_INVALID_ARGUMENT, "device uuid \"%s\" is too long", s->device.c_str());
+    uint64_t timeout = s->conn->timeout_ms.load();
+    if (timeout)  // as the gRPC deadline: a waiting Allocate may take the daemon's wait too
+        timeout += s->wait ? (s->wait_timeout_ms ? s->wait_timeout_ms : 30000) : 0;
+    Chan::Reply rep;
+    Chan::Stash got;
+    kvc_status st = chan_request(s, ch, req, buf, len, timeout, "Allocate", &rep, &got);
+    if (st != KVC_OK)
+        return st;
+    ids.clear();
+    fds.clear();
+    for (auto &p : got.pages) {
+        ids.push_back(p.second.first);
+        fds.push_back(p.second.second);
+    }
+    if (rep.code != 0) {
+        close_fds(fds);
+        kvc_status k = kvc_status_from_grpc_code(static_cast<int>(rep.code));
+        return kvc_fail(k == KVC_OK ? KVC_ERR_PROTOCOL : k, "Allocate: %s", rep.message.c_str());
+    }
+    bool whole = got.total == chunk && got.pages.size() == chunk &&
+                 got.pages.begin()->first == 0 && got.pages.rbegin()->first == chunk - 1;
+    if (!whole) {
+        close_fds(fds);
+        chan_free_nowait(ch, ids);
+        return kvc_fail(KVC_ERR_PROTOCOL,
+                        "Allocate of %u pages on the fd channel: %zu page fds arrived before "
+                        "the answer (total %u)",
+                        chunk, got.pages.size(), got.total);
+    }
+    return KVC_OK;
+}
+
+// Allocate n pages on the fd channel (split past max_pages_per_request).
+// All or nothing. Allocations run concurrently (chan_rw shared).
+kvc_status chan_session_allocate(kvc_session *s, uint64_t n, std::vector<uint64_t> &ids,
+                                 std::vector<int> &fds)
+{
+    std::shared_lock<std::shared_mutex> rw(s->chan_rw);
+    kvc_status live = s->check_live();  // a resume may have ended while we waited
+    if (live != KVC_OK)
+        return live;
+    std::shared_ptr<Chan> ch = s->chan_copy();
+    {
+        std::lock_guard<std::mutex> w(s->watch_mu);
+        s->available_pending = false;
+    }
+    uint64_t done = 0;
+    while (done < n) {
+        uint32_t chunk = static_cast<uint32_t>(std::min<uint64_t>(n - done, s->max_pages));
+        std::vector<uint64_t> got_ids;
+        std::vector<int> got_fds;
+        kvc_status k = chan_allocate_chunk(s, ch.get(), chunk, got_ids, got_fds);
+        if (k == KVC_OK) {
+            s->held_pages += chunk;
+            k = keep_fds(s, got_ids, got_fds);
+            if (k != KVC_OK) {
+                std::string msg = kvc_last_error();
+                close_fds(got_fds);
+                size_t freed = 0;
+                chan_free(s, ch.get(), got_ids, &freed);
+                drop_held(s, chunk);
+                kvc_fail(k, "%s", msg.c_str());
+            }
+        }
+        if (k != KVC_OK) {
+            std::string msg = kvc_last_error();
+            close_fds(fds);
+            size_t freed = 0;
+            if (!ids.empty() && chan_free(s, ch.get(), ids, &freed) != KVC_OK && s->resumable) {
+                std::lock_guard<std::mutex> g(s->mu);
+                s->deferred.insert(ids.begin() + freed, ids.end());
+            }
+            {
+                std::lock_guard<std::mutex> g(s->mu);
+                std::vector<uint64_t> mine(ids.begin(), ids.begin() + freed);
+                s->drop_kept_locked(mine);
+            }
+            drop_held(s, ids.size());
+            ids.clear();
+            return kvc_fail(k, "%s", msg.c_str());
+        }
+        ids.insert(ids.end(), got_ids.begin(), got_ids.end());
+        fds.insert(fds.end(), got_fds.begin(), got_fds.end());
+        done += chunk;
+    }
+    return KVC_OK;
+}
+
 // Allocate n pages (split past max_pages_per_request), with their fds.
 // All or nothing.
 kvc_status session_allocate(kvc_session *s, uint64_t n, std::vector<uint64_t> &ids,
@@ -478,6 +969,8 @@ kvc_status session_allocate(kvc_session *s, uint64_t n, std::vector<uint64_t> &i
                         "(kvc_session_set_limit)",
                         (unsigned long long)(s->held_pages.load() * s->page_size),
                         (unsigned long long)(n * s->page_size), (unsigned long long)limit);
+    if (s->chan_ops.load())
+        return chan_session_allocate(s, n, ids, fds);
     std::lock_guard<std::mutex> g(s->alloc_mu);
     live = s->check_live();  // a resume may have ended while we waited
     if (live != KVC_OK)
@@ -897,6 +1390,13 @@ void watch_stop(kvc_session *s)
 // (page fds of an allocation nobody waits for: not claimed, so forgotten).
 bool channel_gone(kvc_session *s)
 {
+    if (s->chan_ops.load()) {
+        // Requests may be waiting on it: read as one of them would.
+        std::shared_ptr<Chan> ch = s->chan_copy();
+        chan_pump_pending(s, ch.get());
+        std::lock_guard<std::mutex> g(ch->mu);
+        return ch->end == Chan::kGone && !s->ended.load();
+    }
     std::lock_guard<std::mutex> g(s->alloc_mu);
     auto rec = std::make_unique<kvc_fd_record>();
     char err[512];
@@ -991,6 +1491,8 @@ bool session_resume(kvc_session *s)
         }
 
         std::unique_lock<std::mutex> alloc(s->alloc_mu);  // nobody reads the old channel
+        // No channel allocation between its answer and keeping its fds.
+        std::unique_lock<std::shared_mutex> rw(s->chan_rw);
         std::vector<uint64_t> ids;
         bool sent = true;
         {
@@ -1016,6 +1518,7 @@ bool session_resume(kvc_session *s)
         }
         if (!sent) {
             close(nfd);
+            rw.unlock();
             alloc.unlock();
             last = std::string("ADOPT: ") + err;
             if (!backoff())
@@ -1034,6 +1537,7 @@ bool session_resume(kvc_session *s)
         grpc::Status gs = s->conn->stub->ResumeSession(&ctx, req, &resp);
         if (!gs.ok()) {
             close(nfd);
+            rw.unlock();
             alloc.unlock();
             if (gs.error_code() == grpc::StatusCode::UNAVAILABLE ||
                 gs.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
@@ -1051,8 +1555,9 @@ bool session_resume(kvc_session *s)
         std::vector<uint64_t> late;  // Frees deferred while the claim was in flight
         {
             std::lock_guard<std::mutex> g(s->mu);
-            close(s->fd);
+            s->chan = std::make_shared<Chan>(nfd);  // the old one closes with its last user
             s->fd = nfd;
+            s->chan_ops = use_channel_requests(info);
             s->ref = resp.session();
             s->admin = resp.admin();
             for (uint64_t i : s->deferred)
@@ -1063,9 +1568,18 @@ bool session_resume(kvc_session *s)
             s->resumes++;
             s->state = kLive;
         }
+        rw.unlock();
         alloc.unlock();
         s->notify();
-        if (!late.empty()) {
+        if (!late.empty() && s->chan_ops.load()) {
+            std::shared_ptr<Chan> ch = s->chan_copy();
+            size_t done = 0;
+            chan_free(s, ch.get(), late, &done);
+            std::lock_guard<std::mutex> g(s->mu);
+            std::vector<uint64_t> freed(late.begin(), late.begin() + done);
+            s->drop_kept_locked(freed);
+            s->deferred.insert(late.begin() + done, late.end());
+        } else if (!late.empty()) {
             // Claimed, but the caller gave them back meanwhile: Free them now
             // (held_pages already counts them as gone).
             pb::FreeRequest freq;
@@ -1350,7 +1864,9 @@ KVC_API kvc_status kvc_session_open(kvc_client *client, const kvc_session_option
 
         kvc_status st;
         auto cleanup = [&] {
-            if (s->fd >= 0)
+            if (s->chan)
+                s->chan.reset();  // owns the fd
+            else if (s->fd >= 0)
                 close(s->fd);
             s->fd = -1;
             kvc_mapper_destroy(s->mapper);
@@ -1419,6 +1935,8 @@ KVC_API kvc_status kvc_session_open(kvc_client *client, const kvc_session_option
             cleanup();
             return from_grpc(gs, "OpenSession");
         }
+        s->chan = std::make_shared<Chan>(s->fd);
+        s->chan_ops = use_channel_requests(info);
         s->ref = resp.session();
         s->id = resp.session().id();
         s->admin = resp.admin();
@@ -1459,7 +1977,16 @@ KVC_API kvc_status kvc_session_close(kvc_session *s)
         // First the resume monitor (a CloseSession hangs up the channel; a
         // resume in progress is abandoned).
         monitor_stop(s);
-        if (!s->ended.load() && s->state.load() == kLive) {
+        if (!s->ended.load() && s->state.load() == kLive && s->chan_ops.load()) {
+            // CLOSE on the channel; the daemon then closes it.
+            std::shared_ptr<Chan> ch = s->chan_copy();
+            uint64_t req = chan_next_req(ch.get());
+            uint8_t buf[KVC_FD_HEADER_SIZE + 8];
+            size_t len = kvc_fd_encode_close(buf, sizeof buf, req);
+            Chan::Reply rep;
+            chan_request(s, ch.get(), req, buf, len, s->conn->timeout_ms.load(), "CloseSession",
+                         &rep, nullptr);  // closing the channel ends it anyway
+        } else if (!s->ended.load() && s->state.load() == kLive) {
             pb::CloseSessionRequest req;
             *req.mutable_session() = s->ref_copy();
             pb::CloseSessionResponse resp;
@@ -1468,8 +1995,8 @@ KVC_API kvc_status kvc_session_close(kvc_session *s)
             s->conn->stub->CloseSession(&ctx, req, &resp);  // closing the channel ends it anyway
         }
         watch_stop(s);
-        if (s->fd >= 0)
-            close(s->fd);
+        s->chan.reset();  // closes the fd channel
+        s->fd = -1;
         s->drop_all_kept();
         kvc_mapper_destroy(s->mapper);
         delete s;
