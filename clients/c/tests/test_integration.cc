@@ -20,6 +20,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -192,6 +193,10 @@ struct Daemon {
                                          "256MiB",         "--max-pages-per-request", "16"};
         for (const auto &a : extra_args)
             argv.push_back(a == "@STATE@" ? dir + "/state" : a);
+        // Every daemon of a run may get more flags (ctest: --channel-ops-only).
+        std::istringstream more(env_or("KVC_TEST_DAEMON_ARGS", ""));
+        for (std::string a; more >> a;)
+            argv.push_back(a);
         ASSERT_TRUE(proc.start(argv, extra_env, false, log)) << "cannot start " << g_serve;
         auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
         while (std::chrono::steady_clock::now() < until) {
@@ -955,6 +960,148 @@ TEST(KvcOwnDaemon, TooManySessionsIsResourceExhausted)
     o.name = "second";
     EXPECT_STATUS(KVC_ERR_RESOURCE_EXHAUSTED, kvc_session_open(c, &o, &s2));
     EXPECT_STATUS(KVC_OK, kvc_session_close(s1));
+    kvc_client_destroy(c);
+}
+
+// ---- requests on the fd channel ----------------------------------------------
+
+// A raw gRPC Allocate, from Python (this test does not link gRPC): prints
+// "info <requests> <only>" and "allocate <code name>".
+std::string raw_grpc_allocate(const std::string &sock)
+{
+    const char *script =
+        "import sys, grpc\n"
+        "from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb, "
+        "kvcached_pb2_grpc as pbg\n"
+        "stub = pbg.KVCachedStub(grpc.insecure_channel('unix:' + sys.argv[1]))\n"
+        "i = stub.GetInfo(pb.GetInfoRequest(), timeout=30)\n"
+        "print('info', int(i.fd_channel_requests), int(i.fd_channel_requests_only))\n"
+        "try:\n"
+        "    stub.Allocate(pb.AllocateRequest(session=pb.SessionRef(id=1, token=b'x'), "
+        "num_pages=1), timeout=30)\n"
+        "    print('allocate OK')\n"
+        "except grpc.RpcError as e:\n"
+        "    print('allocate', e.code().name)\n";
+    int code = 0;
+    std::string out = run({g_python, "-c", script, sock}, {"PYTHONPATH=" + g_repo}, &code);
+    EXPECT_EQ(code, 0) << out;
+    return out;
+}
+
+// With --channel-ops-only the daemon refuses the gRPC Allocate/Free/Close,
+// so everything the library does here went over the fd channel.
+TEST(KvcOwnDaemon, ChannelOpsOnlyDaemonRefusesGrpcWhileTheLibraryWorks)
+{
+    Daemon d;
+    ASSERT_NO_FATAL_FAILURE(d.start({"--channel-ops-only"}));
+    EXPECT_EQ(raw_grpc_allocate(d.sock), "info 1 1\nallocate FAILED_PRECONDITION\n");
+    kvc_client *c = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c));
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "channel-only";
+    kvc_session *s = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &s));
+    const uint64_t P = kvc_session_page_size(s);
+    kvc_region *r = nullptr;
+    KVC_OK_OR_FAIL(kvc_region_create(s, 40 * P, &r));
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 40 * P));  // 3 ALLOCATEs (16 pages a request)
+    std::vector<uint8_t> w(256), got(256);
+    for (size_t i = 0; i < w.size(); i++)
+        w[i] = static_cast<uint8_t>(i * 7);
+    KVC_OK_OR_FAIL(kvc_region_write(r, 39 * P + 100, w.data(), w.size()));
+    KVC_OK_OR_FAIL(kvc_region_read(r, 39 * P + 100, got.data(), got.size()));
+    EXPECT_EQ(w, got);
+    kvc_stats st;
+    std::memset(&st, 0, sizeof st);
+    st.struct_size = sizeof st;
+    KVC_OK_OR_FAIL(kvc_session_get_stats(s, &st));
+    EXPECT_EQ(st.held_bytes, 40 * P);
+    EXPECT_EQ(st.allocations_total, 3u);
+    KVC_OK_OR_FAIL(kvc_region_unmap(r, 0, 10 * P));  // one FREE
+    KVC_OK_OR_FAIL(kvc_session_get_stats(s, &st));
+    EXPECT_EQ(st.held_bytes, 30 * P);
+    EXPECT_EQ(kvc_session_held_bytes(s), 30 * P);
+    // Errors on the channel map through the same status function.
+    void *huge = nullptr;
+    EXPECT_STATUS(KVC_ERR_RESOURCE_EXHAUSTED, kvc_session_alloc(s, 1024 * MiB, &huge));
+    // Concurrent requests from several threads on the one channel.
+    std::vector<std::thread> ts;
+    std::atomic<int> bad{0};
+    for (int t = 0; t < 4; t++)
+        ts.emplace_back([&, t] {
+            for (int i = 0; i < 10; i++) {
+                void *p = nullptr;
+                if (kvc_session_alloc(s, (1 + (t + i) % 3) * P, &p) != KVC_OK ||
+                    kvc_session_free(s, p) != KVC_OK)
+                    bad++;
+            }
+        });
+    for (auto &t : ts)
+        t.join();
+    EXPECT_EQ(bad.load(), 0) << kvc_last_error();
+    kvc_region_destroy(r);
+    EXPECT_EQ(kvc_session_held_bytes(s), 0u);
+    KVC_OK_OR_FAIL(kvc_session_get_stats(s, &st));
+    EXPECT_EQ(st.held_bytes, 0u);
+    uint64_t id = kvc_session_id(s);
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s));  // CLOSE on the channel
+    // The session is gone from the daemon's books.
+    kvc_session *s2 = nullptr;
+    o.name = "after";
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &s2));
+    KVC_OK_OR_FAIL(kvc_session_get_stats(s2, &st));
+    EXPECT_EQ(st.sessions_open, 1u) << "session " << id << " still open";
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s2));
+    kvc_client_destroy(c);
+}
+
+// One ALLOCATE larger than the socket buffer holds in fds (~12k): the
+// library reads the PAGES records while it waits for the REPLY. Its Free
+// goes in two FREE records (16384 ids at most in one).
+TEST(KvcOwnDaemon, AllocationLargerThanTheSocketBufferOnTheChannel)
+{
+    if (g_backend != "host")
+        GTEST_SKIP() << "host backend only (4 KiB pages)";
+    const char *forced = std::getenv("KVCACHED_CHANNEL_REQUESTS");
+    if (forced && std::string(forced) == "0")
+        GTEST_SKIP() << "gRPC Allocate reads its fds after the answer";
+    const uint64_t N = 17000;
+    struct rlimit rl;
+    ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &rl), 0);
+    if (rl.rlim_max != RLIM_INFINITY && rl.rlim_max < N + 1000)
+        GTEST_SKIP() << "RLIMIT_NOFILE hard limit " << rl.rlim_max << " < " << N + 1000;
+    rl.rlim_cur = rl.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &rl);  // the fds of one allocation are all open at once
+    Daemon d;
+    ASSERT_NO_FATAL_FAILURE(d.start({"--page-size", "4096", "--max-pages-per-request", "20000",
+                                     "--prealloc", "0"}));
+    kvc_client *c = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c));
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "big";
+    kvc_session *s = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &s));
+    ASSERT_EQ(kvc_session_page_size(s), 4096u);
+    kvc_region *r = nullptr;
+    KVC_OK_OR_FAIL(kvc_region_create(s, N * 4096, &r));
+    auto t0 = std::chrono::steady_clock::now();
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, N * 4096));
+    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_EQ(kvc_region_mapped_bytes(r), N * 4096);
+    uint8_t b = 0x77, got = 0;
+    KVC_OK_OR_FAIL(kvc_region_write(r, (N - 1) * 4096 + 5, &b, 1));
+    KVC_OK_OR_FAIL(kvc_region_read(r, (N - 1) * 4096 + 5, &got, 1));
+    EXPECT_EQ(got, 0x77);
+    std::printf("allocated %llu pages in one request in %.2f s\n", (unsigned long long)N, secs);
+    kvc_region_destroy(r);  // FREE of 16384 ids, then of 616
+    kvc_stats st;
+    std::memset(&st, 0, sizeof st);
+    st.struct_size = sizeof st;
+    KVC_OK_OR_FAIL(kvc_session_get_stats(s, &st));
+    EXPECT_EQ(st.held_bytes, 0u);
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s));
     kvc_client_destroy(c);
 }
 
