@@ -315,7 +315,8 @@ KVC_API int kvc_session_is_admin(const kvc_session *session);
 
 /* Allocate `size` bytes (rounded up to whole pages), mapped and zeroed, at a
  * page-aligned address: a host pointer for "host" sessions, a device pointer
- * for "cuda" sessions. One Allocate rpc. Thread-safe. */
+ * for "cuda" sessions. One Allocate (an fd channel request, or an rpc for
+ * daemons without them). Thread-safe. */
 KVC_API kvc_status kvc_session_alloc(kvc_session *session, size_t size, void **ptr);
 
 /* Give a block from kvc_session_alloc back (unmapped, then Free). NULL is a
