@@ -515,12 +515,15 @@ kvc_status chan_request(kvc_session *s, Chan *ch, uint64_t req, const uint8_t *b
                         uint64_t timeout_ms, const char *what, Chan::Reply *out,
                         Chan::Stash *pages)
 {
+    bool ended;
     {
         std::lock_guard<std::mutex> g(ch->mu);
-        if (ch->end != Chan::kOpen)
-            return chan_end_error(s, ch);
-        ch->waiting.insert(req);
+        ended = ch->end != Chan::kOpen;
+        if (!ended)
+            ch->waiting.insert(req);
     }
+    if (ended)
+        return chan_end_error(s, ch);  // takes ch->mu
     char err[512];
     bool sent = kvc_fd_send(ch->fd, buf, len, nullptr, 0, err, sizeof err) == KVC_OK;
     std::string send_err = sent ? "" : err;
