@@ -348,6 +348,7 @@ def test_persistent_release_failure_at_shutdown_is_reported(daemon_factory):
     assert run.rc != 0, "a shutdown that leaked device memory must not exit 0"
     assert "cuMemRelease failed: CUDA_ERROR_UNKNOWN" in run.log
     assert "cannot start" not in run.log, "a failure at shutdown is not a start-up failure:\n" + _tail(run.log)
+    assert "shutdown incomplete: " in run.log and "Traceback" not in run.log, _tail(run.log)
     assert not os.path.exists(d.socket) and not os.path.exists(d.fd_socket), "sockets left behind"
     counts = run.report["counts"]
     assert counts["handles"] == 2, counts

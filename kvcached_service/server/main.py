@@ -160,11 +160,16 @@ async def serve(settings: Settings, ready_hook=None) -> int:
     await health_servicer.enter_graceful_shutdown()
     await daemon.begin_shutdown("daemon stopping (signal)")
     await server.stop(grace=0.5)
-    await daemon.finish_shutdown()
-    _unlink(settings.socket)
-    if metrics:
-        metrics.stop()
-    notifier.close()
+    try:
+        await daemon.finish_shutdown()
+    except ShutdownIncomplete as exc:
+        log.error("shutdown incomplete: %s", exc)
+        return 1
+    finally:
+        _unlink(settings.socket)
+        if metrics:
+            metrics.stop()
+        notifier.close()
     log.info("stopped: every page released")
     return 0
 
