@@ -2,8 +2,9 @@
 
 Every failure the daemon reports is one of the classes below. The daemon
 raises them anywhere; `to_status` turns one into a gRPC status code in
-exactly one place (the server's interceptor), and `from_rpc_error` turns a
-gRPC error back into the same class on the client side. A round-trip test
+exactly one place (the servicer's wrapper, and the fd channel's replies), and
+`from_rpc_error` / `from_code` turn a gRPC error or a status number back into
+the same class on the client side. A round-trip test
 (tests/test_errors.py) keeps the two directions in step.
 """
 
@@ -70,6 +71,7 @@ ALL_ERRORS: tuple[type[KVCachedError], ...] = (
 )
 
 _BY_CODE: dict[grpc.StatusCode, type[KVCachedError]] = {cls.code: cls for cls in ALL_ERRORS}
+_BY_NUMBER: dict[int, type[KVCachedError]] = {cls.code.value[0]: cls for cls in ALL_ERRORS}
 
 
 def to_status(err: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -85,3 +87,9 @@ def from_rpc_error(err: grpc.RpcError) -> KVCachedError:
     details = err.details() if hasattr(err, "details") else str(err)
     cls = _BY_CODE.get(code, Unknown)
     return cls(details or code.name)
+
+
+def from_code(code: int, message: str) -> KVCachedError:
+    """The client side, for a status that arrived as a number (an ERROR or
+    REPLY record on the fd channel) rather than as a failed rpc."""
+    return _BY_NUMBER.get(code, Unknown)(message)

@@ -100,9 +100,9 @@ def test_stolen_ref_gives_no_pages_and_no_bytes(daemon_factory):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="known limitation (docs/architecture.md, Security model): grpcio gives the servicer no peer "
-    "credentials on a Unix socket, so a SessionRef is a bearer secret; the fix is to carry Allocate/Free/"
-    "Close on the fd channel, whose peer the kernel names. strict: this fails loudly once it is fixed.",
+    reason="known limitation of the default mode (docs/architecture.md, Security model): grpcio gives the "
+    "servicer no peer credentials on a Unix socket, so a SessionRef is a bearer secret over gRPC; "
+    "--channel-ops-only (tested below) takes Allocate/Free/Close only on the fd channel. strict: fails loudly once fixed.",
 )
 def test_stolen_ref_from_another_uid_is_refused(daemon_factory):
     """The rule (invariant 3, decided here): a SessionRef is good only for

@@ -83,6 +83,9 @@ def test_error_round_trip(cls):
     code, msg = errors.to_status(cls("what went wrong"))
     back = errors.from_rpc_error(_FakeRpcError(code, msg))
     assert type(back) is cls and back.message == "what went wrong"
+    by_number = errors.from_code(code.value[0], msg)  # as it travels on the fd channel
+    assert type(by_number) is cls and by_number.message == "what went wrong"
+    assert type(errors.from_code(99, "x")) is errors.Unknown
 
 
 def test_unexpected_exception_is_internal():

@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import grpc
 
@@ -32,6 +32,9 @@ from .. import errors, fdchannel
 from .._generated.kvcached.v1 import kvcached_pb2 as pb
 from .._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 from .mapping import HostMapper, Mapper
+
+if TYPE_CHECKING:
+    from .region import Region
 
 ENV_VARS = ("KVCACHED_SOCKET", "OLLAMA_KVCACHED_SOCKET")
 
@@ -189,7 +192,7 @@ class _Channel:
             raise errors.Unavailable(f"cannot connect the fd channel {path}: {exc}") from None
         if isinstance(rec, fdchannel.Error):
             self.sock.close()
-            raise _error_for_code(rec.code, rec.message)
+            raise errors.from_code(rec.code, rec.message)
         if not isinstance(rec, fdchannel.Hello):
             self.sock.close()
             raise errors.Unavailable(f"fd channel {path}: expected HELLO, got {rec!r}")
@@ -232,7 +235,7 @@ class _Channel:
                     self._cond.notify_all()
                 continue
             if isinstance(rec, fdchannel.Error):
-                ended = _error_for_code(rec.code, rec.message)
+                ended = errors.from_code(rec.code, rec.message)
             elif rec is None or isinstance(rec, fdchannel.Goodbye):
                 ended = errors.Unavailable("the daemon closed this session's fd channel")
             else:
@@ -266,7 +269,7 @@ class _Channel:
                     raise self._ended
                 raise errors.DeadlineExceeded(f"no answer on the fd channel within {timeout:g} s")
         if rep.code:
-            raise _error_for_code(rep.code, rep.message)
+            raise errors.from_code(rep.code, rep.message)
         return rep
 
     def next_request_id(self) -> int:
@@ -288,13 +291,13 @@ class _Channel:
         the rpc answered, so this waits only for the reader thread."""
         total = len(page_ids)
         with self._cond:
-            ok = self._cond.wait_for(
+            self._cond.wait_for(
                 lambda: len(self._stash.get(alloc_id, (0, {}))[1]) >= total or self._ended is not None, self.timeout
             )
             if len(self._stash.get(alloc_id, (0, {}))[1]) < total:
                 if self._ended is not None:
                     raise self._ended
-                raise errors.Unavailable(f"fds of allocation {alloc_id} did not arrive within {self.timeout:g} s") if not ok else errors.Internal("fd channel reader stopped")
+                raise errors.Unavailable(f"fds of allocation {alloc_id} did not arrive within {self.timeout:g} s")
             got = self._stash.pop(alloc_id)[1]
             self._totals.pop(alloc_id, None)
         fds = [got[i][1] for i in range(total)]
@@ -318,13 +321,6 @@ class _Channel:
                 fdchannel.close_fds(fd for _, fd in slot.values())
             self._stash.clear()
         self.sock.close()
-
-
-def _error_for_code(code: int, message: str) -> errors.KVCachedError:
-    for cls in errors.ALL_ERRORS:
-        if cls.code.value[0] == code:
-            return cls(message)
-    return errors.Unknown(message)
 
 
 # ---- pages -------------------------------------------------------------------
@@ -671,7 +667,7 @@ class Session:
         return self.free_ids(ids)
 
     def region(self, size: int, device: str = "") -> "Region":
-        from .region import Region
+        from .region import Region  # noqa: F811 - region.py imports this module
 
         dev = self.client.device(device)
         return Region(self, dev, size)

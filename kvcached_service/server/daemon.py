@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .. import __version__, errors, fdchannel
+from .. import errors, fdchannel
 from ..backends.base import Backend
 from ..config import Settings, format_size, resolve_limit
 from .elastic import Reclaimer, pending_pages

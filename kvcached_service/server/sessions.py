@@ -14,7 +14,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from .. import errors, fdchannel
 
@@ -39,7 +39,6 @@ class Channel:
         self.closed = False
         self.created = time.monotonic()
         self._send_lock = asyncio.Lock()
-        self.on_close: Callable[["Channel", str], None] | None = None
         # ADOPT records received before ResumeSession: page id -> fd
         self.adopted: dict[int, int] = {}
         self.adopt_session = 0
