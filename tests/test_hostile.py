@@ -176,6 +176,28 @@ def test_own_session_cannot_free_see_or_limit_another_uids(daemon_factory):
         assert_books(c.stats())
 
 
+def test_a_uid_sees_and_may_shrink_its_own_uids_sessions_only(daemon_factory):
+    """The rule Ollama relies on (it reads and shrinks its own llama-server
+    children without being an admin): a non-admin session sees itself first,
+    then the other sessions of its uid, never another uid's; it may ask a
+    session of its own uid to shrink, not another uid's; limits stay admin."""
+    d = daemon_factory("host", shared_dir=True, socket_mode="0666", memory_limit="32MiB")
+    v, info = _victim(d, 4, 0x3C)  # root's session
+    try:
+        res = run(d, "sameuid", str(info["session"]), env=AS_NOBODY)
+        print("\nsame uid, as nobody:", res)
+        assert res["admin"] is False
+        assert res["sessions_seen"] == [res["server"], res["runner"]], res
+        assert res["RequestShrink_own_uid"] == "OK" and res["pages_requested"] >= 1, res
+        assert res["RequestShrink_other_uid"] == "PERMISSION_DENIED", res
+        assert "only shrink sessions of its own uid" in res["RequestShrink_other_uid_msg"], res
+        assert res["SetSessionLimits_own_uid"] == "PERMISSION_DENIED", res
+        assert _intact(v)
+    finally:
+        v.kill()
+        v.wait()
+
+
 @pytest.mark.parametrize("victim_env,attacker_env", [(AS_DAEMON, AS_NOBODY), ({}, AS_NOBODY)], ids=["daemon-to-nobody", "root-to-nobody"])
 def test_victim_dies_attacker_takes_whole_budget_gets_only_fresh_zero_pages(daemon_factory, backend, victim_env, attacker_env):
     """A victim fills the whole budget with its bytes and is SIGKILLed; an

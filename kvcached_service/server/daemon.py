@@ -577,6 +577,30 @@ class Daemon:
             raise errors.PermissionDenied(f"session {s.id} (uid {s.uid}) is not an admin session (admin_uids)")
         return s
 
+    def visible_sessions(self, s: Session) -> list[Session]:
+        """The sessions GetStats shows to s: every session for an admin;
+        otherwise s itself first, then the other sessions of the same uid.
+        Same-uid visibility is safe: that uid can already ptrace, signal or
+        read the memory of those processes; it is what lets Ollama (one uid)
+        see its own llama-server children without being made an admin."""
+        if s.admin:
+            return list(self.sessions.values())
+        return [s] + [x for x in self.sessions.values() if x.uid == s.uid and x is not s]
+
+    def shrinker_session(self, ref_id: int, token: bytes, target_sid: int) -> Session:
+        """The session a RequestShrink comes from: an admin, or a session of
+        the target's own uid (asking one's own processes to give memory back
+        needs no more than the uid already has)."""
+        s = self.session(ref_id, token)
+        if s.admin:
+            return s
+        target = self.target_session(target_sid)
+        if target.uid != s.uid:
+            raise errors.PermissionDenied(
+                f"session {s.id} (uid {s.uid}) may only shrink sessions of its own uid "
+                f"(session {target_sid} is uid {target.uid}) unless it is an admin session (admin_uids)")
+        return s
+
     def end_session(self, s: Session, reason: str, *, crashed: bool = False, goodbye: bool = True) -> int:
         """End a session: its pages go back to the pool (zeroed for their
         uid), its watchers stop, its channel closes. Returns pages returned."""

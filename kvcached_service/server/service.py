@@ -227,7 +227,7 @@ class KVCachedService(pb_grpc.KVCachedServicer):
         sessions: list[Session] = []
         if request.HasField("session"):
             s = self._session(request.session)
-            sessions = list(d.sessions.values()) if s.admin else [s]
+            sessions = d.visible_sessions(s)
         pools = list(d.pools.values())
         for pool in pools:
             pool.check()
@@ -269,7 +269,7 @@ class KVCachedService(pb_grpc.KVCachedServicer):
 
     @_rpc
     async def RequestShrink(self, request, context):
-        self.d.admin_session(request.admin.id, request.admin.token)
+        self.d.shrinker_session(request.admin.id, request.admin.token, request.session_id)
         n = self.d.request_shrink(request.session_id, request.target_bytes, request.timeout_ms, reason="admin")
         return pb.RequestShrinkResponse(pages_requested=n)
 

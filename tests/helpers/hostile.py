@@ -139,6 +139,25 @@ def main() -> int:
         s.close()
         out(**res)
         return 0
+    if mode == "sameuid":
+        other_uid_sid = int(args[0])
+        c = Client.from_env()
+        server, runner = c.open_session("server"), c.open_session("runner")
+        stub = c._stub
+        pages = runner.allocate(3)
+        res = {"admin": server.admin, "server": server.id, "runner": runner.id}
+        res["sessions_seen"] = [x.id for x in server.stats().sessions]
+        code, r = code_of(lambda: stub.RequestShrink(pb.RequestShrinkRequest(admin=server.ref, session_id=runner.id, target_bytes=1 << 20), timeout=10))
+        res["RequestShrink_own_uid"], res["pages_requested"] = code, (r.pages_requested if code == "OK" else None)
+        res["RequestShrink_other_uid"], res["RequestShrink_other_uid_msg"] = code_of(lambda: stub.RequestShrink(
+            pb.RequestShrinkRequest(admin=server.ref, session_id=other_uid_sid), timeout=10))
+        res["SetSessionLimits_own_uid"], _ = code_of(lambda: stub.SetSessionLimits(pb.SetSessionLimitsRequest(
+            admin=server.ref, session_id=runner.id, max_bytes=8 << 20, set_fields=["max_bytes"]), timeout=10))
+        runner.free(pages)
+        runner.close()
+        server.close()
+        out(**res)
+        return 0
     if mode == "grab":
         n, timeout = int(args[0]), float(args[1])
         c = Client.from_env()

@@ -1117,8 +1117,9 @@ func (x *FreeResponse) GetHeldBytes() uint64 {
 
 type GetStatsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// Optional. With a session: that session's stats are included; with an
-	// admin session: every session's. Without: global and device numbers only.
+	// Optional. With a session: that session's stats first, then those of the
+	// other sessions of the same uid; with an admin session: every session's.
+	// Without: global and device numbers only.
 	Session       *SessionRef `protobuf:"bytes,1,opt,name=session,proto3" json:"session,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -2110,7 +2111,7 @@ func (x *SetSessionLimitsResponse) GetSession() *SessionStats {
 
 type RequestShrinkRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// An admin session.
+	// An admin session, or a session of the same uid as session_id.
 	Admin     *SessionRef `protobuf:"bytes,1,opt,name=admin,proto3" json:"admin,omitempty"`
 	SessionId uint64      `protobuf:"varint,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
 	// Ask the session to hold at most this many bytes (never below its

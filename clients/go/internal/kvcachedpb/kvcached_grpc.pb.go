@@ -88,15 +88,17 @@ type KVCachedClient interface {
 	// nothing is freed. Unmap the pages before calling Free.
 	Free(ctx context.Context, in *FreeRequest, opts ...grpc.CallOption) (*FreeResponse, error)
 	// Budget and pool numbers: global, per device, and per session (the
-	// caller's own session; every session for an admin session).
+	// caller's own session first, then the other sessions of its uid; every
+	// session for an admin session).
 	GetStats(ctx context.Context, in *GetStatsRequest, opts ...grpc.CallOption) (*GetStatsResponse, error)
 	// A stream of events for one session: reclaim requests, budget changes,
 	// memory becoming available, shutdown. The first event is always READY.
 	Watch(ctx context.Context, in *WatchRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchEvent], error)
 	// Admin: change a session's limits (guarantee, maximum, priority).
 	SetSessionLimits(ctx context.Context, in *SetSessionLimitsRequest, opts ...grpc.CallOption) (*SetSessionLimitsResponse, error)
-	// Admin: ask a session to shrink to a number of bytes (a reclaim request
-	// delivered through its Watch stream).
+	// Ask a session to shrink to a number of bytes (a reclaim request
+	// delivered through its Watch stream). Allowed to an admin session and to
+	// any session of the target's own uid.
 	RequestShrink(ctx context.Context, in *RequestShrinkRequest, opts ...grpc.CallOption) (*RequestShrinkResponse, error)
 }
 
@@ -246,15 +248,17 @@ type KVCachedServer interface {
 	// nothing is freed. Unmap the pages before calling Free.
 	Free(context.Context, *FreeRequest) (*FreeResponse, error)
 	// Budget and pool numbers: global, per device, and per session (the
-	// caller's own session; every session for an admin session).
+	// caller's own session first, then the other sessions of its uid; every
+	// session for an admin session).
 	GetStats(context.Context, *GetStatsRequest) (*GetStatsResponse, error)
 	// A stream of events for one session: reclaim requests, budget changes,
 	// memory becoming available, shutdown. The first event is always READY.
 	Watch(*WatchRequest, grpc.ServerStreamingServer[WatchEvent]) error
 	// Admin: change a session's limits (guarantee, maximum, priority).
 	SetSessionLimits(context.Context, *SetSessionLimitsRequest) (*SetSessionLimitsResponse, error)
-	// Admin: ask a session to shrink to a number of bytes (a reclaim request
-	// delivered through its Watch stream).
+	// Ask a session to shrink to a number of bytes (a reclaim request
+	// delivered through its Watch stream). Allowed to an admin session and to
+	// any session of the target's own uid.
 	RequestShrink(context.Context, *RequestShrinkRequest) (*RequestShrinkResponse, error)
 	mustEmbedUnimplementedKVCachedServer()
 }

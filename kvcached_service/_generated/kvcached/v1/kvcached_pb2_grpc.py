@@ -146,7 +146,8 @@ class KVCachedServicer:
 
     def GetStats(self, request, context):
         """Budget and pool numbers: global, per device, and per session (the
-        caller's own session; every session for an admin session).
+        caller's own session first, then the other sessions of its uid; every
+        session for an admin session).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -168,8 +169,9 @@ class KVCachedServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RequestShrink(self, request, context):
-        """Admin: ask a session to shrink to a number of bytes (a reclaim request
-        delivered through its Watch stream).
+        """Ask a session to shrink to a number of bytes (a reclaim request
+        delivered through its Watch stream). Allowed to an admin session and to
+        any session of the target's own uid.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
