@@ -10,9 +10,13 @@ import json
 import os
 import pathlib
 import pwd
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 
 import gguf
 import numpy as np
@@ -252,22 +256,143 @@ def test_stats_table_and_json_match_getstats(daemon_factory):
         assert "1 session open" in r.stdout
 
 
-def test_socket_from_the_ollama_variable_and_unreachable_daemon(daemon_factory, tmp_path):
+def test_socket_from_either_variable_ollama_first(daemon_factory, tmp_path):
     d = daemon_factory("host")
     r = ctl("stats", env={"OLLAMA_KVCACHED_SOCKET": d.socket})
     assert r.returncode == 0 and d.socket in r.stdout, r.stderr
-    # KVCACHED_SOCKET wins over OLLAMA_KVCACHED_SOCKET; --socket over both
-    r = ctl("stats", env={"KVCACHED_SOCKET": d.socket, "OLLAMA_KVCACHED_SOCKET": "/nonexistent"})
+    r = ctl("stats", env={"KVCACHED_SOCKET": d.socket})
+    assert r.returncode == 0 and d.socket in r.stdout, r.stderr
+    # OLLAMA_KVCACHED_SOCKET wins over KVCACHED_SOCKET (the order of the Go
+    # and C clients and the llama.cpp hook); --socket over both
+    r = ctl("stats", env={"OLLAMA_KVCACHED_SOCKET": d.socket, "KVCACHED_SOCKET": "/nonexistent"})
     assert r.returncode == 0, r.stderr
-    r = ctl("stats", "--socket", str(tmp_path / "none.sock"), "--timeout", "1", env={"KVCACHED_SOCKET": d.socket})
+    r = ctl("stats", env={"KVCACHED_SOCKET": d.socket, "OLLAMA_KVCACHED_SOCKET": str(tmp_path / "gone.sock")})
+    assert r.returncode == 3 and "gone.sock (from $OLLAMA_KVCACHED_SOCKET)" in r.stderr, r.stderr
+    r = ctl("stats", "--socket", str(tmp_path / "none.sock"), env={"OLLAMA_KVCACHED_SOCKET": d.socket})
     assert r.returncode == 3
-    assert "no kvcached daemon answers on" in r.stderr and "none.sock" in r.stderr
+    assert "no kvcached socket at" in r.stderr and "none.sock" in r.stderr
+
+
+def test_socket_option_before_or_after_the_command(daemon_factory, tmp_path):
+    d = daemon_factory("host")
+    for args in (["--socket", d.socket, "stats"], ["stats", "--socket", d.socket],
+                 [f"--socket={d.socket}", "health"], ["health", f"--socket={d.socket}"],
+                 ["--timeout", "7", "stats", "--socket", d.socket, "--json"]):
+        r = ctl(*args)
+        assert r.returncode == 0, (args, r.stderr)
+    # after the command wins over before it
+    r = ctl("--socket", str(tmp_path / "none.sock"), "stats", "--socket", d.socket)
+    assert r.returncode == 0, r.stderr
+    r = ctl("--socket", d.socket, "stats", "--socket", str(tmp_path / "none.sock"))
+    assert r.returncode == 3 and "none.sock" in r.stderr
+    r = ctl("--timeout", "0", "stats")
+    assert r.returncode == 2 and "must be positive" in r.stderr
+
+
+def quick(*args, **kw) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    r = ctl(*args, **kw)
+    return r, time.monotonic() - t0
+
+
+# The bound for "at once": --timeout is 60 s and the answer must come in well
+# under half of it (a python start is ~0.5 s; 30 s leaves room for a loaded
+# CI machine). Before the socket check, a missing socket took the full timeout.
+AT_ONCE = 30.0
+
+
+def test_missing_socket_and_directory_named_at_once(tmp_path):
+    for cmd in ("stats", "health", "sessions", "top"):
+        r, dt = quick(cmd, "--socket", str(tmp_path / "none.sock"), "--timeout", "60")
+        assert r.returncode == 3, (cmd, r.stdout, r.stderr)
+        assert f"no kvcached socket at {tmp_path / 'none.sock'}: no such file" in r.stderr, r.stderr
+        assert dt < AT_ONCE, (cmd, dt)
+    r, dt = quick("stats", "--socket", str(tmp_path / "nodir" / "x.sock"), "--timeout", "60")
+    assert r.returncode == 3 and f"no such directory {tmp_path / 'nodir'}" in r.stderr and dt < AT_ONCE, r.stderr
+
+
+def test_not_a_socket_and_a_stale_socket_named_at_once(tmp_path):
+    f = tmp_path / "file.sock"
+    f.write_text("")
+    r, dt = quick("stats", "--socket", str(f), "--timeout", "60")
+    assert r.returncode == 3 and "is a regular file, not a Unix socket" in r.stderr and dt < AT_ONCE, r.stderr
+    r, dt = quick("health", "--socket", str(tmp_path), "--timeout", "60")
+    assert r.returncode == 3 and "is a directory, not a Unix socket" in r.stderr and dt < AT_ONCE, r.stderr
+    stale = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(stale))  # bound, never listening: what a killed daemon leaves behind
+    try:
+        r, dt = quick("stats", "--socket", str(stale), "--timeout", "60")
+        assert r.returncode == 3 and "nothing listens on" in r.stderr and "stale socket" in r.stderr, r.stderr
+        assert dt < AT_ONCE
+    finally:
+        s.close()
+
+
+def test_a_daemon_that_does_not_answer(tmp_path):
+    """Something accepts connections but never speaks gRPC: the message says
+    so after --timeout (here 1 s)."""
+    path = tmp_path / "mute.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(path))
+    s.listen(16)
+    try:
+        r = ctl("stats", "--socket", str(path), "--timeout", "1")
+        assert r.returncode == 3, r.stderr
+        assert "accepts connections but does not answer gRPC within 1 s" in r.stderr, r.stderr
+        r = ctl("health", "--socket", str(path), "--timeout", "1")
+        assert r.returncode == 3 and "not healthy" in r.stdout, r.stdout + r.stderr
+    finally:
+        s.close()
+
+
+def test_permission_denied_on_the_socket_and_its_directory(daemon_factory, tmp_path):
+    """Run as `nobody`: a socket it may not open and a directory it may not
+    enter are named as such (with owner, group, mode and what to do), at once,
+    while the daemon runs."""
+    if os.getuid() != 0:
+        pytest.fail("this test runs kvcachedctl as another uid and needs root (CI and dev machines run as root)")
+    nobody = pwd.getpwnam("nobody")
+    d = daemon_factory("host", shared_dir=True, socket_mode="0660")  # directory 0755, socket 0660 root:root
+    r, dt = quick("stats", "--socket", d.socket, "--timeout", "60", user=nobody)
+    assert r.returncode == 3, r.stderr
+    assert f"permission denied on the socket {d.socket} (owner root, group root, mode 0660)" in r.stderr, r.stderr
+    assert f"you are uid {nobody.pw_uid}" in r.stderr and "join group 'root'" in r.stderr
+    assert dt < AT_ONCE
+    r = ctl("health", "--socket", d.socket, user=nobody)
+    assert r.returncode == 3 and "permission denied on the socket" in r.stderr, r.stderr
+    # the systemd layout: a 0750 directory the user may not enter
+    private = pathlib.Path(tempfile.mkdtemp(prefix="kvc-private-"))
+    try:
+        private.chmod(0o750)
+        d2 = daemon_factory("host", socket=str(private / "kvcached.sock"))
+        r, dt = quick("stats", "--socket", d2.socket, "--timeout", "60", user=nobody)
+        assert r.returncode == 3, r.stderr
+        assert f"permission denied: cannot enter {private} (owner root, group root, mode 0750)" in r.stderr, r.stderr
+        assert dt < AT_ONCE
+        # root gets through both
+        assert ctl("stats", "--socket", d2.socket).returncode == 0
+        d2.stop()
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def test_sizes_are_parsed_by_pydantic_bytesize():
+    assert cli.parse_size("2MiB") == 2 << 20
+    assert cli.parse_size("1.5GB") == 1_500_000_000
+    assert cli.parse_size("4096") == 4096
+    assert cli.parse_size("8 gib") == 8 << 30
+    for bad in ("lots", "-1", "", "1e3", "2MiBs"):
+        with pytest.raises(ValueError, match="not a size"):
+            cli.parse_size(bad)
 
 
 def test_resolve_socket_order(monkeypatch, tmp_path):
     assert cli.resolve_socket("/a", {"KVCACHED_SOCKET": "/b", "OLLAMA_KVCACHED_SOCKET": "/c"}) == "/a"
-    assert cli.resolve_socket(None, {"KVCACHED_SOCKET": "/b", "OLLAMA_KVCACHED_SOCKET": "/c"}) == "/b"
-    assert cli.resolve_socket(None, {"OLLAMA_KVCACHED_SOCKET": "/c"}) == "/c"
+    assert cli.resolve_socket(None, {"KVCACHED_SOCKET": "/b", "OLLAMA_KVCACHED_SOCKET": "/c"}) == "/c"
+    assert cli.resolve_socket(None, {"KVCACHED_SOCKET": "/b"}) == "/b"
+    assert cli.resolve_socket(None, {"KVCACHED_SOCKET": "/b", "OLLAMA_KVCACHED_SOCKET": ""}) == "/b"
+    assert cli.socket_source(None, {"KVCACHED_SOCKET": "/b"}) == ("/b", "$KVCACHED_SOCKET")
     monkeypatch.setattr(cli, "DEFAULT_SOCKET", str(tmp_path / "kvcached.sock"))
     monkeypatch.setattr(cli, "SYSTEMD_SOCKET", str(tmp_path / "run.sock"))
     assert cli.resolve_socket(None, {}) == str(tmp_path / "kvcached.sock")
@@ -362,10 +487,10 @@ def test_health(daemon_factory, tmp_path):
     r = ctl("health", "--service", "kvcached.v1.KVCached", env=sock_env(d))
     assert r.returncode == 0, r.stdout
     r = ctl("health", "--socket", str(tmp_path / "missing.sock"), "--timeout", "1")
-    assert r.returncode == 3 and "not healthy" in r.stdout
+    assert r.returncode == 3 and "no kvcached socket at" in r.stderr
     d.stop()
     r = ctl("health", "--timeout", "1", env=sock_env(d))
-    assert r.returncode == 3
+    assert r.returncode == 3 and "no kvcached socket at" in r.stderr  # the daemon removed its socket
 
 
 def test_console_script_is_installed():

@@ -8,9 +8,15 @@
     kvcachedctl plan MODEL|FILE.gguf [--ctx N] [--parallel N] [--page-size SIZE] [--json]
     kvcachedctl health                    exit 0 iff the daemon's health service says SERVING
 
-The socket: --socket, else $KVCACHED_SOCKET, else $OLLAMA_KVCACHED_SOCKET,
-else /tmp/kvcached.sock (or /run/kvcached/kvcached.sock when only that one
-exists, as under systemd). SESSION is a session id or a unique session name.
+The socket: --socket (before or after the command), else
+$OLLAMA_KVCACHED_SOCKET, else $KVCACHED_SOCKET, else /tmp/kvcached.sock (or
+/run/kvcached/kvcached.sock when only that one exists, as under systemd): the
+order every kvcached client uses (docs/operations.md says why). SESSION is a
+session id or a unique session name.
+
+Before any gRPC call the socket path is checked, so a missing socket, a
+directory or socket the user may not open, a file that is not a socket and a
+stale socket nobody listens on are each named at once (no timeout to wait).
 
 Exit codes: 0 success, 1 the daemon refused or failed (the message says
 why), 2 bad usage, 3 the daemon is not reachable / not serving.
@@ -19,15 +25,20 @@ why), 2 bad usage, 3 the daemon is not reachable / not serving.
 from __future__ import annotations
 
 import argparse
+import errno
+import grp
 import json
 import os
+import pwd
+import socket as _socket
+import stat
 import sys
 import time
 from dataclasses import asdict
 from typing import Callable, TextIO
 
 from .. import __version__, errors
-from ..config import format_size, parse_size
+from ..config import format_size
 from .plan import PlanError, format_plan, plan_model, table
 
 DEFAULT_SOCKET = "/tmp/kvcached.sock"
@@ -44,25 +55,130 @@ class CtlError(Exception):
         self.code = code
 
 
-def resolve_socket(arg: str | None, env: dict | None = None) -> str:
+# The order every client reads them in (Go, C, the llama.cpp hook, Python):
+# the Ollama-specific variable first, so a generic KVCACHED_SOCKET that leaks
+# into Ollama's environment never redirects Ollama and its runners.
+SOCKET_ENV_VARS = ("OLLAMA_KVCACHED_SOCKET", "KVCACHED_SOCKET")
+
+
+def socket_source(arg: str | None, env: dict | None = None) -> tuple[str, str]:
+    """(path, where it came from: '--socket', '$VAR' or 'default')."""
     env = os.environ if env is None else env
-    for v in (arg, env.get("KVCACHED_SOCKET"), env.get("OLLAMA_KVCACHED_SOCKET")):
-        if v:
-            return v
+    if arg:
+        return arg, "--socket"
+    for var in SOCKET_ENV_VARS:
+        if env.get(var):
+            return env[var], f"${var}"
     if not os.path.exists(DEFAULT_SOCKET) and os.path.exists(SYSTEMD_SOCKET):
-        return SYSTEMD_SOCKET
-    return DEFAULT_SOCKET
+        return SYSTEMD_SOCKET, "default"
+    return DEFAULT_SOCKET, "default"
+
+
+def resolve_socket(arg: str | None, env: dict | None = None) -> str:
+    return socket_source(arg, env)[0]
+
+
+# ---- first contact: name the cause before any gRPC call -----------------------
+def _owner(st: os.stat_result) -> str:
+    try:
+        user = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        user = str(st.st_uid)
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    return f"owner {user}, group {group}, mode {stat.S_IMODE(st.st_mode):04o}"
+
+
+def _join_hint(st: os.stat_result) -> str:
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    groups = sorted(set(os.getgroups()) | {os.getgid()})
+    return (f"you are uid {os.getuid()}, groups {','.join(map(str, groups))}: join group '{group}' "
+            f"(the daemon's --socket-group; log in again afterwards) or run as root")
+
+
+def _blocked_dir(path: str) -> tuple[str, os.stat_result] | None:
+    """The first directory on the way to `path` this process may not enter."""
+    d = os.path.dirname(os.path.abspath(path))
+    parts = []
+    while True:
+        parts.append(d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    for d in reversed(parts):
+        try:
+            st = os.stat(d)
+        except OSError:
+            return None
+        if not os.access(d, os.X_OK):
+            return d, st
+    return None
+
+
+def probe_socket(path: str, origin: str, timeout: float) -> None:
+    """Raise CtlError(EXIT_UNREACHABLE) naming why nobody can be reached on
+    `path`; return when something accepts a connection there."""
+    where = f"{path} (from {origin})" if origin != "--socket" else path
+    try:
+        st = os.stat(path)
+    except PermissionError:
+        blocked = _blocked_dir(path)
+        if blocked:
+            d, dst = blocked
+            raise CtlError(f"permission denied: cannot enter {d} ({_owner(dst)}) to reach {where}; {_join_hint(dst)}",
+                           EXIT_UNREACHABLE) from None
+        raise CtlError(f"permission denied on {where}", EXIT_UNREACHABLE) from None
+    except FileNotFoundError:
+        parent = os.path.dirname(os.path.abspath(path))
+        what = f"no such directory {parent}" if not os.path.isdir(parent) else "no such file"
+        raise CtlError(
+            f"no kvcached socket at {where}: {what}. Is kvcached-serve running, and with this --socket? "
+            f"(give --socket, or set OLLAMA_KVCACHED_SOCKET / KVCACHED_SOCKET)", EXIT_UNREACHABLE) from None
+    except OSError as exc:
+        raise CtlError(f"cannot look at {where}: {exc.strerror}", EXIT_UNREACHABLE) from None
+    if not stat.S_ISSOCK(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a regular file" if stat.S_ISREG(st.st_mode) else "not a socket"
+        raise CtlError(f"{where} is {kind}, not a Unix socket: give the path kvcached-serve's --socket names",
+                       EXIT_UNREACHABLE)
+    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(path)
+    except PermissionError:
+        raise CtlError(f"permission denied on the socket {where} ({_owner(st)}); {_join_hint(st)}",
+                       EXIT_UNREACHABLE) from None
+    except ConnectionRefusedError:
+        raise CtlError(f"nothing listens on {where}: a stale socket file (the daemon is not running, or exited "
+                       f"without removing it)", EXIT_UNREACHABLE) from None
+    except (TimeoutError, _socket.timeout):
+        raise CtlError(f"the daemon on {where} does not accept connections within {timeout:g} s (overloaded or hung)",
+                       EXIT_UNREACHABLE) from None
+    except OSError as exc:
+        if exc.errno == errno.EAGAIN:
+            raise CtlError(f"the daemon on {where} does not accept connections (its backlog is full)",
+                           EXIT_UNREACHABLE) from None
+        raise CtlError(f"cannot connect to {where}: {exc.strerror}", EXIT_UNREACHABLE) from None
+    finally:
+        s.close()
 
 
 # ---- talking to the daemon --------------------------------------------------
 def connect(args):
     from ..client import Client
 
-    path = resolve_socket(args.socket)
+    path, origin = socket_source(args.socket)
+    probe_socket(path, origin, args.timeout)
     try:
         return Client.connect(path, timeout=args.timeout)
-    except errors.Unavailable as exc:
-        raise CtlError(exc.message, EXIT_UNREACHABLE) from None
+    except errors.Unavailable:
+        raise CtlError(f"the daemon on {path} accepts connections but does not answer gRPC within "
+                       f"{args.timeout:g} s (hung, overloaded, or not kvcached-serve)", EXIT_UNREACHABLE) from None
     except errors.KVCachedError as exc:
         raise CtlError(f"{path}: {exc.message}", EXIT_UNREACHABLE) from None
 
@@ -312,7 +428,8 @@ def cmd_health(args, out: TextIO) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    path = resolve_socket(args.socket)
+    path, origin = socket_source(args.socket)
+    probe_socket(path, origin, args.timeout)
     try:
         with grpc.insecure_channel(f"unix:{path}", options=[("grpc.enable_http_proxy", 0)]) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
@@ -325,6 +442,16 @@ def cmd_health(args, out: TextIO) -> int:
 
 
 # ---- argument parsing -------------------------------------------------------
+def parse_size(text: str) -> int:
+    """'2MiB' -> 2097152, '1.5GB' -> 1500000000, '4096' -> 4096 (pydantic's ByteSize)."""
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(text.strip()))
+    except ValidationError:
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 512MiB, 8GiB, 20GB)") from None
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text)
@@ -342,13 +469,31 @@ def _positive_int(text: str) -> int:
     return v
 
 
+SOCKET_HELP = f"daemon socket (default: $OLLAMA_KVCACHED_SOCKET, then $KVCACHED_SOCKET, then {DEFAULT_SOCKET})"
+TIMEOUT_HELP = "seconds to wait for the daemon (default 5)"
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
+    # --socket and --timeout go before or after the command. After it they
+    # default to SUPPRESS so that they do not overwrite a value given before.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--socket", help=f"daemon socket (default: $KVCACHED_SOCKET, $OLLAMA_KVCACHED_SOCKET, {DEFAULT_SOCKET})")
-    common.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon (default 5)")
+    common.add_argument("--socket", default=argparse.SUPPRESS, help=SOCKET_HELP)
+    common.add_argument("--timeout", type=_positive_float, default=argparse.SUPPRESS, help=TIMEOUT_HELP)
 
     ap = argparse.ArgumentParser(prog="kvcachedctl", description="Look at and steer a running kvcached-serve.")
     ap.add_argument("--version", action="version", version=f"kvcachedctl {__version__}")
+    ap.add_argument("--socket", default=None, help=SOCKET_HELP)
+    ap.add_argument("--timeout", type=_positive_float, default=5.0, help=TIMEOUT_HELP)
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("stats", parents=[common], help="pool numbers per device")
