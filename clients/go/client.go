@@ -230,6 +230,13 @@ type SessionStats struct {
 	AllocationsTotal uint64
 	FreesTotal       uint64
 	Labels           map[string]string
+	// HeldBytesByDevice is HeldBytes per device uuid (Device.UUID); devices
+	// the session holds nothing on are absent.
+	HeldBytesByDevice map[string]uint64
+	// ReclaimPendingPages: pages the daemon has asked the session for and
+	// still waits for; ReclaimRequests: reclaim requests sent over its life.
+	ReclaimPendingPages uint64
+	ReclaimRequests     uint64
 }
 
 // Stats is a GetStats snapshot.
@@ -259,10 +266,18 @@ func sessionStatsFromPB(s *pb.SessionStats) SessionStats {
 	for k, v := range s.GetLabels() {
 		labels[k] = v
 	}
+	byDevice := make(map[string]uint64, len(s.GetHeldBytesByDevice()))
+	for k, v := range s.GetHeldBytesByDevice() {
+		if v > 0 {
+			byDevice[k] = v
+		}
+	}
 	return SessionStats{ID: s.GetId(), Name: s.GetName(), PID: s.GetPid(), UID: s.GetUid(), HeldBytes: s.GetHeldBytes(),
-		PagesHeld: s.GetPagesHeld(), GuaranteedBytes: s.GetGuaranteedBytes(), MaxBytes: s.GetMaxBytes(), Priority: s.GetPriority(),
-		LastActive: unixTime(s.GetLastActiveUnix()), Opened: unixTime(s.GetOpenedUnix()), ReclaimIgnored: s.GetReclaimIgnored(),
-		AllocationsTotal: s.GetAllocationsTotal(), FreesTotal: s.GetFreesTotal(), Labels: labels}
+		HeldBytesByDevice: byDevice, PagesHeld: s.GetPagesHeld(), GuaranteedBytes: s.GetGuaranteedBytes(),
+		MaxBytes: s.GetMaxBytes(), Priority: s.GetPriority(), LastActive: unixTime(s.GetLastActiveUnix()),
+		Opened: unixTime(s.GetOpenedUnix()), ReclaimIgnored: s.GetReclaimIgnored(), AllocationsTotal: s.GetAllocationsTotal(),
+		FreesTotal: s.GetFreesTotal(), Labels: labels, ReclaimPendingPages: s.GetReclaimPendingPages(),
+		ReclaimRequests: s.GetReclaimRequests()}
 }
 
 func statsFromPB(r *pb.GetStatsResponse) *Stats {

@@ -208,6 +208,15 @@ func TestMain(m *testing.M) {
 	if os.Getenv(helperEnv) != "" {
 		os.Exit(helperMain())
 	}
+	if os.Getenv(runnerHelperEnv) != "" {
+		os.Exit(runnerHelperMain())
+	}
+	if os.Getenv(asNobodyEnv) != "" {
+		if err := dropPrivileges(); err != nil {
+			fmt.Fprintln(os.Stderr, "dropping privileges:", err)
+			os.Exit(2)
+		}
+	}
 	// The CUDA driver is loaded once per process, so its environment is
 	// fixed here for every test (and inherited by helper processes).
 	if drv, err := testDriver(); err == nil {
