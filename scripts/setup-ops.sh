@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # Tools the operations tests need (tests/test_metrics.py, test_ctl.py,
-# test_deploy.py), on a fresh Debian/Ubuntu machine. Idempotent: re-running
-# only fills gaps. Run after scripts/setup.sh (which makes .venv).
+# test_deploy.py) and the packaging suite (scripts/test-packaging.sh), on a
+# fresh Debian/Ubuntu machine. Idempotent: re-running only fills gaps. Run
+# after scripts/setup.sh (which makes .venv).
 #   - prometheus: the server the metrics test scrapes with, and promtool
-#     (check metrics / check rules / test rules / check config)
+#     (check metrics / check rules / test rules / check config /
+#     check service-discovery)
 #   - systemd: systemd-analyze verify for deploy/systemd/ (the package only;
 #     nothing is started)
-#   - the dev extras in .venv (gguf, pyyaml) if an older setup lacks them
+#   - podman, mmdebstrap: the packaging suite builds the Dockerfile's image
+#     (podman build --isolation chroot) from a Debian base made with
+#     mmdebstrap; iproute2 (ip): the image runs in its own network namespace
+#   - the dev extras in .venv (gguf, pyyaml, build, kubernetes-validate) if
+#     an older setup lacks them
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
@@ -14,7 +20,8 @@ cd "$ROOT"
 log() { printf '\033[1m[setup-ops]\033[0m %s\n' "$*" >&2; }
 
 # command -> Debian package
-declare -A NEED=([promtool]=prometheus [prometheus]=prometheus [systemd-analyze]=systemd)
+declare -A NEED=([promtool]=prometheus [prometheus]=prometheus [systemd-analyze]=systemd
+                 [podman]=podman [mmdebstrap]=mmdebstrap [ip]=iproute2 [unshare]=util-linux [nsenter]=util-linux)
 missing=()
 for cmd in "${!NEED[@]}"; do
   command -v "$cmd" >/dev/null 2>&1 || missing+=("${NEED[$cmd]}")
@@ -42,8 +49,8 @@ if [ ! -x .venv/bin/python ]; then
   log "no .venv: run scripts/setup.sh first"
   exit 1
 fi
-if ! .venv/bin/python -c 'import gguf, yaml, prometheus_client' 2>/dev/null || [ ! -x .venv/bin/kvcachedctl ]; then
-  log "installing the dev extras (gguf, pyyaml) and the kvcachedctl entry point into .venv"
+if ! .venv/bin/python -c 'import gguf, yaml, prometheus_client, build, kubernetes_validate' 2>/dev/null || [ ! -x .venv/bin/kvcachedctl ]; then
+  log "installing the dev extras (gguf, pyyaml, build, kubernetes-validate) and the kvcachedctl entry point into .venv"
   .venv/bin/pip install -q -e '.[dev]'
 fi
-log "ready: promtool $(promtool --version 2>&1 | head -1 | awk '{print $3}'), $(systemd-analyze --version | head -1)"
+log "ready: promtool $(promtool --version 2>&1 | head -1 | awk '{print $3}'), $(systemd-analyze --version | head -1), $(podman --version), mmdebstrap $(mmdebstrap --version | awk '{print $2}')"

@@ -51,14 +51,23 @@ def test_alert_rules_check_and_unit_tests():
     assert alerts == tested, f"alerts without a unit test: {alerts - tested}"
 
 
-def test_rule_unit_tests_fail_when_a_rule_changes(tmp_path):
-    """The unit tests bite: loosen the pool threshold and they fail."""
+@pytest.mark.parametrize("mutation", [
+    # the old rule: a fill threshold of 98 % misses exhaustion at 94 %
+    ("/ sum by (instance, device) (kvcached_device_budget_bytes)\n",
+     "/ sum by (instance, device) (kvcached_device_budget_bytes) >= 0.98\n"),
+    # no failure condition: a full pool that serves every request would alert
+    ("and on (instance, device)\n          (sum by (instance, device) (increase(kvcached_device_allocation_failures_total[5m])) > 0)",
+     "or on (instance, device) vector(0)"),
+])
+def test_rule_unit_tests_fail_when_a_rule_changes(tmp_path, mutation):
+    """The unit tests bite: the pool rule changed back or loosened fails them."""
     rules = (PROM / "kvcached-rules.yml").read_text()
-    assert ">= 0.98" in rules
-    (tmp_path / "kvcached-rules.yml").write_text(rules.replace(">= 0.98", ">= 0.4"))
+    old, new = mutation
+    assert old in rules
+    (tmp_path / "kvcached-rules.yml").write_text(rules.replace(old, new))
     shutil.copy(PROM / "kvcached-rules.test.yml", tmp_path)
     r = run([tool("promtool"), "test", "rules", "kvcached-rules.test.yml"], cwd=tmp_path)
-    assert r.returncode != 0 and "KvcachedPoolExhausted" in r.stdout + r.stderr
+    assert r.returncode != 0 and "KvcachedPoolExhausted" in r.stdout + r.stderr, r.stdout + r.stderr
 
 
 def test_scrape_configs():
@@ -72,6 +81,59 @@ def test_scrape_configs():
     keeps = {tuple(rc["source_labels"]): rc.get("regex") for rc in job["relabel_configs"] if rc.get("action") == "keep"}
     assert keeps[("__meta_kubernetes_pod_annotation_prometheus_io_scrape",)] == "true"
     assert k["rule_files"] == ["kvcached-rules.yml"]
+
+
+def kubernetes_sd_results(tmp_path: pathlib.Path, targets: list[dict]) -> list[dict]:
+    """The in-cluster job's relabeling, run by promtool itself: the job from
+    prometheus-kubernetes.yml with its kubernetes_sd_configs replaced by a
+    file_sd_configs holding the targets Kubernetes discovery would produce
+    (Debian's promtool has no Kubernetes discovery). Nothing is scraped."""
+    k = yaml.safe_load((PROM / "prometheus-kubernetes.yml").read_text())
+    job = k["scrape_configs"][0]
+    assert job.pop("kubernetes_sd_configs") == [{"role": "pod"}]
+    job["file_sd_configs"] = [{"files": [str(tmp_path / "targets.json")]}]
+    k.pop("rule_files")
+    (tmp_path / "targets.json").write_text(json.dumps(targets))
+    (tmp_path / "p.yml").write_text(yaml.safe_dump(k))
+    r = run([tool("promtool"), "check", "service-discovery", str(tmp_path / "p.yml"), "kvcached", "--timeout=10s"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout)
+
+
+def pod_target(address: str, ip: str, pod: str, *, init: bool = False, app: str = "kvcached", scrape: str = "true") -> dict:
+    """A target as Prometheus' Kubernetes pod discovery makes it: one per
+    declared container port, a port-less one per container without ports
+    (init containers included)."""
+    return {"targets": [address], "labels": {
+        "__meta_kubernetes_pod_ip": ip,
+        "__meta_kubernetes_pod_name": pod,
+        "__meta_kubernetes_namespace": "kvcached",
+        "__meta_kubernetes_pod_node_name": "node-" + pod,
+        "__meta_kubernetes_pod_container_init": "true" if init else "false",
+        "__meta_kubernetes_pod_label_app_kubernetes_io_name": app,
+        "__meta_kubernetes_pod_annotation_prometheus_io_scrape": scrape,
+        "__meta_kubernetes_pod_annotation_prometheus_io_port": "9461",
+        "__meta_kubernetes_pod_annotation_prometheus_io_path": "/metrics",
+    }}
+
+
+def test_kubernetes_relabeling_ipv4_ipv6_and_init_containers(tmp_path):
+    got = kubernetes_sd_results(tmp_path, [
+        pod_target("10.1.2.3:8080", "10.1.2.3", "v4"),          # another declared port: the annotation's wins
+        pod_target("[fd00::5]:8080", "fd00::5", "v6"),          # IPv6 with a port
+        pod_target("2001:db8::7", "2001:db8::7", "v6-noport"),  # IPv6 from a container without ports
+        pod_target("fd00::5", "fd00::5", "v6", init=True),       # the init container: dropped
+        pod_target("10.9.9.9:9461", "10.9.9.9", "other", app="something-else"),
+        pod_target("10.9.9.8:9461", "10.9.9.8", "off", scrape="false"),
+    ])
+    kept = {t["labels"]["pod"]: t["labels"] for t in got if t["labels"]}
+    assert set(kept) == {"v4", "v6", "v6-noport"}, got
+    assert kept["v4"]["__address__"] == "10.1.2.3:9461"
+    assert kept["v6"]["__address__"] == "[fd00::5]:9461"
+    assert kept["v6-noport"]["__address__"] == "[2001:db8::7]:9461"
+    assert kept["v6"]["__metrics_path__"] == "/metrics" and kept["v6"]["node"] == "node-v6"
+    assert kept["v4"]["namespace"] == "kvcached"
+    assert sum(1 for t in got if not t["labels"]) == 3  # init container, other app, scrape off
 
 
 def metric_names_used(exprs: list[str]) -> set[str]:
@@ -185,6 +247,14 @@ def test_kvcached_unit_settings():
     assert s["LimitNOFILE"] == "1048576"
     assert s["PrivateDevices"] == "no" and s["PrivateTmp"] == "yes"
     assert s["Restart"] in ("on-failure", "always")
+    # GPU or nothing, retried until the driver is there; bad settings are not retried
+    assert u["Unit"]["StartLimitIntervalSec"] == "0"
+    assert s["RestartPreventExitStatus"] == "2"
+    env = dict(v.split("=", 1) for v in values(path, "Environment"))
+    assert env["KVCACHED_BACKEND"] == "cuda" and env["PROMETHEUS_DISABLE_CREATED_SERIES"] == "true"
+    text = path.read_text()
+    # EnvironmentFile= overrides Environment= in systemd whatever the order; keep the file last for readers
+    assert text.index("EnvironmentFile=-/etc/default/kvcached") > text.index("Environment=KVCACHED_BACKEND=cuda")
     allow = values(path, "DeviceAllow")
     assert "char-nvidia* rw" in allow and "/dev/nvidiactl rw" in allow and "/dev/nvidia-uvm rw" in allow
     assert "MemoryDenyWriteExecute=yes" not in path.read_text()
@@ -197,10 +267,62 @@ def test_kvcached_unit_settings():
     assert ns.metrics_address.startswith("127.0.0.1:")
 
 
+def unit_settings(env: dict[str, str], argv: list[str]) -> dict:
+    """What kvcached-serve resolves from this environment and these flags."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
+    r = subprocess.run([sys.executable, "-m", "kvcached_service.server", *argv, "--print-config"],
+                       env={**clean, **env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_unit_asks_for_cuda_and_the_default_file_allows_the_fallback():
+    path = SYSTEMD / "kvcached.service"
+    argv = shlex.split(unit(path)["Service"]["ExecStart"].replace("\\\n", " "))[1:]
+    argv[argv.index("--socket-group") + 1] = "root"  # the ollama group does not exist here; validated at start
+    env = dict(v.split("=", 1) for v in values(path, "Environment"))
+    assert unit_settings(env, argv)["backend"] == "cuda"
+    # /etc/default/kvcached (EnvironmentFile=, which wins) with its fallback line uncommented
+    default = (SYSTEMD / "kvcached.default").read_text()
+    assert "#KVCACHED_BACKEND=auto" in default
+    file_env = dict(l.split("=", 1) for l in default.replace("#KVCACHED_BACKEND=auto", "KVCACHED_BACKEND=auto").splitlines()
+                    if l and not l.startswith("#"))
+    assert unit_settings({**env, **file_env}, argv)["backend"] == "auto"
+
+
+def test_cuda_backend_without_a_driver_fails_with_status_1_which_systemd_retries(tmp_path):
+    """The unit restarts on failure except status 2 (bad settings): a missing
+    driver must be status 1 with a message that says so."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
+    env = {**clean, "PYTHONPATH": str(ROOT), "KVCACHED_BACKEND": "cuda", "KVCACHED_LIBCUDA": str(tmp_path / "no-libcuda.so.1")}
+    r = subprocess.run([sys.executable, "-m", "kvcached_service.server", "--socket", str(tmp_path / "k.sock")],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert "cannot start" in r.stderr and "CUDA driver is not usable" in r.stderr, r.stderr
+    assert not (tmp_path / "k.sock").exists()
+    r = subprocess.run([sys.executable, "-m", "kvcached_service.server", "--backend", "gpu"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+
+
 def test_ollama_drop_in():
-    u = unit(SYSTEMD / "ollama.service.d" / "kvcached.conf")
+    path = SYSTEMD / "ollama.service.d" / "kvcached.conf"
+    u = unit(path)
     assert u["Unit"]["After"] == "kvcached.service" and u["Unit"]["Wants"] == "kvcached.service"
-    assert u["Service"]["Environment"] == "OLLAMA_KVCACHED_SOCKET=/run/kvcached/kvcached.sock"
+    env = dict(v.split("=", 1) for v in values(path, "Environment"))
+    assert env == {"OLLAMA_KVCACHED_SOCKET": "/run/kvcached/kvcached.sock", "OLLAMA_FLASH_ATTENTION": "1"}
+
+
+def test_no_created_series_with_the_deployed_setting(daemon_factory):
+    """PROMETHEUS_DISABLE_CREATED_SERIES=true (unit, image, DaemonSet): no
+    *_created series next to the counters and histograms."""
+    d = start_with_metrics(daemon_factory, env={"PROMETHEUS_DISABLE_CREATED_SERIES": "true"})
+    with d.client() as c, c.open_session("m") as s:
+        s.allocate(1)
+        text = scrape(d)
+    assert "kvcached_rpc_requests_total{" in text and "kvcached_allocate_duration_seconds_count" in text
+    created = [l for l in text.splitlines() if re.match(r"(# (HELP|TYPE) )?[a-z_]+_created[ {]", l)]
+    assert not created, created
 
 
 class NotifyListener:
@@ -383,6 +505,10 @@ def test_k8s_daemonset():
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"] and c["resources"]["limits"]["memory"]
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and "compute" in env["NVIDIA_DRIVER_CAPABILITIES"]
+    assert env["KVCACHED_BACKEND"] == "cuda" and env["PROMETHEUS_DISABLE_CREATED_SERIES"] == "true"
+    # hostPath: the namespace runs at the privileged Pod Security level
+    ns = docs["Namespace/kvcached"]["metadata"]["labels"]
+    assert ns["pod-security.kubernetes.io/enforce"] == "privileged"
     assert pod["securityContext"]["runAsNonRoot"] is True and c["securityContext"]["allowPrivilegeEscalation"] is False
     assert pod["terminationGracePeriodSeconds"] >= 10
     # the init container hands the directory to the daemon's uid and the socket group
@@ -398,8 +524,44 @@ def test_k8s_example_client_matches_the_daemonset():
     assert int(args.socket_group) in pod["securityContext"]["supplementalGroups"]
     (c,) = pod["containers"]
     env = {e["name"]: e["value"] for e in c["env"]}
-    assert env["OLLAMA_KVCACHED_SOCKET"] == args.socket
+    assert env["OLLAMA_KVCACHED_SOCKET"] == args.socket and env["OLLAMA_FLASH_ATTENTION"] == "1"
     vol = {v["name"]: v for v in pod["volumes"]}[c["volumeMounts"][0]["name"]]
     assert vol["hostPath"]["path"] == os.path.dirname(args.socket)
     kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     assert set(kust["resources"]) == {"namespace.yaml", "daemonset.yaml"}
+
+
+def k8s_files() -> list[pathlib.Path]:
+    return sorted(f for f in K8S.glob("*.yaml") if f.name != "kustomization.yaml")
+
+
+@pytest.mark.parametrize("version", ["1.25", "1.37"])
+def test_k8s_manifests_validate_against_the_api_schemas(version):
+    """Strict validation (unknown fields are errors) against the Kubernetes
+    OpenAPI schemas the kubernetes-validate package ships, for the oldest and
+    newest version it carries."""
+    import kubernetes_validate
+
+    n = 0
+    for f in k8s_files():
+        for doc in yaml.safe_load_all(f.read_text()):
+            if doc:
+                kubernetes_validate.validate(doc, version, strict=True)
+                n += 1
+    assert n == 3  # Namespace, DaemonSet, Pod
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())  # no schema for Kustomization: its files exist
+    assert all((K8S / r).is_file() for r in kust["resources"])
+
+
+def test_k8s_schema_validation_catches_a_misspelt_field():
+    import kubernetes_validate
+
+    ds = next(d for d in yaml.safe_load_all((K8S / "daemonset.yaml").read_text()) if d)
+    c = ds["spec"]["template"]["spec"]["containers"][0]
+    c["livenessProbe"]["exec"]["comand"] = c["livenessProbe"]["exec"].pop("command")
+    with pytest.raises(kubernetes_validate.ValidationError, match="comand"):
+        kubernetes_validate.validate(ds, "1.37", strict=True)
+    ds = next(d for d in yaml.safe_load_all((K8S / "daemonset.yaml").read_text()) if d)
+    ds["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = "30"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(ds, "1.37", strict=True)
