@@ -1,22 +1,47 @@
 #!/usr/bin/env python3
-"""Apply kvcached-service's KV-cache hook to a llama.cpp source tree.
+"""Put kvcached-service's KV-cache hook into a llama.cpp build.
 
-    apply.py LLAMA_CPP_DIR                  patch the tree in place
-    apply.py LLAMA_CPP_DIR --check          only check that every anchor is found
-    apply.py LLAMA_CPP_DIR --list           the files it edits or adds
-    apply.py LLAMA_CPP_DIR --emit-patch F   write the change as a git-style diff
-                                            (the form of Ollama's llama/compat/
-                                            *.patch files) and leave the tree alone
+Two forms of the same change:
 
-The hook's code lives in this directory (kvcached_kv.h, kvcached_kv.cpp) and
-is copied into the tree as src/kvcached/. Everything else is a handful of
-call sites inserted at anchor points found by function and call names; if an
-anchor is missing or ambiguous (llama.cpp moved on), the script stops with a
-message naming it and changes nothing. Applying twice is refused (the tree
-carries a marker).
+  apply.py TREE                      patch a llama.cpp source tree in place: the
+                                     hook's sources are copied to src/kvcached/
+                                     and the call sites inserted
+  apply.py TREE --emit-patch FILE    the same as one git-style diff (new files
+                                     included); the tree is left alone
+  apply.py TREE --emit-compat DIR    Ollama's compat form, for DIR =
+                                     <ollama>/llama/compat: writes
+                                       DIR/kvcached_kv.h, DIR/kvcached_kv.cpp
+                                         (beside Ollama's own compat sources:
+                                         llama/server/CMakeLists.txt compiles
+                                         DIR/*.cpp into the llama target)
+                                       DIR/010-kvcached-kv-cache.patch
+                                         (call sites and CMake glue only, made
+                                         from TREE; Ollama applies DIR/*.patch
+                                         in filename order with git apply)
+                                     and leaves TREE alone. --patch-name NAME
+                                     changes the patch's file name.
+  apply.py TREE --check              only check that every anchor is found
+  apply.py TREE --list               the files the in-place form edits or adds
 
-The hook links the C client (libkvcached): configure llama.cpp with
-CMAKE_PREFIX_PATH pointing at an install of clients/c (find_package(kvcached)).
+TREE is the pristine llama.cpp source the change is for (for Ollama: the
+tree given as -DFETCHCONTENT_SOURCE_DIR_LLAMA_CPP=, e.g. the pinned
+llama-cpp-python sdist's vendor/llama.cpp; Ollama's own 001 and models/003
+patches touch other files, so the order does not matter). Exit status 0 on
+success, 1 when an anchor is missing or ambiguous (the message names it and
+nothing is written), 2 on bad arguments.
+
+The call sites are found by function and call names; if an anchor is missing
+or ambiguous (llama.cpp moved on), the script stops with a message naming it
+and changes nothing. Applying twice is refused (the tree carries a marker).
+
+Building: the hook is active only when CMake finds the C client
+(find_package(kvcached 1.2 CONFIG QUIET): CMAKE_PREFIX_PATH=<prefix of a
+clients/c install>). Without it every call site is a pass-through and the
+build is the upstream one. With it, libllama carries the hook and reaches the
+C client at run time; llama-server links the self-contained static client
+(kvcached::kvcached_embed: gRPC, protobuf and abseil inside, nothing of them
+exported), so the shipped binaries need no library beyond llama.cpp's own.
+docs/llama-cpp.md has the details.
 """
 
 from __future__ import annotations
@@ -30,6 +55,7 @@ import sys
 HERE = pathlib.Path(__file__).resolve().parent
 MARKER = "kvcached-service hook"
 HOOK_FILES = ["kvcached_kv.h", "kvcached_kv.cpp"]
+COMPAT_PATCH = "010-kvcached-kv-cache.patch"
 
 
 class AnchorError(Exception):
@@ -55,7 +81,7 @@ def after_function_open(text: str, signature: str, insert: str, what: str) -> st
 # ---------------------------------------------------------------------------
 # src/llama-kv-cache.cpp
 
-KV_INCLUDE = '#include "kvcached/kvcached_kv.h" // kvcached-service hook: KV cache in daemon pages\n'
+KV_INCLUDE = '#include "kvcached_kv.h" // kvcached-service hook: KV cache in daemon pages\n'
 
 KV_ALLOC = """{
                 // kvcached-service hook: with OLLAMA_KVCACHED_SOCKET / KVCACHED_SOCKET set, one daemon
@@ -74,8 +100,9 @@ KV_ALLOC = """{
                 buf = llama_kvcached_alloc_kv(ctx.get(), buft, kvc_info); // real buffer: ggml_backend_alloc_ctx_tensors_from_buft without the daemon
             }"""
 
-KV_PREPARE_MAP = """    // kvcached-service hook: back cells [0, n_kv) of every K/V tensor for all ubatches (one Allocate)
-    if (success && llama_kvcached_active(this)) {
+KV_PREPARE_MAP = """    // kvcached-service hook: back cells [0, n_kv) of every K/V tensor for all ubatches (one Allocate);
+    // a batch that found no slot only resets the hook's last error
+    if (llama_kvcached_active(this)) {
         std::vector<uint32_t> kvc_need(n_stream, 0);
         for (const auto & kvc_si : res) {
             const uint32_t kvc_n = get_n_kv(kvc_si);
@@ -83,7 +110,7 @@ KV_PREPARE_MAP = """    // kvcached-service hook: back cells [0, n_kv) of every 
                 kvc_need[s] = std::max(kvc_need[s], kvc_n);
             }
         }
-        if (!llama_kvcached_map(this, kvc_need.data(), n_stream)) {
+        if (!llama_kvcached_map(this, success ? kvc_need.data() : nullptr, success ? n_stream : 0)) {
             success = false;
         }
     }
@@ -92,7 +119,7 @@ KV_PREPARE_MAP = """    // kvcached-service hook: back cells [0, n_kv) of every 
 
 KV_UPDATE_MAP = """    // kvcached-service hook: K shift and stream copies read whole tensors
     if ((do_shift || !sc_info.empty()) && !llama_kvcached_map_all(this)) {
-        GGML_ABORT("kvcached: cannot back the whole KV cache for a K shift / stream copy");
+        GGML_ABORT("kvcached: cannot back the whole KV cache for a K shift / stream copy (the reason is logged above)");
     }
 """
 
@@ -164,10 +191,12 @@ SERVER_DECLS = """
 // while its main loop touches slots, so the daemon's reclaim callback can
 // release idle slots from its own thread at any time.
 extern "C" {
-void     llama_kvcached_lock(void);
-void     llama_kvcached_unlock(void);
-void     llama_kvcached_set_idle_release(void (*fn)(void * user, uint64_t bytes), void * user);
-uint64_t llama_kvcached_held_bytes(void);
+void         llama_kvcached_lock(void);
+void         llama_kvcached_unlock(void);
+void         llama_kvcached_set_idle_release(void (*fn)(void * user, uint64_t bytes), void * user);
+uint64_t     llama_kvcached_held_bytes(void);
+void         llama_kvcached_poll(void);
+const char * llama_kvcached_decode_error(const char * fallback);
 }
 namespace {
 struct llama_kvcached_guard {
@@ -216,8 +245,22 @@ def patch_server(text: str) -> str:
     text = sub_once(
         text,
         r"(queue_tasks\.on_update_slots\(\[this\]\(\) \{\n)([ \t]*)(update_slots\(\);)",
-        lambda m: f"{m.group(1)}{m.group(2)}llama_kvcached_guard kvc_guard(true); // kvcached-service hook\n{m.group(2)}{m.group(3)}",
+        lambda m: (
+            f"{m.group(1)}{m.group(2)}llama_kvcached_guard kvc_guard(true); // kvcached-service hook\n"
+            f"{m.group(2)}llama_kvcached_poll(); // kvcached-service hook: answer a pending reclaim request\n"
+            f"{m.group(2)}{m.group(3)}"
+        ),
         "queue_tasks.on_update_slots([this]() { update_slots(); })",
+    )
+    # a batch the daemon could not back fails with the hook's reason, not "context size exceeded"
+    text = sub_once(
+        text,
+        r'^([ \t]*)err = "Context size has been exceeded\.";',
+        lambda m: (
+            f'{m.group(1)}err = llama_kvcached_decode_error("Context size has been exceeded."); '
+            "// kvcached-service hook: names the daemon when it could not lend memory"
+        ),
+        'update_slots: err = "Context size has been exceeded."',
     )
     text = sub_once(
         text,
@@ -239,13 +282,37 @@ def patch_server(text: str) -> str:
 
 CMAKE_BLOCK = """
 # kvcached-service hook: llama.cpp's KV cache in kvcached-serve pages
-# (src/kvcached, docs/llama-cpp.md of kvcached-service). Needs the C client:
-# CMAKE_PREFIX_PATH=<prefix of clients/c install>.
-find_package(kvcached 1 REQUIRED)
-target_sources(llama PRIVATE kvcached/kvcached_kv.cpp kvcached/kvcached_kv.h)
-set_source_files_properties(kvcached/kvcached_kv.cpp PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
-target_include_directories(llama PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/../ggml/src)
-target_link_libraries(llama PRIVATE kvcached::kvcached)
+# (integrations/llama.cpp and docs/llama-cpp.md of kvcached-service). The hook's
+# sources are src/kvcached/ (apply.py) or Ollama's llama/compat/ (added to this
+# target by Ollama's llama/server/CMakeLists.txt). It is on only when the C
+# client is found (CMAKE_PREFIX_PATH=<its install prefix>); without it every
+# call site is a pass-through and nothing else changes.
+if (EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/kvcached/kvcached_kv.cpp)
+    target_sources(llama PRIVATE kvcached/kvcached_kv.cpp kvcached/kvcached_kv.h)
+    target_include_directories(llama PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/kvcached)
+    set_source_files_properties(kvcached/kvcached_kv.cpp PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
+elseif (DEFINED OLLAMA_LLAMA_CPP_COMPAT_DIR)
+    set_source_files_properties(${OLLAMA_LLAMA_CPP_COMPAT_DIR}/kvcached_kv.cpp PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
+endif()
+find_package(kvcached 1.2 CONFIG QUIET)
+if (kvcached_FOUND)
+    target_compile_definitions(llama PRIVATE LLAMA_KVCACHED)
+    target_include_directories(llama PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/../ggml/src
+                               $<TARGET_PROPERTY:kvcached::kvcached,INTERFACE_INCLUDE_DIRECTORIES>)
+    target_link_libraries(llama PRIVATE ${CMAKE_DL_LIBS})
+    message(STATUS "kvcached: KV-cache hook on (C client ${kvcached_VERSION} in ${kvcached_DIR})")
+else()
+    message(STATUS "kvcached: C client not found (CMAKE_PREFIX_PATH): KV-cache hook compiled as pass-through")
+endif()
+"""
+
+SERVER_CMAKE_BLOCK = """
+# kvcached-service hook (see src/CMakeLists.txt): the C client, self-contained
+# and static, goes into the executable; libllama's hook finds it there
+find_package(kvcached 1.2 CONFIG QUIET)
+if (TARGET kvcached::kvcached_embed)
+    target_link_libraries(${TARGET} PRIVATE kvcached::kvcached_embed)
+endif()
 """
 
 
@@ -258,15 +325,26 @@ def patch_cmake(text: str) -> str:
     )
 
 
+def patch_server_cmake(text: str) -> str:
+    return sub_once(
+        text,
+        r"^target_link_libraries\(\$\{TARGET\} PRIVATE llama-server-impl\)\n",
+        lambda m: m.group(0) + SERVER_CMAKE_BLOCK,
+        "tools/server/CMakeLists.txt: target_link_libraries(${TARGET} PRIVATE llama-server-impl)",
+    )
+
+
 EDITS = {
     "src/llama-kv-cache.cpp": patch_kv_cache,
     "tools/server/server-context.cpp": patch_server,
     "src/CMakeLists.txt": patch_cmake,
+    "tools/server/CMakeLists.txt": patch_server_cmake,
 }
 
 
-def compute(tree: pathlib.Path) -> dict[str, tuple[str | None, str]]:
-    """{path: (old text or None for a new file, new text)}."""
+def compute(tree: pathlib.Path, with_sources: bool = True) -> dict[str, tuple[str | None, str]]:
+    """{path: (old text or None for a new file, new text)}; without
+    with_sources only the edits of existing files (the compat patch)."""
     out: dict[str, tuple[str | None, str]] = {}
     for rel, fn in EDITS.items():
         p = tree / rel
@@ -276,6 +354,8 @@ def compute(tree: pathlib.Path) -> dict[str, tuple[str | None, str]]:
         if MARKER in old:
             raise AnchorError(f"{rel} already carries the hook ({MARKER!r}); start from a clean tree")
         out[rel] = (old, fn(old))
+    if not with_sources:
+        return out
     for name in HOOK_FILES:
         rel = f"src/kvcached/{name}"
         old = (tree / rel).read_text() if (tree / rel).exists() else None
@@ -305,17 +385,44 @@ def git_diff(changes: dict[str, tuple[str | None, str]]) -> str:
     return "".join(parts)
 
 
+def emit_compat(tree: pathlib.Path, out_dir: pathlib.Path, patch_name: str) -> int:
+    changes = compute(tree, with_sources=False)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in HOOK_FILES:
+        (out_dir / name).write_text((HERE / name).read_text())
+        written.append(name)
+    (out_dir / patch_name).write_text(git_diff(changes))
+    written.append(patch_name)
+    if not (out_dir / "compat.cmake").exists():
+        print(f"apply.py: note: {out_dir} has no compat.cmake (is it an Ollama llama/compat directory?)", file=sys.stderr)
+    print(f"apply.py: wrote {', '.join(written)} to {out_dir} (patch: {', '.join(sorted(changes))})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("tree", type=pathlib.Path, help="llama.cpp source tree (has src/llama-kv-cache.cpp)")
-    ap.add_argument("--emit-patch", type=pathlib.Path, metavar="FILE", help="write the change as a patch; leave the tree alone")
-    ap.add_argument("--check", action="store_true", help="only check the anchors")
-    ap.add_argument("--list", action="store_true", help="print the files the hook edits or adds and exit")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--emit-patch", type=pathlib.Path, metavar="FILE", help="write the change as a patch; leave the tree alone")
+    mode.add_argument("--emit-compat", type=pathlib.Path, metavar="DIR",
+                      help="write Ollama's compat form into DIR (<ollama>/llama/compat); leave the tree alone")
+    mode.add_argument("--check", action="store_true", help="only check the anchors")
+    mode.add_argument("--list", action="store_true", help="print the files the hook edits or adds and exit")
+    ap.add_argument("--patch-name", default=COMPAT_PATCH, metavar="NAME",
+                    help=f"file name of the compat patch (default {COMPAT_PATCH}; Ollama applies DIR/*.patch in name order)")
     args = ap.parse_args(argv)
     if args.list:
         print("\n".join([*EDITS, *(f"src/kvcached/{n}" for n in HOOK_FILES)]))
         return 0
+    if not (args.tree / "src" / "llama-kv-cache.cpp").is_file():
+        print(f"apply.py: {args.tree} is not a llama.cpp source tree (no src/llama-kv-cache.cpp)", file=sys.stderr)
+        return 1
+    if "/" in args.patch_name or not args.patch_name.endswith(".patch"):
+        ap.error(f"--patch-name {args.patch_name!r}: a file name ending in .patch")
     try:
+        if args.emit_compat:
+            return emit_compat(args.tree, args.emit_compat, args.patch_name)
         changes = compute(args.tree)
     except AnchorError as e:
         print(f"apply.py: {e}", file=sys.stderr)

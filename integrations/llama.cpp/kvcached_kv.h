@@ -1,17 +1,27 @@
 // kvcached_kv.h: llama.cpp's KV cache in kvcached-serve pages.
 //
-// Part of kvcached-service (integrations/llama.cpp). integrations/llama.cpp/
-// apply.py copies this file and kvcached_kv.cpp into a llama.cpp tree as
-// src/kvcached/ and inserts the calls below at named anchor points of
-// src/llama-kv-cache.cpp and tools/server/server-context.cpp
-// (docs/llama-cpp.md).
+// Part of kvcached-service (integrations/llama.cpp, docs/llama-cpp.md).
+// integrations/llama.cpp/apply.py puts this file and kvcached_kv.cpp into a
+// llama.cpp build, either copied into the tree as src/kvcached/ or, in
+// Ollama's compat form, beside Ollama's own llama/compat/*.cpp, and inserts
+// the calls below at named anchor points of src/llama-kv-cache.cpp and
+// tools/server/server-context.cpp.
 //
-// When OLLAMA_KVCACHED_SOCKET (or KVCACHED_SOCKET) is set and the daemon
-// answers, every KV buffer of a llama_kv_cache becomes one kvc_region of the
-// process's daemon session: all of its K/V tensors sit at page-aligned
-// offsets of one reservation, and only what the cells use is backed by
-// daemon pages. Without the variable every function here is a pass-through
-// and llama.cpp allocates exactly as before.
+// Three ways this compiles:
+//   - LLAMA_KVCACHED undefined (the C client was not found at configure
+//     time): every function is a pass-through, llama.cpp allocates exactly
+//     as before.
+//   - LLAMA_KVCACHED defined: the hook is built in. It reaches the C client
+//     (libkvcached, API 1.2+) at run time: the functions linked into the
+//     program (llama-server links the self-contained static client) or else
+//     libkvcached.so.1. When OLLAMA_KVCACHED_SOCKET (or KVCACHED_SOCKET) is
+//     set and the daemon answers, every KV buffer of a llama_kv_cache
+//     becomes one kvc_region of the process's daemon session: its K/V
+//     tensors sit at page-aligned offsets of one reservation and only what
+//     the cells use is backed by daemon pages. Without the variable, or when
+//     no C client or daemon is there, the calls are pass-throughs.
+//   - OLLAMA_COMPAT_MTMD_BUILD defined (Ollama also compiles llama/compat/
+//     *.cpp into libmtmd): kvcached_kv.cpp compiles to nothing.
 #pragma once
 
 #include "ggml-backend.h"
@@ -53,7 +63,8 @@ bool llama_kvcached_active(const void * owner);
 
 // Back cells [0, n_cells[s]) of stream s of every K tensor (and V tensor,
 // with flash attention) with pages: one Allocate for everything missing.
-// false when the daemon cannot lend them (the batch then does not fit).
+// false when the daemon cannot lend them in time (the batch then fails the
+// way a full cache does; llama_kvcached_decode_error says why).
 bool llama_kvcached_map(const void * owner, const uint32_t * n_cells, uint32_t n_stream);
 
 // Back every cell (K shift and stream copies read whole tensors).
@@ -62,7 +73,8 @@ bool llama_kvcached_map_all(const void * owner);
 // Back what the cells use now (state restore writes cells directly).
 bool llama_kvcached_map_used(const void * owner);
 
-// Give back pages past what the cells use (rounded up to n_pad cells).
+// Give back pages past what the cells use (rounded up to n_pad cells), and
+// every page when the cache holds no cell.
 void llama_kvcached_trim(const void * owner);
 
 // Trims when the enclosing scope ends (seq_rm, seq_keep, clear: every
@@ -76,11 +88,12 @@ struct llama_kvcached_trim_on_exit {
 };
 
 // For the server (C linkage so the server can declare them without this
-// header). The reclaim callback of the daemon runs on the client library's
-// Watch thread; a server that registers an idle-release function and holds
-// llama_kvcached_lock() whenever its main loop touches slots lets the
-// callback release idle slots safely (under the lock) at any time, also
-// while the server waits for requests.
+// header). The daemon's reclaim requests arrive on the C client's Watch
+// thread; the hook answers them from its own thread (or from the server's
+// main loop, llama_kvcached_poll), never blocking the Watch thread. A server
+// that registers an idle-release function and holds llama_kvcached_lock()
+// whenever its main loop touches slots lets the hook release idle slots
+// safely at any time, also while the server waits for requests.
 extern "C" {
 // Recursive, process-wide.
 LLAMA_KVCACHED_API void llama_kvcached_lock(void);
@@ -90,4 +103,12 @@ LLAMA_KVCACHED_API void llama_kvcached_unlock(void);
 LLAMA_KVCACHED_API void llama_kvcached_set_idle_release(void (*fn)(void * user, uint64_t bytes), void * user);
 // Bytes of daemon pages mapped by all KV buffers of this process.
 LLAMA_KVCACHED_API uint64_t llama_kvcached_held_bytes(void);
+// Called by the server's main loop with the lock held, before each round of
+// slot updates: answers a pending reclaim request at once.
+LLAMA_KVCACHED_API void llama_kvcached_poll(void);
+// The error for a batch that did not fit: the hook's message when the last
+// batch failed because the daemon could not lend memory (budget spent,
+// daemon gone), else `fallback` (llama.cpp's own "context size exceeded").
+// Valid until the calling thread's next call.
+LLAMA_KVCACHED_API const char * llama_kvcached_decode_error(const char * fallback);
 }

@@ -38,7 +38,7 @@
 /* API version: KVC_API_VERSION = major * 10000 + minor * 100 + patch.
  * kvc_api_version() returns the version of the library actually loaded. */
 #define KVC_API_VERSION_MAJOR 1
-#define KVC_API_VERSION_MINOR 1
+#define KVC_API_VERSION_MINOR 2
 #define KVC_API_VERSION_PATCH 0
 #define KVC_API_VERSION \
     (KVC_API_VERSION_MAJOR * 10000 + KVC_API_VERSION_MINOR * 100 + KVC_API_VERSION_PATCH)
@@ -335,6 +335,16 @@ KVC_API kvc_status kvc_session_available(kvc_session *session, uint64_t *bytes);
 KVC_API kvc_status kvc_session_set_limit(kvc_session *session, uint64_t limit_bytes);
 KVC_API uint64_t kvc_session_limit(const kvc_session *session);
 
+/* Change how this session's later Allocates wait when the pages are not
+ * available at once (kvc_session_options.wait / wait_timeout_ms): with
+ * wait nonzero the daemon may ask other sessions to give pages back and
+ * waits up to wait_timeout_ms (0 = the daemon's default) before failing with
+ * KVC_ERR_RESOURCE_EXHAUSTED; with wait 0 it fails at once. An Allocate
+ * already in flight keeps its setting. For a caller on a latency-sensitive
+ * path (a llama.cpp decode) that must fail fast after a refusal. Since 1.2.
+ * Thread-safe. */
+KVC_API kvc_status kvc_session_set_wait(kvc_session *session, int wait, uint32_t wait_timeout_ms);
+
 /* ------------------------------------------------------------------------ */
 /* Regions                                                                  */
 
@@ -375,11 +385,26 @@ KVC_API kvc_status kvc_region_map_ranges(kvc_region *region, const kvc_range *ra
 
 /* Unmap the pages lying wholly inside [offset, offset+size) (the range is
  * narrowed to whole pages, so no byte outside it is ever unmapped) and give
- * them back to the daemon in one Free. Unmapped pages in the range are
+ * them back to the daemon in one Free. A range that runs to the region's end
+ * (offset + size >= the max_bytes it was created with) runs to the end of
+ * its last page: the bytes past max_bytes are the region's own padding, so
+ * every page can be given back (since 1.2). Unmapped pages in the range are
  * skipped. Thread-safe (calls on one region serialise). */
 KVC_API kvc_status kvc_region_unmap(kvc_region *region, uint64_t offset, uint64_t size);
 KVC_API kvc_status kvc_region_unmap_ranges(kvc_region *region, const kvc_range *ranges,
                                            size_t num_ranges);
+
+/* Move a region to another session after its own session ended (the
+ * daemon went away without a state directory, or ended the session): pages
+ * mapped now stay mapped and readable, but no daemon counts them any more
+ * (the one that lent them is gone); unmapping them is local only. New
+ * pages come from `session`, which must lend the same kind of pages of the
+ * same size on the same device (KVC_ERR_INVALID_ARGUMENT otherwise).
+ * KVC_ERR_FAILED_PRECONDITION while the region's session is still live. The
+ * old session may be closed afterwards. For a long-lived user of a region
+ * (a llama.cpp KV cache) that reconnects to a restarted daemon. Since 1.2.
+ * Not thread-safe (no other call on the region may run). */
+KVC_API kvc_status kvc_region_rebind(kvc_region *region, kvc_session *session);
 
 /* Nonzero if every byte of [offset, offset+size) is mapped. Thread-safe. */
 KVC_API int kvc_region_is_mapped(kvc_region *region, uint64_t offset, uint64_t size);

@@ -162,8 +162,10 @@ struct kvc_session {
     std::string device, kind;
     uint64_t page_size = 0;
     uint32_t max_pages = 0;
-    bool wait = false;
-    uint32_t wait_timeout_ms = 0;
+    // Allocate's wait flag and timeout (kvc_session_set_wait may change them
+    // while other threads allocate).
+    std::atomic<bool> wait{false};
+    std::atomic<uint32_t> wait_timeout_ms{0};
     kvc_mapper *mapper = nullptr;
     int fd = -1;  // the fd channel (chan->fd); replaced by a resume (under alloc_mu and mu)
     std::shared_ptr<Chan> chan;  // owns fd (mu)
@@ -306,14 +308,23 @@ struct kvc_session {
     }
 };
 
+// Slot states of a region.
+enum : uint8_t {
+    kSlotFree = 0,
+    kSlotMapped = 1,  // a page of r->session
+    kSlotOrphan = 2,  // mapped, but its session ended before kvc_region_rebind: no daemon
+                      // counts it; unmapping it is local only
+};
+
 struct kvc_region {
     kvc_session *session = nullptr;
     uintptr_t base = 0;
-    uint64_t size = 0;
+    uint64_t size = 0;       // reserved: requested rounded up to whole pages
+    uint64_t requested = 0;  // max_bytes as asked; a range ending there ends at `size`
     uint64_t page = 0;
     std::mutex mu;
     std::vector<uint64_t> ids;    // page id per slot
-    std::vector<uint8_t> mapped;  // slot mapped?
+    std::vector<uint8_t> mapped;  // slot state (nonzero: mapped)
     std::atomic<uint64_t> mapped_pages{0};
 };
 
@@ -861,15 +872,17 @@ kvc_status chan_allocate_chunk(kvc_session *s, Chan *ch, uint32_t chunk, std::ve
                                std::vector<int> &fds)
 {
     uint64_t req = chan_next_req(ch);
-    uint32_t flags = s->wait ? KVC_FD_ALLOC_WAIT : 0;
+    const bool wait = s->wait.load();
+    const uint32_t wait_ms = s->wait_timeout_ms.load();
+    uint32_t flags = wait ? KVC_FD_ALLOC_WAIT : 0;
     uint8_t buf[KVC_FD_HEADER_SIZE + KVC_FD_ALLOCATE_FIXED + 1024];
-    size_t len = kvc_fd_encode_allocate(buf, sizeof buf, req, chunk, flags, s->wait_timeout_ms,
+    size_t len = kvc_fd_encode_allocate(buf, sizeof buf, req, chunk, flags, wait_ms,
                                         s->device.c_str());
     if (!len)
         return kvc_fail(KVC_ERR_INVALID_ARGUMENT, "device uuid \"%s\" is too long", s->device.c_str());
     uint64_t timeout = s->conn->timeout_ms.load();
     if (timeout)  // as the gRPC deadline: a waiting Allocate may take the daemon's wait too
-        timeout += s->wait ? (s->wait_timeout_ms ? s->wait_timeout_ms : 30000) : 0;
+        timeout += wait ? (wait_ms ? wait_ms : 30000) : 0;
     Chan::Reply rep;
     Chan::Stash got;
     kvc_status st = chan_request(s, ch, req, buf, len, timeout, "Allocate", &rep, &got);
@@ -987,21 +1000,23 @@ kvc_status session_allocate(kvc_session *s, uint64_t n, std::vector<uint64_t> &i
         s->available_pending = false;
     }
     uint64_t done = 0;
+    const bool wait = s->wait.load();
+    const uint32_t wait_ms = s->wait_timeout_ms.load();
     while (done < n) {
         uint32_t chunk = static_cast<uint32_t>(std::min<uint64_t>(n - done, s->max_pages));
         pb::AllocateRequest req;
         *req.mutable_session() = ref;
         req.set_device(s->device);
         req.set_num_pages(chunk);
-        req.set_wait(s->wait);
-        req.set_wait_timeout_ms(s->wait_timeout_ms);
+        req.set_wait(wait);
+        req.set_wait_timeout_ms(wait_ms);
         pb::AllocateResponse resp;
         grpc::ClientContext ctx;
         uint32_t t = s->conn->timeout_ms.load();
         if (t) {
             // A waiting Allocate may take the daemon's wait on top of the rpc
             // itself (wait_timeout_ms 0 = the daemon's default: allow 30 s).
-            uint64_t ms = t + (s->wait ? (s->wait_timeout_ms ? s->wait_timeout_ms : 30000) : 0);
+            uint64_t ms = t + (wait ? (wait_ms ? wait_ms : 30000) : 0);
             ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms));
         }
         grpc::Status st = s->conn->stub->Allocate(&ctx, req, &resp);
@@ -1059,6 +1074,7 @@ kvc_status region_new(kvc_session *s, uint64_t max_bytes, kvc_region **out)
     auto r = std::make_unique<kvc_region>();
     r->session = s;
     r->size = size;
+    r->requested = max_bytes;
     r->page = s->page_size;
     kvc_status st = kvc_mapper_reserve(s->mapper, size, s->page_size, &r->base);
     if (st != KVC_OK)
@@ -1105,7 +1121,7 @@ kvc_status region_map_slots(kvc_region *r, const std::vector<uint64_t> &slots)
     }
     for (size_t i = 0; i < slots.size(); i++) {
         r->ids[slots[i]] = ids[i];
-        r->mapped[slots[i]] = 1;
+        r->mapped[slots[i]] = kSlotMapped;
     }
     r->mapped_pages += slots.size();
     return KVC_OK;
@@ -1128,9 +1144,11 @@ kvc_status region_unmap_slots(kvc_region *r, const std::vector<uint64_t> &slots)
             }
             continue;  // still mapped: keep it on the books
         }
-        r->mapped[k] = 0;
+        bool orphan = r->mapped[k] == kSlotOrphan;
+        r->mapped[k] = kSlotFree;
         r->mapped_pages--;
-        ids.push_back(r->ids[k]);
+        if (!orphan)
+            ids.push_back(r->ids[k]);
     }
     kvc_status st = session_free_ids(s, ids);
     if (first != KVC_OK)
@@ -1181,7 +1199,13 @@ kvc_status region_unmap_ranges(kvc_region *r, const kvc_range *ranges, size_t n)
     std::vector<uint64_t> slots;
     for (size_t i = 0; i < n; i++) {
         uint64_t f = 0, e = 0;
-        kvc_pages_inside(ranges[i].offset, ranges[i].size, r->size, r->page, &f, &e);
+        // A range that runs to the region's end (as requested, or as
+        // reserved) releases its last page: the bytes past the requested
+        // size are the region's own padding, not anyone's data.
+        uint64_t size = ranges[i].size;
+        if (size > 0 && ranges[i].offset + size >= r->requested)
+            size = r->size - ranges[i].offset;
+        kvc_pages_inside(ranges[i].offset, size, r->size, r->page, &f, &e);
         for (uint64_t k = f; k < e; k++)
             if (r->mapped[k])
                 slots.push_back(k);
@@ -2210,6 +2234,16 @@ KVC_API kvc_status kvc_session_set_limit(kvc_session *s, uint64_t limit_bytes)
 
 KVC_API uint64_t kvc_session_limit(const kvc_session *s) { return s ? s->limit.load() : 0; }
 
+KVC_API kvc_status kvc_session_set_wait(kvc_session *s, int wait, uint32_t wait_timeout_ms)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(s, "session is NULL");
+        s->wait_timeout_ms = wait_timeout_ms;
+        s->wait = wait != 0;
+        return KVC_OK;
+    });
+}
+
 KVC_API kvc_status kvc_region_create(kvc_session *s, uint64_t max_bytes, kvc_region **out)
 {
     return guarded([&]() -> kvc_status {
@@ -2271,6 +2305,52 @@ KVC_API kvc_status kvc_region_unmap_ranges(kvc_region *r, const kvc_range *range
     return guarded([&]() -> kvc_status {
         NEED(r, "region is NULL");
         return region_unmap_ranges(r, ranges, n);
+    });
+}
+
+KVC_API kvc_status kvc_region_rebind(kvc_region *r, kvc_session *to)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(r && to, "region or session is NULL");
+        kvc_session *from = r->session;
+        if (from == to)
+            return KVC_OK;
+        if (!from->ended.load())
+            return kvc_fail(KVC_ERR_FAILED_PRECONDITION,
+                            "the region's session %llu is still live: rebinding would orphan the "
+                            "pages it lent; close the region or wait until that session ended",
+                            (unsigned long long)from->id);
+        if (to->ended.load())
+            return to->ended_error();
+        if (to->page_size != r->page || to->kind != from->kind || to->device != from->device)
+            return kvc_fail(KVC_ERR_INVALID_ARGUMENT,
+                            "session %llu lends %s pages of %llu bytes on %s; the region holds %s "
+                            "pages of %llu bytes on %s",
+                            (unsigned long long)to->id, to->kind.c_str(),
+                            (unsigned long long)to->page_size, to->device.c_str(),
+                            from->kind.c_str(), (unsigned long long)r->page,
+                            from->device.c_str());
+        std::lock_guard<std::mutex> g(r->mu);
+        uint64_t owned = 0;
+        for (uint64_t k = 0; k < r->mapped.size(); k++)
+            if (r->mapped[k] == kSlotMapped) {
+                r->mapped[k] = kSlotOrphan;
+                r->ids[k] = 0;
+                owned++;
+            }
+        {
+            std::lock_guard<std::mutex> f(from->mu);
+            from->regions--;
+        }
+        drop_held(from, owned);
+        {
+            std::lock_guard<std::mutex> t(to->mu);
+            to->regions++;
+        }
+        // Same device and kind: the new session's mapper unmaps and maps in
+        // this reservation as the old one did.
+        r->session = to;
+        return KVC_OK;
     });
 }
 
