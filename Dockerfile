@@ -2,23 +2,33 @@
 # clean runtime image that runs as a non-root user.
 #
 #   docker build -t kvcached:0.1.0 .
+#   podman build --format docker -t kvcached:0.1.0 .     # docker format keeps HEALTHCHECK
 #   docker run -d --name kvcached --runtime nvidia --gpus all \
 #       -v /run/kvcached:/run/kvcached -p 127.0.0.1:9461:9461 kvcached:0.1.0
+#
+# Build arguments: PYTHON_IMAGE (the base of both stages: any Debian-like
+# image with python3 and its venv module). Behind a TLS-intercepting proxy,
+# give pip the proxy's CA bundle as a build secret:
+#   --secret id=pip-ca,src=/etc/ssl/certs/ca-certificates.crt
 #
 # The GPU driver is not in the image: the NVIDIA container runtime mounts the
 # host's libcuda.so.1 and libnvidia-ml.so.1 and the /dev/nvidia* nodes, as
 # selected by NVIDIA_VISIBLE_DEVICES / NVIDIA_DRIVER_CAPABILITIES
 # (compute: CUDA driver API; utility: NVML for the device-memory metrics).
-# Without a GPU the daemon serves host memory (memfd pages) and says so.
+# KVCACHED_BACKEND=cuda: without a usable driver the daemon exits (status 1)
+# and says why; `-e KVCACHED_BACKEND=auto` (or host) allows serving host
+# memory (memfd pages) instead.
 # See docs/operations.md ("Container and Kubernetes") for what is tested.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
-RUN python -m venv /opt/kvcached
+RUN python3 -m venv /opt/kvcached
 COPY pyproject.toml README.md ./
 COPY kvcached_service ./kvcached_service
-RUN /opt/kvcached/bin/pip install --no-cache-dir --upgrade pip \
+RUN --mount=type=secret,id=pip-ca \
+    if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
+ && /opt/kvcached/bin/pip install --no-cache-dir --upgrade pip \
  && /opt/kvcached/bin/pip install --no-cache-dir . \
  && /opt/kvcached/bin/kvcached-serve --version
 
@@ -34,7 +44,9 @@ ENV NVIDIA_VISIBLE_DEVICES=all \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     KVCACHED_SOCKET=/run/kvcached/kvcached.sock \
-    KVCACHED_METRICS_ADDRESS=0.0.0.0:9461
+    KVCACHED_METRICS_ADDRESS=0.0.0.0:9461 \
+    KVCACHED_BACKEND=cuda \
+    PROMETHEUS_DISABLE_CREATED_SERIES=true
 # The group owns the socket directory and sockets: client containers join it
 # (supplementalGroups / --group-add 2000) to reach the daemon.
 RUN groupadd --system --gid ${KVCACHED_GID} kvcached-clients \
@@ -50,4 +62,4 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
     CMD ["kvcachedctl", "health", "--timeout", "3"]
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["kvcached-serve"]
-CMD ["--socket", "/run/kvcached/kvcached.sock", "--socket-mode", "0660", "--socket-group", "2000", "--metrics-address", "0.0.0.0:9461"]
+CMD ["--socket", "/run/kvcached/kvcached.sock", "--socket-mode", "0660", "--socket-group", "2000", "--metrics-address", "0.0.0.0:9461", "--channel-ops-only"]

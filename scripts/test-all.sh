@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Every test suite, one after another, even when one fails; then a summary.
 # This is what `make test` and CI run. Each suite also runs alone:
-#   scripts/test-python.sh  scripts/test-go.sh  scripts/test-c.sh  scripts/test-llama.sh
+#   scripts/test-python.sh  scripts/test-go.sh  scripts/test-c.sh  scripts/test-packaging.sh
+#   scripts/test-llama.sh
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 
-suites=(python go c llama)
+suites=(python go c packaging llama)
 declare -A result seconds
 failed=0
 for s in "${suites[@]}"; do
@@ -17,7 +18,7 @@ for s in "${suites[@]}"; do
 done
 printf '\n==== summary ====\n'
 for s in "${suites[@]}"; do
-  printf '  %-7s %-7s %5ss\n' "$s" "${result[$s]}" "${seconds[$s]}"
+  printf '  %-9s %-7s %5ss\n' "$s" "${result[$s]}" "${seconds[$s]}"
 done
 printf 'suites: %d passed, %d failed\n' $(( ${#suites[@]} - failed )) "$failed"
 [ "$failed" -eq 0 ]

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Packaging suite (issue 20): the install forms as a user meets them.
+#   1. tools: scripts/setup-ops.sh (podman, mmdebstrap, promtool, ...), the
+#      CUDA test driver (scripts/build-testdriver.sh)
+#   2. sdist and wheel: python -m build (the wheel is built from the sdist)
+#      into build/packaging/dist
+#   3. a Debian base image: mmdebstrap --variant=minbase with python3 from
+#      the Debian mirrors apt uses here, podman import; cached by the hash of
+#      its inputs (build/packaging/base-<hash>.tar and the image tag)
+#   4. the Dockerfile's image: podman build --isolation chroot --format docker
+#      on that base; cached by the hash of the build context and the base
+#   5. pytest tests/packaging: the wheel and the sdist installed into clean
+#      venvs and run from there; the image run from its filesystem as its
+#      user (tests/packaging/imagerun.py)
+# podman keeps its images in build/packaging/podman (not the machine's
+# default store). Exits non-zero on any failure.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+PY="$REPO/.venv/bin/python"
+B="$REPO/build/packaging"
+T0=$SECONDS
+step() { printf '\n==== test-packaging [%ds]: %s ====\n' "$((SECONDS - T0))" "$*"; }
+mkdir -p "$B"
+
+step "tools"
+scripts/setup-ops.sh
+scripts/build-testdriver.sh >/dev/null
+
+step "sdist and wheel (python -m build)"
+t=$SECONDS
+rm -rf "$B/dist"
+"$PY" -m build --outdir "$B/dist" . >"$B/build.log" 2>&1 || { tail -40 "$B/build.log"; exit 1; }
+ls "$B/dist"
+echo "built in $((SECONDS - t)) s"
+
+PODMAN=(podman --root "$B/podman/storage" --runroot "$B/podman/run" --storage-driver overlay)
+hash_of() { # files and strings -> one sha256
+  { for x in "$@"; do if [[ -f "$x" ]]; then echo "$x"; sha256sum <"$x"; else echo "$x"; fi; done; } | sha256sum | cut -c1-16
+}
+
+step "Debian base image (mmdebstrap, cached by input hash)"
+# The mirrors apt uses on this machine, for bookworm, bookworm-updates and
+# bookworm-security (what `apt-cache policy` lists), as one-line sources.
+mapfile -t MIRRORS < <(apt-cache policy | awk '$3 ~ /^bookworm(-updates|-security)?\/main$/ && $4 == "amd64" {split($3, s, "/"); print "deb " $2 " " s[1] " main"}' | sort -u)
+if ((${#MIRRORS[@]} == 0)); then
+  echo "test-packaging: apt knows no bookworm mirror (run apt-get update)" >&2
+  exit 1
+fi
+BASE_ARGS=(--variant=minbase --include=python3,python3-venv,passwd
+           --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright'
+           --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*'
+           --dpkgopt='path-exclude=/usr/share/info/*')
+BASE_KEY=$(hash_of "$(mmdebstrap --version)" "${BASE_ARGS[*]}" "${MIRRORS[*]}" bookworm)
+BASE_TAR="$B/base-$BASE_KEY.tar"
+BASE_IMAGE="localhost/kvcached-base:$BASE_KEY"
+t=$SECONDS
+if "${PODMAN[@]}" image exists "$BASE_IMAGE"; then
+  echo "$BASE_IMAGE: up to date"
+else
+  if [[ ! -f "$BASE_TAR" ]]; then
+    rm -f "$B"/base-*.tar
+    mmdebstrap --format=tar "${BASE_ARGS[@]}" bookworm "$BASE_TAR.tmp" "${MIRRORS[@]}" >"$B/mmdebstrap.log" 2>&1 \
+      || { tail -30 "$B/mmdebstrap.log"; rm -f "$BASE_TAR.tmp"; exit 1; }
+    mv "$BASE_TAR.tmp" "$BASE_TAR"
+  fi
+  "${PODMAN[@]}" import --change 'CMD ["/usr/bin/python3"]' "$BASE_TAR" "$BASE_IMAGE" >/dev/null
+  echo "$BASE_IMAGE: made in $((SECONDS - t)) s"
+fi
+
+step "the Dockerfile's image (podman build --isolation chroot --format docker)"
+# The build context as .dockerignore leaves it: Dockerfile, pyproject.toml,
+# README.md, kvcached_service/ (without bytecode).
+CONTEXT_FILES=(Dockerfile .dockerignore pyproject.toml README.md
+               $(find kvcached_service -type f ! -name '*.pyc' ! -path '*/__pycache__/*' | LC_ALL=C sort))
+IMAGE_KEY=$(hash_of "$BASE_KEY" "${CONTEXT_FILES[@]}")
+IMAGE="localhost/kvcached:pkg-$IMAGE_KEY"
+# pip inside the build reaches PyPI through this machine's CA bundle (a
+# TLS-intercepting proxy here); a build without it just gets no secret.
+CA="${PIP_CERT:-${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}}"
+SECRET=()
+[[ -s "$CA" ]] && SECRET=(--secret "id=pip-ca,src=$CA")
+t=$SECONDS
+if "${PODMAN[@]}" image exists "$IMAGE"; then
+  echo "$IMAGE: up to date"
+else
+  "${PODMAN[@]}" build --isolation chroot --format docker --layers=false "${SECRET[@]}" \
+    --build-arg "PYTHON_IMAGE=$BASE_IMAGE" -t "$IMAGE" . >"$B/image-build.log" 2>&1 \
+    || { tail -40 "$B/image-build.log"; exit 1; }
+  echo "$IMAGE: built in $((SECONDS - t)) s"
+  # keep the store small: images of earlier inputs go
+  "${PODMAN[@]}" images --format '{{.Repository}}:{{.Tag}}' | grep -E '^localhost/kvcached(-base)?:' \
+    | grep -v -e "^$IMAGE\$" -e "^$BASE_IMAGE\$" | xargs -r "${PODMAN[@]}" rmi -f >/dev/null 2>&1 || true
+fi
+
+step "pytest tests/packaging"
+export KVC_PKG_DIST="$B/dist" KVC_PKG_IMAGE="$IMAGE" KVC_PKG_WORK="$B" KVC_PKG_PODMAN="${PODMAN[*]}"
+status=0
+"$PY" -m pytest -v -p no:cacheprovider tests/packaging "$@" || status=$?
+step "done (exit $status)"
+exit $status
