@@ -78,6 +78,25 @@ def test_bad_ranges(daemon):
         assert r.mapped_pages == 0 and s.my_stats().pages_held == 0
 
 
+def test_range_to_the_region_end_releases_its_last_page(daemon):
+    """A region whose size is not whole pages: a range that runs to its end
+    (as created) releases the last, partly padded page; every page can be
+    given back."""
+    with daemon.client() as c, c.open_session("r") as s, s.region(5 * MiB) as r:  # 3 pages of 2 MiB
+        assert r.size == 6 * MiB
+        r.map(0, 5 * MiB)
+        assert r.mapped_pages == 3
+        assert r.unmap(2 * MiB, 3 * MiB) == 2  # [2, 5) MiB: pages 1 and 2
+        assert r.mapped_ranges() == [(0, 2 * MiB)]
+        r.map(0, 5 * MiB)
+        assert r.unmap(4 * MiB, MiB) == 1  # the last page alone
+        assert r.unmap(0, 5 * MiB) == 2
+        assert r.mapped_pages == 0 and s.my_stats().pages_held == 0
+        with pytest.raises(errors.InvalidArgument, match="not a multiple of the page size"):
+            r.unmap(2 * MiB, MiB)  # ends inside the region: still refused
+        assert_books(s.stats())
+
+
 def test_region_close_gives_everything_back(daemon):
     with daemon.client() as c, c.open_session("r") as s:
         r = s.region(32 * MiB)

@@ -203,7 +203,8 @@ func (r *Region) Map(ctx context.Context, off, length uint64) error {
 }
 
 // Unmap unmaps the pages of [off, off+length) that are mapped (off page
-// aligned, the end rounded up to a page) and frees them in one Free call.
+// aligned, the end rounded up to a page) and frees them in one Free call. A
+// range that runs to the region's end therefore releases its last page too.
 func (r *Region) Unmap(ctx context.Context, off, length uint64) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()

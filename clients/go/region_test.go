@@ -151,6 +151,39 @@ func TestRegionArithmetic(t *testing.T) {
 	}
 }
 
+// A range that runs to the region's end (the size it was created with, not
+// a whole number of pages) releases its last page: every page can go back.
+func TestRegionRangeToTheEndReleasesTheLastPage(t *testing.T) {
+	ctx := context.Background()
+	size := uint64(10*pg - 100)
+	r, p, m := newFakeRegion(t, size)
+	if err := r.Map(ctx, 0, size); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Unmap(ctx, 8*pg, size-8*pg); err != nil {
+		t.Fatal(err)
+	}
+	if got := p.frees[len(p.frees)-1]; len(got) != 2 || r.IsMapped(9*pg, 1) || !r.IsMapped(7*pg, pg) {
+		t.Fatalf("Free %v after unmapping [8 pages, end): want pages 8 and 9", got)
+	}
+	if err := r.Unmap(ctx, 0, size); err != nil {
+		t.Fatal(err)
+	}
+	if r.MappedBytes() != 0 || len(p.held) != 0 || len(m.mapped) != 0 {
+		t.Fatalf("after unmapping [0, end): %d bytes mapped, %d held", r.MappedBytes(), len(p.held))
+	}
+	// Trim(0) gives back everything
+	if err := r.Map(ctx, 0, size); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Trim(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
+	if r.MappedBytes() != 0 || len(p.held) != 0 {
+		t.Fatalf("after Trim(0): %d bytes mapped, %d held", r.MappedBytes(), len(p.held))
+	}
+}
+
 func TestRegionErrors(t *testing.T) {
 	ctx := context.Background()
 	r, p, _ := newFakeRegion(t, 4*pg)

@@ -544,8 +544,10 @@ void buf_free(ggml_backend_buffer_t buf) {
 }
 
 void buf_clear(ggml_backend_buffer_t buf, uint8_t value) {
-    kv_buffer * b = lookup(buf);
-    GGML_ASSERT(b);
+    std::lock_guard<std::mutex> lk(S().reg);  // region calls run under reg (a reconnect rebinds regions)
+    auto it = S().buffers.find(buf);
+    GGML_ASSERT(it != S().buffers.end());
+    kv_buffer * b = it->second;
     // mapped pages only: unmapped ones come back zeroed from the daemon
     kvc_status st = S().api.kvc_region_clear(b->region, value);
     if (st != KVC_OK) {
@@ -558,8 +560,10 @@ uint64_t tensor_offset(const kv_buffer * b, const ggml_tensor * t, size_t offset
 }
 
 void buf_memset_tensor(ggml_backend_buffer_t buf, ggml_tensor * t, uint8_t value, size_t offset, size_t size) {
-    kv_buffer *      b   = lookup(buf);
-    GGML_ASSERT(b);
+    std::lock_guard<std::mutex> lk(S().reg);
+    auto it = S().buffers.find(buf);
+    GGML_ASSERT(it != S().buffers.end());
+    kv_buffer *      b   = it->second;
     const uint64_t   off = tensor_offset(b, t, offset);
     kvc_status       st  = KVC_OK;
     const client_api & a = S().api;
@@ -734,11 +738,9 @@ void try_reconnect() {
                             last_err());
         }
     }
-    kvc_session * old = g.session;
-    g.ended_sessions.push_back(old);
-    if (g.api.kvc_session_close(old) == KVC_OK) {  // no region uses it any more
-        g.ended_sessions.pop_back();
-    }
+    // the ended session and its client stay (never closed): a region call
+    // on another thread may still be using the old session's mapper
+    g.ended_sessions.push_back(g.session);
     g.old_clients.push_back(g.client);
     g.client        = c;
     g.session       = s;
@@ -768,11 +770,9 @@ std::string map_error_locked(kvc_status st, const std::string & why, bool waited
                    g.socket.c_str(), held / MiB, why.c_str());
     }
     if (st == KVC_ERR_RESOURCE_EXHAUSTED || st == KVC_ERR_DEADLINE_EXCEEDED) {
-        return fmt("kvcached: the daemon at %s could not lend more KV memory %s (this server holds %.2f MiB; the "
-                   "budget is spent and no other session gave pages back): %s",
-                   g.socket.c_str(),
-                   waited ? fmt("within %u ms", g.wait_ms).c_str() : "(no wait: it refused moments ago)",
-                   held / MiB, why.c_str());
+        const std::string how = waited ? fmt("within %u ms", g.wait_ms) : std::string("(no wait: it refused moments ago)");
+        return fmt("kvcached: the daemon at %s could not lend more KV memory %s; this server holds %.2f MiB (%s)",
+                   g.socket.c_str(), how.c_str(), held / MiB, why.c_str());
     }
     return fmt("kvcached: backing the KV cache with daemon pages failed (%s: %s)", status_name(st), why.c_str());
 }

@@ -28,6 +28,7 @@ class Region:
         self.page_size = device.page_size
         self.n_slots = -(-size // self.page_size)
         self.size = self.n_slots * self.page_size
+        self.requested = size  # a range ending here ends at self.size (the last page's padding is the region's)
         self._mapper = session.mapper(device.uuid)
         self.base = self._mapper.reserve(self.size)
         self._slots: list[tuple[int, object] | None] = [None] * self.n_slots  # (page id, map token)
@@ -96,10 +97,12 @@ class Region:
 
     def unmap(self, offset: int, length: int) -> int:
         """Unmap the pages of [offset, offset+length) and give them back with
-        one Free. The range stays reserved. Returns pages given back."""
+        one Free. The range stays reserved. A range that runs to the region's
+        end (the size it was created with, or the page-rounded size) releases
+        its last page too. Returns pages given back."""
         with self._lock:
             self._check_open()
-            if length % self.page_size and offset + length != self.size:
+            if length % self.page_size and offset + length not in (self.size, self.requested):
                 raise errors.InvalidArgument(f"length {length} is not a multiple of the page size {self.page_size}")
             return self._unmap_slots(list(self._slot_range(offset, length)))
 

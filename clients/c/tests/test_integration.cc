@@ -590,6 +590,42 @@ TEST_F(Kvc, RegionMapUnmapRanges)
     check_books(st);
 }
 
+// A range that runs to the region's end (max_bytes as created, not a whole
+// number of pages) releases the last, partly padded page: every page can be
+// given back. A range ending inside the region is still narrowed inward.
+TEST_F(Kvc, RangeToTheRegionEndReleasesItsLastPage)
+{
+    kvc_session *s = open("region-end");
+    const uint64_t P = kvc_session_page_size(s);
+    kvc_region *r = mkregion(s, 2 * P + P / 2);  // reserves 3 pages
+    ASSERT_NE(r, nullptr);
+    EXPECT_EQ(kvc_region_size(r), 3 * P);
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 2 * P + P / 2));
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 3 * P);
+    // [2P, 2.5P): the tail of the last page only, running to the end
+    KVC_OK_OR_FAIL(kvc_region_unmap(r, 2 * P, P / 2));
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 2 * P);
+    EXPECT_EQ(stats(s).pages_held, 2u);
+    // a range ending inside: [P/2, 1.5P) holds no whole page, nothing goes
+    KVC_OK_OR_FAIL(kvc_region_unmap(r, P / 2, P));
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 2 * P);
+    // a zero-size range at the end unmaps nothing
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 2 * P + P / 2));
+    KVC_OK_OR_FAIL(kvc_region_unmap(r, 2 * P + P / 2, 0));
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 3 * P);
+    // [P/2, 2.5P) in a list of ranges: pages 1 and 2
+    kvc_range rs[] = {{0, 1}, {P / 2, 2 * P}};
+    KVC_OK_OR_FAIL(kvc_region_unmap_ranges(r, rs, 2));
+    EXPECT_EQ(kvc_region_mapped_bytes(r), P);
+    EXPECT_TRUE(kvc_region_is_mapped(r, 0, P));
+    // [0, end): everything
+    KVC_OK_OR_FAIL(kvc_region_unmap(r, 0, 2 * P + P / 2));
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 0u);
+    kvc_stats st = stats(s);
+    EXPECT_EQ(st.pages_held, 0u);
+    check_books(st);
+}
+
 TEST_F(Kvc, ClearTouchesOnlyMappedPages)
 {
     kvc_session *s = open("clear");
@@ -782,6 +818,41 @@ TEST_F(Kvc, WaitingAllocateIgnoredFailsAtTheDeadlineNamingTheHolder)
     EXPECT_NE(std::string(kvc_last_error()).find("stubborn-holder"), std::string::npos)
         << kvc_last_error();
     EXPECT_GE(log.calls.load(), 1) << "the holder was never asked";
+    destroy(ra);
+}
+
+// kvc_session_set_wait: the same session fails at once without waiting (and
+// without asking anyone), then waits again when told to.
+TEST_F(Kvc, SetWaitSwitchesWaitingOffAndOn)
+{
+    kvc_session *a = open("holds-most");
+    const uint64_t P = kvc_session_page_size(a);
+    ReclaimLog log;
+    log.comply = false;
+    kvc_region *ra = mkregion(a, 120 * P);
+    ASSERT_NE(ra, nullptr);
+    KVC_OK_OR_FAIL(kvc_region_map(ra, 0, 120 * P));
+    KVC_OK_OR_FAIL(kvc_session_set_reclaim_callback(a, on_reclaim, &log));
+    kvc_session *b = open("switches", 0, 1, 3000);
+    kvc_region *rb = mkregion(b, 20 * P);
+    ASSERT_NE(rb, nullptr);
+    KVC_OK_OR_FAIL(kvc_session_set_wait(b, 0, 0));
+    auto t = std::chrono::steady_clock::now();
+    EXPECT_STATUS(KVC_ERR_RESOURCE_EXHAUSTED, kvc_region_map(rb, 0, 20 * P));
+    auto ms = [&] {
+        return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t).count();
+    };
+    EXPECT_LT(ms(), 1500) << "an Allocate without wait must not wait 3000 ms";
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    EXPECT_EQ(log.calls.load(), 0) << "without wait nobody is asked";
+    KVC_OK_OR_FAIL(kvc_session_set_wait(b, 1, 400));
+    t = std::chrono::steady_clock::now();
+    EXPECT_STATUS(KVC_ERR_RESOURCE_EXHAUSTED, kvc_region_map(rb, 0, 20 * P));
+    EXPECT_GE(ms(), 350) << "with wait the daemon waits for the holder";
+    EXPECT_GE(log.calls.load(), 1) << "with wait the holder is asked";
+    EXPECT_EQ(kvc_region_mapped_bytes(rb), 0u);
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_session_set_wait(nullptr, 1, 0));
+    KVC_OK_OR_FAIL(kvc_session_set_reclaim_callback(a, nullptr, nullptr));
     destroy(ra);
 }
 
@@ -1447,6 +1518,92 @@ TEST(KvcOwnDaemon, WithoutStateDirNoResume)
     EXPECT_STATUS(KVC_OK, kvc_session_close(s));
     kvc_client_destroy(c);
     d.stop();
+}
+
+// No state dir: the session ends with the daemon; its region keeps the
+// pages it had mapped (readable), and kvc_region_rebind moves it to a session
+// of the restarted daemon: new pages come from there, the old ones are
+// unmapped locally (no daemon counts them), the old session can be closed.
+TEST(KvcOwnDaemon, RegionRebindAfterDaemonRestart)
+{
+    Daemon d;
+    ASSERT_NO_FATAL_FAILURE(d.start());
+    kvc_client *c = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c));
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "before";
+    kvc_session *s = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &s));
+    const uint64_t P = kvc_session_page_size(s);
+    kvc_region *r = nullptr;
+    KVC_OK_OR_FAIL(kvc_region_create(s, 8 * P, &r));
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 2 * P));
+    std::vector<uint8_t> data = pattern(2 * P, 7), back(2 * P);
+    KVC_OK_OR_FAIL(kvc_region_write(r, 0, data.data(), data.size()));
+    // a live session's region cannot be rebound
+    o.name = "other";
+    kvc_session *other = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &other));
+    EXPECT_STATUS(KVC_ERR_FAILED_PRECONDITION, kvc_region_rebind(r, other));
+    EXPECT_NE(std::string(kvc_last_error()).find("still live"), std::string::npos) << kvc_last_error();
+
+    d.proc.kill_and_wait(SIGKILL);
+    ASSERT_NO_FATAL_FAILURE(d.restart());
+    EXPECT_STATUS(KVC_ERR_FAILED_PRECONDITION, kvc_region_map(r, 2 * P, P));
+    ASSERT_EQ(kvc_session_ended(s), 1);
+    kvc_client *c2 = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c2));
+    o.name = "after";
+    kvc_session *s2 = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c2, &o, &s2));
+    KVC_OK_OR_FAIL(kvc_region_rebind(r, s2));
+    KVC_OK_OR_FAIL(kvc_region_rebind(r, s2));  // again: nothing to do
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s));  // no region uses it any more
+    // the old pages are still there, with their data
+    KVC_OK_OR_FAIL(kvc_region_read(r, 0, back.data(), back.size()));
+    EXPECT_EQ(data, back);
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 2 * P);
+    EXPECT_EQ(own_stats(s2).pages_held, 0u) << "the orphaned pages are no daemon's";
+    // new memory from the new daemon, zeroed
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 4 * P));
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 4 * P);
+    EXPECT_EQ(own_stats(s2).pages_held, 2u);
+    KVC_OK_OR_FAIL(kvc_region_read(r, 2 * P, back.data(), P));
+    for (uint64_t i = 0; i < P; i++)
+        ASSERT_EQ(back[i], 0) << i;
+    // the orphans go without a Free; the new pages with one
+    KVC_OK_OR_FAIL(kvc_region_unmap(r, 0, 2 * P));
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 2 * P);
+    EXPECT_EQ(own_stats(s2).pages_held, 2u);
+    EXPECT_STATUS(KVC_ERR_FAILED_PRECONDITION, kvc_session_close(s2));  // the region is its now
+    kvc_region_destroy(r);
+    kvc_stats st = own_stats(s2);
+    EXPECT_EQ(st.pages_held, 0u);
+    EXPECT_EQ(st.device.pooled_bytes + st.device.in_use_bytes + st.device.free_bytes, st.device.budget_bytes);
+
+    // another daemon with other pages: refused, naming them
+    Daemon d4;
+    ASSERT_NO_FATAL_FAILURE(d4.start({"--page-size", "4MiB"}));
+    kvc_client *c4 = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d4.sock.c_str(), &c4));
+    o.name = "bigger-pages";
+    kvc_session *s4 = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c4, &o, &s4));
+    kvc_region *r2 = nullptr;
+    KVC_OK_OR_FAIL(kvc_region_create(s2, 4 * P, &r2));
+    d.proc.kill_and_wait(SIGKILL);
+    ASSERT_TRUE(wait_until([&] { return kvc_region_map(r2, 0, P) != KVC_OK && kvc_session_ended(s2); }, 10000));
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_region_rebind(r2, s4));
+    EXPECT_NE(std::string(kvc_last_error()).find("pages of"), std::string::npos) << kvc_last_error();
+    kvc_region_destroy(r2);
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s2));
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s4));
+    kvc_session_close(other);
+    kvc_client_destroy(c4);
+    kvc_client_destroy(c2);
+    kvc_client_destroy(c);
+    d4.stop();
 }
 
 // CUDA only: the local driver and the daemon's backend failing.
