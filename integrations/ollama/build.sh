@@ -1,0 +1,246 @@
+#!/usr/bin/env bash
+# Build Ollama with kvcached-service (docs/ollama.md):
+#
+#   integrations/ollama/build.sh [options]
+#
+#   1. Ollama's Go module at the pinned version (go mod download
+#      github.com/ollama/ollama@v$OLLAMA_VERSION), copied to a work tree;
+#   2. the Go side: integrations/ollama/patches/*.patch applied, the Go client
+#      (clients/go) added with one `go get` (a replace directive while the
+#      module is unpublished; the genproto step of clients/go/README.md);
+#   3. bin/ollama built the way Ollama's cmake/local.cmake builds it
+#      (CGO_ENABLED=1 go build -trimpath -ldflags "-X ...Version -X ...mode=release");
+#   4. the llama.cpp side: the hook in Ollama's compat form
+#      (integrations/llama.cpp/apply.py --emit-compat) put into the work tree's
+#      llama/compat/, then llama-server and llama-quantize built with Ollama's
+#      own CMake preset (llama/server, --preset cpu by default) from the
+#      llama.cpp tree of the pinned llama-cpp-python sdist
+#      (-DFETCHCONTENT_SOURCE_DIR_LLAMA_CPP; Ollama pins b10760, which is not
+#      reachable here) and installed to lib/ollama/ (Ollama's install rules);
+#   5. the layout Ollama expects (llm/llama_binary.go):
+#      OUT/bin/ollama, OUT/lib/ollama/{llama-server,llama-quantize,lib*.so}.
+#
+# Options:
+#   --out DIR          install prefix (default build/ollama/dist, or
+#                      build/ollama/dist-stock with --stock)
+#   --stock            no kvcached at all: Ollama's Go code and llama.cpp as
+#                      published (the baseline of the tests and the bench)
+#   --go-only          build bin/ollama only
+#   --link-llama DIR   lay out lib/ollama/ as symlinks to DIR/llama-server and
+#                      DIR/llama-quantize (a build that exists already, e.g.
+#                      the llama suite's build/llama/build-kvc/bin); implies
+#                      --go-only for the build
+#   --llama-src DIR    llama.cpp tree (default: vendor/llama.cpp of the
+#                      llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist,
+#                      downloaded with pip)
+#   --preset NAME      Ollama's llama/server CMake preset (default cpu; on a
+#                      CUDA host llama_cuda_v12_linux, see docs/ollama.md)
+#   --cmake-arg ARG    extra configure argument (repeatable), e.g.
+#                      --cmake-arg -DGGML_CPU_ALL_VARIANTS=OFF
+#   --jobs N           build parallelism (default $JOBS or 2)
+#   --force            rebuild even when the stamps match
+#
+# Each part is skipped when the hash of its inputs matches the stamp of its
+# last good build (OUT/.stamp-go, OUT/.stamp-llama). Exits non-zero with a
+# message naming the problem on any failure.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+HERE="$REPO/integrations/ollama"
+OLLAMA_VERSION="${OLLAMA_VERSION:-0.34.0}"
+LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+# The monolithic genproto after googleapis/rpc moved to its own module
+# (clients/go/README.md, "Adding this module to Ollama's go.mod").
+GENPROTO_VERSION="v0.0.0-20230526203410-71b5a4ffd15e"
+JOBS="${JOBS:-2}"
+
+OUT=""; STOCK=0; GO_ONLY=0; LINK_LLAMA=""; LLAMA_SRC=""; PRESET="cpu"; FORCE=0; CMAKE_EXTRA=()
+die() { echo "integrations/ollama/build.sh: $*" >&2; exit 1; }
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --out) OUT="$2"; shift 2 ;;
+    --stock) STOCK=1; shift ;;
+    --go-only) GO_ONLY=1; shift ;;
+    --link-llama) LINK_LLAMA="$2"; GO_ONLY=1; shift 2 ;;
+    --llama-src) LLAMA_SRC="$2"; shift 2 ;;
+    --preset) PRESET="$2"; shift 2 ;;
+    --cmake-arg) CMAKE_EXTRA+=("$2"); shift 2 ;;
+    --jobs) JOBS="$2"; shift 2 ;;
+    --force) FORCE=1; shift ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown option $1 (--help lists them)" ;;
+  esac
+done
+VARIANT=kvc; [[ $STOCK == 1 ]] && VARIANT=stock
+[[ -n "$OUT" ]] || { if [[ $STOCK == 1 ]]; then OUT="$REPO/build/ollama/dist-stock"; else OUT="$REPO/build/ollama/dist"; fi; }
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+WORK="$OUT/.work"
+T0=$SECONDS
+step() { printf '==== ollama build (%s) [%ds]: %s\n' "$VARIANT" "$((SECONDS - T0))" "$*"; }
+
+# ---- tools -------------------------------------------------------------------
+command -v go >/dev/null || die "go is not installed (Ollama v$OLLAMA_VERSION needs Go >= 1.26: https://go.dev/dl)"
+GOV="$(go env GOVERSION)"; GOV="${GOV#go}"
+if [[ "$(printf '%s\n1.26\n' "${GOV%.*}" | sort -V | head -1)" != "1.26" && "$(go env GOTOOLCHAIN)" == local ]]; then
+  die "go $GOV is too old for Ollama v$OLLAMA_VERSION (go.mod says go 1.26.0) and GOTOOLCHAIN=local forbids fetching one"
+fi
+command -v gcc >/dev/null || die "gcc is needed (Ollama's Go build uses cgo)"
+command -v git >/dev/null || die "git is needed (patches are applied with git apply)"
+PY="$REPO/.venv/bin/python"; [[ -x "$PY" ]] || PY="$(command -v python3)" || die "python3 is needed"
+if [[ $GO_ONLY == 0 ]]; then
+  command -v cmake >/dev/null || die "cmake >= 3.24 is needed for Ollama's llama/server presets"
+fi
+
+hash_of() { # files, directories (every file in them) and strings -> one sha256
+  { for x in "$@"; do
+      if [[ -d "$x" ]]; then find "$x" -type f -not -path '*/.git/*' -print0 | sort -z | xargs -0 sha256sum
+      elif [[ -f "$x" ]]; then sha256sum "$x"; else echo "$x"; fi
+    done; } | sha256sum | cut -d' ' -f1
+}
+
+# ---- 1. Ollama's Go module ---------------------------------------------------
+step "Ollama v$OLLAMA_VERSION Go module"
+MODDIR="$(go mod download -json "github.com/ollama/ollama@v$OLLAMA_VERSION" | "$PY" -c 'import json,sys; d=json.load(sys.stdin); print(d.get("Dir") or ""); sys.exit(1 if d.get("Error") else 0)')" \
+  || die "go mod download github.com/ollama/ollama@v$OLLAMA_VERSION failed (GOPROXY=$(go env GOPROXY))"
+[[ -f "$MODDIR/go.mod" ]] || die "the Ollama module has no go.mod at $MODDIR"
+PATCHES=()
+if [[ $STOCK == 0 ]]; then
+  for p in "$HERE"/patches/*.patch; do PATCHES+=("$p"); done
+  [[ ${#PATCHES[@]} -gt 0 ]] || die "no patches in $HERE/patches"
+fi
+LDFLAGS="-X=github.com/ollama/ollama/version.Version=$OLLAMA_VERSION -X=github.com/ollama/ollama/server.mode=release"
+GO_KEY=$(hash_of "ollama@$OLLAMA_VERSION" "$VARIANT" "$GOV" "$LDFLAGS" "$GENPROTO_VERSION" "${PATCHES[@]}" \
+  $([[ $STOCK == 0 ]] && echo "$REPO/clients/go"))
+
+# The work tree: the module copy, patched; bin/ollama is built from it.
+prepare_tree() {
+  rm -rf "$WORK/ollama"
+  mkdir -p "$WORK"
+  cp -r "$MODDIR" "$WORK/ollama"
+  chmod -R u+w "$WORK/ollama"
+  rm -rf "$WORK/compat.orig" && cp -a "$WORK/ollama/llama/compat" "$WORK/compat.orig"
+  local p
+  for p in "${PATCHES[@]}"; do
+    (cd "$WORK/ollama" && git apply --whitespace=nowarn "$p") \
+      || die "$(basename "$p") does not apply to Ollama v$OLLAMA_VERSION (set OLLAMA_VERSION to the version the patches were made for)"
+    echo "applied $(basename "$p")"
+  done
+  if [[ $STOCK == 0 ]]; then
+    # The Go client, in one go get: the genproto pin resolves the "ambiguous
+    # import" of googleapis/rpc/status; "." adds the go.sum entries for
+    # everything ollama imports.
+    (cd "$WORK/ollama" \
+      && go mod edit -replace "github.com/kvcached/kvcached-service/clients/go=$REPO/clients/go" \
+      && go get "github.com/kvcached/kvcached-service/clients/go@v0.0.0" "google.golang.org/genproto@$GENPROTO_VERSION" .) \
+      || die "go get of the Go client into Ollama's module failed (see above)"
+  fi
+}
+
+# ---- 2-3. bin/ollama ---------------------------------------------------------
+if [[ $FORCE == 0 && -x "$OUT/bin/ollama" && -d "$WORK/ollama" && "$(cat "$OUT/.stamp-go" 2>/dev/null)" == "$GO_KEY" ]]; then
+  step "bin/ollama up to date (stamp $GO_KEY)"
+else
+  step "work tree $WORK/ollama${PATCHES:+ + ${#PATCHES[@]} patch(es) + the Go client}"
+  prepare_tree
+  step "go build -> $OUT/bin/ollama"
+  t=$SECONDS
+  mkdir -p "$OUT/bin"
+  (cd "$WORK/ollama" && CGO_ENABLED=1 go build -trimpath -ldflags "$LDFLAGS" -o "$OUT/bin/ollama" .) \
+    || die "go build of ollama failed (see above)"
+  echo "$GO_KEY" >"$OUT/.stamp-go"
+  echo "bin/ollama built in $((SECONDS - t)) s"
+fi
+
+# ---- 4. lib/ollama -----------------------------------------------------------
+if [[ -n "$LINK_LLAMA" ]]; then
+  step "lib/ollama -> $LINK_LLAMA"
+  mkdir -p "$OUT/lib/ollama"
+  for b in llama-server llama-quantize; do
+    [[ -x "$LINK_LLAMA/$b" ]] || die "$LINK_LLAMA/$b is missing (ollama needs $b in lib/ollama; ollama create runs llama-quantize)"
+    ln -sfn "$(cd "$LINK_LLAMA" && pwd)/$b" "$OUT/lib/ollama/$b"
+  done
+elif [[ $GO_ONLY == 0 ]]; then
+  if [[ -z "$LLAMA_SRC" ]]; then
+    SDIST_DIR="$REPO/build/ollama/src"
+    SDIST="$SDIST_DIR/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
+    LLAMA_SRC="$SDIST_DIR/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
+    if [[ ! -f "$LLAMA_SRC/src/llama-kv-cache.cpp" ]]; then
+      step "llama.cpp source: llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION sdist"
+      mkdir -p "$SDIST_DIR"
+      [[ -f "$SDIST" ]] || "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$SDIST_DIR" \
+        || die "pip download llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION failed"
+      tar xzf "$SDIST" -C "$SDIST_DIR"
+    fi
+  fi
+  [[ -f "$LLAMA_SRC/src/llama-kv-cache.cpp" && -d "$LLAMA_SRC/tools/server" ]] \
+    || die "$LLAMA_SRC is not a llama.cpp tree with tools/server"
+  LLAMA_SRC="$(cd "$LLAMA_SRC" && pwd)"
+  HOOK_INPUTS=()
+  if [[ $STOCK == 0 ]]; then
+    "$PY" "$REPO/integrations/llama.cpp/apply.py" --help 2>/dev/null | grep -q -- --emit-compat \
+      || die "integrations/llama.cpp/apply.py has no --emit-compat (the hook's Ollama compat form); update the checkout"
+    HOOK_INPUTS=("$REPO/integrations/llama.cpp" "$REPO/clients/c/include" "$REPO/clients/c/src" "$REPO/clients/c/CMakeLists.txt" "$REPO/protos")
+  fi
+  LLAMA_KEY=$(hash_of "$GO_KEY" "$LLAMA_SRC" "$PRESET" "${CMAKE_EXTRA[*]:-}" "${HOOK_INPUTS[@]}")
+  if [[ $FORCE == 0 && -x "$OUT/lib/ollama/llama-server" && -x "$OUT/lib/ollama/llama-quantize" && "$(cat "$OUT/.stamp-llama" 2>/dev/null)" == "$LLAMA_KEY" ]]; then
+    step "lib/ollama up to date (stamp $LLAMA_KEY)"
+  else
+    [[ -d "$WORK/ollama" ]] || prepare_tree
+    # Ollama's configure applies llama/compat/*.patch to the source override
+    # in place: give it a private copy.
+    step "llama.cpp tree -> $WORK/llama.cpp"
+    rm -rf "$WORK/llama.cpp" && cp -a "$LLAMA_SRC" "$WORK/llama.cpp"
+    # Ollama's own compat dir as published (a previous run's hook files would be stale)
+    rm -rf "$WORK/ollama/llama/compat" && cp -a "$WORK/compat.orig" "$WORK/ollama/llama/compat"
+    if [[ $STOCK == 0 ]]; then
+      step "the hook in Ollama's compat form -> llama/compat"
+      "$PY" "$REPO/integrations/llama.cpp/apply.py" "$LLAMA_SRC" --emit-compat "$WORK/ollama/llama/compat" \
+        || die "apply.py --emit-compat failed for $LLAMA_SRC"
+    fi
+    KVC_ARGS=()
+    if [[ $STOCK == 0 ]]; then
+      # The C client, installed where the hook's find_package(kvcached) finds
+      # it; llama-server links its self-contained static form.
+      step "C client -> $WORK/kvcached-prefix"
+      t=$SECONDS
+      cmake -S "$REPO/clients/c" -B "$WORK/build-c" -DCMAKE_BUILD_TYPE=Release >"$OUT/c-client.log" 2>&1 \
+        && cmake --build "$WORK/build-c" -j"$JOBS" >>"$OUT/c-client.log" 2>&1 \
+        && cmake --install "$WORK/build-c" --prefix "$WORK/kvcached-prefix" >>"$OUT/c-client.log" 2>&1 \
+        || { tail -30 "$OUT/c-client.log"; die "building the C client failed (needs gRPC/protobuf dev packages: scripts/setup.sh; log $OUT/c-client.log)"; }
+      echo "C client built in $((SECONDS - t)) s"
+      KVC_ARGS=(-DCMAKE_PREFIX_PATH="$WORK/kvcached-prefix")
+    fi
+    step "cmake --preset $PRESET (llama/server) with -DFETCHCONTENT_SOURCE_DIR_LLAMA_CPP"
+    t=$SECONDS
+    rm -rf "$WORK/build-llama"
+    cmake -S "$WORK/ollama/llama/server" --preset "$PRESET" -B "$WORK/build-llama" \
+      -DFETCHCONTENT_SOURCE_DIR_LLAMA_CPP="$WORK/llama.cpp" "${KVC_ARGS[@]}" "${CMAKE_EXTRA[@]}" >"$OUT/llama-configure.log" 2>&1 \
+      || { tail -40 "$OUT/llama-configure.log"; die "configure failed (full log: $OUT/llama-configure.log)"; }
+    echo "configured in $((SECONDS - t)) s"
+    step "build llama-server llama-quantize (-j$JOBS; log $OUT/llama-build.log)"
+    t=$SECONDS
+    cmake --build "$WORK/build-llama" --target llama-server llama-quantize -j"$JOBS" >"$OUT/llama-build.log" 2>&1 \
+      || { tail -60 "$OUT/llama-build.log"; die "build failed (full log: $OUT/llama-build.log)"; }
+    echo "built in $((SECONDS - t)) s"
+    rm -rf "$OUT/lib/ollama"
+    cmake --install "$WORK/build-llama" --component llama-server --prefix "$OUT" >"$OUT/llama-install.log" 2>&1 \
+      || { tail -20 "$OUT/llama-install.log"; die "install failed (full log: $OUT/llama-install.log)"; }
+    for b in llama-server llama-quantize; do
+      [[ -x "$OUT/lib/ollama/$b" ]] || die "$b was not installed to $OUT/lib/ollama"
+    done
+    echo "$LLAMA_KEY" >"$OUT/.stamp-llama"
+  fi
+fi
+
+# ---- 5. the layout -----------------------------------------------------------
+step "done"
+echo "  $OUT/bin/ollama ($("$OUT/bin/ollama" --version 2>/dev/null | tail -1))"
+if [[ -e "$OUT/lib/ollama/llama-server" ]]; then
+  echo "  $OUT/lib/ollama: $(cd "$OUT/lib/ollama" && ls | tr '\n' ' ')"
+  if [[ $GO_ONLY == 0 && $STOCK == 0 ]] && command -v ldd >/dev/null; then
+    extra=$(ldd "$OUT/lib/ollama/llama-server" "$OUT/lib/ollama"/libllama*.so* 2>/dev/null | grep -E 'kvcached|grpc|protobuf|absl' || true)
+    [[ -z "$extra" ]] || die "lib/ollama needs libraries Ollama does not ship:\n$extra"
+    echo "  lib/ollama needs no kvcached, gRPC, protobuf or abseil library (ldd)"
+  fi
+fi
