@@ -63,6 +63,8 @@ cmake -S "$SRC/tests/install" -B "$TMP/consumer" -DCMAKE_PREFIX_PATH="$TMP/prefi
 cmake --build "$TMP/consumer" -j"$JOBS" >/dev/null
 "$TMP/consumer/consumer_shared"
 "$TMP/consumer/consumer_static"
+# find_package, the embeddable archive (kvcached::kvcached_embed): runs, needs no gRPC/protobuf/abseil
+sh "$SRC/tests/check_embed.sh" "$TMP/consumer/consumer_embed"
 echo "install test: ok"
 
 if [[ $status -ne 0 ]]; then

@@ -4,8 +4,8 @@
 Two forms of the same change:
 
   apply.py TREE                      patch a llama.cpp source tree in place: the
-                                     hook's sources are copied to src/kvcached/
-                                     and the call sites inserted
+                                     hook's sources are copied to src/ and the
+                                     call sites inserted
   apply.py TREE --emit-patch FILE    the same as one git-style diff (new files
                                      included); the tree is left alone
   apply.py TREE --emit-compat DIR    Ollama's compat form, for DIR =
@@ -187,7 +187,7 @@ def patch_kv_cache(text: str) -> str:
 # tools/server/server-context.cpp
 
 SERVER_DECLS = """
-// kvcached-service hook (src/kvcached/kvcached_kv.h): the server holds this lock
+// kvcached-service hook (kvcached_kv.h in src/ or llama/compat/): the server holds this lock
 // while its main loop touches slots, so the daemon's reclaim callback can
 // release idle slots from its own thread at any time.
 extern "C" {
@@ -283,22 +283,27 @@ def patch_server(text: str) -> str:
 CMAKE_BLOCK = """
 # kvcached-service hook: llama.cpp's KV cache in kvcached-serve pages
 # (integrations/llama.cpp and docs/llama-cpp.md of kvcached-service). The hook's
-# sources are src/kvcached/ (apply.py) or Ollama's llama/compat/ (added to this
-# target by Ollama's llama/server/CMakeLists.txt). It is on only when the C
+# source is src/kvcached_kv.cpp (apply.py) or Ollama's llama/compat/ (added to
+# this target by Ollama's llama/server/CMakeLists.txt). It is on only when the C
 # client is found (CMAKE_PREFIX_PATH=<its install prefix>); without it every
-# call site is a pass-through and nothing else changes.
-if (EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/kvcached/kvcached_kv.cpp)
-    target_sources(llama PRIVATE kvcached/kvcached_kv.cpp kvcached/kvcached_kv.h)
-    target_include_directories(llama PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/kvcached)
-    set_source_files_properties(kvcached/kvcached_kv.cpp PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
-elseif (DEFINED OLLAMA_LLAMA_CPP_COMPAT_DIR)
-    set_source_files_properties(${OLLAMA_LLAMA_CPP_COMPAT_DIR}/kvcached_kv.cpp PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
+# call site is a pass-through and nothing else changes. Only the hook's own
+# source gets the client's definitions and include directories.
+if (EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/kvcached_kv.cpp)
+    set(LLAMA_KVCACHED_SOURCE ${CMAKE_CURRENT_SOURCE_DIR}/kvcached_kv.cpp)
+    target_sources(llama PRIVATE kvcached_kv.cpp kvcached_kv.h)
+elseif (DEFINED OLLAMA_LLAMA_CPP_COMPAT_DIR AND EXISTS ${OLLAMA_LLAMA_CPP_COMPAT_DIR}/kvcached_kv.cpp)
+    set(LLAMA_KVCACHED_SOURCE ${OLLAMA_LLAMA_CPP_COMPAT_DIR}/kvcached_kv.cpp)
+else()
+    message(FATAL_ERROR "kvcached: the KV-cache hook's call sites are patched in, but kvcached_kv.cpp is neither "
+                        "in ${CMAKE_CURRENT_SOURCE_DIR} nor in Ollama's llama/compat/ (apply.py puts it there)")
 endif()
+set_source_files_properties(${LLAMA_KVCACHED_SOURCE} PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
 find_package(kvcached 1.2 CONFIG QUIET)
 if (kvcached_FOUND)
-    target_compile_definitions(llama PRIVATE LLAMA_KVCACHED)
-    target_include_directories(llama PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/../ggml/src
-                               $<TARGET_PROPERTY:kvcached::kvcached,INTERFACE_INCLUDE_DIRECTORIES>)
+    get_target_property(LLAMA_KVCACHED_INCLUDE kvcached::kvcached INTERFACE_INCLUDE_DIRECTORIES)
+    set_property(SOURCE ${LLAMA_KVCACHED_SOURCE} APPEND PROPERTY COMPILE_DEFINITIONS LLAMA_KVCACHED)
+    set_property(SOURCE ${LLAMA_KVCACHED_SOURCE} APPEND PROPERTY INCLUDE_DIRECTORIES
+                 ${CMAKE_CURRENT_SOURCE_DIR}/../ggml/src ${LLAMA_KVCACHED_INCLUDE})
     target_link_libraries(llama PRIVATE ${CMAKE_DL_LIBS})
     message(STATUS "kvcached: KV-cache hook on (C client ${kvcached_VERSION} in ${kvcached_DIR})")
 else()
@@ -357,7 +362,7 @@ def compute(tree: pathlib.Path, with_sources: bool = True) -> dict[str, tuple[st
     if not with_sources:
         return out
     for name in HOOK_FILES:
-        rel = f"src/kvcached/{name}"
+        rel = f"src/{name}"
         old = (tree / rel).read_text() if (tree / rel).exists() else None
         out[rel] = (old, (HERE / name).read_text())
     return out
@@ -413,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"file name of the compat patch (default {COMPAT_PATCH}; Ollama applies DIR/*.patch in name order)")
     args = ap.parse_args(argv)
     if args.list:
-        print("\n".join([*EDITS, *(f"src/kvcached/{n}" for n in HOOK_FILES)]))
+        print("\n".join([*EDITS, *(f"src/{n}" for n in HOOK_FILES)]))
         return 0
     if not (args.tree / "src" / "llama-kv-cache.cpp").is_file():
         print(f"apply.py: {args.tree} is not a llama.cpp source tree (no src/llama-kv-cache.cpp)", file=sys.stderr)

@@ -1,7 +1,7 @@
 // kvcached_kv.cpp: llama.cpp's KV cache in kvcached-serve pages (see
 // kvcached_kv.h and docs/llama-cpp.md of kvcached-service).
 //
-// Built into libllama by integrations/llama.cpp/apply.py (src/kvcached/) or
+// Built into libllama by integrations/llama.cpp/apply.py (src/kvcached_kv.cpp) or
 // by Ollama's compat mechanism (llama/compat/*.cpp). Compiled to nothing for
 // Ollama's mtmd target, to pass-throughs without the C client (LLAMA_KVCACHED
 // undefined).
@@ -178,6 +178,7 @@ struct state {
     std::condition_variable tcv;
     std::string             reclaim_reason;  // tmu
     bool                    stop = false;    // tmu
+    bool                    exited = false;  // tmu
     std::thread             th;
 };
 
@@ -350,12 +351,14 @@ bool load_api(state & g) {
 void on_reclaim(void * user, const kvc_reclaim * rq);
 void thread_main();
 
-// Open a client and session with the options from the environment.
-kvc_status open_session(state & g, kvc_client ** pc, kvc_session ** ps) {
+// Open a client and session with the options from the environment (fixed
+// after the first call, so no lock is needed). On failure `err` says why.
+kvc_status open_session(state & g, kvc_client ** pc, kvc_session ** ps, std::string & err) {
     *pc = nullptr;
     *ps = nullptr;
     kvc_status st = g.api.kvc_client_create(g.socket.c_str(), pc);
     if (st != KVC_OK) {
+        err = last_err();
         return st;
     }
     std::vector<kvc_label> labels;
@@ -375,14 +378,12 @@ kvc_status open_session(state & g, kvc_client ** pc, kvc_session ** ps) {
     o.wait_timeout_ms  = g.wait_ms;
     st = g.api.kvc_session_open(*pc, &o, ps);
     if (st != KVC_OK) {
-        std::string msg = last_err();
+        err = last_err();
         g.api.kvc_client_destroy(*pc);
         *pc = nullptr;
         *ps = nullptr;
-        g.last_error = msg;  // the caller reports it
         return st;
     }
-    g.wait_set = false;
     kvc_status cb = g.api.kvc_session_set_reclaim_callback(*ps, on_reclaim, nullptr);
     if (cb != KVC_OK) {
         LLAMA_LOG_WARN("kvcached: no reclaim callback (%s: %s): this process only gives pages back when its own cells "
@@ -417,11 +418,11 @@ kvc_session * session_locked() {
     }
     kvc_client *  c = nullptr;
     kvc_session * s = nullptr;
-    kvc_status    st = open_session(g, &c, &s);
+    std::string   err;
+    kvc_status    st = open_session(g, &c, &s, err);
     if (st != KVC_OK) {
         LLAMA_LOG_WARN("kvcached: cannot open a session with the daemon at %s (%s: %s); KV cache in ordinary memory\n",
-                       g.socket.c_str(), status_name(st), g.last_error.c_str());
-        g.last_error.clear();
+                       g.socket.c_str(), status_name(st), err.c_str());
         return nullptr;
     }
     g.client  = c;
@@ -443,14 +444,18 @@ kvc_session * session_locked() {
         g.th = std::thread(thread_main);
     }
     atexit([] {
-        state & st = S();
-        {
-            std::lock_guard<std::mutex> t(st.tmu);
-            st.stop = true;
-        }
+        // stop the hook's thread; if it is stuck (a reconnect in progress, or
+        // exit() called with the server lock held) leave it rather than hang
+        state &                      st = S();
+        std::unique_lock<std::mutex> t(st.tmu);
+        st.stop = true;
         st.tcv.notify_all();
-        if (st.th.joinable()) {
+        const bool done = st.tcv.wait_for(t, std::chrono::seconds(2), [&] { return st.exited; });
+        t.unlock();
+        if (done && st.th.joinable()) {
             st.th.join();
+        } else if (st.th.joinable()) {
+            st.th.detach();
         }
     });
     return g.session;
@@ -713,10 +718,10 @@ void try_reconnect() {
     }
     kvc_client *  c  = nullptr;
     kvc_session * s  = nullptr;
-    kvc_status    st = open_session(g, &c, &s);
+    std::string   err;
+    kvc_status    st = open_session(g, &c, &s, err);
     std::lock_guard<std::mutex> lk(g.reg);
     if (st != KVC_OK) {
-        g.last_error.clear();
         g.next_reconnect    = now_ms() + g.reconnect_backoff;
         g.reconnect_backoff = std::min<int64_t>(g.reconnect_backoff * 2, 2000);
         return;
@@ -745,6 +750,7 @@ void try_reconnect() {
     g.client        = c;
     g.session       = s;
     g.lost          = false;
+    g.wait_set      = false;
     g.resuming_said = false;
     g.resumes_seen  = 0;
     g.no_wait_until = 0;
@@ -1011,14 +1017,17 @@ void thread_main() {
             std::unique_lock<std::mutex> t(g.tmu);
             g.tcv.wait_for(t, std::chrono::milliseconds(200));
             if (g.stop) {
+                g.exited = true;
+                g.tcv.notify_all();
                 return;
             }
         }
         if (g.reclaim_pending.load()) {
+            std::unique_lock<std::recursive_mutex> server(g.server);  // waits for the main loop to park
             if (g.idle_release) {
-                std::lock_guard<std::recursive_mutex> server(g.server);  // waits for the main loop to park
                 serve_reclaim_server_locked();
             } else {
+                server.unlock();
                 // no server lock: the cells may be changing on another
                 // thread; the next batch or seq_rm on the cache's own thread trims
                 g.reclaim_pending = false;

@@ -2,7 +2,7 @@
 //
 // Part of kvcached-service (integrations/llama.cpp, docs/llama-cpp.md).
 // integrations/llama.cpp/apply.py puts this file and kvcached_kv.cpp into a
-// llama.cpp build, either copied into the tree as src/kvcached/ or, in
+// llama.cpp build, either copied into the tree as src/kvcached_kv.{h,cpp} or, in
 // Ollama's compat form, beside Ollama's own llama/compat/*.cpp, and inserts
 // the calls below at named anchor points of src/llama-kv-cache.cpp and
 // tools/server/server-context.cpp.
