@@ -460,7 +460,8 @@ def test_healthcheck_command_works_against_a_daemon(daemon_factory):
     hc = next(a for i, a in dockerfile() if i == "HEALTHCHECK")
     cmd = json.loads(hc.split("CMD", 1)[1])
     d = daemon_factory("host")
-    env = {**os.environ, "KVCACHED_SOCKET": d.socket, "PYTHONPATH": str(ROOT)}
+    env = {**{k: v for k, v in os.environ.items() if k != "OLLAMA_KVCACHED_SOCKET"},
+           "KVCACHED_SOCKET": d.socket, "PYTHONPATH": str(ROOT)}
     exe = [sys.executable, "-m", "kvcached_service.ctl"] + cmd[1:]
     assert subprocess.run(exe, env=env, capture_output=True, timeout=30).returncode == 0
     d.stop()
