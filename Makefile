@@ -1,10 +1,10 @@
 # kvcached-service: two commands for a fresh machine.
 #   make serve   set up, then run the daemon on /tmp/kvcached.sock
-#   make test    set up, then run every test suite (Python, Go, C, llama.cpp)
+#   make test    set up, then run every test suite (Python, Go, C, llama.cpp, Ollama)
 SOCKET ?= /tmp/kvcached.sock
 ARGS ?=
 
-.PHONY: serve test setup testdriver test-python test-go test-c test-llama
+.PHONY: serve test setup testdriver test-python test-go test-c test-packaging test-llama test-ollama test-ollama
 
 setup:
 	@scripts/setup.sh --dev
@@ -26,8 +26,14 @@ test-go: setup testdriver
 test-c: setup testdriver
 	scripts/test-c.sh
 
+test-packaging: setup testdriver
+	scripts/test-packaging.sh
+
 test-llama: setup testdriver
 	scripts/test-llama.sh
+
+test-ollama: setup testdriver
+	scripts/test-ollama.sh
 
 test: setup testdriver
 	scripts/test-all.sh
