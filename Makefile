@@ -4,7 +4,7 @@
 SOCKET ?= /tmp/kvcached.sock
 ARGS ?=
 
-.PHONY: serve test setup testdriver test-python test-go test-c test-packaging test-llama test-ollama test-ollama
+.PHONY: serve test setup testdriver test-python test-go test-c test-packaging test-llama test-ollama
 
 setup:
 	@scripts/setup.sh --dev
