@@ -43,10 +43,10 @@ integrations/ollama/build.sh --stock --out "$B/stock" --link-llama "$LB/build-or
 step "patched Ollama (Go) -> build/ollama/kvc"
 integrations/ollama/build.sh --out "$B/kvc" --link-llama "$LB/build-kvc/bin"
 step "stock Ollama (Go) with the patched llama-server -> build/ollama/stockgo-kvc"
-mkdir -p "$B/stockgo-kvc/bin" "$B/stockgo-kvc/lib/ollama"
+mkdir -p "$B/stockgo-kvc/bin"
 # a copy, not a symlink: Ollama finds lib/ollama from its resolved executable
 cp -f "$B/stock/bin/ollama" "$B/stockgo-kvc/bin/ollama"
-for b in llama-server llama-quantize; do ln -sfn "$LB/build-kvc/bin/$b" "$B/stockgo-kvc/lib/ollama/$b"; done
+rm -rf "$B/stockgo-kvc/lib" && mkdir -p "$B/stockgo-kvc/lib" && cp -a "$B/kvc/lib/ollama" "$B/stockgo-kvc/lib/ollama"
 
 step "Ollama's tests of the patched packages + the scheduler with a daemon (go test)"
 W="$B/kvc/.work/ollama"

@@ -122,8 +122,13 @@ prepare_tree() {
   rm -rf "$WORK/compat.orig" && cp -a "$WORK/ollama/llama/compat" "$WORK/compat.orig"
   local p
   for p in "${PATCHES[@]}"; do
-    (cd "$WORK/ollama" && git apply --whitespace=nowarn "$p") \
+    # GIT_CEILING_DIRECTORIES: the work tree may sit inside another git
+    # checkout (this one), where git apply would silently skip every path
+    # (as Ollama's cmake/apply-git-patches.cmake does it)
+    (cd "$WORK/ollama" && GIT_CEILING_DIRECTORIES="$WORK" git apply --whitespace=nowarn "$p") \
       || die "$(basename "$p") does not apply to Ollama v$OLLAMA_VERSION (set OLLAMA_VERSION to the version the patches were made for)"
+    (cd "$WORK/ollama" && GIT_CEILING_DIRECTORIES="$WORK" git apply --reverse --check "$p" 2>/dev/null) \
+      || die "$(basename "$p") was not applied to $WORK/ollama"
     echo "applied $(basename "$p")"
   done
   if [[ $STOCK == 0 ]]; then
@@ -148,6 +153,9 @@ else
   mkdir -p "$OUT/bin"
   (cd "$WORK/ollama" && CGO_ENABLED=1 go build -trimpath -ldflags "$LDFLAGS" -o "$OUT/bin/ollama" .) \
     || die "go build of ollama failed (see above)"
+  if [[ $STOCK == 0 ]] && ! grep -q "OLLAMA_KVCACHED_SOCKET" "$OUT/bin/ollama"; then
+    die "$OUT/bin/ollama does not carry the Go patch (no OLLAMA_KVCACHED_SOCKET in it)"
+  fi
   echo "$GO_KEY" >"$OUT/.stamp-go"
   echo "bin/ollama built in $((SECONDS - t)) s"
 fi
@@ -155,10 +163,14 @@ fi
 # ---- 4. lib/ollama -----------------------------------------------------------
 if [[ -n "$LINK_LLAMA" ]]; then
   step "lib/ollama -> $LINK_LLAMA"
-  mkdir -p "$OUT/lib/ollama"
+  rm -rf "$OUT/lib/ollama" && mkdir -p "$OUT/lib/ollama"
+  LINK_LLAMA="$(cd "$LINK_LLAMA" && pwd)"
   for b in llama-server llama-quantize; do
     [[ -x "$LINK_LLAMA/$b" ]] || die "$LINK_LLAMA/$b is missing (ollama needs $b in lib/ollama; ollama create runs llama-quantize)"
-    ln -sfn "$(cd "$LINK_LLAMA" && pwd)/$b" "$OUT/lib/ollama/$b"
+  done
+  # the programs and their shared libraries (Ollama probes lib/ollama/libggml-*.so too)
+  for f in "$LINK_LLAMA"/llama-server "$LINK_LLAMA"/llama-quantize "$LINK_LLAMA"/lib*.so*; do
+    [[ -e "$f" ]] && ln -sfn "$f" "$OUT/lib/ollama/$(basename "$f")"
   done
 elif [[ $GO_ONLY == 0 ]]; then
   if [[ -z "$LLAMA_SRC" ]]; then
