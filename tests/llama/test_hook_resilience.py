@@ -97,7 +97,13 @@ def test_two_busy_servers_over_one_budget(daemon_factory, servers, models):
         print(f"\nconcurrent rounds: completed {done}, failed naming the daemon {failed}, longest request {longest:.1f} s")
         # a reclaim request to a busy server is answered at once (what it
         # could give back, and that the rest is in use), not after its batch
-        busy = threading.Thread(target=lambda: b.complete(text(1000, 91), 3000, timeout=REQUEST_BOUND_S * 2))
+        def keep_busy():  # only keeps b busy; how it ends does not matter here
+            try:
+                b.complete(text(1000, 91), 3000, timeout=REQUEST_BOUND_S * 3)
+            except Exception:  # noqa: BLE001
+                pass
+
+        busy = threading.Thread(target=keep_busy, daemon=True)  # ends when the server stops at teardown
         busy.start()
         assert wait_until(lambda: held(c, b.pid) > 4 << 20, timeout=REQUEST_BOUND_S)
         n0 = len(re.findall(r"kvcached: reclaim \(admin\)", b.log_text()))
@@ -106,7 +112,6 @@ def test_two_busy_servers_over_one_budget(daemon_factory, servers, models):
         assert wait_until(lambda: len(re.findall(r"kvcached: reclaim \(admin\)", b.log_text())) > n0,
                           timeout=10, interval=0.05), b.log_text()[-3000:]
         answered = time.monotonic() - t
-        busy.join(REQUEST_BOUND_S * 2)
         print(f"reclaim request to the busy server answered in {answered:.2f} s")
         assert answered < 10, answered
         assert re.search(r"kvcached: reclaim \(admin\): asked [\d.]+ MiB, gave back [\d.]+ MiB at once, keeping "
