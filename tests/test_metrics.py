@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import dataclasses
 import os
 import pathlib
 import re
@@ -28,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcached_service import errors
 from kvcached_service.server.metrics import Metrics, Nvml
+from kvcached_service.server.pool import Books
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -124,7 +126,10 @@ def fake_daemon():
     """Just enough of Daemon for the collector (unit tests, no event loop)."""
     spec = types.SimpleNamespace(name="fake", kind="cuda", total_bytes=80 * 2**30)
     counters = types.SimpleNamespace(created_total=7, released_total=2, allocations_total=5, allocation_failures_total=1)
-    pool = types.SimpleNamespace(page_size=2 * MIB, spec=spec, budget_pages=100, n_in_use=10, n_pooled=5, n_free=85, counters=counters)
+    books = Books("GPU-00000000-fake", 2 * MIB, 100, 5, 10, 85, counters.created_total, counters.released_total,
+                  counters.allocations_total, counters.allocation_failures_total)
+    pool = types.SimpleNamespace(page_size=2 * MIB, spec=spec, snapshot=books)
+    pool.books = lambda: pool.snapshot  # the read model the collector uses
     sess = lambda sid, name, held: types.SimpleNamespace(  # noqa: E731
         id=sid, name=name, guaranteed_bytes=4 * MIB, max_bytes=0, reclaim_ignored=1, reclaim_requests=2,
         held_by_device={"GPU-00000000-fake": held})
@@ -265,7 +270,8 @@ def test_collector_reads_live_state_and_nvml_with_a_fake_library():
     assert value(text, "kvcached_session_held_bytes", session="llama3:8b", device=uuid) == 10 * 2 * MIB
     assert value(text, "kvcached_session_open", session="llama3:8b") == 2
     # values are read at scrape time: change the daemon, scrape again
-    daemon.pools[uuid].n_in_use = 42
+    pool = daemon.pools[uuid]
+    pool.snapshot = dataclasses.replace(pool.snapshot, in_use=42, free=53)
     daemon.sessions.pop(2)
     fake.mem[0] = (80 * 2**30, 30 * 2**30, 50 * 2**30)
     text = m.text().decode()
