@@ -222,6 +222,49 @@ def test_rpc_outcomes_and_allocate_histogram(daemon_factory):
     assert value(text, "kvcached_allocate_duration_seconds_count", wait="true") == 0
 
 
+def test_each_page_request_is_counted_once_whichever_transport(daemon_factory):
+    """Allocate, Free and CloseSession are observed by the core at its
+    boundary, once, whether they came as fd channel requests (the client) or
+    as gRPC calls (tools); the gRPC interceptor does not count them again.
+    A gRPC Allocate whose body cannot be decoded never reaches the core and
+    is still counted, once."""
+    import grpc
+
+    from helpers.raw import stub
+    from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
+
+    from kvcached_service import fdchannel
+
+    d = start_with_metrics(daemon_factory, memory_limit="16MiB")
+    with d.client() as c, c.open_session("channel") as s:
+        s.free(s.allocate(1))  # over the fd channel
+        # a tool's session: its own fd channel, page rpcs over gRPC
+        rpc = stub(d)
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        raw.connect(d.fd_socket)
+        raw.settimeout(10)
+        hello = fdchannel.recv_record(raw)
+        tool = rpc.OpenSession(pb.OpenSessionRequest(channel_secret=hello.secret, name="tool"), timeout=10).session
+        resp = rpc.Allocate(pb.AllocateRequest(session=tool, num_pages=1), timeout=10)
+        fdchannel.close_fds(fdchannel.recv_record(raw).fds)
+        rpc.Free(pb.FreeRequest(session=tool, page_ids=list(resp.page_ids)), timeout=10)
+        with pytest.raises(grpc.RpcError) as info:
+            rpc.Allocate(pb.AllocateRequest(session=pb.SessionRef(id=s.id, token=b"x" * 32), num_pages=1), timeout=10)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        garbage = c._rpc._channel.unary_unary("/kvcached.v1.KVCached/Allocate")
+        with pytest.raises(grpc.RpcError) as info:
+            garbage(b"\xff\xff\xff", timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        text = scrape(d)
+    assert value(text, "kvcached_rpc_requests_total", rpc="Allocate", code="OK") == 2
+    assert value(text, "kvcached_rpc_requests_total", rpc="Free", code="OK") == 2
+    assert value(text, "kvcached_rpc_requests_total", rpc="Allocate", code="PERMISSION_DENIED") == 1
+    assert value(text, "kvcached_rpc_requests_total", rpc="Allocate", code="INVALID_ARGUMENT") == 1
+    assert value(text, "kvcached_allocate_duration_seconds_count", wait="false") == 4
+    assert value(text, "kvcached_rpc_requests_total", rpc="OpenSession", code="OK") == 2  # the interceptor's
+    raw.close()
+
+
 def test_session_and_reclaim_counters(daemon_factory):
     d = start_with_metrics(daemon_factory, memory_limit="32MiB", reclaim_timeout_ms=200)
     with d.client() as c:

@@ -139,7 +139,6 @@ async def serve(settings: Settings, ready_hook=None) -> int:
     except Exception:
         await server.stop(None)
         _unlink(settings.socket)
-        _unlink(settings.fd_socket)
         raise
     daemon.start_background()
 
@@ -172,7 +171,6 @@ async def serve(settings: Settings, ready_hook=None) -> int:
         return 1
     finally:
         _unlink(settings.socket)
-        _unlink(settings.fd_socket)
         if metrics:
             metrics.stop()
         notifier.close()
