@@ -209,7 +209,7 @@ class Session:
 
     def _connect_for_resume(self) -> Channel:
         ch = Channel(self.client.info.fd_socket, self.client.timeout, self._hangup)
-        with self._inflight_cond:  # allocations answered before the hang-up keep their pages first
+        with self._inflight_cond:  # page requests of the old channel settle first (kept, deferred)
             self._inflight_cond.wait_for(lambda: self._inflight == 0, self.client.timeout)
         return ch
 
