@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcached_service import errors
 from kvcached_service.server.metrics import Metrics, Nvml
-from kvcached_service.server.pool import Books
+from kvcached_service.server.pool import Books, Budget
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -126,7 +126,7 @@ def fake_daemon():
     """Just enough of Daemon for the collector (unit tests, no event loop)."""
     spec = types.SimpleNamespace(name="fake", kind="cuda", total_bytes=80 * 2**30)
     counters = types.SimpleNamespace(created_total=7, released_total=2, allocations_total=5, allocation_failures_total=1)
-    books = Books("GPU-00000000-fake", 2 * MIB, 100, 5, 10, 85, counters.created_total, counters.released_total,
+    books = Books(Budget("GPU-00000000-fake", 2 * MIB, 100), 5, 10, 85, counters.created_total, counters.released_total,
                   counters.allocations_total, counters.allocation_failures_total)
     pool = types.SimpleNamespace(page_size=2 * MIB, spec=spec, snapshot=books)
     pool.books = lambda: pool.snapshot  # the read model the collector uses

@@ -274,9 +274,9 @@ def test_orphans_and_adoption_go_through_the_pool():
 
 def test_admission_one_function_for_every_limit():
     from kvcached_service.server.admission import admit
-    from kvcached_service.server.pool import Books
+    from kvcached_service.server.pool import Budget
 
-    books = [Books("D0", 4096, 100, 0, 0, 100, 0, 0, 0, 0), Books("D1", 4096, 50, 0, 0, 50, 0, 0, 0, 0)]
+    books = [Budget("D0", 4096, 100), Budget("D1", 4096, 50)]
     admit(books, session="s", guaranteed_bytes=0, max_bytes=0, device="D0", held_pages=90, more_pages=10)
     with pytest.raises(errors.ResourceExhausted, match="exceed its maximum of 100 pages \\(the device budget\\)"):
         admit(books, session="s", guaranteed_bytes=0, max_bytes=0, device="D0", held_pages=90, more_pages=11)

@@ -26,7 +26,6 @@ kvcached_service.errors.KVCachedError.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -136,9 +135,9 @@ class Session:
         self._resumed = threading.Event()
         self._resumed.set()
         self.resumes = 0
-        # page requests in flight (see _page_request)
+        # page requests in flight (see _request_begins)
         self._inflight = 0
-        self._inflight_cond = threading.Condition()
+        self._inflight_lock = threading.Lock()
 
     # -- plumbing
     def _ref(self) -> tuple[int, bytes]:
@@ -181,19 +180,16 @@ class Session:
         except errors.Unavailable as exc:
             raise self._unreachable(exc, ch) from None
 
-    @contextlib.contextmanager
-    def _page_request(self):
-        """A page request in flight: a resume waits until none is, so that
-        what they did (pages kept, frees deferred) is settled before it
-        claims what the session holds."""
-        with self._inflight_cond:
+    def _request_begins(self) -> None:
+        """A page request is in flight: a resume waits until none is (see
+        _connect_for_resume), so that what they did (pages kept, frees
+        deferred) is settled before it claims what the session holds."""
+        with self._inflight_lock:
             self._inflight += 1
-        try:
-            yield
-        finally:
-            with self._inflight_cond:
-                self._inflight -= 1
-                self._inflight_cond.notify_all()
+
+    def _request_ends(self) -> None:
+        with self._inflight_lock:
+            self._inflight -= 1
 
     # -- resume after a daemon restart
     def _hangup(self, ch: Channel) -> None:
@@ -209,8 +205,11 @@ class Session:
 
     def _connect_for_resume(self) -> Channel:
         ch = Channel(self.client.info.fd_socket, self.client.timeout, self._hangup)
-        with self._inflight_cond:  # page requests of the old channel settle first (kept, deferred)
-            self._inflight_cond.wait_for(lambda: self._inflight == 0, self.client.timeout)
+        # Page requests of the old channel settle first (pages kept, frees
+        # deferred): they fail or finish at once, its channel has ended.
+        deadline = time.monotonic() + self.client.timeout
+        while self._inflight and time.monotonic() < deadline:
+            time.sleep(0.005)
         return ch
 
     def _resume_done(self, ch: Channel | None, opened: Opened | None, err: errors.KVCachedError | None) -> None:
@@ -272,11 +271,14 @@ class Session:
         wait_timeout_ms (0 = its default). notify: if it fails for lack of
         memory, get a MEMORY_AVAILABLE event when enough pages are free."""
         timeout = self.client.timeout + ((wait_timeout_ms or 60_000) / 1000 if wait else 0)
-        with self._page_request():
+        self._request_begins()
+        try:
             alloc_id, held, ids, fds = self._on_channel(lambda ch: ch.allocate(num_pages, device, wait, notify, wait_timeout_ms, timeout))
             dev = self.client.device(device)
             if self._keeper is not None:
                 self._keeper.keep(ids, fds)
+        finally:
+            self._request_ends()
         return Allocation(alloc_id, dev.uuid, dev.page_size, tuple(ids), held), fds
 
     def free_ids(self, page_ids: Iterable[int]) -> int:
@@ -291,7 +293,8 @@ class Session:
         if self._closed:
             raise errors.FailedPrecondition(f"session {self.id} is closed")
         k = self._keeper
-        with self._page_request():
+        self._request_begins()
+        try:
             seqs = k.seqs(ids) if k is not None else {}
             if k is not None and self._state == "resuming":
                 return self._defer(ids, seqs)
@@ -306,6 +309,8 @@ class Session:
             if k is not None:
                 k.forget(seqs)
             return n
+        finally:
+            self._request_ends()
 
     def _defer(self, ids: list[int], seqs: dict[int, int]) -> int:
         """Free while the daemon is away: checked here as the daemon would

@@ -1,6 +1,6 @@
 """Admission: may a session hold this much? One function, `admit`.
 
-Policy only: it reads the books and the sessions' limits and raises the
+Policy only: it reads the devices' budgets and the sessions' limits and raises the
 error a client sees; it changes nothing. Whether pages can be had *now*
 (pooled, free budget, another uid's pooled pages to release) is the pool's
 supply question (DevicePool.acquire, which raises Shortage); whether other
@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from ..config import format_size
 from .. import errors
-from .pool import Books
+from .pool import Budget
 
 
 def admit(
-    books: list[Books],
+    budgets: list[Budget],
     *,
     session: str,
     guaranteed_bytes: int,
@@ -44,15 +44,15 @@ def admit(
         raise errors.InvalidArgument(f"guaranteed_bytes {guaranteed_bytes} exceeds max_bytes {max_bytes}")
     if guaranteed_bytes and others_guaranteed is not None:
         total = others_guaranteed + guaranteed_bytes
-        for b in books:
-            if total > b.budget_bytes:
+        for b in budgets:
+            if total > b.bytes:
                 raise errors.ResourceExhausted(
-                    f"guarantees would total {format_size(total)}, more than device {b.device}'s budget {format_size(b.budget_bytes)}"
+                    f"guarantees would total {format_size(total)}, more than device {b.device}'s budget {format_size(b.bytes)}"
                 )
     if device is None:
         return
-    (b,) = [x for x in books if x.device == device]
-    cap = b.budget_pages if not max_bytes else min(b.budget_pages, max_bytes // b.page_size)
+    (b,) = [x for x in budgets if x.device == device]
+    cap = b.pages if not max_bytes else min(b.pages, max_bytes // b.page_size)
     if held_pages + more_pages > cap:
         raise errors.ResourceExhausted(
             f"session {session} holds {held_pages} pages on {b.device}; {more_pages} more would exceed its maximum of {cap} pages"

@@ -287,7 +287,7 @@ class ChannelServer:
                 return
             except OSError as exc:
                 log.debug("pidfd_open(%d) failed: %s; relying on the socket alone", pid, exc)
-        loop.add_reader(sock.fileno(), self._readable, conn)
+        loop.add_reader(sock.fileno(), self._read_one, conn)
         conn.send_nowait(fdchannel.encode_hello(fdchannel.Hello(conn.id, pid, uid, gid, fdchannel.MAX_FDS, conn.secret)))
         log.debug("fd channel %d: pid %d uid %d gid %d", conn.id, pid, uid, gid)
 
@@ -305,9 +305,6 @@ class ChannelServer:
         return None
 
     # ---- records in ------------------------------------------------------
-    def _readable(self, conn: Conn) -> None:
-        self._read_one(conn)
-
     def _read_one(self, conn: Conn) -> bool:
         """Read and handle one record; False when nothing was waiting (or
         the channel is gone)."""

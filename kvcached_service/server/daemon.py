@@ -11,8 +11,8 @@ the sender), or a `Bearer` (id, token) from gRPC. Mutating requests from a
 Bearer are refused with channel_ops_only.
 
 The core operations both adapters call (Allocate, Free, CloseSession) are
-observed once, here, at their boundary: `observers` get (operation, code,
-seconds, waited) for each; the metrics subscribe.
+observed once, here, at their boundary (`_Observation`): `observers` get
+(operation, code, seconds, waited) for each; the metrics subscribe.
 
 Everything runs on one asyncio event loop (the gRPC aio server's).
 """
@@ -20,7 +20,6 @@ Everything runs on one asyncio event loop (the gRPC aio server's).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import itertools
@@ -143,7 +142,7 @@ class Daemon:
                 "device %s (%s): budget %s of %s, page %s, warm pages %d",
                 spec.uuid,
                 spec.name,
-                format_size(pool.books().budget_bytes),
+                format_size(pool.budget.bytes),
                 format_size(spec.total_bytes),
                 format_size(page_size),
                 pool.warm_pages,
@@ -264,21 +263,6 @@ class Daemon:
             )
         return self.session(who.id, who.token)
 
-    @contextlib.contextmanager
-    def _observed(self, op: str, waited: bool = False):
-        """The one place a core operation's outcome and latency are observed."""
-        t0 = time.perf_counter()
-        code = Code.OK
-        try:
-            yield
-        except asyncio.CancelledError:
-            code = Code.CANCELLED
-            raise
-        except Exception as exc:
-            code = errors.status_of(exc)[0]
-            raise
-        finally:
-            self.observe(op, code, time.perf_counter() - t0, waited)
 
     def observe(self, op: str, code: Code, seconds: float, waited: bool = False) -> None:
         """Report one core operation to the observers. An adapter calls it
@@ -296,8 +280,8 @@ class Daemon:
     def _others_guaranteed(self, exclude: Session | None) -> int:
         return sum(s.guaranteed_bytes for s in self.sessions.values() if s is not exclude)
 
-    def _books(self):
-        return [p.books() for p in self.pools.values()]
+    def _budgets(self):
+        return [p.budget for p in self.pools.values()]
 
     def open_session(
         self,
@@ -315,7 +299,7 @@ class Daemon:
         port = ports.find(secret)
         if len(self.sessions) >= self.settings.max_sessions:
             raise errors.ResourceExhausted(f"{len(self.sessions)} sessions open (max_sessions)")
-        admit(self._books(), session=f"'{name}'", guaranteed_bytes=guaranteed_bytes, max_bytes=max_bytes,
+        admit(self._budgets(), session=f"'{name}'", guaranteed_bytes=guaranteed_bytes, max_bytes=max_bytes,
               others_guaranteed=self._others_guaranteed(None))
         resume_token = secrets.token_bytes(SECRET_SIZE) if self.journal is not None else b""
         s = Session(
@@ -460,7 +444,7 @@ class Daemon:
 
     async def close_session(self, who: Who) -> int:
         """CloseSession: the session ends; returns the pages it gave back."""
-        with self._observed("CloseSession"):
+        with _Observation(self, "CloseSession"):
             s = self.resolve(who, "CloseSession")
             return self.end_session(s, "closed by client")
 
@@ -510,14 +494,14 @@ class Daemon:
                        alloc_id: int | None = None) -> Allocated:
         """Allocate: admission, pages from the pool (waiting and reclaiming
         when allowed), delivery through the session's port, then the answer."""
-        with self._observed("Allocate", wait):
+        with _Observation(self, "Allocate", wait):
             s = self.resolve(who, "Allocate")
             self._check_serving()
             limit = self.settings.max_pages_per_request
             if count <= 0 or count > limit:
                 raise errors.InvalidArgument(f"num_pages must be 1..{limit}, got {count}")
             pool = self.pool(device)
-            admit([pool.books()], session=f"{s.id} '{s.name}'", guaranteed_bytes=s.guaranteed_bytes, max_bytes=s.max_bytes,
+            admit([pool.budget], session=f"{s.id} '{s.name}'", guaranteed_bytes=s.guaranteed_bytes, max_bytes=s.max_bytes,
                   device=pool.uuid, held_pages=s.held_pages(pool.uuid), more_pages=count)
             pages = await self._acquire(s, pool, count, wait, wait_ms, notify)
             if s.closed:
@@ -609,10 +593,9 @@ class Daemon:
                 keep.append((s, dev, want))
         self._notify = keep
 
-    async def free(self, who: Who, page_ids: list[int]) -> tuple[int, int]:
-        """Free: all or nothing. Returns (pages freed, bytes the session
-        still holds)."""
-        with self._observed("Free"):
+    async def free(self, who: Who, page_ids: list[int]) -> tuple[int, Session]:
+        """Free: all or nothing. Returns (pages freed, the session)."""
+        with _Observation(self, "Free"):
             s = self.resolve(who, "Free")
             if not page_ids:
                 raise errors.InvalidArgument("page_ids is empty: name the pages to free")
@@ -639,7 +622,7 @@ class Daemon:
             self._journal({"op": "free", "sid": s.id, "pages": [p.id for p in pages]})
             # Tasks of their own: a cancelled Free (its client died) still returns the pages.
             await asyncio.wait([self._spawn(self.pools[u].give_back(g)) for u, g in by_pool.items()])
-            return len(pages), self.held_bytes(s)
+            return len(pages), s
 
     def held_bytes(self, s: Session) -> int:
         return sum(n * self.pools[u].page_size for u, n in s.held_by_device.items())
@@ -664,14 +647,14 @@ class Daemon:
         s = self.target_session(sid)
         g = fields.get("guaranteed_bytes", s.guaranteed_bytes)
         m = fields.get("max_bytes", s.max_bytes)
-        admit(self._books(), session=f"{s.id} '{s.name}'", guaranteed_bytes=g, max_bytes=m,
+        admit(self._budgets(), session=f"{s.id} '{s.name}'", guaranteed_bytes=g, max_bytes=m,
               others_guaranteed=self._others_guaranteed(s))
         s.guaranteed_bytes, s.max_bytes = g, m
         s.priority = fields.get("priority", s.priority)
         self._journal({"op": "limits", "sid": s.id, "g": s.guaranteed_bytes, "m": s.max_bytes, "p": s.priority})
         for pool in self.pools.values():
             s.post(Event("BUDGET_CHANGED", time.time(), {
-                "device": pool.uuid, "budget_bytes": pool.books().budget_bytes,
+                "device": pool.uuid, "budget_bytes": pool.budget.bytes,
                 "guaranteed_bytes": s.guaranteed_bytes, "max_bytes": s.max_bytes, "priority": s.priority}))
         log.info("session %d '%s' limits: guaranteed %d, max %d, priority %d", s.id, s.name, g, m, s.priority)
         return s
@@ -756,6 +739,33 @@ class Daemon:
             self.journal.close(remove=True)
         if failures:
             raise ShutdownIncomplete("; ".join(failures))
+
+
+class _Observation:
+    """The one place a core operation's outcome and latency are observed:
+    `with _Observation(daemon, "Allocate"): ...` reports (operation, code,
+    seconds, waited) to every Daemon.observers entry."""
+
+    __slots__ = ("d", "op", "waited", "t0")
+
+    def __init__(self, d: Daemon, op: str, waited: bool = False):
+        self.d, self.op, self.waited = d, op, waited
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if exc is None:
+            code = Code.OK
+        elif isinstance(exc, asyncio.CancelledError):
+            code = Code.CANCELLED
+        else:
+            code = errors.status_of(exc)[0]
+        observers = self.d.observers
+        if observers:
+            seconds = time.perf_counter() - self.t0
+            for fn in observers:
+                fn(self.op, code, seconds, self.waited)
 
 
 class ShutdownIncomplete(Exception):

@@ -149,7 +149,7 @@ async def serve(settings: Settings, ready_hook=None) -> int:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving on %s (fd channel %s), pid %d", settings.socket, settings.fd_socket, os.getpid())
-    pages = sum(p.books().budget_pages for p in daemon.pools.values())
+    pages = sum(p.budget.pages for p in daemon.pools.values())
     if pages + 256 > nofile:
         log.warning("the budget is %d pages but the open-file limit is %d: every page is one fd; "
                     "raise LimitNOFILE (systemd) or ulimit -n, or use larger pages", pages, nofile)

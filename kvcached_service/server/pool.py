@@ -30,7 +30,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple
 
 from .. import errors
 from ..backends.base import Backend, DeviceSpec, PageHandle
@@ -90,6 +90,20 @@ class PoolCounters:
     allocation_failures_total: int = 0
 
 
+class Budget(NamedTuple):
+    """A device's budget: fixed when the pool is made (memory_limit resolved
+    for that device). What admission reads."""
+
+    device: str
+    page_size: int
+    pages: int
+
+    @property
+    def bytes(self) -> int:
+        """The budget in bytes: the one place it is derived."""
+        return self.pages * self.page_size
+
+
 @dataclass(frozen=True)
 class Books:
     """One device's books at one instant, in pages: the read model every
@@ -99,9 +113,7 @@ class Books:
         pooled + in_use + free == budget
     """
 
-    device: str
-    page_size: int
-    budget_pages: int
+    budget: Budget
     pooled: int
     in_use: int
     free: int
@@ -111,9 +123,20 @@ class Books:
     allocation_failures_total: int
 
     @property
+    def device(self) -> str:
+        return self.budget.device
+
+    @property
+    def page_size(self) -> int:
+        return self.budget.page_size
+
+    @property
+    def budget_pages(self) -> int:
+        return self.budget.pages
+
+    @property
     def budget_bytes(self) -> int:
-        """The budget in bytes: the one place it is derived."""
-        return self.budget_pages * self.page_size
+        return self.budget.bytes
 
     @property
     def pooled_bytes(self) -> int:
@@ -161,6 +184,7 @@ class DevicePool:
         self.page_ids = page_ids
         self.page_size = page_size
         self.budget_pages = budget_bytes // page_size
+        self.budget = Budget(spec.uuid, page_size, self.budget_pages)
         self.warm_pages = min(warm_pages, self.budget_pages)
         self.idle_seconds = idle_seconds
         self.zero_pages = zero_pages
@@ -204,7 +228,7 @@ class DevicePool:
         """A frozen snapshot of the books (see Books)."""
         c = self.counters
         return Books(
-            self.uuid, self.page_size, self.budget_pages, self.n_pooled, self.n_in_use, self.n_free,
+            self.budget, self.n_pooled, self.n_in_use, self.n_free,
             c.created_total, c.released_total, c.allocations_total, c.allocation_failures_total,
         )
 
@@ -357,7 +381,7 @@ class DevicePool:
         who = ", ".join(f"session {sid} '{name}' (uid {uid}) holds {format_size(n * self.page_size)}" for sid, name, uid, n in holders[:5])
         return (
             f"device {self.uuid}: cannot allocate {count} pages ({format_size(count * self.page_size)}) "
-            f"for session {session.id} '{session.name}': budget {format_size(self.books().budget_bytes)}, "
+            f"for session {session.id} '{session.name}': budget {format_size(self.budget.bytes)}, "
             f"{self.n_free} pages free, {self.n_ready_total()} pooled, {self.n_held} held by sessions"
             + (f"; {who}" if who else "")
         )

@@ -106,7 +106,7 @@ def device_info(pool: DevicePool) -> pb.DeviceInfo:
         page_size=pool.page_size,
         granularity=spec.granularity,
         total_bytes=spec.total_bytes,
-        budget_bytes=pool.books().budget_bytes,
+        budget_bytes=pool.budget.bytes,
     )
 
 
@@ -210,8 +210,8 @@ class KVCachedService(pb_grpc.KVCachedServicer):
 
     @_rpc
     async def Free(self, request, context):
-        n, held = await self.d.free(Bearer(request.session.id, request.session.token), list(request.page_ids))
-        return pb.FreeResponse(pages_freed=n, held_bytes=held)
+        n, s = await self.d.free(Bearer(request.session.id, request.session.token), list(request.page_ids))
+        return pb.FreeResponse(pages_freed=n, held_bytes=self.d.held_bytes(s))
 
     @_rpc
     async def GetStats(self, request, context):
