@@ -45,12 +45,16 @@ def test_error_round_trip(cls):
     assert type(by_number) is cls and by_number.message == "what went wrong"
 
 
-def test_unknown_codes_and_unexpected_exceptions():
+def test_unknown_codes():
     assert type(errors.from_code(99, "x")) is errors.Unknown
     assert type(errors.from_code(Code.DATA_LOSS, "d")) is errors.Unknown  # a code outside the taxonomy
     assert errors.from_code(Code.ABORTED, "").message == "ABORTED"  # never an empty message
+
+
+def test_unexpected_exception_is_internal():
     code, msg = to_grpc(ZeroDivisionError("x"))
     assert code is grpc.StatusCode.INTERNAL and "ZeroDivisionError" in msg
+    assert errors.status_of(ZeroDivisionError("x"))[0] is Code.INTERNAL  # the same on the fd channel
     assert isinstance(from_grpc(_FakeRpcError(grpc.StatusCode.DATA_LOSS, "d")), errors.Unknown)
 
 
