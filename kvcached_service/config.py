@@ -14,10 +14,11 @@ from __future__ import annotations
 import grp
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 _UNITS = {
@@ -58,15 +59,42 @@ def format_size(n: int) -> str:
     return f"{n} B"
 
 
-def resolve_limit(text: str, total: int) -> int:
-    """A memory limit: bytes with units, or a percentage of `total`."""
-    t = text.strip()
-    if t.endswith("%"):
-        pct = float(t[:-1])
-        if not 0 < pct <= 100:
-            raise ValueError(f"percentage must be in (0, 100]: {text!r}")
-        return int(total * pct / 100)
-    return parse_size(t)
+@dataclass(frozen=True)
+class MemoryLimit:
+    """`--memory-limit`, parsed once: a byte count, or a percentage of each
+    device's memory. `resolve(total)` gives one device's budget in bytes; a
+    percentage needs a device to mean anything, so nothing is resolved
+    before the devices are known."""
+
+    text: str
+    nbytes: int | None = None
+    percent: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "MemoryLimit":
+        t = str(text).strip()
+        if t.endswith("%"):
+            try:
+                pct = float(t[:-1])
+            except ValueError:
+                raise ValueError(f"not a percentage: {text!r} (examples: 90%, 50%)") from None
+            if not 0 < pct <= 100:
+                raise ValueError(f"percentage must be in (0, 100]: {text!r}")
+            return cls(t, percent=pct)
+        n = parse_size(t)
+        if n <= 0:
+            raise ValueError(f"must be positive: {text!r}")
+        return cls(t, nbytes=n)
+
+    def resolve(self, device_total: int) -> int:
+        """This limit's budget on a device of `device_total` bytes."""
+        if self.percent is not None:
+            return int(device_total * self.percent / 100)
+        assert self.nbytes is not None
+        return self.nbytes
+
+    def __str__(self) -> str:
+        return self.text
 
 
 class Settings(BaseSettings):
@@ -74,6 +102,7 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVCACHED_", extra="forbid", validate_default=True)
     _toml_file: ClassVar[Path | None] = None
+    _memory_limit: MemoryLimit = PrivateAttr()
 
     socket: str = Field("/tmp/kvcached.sock", description="gRPC control socket path")
     fd_socket: str = Field("", description="fd channel socket path (default: <socket>.fd)")
@@ -140,7 +169,7 @@ class Settings(BaseSettings):
     @field_validator("memory_limit")
     @classmethod
     def _limit(cls, v: str) -> str:
-        resolve_limit(v, 1 << 40)
+        MemoryLimit.parse(v)
         return v
 
     @field_validator("socket_mode")
@@ -180,9 +209,15 @@ class Settings(BaseSettings):
             raise ValueError("fd_socket: must differ from socket")
         if parse_size(self.page_size) == 0:
             raise ValueError("page_size: must be positive")
+        self._memory_limit = MemoryLimit.parse(self.memory_limit)
         return self
 
     # ---- derived values -------------------------------------------------
+    @property
+    def memory_limit_value(self) -> MemoryLimit:
+        """memory_limit as parsed at validation (resolve it per device)."""
+        return self._memory_limit
+
     @property
     def page_size_bytes(self) -> int:
         return parse_size(self.page_size)

@@ -1,9 +1,13 @@
-"""The fd channel: framing of the SOCK_SEQPACKET socket that carries page fds.
+"""The fd channel's codec: framing of the SOCK_SEQPACKET socket that carries page fds.
 
 This module owns that boundary for the daemon and the Python client: every
 record is built and parsed here, and every sendmsg/recvmsg with SCM_RIGHTS
-happens here. The format is specified in docs/protocol.md; the Go and C
-clients implement the same format and are tested against this daemon.
+happens here. The format is specified, machine-readably, in
+protos/kvcached/v1/fdchannel.spec.json (prose: docs/protocol.md), with
+shared test vectors in protos/kvcached/v1/fdchannel.vectors.json that this
+codec, the Go client's internal/fdchan and the C client's fdchannel.c all
+decode the same way (tests/test_fdchannel.py checks this one, and that the
+constants below match the spec).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ SECRET_SIZE = 32
 # largest the daemon sends (a REPLY with its message, or a full PAGES record).
 MAX_CLIENT_RECORD = HEADER_SIZE + 16 + 8 * MAX_FREE_IDS
 MAX_RECORD = HEADER_SIZE + 4096 + 64
+MAX_MESSAGE = 4000  # bytes of an ERROR or REPLY message the daemon sends (cut there)
 
 
 class ProtocolError(Exception):
@@ -108,7 +113,7 @@ class CloseReq:
 @dataclass(frozen=True)
 class Reply:
     req_id: int
-    code: int  # a gRPC status code; 0 = OK
+    code: int  # a status number (errors.Code); 0 = OK
     value: int  # held bytes (ALLOCATE), pages freed (FREE), pages returned (CLOSE)
     message: str
 
@@ -149,7 +154,7 @@ def encode_adopt(session_id: int, first_index: int, total: int, page_ids: list[i
 
 
 def encode_error(code: int, message: str) -> bytes:
-    return _frame(ERROR, _ERROR.pack(code) + message.encode("utf-8", "replace")[:4000])
+    return _frame(ERROR, _ERROR.pack(code) + message.encode("utf-8", "replace")[:MAX_MESSAGE])
 
 
 def encode_allocate(req_id: int, num_pages: int, device: str = "", wait: bool = False, notify: bool = False, wait_timeout_ms: int = 0) -> bytes:
@@ -169,7 +174,7 @@ def encode_close(req_id: int) -> bytes:
 
 
 def encode_reply(req_id: int, code: int, value: int = 0, message: str = "") -> bytes:
-    return _frame(REPLY, _REPLY.pack(req_id, code, 0, value) + message.encode("utf-8", "replace")[:4000])
+    return _frame(REPLY, _REPLY.pack(req_id, code, 0, value) + message.encode("utf-8", "replace")[:MAX_MESSAGE])
 
 
 def encode_goodbye() -> bytes:
@@ -196,8 +201,10 @@ def decode(data: bytes, fds: list[int]) -> Record:
         if length < _PAGES.size:
             raise ProtocolError("PAGES record too short")
         alloc, first, count, total, _ = _PAGES.unpack_from(payload)
-        if length != _PAGES.size + 8 * count or count != len(fds) or count == 0:
+        if not 1 <= count <= MAX_FDS or length != _PAGES.size + 8 * count or count != len(fds):
             raise ProtocolError(f"PAGES record says {count} pages, carries {len(fds)} fds and {length} bytes")
+        if first + count > total:
+            raise ProtocolError(f"PAGES record covers pages {first}..{first + count} of an allocation of {total}")
         ids = struct.unpack_from(f"<{count}Q", payload, _PAGES.size)
         return (Pages if kind == PAGES else Adopt)(alloc, first, total, tuple(ids), tuple(fds))
     if kind in (REQ_ALLOCATE, REQ_FREE, REQ_CLOSE, REPLY) and fds:
@@ -216,6 +223,8 @@ def decode(data: bytes, fds: list[int]) -> Record:
         req, count, _ = _REQ_FREE.unpack_from(payload)
         if length != _REQ_FREE.size + 8 * count:
             raise ProtocolError(f"FREE record says {count} page ids in {length} bytes")
+        if count > MAX_FREE_IDS:
+            raise ProtocolError(f"FREE record of {count} page ids, more than {MAX_FREE_IDS}")
         return FreeReq(req, struct.unpack_from(f"<{count}Q", payload, _REQ_FREE.size))
     if kind == REQ_CLOSE:
         if length != _REQ_CLOSE.size:

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from kvtest import assert_books, wait_until
+from helpers.raw import stub
 
 
 def _reclaimed_within(c, seconds: float) -> float:
@@ -98,14 +99,14 @@ def test_allocate_cancelled_by_its_deadline_leaves_nothing_held(daemon_factory):
         raw = so.socket(so.AF_UNIX, so.SOCK_SEQPACKET)
         raw.connect(d.fd_socket)
         hello = fdchannel.recv_record(raw)
-        ref = c._stub.OpenSession(pb.OpenSessionRequest(channel_secret=hello.secret, name="impatient")).session
+        ref = stub(c).OpenSession(pb.OpenSessionRequest(channel_secret=hello.secret, name="impatient")).session
         # 16000 pages: more records than the socket buffer holds, so delivery blocks
         with pytest.raises(grpc.RpcError) as info:
-            c._stub.Allocate(pb.AllocateRequest(session=ref, num_pages=16000), timeout=1.0)
+            stub(c).Allocate(pb.AllocateRequest(session=ref, num_pages=16000), timeout=1.0)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
         def held():
-            return {s.id: s for s in c._stub.GetStats(pb.GetStatsRequest(session=ref)).sessions}[ref.id].pages_held
+            return {s.id: s for s in stub(c).GetStats(pb.GetStatsRequest(session=ref)).sessions}[ref.id].pages_held
 
         assert wait_until(lambda: held() == 0, timeout=5)
         assert_books(c.stats())
@@ -117,6 +118,6 @@ def test_allocate_cancelled_by_its_deadline_leaves_nothing_held(daemon_factory):
             except so.timeout:
                 break
             fdchannel.close_fds(rec.fds)
-        resp = c._stub.Allocate(pb.AllocateRequest(session=ref, num_pages=3), timeout=10)
+        resp = stub(c).Allocate(pb.AllocateRequest(session=ref, num_pages=3), timeout=10)
         assert len(resp.page_ids) == 3
         raw.close()

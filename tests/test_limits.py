@@ -32,6 +32,7 @@ from kvcached_service import errors, fdchannel
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 from test_hostile import AS_DAEMON, AS_NOBODY, NOBODY
+from helpers.raw import ref, stub
 
 C = grpc.StatusCode
 
@@ -303,7 +304,7 @@ def test_huge_messages(daemon_factory, tmp_path):
     d = daemon_factory("host", state_dir=str(tmp_path / "state"))
     by = Bystander(d).settled()
     with d.client() as c, c.open_session("big") as s:
-        stub = c._stub
+        rpc = stub(c)
         held = s.allocate(1)
         rss0 = daemon_rss(d)
 
@@ -317,16 +318,16 @@ def test_huge_messages(daemon_factory, tmp_path):
             return took
 
         many = list(range(10**6, 10**6 + 900_000))  # 3-byte varints: ~2.7 MB
-        t_free = expect(lambda: stub.Free(pb.FreeRequest(session=s.ref, page_ids=many), timeout=20), C.NOT_FOUND, f"page {10**6} is not held")
+        t_free = expect(lambda: rpc.Free(pb.FreeRequest(session=ref(s), page_ids=many), timeout=20), C.NOT_FOUND, f"page {10**6} is not held")
         same = [held[0].id] * 900_000
-        t_dup = expect(lambda: stub.Free(pb.FreeRequest(session=s.ref, page_ids=same), timeout=20), C.INVALID_ARGUMENT, "appears more than once")
-        expect(lambda: stub.OpenSession(pb.OpenSessionRequest(channel_secret=b"s" * 32, name="n" * (3 << 20)), timeout=20), C.INVALID_ARGUMENT, "session name must be 1-128")
+        t_dup = expect(lambda: rpc.Free(pb.FreeRequest(session=ref(s), page_ids=same), timeout=20), C.INVALID_ARGUMENT, "appears more than once")
+        expect(lambda: rpc.OpenSession(pb.OpenSessionRequest(channel_secret=b"s" * 32, name="n" * (3 << 20)), timeout=20), C.INVALID_ARGUMENT, "session name must be 1-128")
         labels = {f"k{i}": "v" * 100 for i in range(30_000)}  # ~3.5 MB
         ch = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ch.connect(d.fd_socket)
         secret = fdchannel.recv_record(ch).secret
-        expect(lambda: stub.OpenSession(pb.OpenSessionRequest(channel_secret=secret, name="x", labels=labels), timeout=20), C.INVALID_ARGUMENT, "at most 16 labels")
-        expect(lambda: stub.ResumeSession(pb.ResumeSessionRequest(channel_secret=secret, session_id=77, page_ids=many), timeout=20), C.NOT_FOUND, "no session 77 to resume")
+        expect(lambda: rpc.OpenSession(pb.OpenSessionRequest(channel_secret=secret, name="x", labels=labels), timeout=20), C.INVALID_ARGUMENT, "at most 16 labels")
+        expect(lambda: rpc.ResumeSession(pb.ResumeSessionRequest(channel_secret=secret, session_id=77, page_ids=many), timeout=20), C.NOT_FOUND, "no session 77 to resume")
         ch.close()
         grpc_ch = grpc.insecure_channel(f"unix:{d.socket}")
         for m in pb.DESCRIPTOR.services_by_name["KVCached"].methods:
@@ -336,7 +337,7 @@ def test_huge_messages(daemon_factory, tmp_path):
                    C.RESOURCE_EXHAUSTED, "")
         # a 1 MiB header: refused by gRPC (on either side), the daemon carries on
         with pytest.raises(grpc.RpcError):
-            stub.GetInfo(pb.GetInfoRequest(), metadata=[("x-big", "a" * (1 << 20))], timeout=10)
+            rpc.GetInfo(pb.GetInfoRequest(), metadata=[("x-big", "a" * (1 << 20))], timeout=10)
         grpc_ch.close()
         s.free(held)
         grown = daemon_rss(d) - rss0

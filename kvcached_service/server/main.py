@@ -24,9 +24,11 @@ from .._generated.kvcached.v1 import kvcached_pb2 as pb
 from ..backends.base import Backend
 from ..config import ConfigError, Settings, load_settings, parse_size
 from . import sdnotify
-from .daemon import Daemon, ShutdownIncomplete, apply_socket_permissions, prepare_socket_path
+from .channel import ChannelServer
+from .daemon import Daemon, ShutdownIncomplete
 from .metrics import Metrics
 from .service import KVCachedService, add_to_server
+from .sockets import apply_socket_permissions, prepare_socket_path
 
 log = logging.getLogger("kvcached")
 
@@ -96,6 +98,7 @@ async def serve(settings: Settings, ready_hook=None) -> int:
     nofile = raise_fd_limit()
     backend = open_backend(settings)
     daemon = Daemon(settings, backend)
+    channels = ChannelServer(daemon, settings)  # the fd channel adapter, beside the gRPC one
     try:
         daemon.start_devices()
         daemon.recover()
@@ -115,7 +118,7 @@ async def serve(settings: Settings, ready_hook=None) -> int:
             ("grpc.so_reuseport", 0),
         ]
     )
-    add_to_server(KVCachedService(daemon, observe_error=metrics.observe_error if metrics else None), server)
+    add_to_server(KVCachedService(daemon), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -129,7 +132,7 @@ async def serve(settings: Settings, ready_hook=None) -> int:
         os.umask(old_umask)
     apply_socket_permissions(settings.socket, settings)
     try:
-        daemon.start_fd_listener()
+        channels.start()
         await daemon.prefill()
         if metrics:
             metrics.start_http(settings.metrics_address)
@@ -146,7 +149,7 @@ async def serve(settings: Settings, ready_hook=None) -> int:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving on %s (fd channel %s), pid %d", settings.socket, settings.fd_socket, os.getpid())
-    pages = sum(p.budget_pages for p in daemon.pools.values())
+    pages = sum(p.budget.pages for p in daemon.pools.values())
     if pages + 256 > nofile:
         log.warning("the budget is %d pages but the open-file limit is %d: every page is one fd; "
                     "raise LimitNOFILE (systemd) or ulimit -n, or use larger pages", pages, nofile)
@@ -158,6 +161,7 @@ async def serve(settings: Settings, ready_hook=None) -> int:
 
     log.info("shutting down: telling %d sessions", len(daemon.sessions))
     await health_servicer.enter_graceful_shutdown()
+    channels.stop_accepting()
     await daemon.begin_shutdown("daemon stopping (signal)")
     await server.stop(grace=0.5)
     try:

@@ -10,9 +10,13 @@ Design (after prometheus/client_python's custom collectors):
   server's thread) asks the loop for one snapshot per scrape: the numbers of
   one scrape come from one instant, so pooled + in_use + free == budget holds
   in the scraped values too.
-- What the daemon does not count itself -- rpc outcomes by status code and
-  Allocate latency -- is observed by a grpc.aio server interceptor
-  (MetricsInterceptor) and kept in ordinary Counter/Histogram objects.
+- What the daemon does not count itself -- request outcomes by status code
+  and Allocate latency -- is kept in ordinary Counter/Histogram objects, and
+  each request is observed exactly once: the core operations both adapters
+  reach (Allocate, Free, CloseSession; daemon.CORE_OPS) by the core at their
+  boundary (Daemon.observers), whether they came over gRPC or as fd channel
+  requests; every other rpc by a grpc.aio server interceptor
+  (MetricsInterceptor). Status names come from errors.Code (the one table).
 - Device memory from NVML (nvidia-ml-py) when a driver is present: total,
   used and free bytes per GPU UUID. Without a driver these series are absent
   and one debug line says why; nothing is retried per scrape.
@@ -40,6 +44,9 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
 from .. import __version__, errors
+from ..errors import Code
+from ..errors_grpc import code_of
+from .daemon import CORE_OPS
 
 if TYPE_CHECKING:
     from .daemon import Daemon
@@ -65,15 +72,9 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 def code_name(code: Any) -> str:
-    """A grpc.StatusCode, the integer cygrpc uses inside aio, or None (OK)."""
-    if code is None:
-        return "OK"
-    if isinstance(code, grpc.StatusCode):
-        return code.name
-    for sc in grpc.StatusCode:
-        if sc.value[0] == code:
-            return sc.name
-    return str(code)
+    """The name of a status: an errors.Code, a grpc.StatusCode, the integer
+    cygrpc uses inside aio, or None (OK)."""
+    return code_of(code).name
 
 
 # ---------------------------------------------------------------------------
@@ -137,22 +138,22 @@ def snapshot(daemon: "Daemon") -> dict:
     now = time.time()
     devices = []
     for uuid, pool in daemon.pools.items():
-        ps = pool.page_size
+        b = pool.books()
         devices.append(
             {
                 "uuid": uuid,
                 "name": pool.spec.name,
                 "kind": pool.spec.kind,
-                "page_size": ps,
+                "page_size": b.page_size,
                 "total": pool.spec.total_bytes,
-                "budget": pool.budget_pages * ps,
-                "in_use": pool.n_in_use * ps,
-                "pooled": pool.n_pooled * ps,
-                "free": pool.n_free * ps,
-                "created_total": pool.counters.created_total,
-                "released_total": pool.counters.released_total,
-                "allocations_total": pool.counters.allocations_total,
-                "allocation_failures_total": pool.counters.allocation_failures_total,
+                "budget": b.budget_bytes,
+                "in_use": b.in_use_bytes,
+                "pooled": b.pooled_bytes,
+                "free": b.free_bytes,
+                "created_total": b.created_total,
+                "released_total": b.released_total,
+                "allocations_total": b.allocations_total,
+                "allocation_failures_total": b.allocation_failures_total,
             }
         )
     by_name: dict[str, dict] = {}
@@ -386,6 +387,8 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not method.startswith(SERVICE_PREFIX):
             return handler
         rpc = method[len(SERVICE_PREFIX) :]
+        if rpc in CORE_OPS:
+            return handler  # the core observes these itself (Daemon.observers)
         m = self.m
         if handler.unary_unary is not None:
             inner = handler.unary_unary
@@ -400,7 +403,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                 except BaseException as exc:
                     code = context.code()
                     if code is None or code_name(code) == "OK":
-                        code = grpc.StatusCode.CANCELLED if isinstance(exc, asyncio.CancelledError) else grpc.StatusCode.UNKNOWN
+                        code = Code.CANCELLED if isinstance(exc, asyncio.CancelledError) else Code.UNKNOWN
                     raise
                 finally:
                     m.observe(rpc, code, time.perf_counter() - t0, request)
@@ -421,7 +424,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                 except BaseException as exc:
                     code = context.code()
                     if code is None or code_name(code) == "OK":
-                        code = grpc.StatusCode.CANCELLED if isinstance(exc, (asyncio.CancelledError, GeneratorExit)) else grpc.StatusCode.UNKNOWN
+                        code = Code.CANCELLED if isinstance(exc, (asyncio.CancelledError, GeneratorExit)) else Code.UNKNOWN
                     raise
                 finally:
                     m.observe(rpc, code, time.perf_counter() - t0, request)
@@ -457,22 +460,17 @@ class Metrics:
         self._server = None
         self._thread: threading.Thread | None = None
         self.address: tuple[str, int] | None = None
-        # Allocate/Free/Close sent as fd channel requests never pass the
-        # gRPC interceptor: the daemon reports them here, into the same series.
-        hooks = getattr(daemon, "on_request", None)
-        if hooks is not None:
-            hooks.append(self._channel_request)
+        # Allocate/Free/CloseSession, over gRPC or as fd channel requests:
+        # the core reports each once, at its boundary.
+        observers = getattr(daemon, "observers", None)
+        if observers is not None:
+            observers.append(self._core_op)
 
-    def _channel_request(self, rpc: str, code: int, seconds: float, waited: bool) -> None:
-        self.rpc.observe(rpc, code, seconds, types.SimpleNamespace(wait=waited))  # code_name takes the number
+    def _core_op(self, rpc: str, code: errors.Code, seconds: float, waited: bool) -> None:
+        self.rpc.observe(rpc, code, seconds, types.SimpleNamespace(wait=waited))
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         return [MetricsInterceptor(self.rpc)]
-
-    def observe_error(self, rpc: str, code: grpc.StatusCode) -> None:
-        """KVCachedService's observe_error hook. The interceptor already counts
-        every outcome by code, so this only logs at debug level."""
-        log.debug("rpc %s failed: %s", rpc, code_name(code))
 
     def text(self) -> bytes:
         """The exposition, as a scrape would get it."""

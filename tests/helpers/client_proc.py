@@ -20,6 +20,7 @@ import time
 
 from kvcached_service.client import Client
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
+from raw import stub
 
 
 def out(**kw):
@@ -102,8 +103,8 @@ def main() -> int:
         raw = so.socket(so.AF_UNIX, so.SOCK_SEQPACKET)
         raw.connect(client.info.fd_socket)
         hello = fdchannel.recv_record(raw)
-        opened = client._stub.OpenSession(pb.OpenSessionRequest(channel_secret=hello.secret, name="never-reads"))
-        resp = client._stub.Allocate(pb.AllocateRequest(session=opened.session, num_pages=n))
+        opened = stub(client).OpenSession(pb.OpenSessionRequest(channel_secret=hello.secret, name="never-reads"))
+        resp = stub(client).Allocate(pb.AllocateRequest(session=opened.session, num_pages=n))
         out(session=opened.session.id, pages=list(resp.page_ids))
         time.sleep(3600)
     elif mode == "loop":
