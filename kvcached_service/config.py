@@ -13,43 +13,27 @@ from __future__ import annotations
 
 import grp
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import ByteSize, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_BYTE_SIZE = TypeAdapter(ByteSize)
 
 
 def parse_size(text: str | int) -> int:
-    """'2MiB' -> 2097152; '1.5GB' -> 1500000000; 4096 -> 4096."""
+    """'2MiB' -> 2097152; '1.5GB' -> 1500000000; 4096 -> 4096 (pydantic's
+    ByteSize: decimal units are powers of 1000, binary ones of 1024)."""
     if isinstance(text, int):
         if text < 0:
             raise ValueError(f"size must not be negative: {text}")
         return text
-    m = _SIZE_RE.match(str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (examples: 4096, 512MiB, 8GiB, 20GB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    try:
+        return int(_BYTE_SIZE.validate_python(str(text).strip()))
+    except ValidationError:
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 512MiB, 8GiB, 20GB)") from None
 
 
 def format_size(n: int) -> str:

@@ -288,3 +288,25 @@ def test_admission_one_function_for_every_limit():
         admit(books, session="s", guaranteed_bytes=31 * 4096, max_bytes=0, others_guaranteed=20 * 4096)
     with pytest.raises(errors.InvalidArgument, match="exceeds max_bytes"):
         admit(books, session="s", guaranteed_bytes=2, max_bytes=1, others_guaranteed=0)
+
+
+def test_socket_variables_in_one_order(monkeypatch):
+    """OLLAMA_KVCACHED_SOCKET wins over KVCACHED_SOCKET, as in the Go and C
+    clients, the hook and kvcachedctl (docs/operations.md)."""
+    from kvcached_service.client.client import socket_from_env
+
+    monkeypatch.setenv("KVCACHED_SOCKET", "/generic.sock")
+    monkeypatch.setenv("OLLAMA_KVCACHED_SOCKET", "/ollama.sock")
+    assert socket_from_env() == "/ollama.sock"
+    monkeypatch.delenv("OLLAMA_KVCACHED_SOCKET")
+    assert socket_from_env() == "/generic.sock"
+    monkeypatch.delenv("KVCACHED_SOCKET")
+    with pytest.raises(errors.FailedPrecondition, match="no daemon socket given"):
+        socket_from_env()
+
+
+def test_sizes_parse_like_pydantic_bytesize():
+    assert parse_size("2MiB") == 2 << 20 and parse_size("1.5GB") == 1_500_000_000 and parse_size(4096) == 4096
+    for bad in ("lots", "-1", "2 parsecs"):
+        with pytest.raises(ValueError, match="not a size"):
+            parse_size(bad)

@@ -42,7 +42,7 @@ from .types import Allocation, Device, Event, Info, Opened, PoolStats, SessionSt
 if TYPE_CHECKING:
     from .region import Region
 
-ENV_VARS = ("KVCACHED_SOCKET", "OLLAMA_KVCACHED_SOCKET")
+ENV_VARS = ("OLLAMA_KVCACHED_SOCKET", "KVCACHED_SOCKET")  # one order in every client: docs/operations.md
 
 log = logging.getLogger("kvcached.client")
 
@@ -516,11 +516,11 @@ class Client:
 
 
 def socket_from_env() -> str:
-    """KVCACHED_SOCKET, then OLLAMA_KVCACHED_SOCKET."""
+    """OLLAMA_KVCACHED_SOCKET, then KVCACHED_SOCKET (as the Go and C clients)."""
     for var in ENV_VARS:
         value = os.environ.get(var)
         if value:
             return value
     raise errors.FailedPrecondition(
-        "no daemon socket given: pass a path or set KVCACHED_SOCKET (or OLLAMA_KVCACHED_SOCKET) to kvcached-serve's --socket"
+        "no daemon socket given: pass a path or set OLLAMA_KVCACHED_SOCKET or KVCACHED_SOCKET to kvcached-serve's --socket"
     )

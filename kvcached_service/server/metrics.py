@@ -38,7 +38,7 @@ import types
 from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.process_collector import ProcessCollector
@@ -449,6 +449,9 @@ class Metrics:
 
     def __init__(self, daemon: "Daemon", registry: CollectorRegistry | None = None, *, nvml: Nvml | None = None, process: bool = True):
         self.daemon = daemon
+        # No *_created series beside counters and histograms: they double the
+        # series count and no alert or dashboard reads them.
+        disable_created_metrics()
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
         self.rpc = RpcMetrics(self.registry)
         self.nvml = nvml if nvml is not None else Nvml()
