@@ -15,6 +15,8 @@
 #      server) plus tests/ollama/sched_kvcached_test.go copied into server/
 #      (Ollama's scheduler, stock vs kvcached, against a real daemon)
 #   4. pytest tests/ollama (real `ollama serve`, `ollama create`, daemons)
+#   5. the capacity bench on a real Ollama, quick mode (scripts/bench.sh --only
+#      ollama --quick: about 2-3 minutes)
 # The full build through Ollama's CMake preset (integrations/ollama/build.sh
 # without --go-only) is documented in docs/ollama.md; it is not part of CI.
 # Exits non-zero on any failure. Extra arguments go to pytest.
@@ -62,5 +64,11 @@ echo "$out" | grep -E '^(=== RUN|--- |ok|PASS|FAIL)|sched_kvcached_test.go:[0-9]
 step "pytest tests/ollama"
 status=0
 "$PY" -m pytest -v -s -p no:cacheprovider tests/ollama "$@" || status=$?
+
+# The capacity scenario on a real Ollama (issue 14) in its quick mode: stock
+# vs kvcached on one seeded trace; fails on differing greedy outputs or
+# failed requests (docs/benchmarks.md has the full mode's table).
+step "scripts/bench.sh --only ollama --quick"
+scripts/bench.sh --only ollama --quick --out "$B/bench-quick" || status=$?
 step "done (exit $status)"
 exit $status

@@ -203,6 +203,9 @@ elif [[ $GO_ONLY == 0 ]]; then
     # in place: give it a private copy.
     step "llama.cpp tree -> $WORK/llama.cpp"
     rm -rf "$WORK/llama.cpp" && cp -a "$LLAMA_SRC" "$WORK/llama.cpp"
+    # the sdist's tree carries a submodule's .git file pointing outside it, on
+    # which Ollama's git apply stops ("not a git repository"): a plain tree
+    [[ -f "$WORK/llama.cpp/.git" ]] && rm -f "$WORK/llama.cpp/.git"
     # Ollama's own compat dir as published (a previous run's hook files would be stale)
     rm -rf "$WORK/ollama/llama/compat" && cp -a "$WORK/compat.orig" "$WORK/ollama/llama/compat"
     if [[ $STOCK == 0 ]]; then
