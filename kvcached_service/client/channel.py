@@ -1,8 +1,15 @@
 """The client's end of the fd channel (docs/protocol.md, "Client semantics").
 
-One reader thread takes every record off the socket as it arrives (an
-allocation can be larger than a socket buffer, and the daemon writes its
-PAGES records before the REPLY):
+Who reads the socket: a request's own thread, while it waits for its
+REPLY (one reader at a time, the others wait on a condition and take over
+when it is done), so the answer to a request costs no thread switch in this
+process. While no request is in flight, a watcher thread reads: it sleeps in
+poll() for a hang-up only (data arriving does not wake it) and looks for
+records every IDLE_CHECK seconds, so a daemon going away is noticed at once
+and records nobody asked for (an ERROR, pages of an abandoned request) within
+IDLE_CHECK. Whoever reads handles every record (an allocation can be larger
+than a socket buffer, and the daemon writes its PAGES records before the
+REPLY):
 
 - PAGES are kept by allocation id until the request that asked for them is
   answered. A record that does not fit its allocation (past its total, a
@@ -28,14 +35,19 @@ from __future__ import annotations
 
 import itertools
 import logging
+import select
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from .. import errors, fdchannel
 
 log = logging.getLogger("kvcached.client")
+
+IDLE_CHECK = 0.05  # seconds between the watcher's looks for records while no request waits
+_POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
 
 
 class ProtocolViolation(errors.Internal):
@@ -100,8 +112,9 @@ class Channel:
         self.hung_up = False
         self._closing = False
         self._req_ids = itertools.count(1)
+        self._reading = False  # someone holds the reading role (under _cond)
         self.on_hangup = on_hangup
-        self._reader = threading.Thread(target=self._read, name="kvcached-fdchannel", daemon=True)
+        self._reader = threading.Thread(target=self._watch, name="kvcached-fdchannel", daemon=True)
         self._reader.start()
 
     @property
@@ -109,40 +122,104 @@ class Channel:
         """Why the channel ended (None while it is up)."""
         return self._ended
 
-    # ---- the reader thread -------------------------------------------------
-    def _read(self) -> None:
+    # ---- reading ------------------------------------------------------------
+    def _read_record(self) -> bool:
+        """Read and handle one record; the caller holds the reading role and
+        knows one is there (poll said so). False once the channel ended."""
         hangup = False
-        while True:
-            try:
-                rec = fdchannel.recv_record(self.sock)
-            except fdchannel.ProtocolError as exc:  # its descriptors are closed
-                ended: errors.KVCachedError = ProtocolViolation(str(exc))
-                break
-            except OSError as exc:
-                ended, hangup = errors.Unavailable(f"the daemon went away (fd channel: {exc.strerror or exc})"), True
-                break
+        try:
+            rec = fdchannel.recv_record(self.sock)
+        except fdchannel.ProtocolError as exc:  # its descriptors are closed
+            ended: errors.KVCachedError = ProtocolViolation(str(exc))
+        except OSError as exc:
+            ended, hangup = errors.Unavailable(f"the daemon went away (fd channel: {exc.strerror or exc})"), True
+        else:
             if rec is None:
                 ended, hangup = errors.Unavailable("the daemon went away (its fd channel closed)"), True
-                break
-            try:
-                if isinstance(rec, fdchannel.Pages):
-                    self._pages(rec)
-                    continue
-                if isinstance(rec, fdchannel.Reply):
-                    self._reply(rec)
-                    continue
-            except ProtocolViolation as exc:
-                ended = exc
-                break
-            if isinstance(rec, fdchannel.Error):
-                ended = errors.from_code(rec.code, rec.message)
-            elif isinstance(rec, fdchannel.Goodbye):
-                ended = errors.FailedPrecondition("the daemon ended this session (GOODBYE)")
-            else:  # HELLO again, or a record only clients send
-                fdchannel.close_fds(getattr(rec, "fds", ()))
-                ended = ProtocolViolation(f"the daemon sent a {type(rec).__name__} record")
-            break
+            else:
+                try:
+                    if isinstance(rec, fdchannel.Pages):
+                        self._pages(rec)
+                        return True
+                    if isinstance(rec, fdchannel.Reply):
+                        self._reply(rec)
+                        return True
+                except ProtocolViolation as exc:
+                    ended = exc
+                else:
+                    if isinstance(rec, fdchannel.Error):
+                        ended = errors.from_code(rec.code, rec.message)
+                    elif isinstance(rec, fdchannel.Goodbye):
+                        ended = errors.FailedPrecondition("the daemon ended this session (GOODBYE)")
+                    else:  # HELLO again, or a record only clients send
+                        fdchannel.close_fds(getattr(rec, "fds", ()))
+                        ended = ProtocolViolation(f"the daemon sent a {type(rec).__name__} record")
         self._end(ended, hangup)
+        return False
+
+    def _readable(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for a record (or the end of the stream)."""
+        p = select.poll()
+        p.register(self.sock.fileno(), select.POLLIN)
+        try:
+            return bool(p.poll(max(0, int(timeout * 1000 + 0.999))))
+        except (OSError, ValueError):  # closed under us
+            return True  # recv reports what happened
+
+    def _watch(self) -> None:
+        """The watcher thread: reads only while no request waits (see the
+        module's docstring)."""
+        hup = select.poll()
+        try:
+            hup.register(self.sock.fileno(), _POLLRDHUP)  # POLLHUP and POLLERR come anyway
+        except (OSError, ValueError):
+            return
+        while True:
+            try:
+                hung = bool(hup.poll(int(IDLE_CHECK * 1000)))
+            except OSError:
+                hung = True
+            with self._cond:
+                if self._ended is not None:
+                    return
+                if self._reading or self._waiters:
+                    if hung:  # a request's reader will meet the end of the stream
+                        self._cond.wait(IDLE_CHECK)
+                    continue
+                self._reading = True
+            try:
+                alive = True
+                while alive and self._readable(0):
+                    alive = self._read_record()
+            finally:
+                with self._cond:
+                    self._reading = False
+                    self._cond.notify_all()
+            if not alive:
+                return
+
+    def _await(self, w: _Waiter, timeout: float) -> None:
+        """Wait until `w` is answered or the channel ends, reading the socket
+        whenever nobody else is; returns at the deadline otherwise. Called
+        and returns with _cond held."""
+        deadline = time.monotonic() + timeout
+        cond = self._cond
+        while not w.done and self._ended is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            if self._reading:
+                cond.wait(remaining)
+                continue
+            self._reading = True
+            cond.release()
+            try:
+                if self._readable(remaining):
+                    self._read_record()
+            finally:
+                cond.acquire()
+                self._reading = False
+                cond.notify_all()  # another request's thread may read now, or its answer came
 
     def _end(self, ended: errors.KVCachedError, hangup: bool) -> None:
         with self._cond:
@@ -231,7 +308,7 @@ class Channel:
             raise ended if ended is not None else errors.Unavailable(f"the daemon went away (fd channel: {exc.strerror or exc})") from None
         with self._cond:
             w = self._waiters[req]
-            self._cond.wait_for(lambda: w.done or self._ended is not None, timeout)
+            self._await(w, timeout)
             del self._waiters[req]
             if w.done:
                 return req, w
