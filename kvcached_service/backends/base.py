@@ -5,7 +5,8 @@ exported as a file descriptor another process can map. It is chosen once at
 start-up (`--backend host|cuda|auto`). The pool calls every method of one
 device on that device's worker thread (see server/worker.py), so a backend
 may keep thread-bound state there (the CUDA backend makes the device's
-primary context current in `worker_init`). No method is ever called from the
+primary context current in `worker_init`). No method but `needs_zeroing`
+(cheap by contract) and `export_fds` of a few pages is ever called from the
 event loop.
 """
 
@@ -30,8 +31,10 @@ class DeviceSpec:
 
 @dataclass(eq=False)
 class PageHandle:
-    """One physical page. `fd` is the exported descriptor the pool sends to
-    clients (the backend owns it and closes it in release_pages)."""
+    """One physical page. `fd` is a descriptor the backend keeps for it and
+    closes in release_pages: the host backend's memfd (what clients get), or
+    -1 when the backend keeps none (CUDA exports one per delivery:
+    export_fds)."""
 
     fd: int
     size: int
@@ -43,6 +46,16 @@ class Backend(abc.ABC):
     """A source of shareable physical pages."""
 
     kind: str = "abstract"
+    # Open descriptors the daemon holds for each page it tracks (pooled or
+    # lent). host: 1 (the memfd is the page); cuda: 0 (an fd is exported for
+    # each delivery and closed once sent). docs/architecture.md, "File descriptors".
+    fds_per_page: int = 1
+    # export_fds makes new descriptors (the caller closes them once sent)
+    # rather than lending the pages' own.
+    fresh_exports: bool = False
+    # export_fds of at most this many pages may run on the event loop thread
+    # (cheap); larger batches go to the device worker.
+    inline_export_max: int = 1 << 30
 
     @abc.abstractmethod
     def devices(self) -> list[DeviceSpec]:
@@ -65,6 +78,21 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def zero_pages(self, device: int, pages: list[PageHandle]) -> None:
         """Make every page read as zeros (in every process that maps it)."""
+
+    def export_fds(self, device: int, pages: list[PageHandle]) -> list[int]:
+        """The descriptors to send for `pages`, in order. By default each
+        page's own fd, which the backend keeps (the caller must not close
+        it). With `fresh_exports`, new descriptors the caller owns and
+        closes after sending; all or nothing (on failure none is left
+        open). May run on the event loop thread for up to
+        `inline_export_max` pages."""
+        return [p.fd for p in pages]
+
+    def needs_zeroing(self, pages: list[PageHandle]) -> list[PageHandle]:
+        """The pages among these that zero_pages must clear. The one method
+        called on the event loop thread (when pages are freed): it must be
+        cheap and never block. By default every page."""
+        return pages
 
     @abc.abstractmethod
     def release_pages(self, device: int, pages: list[PageHandle]) -> None:

@@ -1,9 +1,18 @@
 """CUDA backend: pages are VMM allocations exported as POSIX fds.
 
 A page is one cuMemCreate allocation (pinned device memory, requestedHandleTypes
-= CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), exported once with
-cuMemExportToShareableHandle; the fd is what the pool sends to clients, who
-import it and map it into their own reservations (client/cuda_mapper.py).
+= CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR). The daemon keeps only its
+CUmemGenericAllocationHandle: each time the page is delivered, export_fds
+makes a new fd with cuMemExportToShareableHandle, the channel sends it and
+the daemon closes it, so the daemon holds no descriptor per page (100k
+pages need no 100k fds; docs/architecture.md, "File descriptors"). Clients
+import the fd and map it into their own reservations (client/cuda_mapper.py).
+Zeroing maps the handle, not an fd; release is cuMemRelease.
+
+Pages a client re-sends after a daemon restart (adopt_pages) are imported;
+the imported handle is exported again for later deliveries when the driver
+allows it (checked once, on the first adoption), otherwise the client's fd
+is kept for that page and duplicated for each delivery.
 
 Threading: the pool calls every method of one device on that device's worker
 thread. `worker_init` retains the device's primary context and makes it
@@ -56,9 +65,14 @@ class _Device:
 
 class CudaBackend(Backend):
     kind = "cuda"
+    fds_per_page = 0
+    fresh_exports = True
+    inline_export_max = 16  # pages exported on the event loop thread (a one-page grow costs no thread hop)
 
     def __init__(self, driver: cu.Driver | None = None):
         self._drv = driver or cu.load()
+        self._export_needs_ctx = False  # set if the driver refused an export without a current context
+        self._reexport_imported: bool | None = None  # can an imported handle be exported again? (first adoption)
         self._lock = threading.Lock()
         self._tls = threading.local()  # .current: set of devices whose context this thread made current
         self._devices: list[_Device] = []
@@ -200,8 +214,10 @@ class CudaBackend(Backend):
         return pages
 
     def adopt_pages(self, device: int, fds: list[int], page_size: int) -> list[PageHandle]:
-        """Import each re-sent fd (the handle lets the daemon zero and
-        release the page later) and keep the fd to send again."""
+        """Import each re-sent fd (the handle lets the daemon zero, export
+        and release the page later). The fd is closed when the driver can
+        export an imported handle again (checked on the first adoption);
+        otherwise it is kept and duplicated for each later delivery."""
         d = self._dev(device)
         pages: list[PageHandle] = []
         try:
@@ -212,6 +228,8 @@ class CudaBackend(Backend):
                         ctypes.byref(handle), ctypes.c_void_p(fd), cu.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
                     )
                     pages.append(PageHandle(fd=fd, size=page_size, native=handle.value))
+                if pages and self._reexport_imported is None:
+                    self._reexport_imported = self._probe_reexport(pages[0])
         except BaseException as exc:
             self._rollback(d, pages)
             for fd in fds[len(pages):]:
@@ -219,10 +237,71 @@ class CudaBackend(Backend):
             if isinstance(exc, cu.CudaDriverError):
                 raise exc.with_context(f"adopting {len(fds)} re-sent page(s) on {d.spec.uuid}") from None
             raise
+        if self._reexport_imported:
+            for page in pages:
+                fd, page.fd = page.fd, -1
+                os.close(fd)
         with self._lock:
             for page in pages:
                 d.live[id(page)] = page
         return pages
+
+    def _probe_reexport(self, page: PageHandle) -> bool:
+        """Can the driver export an imported handle? (The documentation does
+        not say; the test driver can.) One export, closed at once."""
+        fd = ctypes.c_int(-1)
+        try:
+            self._drv.cuMemExportToShareableHandle(ctypes.byref(fd), page.native, cu.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
+        except cu.CudaDriverError as exc:
+            log.info("the driver does not export an imported handle again (%s): adopted pages keep their re-sent fd", exc.name)
+            return False
+        os.close(fd.value)
+        return True
+
+    def export_fds(self, device: int, pages: list[PageHandle]) -> list[int]:
+        """A new fd for each page, which the caller closes once sent: an
+        export of the page's handle, or a duplicate of the fd an adopted page
+        kept. Runs on the event loop thread for a few pages (VMM calls need
+        no current context; if the driver says otherwise, every later export
+        makes the device's context current first) and on the worker for more."""
+        d = self._dev(device)
+        out: list[int] = []
+        try:
+            if self._export_needs_ctx:
+                with self._context(d):
+                    self._export_into(pages, out)
+            else:
+                try:
+                    self._export_into(pages, out)
+                except cu.CudaDriverError as exc:
+                    if exc.name != "CUDA_ERROR_INVALID_CONTEXT":
+                        raise
+                    log.info("cuMemExportToShareableHandle needs a current context on this driver; exports make it current")
+                    self._export_needs_ctx = True
+                    with self._context(d):
+                        self._export_into(pages, out)
+        except BaseException as exc:
+            for fd in out:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            if isinstance(exc, cu.CudaDriverError):
+                raise exc.with_context(f"exporting {len(pages)} page(s) on {d.spec.uuid}") from None
+            if isinstance(exc, OSError):
+                raise errors.ResourceExhausted(f"exporting {len(pages)} page(s) on {d.spec.uuid}: {exc.strerror}") from None
+            raise
+        return out
+
+    def _export_into(self, pages: list[PageHandle], out: list[int]) -> None:
+        drv = self._drv
+        fd = ctypes.c_int(-1)
+        for page in pages[len(out):]:
+            if page.fd >= 0:
+                out.append(os.dup(page.fd))
+                continue
+            if page.native is None:
+                raise errors.Internal("exporting a page that was already released")
+            drv.cuMemExportToShareableHandle(ctypes.byref(fd), page.native, cu.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
+            out.append(fd.value)
 
     def zero_pages(self, device: int, pages: list[PageHandle]) -> None:
         d = self._dev(device)
@@ -323,19 +402,10 @@ class CudaBackend(Backend):
             drv.cuDevicePrimaryCtxRelease_v2(d.spec.ordinal)
 
     def _create_one(self, d: _Device, prop, page_size: int, i: int, count: int) -> PageHandle:
-        drv = self._drv
+        """One allocation; no fd is kept (export_fds makes one per delivery)."""
         handle = cu.CUmemGenericAllocationHandle()
-        drv.cuMemCreate(ctypes.byref(handle), page_size, ctypes.byref(prop), 0)
-        fd = ctypes.c_int(-1)
-        try:
-            drv.cuMemExportToShareableHandle(
-                ctypes.byref(fd), handle, cu.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
-            )
-        except BaseException:
-            with contextlib.suppress(cu.CudaDriverError):
-                drv.cuMemRelease(handle)
-            raise
-        return PageHandle(fd=fd.value, size=page_size, native=handle.value)
+        self._drv.cuMemCreate(ctypes.byref(handle), page_size, ctypes.byref(prop), 0)
+        return PageHandle(fd=-1, size=page_size, native=handle.value)
 
     def _release_one(self, page: PageHandle) -> None:
         if page.fd >= 0:

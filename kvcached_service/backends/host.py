@@ -7,7 +7,14 @@ runs on when no GPU is present, and what CPU-only llama.cpp hosts use.
 Each memfd is sealed against shrinking and growing, so a client cannot
 truncate a page under another mapping (which would SIGBUS it). Zeroing
 punches a hole over the whole page: the kernel drops the memory and every
-mapping reads zeros, without the daemon mapping the page at all.
+mapping reads zeros, without the daemon mapping the page at all. A page
+nobody wrote is all hole already (lseek SEEK_DATA says so), and is not
+punched again.
+
+Each page is one memfd, so the daemon holds one open fd per page it tracks
+(pooled or lent): a budget of N pages needs RLIMIT_NOFILE above N plus a few
+hundred (the systemd unit sets LimitNOFILE=1048576; docs/architecture.md,
+"File descriptors").
 """
 
 from __future__ import annotations
@@ -87,6 +94,21 @@ class HostBackend(Backend):
             if _libc.fallocate(page.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, page.size) != 0:
                 err = ctypes.get_errno()
                 raise errors.Internal(f"zeroing page (fallocate PUNCH_HOLE) failed: {os.strerror(err)}")
+
+    def needs_zeroing(self, pages: list[PageHandle]) -> list[PageHandle]:
+        """Pages with data in them. A memfd nobody wrote (or one already
+        punched) is all hole and reads as zeros: lseek(SEEK_DATA) says so
+        with ENXIO in one cheap syscall, so such pages skip the trip to the
+        device worker. Anything else (or any doubt) is zeroed."""
+        dirty = []
+        for page in pages:
+            try:
+                os.lseek(page.fd, 0, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:
+                    continue  # no data at or after offset 0: all hole
+            dirty.append(page)
+        return dirty
 
     def adopt_pages(self, device: int, fds: list[int], page_size: int) -> list[PageHandle]:
         want = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW

@@ -40,12 +40,12 @@ from typing import TYPE_CHECKING
 
 from .. import errors, fdchannel
 from ..config import Settings
+from . import eager
 from .sessions import Adoption, DeliveryFailed, Session
 from .sockets import apply_socket_permissions, prepare_socket_path
 
 if TYPE_CHECKING:
     from .daemon import Daemon
-    from .pool import Page
 
 log = logging.getLogger("kvcached.channel")
 
@@ -72,14 +72,13 @@ class Conn:
         return self._closed
 
     # ---- SessionPort ----------------------------------------------------
-    async def deliver(self, allocation_id: int, pages: list["Page"]) -> None:
-        total = len(pages)
+    async def deliver(self, allocation_id: int, page_ids: list[int], fds: list[int]) -> None:
+        total = len(page_ids)
         step = fdchannel.MAX_FDS
         timeout = self._server.settings.fd_send_timeout
         for first in range(0, total, step):
-            chunk = pages[first : first + step]
-            rec = fdchannel.encode_pages(allocation_id, first, total, [p.id for p in chunk])
-            await self.send(rec, [p.handle.fd for p in chunk], timeout)
+            rec = fdchannel.encode_pages(allocation_id, first, total, page_ids[first : first + step])
+            await self.send(rec, fds[first : first + step], timeout)
 
     def hang_up(self, error: errors.KVCachedError | None, pages_returned: int = 0) -> None:
         if self._closed:
@@ -327,7 +326,8 @@ class ChannelServer:
                 conn.send_nowait(fdchannel.encode_reply(rec.req_id, errors.Code.FAILED_PRECONDITION, 0,
                                                         "no session on this fd channel yet: call OpenSession first"))
             else:
-                self._spawn(self._serve_request(conn, conn.session, rec))
+                # Served at once; a Task only if it has to wait (eager.py).
+                eager.start(self._serve_request(conn, conn.session, rec), self._spawn)
             return True
         if isinstance(rec, fdchannel.Adopt) and conn.session is None:
             self._collect_adopt(conn, rec)

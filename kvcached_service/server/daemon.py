@@ -24,6 +24,7 @@ import hashlib
 import hmac
 import itertools
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from .. import errors
 from ..backends.base import Backend
 from ..config import Settings, format_size
 from ..errors import Code
+from . import eager
 from .admission import admit
 from .elastic import Reclaimer, pending_pages
 from .journal import JSession, Journal
@@ -472,7 +474,7 @@ class Daemon:
         for uuid, pages in by_pool.items():
             pool = self.pools[uuid]
             s.remove_pages(pool, pages)
-            self._spawn(pool.give_back(pages))
+            eager.start(pool.give_back(pages), self._spawn)
         for q in s.watchers:
             q.put_nowait(None)
         s.port.hang_up(farewell, pages_returned=n)
@@ -508,16 +510,22 @@ class Daemon:
                 # The session ended while its pages were being made: nobody got them.
                 await pool.give_back(pages)
                 raise errors.FailedPrecondition(f"session {s.id} closed while allocating")
-            s.add_pages(pool, pages)
-            if self.journal is not None:
-                for p in pages:
-                    if not p.ident:
-                        p.ident = self.backend.identity(p.handle.fd)
-                self._journal({"op": "alloc", "sid": s.id, "dev": pool.uuid, "pages": [[p.id, p.ident] for p in pages]})
-            if alloc_id is None:
-                alloc_id = next(self._alloc_ids)
             try:
-                await s.port.deliver(alloc_id, pages)
+                fds = await pool.export_fds(pages)
+            except BaseException:
+                eager.start(pool.give_back(pages), self._spawn)  # never the session's
+                raise
+            try:
+                s.add_pages(pool, pages)
+                if self.journal is not None:
+                    fresh = self.backend.fresh_exports  # an export per delivery: its identity, not a kept one
+                    for p, fd in zip(pages, fds):
+                        if fresh or not p.ident:
+                            p.ident = self.backend.identity(fd)
+                    self._journal({"op": "alloc", "sid": s.id, "dev": pool.uuid, "pages": [[p.id, p.ident] for p in pages]})
+                if alloc_id is None:
+                    alloc_id = next(self._alloc_ids)
+                await s.port.deliver(alloc_id, [p.id for p in pages], fds)
             except DeliveryFailed as exc:
                 self.count("fd_channel_errors")
                 err = errors.Unavailable(f"could not deliver pages on session {s.id}'s fd channel: {exc}")
@@ -531,6 +539,13 @@ class Daemon:
                     self._journal({"op": "free", "sid": s.id, "pages": [p.id for p in pages]})
                     self._spawn(pool.give_back(pages))
                 raise
+            finally:
+                if self.backend.fresh_exports:  # sent (the client has its own now) or not: ours go
+                    for fd in fds:
+                        try:
+                            os.close(fd)
+                        except OSError:
+                            pass
             pool.mark_held(pages)
             s.allocations_total += 1
             s.touch()
@@ -620,8 +635,12 @@ class Daemon:
             s.frees_total += 1
             s.touch()
             self._journal({"op": "free", "sid": s.id, "pages": [p.id for p in pages]})
-            # Tasks of their own: a cancelled Free (its client died) still returns the pages.
-            await asyncio.wait([self._spawn(self.pools[u].give_back(g)) for u, g in by_pool.items()])
+            # Pages nothing needs to zero are pooled at once; zeroing runs in
+            # tasks of their own: a cancelled Free (its client died) still
+            # returns the pages.
+            zeroing = [t for t in (eager.start(self.pools[u].give_back(g), self._spawn) for u, g in by_pool.items()) if t]
+            if zeroing:
+                await asyncio.wait(zeroing)
             return len(pages), s
 
     def held_bytes(self, s: Session) -> int:

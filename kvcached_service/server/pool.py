@@ -28,6 +28,7 @@ import asyncio
 import collections
 import enum
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple
@@ -195,7 +196,7 @@ class DevicePool:
         self.n_held = 0
         self.n_creating = 0
         self.counters = PoolCounters()
-        self._changed = asyncio.Event()
+        self._changed: asyncio.Event | None = None  # made by the first waiter, set and dropped by _notify
         self._refilling = False
         # Called with (device uuid, pages) whenever pages return to the pool.
         self.on_pages_returned: Callable[[str, int], None] | None = None
@@ -331,6 +332,29 @@ class DevicePool:
             fut.add_done_callback(release)
             raise
 
+    async def export_fds(self, pages: list[Page]) -> list[int]:
+        """The descriptors to deliver for `pages` (backend.export_fds). With
+        a backend of fresh exports they are new fds the caller closes once
+        sent; a few pages are exported on this thread, more on the worker.
+        If the caller is cancelled meanwhile, the fds made are closed."""
+        handles = [p.handle for p in pages]
+        be = self.backend
+        if not be.fresh_exports or len(handles) <= be.inline_export_max:
+            return be.export_fds(self.spec.ordinal, handles)
+        fut = asyncio.ensure_future(self.worker.call(be.export_fds, self.spec.ordinal, handles))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            def close(f: asyncio.Future) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    for fd in f.result():
+                        try:
+                            os.close(fd)
+                        except OSError:
+                            pass
+            fut.add_done_callback(close)
+            raise
+
     def _take_ready(self, uid: int, n: int) -> list[Page]:
         out: list[Page] = []
         mine = self._by_uid.get(uid)
@@ -412,35 +436,46 @@ class DevicePool:
             page.session = None
         self.n_held -= len(pages)
         self.n_pooled += len(pages)
+        dirty = self.backend.needs_zeroing([p.handle for p in pages]) if self.zero_pages else []
+        if not dirty:
+            # Nothing to zero (pages nobody wrote, or --no-zero-pages): pooled
+            # now, without a trip to the device worker.
+            self._pooled_now(pages)
+            return
         # Finish even if the caller is cancelled (its client died mid-Free):
         # otherwise the pages would stay "being zeroed" forever.
-        await asyncio.shield(self._zero_and_pool(pages))
+        await asyncio.shield(self._zero_and_pool(pages, dirty))
 
-    async def _zero_and_pool(self, pages: list[Page]) -> None:
-        try:
-            if self.zero_pages:
-                await self.worker.call(self.backend.zero_pages, self.spec.ordinal, [p.handle for p in pages])
-        except Exception as exc:  # a page we cannot zero must never be handed out again
-            log.error("device %s: zeroing %d pages failed (%s); releasing them", self.uuid, len(pages), exc)
-            self.n_pooled -= len(pages)
-            await self._release(pages)
-            self._notify(0)
-            return
+    def _pooled_now(self, pages: list[Page]) -> None:
         now = time.monotonic()
         self.n_pooled -= len(pages)
         for page in pages:
             self._pool(page, now)
         self._notify(len(pages))
 
+    async def _zero_and_pool(self, pages: list[Page], dirty: list[PageHandle]) -> None:
+        try:
+            await self.worker.call(self.backend.zero_pages, self.spec.ordinal, dirty)
+        except Exception as exc:  # a page we cannot zero must never be handed out again
+            log.error("device %s: zeroing %d pages failed (%s); releasing them", self.uuid, len(pages), exc)
+            self.n_pooled -= len(pages)
+            await self._release(pages)
+            self._notify(0)
+            return
+        self._pooled_now(pages)
+
     def _notify(self, n: int) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        if self._changed is not None:  # someone waits for pages
+            self._changed.set()
+            self._changed = None
         if n and self.on_pages_returned is not None:
             self.on_pages_returned(self.uuid, n)
 
     async def wait_changed(self, timeout: float) -> None:
         """Wait until pages return to the pool (or timeout)."""
         ev = self._changed
+        if ev is None:
+            ev = self._changed = asyncio.Event()
         try:
             await asyncio.wait_for(ev.wait(), timeout)
         except asyncio.TimeoutError:

@@ -37,9 +37,10 @@ class SessionPort(Protocol):
     @property
     def closed(self) -> bool: ...
 
-    async def deliver(self, allocation_id: int, pages: list["Page"]) -> None:
-        """Hand the pages' descriptors to the client, in order, before the
-        request is answered. Raises DeliveryFailed."""
+    async def deliver(self, allocation_id: int, page_ids: list[int], fds: list[int]) -> None:
+        """Hand the pages (ids and descriptors, in order) to the client
+        before the request is answered; the caller keeps its descriptors.
+        Raises DeliveryFailed."""
 
     def hang_up(self, error: errors.KVCachedError | None, pages_returned: int = 0) -> None:
         """The session ended: tell the client (GOODBYE when error is None,

@@ -21,7 +21,7 @@ def test_create_zero_release(sim):
         base = m.reserve(7 * GRAN)
         addr = base
         for p in fresh + zeroed:
-            m.map(addr, os.dup(p.fd), p.size); addr += p.size
+            m.map(addr, b.export_fds(0, [p])[0], p.size); addr += p.size
         fresh_bytes = m.read(base, 4).hex()
         zero_ok = all(m.read(base + 4 * GRAN + i * GRAN, GRAN) == bytes(GRAN) for i in range(3))
         m.write(base + 4 * GRAN + 10, b"dirty")
@@ -80,9 +80,8 @@ CREATE = """
     out(err=err, info=info, n=len(pages))
 """
 
-CREATE_CALLS = (
+CREATE_CALLS = (  # no export: a page's fd is made when it is delivered (export_fds)
     "cuMemCreate",
-    "cuMemExportToShareableHandle",
     "cuMemAddressReserve",
     "cuMemMap",
     "cuMemSetAccess",
@@ -90,6 +89,52 @@ CREATE_CALLS = (
     "cuCtxSynchronize",
     "cuMemUnmap",
 )
+
+
+def test_pages_keep_no_fd_and_each_delivery_gets_its_own_export(sim):
+    """create_pages keeps no descriptor per page (the daemon's fds do not
+    grow with the pages it tracks); export_fds makes a new fd per delivery,
+    on any thread, for the same page each time, and the caller closes it."""
+    r = sim.run("""
+        b = open_backend(); on_worker(lambda: b.worker_init(0))
+        before = len(os.listdir("/proc/self/fd"))
+        pages = on_worker(lambda: b.create_pages(0, 8, GRAN, zero=True))
+        kept = [p.fd for p in pages]
+        first = b.export_fds(0, pages)                          # event loop thread (no context needed)
+        second = on_worker(lambda: b.export_fds(0, pages))      # device worker
+        distinct = len(set(first + second)) == 16
+        h1, h2 = import_fd(first[0]), import_fd(second[0])      # both are the same page
+        m = CudaMapper(b.devices()[0].uuid)
+        base = m.reserve(2 * GRAN)
+        m.map(base, os.dup(first[0]), GRAN); m.map(base + GRAN, os.dup(second[0]), GRAN)
+        m.write(base, b"same page")
+        same = m.read(base + GRAN, 9) == b"same page"
+        m.unmap(base, GRAN, None); m.unmap(base + GRAN, GRAN, None); m.release(base, 2 * GRAN); m.close()
+        drv().cuMemRelease(h1); drv().cuMemRelease(h2)
+        for fd in first + second:
+            os.close(fd)
+        on_worker(lambda: b.release_pages(0, pages)); on_worker(lambda: b.worker_exit(0)); b.close()
+        out(kept=kept, distinct=distinct, same=same)
+    """)
+    assert r["kept"] == [-1] * 8
+    assert r["distinct"] and r["same"]
+    assert r.report["leaks"] == 0, r.report
+
+
+def test_export_failure_closes_the_fds_it_made(sim):
+    for n in (1, 3, 5):
+        r = sim.run("""
+            b = open_backend(); on_worker(lambda: b.worker_init(0))
+            pages = on_worker(lambda: b.create_pages(0, 5, GRAN, zero=False))
+            try:
+                b.export_fds(0, pages); err = None
+            except Exception as exc:
+                err = describe(exc)
+            on_worker(lambda: b.release_pages(0, pages)); on_worker(lambda: b.worker_exit(0)); b.close()
+            out(err=err)
+        """, KVCACHED_TESTDRV_FAIL=f"cuMemExportToShareableHandle:{n}:CUDA_ERROR_OUT_OF_MEMORY")
+        assert r["err"]["exhausted"] and "cuMemExportToShareableHandle" in r["err"]["message"], r["err"]
+        assert r.report["leaks"] == 0, (n, r.report)
 
 
 def test_rollback_at_every_driver_call_of_create_pages(sim):

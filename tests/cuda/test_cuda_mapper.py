@@ -15,8 +15,11 @@ b = open_backend()
 on_worker(lambda: b.worker_init({device}))
 pages = on_worker(lambda: b.create_pages({device}, 3, GRAN, zero=True))
 uuid = b.devices()[{device}].uuid
-send_fds(sock, [p.fd for p in pages], uuid.encode())
-send_fds(sock, [p.fd for p in pages], uuid.encode())   # the same pages to a second client
+for _ in range(2):  # the same pages to a second client: an export per delivery, closed once sent
+    fds = b.export_fds({device}, pages)
+    send_fds(sock, fds, uuid.encode())
+    for fd in fds:
+        os.close(fd)
 out(uuid=uuid)
 wait_line()                                  # clients wrote; now clear page 1 everywhere
 on_worker(lambda: b.zero_pages({device}, pages[1:2]))
@@ -121,7 +124,9 @@ def test_client_keeping_a_page_pins_it_device_wide(sim):
     daemon = sim.spawn(f"""
         b = open_backend(); on_worker(lambda: b.worker_init(0))
         pages = on_worker(lambda: b.create_pages(0, 2, GRAN, zero=True))
-        send_fds({d_a.fileno()}, [pages[0].fd], b.devices()[0].uuid.encode())
+        fds = b.export_fds(0, pages[:1])
+        send_fds({d_a.fileno()}, fds, b.devices()[0].uuid.encode())
+        os.close(fds[0])
         wait_line()
         on_worker(lambda: b.release_pages(0, pages))
         out(free=b.memory_info(0)[0])
@@ -180,7 +185,7 @@ def test_mapper_map_failure_closes_fd_and_leaks_nothing(sim):
         _close = os.close
         os.close = lambda fd: (closed.append(fd), _close(fd))[1]
         for _ in range(2):
-            fd = os.dup(pages[0].fd)
+            fd = b.export_fds(0, pages[:1])[0]
             try:
                 m.map(base, fd, GRAN); results.append("ok")
             except errors.KVCachedError as exc:
