@@ -115,6 +115,7 @@ class Settings(BaseSettings):
     state_dir: str = Field("", description="directory for the daemon's journal, which lets clients resume their sessions after a crash; empty = none")
     resume_grace: float = Field(60.0, gt=0, description="seconds a restarted daemon keeps a journaled session's pages for its client to resume it")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field("auto", description="the daemon's event loop: uvloop (faster request path), asyncio (the standard library's), auto = uvloop when installed")
 
     @classmethod
     def settings_customise_sources(

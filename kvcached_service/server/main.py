@@ -82,8 +82,9 @@ def open_backend(settings: Settings) -> Backend:
 
 
 def raise_fd_limit() -> int:
-    """Every page is one open fd in the daemon: lift the soft RLIMIT_NOFILE
-    to the hard limit. Returns the limit in force."""
+    """Every host page is one open fd in the daemon (a CUDA page is none,
+    but its delivery and the clients' channels are): lift the soft
+    RLIMIT_NOFILE to the hard limit. Returns the limit in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         try:
@@ -150,9 +151,9 @@ async def serve(settings: Settings, ready_hook=None) -> int:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving on %s (fd channel %s), pid %d", settings.socket, settings.fd_socket, os.getpid())
     pages = sum(p.budget.pages for p in daemon.pools.values())
-    if pages + 256 > nofile:
-        log.warning("the budget is %d pages but the open-file limit is %d: every page is one fd; "
-                    "raise LimitNOFILE (systemd) or ulimit -n, or use larger pages", pages, nofile)
+    if backend.fds_per_page and pages * backend.fds_per_page + 256 > nofile:
+        log.warning("the budget is %d pages but the open-file limit is %d: every %s page is one fd in the daemon; "
+                    "raise LimitNOFILE (systemd) or ulimit -n, or use larger pages", pages, nofile, backend.kind)
     if ready_hook is not None:
         ready_hook(daemon)
     notifier = sdnotify.start_for(daemon)
@@ -176,6 +177,28 @@ async def serve(settings: Settings, ready_hook=None) -> int:
         notifier.close()
     log.info("stopped: every page released")
     return 0
+
+
+def run_loop(settings: Settings, main_coro) -> int:
+    """Run the daemon on the configured event loop (settings.event_loop):
+    uvloop (libuv) when asked for or, with auto, when it is installed; the
+    standard library's asyncio loop otherwise. grpc.aio runs on either."""
+    choice = settings.event_loop
+    if choice in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            if choice == "uvloop":
+                main_coro.close()
+                raise StartupError("--event-loop uvloop: uvloop is not installed (pip install uvloop)") from None
+        else:
+            log.debug("event loop: uvloop %s", uvloop.__version__)
+            if hasattr(asyncio, "Runner"):  # 3.11+
+                with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                    return runner.run(main_coro)
+            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())  # 3.10
+            return asyncio.run(main_coro)
+    return asyncio.run(main_coro)
 
 
 def _unlink(path: str) -> None:
@@ -203,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        return asyncio.run(serve(settings))
+        return run_loop(settings, serve(settings))
     except (StartupError, errors.KVCachedError) as exc:
         msg = exc.message if isinstance(exc, errors.KVCachedError) else str(exc)
         log.error("cannot start: %s", msg)
