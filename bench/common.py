@@ -71,7 +71,11 @@ def open_fds(pid: int) -> int:
 class Daemon:
     """kvcached-serve as a subprocess on a private socket."""
 
-    def __init__(self, workdir: pathlib.Path, name: str, backend: str, args: list[str], env: dict | None = None):
+    def __init__(self, workdir: pathlib.Path, name: str, backend: str, args: list[str], env: dict | None = None,
+                 tree: pathlib.Path | None = None):
+        """`tree`: run the daemon of another revision (a directory holding
+        its kvcached_service package, bench/run.py --compare) instead of
+        this checkout's."""
         self.dir = pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-", dir=workdir))
         self.socket = str(self.dir / "kvc.sock")
         self.log_path = self.dir / "daemon.log"
@@ -79,9 +83,9 @@ class Daemon:
                "--log-level", "WARNING", *args]
         full_env = dict(os.environ)
         full_env.update(env or {})
-        full_env["PYTHONPATH"] = str(ROOT)
+        full_env["PYTHONPATH"] = str(tree or ROOT)
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=tree or ROOT)
         self.pid = self.proc.pid
         self._wait_ready()
 

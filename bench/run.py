@@ -81,6 +81,24 @@ def figures(res: dict) -> list[dict]:
                 rows.append(_row("2 Allocate+Free 1 page", f"fd channel requests vs gRPC calls, 1 client {p}",
                                  s["rtt_1_daemon"][f"{p}_us"], s["rtt_1_grpc"][f"{p}_us"], "us", "lower",
                                  "the same pair as gRPC Allocate/Free calls"))
+        if "floor" in s:
+            fl = s["floor"]
+            fw = "transport floor: C ping-pong, one SCM_RIGHTS record each way (bench/floor.c)"
+            for p in ("p50", "p99"):
+                rows.append(_row("2 Allocate+Free 1 page", f"vs transport floor, 1 client {p}", s["rtt_1_daemon"][f"{p}_us"],
+                                 fl["rtt_1"][f"{p}_us"], "us", "lower", fw))
+                rows.append(_row("2 Allocate+Free 1 page", f"vs transport floor, 16 clients {p}", s["rtt_16_daemon"][f"{p}_us"],
+                                 fl["rtt_16"][f"{p}_us"], "us", "lower", fw))
+            rows.append(_row("2 Allocate+Free 1 page", "vs transport floor, 64 clients pairs/s", s["tput_64_daemon"]["pairs_per_s"],
+                             fl["tput_64"]["per_s"], "/s", "higher", fw + ", round trips/s"))
+        for ref, old in s.get("compare", {}).items():
+            bw = f"the same, daemon and client of {ref} (same run)"
+            for conc in (1, 16):
+                for p in ("p50", "p99"):
+                    rows.append(_row("2 Allocate+Free 1 page", f"this tree vs {ref}, {conc} client{'s' if conc > 1 else ''} {p}",
+                                     s[f"rtt_{conc}_daemon"][f"{p}_us"], old[f"rtt_{conc}_daemon"][f"{p}_us"], "us", "lower", bw))
+            rows.append(_row("2 Allocate+Free 1 page", f"this tree vs {ref}, 64 clients pairs/s", s["tput_64_daemon"]["pairs_per_s"],
+                             old["tput_64_daemon"]["pairs_per_s"], "/s", "higher", bw))
     if "reclaim" in sc:
         s = sc["reclaim"]
         gib = s["moved_bytes"] / (1 << 30)
@@ -97,6 +115,8 @@ def figures(res: dict) -> list[dict]:
             fig = f"{l['pages_tracked']} pages tracked"
             bw = "same figure at 1000 pages tracked"
             rows.append(_row("4 Scale", f"{fig}: daemon RSS", l["daemon_rss_kib"] / 1024, ref["daemon_rss_kib"] / 1024, "MiB", "lower", bw))
+            if "daemon_fds" in l and "daemon_fds" in ref:
+                rows.append(_row("4 Scale", f"{fig}: daemon open fds", l["daemon_fds"], ref["daemon_fds"], "fds", "lower", bw))
             for what in ("allocate", "getstats"):
                 for p in ("p50", "p99"):
                     rows.append(_row("4 Scale", f"{fig}: {'Allocate+map 1 page' if what == 'allocate' else 'GetStats'} {p}",
@@ -131,10 +151,48 @@ def figures(res: dict) -> list[dict]:
     return rows
 
 
+def targets(res: dict) -> list[dict]:
+    """Issue 18's must-hold figures, each with its limit and whether this run met it."""
+    out: list[dict] = []
+    sc = res.get("scenarios", {})
+
+    def add(what, value, limit, unit, ok):
+        out.append({"target": what, "value": value, "limit": limit, "unit": unit, "met": bool(ok)})
+
+    if "roundtrip" in sc:
+        s = sc["roundtrip"]
+        p50 = s["rtt_1_daemon"]["p50_us"]
+        add("1 client Allocate+Free p50 <= 150 us", p50, 150, "us", p50 <= 150)
+        if "floor" in s:
+            fl = s["floor"]["rtt_1"]["p50_us"]
+            add("1 client Allocate+Free p50 <= 5x the transport floor p50", p50 / fl, 5, "x", p50 <= 5 * fl)
+        p99 = s["rtt_16_daemon"]["p99_us"]
+        add("16 clients p99 <= 2 ms", p99, 2000, "us", p99 <= 2000)
+        t = s["tput_64_daemon"]["pairs_per_s"]
+        add("64 clients >= 10,000 pairs/s", t, 10000, "/s", t >= 10000)
+    if "reclaim" in sc:
+        ms = sc["reclaim"]["daemon_reclaim"]["p50_us"] / 1e3
+        gib = sc["reclaim"]["moved_bytes"] / (1 << 30)
+        add(f"reclaim of {gib:.2f} GiB idle -> new session < 50 ms", ms, 50, "ms", ms < 50)
+    if "scale" in sc:
+        lv = sc["scale"]["levels"]
+        ref, top = lv.get("1000"), lv.get("100000")
+        if top is None:
+            lim = sc["scale"].get("limit", {})
+            add("100k pages tracked", lim.get("reached_pages", 0), 100000, "pages", False)
+        elif ref is not None:
+            rss = top["daemon_rss_kib"] / 1024
+            add("100k pages tracked: daemon RSS <= 150 MB", rss, 150e6 / (1 << 20), "MiB", rss * (1 << 20) <= 150e6)
+            for what, label in (("allocate", "Allocate+map"), ("getstats", "GetStats")):
+                r = top[what]["p50_us"] / ref[what]["p50_us"]
+                add(f"100k pages tracked: {label} p50 within 1.2x of 1k pages", r, 1.2, "x", r <= 1.2)
+    return out
+
+
 def _fmt(v, unit) -> str:
     if isinstance(v, float) and math.isnan(v):
         return "n/a"
-    if unit in ("req", "pages", "loads"):
+    if unit in ("req", "pages", "loads", "fds"):
         return f"{v:.0f}"
     if unit == "models":
         return f"{v:.2f}"
@@ -171,8 +229,42 @@ def markdown(result: dict) -> str:
             out.append(f"| {r['scenario']} | {fig} | {_fmt(r['value'], r['unit'])} | {_fmt(r['baseline'], r['unit'])} | {ratio} | {r['better']} | {r['baseline_is']} |")
         for name, err in res.get("errors", {}).items():
             out.append(f"\n**{name} failed**: `{err.strip().splitlines()[-1]}`")
+        if res.get("targets"):
+            out.append("")
+            out.append("Must hold (issue 18):")
+            out.append("")
+            out.append("| target | this run | met |")
+            out.append("|---|---:|---|")
+            for t in res["targets"]:
+                v = f"{t['value']:.2f}x" if t["unit"] == "x" else _fmt(t["value"], t["unit"])
+                out.append(f"| {t['target']} | {v} | {'yes' if t['met'] else '**no**'} |")
+        prof = [(k, v) for k, v in res.get("scenarios", {}).get("roundtrip", {}).items() if k.startswith("profile_")]
+        for k, v in prof:
+            out.append("")
+            if v.get("error"):
+                out.append(f"Profile {k[8:]}: not taken: {v['error']}")
+                continue
+            out.append(f"Profile {k[8:]} (py-spy, daemon, {v['samples']} samples, {100 * v['busy_share']:.0f}% not idle; "
+                       f"flame graph `{v['flamegraph']}`): where the busy samples fell (self):")
+            out.append("")
+            for f, pct in v["self_top"][:10]:
+                out.append(f"- {pct:.1f}% `{f}`")
         out.append("")
     return "\n".join(out)
+
+
+def tree_of(ref: str) -> pathlib.Path:
+    """The kvcached_service package of git revision `ref`, extracted once
+    into build/bench/trees/<commit>/ (for --compare)."""
+    sha = subprocess.run(["git", "rev-parse", "--verify", f"{ref}^{{commit}}"], cwd=common.ROOT, capture_output=True, text=True)
+    if sha.returncode != 0:
+        raise SystemExit(f"--compare: {ref!r} is not a git revision here: {sha.stderr.strip()}")
+    tree = common.ROOT / "build" / "bench" / "trees" / sha.stdout.strip()
+    if not (tree / "kvcached_service").is_dir():
+        tree.mkdir(parents=True, exist_ok=True)
+        arch = subprocess.run(["git", "archive", sha.stdout.strip(), "kvcached_service"], cwd=common.ROOT, capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=arch.stdout, check=True)
+    return tree
 
 
 def main(argv=None) -> int:
@@ -183,6 +275,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="", help="directory for results.json and results.md (default: a new temp dir)")
     ap.add_argument("--only", default="", help="comma-separated scenarios: " + ",".join(
         ["allocate64", "roundtrip", "reclaim", "scale", "loadgen", "capacity"]))
+    ap.add_argument("--profile", action="store_true",
+                    help="py-spy the daemon during scenario 2 (1 client, 64 clients); flame graphs in DIR/profile-BACKEND/")
+    ap.add_argument("--compare", default="", metavar="REF[,REF]",
+                    help="run scenario 2 also against the daemon and client of these git revisions, in the same run")
     a = ap.parse_args(argv)
     out_dir = pathlib.Path(a.out or tempfile.mkdtemp(prefix="kvc-bench-out-"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -193,6 +289,8 @@ def main(argv=None) -> int:
     if a.backend in ("cuda", "all"):
         wanted += ["cuda-testdriver", "cuda-gpu"]
     cmd = "scripts/bench.sh" + (" --quick" if a.quick else "") + f" --backend {a.backend}" + (f" --only {a.only}" if a.only else "")
+    cmd += (" --profile" if a.profile else "") + (f" --compare {a.compare}" if a.compare else "")
+    trees = [f"{ref}={tree_of(ref)}" for ref in a.compare.split(",") if ref]
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": cmd,
               "quick": a.quick, "machine": machine(), "gpu": gpu, "backends": {}}
     rc = 0
@@ -225,6 +323,10 @@ def main(argv=None) -> int:
         cmdline = [common.PY, "-m", "bench.suite", "--backend", be, "--out", str(raw)] + (["--quick"] if a.quick else [])
         if a.only:
             cmdline += ["--only", a.only]
+        if a.profile:
+            cmdline += ["--profile-dir", str(out_dir / f"profile-{be}")]
+        if trees:
+            cmdline += ["--compare", ",".join(trees)]
         t0 = time.monotonic()
         p = subprocess.run(cmdline, env=env, cwd=common.ROOT)
         if state:
@@ -235,6 +337,7 @@ def main(argv=None) -> int:
         res["seconds"] = time.monotonic() - t0
         try:
             res["figures"] = figures(res)
+            res["targets"] = targets(res)
         except Exception as exc:  # noqa: BLE001
             res.setdefault("errors", {})["figures"] = f"cannot compute figures: {exc!r}"
             res["figures"] = []

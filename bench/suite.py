@@ -10,6 +10,7 @@ records both; bench/run.py turns them into ratios and the table.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pathlib
@@ -21,30 +22,33 @@ import threading
 import time
 import traceback
 
-from . import common
+from . import common, profile
 from .common import GiB, MiB, Daemon, summary_us
 
 PAGE = 2 * MiB
 
 
 class Ctx:
-    def __init__(self, backend: str, quick: bool, workdir: pathlib.Path):
+    def __init__(self, backend: str, quick: bool, workdir: pathlib.Path, profile_dir: pathlib.Path | None = None,
+                 compare: list[tuple[str, pathlib.Path]] | None = None):
         self.backend = backend  # host | cuda-testdriver | cuda-gpu
         self.kind = "host" if backend == "host" else "cuda"
         self.quick = quick
         self.workdir = workdir
         self.testdriver = backend == "cuda-testdriver"
+        self.profile_dir = profile_dir  # py-spy flame graphs of scenario 2 go here (None: no profile)
+        self.compare = compare or []  # (git ref, its kvcached_service tree): scenario 2 again against each
 
     def q(self, quick, full):
         return quick if self.quick else full
 
-    def daemon(self, name: str, args: list[str], device_bytes: int | None = None) -> Daemon:
+    def daemon(self, name: str, args: list[str], device_bytes: int | None = None, tree: pathlib.Path | None = None) -> Daemon:
         env = {}
         if self.testdriver and device_bytes:
             env["KVCACHED_TESTDRV_MEMORY"] = str(device_bytes)
         if self.kind == "host" and device_bytes:
             args = [*args, "--host-memory", str(device_bytes)]
-        return Daemon(self.workdir, name, common.daemon_backend(self.kind), ["--page-size", str(PAGE), *args], env)
+        return Daemon(self.workdir, name, common.daemon_backend(self.kind), ["--page-size", str(PAGE), *args], env, tree=tree)
 
 
 # ---- 1. Allocate(64 pages) end to end ------------------------------------------------------
@@ -115,16 +119,53 @@ def common_wait_pool_empty(session, timeout: float = 5.0) -> None:
 
 
 # ---- 2. one-page Allocate+Free round trips; pairs/s with 64 clients -------------------------------
-def s2_roundtrip(c: Ctx) -> dict:
+def floor_binary() -> str:
+    """bench/floor.c built into build/bench/ (rebuilt when its source changes)."""
+    src = common.ROOT / "bench" / "floor.c"
+    digest = hashlib.sha256(src.read_bytes()).hexdigest()[:16]
+    out = common.ROOT / "build" / "bench" / f"floor-{digest}"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        r = subprocess.run(["cc", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(tmp), str(src)], capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError(f"cannot build the transport floor (cc bench/floor.c):\n{r.stderr}")
+        tmp.rename(out)
+    return str(out)
+
+
+def transport_floor(c: Ctx, nproc: int) -> dict:
+    """The C ping-pong (bench/floor.c): one SCM_RIGHTS record each way over
+    SOCK_SEQPACKET, at the concurrencies of this scenario."""
+    binary = floor_binary()
+
+    def run(*args) -> dict:
+        r = subprocess.run([binary, *map(str, args)], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"floor {' '.join(map(str, args))} exited {r.returncode}: {r.stderr}")
+        return json.loads(r.stdout)
+
+    return {"rtt_1": run(1, "rtt", c.q(2000, 20000)), "rtt_16": run(16, "rtt", c.q(200, 2000)),
+            f"tput_{nproc}": run(nproc, "tput", c.q(1.0, 5.0))}
+
+
+def roundtrip_scenario(c: Ctx, tree: "pathlib.Path | None" = None, profile_dir: "pathlib.Path | None" = None) -> dict:
+    """One-page pairs through a daemon (and its Python client) from `tree`
+    (a checkout of another revision, for before/after in one run; None =
+    this one). With `profile_dir`, py-spy samples the daemon during the
+    1-client and the 64-client runs (flame graphs saved there)."""
     nproc = 64
     out: dict = {"page_size": PAGE}
-    with c.daemon("s2", ["--memory-limit", str(4 * nproc * PAGE)], device_bytes=8 * nproc * PAGE) as d:
+    with c.daemon("s2", ["--memory-limit", str(4 * nproc * PAGE)], device_bytes=8 * nproc * PAGE, tree=tree) as d:
         env = common.client_env(d)
+        cwd = common.ROOT
+        if tree is not None:  # that revision's client: its tree first on the path (python -m puts cwd there)
+            cwd = tree
         procs = []
         try:
             for _ in range(nproc):
                 procs.append(subprocess.Popen([common.PY, "-m", "bench.worker", "pairs", c.kind, str(PAGE)],
-                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=common.ROOT))
+                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=cwd))
             for p in procs:
                 line = p.stdout.readline()
                 if not line:
@@ -140,11 +181,17 @@ def s2_roundtrip(c: Ctx) -> dict:
             for conc, n in ((1, c.q(60, 1000)), (16, c.q(15, 150))):
                 group = procs[:conc]
                 for mode in ("daemon", "grpc", "base") if conc == 1 else ("daemon", "base"):
+                    spy = profile.start(d.pid, profile_dir, "rtt1", secs=None) if profile_dir and conc == 1 and mode == "daemon" else None
                     lat = [x for r in run(group, {"op": "rtt", "mode": mode, "n": n}) for x in r["lat"]]
+                    if spy:
+                        out["profile_rtt1"] = spy.finish()
                     out[f"rtt_{conc}_{mode}"] = summary_us(lat)
             secs = c.q(1.0, 5.0)
             for mode in ("daemon", "base"):
+                spy = profile.start(d.pid, profile_dir, f"tput{nproc}", secs=None) if profile_dir and mode == "daemon" else None
                 got = run(procs, {"op": "tput", "mode": mode, "secs": secs})
+                if spy:
+                    out[f"profile_tput{nproc}"] = spy.finish()
                 out[f"tput_{nproc}_{mode}"] = {"pairs": sum(r["pairs"] for r in got), "secs": secs,
                                                "pairs_per_s": sum(r["pairs"] for r in got) / secs, "clients": nproc}
             for p in procs:
@@ -157,6 +204,15 @@ def s2_roundtrip(c: Ctx) -> dict:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+    return out
+
+
+def s2_roundtrip(c: Ctx) -> dict:
+    out = roundtrip_scenario(c, profile_dir=c.profile_dir)
+    out["floor"] = transport_floor(c, 64)
+    for ref, tree in c.compare:
+        # the same scenario against another revision's daemon and client, in this run
+        out.setdefault("compare", {})[ref] = roundtrip_scenario(c, tree=tree)
     return out
 
 
@@ -379,9 +435,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", default="", help="comma-separated scenario names")
+    ap.add_argument("--profile-dir", default="", help="py-spy the daemon in scenario 2, flame graphs here")
+    ap.add_argument("--compare", default="", help="REF=TREE,...: scenario 2 also against these trees")
     a = ap.parse_args()
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="kvc-bench-"))
-    ctx = Ctx(a.backend, a.quick, workdir)
+    compare = [(ref, pathlib.Path(tree)) for ref, tree in (x.split("=", 1) for x in a.compare.split(",") if x)]
+    ctx = Ctx(a.backend, a.quick, workdir, pathlib.Path(a.profile_dir) if a.profile_dir else None, compare)
     only = [s for s in a.only.split(",") if s] or list(SCENARIOS)
     result = {"backend": a.backend, "quick": a.quick, "scenarios": {}, "errors": {}}
     for name in only:
