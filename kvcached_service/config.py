@@ -103,12 +103,17 @@ class Settings(BaseSettings):
     max_pages_per_request: int = Field(65536, ge=1, le=1 << 24, description="largest Allocate, in pages")
     max_sessions: int = Field(4096, ge=1, description="open sessions in total")
     max_sessions_per_uid: int = Field(1024, ge=1, description="open sessions (and unbound fd channels) per uid")
-    channel_ops_only: bool = Field(False, description="serve Allocate/Free/CloseSession only as fd channel requests (the kernel names the sender), refusing them over gRPC")
+    grpc_page_ops: bool = Field(False, description="also serve Allocate/Free/CloseSession over gRPC, where a SessionRef is a bearer secret (for tools such as grpcurl); off: only as requests on the session's own fd channel, whose sender the kernel names (docs/architecture.md, Security model)")
+    channel_ops_only: bool | None = Field(None, description="deprecated (now the default): page operations only on the fd channel; --no-channel-ops-only is --grpc-page-ops")
+    max_grpc_connections: int = Field(1024, ge=1, description="control-socket (gRPC) connections open at once, all uids together")
+    max_grpc_connections_per_uid: int = Field(256, ge=1, description="control-socket (gRPC) connections open at once per uid (SO_PEERCRED); keep it below max_grpc_connections")
+    grpc_idle_timeout: float = Field(120.0, gt=0, description="seconds a control connection with no call in flight stays open (clients reconnect on their next call)")
     fd_send_timeout: float = Field(5.0, gt=0, description="seconds a client may leave its fd channel full before its session is ended")
     channel_bind_timeout: float = Field(30.0, gt=0, description="seconds an fd channel may stay without a session")
     host_memory: str = Field("", description="device size the host backend reports (default: physical RAM)")
     default_wait_ms: int = Field(10000, ge=0, description="default wait of an Allocate with wait=true, in ms")
     reclaim_timeout_ms: int = Field(2000, ge=1, description="time a session gets to answer a reclaim request, in ms")
+    memory_poll_seconds: float = Field(1.0, ge=0, description="how often the daemon reads each device's free memory (cuMemGetInfo; host: MemAvailable) to cap its budget at what the device has; 0 = at start and when an Allocate finds the budget short")
     idle_shrink_seconds: float = Field(0.0, ge=0, description="ask sessions idle this long to shrink to their guarantee; 0 = never")
     shutdown_grace: float = Field(2.0, ge=0, description="seconds between telling sessions about shutdown and closing them")
     metrics_address: str = Field("", description="host:port for Prometheus metrics; empty = off")
@@ -194,6 +199,11 @@ class Settings(BaseSettings):
             raise ValueError("fd_socket: must differ from socket")
         if parse_size(self.page_size) == 0:
             raise ValueError("page_size: must be positive")
+        if self.channel_ops_only is not None:
+            if self.channel_ops_only and self.grpc_page_ops:
+                raise ValueError("channel_ops_only and grpc_page_ops contradict each other (channel_ops_only is the default now: drop it)")
+            if not self.channel_ops_only:
+                self.grpc_page_ops = True
         self._memory_limit = MemoryLimit.parse(self.memory_limit)
         return self
 
@@ -222,6 +232,12 @@ class Settings(BaseSettings):
         if self.socket_group.isdigit():
             return int(self.socket_group)
         return grp.getgrnam(self.socket_group).gr_gid
+
+    @property
+    def page_ops_on_channel_only(self) -> bool:
+        """Allocate/Free/CloseSession only as fd channel requests (the
+        default), not over gRPC (--grpc-page-ops)."""
+        return not self.grpc_page_ops
 
     def is_admin(self, uid: int) -> bool:
         return uid in self.admin_uids or uid == os.getuid()

@@ -19,7 +19,11 @@ C = grpc.StatusCode
 
 
 @pytest.fixture
-def env(host_daemon):
+def env(daemon_factory):
+    # the gRPC page rpcs (Allocate, Free, CloseSession) are what these tests
+    # feed bad input to: served with --grpc-page-ops (for tools); the fd
+    # channel's requests reach the same core checks (test_fdchannel.py)
+    host_daemon = daemon_factory("host", grpc_page_ops=True)
     c = host_daemon.client()
     a = c.open_session("a")
     b = c.open_session("b")

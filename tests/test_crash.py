@@ -38,7 +38,8 @@ def test_kill_while_holding_pages(daemon):
     assert info["pages"]
 
 
-def test_kill_between_allocate_and_reading_fds(daemon):
+def test_kill_between_allocate_and_reading_fds(daemon_factory, backend):
+    daemon = daemon_factory(backend, grpc_page_ops=True)  # raw-allocate: a gRPC Allocate, as a tool would
     p = daemon.spawn_client("client_proc.py", "raw-allocate", "100")  # fds sit unread in its socket
     json.loads(p.stdout.readline())
     with daemon.client() as c:
@@ -64,7 +65,7 @@ def test_kill_at_random_points_of_a_busy_client(daemon):
 
 def test_client_that_stops_reading_cannot_stall_others(daemon_factory):
     # 4 KiB pages so a never-reading client can fill its socket buffer quickly
-    d = daemon_factory("host", page_size="4KiB", memory_limit="1GiB", fd_send_timeout="1")
+    d = daemon_factory("host", page_size="4KiB", memory_limit="1GiB", fd_send_timeout="1", grpc_page_ops=True)
     stuck = d.spawn_client("client_proc.py", "raw-allocate", "16000")  # ~63 records: more than a socket buffer holds
     with d.client() as c, c.open_session("bystander") as s:
         t0 = time.monotonic()
@@ -94,7 +95,7 @@ def test_allocate_cancelled_by_its_deadline_leaves_nothing_held(daemon_factory):
     from kvcached_service import fdchannel
     from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
 
-    d = daemon_factory("host", page_size="4KiB", memory_limit="1GiB", fd_send_timeout="30")
+    d = daemon_factory("host", page_size="4KiB", memory_limit="1GiB", fd_send_timeout="30", grpc_page_ops=True)
     with d.client() as c:
         raw = so.socket(so.AF_UNIX, so.SOCK_SEQPACKET)
         raw.connect(d.fd_socket)

@@ -3,15 +3,17 @@ and the shared test vectors (fdchannel.vectors.json) that the Go and C
 codecs decode too:
 
 - the codec (kvcached_service/fdchannel.py): its constants are the spec's,
-  every vector decodes to its record or fails as a protocol error, and the
-  canonical ones re-encode to the same bytes;
-- the daemon as a receiver: every malformed vector a client could send gets
-  an ERROR naming the problem and the channel is closed (its session ends);
-  a well-formed record of the wrong direction is dropped with its
-  descriptors and the channel stays usable;
-- the Python client as a receiver: every malformed vector the daemon could
-  send, and every record the daemon never sends, is a protocol error that
-  closes the channel.
+  every vector decodes to its record or fails as the vector says (a
+  malformed request with its req_id and the daemon's reply, or a protocol
+  error), and the canonical ones re-encode to the same bytes;
+- the daemon as a receiver: every malformed vector gets what the vector's
+  `daemon` says: `reply` (REPLY INVALID_ARGUMENT naming the fault; the
+  session goes on) or `close` (ERROR naming the problem, then the channel
+  closes and its session ends); a request larger than any a client sends
+  (a FREE of 16,385 ids) is answered too; a well-formed record of the wrong
+  direction is dropped with its descriptors and the channel stays usable;
+- the Python client as a receiver: every malformed vector, and every record
+  the daemon never sends, is a protocol error that closes the channel.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ def as_spec(rec) -> dict:
         return {"type": "FREE", "req_id": u(rec.req_id), "count": len(rec.page_ids), "page_ids": [u(i) for i in rec.page_ids]}
     if isinstance(rec, fdchannel.CloseReq):
         return {"type": "CLOSE", "req_id": u(rec.req_id)}
+    if isinstance(rec, fdchannel.AnswerReq):
+        return {"type": "ANSWER", "req_id": u(rec.req_id), "reclaim_id": u(rec.reclaim_id), "bytes_given": u(rec.bytes_given),
+                "bytes_kept": u(rec.bytes_kept), "reason": rec.reason}
     if isinstance(rec, fdchannel.Reply):
         return {"type": "REPLY", "req_id": u(rec.req_id), "code": rec.code, "value": u(rec.value), "message": rec.message}
     raise AssertionError(rec)
@@ -87,6 +92,8 @@ def encode(r: dict) -> bytes:
         return fdchannel.encode_free(int(r["req_id"]), ids) if ids else fdchannel._frame(fdchannel.REQ_FREE, struct.pack("<QII", int(r["req_id"]), 0, 0))
     if t == "CLOSE":
         return fdchannel.encode_close(int(r["req_id"]))
+    if t == "ANSWER":
+        return fdchannel.encode_answer(int(r["req_id"]), int(r["reclaim_id"]), int(r["bytes_given"]), int(r["bytes_kept"]), r["reason"])
     if t == "REPLY":
         return fdchannel.encode_reply(int(r["req_id"]), r["code"], int(r["value"]), r["message"])
     raise AssertionError(t)
@@ -102,17 +109,20 @@ def test_constants_match_the_spec():
     assert lim["secret_size"] == fdchannel.SECRET_SIZE
     assert lim["max_free_ids"] == fdchannel.MAX_FREE_IDS
     assert lim["max_message"] == fdchannel.MAX_MESSAGE
+    assert lim["max_reason"] == fdchannel.MAX_REASON
     assert lim["max_daemon_record"] == fdchannel.MAX_RECORD
     assert lim["max_client_record"] == fdchannel.MAX_CLIENT_RECORD
     assert int(lim["channel_alloc_bit"]) == fdchannel.CHANNEL_ALLOC_BIT
     assert SPEC["flags"]["ALLOCATE"] == {"wait": fdchannel.ALLOC_WAIT, "notify": fdchannel.ALLOC_NOTIFY}
     types = {"HELLO": fdchannel.HELLO, "PAGES": fdchannel.PAGES, "ERROR": fdchannel.ERROR, "GOODBYE": fdchannel.GOODBYE,
              "ADOPT": fdchannel.ADOPT, "ALLOCATE": fdchannel.REQ_ALLOCATE, "FREE": fdchannel.REQ_FREE,
-             "CLOSE": fdchannel.REQ_CLOSE, "REPLY": fdchannel.REPLY}
+             "CLOSE": fdchannel.REQ_CLOSE, "REPLY": fdchannel.REPLY, "ANSWER": fdchannel.REQ_ANSWER}
     assert {n: r["type"] for n, r in RECORDS.items()} == types
+    assert {types[n] for n, r in RECORDS.items() if r.get("answer_malformed")} == fdchannel.REQUESTS
+    assert {v: k for k, v in types.items()} == fdchannel.NAMES
     fixed = {"HELLO": fdchannel._HELLO.size, "PAGES": fdchannel._PAGES.size, "ADOPT": fdchannel._PAGES.size,
              "ERROR": fdchannel._ERROR.size, "ALLOCATE": fdchannel._REQ_ALLOC.size, "FREE": fdchannel._REQ_FREE.size,
-             "CLOSE": fdchannel._REQ_CLOSE.size, "REPLY": fdchannel._REPLY.size}
+             "CLOSE": fdchannel._REQ_CLOSE.size, "REPLY": fdchannel._REPLY.size, "ANSWER": fdchannel._REQ_ANSWER.size}
     for name, size in fixed.items():
         s = RECORDS[name]["size"]
         assert s.get("exact", s.get("fixed", s.get("min"))) == size, name
@@ -136,16 +146,61 @@ def test_vector_decodes(v):
 
 
 @pytest.mark.parametrize("v", NEGATIVE, ids=lambda v: v["name"])
-def test_vector_is_a_protocol_error(v):
-    assert v["closes_channel"]
-    with pytest.raises(fdchannel.ProtocolError):
+def test_vector_is_the_fault_it_says(v):
+    """One behaviour: the decoder classifies each malformed vector as the
+    vector says (the Go and C decoders load the same file)."""
+    assert v["client"] == "close"
+    with pytest.raises(fdchannel.ProtocolError) as info:
         fdchannel.decode(bytes.fromhex(v["hex"]), _fake_fds(v["fds"]))
+    if v["error"] == "malformed_request":
+        assert v["daemon"] == "reply"
+        assert isinstance(info.value, fdchannel.MalformedRequest), info.value
+        assert info.value.req_id == int(v["req_id"])
+        assert v["reply"]["code"] == errors.Code.INVALID_ARGUMENT and info.value.message == v["reply"]["message"]
+    else:
+        assert v["error"] == "protocol" and v["daemon"] == "close"
+        assert not isinstance(info.value, fdchannel.MalformedRequest), info.value
 
 
-def test_free_of_more_than_max_free_ids_is_a_protocol_error():
+def test_every_request_type_has_both_kinds_of_fault():
+    """The vectors cover, for each request type, a malformed request the
+    daemon answers and one it cannot (no req_id or broken framing)."""
+    for name in ("ALLOCATE", "FREE", "CLOSE", "ANSWER"):
+        t = RECORDS[name]["type"]
+        kinds = {v["error"] for v in NEGATIVE if bytes.fromhex(v["hex"])[6:8] == t.to_bytes(2, "little")}
+        assert "malformed_request" in kinds, name
+    assert {v["name"] for v in NEGATIVE if v["daemon"] == "close" and v["sent_by"] == "client"} >= {
+        "close_no_req_id", "allocate_no_req_id", "free_payload_len_mismatch", "allocate_bad_version", "adopt_past_total"}
+
+
+def test_a_cut_request_is_answered_a_cut_anything_else_closes():
+    """SOCK_SEQPACKET keeps record boundaries, so a request cut on receipt
+    (bigger than max_client_record) still has its req_id: answered."""
+    n = fdchannel.MAX_FREE_IDS + 1
+    whole = fdchannel._frame(fdchannel.REQ_FREE, struct.pack("<QII", 77, n, 0) + bytes(8 * n))
+    cut = whole[: fdchannel.MAX_CLIENT_RECORD + 1]
+    with pytest.raises(fdchannel.MalformedRequest, match=r"malformed FREE record: 131112 bytes, more than the 131104") as info:
+        fdchannel.decode(cut, [], truncated=True)
+    assert info.value.req_id == 77
+    hello = bytes.fromhex(next(v["hex"] for v in POSITIVE if v["name"] == "hello"))
+    with pytest.raises(fdchannel.ProtocolError) as info:
+        fdchannel.decode(hello[:40], [], truncated=True)
+    assert not isinstance(info.value, fdchannel.MalformedRequest)
+    # the header must agree that it was cut: a cut record claiming to be whole is framing broken
+    with pytest.raises(fdchannel.ProtocolError) as info:
+        fdchannel.decode(fdchannel.encode_close(5), [], truncated=True)
+    assert not isinstance(info.value, fdchannel.MalformedRequest)
+    # descriptors cut off a request: answered; off a PAGES record: protocol error
+    with pytest.raises(fdchannel.MalformedRequest, match="descriptors"):
+        fdchannel.decode(fdchannel.encode_close(5), [], fds_truncated=True)
+    with pytest.raises(fdchannel.ProtocolError, match="cut on receipt"):
+        fdchannel.decode(fdchannel.encode_pages(1, 0, 1, [5]), [1], fds_truncated=True)
+
+
+def test_free_of_more_than_max_free_ids_is_a_malformed_request():
     n = fdchannel.MAX_FREE_IDS + 1
     rec = fdchannel._frame(fdchannel.REQ_FREE, struct.pack("<QII", 1, n, 0) + bytes(8 * n))
-    with pytest.raises(fdchannel.ProtocolError, match="more than 16384"):
+    with pytest.raises(fdchannel.MalformedRequest, match="more than 16384"):
         fdchannel.decode(rec, [])
 
 
@@ -232,34 +287,80 @@ def _bound_channel(d, c):
     return s, ref
 
 
-def test_daemon_closes_a_channel_on_every_malformed_vector(host_daemon):
+def _still_serves(s, req_id: int) -> None:
+    """The channel still serves its session: a FREE of nothing it holds is
+    answered NOT_FOUND."""
+    fdchannel.send_record(s, fdchannel.encode_free(req_id, [424242]))
+    rep = fdchannel.recv_record(s)
+    assert isinstance(rep, fdchannel.Reply) and rep.req_id == req_id and rep.code == errors.Code.NOT_FOUND, rep
+
+
+def test_daemon_answers_or_closes_as_each_malformed_vector_says(host_daemon):
+    """Every malformed vector, sent on a bound channel whose session holds a
+    page: `reply` vectors get REPLY INVALID_ARGUMENT with the vector's req_id
+    and message, and the session goes on (its page still held, the channel
+    still answers); `close` vectors get ERROR "fd channel protocol error:
+    ..." and EOF, and the session ends (its page back)."""
     d = host_daemon
     # every malformed record, whatever its type: a client could send any bytes
     to_daemon = [v for v in NEGATIVE if v["fds"] <= fdchannel.MAX_FDS]
-    assert len(to_daemon) >= 20
-    with d.client() as c:
+    assert sum(v["daemon"] == "reply" for v in to_daemon) >= 12 and sum(v["daemon"] == "close" for v in to_daemon) >= 20
+    with d.client() as c, c.open_session("observer") as observer:  # root: an admin, sees every session
         warm, _ = _bound_channel(d, c)  # the raw stub's gRPC connection exists from here on
         warm.close()
-        assert wait_until(lambda: c.stats().sessions_open == 0)
+        assert wait_until(lambda: c.stats().sessions_open == 1)
         base = _daemon_fds(d)
+        answered = closed = 0
         for v in to_daemon:
             s, ref = _bound_channel(d, c)
+            fdchannel.send_record(s, fdchannel.encode_allocate(1 << 40, 1))  # the session holds a page
+            assert isinstance(fdchannel.recv_record(s), fdchannel.Pages)
+            assert fdchannel.recv_record(s).code == 0
             fds = _real_fds(v["fds"])
             fdchannel.send_record(s, bytes.fromhex(v["hex"]), fds)
             fdchannel.close_fds(fds)
             rec = fdchannel.recv_record(s)
-            assert isinstance(rec, fdchannel.Error), (v["name"], rec)
-            assert rec.code == errors.Code.INVALID_ARGUMENT and rec.message.startswith("fd channel protocol error: "), (v["name"], rec)
-            assert fdchannel.recv_record(s) is None, v["name"]  # then the daemon closed the channel
+            mine = [x for x in observer.stats().sessions if x.id == ref.id]
+            if v["daemon"] == "reply":
+                assert isinstance(rec, fdchannel.Reply), (v["name"], rec)
+                assert (rec.req_id, rec.code, rec.message) == (int(v["req_id"]), v["reply"]["code"], v["reply"]["message"]), (v["name"], rec)
+                assert mine and mine[0].pages_held == 1, (v["name"], mine)  # the session goes on, nothing changed
+                _still_serves(s, 99)
+                answered += 1
+            else:
+                assert isinstance(rec, fdchannel.Error), (v["name"], rec)
+                assert rec.code == errors.Code.INVALID_ARGUMENT and rec.message.startswith("fd channel protocol error: "), (v["name"], rec)
+                assert fdchannel.recv_record(s) is None, v["name"]  # then the daemon closed the channel
+                assert not mine, v["name"]  # its session ended with it
+                closed += 1
             s.close()
-            st = c.stats()
-            assert not any(x.id == ref.id for x in st.sessions)  # its session ended with it
-        # no descriptor kept, books intact, still serving
-        assert wait_until(lambda: _daemon_fds(d) <= base, timeout=5), f"{_daemon_fds(d) - base} fds kept"
+        print(f"\n{answered} malformed requests answered, {closed} channels closed")
+        # no descriptor kept, books intact, every page back, still serving
+        assert wait_until(lambda: _daemon_fds(d) - c.stats().total.pages_pooled <= base, timeout=5), f"{_daemon_fds(d) - base} fds kept"
+        assert wait_until(lambda: c.stats().total.pages_in_use == 0, timeout=5)
         with c.open_session("after") as s2:
             s2.free(s2.allocate(2))
         assert_books(c.stats())
-    assert "protocol error" in d.log_text()
+    log = d.log_text()
+    assert "protocol error" in log and "answered INVALID_ARGUMENT" in log
+
+
+def test_daemon_answers_a_request_larger_than_any_client_sends(host_daemon):
+    """A FREE of 16,385 ids (8 bytes more than max_client_record) is cut on
+    receipt; its req_id arrived, so it is answered and the session goes on."""
+    d = host_daemon
+    with d.client() as c:
+        s, ref = _bound_channel(d, c)
+        n = fdchannel.MAX_FREE_IDS + 1
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+        fdchannel.send_record(s, fdchannel._frame(fdchannel.REQ_FREE, struct.pack("<QII", 31, n, 0) + bytes(8 * n)))
+        rep = fdchannel.recv_record(s)
+        assert isinstance(rep, fdchannel.Reply) and rep.req_id == 31 and rep.code == errors.Code.INVALID_ARGUMENT, rep
+        assert rep.message == "malformed FREE record: 131112 bytes, more than the 131104 a client may send", rep
+        _still_serves(s, 32)
+        with c.open_session("observer") as observer:
+            assert any(x.id == ref.id for x in observer.stats().sessions)
+        s.close()
 
 
 def test_daemon_drops_well_formed_records_of_the_wrong_direction(host_daemon):
@@ -273,10 +374,7 @@ def test_daemon_drops_well_formed_records_of_the_wrong_direction(host_daemon):
             fdchannel.send_record(s, bytes.fromhex(v["hex"]), fds)
             fdchannel.close_fds(fds)
         assert wait_until(lambda: _daemon_fds(d) <= base, timeout=5), "the daemon kept descriptors of dropped records"
-        # the channel still serves its session: a FREE of nothing is answered
-        fdchannel.send_record(s, fdchannel.encode_free(77, [424242]))
-        rep = fdchannel.recv_record(s)
-        assert isinstance(rep, fdchannel.Reply) and rep.req_id == 77 and rep.code == errors.Code.NOT_FOUND, rep
+        _still_serves(s, 77)  # the channel still serves its session
         s.close()
 
 
@@ -316,13 +414,15 @@ class OneShotDaemon:
         self._t.join(5)
 
 
-CLIENT_CASES = [v for v in NEGATIVE if v["sent_by"] in ("daemon", "either") and v["fds"] <= fdchannel.MAX_FDS] + [
+# every malformed record (a client never receives requests: a malformed
+# one is a protocol error there too) and every record the daemon never sends
+CLIENT_CASES = [v for v in NEGATIVE if v["fds"] <= fdchannel.MAX_FDS] + [
     u for u in VECTORS["unexpected"] if u["receiver"] == "client"]
 
 
 @pytest.mark.parametrize("v", CLIENT_CASES, ids=lambda v: v["name"])
 def test_client_treats_the_vector_as_a_protocol_error(v, tmp_path):
-    assert v["closes_channel"]
+    assert v.get("client") == "close" or v.get("closes_channel")
     path = str(tmp_path / "fd.sock")
     fake = OneShotDaemon(path, bytes.fromhex(v["hex"]), v["fds"])
     before = len(os.listdir("/proc/self/fd"))

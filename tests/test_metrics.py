@@ -140,7 +140,7 @@ def fake_daemon():
         started_monotonic=time.monotonic() - 5,
         counters={"sessions_opened": 3, "sessions_closed": 1, "sessions_crashed": 0, "fd_channel_errors": 0},
         reclaimer=types.SimpleNamespace(requests_total=4, ignored_total=2, pages_asked_total=9, pages_returned_total=6,
-                                        requests_by_reason={"allocate": 3, "idle": 1}),
+                                        answers_total=1, requests_by_reason={"allocate": 3, "idle": 1}),
     )
 
 
@@ -235,7 +235,7 @@ def test_each_page_request_is_counted_once_whichever_transport(daemon_factory):
 
     from kvcached_service import fdchannel
 
-    d = start_with_metrics(daemon_factory, memory_limit="16MiB")
+    d = start_with_metrics(daemon_factory, memory_limit="16MiB", grpc_page_ops=True)
     with d.client() as c, c.open_session("channel") as s:
         s.free(s.allocate(1))  # over the fd channel
         # a tool's session: its own fd channel, page rpcs over gRPC

@@ -310,3 +310,37 @@ def test_sizes_parse_like_pydantic_bytesize():
     for bad in ("lots", "-1", "2 parsecs"):
         with pytest.raises(ValueError, match="not a size"):
             parse_size(bad)
+
+
+def test_budget_is_capped_by_what_the_device_has():
+    """DevicePool.set_supply (issue 16): the budget is the configured limit
+    capped at the pages the pool accounts for plus the device's free memory,
+    never below what it accounts for; the rest of the limit is unavailable,
+    not free; the books add up at every step; admission reads the new
+    Budget; a Shortage names it."""
+
+    async def run():
+        pool = _pool(FakeBackend())  # 16 pages of 4 KiB
+        s = _S(1, 1)
+        assert pool.set_supply(100 * 4096) is None  # plenty: the limit holds
+        assert pool.set_supply(6 * 4096) == (16, 6)  # an orphaned client maps 10 pages' worth
+        b = pool.books()
+        assert (b.budget_pages, b.free, b.unavailable, b.unavailable_bytes) == (6, 6, 10, 10 * 4096)
+        assert pool.budget.pages == 6
+        b.check()
+        got = await pool.acquire(s, 4)
+        with pytest.raises(errors.ResourceExhausted, match="budget 24 KiB"):
+            await pool.acquire(s, 3)  # only 2 left
+        # the device now has 1 page free besides the daemon's 4: budget 5, never below what is held
+        assert pool.set_supply(1 * 4096) == (6, 5)
+        assert pool.set_supply(0) == (5, 4)
+        assert pool.books().free == 0 and pool.budget_pages == 4
+        pool.check()
+        await pool.give_back(got)
+        # the orphan exits: everything back up to the configured limit
+        assert pool.set_supply(12 * 4096) == (4, 16)
+        b = pool.books()
+        assert (b.budget_pages, b.unavailable, b.pooled + b.in_use + b.free) == (16, 0, 16)
+        pool.worker.stop()
+
+    asyncio.run(run())

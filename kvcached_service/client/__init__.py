@@ -3,7 +3,7 @@
 from ..errors import KVCachedError
 from .client import Client, Page, Session, socket_from_env
 from .region import Region
-from .types import Allocation, Device, Event, Info, PoolStats, SessionStats, Stats
+from .types import Allocation, Device, Event, Info, PoolStats, ReclaimOutcome, SessionStats, Shrink, Stats
 
 __all__ = [
     "Allocation",
@@ -14,9 +14,11 @@ __all__ = [
     "KVCachedError",
     "Page",
     "PoolStats",
+    "ReclaimOutcome",
     "Region",
     "Session",
     "SessionStats",
+    "Shrink",
     "Stats",
     "socket_from_env",
 ]

@@ -365,6 +365,16 @@ class Channel:
             raise errors.from_code(rep.code, rep.message)
         return rep.value
 
+    def answer(self, reclaim_id: int, bytes_given: int, bytes_kept: int, reason: str, timeout: float) -> int:
+        """ANSWER a reclaim request; returns the bytes the daemon's books
+        show the session holding on that device."""
+        why = reason.encode("utf-8", "replace")[: fdchannel.MAX_REASON].decode("utf-8", "ignore")
+        rep = self._call("AnswerReclaim", lambda r: fdchannel.encode_answer(r, reclaim_id, bytes_given, bytes_kept, why), timeout)[1].reply
+        assert rep is not None
+        if rep.code:
+            raise errors.from_code(rep.code, rep.message)
+        return rep.value
+
     def send_adopt(self, session_id: int, ids: list[int], fds: list[int]) -> None:
         """ADOPT records for a resume (before ResumeSession)."""
         for i in range(0, len(ids), fdchannel.MAX_FDS):

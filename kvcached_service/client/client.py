@@ -37,7 +37,7 @@ from .channel import Channel
 from .mapping import HostMapper, Mapper
 from .resume import Keeper, Resumer
 from .rpc import Rpc, WatchStream
-from .types import Allocation, Device, Event, Info, Opened, PoolStats, SessionStats, Stats
+from .types import Allocation, Device, Event, Info, Opened, PoolStats, ReclaimOutcome, SessionStats, Shrink, Stats
 
 if TYPE_CHECKING:
     from .region import Region
@@ -46,7 +46,8 @@ ENV_VARS = ("OLLAMA_KVCACHED_SOCKET", "KVCACHED_SOCKET")  # one order in every c
 
 log = logging.getLogger("kvcached.client")
 
-__all__ = ["Allocation", "Client", "Device", "Event", "Info", "Page", "PoolStats", "Session", "SessionStats", "Stats", "socket_from_env"]
+__all__ = ["Allocation", "Client", "Device", "Event", "Info", "Page", "PoolStats", "ReclaimOutcome", "Session", "SessionStats", "Shrink",
+           "Stats", "socket_from_env"]
 
 
 # ---- pages -------------------------------------------------------------------
@@ -154,9 +155,17 @@ class Session:
         if self._state == "dead":
             raise self._dead  # type: ignore[misc]
 
+    def _ended_by_hangup(self) -> errors.FailedPrecondition:
+        return errors.FailedPrecondition(
+            f"session {self.id} ended: the daemon went away, and without a state dir (kvcached-serve --state-dir) "
+            "a daemon that restarts cannot resume it; open a new session")
+
     def _unreachable(self, exc: errors.Unavailable, ch: Channel | None = None) -> errors.KVCachedError:
         """UNAVAILABLE because the daemon went away: say that the session
-        resumes (when it does: resumable, and the channel hung up)."""
+        resumes (when it does: resumable, and the channel hung up). A session
+        that cannot resume ended with its channel: a terminal error."""
+        if not self.resumable and not self._closed and ch is not None and ch.hung_up:
+            return self._dead or self._ended_by_hangup()
         if not self.resumable or self._closed or (ch is not None and ch.ended is not None and not ch.hung_up):
             return exc
         return errors.Unavailable(
@@ -194,8 +203,15 @@ class Session:
     # -- resume after a daemon restart
     def _hangup(self, ch: Channel) -> None:
         """The fd channel hung up (reader thread). A resumable session
-        resumes on a thread of its own; any other session is over."""
-        if self._closed or ch is not self._channel or not self.resumable:
+        resumes on a thread of its own; any other session is over: every
+        later call fails with FAILED_PRECONDITION "session N ended: ...",
+        never a retryable UNAVAILABLE (docs/protocol.md, Client semantics)."""
+        if self._closed or ch is not self._channel:
+            return
+        if not self.resumable:
+            self._dead = self._ended_by_hangup()
+            self._state = "dead"
+            log.warning("%s", self._dead.message)
             return
         self._state = "resuming"
         self._resumed.clear()
@@ -430,7 +446,29 @@ class Session:
         return self._rpc(lambda: self.client._rpc.set_limits(self._ref(), session_id, **limits))
 
     def request_shrink(self, session_id: int, target_bytes: int, timeout_ms: int = 0) -> int:
-        return self._rpc(lambda: self.client._rpc.request_shrink(self._ref(), session_id, target_bytes, timeout_ms))
+        """Ask a session (an admin may ask any; others only their own uid's)
+        to hold at most target_bytes per device. Returns the pages asked for;
+        see shrink() to wait for the outcome."""
+        return self._rpc(lambda: self.client._rpc.request_shrink(self._ref(), session_id, target_bytes, timeout_ms).pages_requested)
+
+    def shrink(self, session_id: int, target_bytes: int, timeout_ms: int = 0, wait: bool = True) -> Shrink:
+        """request_shrink, and (wait) return once the session answered, gave
+        the pages back, ended, or the deadline passed: each request's
+        outcome, with what the session said it gave and keeps, and why."""
+        return self._rpc(lambda: self.client._rpc.request_shrink(self._ref(), session_id, target_bytes, timeout_ms, wait))
+
+    def answer_reclaim(self, request: Event | int, bytes_given: int, bytes_kept: int, reason: str = "") -> int:
+        """Answer a reclaim request (a RECLAIM event, or its reclaim_id) at
+        once: the bytes given back for it (already freed) and the bytes kept
+        on its device, with why. The request is settled: not counted as
+        ignored, nobody waits for the rest, and a waiting `kvcachedctl
+        shrink` prints the answer. Sent on the session's fd channel (the
+        kernel names the sender). Returns the bytes the daemon's books show
+        this session holding on that device."""
+        rid = request.reclaim_id if isinstance(request, Event) else int(request)
+        if rid <= 0:
+            raise errors.InvalidArgument("answer_reclaim needs a RECLAIM event (or its reclaim_id) from this session's Watch stream")
+        return self._on_channel(lambda ch: ch.answer(rid, bytes_given, bytes_kept, reason, self.client.timeout))
 
     # -- life cycle
     def close(self) -> None:

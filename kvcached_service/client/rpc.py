@@ -18,7 +18,7 @@ from .._generated.kvcached.v1 import kvcached_pb2 as pb
 from .._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 from ..errors import Code
 from ..errors_grpc import code_of, from_grpc
-from .types import Device, Event, Info, Opened, PoolStats, SessionStats, Stats
+from .types import Device, Event, Info, Opened, PoolStats, ReclaimOutcome, SessionStats, Shrink, Stats
 
 # Reconnect quickly after a daemon restart (gRPC's default backoff grows to minutes).
 _CHANNEL_OPTIONS = [
@@ -50,7 +50,7 @@ def _event(m: pb.WatchEvent) -> Event:
     kind = pb.WatchEvent.Kind.Name(m.kind)
     if kind == "RECLAIM":
         r = m.reclaim
-        return Event(kind, m.time_unix, r.device, r.pages, r.deadline_unix, r.reason)
+        return Event(kind, m.time_unix, r.device, r.pages, r.deadline_unix, r.reason, reclaim_id=r.id)
     if kind == "MEMORY_AVAILABLE":
         return Event(kind, m.time_unix, m.available.device, m.available.pages)
     if kind == "SHUTDOWN":
@@ -138,9 +138,13 @@ class Rpc:
         req = pb.SetSessionLimitsRequest(admin=_ref(ref), session_id=session_id, set_fields=list(limits), **limits)
         return _session_stats(self._call("SetSessionLimits", req).session)
 
-    def request_shrink(self, ref: Ref, session_id: int, target_bytes: int, timeout_ms: int) -> int:
-        req = pb.RequestShrinkRequest(admin=_ref(ref), session_id=session_id, target_bytes=target_bytes, timeout_ms=timeout_ms)
-        return self._call("RequestShrink", req).pages_requested
+    def request_shrink(self, ref: Ref, session_id: int, target_bytes: int, timeout_ms: int, wait: bool = False) -> Shrink:
+        req = pb.RequestShrinkRequest(admin=_ref(ref), session_id=session_id, target_bytes=target_bytes, timeout_ms=timeout_ms, wait=wait)
+        # waiting: the daemon answers by the request's deadline (timeout_ms, or its reclaim timeout)
+        m = self._call("RequestShrink", req, timeout=self.timeout + (timeout_ms / 1000 if timeout_ms else 60) if wait else None)
+        return Shrink(m.pages_requested, tuple(
+            ReclaimOutcome(r.reclaim_id, r.device, r.pages_requested, pb.ReclaimOutcome.State.Name(r.state), r.answered,
+                           r.bytes_given, r.bytes_kept, r.reason, r.held_bytes) for r in m.reclaims))
 
     def close(self) -> None:
         self._channel.close()

@@ -58,6 +58,7 @@ class PoolStats:
     pages_in_use: int
     pages_created_total: int
     pages_released_total: int
+    unavailable_bytes: int = 0  # the configured limit the device does not have free (not in budget_bytes)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,33 @@ class Event:
     deadline_unix: float = 0.0
     reason: str = ""
     data: dict = field(default_factory=dict)
+    reclaim_id: int = 0  # RECLAIM: answer it with Session.answer_reclaim(event, given, kept, why)
+
+
+@dataclass(frozen=True)
+class ReclaimOutcome:
+    """How one reclaim request of a RequestShrink stands (Session.shrink).
+    state: OPEN (not settled yet), MET (the session holds no more than asked),
+    ANSWERED (it said what it gave and keeps), EXPIRED (neither, by the
+    deadline), ENDED (the session ended)."""
+
+    reclaim_id: int
+    device: str
+    pages_requested: int
+    state: str
+    answered: bool
+    bytes_given: int
+    bytes_kept: int
+    reason: str
+    held_bytes: int  # the daemon's books: what the session holds on the device now
+
+
+@dataclass(frozen=True)
+class Shrink:
+    """The answer to Session.shrink: pages asked for, and each request's outcome."""
+
+    pages_requested: int
+    reclaims: tuple[ReclaimOutcome, ...]
 
 
 @dataclass(frozen=True)

@@ -13,16 +13,25 @@ core (daemon.py). This one owns everything about the fd channel's socket
   closed;
 - each bound channel is its session's SessionPort (`Conn`): it delivers
   pages as PAGES records and hangs up with GOODBYE or ERROR;
-- request records (ALLOCATE, FREE, CLOSE) become core calls, answered by
-  REPLY; ADOPT records are collected per channel as (page id, fd) pairs for
+- request records (ALLOCATE, FREE, CLOSE, ANSWER) become core calls,
+  answered by REPLY; ADOPT records are collected per channel as (page id, fd) pairs for
   ResumeSession;
 - hang-up: EOF, or the peer process exiting, ends the session.
 
-A record that does not follow the wire spec is a protocol error: the daemon
-answers with an ERROR record naming the problem and closes the channel
-(protos/kvcached/v1/fdchannel.spec.json, "on_protocol_error"). Well-formed
-records that make no sense here (a HELLO from a client, ADOPT for a session
-that cannot be resumed) are dropped with their descriptors.
+A record that does not follow the wire spec gets one of two answers
+(protos/kvcached/v1/fdchannel.spec.json):
+- a request record whose framing is sound and whose req_id can be read
+  (a FREE whose count does not match its length, an ALLOCATE with a wrong
+  device_len, a CLOSE of 9 bytes, descriptors on a request, a request cut
+  because it is larger than any a client sends): REPLY INVALID_ARGUMENT
+  naming the fault; the session goes on ("on_malformed_request");
+- anything else (bad magic or version, a length that does not match, an
+  unknown type, a request too short to hold its req_id, a malformed record
+  of a type only the daemon sends, a malformed ADOPT): an ERROR record
+  naming the problem, and the channel is closed, ending its session
+  ("on_protocol_error").
+Well-formed records that make no sense here (a HELLO from a client, ADOPT
+for a session that cannot be resumed) are dropped with their descriptors.
 """
 
 from __future__ import annotations
@@ -311,6 +320,12 @@ class ChannelServer:
             rec = fdchannel.recv_record(conn.sock, fdchannel.MAX_CLIENT_RECORD)
         except (BlockingIOError, InterruptedError):
             return False
+        except fdchannel.MalformedRequest as exc:
+            # framing sound, req_id readable: answer it; the session goes on
+            self.daemon.count("fd_channel_malformed_requests")
+            log.info("fd channel %d (pid %d): %s; answered INVALID_ARGUMENT", conn.id, conn.pid, exc)
+            conn.send_nowait(fdchannel.encode_reply(exc.req_id, errors.Code.INVALID_ARGUMENT, 0, exc.message))
+            return True
         except fdchannel.ProtocolError as exc:
             self.daemon.count("fd_channel_errors")
             log.info("fd channel %d (pid %d): protocol error: %s; closing it", conn.id, conn.pid, exc)
@@ -321,7 +336,7 @@ class ChannelServer:
         if rec is None:
             self._lost(conn, crashed=conn.session is not None)
             return False
-        if isinstance(rec, (fdchannel.AllocateReq, fdchannel.FreeReq, fdchannel.CloseReq)):
+        if isinstance(rec, (fdchannel.AllocateReq, fdchannel.FreeReq, fdchannel.CloseReq, fdchannel.AnswerReq)):
             if conn.session is None:
                 conn.send_nowait(fdchannel.encode_reply(rec.req_id, errors.Code.FAILED_PRECONDITION, 0,
                                                         "no session on this fd channel yet: call OpenSession first"))
@@ -367,6 +382,8 @@ class ChannelServer:
                 value = a.held_bytes
             elif isinstance(rec, fdchannel.FreeReq):
                 value, _ = await d.free(s, list(rec.page_ids))
+            elif isinstance(rec, fdchannel.AnswerReq):
+                value = d.answer_reclaim(s, rec.reclaim_id, rec.bytes_given, rec.bytes_kept, rec.reason)
             else:
                 conn.closing_req = rec.req_id
                 await d.close_session(s)

@@ -8,7 +8,7 @@ No transport here. Two adapters sit beside it and translate:
 
 Who asks is a `Who`: a Session the fd channel vouches for (the kernel named
 the sender), or a `Bearer` (id, token) from gRPC. Mutating requests from a
-Bearer are refused with channel_ops_only.
+Bearer are refused unless the daemon runs with --grpc-page-ops.
 
 The core operations both adapters call (Allocate, Free, CloseSession) are
 observed once, here, at their boundary (`_Observation`): `observers` get
@@ -36,8 +36,8 @@ from ..config import Settings, format_size
 from ..errors import Code
 from . import eager
 from .admission import admit
-from .elastic import Reclaimer, pending_pages
-from .journal import JSession, Journal
+from .elastic import Reclaim, Reclaimer, pending_pages
+from .journal import JournalDamaged, JSession, Journal
 from .pool import DevicePool, Page, PageIds, PageState, Shortage
 from .sessions import DeliveryFailed, PortDirectory, Session, SessionPort, Tombstones, check_labels, check_name
 from .worker import DeviceWorker
@@ -62,10 +62,14 @@ class Event:
 
 @dataclass(frozen=True)
 class Bearer:
-    """A SessionRef as gRPC carries it: whoever shows the token."""
+    """A SessionRef as gRPC carries it, and the uid of the caller as the
+    kernel named it to the control socket's front door (None: a trusted
+    caller that reached grpcio directly, i.e. the daemon's own uid or
+    root). A SessionRef is good only for the uid that opened the session."""
 
     id: int
     token: bytes
+    uid: int | None = None
 
 
 Who = Union[Session, Bearer]
@@ -109,6 +113,8 @@ class Daemon:
         self.orphans: dict[int, JSession] = {}
         self._orphan_deadline: dict[int, float] = {}
         self._next_session_id = 1
+        self._supply_read = 0.0  # when the devices' free memory was last read (monotonic)
+        self.journal_damage: dict | None = None  # set when recover() found the journal damaged
 
     # ---- start-up -------------------------------------------------------
     def start_devices(self) -> None:
@@ -149,6 +155,41 @@ class Daemon:
                 format_size(page_size),
                 pool.warm_pages,
             )
+            free, _ = worker.call_sync(self.backend.memory_info, spec.ordinal)
+            self._supply(pool, free)
+
+    def _supply(self, pool: DevicePool, device_free: int) -> None:
+        """Cap the pool's budget at what the device really has (pool.set_supply),
+        saying so when the cap starts, changes by a lot, or ends."""
+        before_capped = pool.budget_pages < pool.limit_pages
+        changed = pool.set_supply(device_free)
+        if changed is None:
+            return
+        old, new = changed
+        capped = new < pool.limit_pages
+        unavailable = format_size((pool.limit_pages - new) * pool.page_size) if capped else "0"
+        if capped and (not before_capped or abs(new - old) * 20 >= pool.limit_pages):
+            log.warning(
+                "device %s: budget %s, not the configured %s: the device has only %s free besides the daemon's %d pages "
+                "(%s unavailable: other processes' memory, or pages of a previous daemon its clients still map)",
+                pool.uuid, format_size(new * pool.page_size), format_size(pool.limit_pages * pool.page_size),
+                format_size(device_free), pool.n_pooled + pool.n_in_use, unavailable)
+        elif before_capped and not capped:
+            log.info("device %s: budget back to the configured %s (the device has the memory again)",
+                     pool.uuid, format_size(new * pool.page_size))
+        else:
+            log.debug("device %s: budget %d -> %d pages (device free %d bytes)", pool.uuid, old, new, device_free)
+
+    async def refresh_supply(self, pools: list[DevicePool] | None = None) -> None:
+        """Read the devices' free memory (on their workers) and cap budgets."""
+        self._supply_read = time.monotonic()
+        for pool in pools if pools is not None else list(self.pools.values()):
+            try:
+                free, _ = await pool.worker.call(self.backend.memory_info, pool.spec.ordinal)
+            except Exception as exc:  # noqa: BLE001 - keep the last budget
+                log.debug("device %s: free memory unknown (%s); budget unchanged", pool.uuid, exc)
+                continue
+            self._supply(pool, free)
 
     def attach(self, ports: PortDirectory) -> None:
         """The fd channel adapter: where sessions' channels come from."""
@@ -161,7 +202,18 @@ class Daemon:
         if self.journal is None:
             return
         j = self.journal
-        j.load()
+        try:
+            j.load()
+        except JournalDamaged as exc:
+            aside = j.move_aside()
+            j.forget()
+            self.journal_damage = {"path": str(exc.path), "line": exc.line, "problem": exc.problem, "moved_to": str(aside)}
+            log.error(
+                "%s. Moved it to %s and starting WITHOUT resumes: the sessions of the previous daemon cannot be "
+                "resumed (their clients see them end and open new ones); memory their clients still map is "
+                "unavailable, not free, until they let it go (the budget follows the device's free memory). "
+                "Nothing else to do: keep %s for a bug report, then delete it (docs/reliability.md).",
+                exc, aside, aside.name)
         self._next_session_id = j.next_session_id
         self.page_ids.continue_from(j.next_page_id)
         deadline = time.monotonic() + self.settings.resume_grace
@@ -241,6 +293,9 @@ class Daemon:
                     await pool.trim_idle(now)
                 except Exception:  # keep the loop alive whatever happens
                     log.exception("idle trim failed on %s", pool.uuid)
+            poll = self.settings.memory_poll_seconds
+            if poll > 0 and now - self._supply_read >= poll:
+                await self.refresh_supply()
             self.reclaimer.idle_scan(list(self.pools.values()), self.settings.idle_shrink_seconds)
             for sid in [k for k, t in self._orphan_deadline.items() if t <= now]:
                 self._forget_orphan(sid, f"not resumed within {self.settings.resume_grace:g} s of the restart")
@@ -253,17 +308,19 @@ class Daemon:
     def resolve(self, who: Who, op: str, mutating: bool = True) -> Session:
         """The session a request acts for. A Session comes vouched by its fd
         channel; a Bearer is checked (token) and, for requests that change
-        pages, refused when channel_ops_only."""
+        pages, refused unless grpc_page_ops."""
         if isinstance(who, Session):
             if who.closed:
                 raise errors.FailedPrecondition(f"session {who.id} is closed")
             return who
-        if mutating and self.settings.channel_ops_only:
+        s = self.session(who.id, who.token, who.uid)
+        if mutating and self.settings.page_ops_on_channel_only:
             raise errors.FailedPrecondition(
-                f"this daemon serves {op} only as a request on the session's fd channel (channel_ops_only), "
-                "where the kernel vouches for the sender; see docs/protocol.md"
+                f"this daemon serves {op} only as a request on the session's fd channel, where the kernel vouches "
+                "for the sender (channel_ops_only, the default; kvcached-serve --grpc-page-ops serves it over gRPC too); "
+                "see docs/protocol.md"
             )
-        return self.session(who.id, who.token)
+        return s
 
 
     def observe(self, op: str, code: Code, seconds: float, waited: bool = False) -> None:
@@ -279,6 +336,15 @@ class Daemon:
             raise errors.Unavailable("the fd channel is not serving yet")
         return self.ports
 
+    @staticmethod
+    def _same_uid(caller_uid: int | None, port: SessionPort, rpc: str) -> None:
+        """The session's identity is its fd channel's peer: the gRPC caller
+        that binds it must be of the same uid."""
+        if caller_uid is not None and caller_uid != port.uid:
+            raise errors.PermissionDenied(
+                f"{rpc} comes from uid {caller_uid}, but the fd channel of that secret belongs to uid {port.uid}: "
+                "call it from the process (uid) that connected the channel")
+
     def _others_guaranteed(self, exclude: Session | None) -> int:
         return sum(s.guaranteed_bytes for s in self.sessions.values() if s is not exclude)
 
@@ -287,6 +353,7 @@ class Daemon:
 
     def open_session(
         self,
+        caller_uid: int | None,
         secret: bytes,
         name: str,
         guaranteed_bytes: int,
@@ -299,6 +366,7 @@ class Daemon:
         labels = check_labels(labels)
         ports = self._ports()
         port = ports.find(secret)
+        self._same_uid(caller_uid, port, "OpenSession")
         if len(self.sessions) >= self.settings.max_sessions:
             raise errors.ResourceExhausted(f"{len(self.sessions)} sessions open (max_sessions)")
         admit(self._budgets(), session=f"'{name}'", guaranteed_bytes=guaranteed_bytes, max_bytes=max_bytes,
@@ -326,7 +394,7 @@ class Daemon:
         log.info("session %d '%s' opened by pid %d uid %d%s", s.id, name, s.pid, s.uid, " (admin)" if s.admin else "")
         return s
 
-    async def resume_session(self, secret: bytes, sid: int, token: bytes, page_ids: list[int]) -> tuple[Session, int, int]:
+    async def resume_session(self, caller_uid: int | None, secret: bytes, sid: int, token: bytes, page_ids: list[int]) -> tuple[Session, int, int]:
         """Re-attach a session of the previous daemon to a new fd channel,
         adopting the pages its client re-sent (ADOPT, collected by the
         channel adapter) after checking the claim against the journal.
@@ -336,6 +404,7 @@ class Daemon:
             raise errors.FailedPrecondition("this daemon keeps no journal (--state-dir), so sessions cannot be resumed; open a new one")
         ports = self._ports()
         port = ports.find(secret)
+        self._same_uid(caller_uid, port, "ResumeSession")
         adoption = ports.adoption(port)
         js = self.orphans.get(sid)
         if js is None:
@@ -405,17 +474,22 @@ class Daemon:
                  sid, s.name, s.pid, s.uid, len(adopted), len(forgotten))
         return s, len(adopted), len(forgotten)
 
-    def session(self, ref_id: int, token: bytes) -> Session:
-        """The session a SessionRef names; checks the token."""
+    def session(self, ref_id: int, token: bytes, caller_uid: int | None = None) -> Session:
+        """The session a SessionRef names; checks the caller's uid (when the
+        front door named it) and the token."""
         if not ref_id:
             raise errors.InvalidArgument("session is required (SessionRef with id and token)")
         s = self.target_session(ref_id)
+        if caller_uid is not None and caller_uid != s.uid:
+            raise errors.PermissionDenied(
+                f"session {ref_id} belongs to another uid than the caller's ({caller_uid}): "
+                "a SessionRef is good only for the uid that opened the session")
         if not hmac.compare_digest(s.token, token):
             raise errors.PermissionDenied(f"token does not match session {ref_id}")
         return s
 
-    def admin_session(self, ref_id: int, token: bytes) -> Session:
-        s = self.session(ref_id, token)
+    def admin_session(self, ref_id: int, token: bytes, caller_uid: int | None = None) -> Session:
+        s = self.session(ref_id, token, caller_uid)
         if not s.admin:
             raise errors.PermissionDenied(f"session {s.id} (uid {s.uid}) is not an admin session (admin_uids)")
         return s
@@ -430,11 +504,11 @@ class Daemon:
             return list(self.sessions.values())
         return [s] + [x for x in self.sessions.values() if x.uid == s.uid and x is not s]
 
-    def shrinker_session(self, ref_id: int, token: bytes, target_sid: int) -> Session:
+    def shrinker_session(self, ref_id: int, token: bytes, target_sid: int, caller_uid: int | None = None) -> Session:
         """The session a RequestShrink comes from: an admin, or a session of
         the target's own uid (asking one's own processes to give memory back
         needs no more than the uid already has)."""
-        s = self.session(ref_id, token)
+        s = self.session(ref_id, token, caller_uid)
         if s.admin:
             return s
         target = self.target_session(target_sid)
@@ -477,6 +551,7 @@ class Daemon:
             eager.start(pool.give_back(pages), self._spawn)
         for q in s.watchers:
             q.put_nowait(None)
+        self.reclaimer.session_ended(s)
         s.port.hang_up(farewell, pages_returned=n)
         for hook in self.on_session_end:
             hook(s, reason)
@@ -563,6 +638,13 @@ class Daemon:
             try:
                 return await pool.acquire(s, count)
             except Shortage as short:
+                if pool.budget_pages < pool.limit_pages and time.monotonic() - self._supply_read > 0.1:
+                    # capped by what the device had: it may have more now (a client of a
+                    # previous daemon exited); read it before refusing or reclaiming
+                    before = pool.budget_pages
+                    await self.refresh_supply([pool])
+                    if pool.budget_pages > before:
+                        continue
                 now = loop.time()
                 if not wait or now >= deadline:
                     pool.note_failure()
@@ -678,19 +760,27 @@ class Daemon:
         log.info("session %d '%s' limits: guaranteed %d, max %d, priority %d", s.id, s.name, g, m, s.priority)
         return s
 
-    def request_shrink(self, sid: int, target_bytes: int, timeout_ms: int, reason: str) -> int:
+    def request_shrink(self, sid: int, target_bytes: int, timeout_ms: int, reason: str) -> list[Reclaim]:
         """Ask a session (through Watch) to hold at most target_bytes per
-        device, never below its guarantee. Returns pages asked for."""
+        device, never below its guarantee. Returns the RECLAIM events sent
+        (one per device it holds more on; each settles when the session
+        answers, meets it, ends, or the deadline passes)."""
         s = self.target_session(sid)
         timeout = (timeout_ms or self.settings.reclaim_timeout_ms) / 1000
-        asked = 0
+        sent = []
         for pool in self.pools.values():
             keep = max(target_bytes, s.guaranteed_bytes) // pool.page_size
             extra = s.held_pages(pool.uuid) - keep - pending_pages(s, pool, time.time())
             if extra > 0:
-                asked += extra
-                self.reclaimer.ask(s, pool, extra, time.time() + timeout, reason)
-        return asked
+                sent.append(self.reclaimer.ask(s, pool, extra, time.time() + timeout, reason))
+        return sent
+
+    def answer_reclaim(self, s: Session, reclaim_id: int, bytes_given: int, bytes_kept: int, why: str) -> int:
+        """A session's answer to one of its RECLAIM events (an ANSWER record
+        on its own fd channel). Returns the bytes the daemon's books show it
+        holding on that device."""
+        ev = self.reclaimer.answer(self.resolve(s, "AnswerReclaim"), reclaim_id, bytes_given, bytes_kept, why)
+        return s.held_pages(ev.device) * ev.page_size
 
     # ---- watch ----------------------------------------------------------
     def watch(self, s: Session) -> asyncio.Queue:

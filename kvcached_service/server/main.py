@@ -1,7 +1,10 @@
 """kvcached-serve: the command line, backend choice, and the server's life.
 
 Exit codes: 0 after a clean shutdown (SIGTERM/SIGINT), 2 for invalid
-settings, 1 when the daemon cannot start (backend unusable, socket busy).
+settings (including a state directory that cannot be read or written), 1
+when the daemon cannot start (backend unusable, socket busy). A damaged
+journal is not a reason to stop: it is moved aside and the daemon starts
+without resumes (daemon.recover).
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from ..backends.base import Backend
 from ..config import ConfigError, Settings, load_settings, parse_size
 from . import sdnotify
 from .channel import ChannelServer
+from .control import ControlFront
 from .daemon import Daemon, ShutdownIncomplete
 from .metrics import Metrics
 from .service import KVCachedService, add_to_server
-from .sockets import apply_socket_permissions, prepare_socket_path
+from .sockets import prepare_socket_path
 
 log = logging.getLogger("kvcached")
 
@@ -36,7 +40,23 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCached"].full_name
 
 
 class StartupError(Exception):
-    pass
+    """The daemon cannot start now (exit 1; systemd retries)."""
+
+
+class SettingsError(Exception):
+    """A setting that cannot work as given (exit 2; systemd does not retry:
+    RestartPreventExitStatus=2)."""
+
+
+def _stop_devices(daemon: Daemon, backend: Backend) -> None:
+    """Undo start_devices after a failed start."""
+    for worker in daemon.workers:
+        try:
+            worker.stop()
+        except Exception as exc:  # noqa: BLE001 - release the rest
+            log.warning("stopping a device worker after a failed start: %s", exc)
+    daemon.workers.clear()
+    backend.close()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         help_text = field.description or ""
-        if field.annotation is bool:
+        if field.annotation in (bool, bool | None):
             ap.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
             ap.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=help_text)
@@ -104,42 +124,50 @@ async def serve(settings: Settings, ready_hook=None) -> int:
         daemon.start_devices()
         daemon.recover()
     except errors.KVCachedError as exc:
-        backend.close()
+        _stop_devices(daemon, backend)
         raise StartupError(exc.message) from None
-    except (OSError, ValueError) as exc:  # an unreadable or corrupt journal
-        backend.close()
-        raise StartupError(f"state directory {settings.state_dir}: {exc}") from None
+    except OSError as exc:  # the state directory cannot be used at all: a setting to fix, not to retry
+        _stop_devices(daemon, backend)
+        raise SettingsError(f"state_dir (--state-dir, KVCACHED_STATE_DIR) {settings.state_dir}: {exc.strerror or exc}"
+                            + (f": {exc.filename}" if exc.filename else "")) from None
 
     prepare_socket_path(settings.socket)
-    metrics = Metrics(daemon) if settings.metrics_address else None
+    # grpcio listens on a private socket; the control socket is the front
+    # door's (control.py: per-uid connection limits, the caller's uid).
+    front = ControlFront(settings)
+    metrics = Metrics(daemon, control=front) if settings.metrics_address else None
     server = grpc.aio.server(
         interceptors=metrics.interceptors() if metrics else None,
         options=[
             ("grpc.max_receive_message_length", 4 * 1024 * 1024),
             ("grpc.so_reuseport", 0),
+            # a connection with no call in flight is closed (GOAWAY); clients reconnect on their next call
+            ("grpc.max_connection_idle_ms", int(settings.grpc_idle_timeout * 1000)),
+            # the front door admits at most max_grpc_connections; the margin is for the daemon's own uid and root
+            ("grpc.max_allowed_incoming_connections", settings.max_grpc_connections + 64),
         ]
     )
-    add_to_server(KVCachedService(daemon), server)
+    add_to_server(KVCachedService(daemon, peers=front.peer), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    old_umask = os.umask(0o177)  # the socket file is born private; then chmod to the configured mode
+    old_umask = os.umask(0o077)  # grpcio's socket is private: only the front door (and root) reach it
     try:
-        server.add_insecure_port(f"unix:{settings.socket}")
+        server.add_insecure_port(f"unix:{front.private_path}")
         await server.start()
     finally:
         os.umask(old_umask)
-    apply_socket_permissions(settings.socket, settings)
     try:
+        await front.start()
         channels.start()
         await daemon.prefill()
         if metrics:
             metrics.start_http(settings.metrics_address)
     except Exception:
         await server.stop(None)
-        _unlink(settings.socket)
+        front.close()
         raise
     daemon.start_background()
 
@@ -164,6 +192,7 @@ async def serve(settings: Settings, ready_hook=None) -> int:
     await health_servicer.enter_graceful_shutdown()
     channels.stop_accepting()
     await daemon.begin_shutdown("daemon stopping (signal)")
+    front.stop_accepting()
     await server.stop(grace=0.5)
     try:
         await daemon.finish_shutdown()
@@ -171,7 +200,7 @@ async def serve(settings: Settings, ready_hook=None) -> int:
         log.error("shutdown incomplete: %s", exc)
         return 1
     finally:
-        _unlink(settings.socket)
+        front.close()
         if metrics:
             metrics.stop()
         notifier.close()
@@ -201,13 +230,6 @@ def run_loop(settings: Settings, main_coro) -> int:
     return asyncio.run(main_coro)
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     ns = ap.parse_args(argv)
@@ -227,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return run_loop(settings, serve(settings))
+    except SettingsError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
     except (StartupError, errors.KVCachedError) as exc:
         msg = exc.message if isinstance(exc, errors.KVCachedError) else str(exc)
         log.error("cannot start: %s", msg)

@@ -92,8 +92,11 @@ class PoolCounters:
 
 
 class Budget(NamedTuple):
-    """A device's budget: fixed when the pool is made (memory_limit resolved
-    for that device). What admission reads."""
+    """A device's budget: what the daemon may lend on it now, in pages. What
+    admission reads. The configured limit (memory_limit resolved for the
+    device), capped by what the device really has: the pages the pool
+    accounts for plus the device's free memory (DevicePool.set_supply). A
+    new tuple replaces the old one when that changes."""
 
     device: str
     page_size: int
@@ -122,6 +125,7 @@ class Books:
     released_total: int
     allocations_total: int
     allocation_failures_total: int
+    unavailable: int = 0  # pages of the configured limit the device does not have (not in budget)
 
     @property
     def device(self) -> str:
@@ -150,6 +154,10 @@ class Books:
     @property
     def free_bytes(self) -> int:
         return self.free * self.page_size
+
+    @property
+    def unavailable_bytes(self) -> int:
+        return self.unavailable * self.page_size
 
     def check(self) -> None:
         """Assert the books add up (GetStats calls it on every snapshot)."""
@@ -184,7 +192,8 @@ class DevicePool:
         self.worker = worker
         self.page_ids = page_ids
         self.page_size = page_size
-        self.budget_pages = budget_bytes // page_size
+        self.limit_pages = budget_bytes // page_size  # the configured limit
+        self.budget_pages = self.limit_pages  # the limit capped by supply (set_supply)
         self.budget = Budget(spec.uuid, page_size, self.budget_pages)
         self.warm_pages = min(warm_pages, self.budget_pages)
         self.idle_seconds = idle_seconds
@@ -231,7 +240,29 @@ class DevicePool:
         return Books(
             self.budget, self.n_pooled, self.n_in_use, self.n_free,
             c.created_total, c.released_total, c.allocations_total, c.allocation_failures_total,
+            max(0, self.limit_pages - self.budget_pages),
         )
+
+    # ---- supply: what the device really has ---------------------------
+    def set_supply(self, device_free_bytes: int) -> tuple[int, int] | None:
+        """The device reports `device_free_bytes` free (cuMemGetInfo; host:
+        MemAvailable). The budget becomes the configured limit capped at the
+        pages this pool accounts for (pooled + in use, orphans included) plus
+        the free ones, and never below what it accounts for: memory the
+        daemon cannot account for (other processes, pages of a previous
+        daemon its clients still map) is unavailable, not free. Returns
+        (old, new) budget pages when the budget changed."""
+        accounted = self.n_pooled + self.n_in_use
+        supply = accounted + max(0, device_free_bytes) // self.page_size
+        pages = max(accounted, min(self.limit_pages, supply))
+        if pages == self.budget_pages:
+            return None
+        old = self.budget_pages
+        self.budget_pages = pages
+        self.budget = Budget(self.uuid, self.page_size, pages)
+        if pages > old:
+            self._notify(0)  # a waiting Allocate may fit now
+        return old, pages
 
     def check(self) -> None:
         """Assert the books add up (GetStats calls it on every snapshot)."""

@@ -4,14 +4,18 @@ It sits beside the fd channel adapter (channel.py) in front of the core
 (daemon.py). Errors become gRPC status codes in exactly one place, `_abort`
 below (every unary rpc through `_rpc`, and Watch), through
 errors_grpc.to_grpc. The servicer keeps no state of its own. A SessionRef
-is a Bearer to the core; the core decides what a bearer may do.
+is a Bearer to the core, with the caller's uid as the kernel named it to
+the control socket's front door (control.py); the core decides what a
+bearer may do.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
+from typing import Callable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -20,8 +24,9 @@ from .. import __version__, errors, fdchannel
 from .._generated.kvcached.v1 import kvcached_pb2 as pb
 from .._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 from ..errors_grpc import to_grpc
+from .control import Peer
 from .daemon import API_VERSION, CORE_OPS, Bearer, Daemon, Event
-from .elastic import pending_pages
+from .elastic import Reclaim, pending_pages
 from .pool import Books, DevicePool
 from .sessions import Session
 
@@ -117,12 +122,25 @@ def pool_stats(books: list[Books]) -> pb.PoolStats:
         out.pooled_bytes += b.pooled_bytes
         out.in_use_bytes += b.in_use_bytes
         out.free_bytes += b.free_bytes
+        out.unavailable_bytes += b.unavailable_bytes
         out.pages_pooled += b.pooled
         out.pages_in_use += b.in_use
         out.pages_created_total += b.created_total
         out.pages_released_total += b.released_total
         out.page_size = b.page_size
     return out
+
+
+_OUTCOME = {"open": pb.ReclaimOutcome.OPEN, "met": pb.ReclaimOutcome.MET, "answered": pb.ReclaimOutcome.ANSWERED,
+            "expired": pb.ReclaimOutcome.EXPIRED, "ended": pb.ReclaimOutcome.ENDED}
+
+
+def reclaim_outcome(daemon: Daemon, ev: Reclaim) -> pb.ReclaimOutcome:
+    return pb.ReclaimOutcome(
+        reclaim_id=ev.id, device=ev.device, pages_requested=ev.pages, state=_OUTCOME[ev.state], answered=ev.answered,
+        bytes_given=ev.bytes_given, bytes_kept=ev.bytes_kept, reason=ev.why,
+        held_bytes=ev.session.held_pages(ev.device) * ev.page_size,
+    )
 
 
 def session_stats(daemon: Daemon, s: Session) -> pb.SessionStats:
@@ -149,11 +167,26 @@ def session_stats(daemon: Daemon, s: Session) -> pb.SessionStats:
 
 
 class KVCachedService(pb_grpc.KVCachedServicer):
-    def __init__(self, daemon: Daemon):
+    def __init__(self, daemon: Daemon, peers: Callable[[str], Peer | None] | None = None):
         self.d = daemon
+        # the control socket's front door (control.py): context.peer() -> the
+        # kernel's credentials of the caller; None for a trusted direct caller
+        self._peers = peers
 
-    def _session(self, ref: pb.SessionRef) -> Session:
-        return self.d.session(ref.id, ref.token)
+    def _uid(self, context) -> int | None:
+        """The caller's uid (SO_PEERCRED through the front door), or None
+        when the call did not come through it (the daemon's own uid or root
+        on grpcio's private socket, or a test servicer)."""
+        if self._peers is None:
+            return None
+        peer = self._peers(context.peer())
+        return peer.uid if peer is not None else None
+
+    def _bearer(self, ref: pb.SessionRef, context) -> Bearer:
+        return Bearer(ref.id, ref.token, self._uid(context))
+
+    def _session(self, ref: pb.SessionRef, context) -> Session:
+        return self.d.session(ref.id, ref.token, self._uid(context))
 
     @_rpc
     async def GetInfo(self, request, context):
@@ -167,12 +200,13 @@ class KVCachedService(pb_grpc.KVCachedServicer):
             devices=[device_info(p) for p in d.pools.values()],
             max_pages_per_request=d.settings.max_pages_per_request,
             fd_channel_requests=True,
-            fd_channel_requests_only=d.settings.channel_ops_only,
+            fd_channel_requests_only=d.settings.page_ops_on_channel_only,
         )
 
     @_rpc
     async def OpenSession(self, request, context):
         s = self.d.open_session(
+            self._uid(context),
             request.channel_secret,
             request.name,
             request.guaranteed_bytes,
@@ -188,6 +222,7 @@ class KVCachedService(pb_grpc.KVCachedServicer):
     @_rpc
     async def ResumeSession(self, request, context):
         s, adopted, forgotten = await self.d.resume_session(
+            self._uid(context),
             request.channel_secret, request.session_id, request.resume_token, list(request.page_ids)
         )
         return pb.ResumeSessionResponse(
@@ -196,13 +231,13 @@ class KVCachedService(pb_grpc.KVCachedServicer):
 
     @_rpc
     async def CloseSession(self, request, context):
-        n = await self.d.close_session(Bearer(request.session.id, request.session.token))
+        n = await self.d.close_session(self._bearer(request.session, context))
         return pb.CloseSessionResponse(pages_returned=n)
 
     @_rpc
     async def Allocate(self, request, context):
         a = await self.d.allocate(
-            Bearer(request.session.id, request.session.token), request.device, request.num_pages, request.wait,
+            self._bearer(request.session, context), request.device, request.num_pages, request.wait,
             request.wait_timeout_ms, request.notify_when_available,
         )
         return pb.AllocateResponse(allocation_id=a.allocation_id, device=a.device, page_size=a.page_size,
@@ -210,7 +245,7 @@ class KVCachedService(pb_grpc.KVCachedServicer):
 
     @_rpc
     async def Free(self, request, context):
-        n, s = await self.d.free(Bearer(request.session.id, request.session.token), list(request.page_ids))
+        n, s = await self.d.free(self._bearer(request.session, context), list(request.page_ids))
         return pb.FreeResponse(pages_freed=n, held_bytes=self.d.held_bytes(s))
 
     @_rpc
@@ -218,7 +253,7 @@ class KVCachedService(pb_grpc.KVCachedServicer):
         d = self.d
         sessions: list[Session] = []
         if request.HasField("session"):
-            s = self._session(request.session)
+            s = self._session(request.session, context)
             sessions = d.visible_sessions(s)
         pools = list(d.pools.values())
         books = [p.books() for p in pools]
@@ -235,7 +270,7 @@ class KVCachedService(pb_grpc.KVCachedServicer):
     async def Watch(self, request, context):
         try:
             request = _parse(request, pb.WatchRequest)
-            s = self._session(request.session)
+            s = self._session(request.session, context)
         except Exception as exc:  # noqa: BLE001 - every error gets a status
             await _abort(self.d, context, "Watch", exc)
             return
@@ -253,16 +288,26 @@ class KVCachedService(pb_grpc.KVCachedServicer):
 
     @_rpc
     async def SetSessionLimits(self, request, context):
-        self.d.admin_session(request.admin.id, request.admin.token)
+        self.d.admin_session(request.admin.id, request.admin.token, self._uid(context))
         limits = {f: getattr(request, f) if f in _LIMIT_FIELDS else None for f in request.set_fields}
         s = self.d.set_limits(request.session_id, limits)
         return pb.SetSessionLimitsResponse(session=session_stats(self.d, s))
 
     @_rpc
     async def RequestShrink(self, request, context):
-        self.d.shrinker_session(request.admin.id, request.admin.token, request.session_id)
-        n = self.d.request_shrink(request.session_id, request.target_bytes, request.timeout_ms, reason="admin")
-        return pb.RequestShrinkResponse(pages_requested=n)
+        d = self.d
+        d.shrinker_session(request.admin.id, request.admin.token, request.session_id, self._uid(context))
+        sent = d.request_shrink(request.session_id, request.target_bytes, request.timeout_ms, reason="admin")
+        if request.wait and sent:
+            wait_s = max(0.0, max(ev.deadline for ev in sent) - time.time()) + 0.05
+            waiters = [asyncio.ensure_future(ev.settled.wait()) for ev in sent]
+            try:
+                await asyncio.wait(waiters, timeout=wait_s)
+            finally:
+                for w in waiters:
+                    w.cancel()
+        return pb.RequestShrinkResponse(pages_requested=sum(ev.pages for ev in sent),
+                                        reclaims=[reclaim_outcome(d, ev) for ev in sent])
 
 
 def add_to_server(service: KVCachedService, server) -> None:

@@ -12,6 +12,8 @@ every import, like client_proc.py).
                            victim's pages and session; report codes
   grab N TIMEOUT           allocate N pages as soon as they can be had (retrying);
                            report whether every byte of every page is zero
+  getinfo N                N control connections held at once, GetInfo on each; report codes
+  opensecret SECRET_HEX    OpenSession with another process's channel secret; report the code
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from kvcached_service import fdchannel  # noqa: E402
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb  # noqa: E402
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc  # noqa: E402
 from kvcached_service.client import Client  # noqa: E402
+from kvcached_service.errors import KVCachedError  # noqa: E402
 from raw import ref, stub  # noqa: E402
 
 
@@ -129,7 +132,11 @@ def main() -> int:
         s = c.open_session("attacker")
         rpc = stub(c)
         res = {"admin": s.admin}
-        res["Free"], res["Free_msg"] = code_of(lambda: rpc.Free(pb.FreeRequest(session=ref(s), page_ids=ids), timeout=10))
+        try:  # on its own fd channel (a FREE record): the only place the default mode takes it
+            s.free_ids(ids)
+            res["Free"], res["Free_msg"] = "OK", ""
+        except KVCachedError as exc:
+            res["Free"], res["Free_msg"] = exc.code.name, exc.message
         code, st = code_of(lambda: rpc.GetStats(pb.GetStatsRequest(session=ref(s)), timeout=10))
         res["GetStats"] = code
         res["sessions_seen"] = sorted(x.id for x in st.sessions) if code == "OK" else []
@@ -158,6 +165,22 @@ def main() -> int:
         runner.close()
         server.close()
         out(**res)
+        return 0
+    if mode == "opensecret":
+        secret = bytes.fromhex(args[0])
+        code, r = code_of(lambda: stub(sock).OpenSession(pb.OpenSessionRequest(channel_secret=secret, name="thief"), timeout=10))
+        out(OpenSession=code, OpenSession_msg=r if code != "OK" else "")
+        return 0
+    if mode == "getinfo":
+        n = int(args[0])
+        opts = [("grpc.use_local_subchannel_pool", 1)]  # one connection per channel
+        chans, codes = [], []
+        for _ in range(n):
+            ch = grpc.insecure_channel(f"unix:{sock}", options=opts)
+            chans.append(ch)
+            code, r = code_of(lambda: pb_grpc.KVCachedStub(ch).GetInfo(pb.GetInfoRequest(), timeout=10))
+            codes.append("OK" if code == "OK" else [code, r])
+        out(codes=codes)
         return 0
     if mode == "grab":
         n, timeout = int(args[0]), float(args[1])

@@ -24,7 +24,8 @@ PAGE2M = 2 << 20
 # name: model shape, context, KV cache type, flash attention
 SHAPES = {
     # GQA (8 heads, 4 KV heads of 64): 512 B per cell per tensor; 9000 cells
-    # (9216 after llama.cpp's padding) = 4.5 MiB per tensor: 2 whole pages + a half
+    # (9216 after llama.cpp's padding) = 4.5 MiB per tensor: 2 whole pages + a
+    # half; the longest prompt (~4300 cells) crosses into a tensor's second page
     "gqa-odd-ctx-f16": (dict(n_layer=2, n_embd=512, n_head=8, n_head_kv=4, n_ff=1024), 9000, "f16", "on"),
     # q8_0 K and V (needs flash attention): 192 x 34/32 = 204 B per cell, a
     # 3000-cell context: 0.6 MiB per tensor, less than one page each
@@ -51,7 +52,7 @@ def test_every_page_comes_back_after_erase_and_reclaim(daemon_factory, servers, 
     row = tiny_model.kv_row_bytes(kw["n_embd"], kw["n_head"], kw["n_head_kv"], kv_type)
     n_layer = kw["n_layer"]
     extra = ["--slot-save-path", str(tmp_path), "-ctk", kv_type, "-ctv", kv_type]
-    prompts = [text(int(ctx * f), 61 + i) for i, f in enumerate((0.05, 0.3, 0.75))]  # ~0.8 tokens per char
+    prompts = [text(int(ctx * f), 61 + i) for i, f in enumerate((0.05, 0.25, 0.6))]  # ~0.8 tokens per char
 
     ref = servers(ORIG, model, kvc_socket=None, ctx=ctx, parallel=1, fa=fa, extra=extra)
     want = [ref.complete(p, 12, id_slot=0)["tokens"] for p in prompts]
@@ -200,8 +201,10 @@ def test_child_env_reaches_the_session(daemon_factory, servers, models):
         srv.complete(text(900, 1), 4)
         t = time.monotonic()
         with pytest.raises(HTTPError) as e:
-            srv.complete(text(2500, 2), 4, timeout=60)
-        assert time.monotonic() - t < 15
+            srv.complete(text(2500, 2), 4, timeout=120)
+        # the refusal costs at most KVCACHED_WAIT_MS (1 s) plus the prompt's own compute
+        # (generous: other suites share the cores), not a 10 s wait per halving
+        assert time.monotonic() - t < 60
         assert "kvcached" in e.value.body and "daemon" in e.value.body, e.value.body
         assert "Context size has been exceeded" not in e.value.body
         assert held(c, srv.pid) <= 6 << 20

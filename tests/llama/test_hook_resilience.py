@@ -51,26 +51,27 @@ def run_concurrently(calls):
 
 
 def test_two_busy_servers_over_one_budget(daemon_factory, servers, models):
-    """Budget 24 MiB; two servers whose prompts want ~14 MiB each, sent at
-    the same time, three rounds: every request ends within the bound, with
-    the unpatched build's tokens or an error naming the daemon; then one
-    after the other, each served by reclaiming the other's idle slot."""
-    prompts = {1: [text(4400, 71), text(4000, 72), text(4200, 73), text(4300, 74)],
-               2: [text(4300, 81), text(4100, 82), text(4400, 83), text(4000, 84)]}
+    """Budget 12 MiB; two servers (2048 cells, 8 MiB each at most) whose
+    prompts want ~7 MiB each, sent at the same time, two rounds: every
+    request ends within the bound, with the unpatched build's tokens or an
+    error naming the daemon; then one after the other, each served by
+    reclaiming the other's idle slot."""
+    prompts = {1: [text(2150, 71), text(2000, 72), text(2100, 74)],
+               2: [text(2100, 81), text(2050, 82), text(2000, 84)]}
     want = {}
     for seed in (1, 2):
-        ref = servers(ORIG, models[seed], kvc_socket=None, ctx=4096, parallel=1)
+        ref = servers(ORIG, models[seed], kvc_socket=None, ctx=2048, parallel=1)
         want[seed] = [ref.complete(p, 24)["tokens"] for p in prompts[seed]]
         ref.stop()
-    budget = 24 << 20
-    d = daemon_factory("host", memory_limit="24MiB", page_size=str(PAGE))
-    a = servers(KVC, models[1], kvc_socket=d.socket, ctx=4096, parallel=1)
-    b = servers(KVC, models[2], kvc_socket=d.socket, ctx=4096, parallel=1)
+    budget = 12 << 20
+    d = daemon_factory("host", memory_limit="12MiB", page_size=str(PAGE))
+    a = servers(KVC, models[1], kvc_socket=d.socket, ctx=2048, parallel=1)
+    b = servers(KVC, models[2], kvc_socket=d.socket, ctx=2048, parallel=1)
     done = {1: 0, 2: 0}
     failed = {1: 0, 2: 0}
     longest = 0.0
     with observe(d) as c:
-        for rnd in range(3):
+        for rnd in range(2):
             res = run_concurrently([lambda: a.complete(prompts[1][rnd], 24, timeout=REQUEST_BOUND_S * 2),
                                     lambda: b.complete(prompts[2][rnd], 24, timeout=REQUEST_BOUND_S * 2)])
             for seed, (r, secs) in zip((1, 2), res):
@@ -90,22 +91,22 @@ def test_two_busy_servers_over_one_budget(daemon_factory, servers, models):
         # one at a time: the other one is idle and gives its slot back
         for seed, srv in ((2, b), (1, a)):
             t = time.monotonic()
-            r = srv.complete(prompts[seed][3], 24, timeout=REQUEST_BOUND_S * 2)
+            r = srv.complete(prompts[seed][2], 24, timeout=REQUEST_BOUND_S * 2)
             assert time.monotonic() - t < REQUEST_BOUND_S
-            assert r["tokens"] == want[seed][3]
+            assert r["tokens"] == want[seed][2]
             done[seed] += 1
         print(f"\nconcurrent rounds: completed {done}, failed naming the daemon {failed}, longest request {longest:.1f} s")
         # a reclaim request to a busy server is answered at once (what it
         # could give back, and that the rest is in use), not after its batch
         def keep_busy():  # only keeps b busy; how it ends does not matter here
             try:
-                b.complete(text(1000, 91), 3000, timeout=REQUEST_BOUND_S * 3)
+                b.complete(text(500, 91), 1600, timeout=REQUEST_BOUND_S * 3)
             except Exception:  # noqa: BLE001
                 pass
 
         busy = threading.Thread(target=keep_busy, daemon=True)  # ends when the server stops at teardown
         busy.start()
-        assert wait_until(lambda: held(c, b.pid) > 4 << 20, timeout=REQUEST_BOUND_S)
+        assert wait_until(lambda: held(c, b.pid) > 2 << 20, timeout=REQUEST_BOUND_S)
         n0 = len(re.findall(r"kvcached: reclaim \(admin\)", b.log_text()))
         t = time.monotonic()
         c.request_shrink(session_of(c, b.pid).id, 0, timeout_ms=200)
@@ -160,9 +161,11 @@ def test_daemon_sigkill_and_restart_under_a_running_server(daemon_factory, serve
     else:
         assert log.count("kvcached: lost the daemon at") == 1, log[-3000:]
     # the batch failures behind that one request (llama-server halves the batch
-    # down to 1) are logged once by the hook, not one by one
-    assert len(re.findall(r"^(?:[\d.]+ [A-Z] )?kvcached: the daemon at \S+ (?:is gone|is unreachable)", log, re.M)) <= 1, \
-        log[-3000:]
+    # down to 1) are not logged one by one by the hook (an identical message
+    # again only after 5 s)
+    retries = log.count("retrying with smaller batch size")
+    warns = len(re.findall(r"^(?:[\d.]+ [A-Z] )?kvcached: the daemon at \S+ (?:is gone|is unreachable)", log, re.M))
+    assert retries >= 8 and warns <= 3, (retries, warns, log[-3000:])
 
     d2 = daemon_factory("host", socket=d1.socket, **settings)
     t = time.monotonic()
