@@ -14,7 +14,9 @@ The core operations both adapters call (Allocate, Free, CloseSession) are
 observed once, here, at their boundary (`_Observation`): `observers` get
 (operation, code, seconds, waited) for each; the metrics subscribe.
 
-Everything runs on one asyncio event loop (the gRPC aio server's).
+Everything runs on one event loop (the gRPC aio server's; uvloop by
+default). fd channel requests run at once in the adapter's read callback
+and become Tasks only when they must wait (eager.py).
 """
 
 from __future__ import annotations
