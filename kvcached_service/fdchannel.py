@@ -220,7 +220,12 @@ def encode_answer(req_id: int, reclaim_id: int, bytes_given: int, bytes_kept: in
     return _frame(REQ_ANSWER, _REQ_ANSWER.pack(req_id, reclaim_id, bytes_given, bytes_kept) + why)
 
 
+_REPLY_BARE = struct.Struct("<IHHII" + _REPLY.format.lstrip("<"))  # header and a REPLY without message, in one pack
+
+
 def encode_reply(req_id: int, code: int, value: int = 0, message: str = "") -> bytes:
+    if not message:  # the common answer: one pack, no concatenation
+        return _REPLY_BARE.pack(MAGIC, VERSION, REPLY, _REPLY.size, 0, req_id, code, 0, value)
     return _frame(REPLY, _REPLY.pack(req_id, code, 0, value) + message.encode("utf-8", "replace")[:MAX_MESSAGE])
 
 
@@ -330,13 +335,26 @@ def _decode_request(kind: int, name: str, payload: bytes, fds, fds_truncated: bo
     return AnswerReq(req, reclaim_id, given, kept, payload[_REQ_ANSWER.size :].decode("utf-8", "replace"))
 
 
+# Plain ints (the socket module's are enum members, whose operators cost
+# more than the rest of a small record's handling), computed once.
+_SOL_SOCKET = int(socket.SOL_SOCKET)
+_SCM_RIGHTS = int(socket.SCM_RIGHTS)
+_MSG_TRUNC = int(socket.MSG_TRUNC)
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)
+_MSG_CMSG_CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
+_FD_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+_NO_ANC: list = []
+
+
 def send_record(sock: socket.socket, data: bytes, fds: list[int] | tuple[int, ...] = ()) -> None:
     """Send one record (blocking or not, as the socket is set). Raises
     BlockingIOError when a non-blocking socket is full; nothing was sent."""
-    if len(fds) > MAX_FDS:
-        raise ValueError(f"at most {MAX_FDS} fds per record")
-    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
-    sent = sock.sendmsg([data], anc)
+    if fds:
+        if len(fds) > MAX_FDS:
+            raise ValueError(f"at most {MAX_FDS} fds per record")
+        sent = sock.sendmsg((data,), [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds).tobytes())])
+    else:
+        sent = sock.sendmsg((data,), _NO_ANC)
     if sent != len(data):  # SOCK_SEQPACKET sends whole records or fails
         raise ProtocolError(f"short send of a record: {sent} of {len(data)} bytes")
 
@@ -344,18 +362,17 @@ def send_record(sock: socket.socket, data: bytes, fds: list[int] | tuple[int, ..
 def recv_record(sock: socket.socket, max_size: int = MAX_RECORD) -> Record | None:
     """Receive and parse one record; None at end of stream. Descriptors of a
     malformed record are closed before ProtocolError is raised."""
-    fd_space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
-    data, ancdata, flags, _ = sock.recvmsg(max_size + 1, fd_space, socket.MSG_CMSG_CLOEXEC)
+    data, ancdata, flags, _ = sock.recvmsg(max_size + 1, _FD_SPACE, _MSG_CMSG_CLOEXEC)
     fds: list[int] = []
     for level, ctype, cdata in ancdata:
-        if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
+        if level == _SOL_SOCKET and ctype == _SCM_RIGHTS:
             arr = array.array("i")
             arr.frombytes(cdata[: len(cdata) - (len(cdata) % arr.itemsize)])
             fds.extend(arr)
     if not data and not fds:
         return None
     try:
-        return decode(data, fds, bool(flags & socket.MSG_TRUNC), bool(flags & socket.MSG_CTRUNC))
+        return decode(data, fds, bool(flags & _MSG_TRUNC), bool(flags & _MSG_CTRUNC))
     except ProtocolError:
         close_fds(fds)
         raise

@@ -104,6 +104,16 @@ class Conn:
     async def send(self, data: bytes, fds: list[int], timeout: float) -> None:
         """Send one record without blocking the loop; waits for room up to
         `timeout` seconds. Raises DeliveryFailed when it cannot deliver."""
+        if not self._closed and not self._send_lock.locked():
+            # nobody is waiting to send on this channel: straight into the socket
+            try:
+                fdchannel.send_record(self.sock, data, fds)
+                return
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.ENOBUFS):
+                    raise DeliveryFailed(f"send failed: {exc.strerror}") from exc
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         async with self._send_lock:

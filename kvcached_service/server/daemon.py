@@ -632,6 +632,10 @@ class Daemon:
         """pool.acquire, and when memory is short and the caller may wait:
         ask other sessions for pages (elastic.Reclaimer) and retry each time
         pages come back, until the deadline."""
+        try:
+            return await pool.acquire(s, count)  # the common case: no deadline, no bookkeeping
+        except Shortage:
+            pass
         loop = asyncio.get_running_loop()
         wait_s = (wait_ms or self.settings.default_wait_ms) / 1000
         deadline = loop.time() + wait_s
