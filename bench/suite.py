@@ -156,7 +156,11 @@ def roundtrip_scenario(c: Ctx, tree: "pathlib.Path | None" = None, profile_dir: 
     1-client and the 64-client runs (flame graphs saved there)."""
     nproc = 64
     out: dict = {"page_size": PAGE}
-    with c.daemon("s2", ["--memory-limit", str(4 * nproc * PAGE)], device_bytes=8 * nproc * PAGE, tree=tree) as d:
+    args = ["--memory-limit", str(4 * nproc * PAGE)]
+    config = (tree or common.ROOT) / "kvcached_service" / "config.py"
+    if "grpc_page_ops" in config.read_text():
+        args.append("--grpc-page-ops")  # the row "vs gRPC calls" makes them (off by default since issue 16)
+    with c.daemon("s2", args, device_bytes=8 * nproc * PAGE, tree=tree) as d:
         env = common.client_env(d)
         cwd = common.ROOT
         if tree is not None:  # that revision's client: its tree first on the path (python -m puts cwd there)
