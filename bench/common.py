@@ -63,6 +63,13 @@ def nofile_limits(pid: int) -> tuple[int, int]:
     return -1, -1
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time the process (all its threads) used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 

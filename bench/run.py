@@ -99,6 +99,10 @@ def figures(res: dict) -> list[dict]:
                                      s[f"rtt_{conc}_daemon"][f"{p}_us"], old[f"rtt_{conc}_daemon"][f"{p}_us"], "us", "lower", bw))
             rows.append(_row("2 Allocate+Free 1 page", f"this tree vs {ref}, 64 clients pairs/s", s["tput_64_daemon"]["pairs_per_s"],
                              old["tput_64_daemon"]["pairs_per_s"], "/s", "higher", bw))
+            for key, label in (("rtt_1_daemon", "1 client"), ("tput_64_daemon", "64 clients")):
+                if "daemon_cpu_us_per_pair" in s[key] and "daemon_cpu_us_per_pair" in old[key]:
+                    rows.append(_row("2 Allocate+Free 1 page", f"this tree vs {ref}, daemon CPU per pair, {label}",
+                                     s[key]["daemon_cpu_us_per_pair"], old[key]["daemon_cpu_us_per_pair"], "us", "lower", bw))
     if "reclaim" in sc:
         s = sc["reclaim"]
         gib = s["moved_bytes"] / (1 << 30)

@@ -186,18 +186,26 @@ def roundtrip_scenario(c: Ctx, tree: "pathlib.Path | None" = None, profile_dir: 
                 group = procs[:conc]
                 for mode in ("daemon", "grpc", "base") if conc == 1 else ("daemon", "base"):
                     spy = profile.start(d.pid, profile_dir, "rtt1", secs=None) if profile_dir and conc == 1 and mode == "daemon" else None
+                    cpu0 = common.cpu_seconds(d.pid)
                     lat = [x for r in run(group, {"op": "rtt", "mode": mode, "n": n}) for x in r["lat"]]
+                    cpu = common.cpu_seconds(d.pid) - cpu0
                     if spy:
                         out["profile_rtt1"] = spy.finish()
                     out[f"rtt_{conc}_{mode}"] = summary_us(lat)
+                    if mode != "base":  # the daemon's own CPU time per pair (less sensitive to other load than latency)
+                        out[f"rtt_{conc}_{mode}"]["daemon_cpu_us_per_pair"] = cpu / len(lat) * 1e6
             secs = c.q(1.0, 5.0)
             for mode in ("daemon", "base"):
                 spy = profile.start(d.pid, profile_dir, f"tput{nproc}", secs=None) if profile_dir and mode == "daemon" else None
+                cpu0 = common.cpu_seconds(d.pid)
                 got = run(procs, {"op": "tput", "mode": mode, "secs": secs})
+                cpu = common.cpu_seconds(d.pid) - cpu0
                 if spy:
                     out[f"profile_tput{nproc}"] = spy.finish()
-                out[f"tput_{nproc}_{mode}"] = {"pairs": sum(r["pairs"] for r in got), "secs": secs,
-                                               "pairs_per_s": sum(r["pairs"] for r in got) / secs, "clients": nproc}
+                pairs = sum(r["pairs"] for r in got)
+                out[f"tput_{nproc}_{mode}"] = {"pairs": pairs, "secs": secs, "pairs_per_s": pairs / secs, "clients": nproc}
+                if mode == "daemon":
+                    out[f"tput_{nproc}_{mode}"]["daemon_cpu_us_per_pair"] = cpu / max(1, pairs) * 1e6
             for p in procs:
                 p.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 p.stdin.flush()
