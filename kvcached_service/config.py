@@ -104,7 +104,7 @@ class Settings(BaseSettings):
     max_sessions: int = Field(4096, ge=1, description="open sessions in total")
     max_sessions_per_uid: int = Field(1024, ge=1, description="open sessions (and unbound fd channels) per uid")
     grpc_page_ops: bool = Field(False, description="also serve Allocate/Free/CloseSession over gRPC, where a SessionRef is a bearer secret (for tools such as grpcurl); off: only as requests on the session's own fd channel, whose sender the kernel names (docs/architecture.md, Security model)")
-    channel_ops_only: bool | None = Field(None, description="deprecated (now the default): page operations only on the fd channel; --no-channel-ops-only is --grpc-page-ops")
+    channel_ops_only: bool | None = Field(None, description="page operations only on the fd channel: the default, kept for command lines that say so; --no-channel-ops-only is --grpc-page-ops")
     max_grpc_connections: int = Field(1024, ge=1, description="control-socket (gRPC) connections open at once, all uids together")
     max_grpc_connections_per_uid: int = Field(256, ge=1, description="control-socket (gRPC) connections open at once per uid (SO_PEERCRED); keep it below max_grpc_connections")
     grpc_idle_timeout: float = Field(120.0, gt=0, description="seconds a control connection with no call in flight stays open (clients reconnect on their next call)")
