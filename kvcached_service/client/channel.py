@@ -113,6 +113,7 @@ class Channel:
         self._closing = False
         self._req_ids = itertools.count(1)
         self._reading = False  # someone holds the reading role (under _cond)
+        self._poller: select.poll | None = None  # the reading role's poll object
         self.on_hangup = on_hangup
         self._reader = threading.Thread(target=self._watch, name="kvcached-fdchannel", daemon=True)
         self._reader.start()
@@ -158,12 +159,19 @@ class Channel:
         return False
 
     def _readable(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds for a record (or the end of the stream)."""
-        p = select.poll()
-        p.register(self.sock.fileno(), select.POLLIN)
+        """Wait up to `timeout` seconds for a record (or the end of the
+        stream). Only the holder of the reading role calls it, so one poll
+        object serves every reader in turn."""
+        p = self._poller
+        if p is None:
+            p = self._poller = select.poll()
+            try:
+                p.register(self.sock.fileno(), select.POLLIN)
+            except (OSError, ValueError):  # closed under us
+                return True
         try:
             return bool(p.poll(max(0, int(timeout * 1000 + 0.999))))
-        except (OSError, ValueError):  # closed under us
+        except (OSError, ValueError, RuntimeError):  # closed under us
             return True  # recv reports what happened
 
     def _watch(self) -> None:
