@@ -6,8 +6,8 @@ start-up (`--backend host|cuda|auto`). The pool calls every method of one
 device on that device's worker thread (see server/worker.py), so a backend
 may keep thread-bound state there (the CUDA backend makes the device's
 primary context current in `worker_init`). No method but `needs_zeroing`
-(cheap by contract) and `export_fds` of a few pages is ever called from the
-event loop.
+and `exports_ready` (cheap by contract), and `export_fds` when
+`exports_ready` says it is cheap, is ever called from the event loop.
 """
 
 from __future__ import annotations
@@ -53,9 +53,6 @@ class Backend(abc.ABC):
     # export_fds makes new descriptors (the caller closes them once sent)
     # rather than lending the pages' own.
     fresh_exports: bool = False
-    # export_fds of at most this many pages may run on the event loop thread
-    # (cheap); larger batches go to the device worker.
-    inline_export_max: int = 1 << 30
 
     @abc.abstractmethod
     def devices(self) -> list[DeviceSpec]:
@@ -84,9 +81,14 @@ class Backend(abc.ABC):
         page's own fd, which the backend keeps (the caller must not close
         it). With `fresh_exports`, new descriptors the caller owns and
         closes after sending; all or nothing (on failure none is left
-        open). May run on the event loop thread for up to
-        `inline_export_max` pages."""
+        open). Runs on the event loop thread when `exports_ready(pages)`
+        (no driver call), on the device worker otherwise."""
         return [p.fd for p in pages]
+
+    def exports_ready(self, pages: list[PageHandle]) -> bool:
+        """Whether export_fds of these pages is cheap (may run on the event
+        loop). By default always (the pages' own fds)."""
+        return True
 
     def needs_zeroing(self, pages: list[PageHandle]) -> list[PageHandle]:
         """The pages among these that zero_pages must clear. The one method

@@ -2,12 +2,15 @@
 
 A page is one cuMemCreate allocation (pinned device memory, requestedHandleTypes
 = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR). The daemon keeps only its
-CUmemGenericAllocationHandle: each time the page is delivered, export_fds
-makes a new fd with cuMemExportToShareableHandle, the channel sends it and
-the daemon closes it, so the daemon holds no descriptor per page (100k
-pages need no 100k fds; docs/architecture.md, "File descriptors"). Clients
-import the fd and map it into their own reservations (client/cuda_mapper.py).
-Zeroing maps the handle, not an fd; release is cuMemRelease.
+CUmemGenericAllocationHandle: each delivery sends a new fd
+(cuMemExportToShareableHandle) and the daemon closes it once sent, so a
+lent page holds no descriptor in the daemon (100k pages need no 100k fds;
+docs/architecture.md, "File descriptors"). So that handing out a pooled
+page makes no driver call on the event loop, the worker exports a *ready*
+fd when it creates or zeroes a page (for at most ready_export_cap pages
+per device); the delivery hands that one over. Clients import the fd and
+map it into their own reservations (client/cuda_mapper.py). Zeroing maps
+the handle, not an fd; release is cuMemRelease.
 
 Pages a client re-sends after a daemon restart (adopt_pages) are imported;
 the imported handle is exported again for later deliveries when the driver
@@ -61,13 +64,15 @@ class _Device:
     window_size: int = 0
     stuck: list = field(default_factory=list)  # (addr, size) the window failed to unmap
     live: dict = field(default_factory=dict)  # id(page) -> page, for close()
+    ready: int = 0  # pages holding a ready export (under the backend's lock)
 
 
 class CudaBackend(Backend):
     kind = "cuda"
     fds_per_page = 0
     fresh_exports = True
-    inline_export_max = 16  # pages exported on the event loop thread (a one-page grow costs no thread hop)
+    # Pages of a device that may hold a ready export at once (see export_fds).
+    ready_export_cap = 1024
 
     def __init__(self, driver: cu.Driver | None = None):
         self._drv = driver or cu.load()
@@ -211,6 +216,7 @@ class CudaBackend(Backend):
         with self._lock:
             for page in pages:
                 d.live[id(page)] = page
+        self._make_ready(d, pages)
         return pages
 
     def adopt_pages(self, device: int, fds: list[int], page_size: int) -> list[PageHandle]:
@@ -258,28 +264,62 @@ class CudaBackend(Backend):
         os.close(fd.value)
         return True
 
+    def _make_ready(self, d: _Device, pages: list[PageHandle]) -> None:
+        """On the worker, after creating or zeroing pages (they go to the
+        pool next): export each one's fd for its next delivery, up to
+        ready_export_cap per device, so that handing out a pooled page makes
+        no driver call on the event loop. A failed export only means the
+        delivery exports (on the worker) instead."""
+        with self._lock:
+            room = self.ready_export_cap - d.ready
+            if room <= 0:
+                return
+            want = [p for p in pages if p.fd < 0 and p.native is not None][:room]
+            d.ready += len(want)
+        fd = ctypes.c_int(-1)
+        made = 0
+        try:
+            for page in want:
+                self._drv.cuMemExportToShareableHandle(ctypes.byref(fd), page.native, cu.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
+                page.fd = fd.value
+                page.extra["ready"] = True
+                made += 1
+        except (cu.CudaDriverError, OSError) as exc:
+            log.debug("ready export on %s failed (%s); the delivery exports instead", d.spec.uuid, exc)
+        finally:
+            if made < len(want):
+                with self._lock:
+                    d.ready -= len(want) - made
+
+    def exports_ready(self, pages: list[PageHandle]) -> bool:
+        """Whether export_fds of these pages needs no driver call (each has
+        a ready export, or an adopted page's kept fd to duplicate)."""
+        return all(p.fd >= 0 for p in pages)
+
     def export_fds(self, device: int, pages: list[PageHandle]) -> list[int]:
-        """A new fd for each page, which the caller closes once sent: an
-        export of the page's handle, or a duplicate of the fd an adopted page
-        kept. Runs on the event loop thread for a few pages (VMM calls need
-        no current context; if the driver says otherwise, every later export
-        makes the device's context current first) and on the worker for more."""
+        """A new fd for each page, which the caller closes once sent: the
+        page's ready export (made on the worker when the page was created or
+        zeroed; handed over, the page keeps none), a duplicate of the fd an
+        adopted page kept, or an export of the page's handle. The pool calls
+        it on the event loop only when exports_ready() (no driver call),
+        otherwise on the device worker. (VMM calls need no current context;
+        if the driver says otherwise, every later export makes it current.)"""
         d = self._dev(device)
         out: list[int] = []
         try:
-            if self._export_needs_ctx:
+            if self._export_needs_ctx and not self.exports_ready(pages):
                 with self._context(d):
-                    self._export_into(pages, out)
+                    self._export_into(d, pages, out)
             else:
                 try:
-                    self._export_into(pages, out)
+                    self._export_into(d, pages, out)
                 except cu.CudaDriverError as exc:
                     if exc.name != "CUDA_ERROR_INVALID_CONTEXT":
                         raise
                     log.info("cuMemExportToShareableHandle needs a current context on this driver; exports make it current")
                     self._export_needs_ctx = True
                     with self._context(d):
-                        self._export_into(pages, out)
+                        self._export_into(d, pages, out)
         except BaseException as exc:
             for fd in out:
                 with contextlib.suppress(OSError):
@@ -291,11 +331,17 @@ class CudaBackend(Backend):
             raise
         return out
 
-    def _export_into(self, pages: list[PageHandle], out: list[int]) -> None:
+    def _export_into(self, d: _Device, pages: list[PageHandle], out: list[int]) -> None:
         drv = self._drv
         fd = ctypes.c_int(-1)
         for page in pages[len(out):]:
-            if page.fd >= 0:
+            if page.extra.pop("ready", False):  # handed over: the page keeps none
+                ready_fd, page.fd = page.fd, -1
+                with self._lock:
+                    d.ready -= 1
+                out.append(ready_fd)
+                continue
+            if page.fd >= 0:  # an adopted page's kept fd
                 out.append(os.dup(page.fd))
                 continue
             if page.native is None:
@@ -310,12 +356,16 @@ class CudaBackend(Backend):
                 self._zero(d, pages)
         except cu.CudaDriverError as exc:
             raise exc.with_context(f"zeroing {len(pages)} page(s) on {d.spec.uuid}") from None
+        self._make_ready(d, pages)
 
     def release_pages(self, device: int, pages: list[PageHandle]) -> None:
         d = self._dev(device)
         first: BaseException | None = None
         with self._context(d):
             for page in pages:
+                if page.extra.pop("ready", False):
+                    with self._lock:
+                        d.ready -= 1
                 try:
                     self._release_one(page)
                 except BaseException as exc:

@@ -366,11 +366,12 @@ class DevicePool:
     async def export_fds(self, pages: list[Page]) -> list[int]:
         """The descriptors to deliver for `pages` (backend.export_fds). With
         a backend of fresh exports they are new fds the caller closes once
-        sent; a few pages are exported on this thread, more on the worker.
-        If the caller is cancelled meanwhile, the fds made are closed."""
+        sent; made on this thread when that needs no driver call (pooled
+        pages carry a ready export), on the worker otherwise. If the caller
+        is cancelled meanwhile, the fds made are closed."""
         handles = [p.handle for p in pages]
         be = self.backend
-        if not be.fresh_exports or len(handles) <= be.inline_export_max:
+        if not be.fresh_exports or be.exports_ready(handles):
             return be.export_fds(self.spec.ordinal, handles)
         fut = asyncio.ensure_future(self.worker.call(be.export_fds, self.spec.ordinal, handles))
         try:

@@ -92,17 +92,24 @@ CREATE_CALLS = (  # no export: a page's fd is made when it is delivered (export_
 
 
 def test_pages_keep_no_fd_and_each_delivery_gets_its_own_export(sim):
-    """create_pages keeps no descriptor per page (the daemon's fds do not
-    grow with the pages it tracks); export_fds makes a new fd per delivery,
-    on any thread, for the same page each time, and the caller closes it."""
+    """A page keeps at most one ready export (made on the worker when it
+    was created or zeroed, for at most ready_export_cap pages per device),
+    handed over at its next delivery; other deliveries export a new fd, on
+    the worker, for the same page each time; the caller closes them. So the
+    fds the daemon holds do not grow with the pages it lends."""
     r = sim.run("""
         b = open_backend(); on_worker(lambda: b.worker_init(0))
-        before = len(os.listdir("/proc/self/fd"))
+        b.ready_export_cap = 5
         pages = on_worker(lambda: b.create_pages(0, 8, GRAN, zero=True))
-        kept = [p.fd for p in pages]
-        first = b.export_fds(0, pages)                          # event loop thread (no context needed)
-        second = on_worker(lambda: b.export_fds(0, pages))      # device worker
+        kept = [p.fd >= 0 for p in pages]                       # 5 ready exports, no more
+        ready_before = [b.exports_ready(pages[:5]), b.exports_ready(pages)]
+        first = b.export_fds(0, pages[:5])                      # event loop: handed over, no driver call
+        first += on_worker(lambda: b.export_fds(0, pages[5:]))  # the rest exported on the worker
+        after = [p.fd for p in pages]                           # lent: the daemon keeps none
+        second = on_worker(lambda: b.export_fds(0, pages))      # delivered again: new exports
         distinct = len(set(first + second)) == 16
+        on_worker(lambda: b.zero_pages(0, pages[:2]))           # freed and zeroed: ready again
+        again = [p.fd >= 0 for p in pages]
         h1, h2 = import_fd(first[0]), import_fd(second[0])      # both are the same page
         m = CudaMapper(b.devices()[0].uuid)
         base = m.reserve(2 * GRAN)
@@ -114,9 +121,12 @@ def test_pages_keep_no_fd_and_each_delivery_gets_its_own_export(sim):
         for fd in first + second:
             os.close(fd)
         on_worker(lambda: b.release_pages(0, pages)); on_worker(lambda: b.worker_exit(0)); b.close()
-        out(kept=kept, distinct=distinct, same=same)
+        out(kept=kept, ready_before=ready_before, after=after, distinct=distinct, same=same, again=again)
     """)
-    assert r["kept"] == [-1] * 8
+    assert r["kept"] == [True] * 5 + [False] * 3
+    assert r["ready_before"] == [True, False]
+    assert r["after"] == [-1] * 8
+    assert r["again"] == [True] * 2 + [False] * 6
     assert r["distinct"] and r["same"]
     assert r.report["leaks"] == 0, r.report
 
@@ -125,6 +135,7 @@ def test_export_failure_closes_the_fds_it_made(sim):
     for n in (1, 3, 5):
         r = sim.run("""
             b = open_backend(); on_worker(lambda: b.worker_init(0))
+            b.ready_export_cap = 0                                # every export is a driver call
             pages = on_worker(lambda: b.create_pages(0, 5, GRAN, zero=False))
             try:
                 b.export_fds(0, pages); err = None
