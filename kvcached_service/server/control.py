@@ -37,6 +37,7 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import struct
 import tempfile
 import time
@@ -220,20 +221,26 @@ class ControlFront:
 
     @staticmethod
     def _private_dir(socket_path: str) -> str:
-        """A 0700 directory for grpcio's own socket: beside the control
-        socket (writable wherever the socket is, e.g. /run/kvcached under
-        systemd), else in the temporary directory when that path would be
-        too long for a Unix socket."""
-        parent = os.path.dirname(os.path.abspath(socket_path))
-        for where in (parent, None):
+        """A 0700 directory for grpcio's own socket: `.<socket name>.grpc`
+        beside the control socket (writable wherever the socket is, e.g.
+        /run/kvcached under systemd; one left by a daemon that was killed is
+        replaced, as main.py checked that no daemon serves that socket), or a
+        fresh one in the temporary directory when that path would be too long
+        for a Unix socket."""
+        parent, name = os.path.split(os.path.abspath(socket_path))
+        d = os.path.join(parent, f".{name}.grpc")
+        if len(os.path.join(d, "grpc.sock").encode()) < 100:
             try:
-                d = tempfile.mkdtemp(prefix=".kvcached-grpc-", dir=where)
-            except OSError:
-                continue
-            if len(os.path.join(d, "grpc.sock").encode()) < 100:
-                return d
-            os.rmdir(d)
-        raise OSError(f"cannot make a private directory for the gRPC socket beside {socket_path} or in {tempfile.gettempdir()}")
+                st = os.lstat(d)
+            except FileNotFoundError:
+                pass
+            else:
+                if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                    raise OSError(f"{d} exists and is not a directory of this uid; remove it")
+                shutil.rmtree(d)  # a killed daemon's
+            os.mkdir(d, 0o700)
+            return d
+        return tempfile.mkdtemp(prefix="kvcached-grpc-")
 
     # ---- life cycle -----------------------------------------------------
     async def start(self) -> None:
