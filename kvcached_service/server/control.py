@@ -64,6 +64,9 @@ class Peer:
     gid: int
 
 
+GONE = Peer(0, -1, -1)  # the caller of a relay that closed: matches no session's uid
+
+
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 SERVER_PREFACE = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # an empty SETTINGS frame
 
@@ -280,12 +283,15 @@ class ControlFront:
     def peer(self, grpc_peer: str) -> Peer | None:
         """The kernel's credentials of the client behind a gRPC call
         (`context.peer()`); None for a connection that did not come through
-        this front door (only the daemon's own uid and root can make one)."""
-        prefix = "unix-abstract:"
+        this front door (only the daemon's own uid and root can make one).
+        A relay that is already gone (its client closed the connection
+        while a call of it was still being served) is GONE: no uid, so no
+        SessionRef is good for it (fail closed)."""
+        prefix = "unix-abstract:kvcached-"
         if not grpc_peer.startswith(prefix):
             return None
-        relay = self._relays.get(grpc_peer[len(prefix):])
-        return relay.peer if relay is not None else None
+        relay = self._relays.get(grpc_peer[len("unix-abstract:"):])
+        return relay.peer if relay is not None else GONE
 
     def stats(self) -> dict:
         return {"open": self._open, "uids": len(self._by_uid), "refused": dict(self.refused),

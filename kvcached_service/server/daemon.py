@@ -341,9 +341,9 @@ class Daemon:
     def _check_uid(caller_uid: int | None, s: Session) -> None:
         """A SessionRef is good only for the uid that opened the session."""
         if caller_uid is not None and caller_uid != s.uid:
+            who = f"the caller's ({caller_uid})" if caller_uid >= 0 else "a caller whose connection is gone"
             raise errors.PermissionDenied(
-                f"session {s.id} belongs to another uid than the caller's ({caller_uid}): "
-                "a SessionRef is good only for the uid that opened the session")
+                f"session {s.id} belongs to another uid than {who}: a SessionRef is good only for the uid that opened the session")
 
     @staticmethod
     def _same_uid(caller_uid: int | None, port: SessionPort, rpc: str) -> None:
