@@ -353,3 +353,23 @@ def test_a_waiting_allocate_asks_elsewhere_once_a_victim_answered(daemon_factory
         b.free(held_b)
         for s in (w, a, b):
             s.close()
+
+
+def test_a_waiting_shrink_answers_before_the_callers_own_deadline(daemon_factory):
+    """RequestShrink(wait) with a 60 s reclaim deadline from a caller whose
+    own gRPC deadline is 1.5 s: the daemon answers before that deadline with
+    the request as it stands (OPEN), never DEADLINE_EXCEEDED."""
+    from helpers.raw import ref, stub
+    from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
+
+    d = daemon_factory("host", memory_limit="64MiB")
+    with d.client() as c, c.open_session("silent") as s, c.open_session("admin") as admin:
+        pages = s.allocate(6)
+        t0 = time.monotonic()
+        r = stub(d).RequestShrink(pb.RequestShrinkRequest(admin=ref(admin), session_id=s.id, target_bytes=0,
+                                                          timeout_ms=60000, wait=True), timeout=1.5)
+        took = time.monotonic() - t0
+        assert took < 1.5, took
+        (o,) = r.reclaims
+        assert o.state == pb.ReclaimOutcome.OPEN and not o.answered and o.held_bytes == 12 * MiB, o
+        s.free(pages)

@@ -344,3 +344,30 @@ def test_budget_is_capped_by_what_the_device_has():
         pool.worker.stop()
 
     asyncio.run(run())
+
+
+def test_front_door_names_callers_and_fails_closed(tmp_path):
+    """control.ControlFront.peer: a call through a live relay has its
+    client's credentials; one whose relay is gone matches no uid (GONE);
+    a direct connection to grpcio's private socket (only the daemon's uid
+    and root can make one) is not named (None: trusted)."""
+    from kvcached_service.config import Settings
+    from kvcached_service.server import control
+
+    front = control.ControlFront(Settings(socket=str(tmp_path / "k.sock")))
+    try:
+        assert os.stat(os.path.dirname(front.private_path)).st_mode & 0o777 == 0o700
+        relay = control._Relay(front, control.Peer(42, 1000, 1000))
+        relay.name = "kvcached-0123abcd"
+        front._relays[relay.name] = relay
+        assert front.peer("unix-abstract:kvcached-0123abcd") == control.Peer(42, 1000, 1000)
+        assert front.peer("unix-abstract:kvcached-ffffffff") is control.GONE and control.GONE.uid == -1
+        assert front.peer("unix:") is None and front.peer("unix-abstract:other") is None
+        assert control.first_call(b"PRI * HTTP/2.0\r\n") is None  # preface still arriving
+        assert control.first_call(b"GET / HTTP/1.1\r\n\r\n") == -1  # not HTTP/2
+        hdr = (0).to_bytes(3, "big") + bytes([0x4, 0]) + (0).to_bytes(4, "big")
+        call = (5).to_bytes(3, "big") + bytes([0x1, 0x4]) + (3).to_bytes(4, "big") + b"xxxxx"
+        assert control.first_call(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + hdr + call) == 3
+    finally:
+        front.close()
+    assert not os.path.exists(os.path.dirname(front.private_path))

@@ -41,7 +41,10 @@
 #   --force            rebuild even when the stamps match
 #
 # Each part is skipped when the hash of its inputs matches the stamp of its
-# last good build (OUT/.stamp-go, OUT/.stamp-llama). Exits non-zero with a
+# last good build (OUT/.stamp-go, OUT/.stamp-llama-<preset>). A GPU preset
+# installs its backend over the CPU preset's lib/ollama (as Ollama's
+# Dockerfile does): run --preset cpu first, then e.g.
+# --preset llama_cuda_v12_linux, with the same --out. Exits non-zero with a
 # message naming the problem on any failure.
 set -euo pipefail
 
@@ -194,8 +197,9 @@ elif [[ $GO_ONLY == 0 ]]; then
       || die "integrations/llama.cpp/apply.py has no --emit-compat (the hook's Ollama compat form); update the checkout"
     HOOK_INPUTS=("$REPO/integrations/llama.cpp" "$REPO/clients/c/include" "$REPO/clients/c/src" "$REPO/clients/c/CMakeLists.txt" "$REPO/protos")
   fi
-  LLAMA_KEY=$(hash_of "$GO_KEY" "$LLAMA_SRC" "$PRESET" "${CMAKE_EXTRA[*]:-}" "${HOOK_INPUTS[@]}")
-  if [[ $FORCE == 0 && -x "$OUT/lib/ollama/llama-server" && -x "$OUT/lib/ollama/llama-quantize" && "$(cat "$OUT/.stamp-llama" 2>/dev/null)" == "$LLAMA_KEY" ]]; then
+  LLAMA_KEY=$(hash_of "ollama@$OLLAMA_VERSION" "$VARIANT" "$LLAMA_SRC" "$PRESET" "${CMAKE_EXTRA[*]:-}" "${HOOK_INPUTS[@]}")
+  STAMP="$OUT/.stamp-llama-$PRESET"
+  if [[ $FORCE == 0 && -x "$OUT/lib/ollama/llama-server" && -x "$OUT/lib/ollama/llama-quantize" && "$(cat "$STAMP" 2>/dev/null)" == "$LLAMA_KEY" ]]; then
     step "lib/ollama up to date (stamp $LLAMA_KEY)"
   else
     [[ -d "$WORK/ollama" ]] || prepare_tree
@@ -228,23 +232,30 @@ elif [[ $GO_ONLY == 0 ]]; then
     fi
     step "cmake --preset $PRESET (llama/server) with -DFETCHCONTENT_SOURCE_DIR_LLAMA_CPP"
     t=$SECONDS
-    rm -rf "$WORK/build-llama"
-    cmake -S "$WORK/ollama/llama/server" --preset "$PRESET" -B "$WORK/build-llama" \
+    BL="$WORK/build-llama-$PRESET"
+    rm -rf "$BL"
+    cmake -S "$WORK/ollama/llama/server" --preset "$PRESET" -B "$BL" \
       -DFETCHCONTENT_SOURCE_DIR_LLAMA_CPP="$WORK/llama.cpp" "${KVC_ARGS[@]}" "${CMAKE_EXTRA[@]}" >"$OUT/llama-configure.log" 2>&1 \
       || { tail -40 "$OUT/llama-configure.log"; die "configure failed (full log: $OUT/llama-configure.log)"; }
     echo "configured in $((SECONDS - t)) s"
-    step "build llama-server llama-quantize (-j$JOBS; log $OUT/llama-build.log)"
+    # the CPU preset: the two programs (and what they need); a GPU preset:
+    # everything, as Ollama's Dockerfile builds it (its install adds only the
+    # GPU backend, lib/ollama/<runner dir>/, over the CPU install)
+    TARGETS=()
+    [[ "$PRESET" == cpu ]] && TARGETS=(--target llama-server llama-quantize)
+    step "build ${TARGETS[*]:-all} (-j$JOBS; log $OUT/llama-build.log)"
     t=$SECONDS
-    cmake --build "$WORK/build-llama" --target llama-server llama-quantize -j"$JOBS" >"$OUT/llama-build.log" 2>&1 \
+    cmake --build "$BL" "${TARGETS[@]}" -j"$JOBS" >"$OUT/llama-build.log" 2>&1 \
       || { tail -60 "$OUT/llama-build.log"; die "build failed (full log: $OUT/llama-build.log)"; }
     echo "built in $((SECONDS - t)) s"
-    rm -rf "$OUT/lib/ollama"
-    cmake --install "$WORK/build-llama" --component llama-server --prefix "$OUT" >"$OUT/llama-install.log" 2>&1 \
+    [[ "$PRESET" == cpu ]] && rm -rf "$OUT/lib/ollama"
+    cmake --install "$BL" --component llama-server --prefix "$OUT" >"$OUT/llama-install.log" 2>&1 \
       || { tail -20 "$OUT/llama-install.log"; die "install failed (full log: $OUT/llama-install.log)"; }
+    hint=""; [[ "$PRESET" != cpu ]] && hint=" (a GPU preset installs over the CPU one: run --preset cpu first)"
     for b in llama-server llama-quantize; do
-      [[ -x "$OUT/lib/ollama/$b" ]] || die "$b was not installed to $OUT/lib/ollama"
+      [[ -x "$OUT/lib/ollama/$b" ]] || die "$b was not installed to $OUT/lib/ollama$hint"
     done
-    echo "$LLAMA_KEY" >"$OUT/.stamp-llama"
+    echo "$LLAMA_KEY" >"$STAMP"
   fi
 fi
 

@@ -37,6 +37,7 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import struct
 import tempfile
 import time
@@ -61,6 +62,9 @@ class Peer:
     pid: int
     uid: int
     gid: int
+
+
+GONE = Peer(0, -1, -1)  # the caller of a relay that closed: matches no session's uid
 
 
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -220,20 +224,26 @@ class ControlFront:
 
     @staticmethod
     def _private_dir(socket_path: str) -> str:
-        """A 0700 directory for grpcio's own socket: beside the control
-        socket (writable wherever the socket is, e.g. /run/kvcached under
-        systemd), else in the temporary directory when that path would be
-        too long for a Unix socket."""
-        parent = os.path.dirname(os.path.abspath(socket_path))
-        for where in (parent, None):
+        """A 0700 directory for grpcio's own socket: `.<socket name>.grpc`
+        beside the control socket (writable wherever the socket is, e.g.
+        /run/kvcached under systemd; one left by a daemon that was killed is
+        replaced, as main.py checked that no daemon serves that socket), or a
+        fresh one in the temporary directory when that path would be too long
+        for a Unix socket."""
+        parent, name = os.path.split(os.path.abspath(socket_path))
+        d = os.path.join(parent, f".{name}.grpc")
+        if len(os.path.join(d, "grpc.sock").encode()) < 100:
             try:
-                d = tempfile.mkdtemp(prefix=".kvcached-grpc-", dir=where)
-            except OSError:
-                continue
-            if len(os.path.join(d, "grpc.sock").encode()) < 100:
-                return d
-            os.rmdir(d)
-        raise OSError(f"cannot make a private directory for the gRPC socket beside {socket_path} or in {tempfile.gettempdir()}")
+                st = os.lstat(d)
+            except FileNotFoundError:
+                pass
+            else:
+                if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                    raise OSError(f"{d} exists and is not a directory of this uid; remove it")
+                shutil.rmtree(d)  # a killed daemon's
+            os.mkdir(d, 0o700)
+            return d
+        return tempfile.mkdtemp(prefix="kvcached-grpc-")
 
     # ---- life cycle -----------------------------------------------------
     async def start(self) -> None:
@@ -273,12 +283,15 @@ class ControlFront:
     def peer(self, grpc_peer: str) -> Peer | None:
         """The kernel's credentials of the client behind a gRPC call
         (`context.peer()`); None for a connection that did not come through
-        this front door (only the daemon's own uid and root can make one)."""
-        prefix = "unix-abstract:"
+        this front door (only the daemon's own uid and root can make one).
+        A relay that is already gone (its client closed the connection
+        while a call of it was still being served) is GONE: no uid, so no
+        SessionRef is good for it (fail closed)."""
+        prefix = "unix-abstract:kvcached-"
         if not grpc_peer.startswith(prefix):
             return None
-        relay = self._relays.get(grpc_peer[len(prefix):])
-        return relay.peer if relay is not None else None
+        relay = self._relays.get(grpc_peer[len("unix-abstract:"):])
+        return relay.peer if relay is not None else GONE
 
     def stats(self) -> dict:
         return {"open": self._open, "uids": len(self._by_uid), "refused": dict(self.refused),

@@ -315,14 +315,17 @@ class Daemon:
             if who.closed:
                 raise errors.FailedPrecondition(f"session {who.id} is closed")
             return who
-        s = self.session(who.id, who.token, who.uid)
         if mutating and self.settings.page_ops_on_channel_only:
+            # refused whatever the SessionRef; but never tell another uid more than PERMISSION_DENIED
+            target = self.sessions.get(who.id)
+            if target is not None:
+                self._check_uid(who.uid, target)
             raise errors.FailedPrecondition(
                 f"this daemon serves {op} only as a request on the session's fd channel, where the kernel vouches "
                 "for the sender (channel_ops_only, the default; kvcached-serve --grpc-page-ops serves it over gRPC too); "
                 "see docs/protocol.md"
             )
-        return s
+        return self.session(who.id, who.token, who.uid)
 
 
     def observe(self, op: str, code: Code, seconds: float, waited: bool = False) -> None:
@@ -337,6 +340,14 @@ class Daemon:
         if self.ports is None:
             raise errors.Unavailable("the fd channel is not serving yet")
         return self.ports
+
+    @staticmethod
+    def _check_uid(caller_uid: int | None, s: Session) -> None:
+        """A SessionRef is good only for the uid that opened the session."""
+        if caller_uid is not None and caller_uid != s.uid:
+            who = f"the caller's ({caller_uid})" if caller_uid >= 0 else "a caller whose connection is gone"
+            raise errors.PermissionDenied(
+                f"session {s.id} belongs to another uid than {who}: a SessionRef is good only for the uid that opened the session")
 
     @staticmethod
     def _same_uid(caller_uid: int | None, port: SessionPort, rpc: str) -> None:
@@ -482,10 +493,7 @@ class Daemon:
         if not ref_id:
             raise errors.InvalidArgument("session is required (SessionRef with id and token)")
         s = self.target_session(ref_id)
-        if caller_uid is not None and caller_uid != s.uid:
-            raise errors.PermissionDenied(
-                f"session {ref_id} belongs to another uid than the caller's ({caller_uid}): "
-                "a SessionRef is good only for the uid that opened the session")
+        self._check_uid(caller_uid, s)
         if not hmac.compare_digest(s.token, token):
             raise errors.PermissionDenied(f"token does not match session {ref_id}")
         return s

@@ -134,7 +134,11 @@ async def serve(settings: Settings, ready_hook=None) -> int:
     prepare_socket_path(settings.socket)
     # grpcio listens on a private socket; the control socket is the front
     # door's (control.py: per-uid connection limits, the caller's uid).
-    front = ControlFront(settings)
+    try:
+        front = ControlFront(settings)
+    except OSError as exc:
+        _stop_devices(daemon, backend)
+        raise StartupError(f"cannot make grpcio's private socket directory beside {settings.socket}: {exc}") from None
     metrics = Metrics(daemon, control=front) if settings.metrics_address else None
     server = grpc.aio.server(
         interceptors=metrics.interceptors() if metrics else None,

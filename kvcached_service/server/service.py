@@ -300,6 +300,9 @@ class KVCachedService(pb_grpc.KVCachedServicer):
         sent = d.request_shrink(request.session_id, request.target_bytes, request.timeout_ms, reason="admin")
         if request.wait and sent:
             wait_s = max(0.0, max(ev.deadline for ev in sent) - time.time()) + 0.05
+            left = context.time_remaining()  # the caller's own deadline: answer with what stands before it
+            if left is not None:
+                wait_s = min(wait_s, max(0.0, left - 0.2))
             waiters = [asyncio.ensure_future(ev.settled.wait()) for ev in sent]
             try:
                 await asyncio.wait(waiters, timeout=wait_s)
