@@ -121,6 +121,12 @@ def figures(res: dict) -> list[dict]:
             rows.append(_row("4 Scale", f"{fig}: daemon RSS", l["daemon_rss_kib"] / 1024, ref["daemon_rss_kib"] / 1024, "MiB", "lower", bw))
             if "daemon_fds" in l and "daemon_fds" in ref:
                 rows.append(_row("4 Scale", f"{fig}: daemon open fds", l["daemon_fds"], ref["daemon_fds"], "fds", "lower", bw))
+            if "daemon_other_fds" in l and "daemon_other_fds" in ref:
+                rows.append(_row("4 Scale", f"{fig}: daemon fds other than page files", l["daemon_other_fds"], ref["daemon_other_fds"],
+                                 "fds", "lower", bw, note="page files: host memfds, or the test driver's own file per page"))
+            parts, rparts = l.get("daemon_rss_parts_kib", {}), ref.get("daemon_rss_parts_kib", {})
+            if "RssAnon" in parts and "RssAnon" in rparts:
+                rows.append(_row("4 Scale", f"{fig}: daemon RssAnon", parts["RssAnon"] / 1024, rparts["RssAnon"] / 1024, "MiB", "lower", bw))
             for what in ("allocate", "getstats"):
                 for p in ("p50", "p99"):
                     rows.append(_row("4 Scale", f"{fig}: {'Allocate+map 1 page' if what == 'allocate' else 'GetStats'} {p}",
@@ -181,15 +187,19 @@ def targets(res: dict) -> list[dict]:
     if "scale" in sc:
         lv = sc["scale"]["levels"]
         ref, top = lv.get("1000"), lv.get("100000")
+        at = "100k pages tracked"
         if top is None:
             lim = sc["scale"].get("limit", {})
             add("100k pages tracked", lim.get("reached_pages", 0), 100000, "pages", False)
-        elif ref is not None:
+            fit = sc["scale"].get("fd_fit_pages")
+            top = lv.get(str(fit)) if fit else None
+            at = f"{fit} pages tracked (the most the fd limit allows here; the 100k targets applied there)"
+        if top is not None and ref is not None:
             rss = top["daemon_rss_kib"] / 1024
-            add("100k pages tracked: daemon RSS <= 150 MB", rss, 150e6 / (1 << 20), "MiB", rss * (1 << 20) <= 150e6)
+            add(f"{at}: daemon RSS <= 150 MB", rss, 150e6 / (1 << 20), "MiB", rss * (1 << 20) <= 150e6)
             for what, label in (("allocate", "Allocate+map"), ("getstats", "GetStats")):
                 r = top[what]["p50_us"] / ref[what]["p50_us"]
-                add(f"100k pages tracked: {label} p50 within 1.2x of 1k pages", r, 1.2, "x", r <= 1.2)
+                add(f"{at}: {label} p50 within 1.2x of 1k pages", r, 1.2, "x", r <= 1.2)
     return out
 
 
