@@ -247,7 +247,7 @@ func TestResumeRefused(t *testing.T) {
 	}
 	r.WriteAt([]byte("still here"), 0)
 	d.kill()
-	d = restart(filepath.Join(filepath.Dir(d.socket), "other-state"))
+	restart(filepath.Join(filepath.Dir(d.socket), "other-state")) // its cleanup stops it
 	wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
 	if err := s.WaitResumed(wctx); !errors.Is(err, ErrFailedPrecondition) {

@@ -432,7 +432,7 @@ func (c *Conn) Recv() (Record, error) {
 // Send writes one record with its descriptors (at most MaxFDs), blocking
 // until deadline at most (zero: no deadline). The caller keeps the fds.
 func (c *Conn) Send(r Record, fds []int, deadline time.Time) error {
-	return c.send(nil, r, fds, deadline)
+	return c.send(context.Background(), r, fds, deadline)
 }
 
 // SendContext writes one record (no descriptors), blocking until ctx ends
@@ -462,7 +462,7 @@ func (c *Conn) send(ctx context.Context, r Record, fds []int, deadline time.Time
 	if err := c.c.SetWriteDeadline(deadline); err != nil {
 		return err
 	}
-	if ctx != nil && ctx.Done() != nil {
+	if ctx.Done() != nil {
 		// A cancellation (not only a deadline) interrupts a blocked send.
 		// The deadline it sets must not outlive this send: wait for it.
 		fired := make(chan struct{})
