@@ -406,17 +406,23 @@ func (s *Session) readChannel(ch *fdchan.Conn) (end error, hangup bool) {
 		case fdchan.Error:
 			end = statusToError("fd channel", status.Error(codes.Code(r.Code), r.Message))
 		case fdchan.Goodbye:
-			end = newError(ErrClosed, "fd channel", "the daemon ended the session")
+			end = endedError("fd channel", "session %d ended: the daemon ended it (GOODBYE: CloseSession or shutdown)", s.id)
 		case fdchan.Hello:
 			end = newError(ErrProtocol, "fd channel", "second HELLO on one channel")
 		case nil:
+			s.mu.Lock()
+			ended := s.endErr // a protocol error found by a caller, which closed the channel
+			s.mu.Unlock()
 			switch {
+			case ended != nil:
+				end = ended
 			case errors.Is(err, fdchan.ErrProtocol):
 				end = newError(ErrProtocol, "fd channel", "%v", err)
-			case errors.Is(err, io.EOF):
-				end, hangup = newError(ErrClosed, "fd channel", "the daemon closed the fd channel"), true
+			case !s.resumable:
+				end, hangup = endedError("fd channel", "session %d ended: the daemon went away, and without a state dir "+
+					"(kvcached-serve --state-dir) a daemon that restarts cannot resume it; open a new session (%v)", s.id, err), true
 			default:
-				end, hangup = newError(ErrClosed, "fd channel", "%v", err), true
+				end, hangup = newError(ErrUnavailable, "fd channel", "the daemon closed the fd channel: %v", err), true
 			}
 		default:
 			end = newError(ErrProtocol, "fd channel", "unexpected record %T", r)
@@ -490,7 +496,10 @@ func (s *Session) deliver(r fdchan.Pages) error {
 	}
 	if pa.received == pa.total {
 		close(pa.done)
-		if !pa.claimed && s.inflight == 0 {
+		// Pages nobody waits for are given back as soon as they are
+		// complete (the stash rule). Only the gRPC Allocate of an old
+		// daemon registers its allocation after its pages arrived.
+		if !pa.claimed && (s.chanOps || s.inflight == 0) {
 			s.dropOrphanLocked(key, pa)
 		}
 	}
@@ -509,7 +518,11 @@ func (s *Session) dropOrphanLocked(key allocKey, pa *pendingAlloc) {
 		return
 	}
 	ids := pa.ids
-	s.log.Info("kvcached: freeing pages of an allocation whose Allocate call was abandoned", "allocation_id", id, "pages", len(ids))
+	s.log.Info("kvcached: freeing pages of an allocation nobody waits for", "allocation_id", id, "pages", len(ids))
+	if s.chanOps {
+		s.giveBackLocked(ids)
+		return
+	}
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
@@ -519,6 +532,51 @@ func (s *Session) dropOrphanLocked(key allocKey, pa *pendingAlloc) {
 			s.log.Warn("kvcached: freeing abandoned pages failed", "allocation_id", id, "err", err)
 		}
 	}()
+}
+
+// giveBackLocked sends FREE records for pages nobody waits for, at once
+// and without waiting for their REPLY (which forgets the pages' kept
+// descriptors when it comes). It runs under s.mu, on the reader goroutine
+// or a caller's: the send is bounded by one second. While the session is
+// resuming the pages are simply not claimed, which frees them.
+func (s *Session) giveBackLocked(ids []uint64) {
+	if s.ch == nil || s.resuming || s.endErr != nil || s.resumeErr != nil {
+		s.deferLocked(ids)
+		return
+	}
+	for i := 0; i < len(ids); i += fdchan.MaxFreeIDs {
+		chunk := ids[i:min(i+fdchan.MaxFreeIDs, len(ids))]
+		seqs := make(map[uint64]uint64, len(chunk))
+		for _, id := range chunk {
+			if k, ok := s.keep[id]; ok {
+				seqs[id] = k.seq
+			}
+		}
+		s.reqSeq++
+		req := s.reqSeq
+		s.waiters[req] = &waiter{gen: s.gen, done: make(chan struct{}), late: func(r fdchan.Reply) {
+			if r.Code == 0 {
+				s.unkeepSeqsLocked(seqs)
+			} else {
+				s.log.Warn("kvcached: giving back pages nobody waits for failed", "pages", len(chunk), "code", r.Code, "message", r.Message)
+			}
+		}}
+		if err := s.ch.Send(fdchan.FreeReq{ReqID: req, PageIDs: chunk}, nil, time.Now().Add(time.Second)); err != nil {
+			delete(s.waiters, req)
+			s.deferLocked(chunk)
+			s.log.Warn("kvcached: giving back pages nobody waits for failed", "pages", len(chunk), "err", err)
+		}
+	}
+}
+
+// deferLocked: pages the session gave up while it could not tell the
+// daemon; the next resume does not claim them.
+func (s *Session) deferLocked(ids []uint64) {
+	for _, id := range ids {
+		if k, ok := s.keep[id]; ok {
+			s.deferred[id] = k.seq
+		}
+	}
 }
 
 func closeFD(fd int) {
