@@ -370,3 +370,35 @@ func (s *Session) closeOnChannel(ctx context.Context) error {
 	}
 	return err
 }
+
+// AnswerReclaim answers the reclaim request id (Reclaim.ID) at once with
+// what the session could do: bytesGiven it gave back for it (already
+// freed), bytesKept it keeps on that device, and why (at most 1024 bytes).
+// It is an ANSWER record on the session's fd channel (docs/protocol.md,
+// "The reclaim answer"): the request is settled, nobody waits for the
+// rest, and the session is not asked again before the request's deadline.
+// It returns the bytes the daemon's books show the session holding on the
+// reclaim's device; ErrNotFound for an id this session was never sent (or
+// one settled more than 10 minutes ago).
+func (s *Session) AnswerReclaim(ctx context.Context, id, bytesGiven, bytesKept uint64, reason string) (heldBytes uint64, err error) {
+	const op = "AnswerReclaim"
+	if len(reason) > fdchan.MaxReason {
+		return 0, newError(ErrInvalidArgument, op, "the reason is %d bytes, at most %d", len(reason), fdchan.MaxReason)
+	}
+	if !s.chanOps {
+		return 0, newError(ErrFailedPrecondition, op, "the daemon takes no requests on the fd channel (GetInfo().fd_channel_requests is false): it predates the reclaim answer")
+	}
+	c, _, err := s.startRequest(op, false, nil)
+	if err != nil {
+		return 0, err
+	}
+	rec := fdchan.AnswerReq{ReqID: c.req, ReclaimID: id, BytesGiven: bytesGiven, BytesKept: bytesKept, Reason: reason}
+	if err := s.send(ctx, op, c, rec, nil); err != nil {
+		return 0, err
+	}
+	rep, err := s.await(ctx, op, c, nil, nil)
+	if err != nil {
+		return 0, err
+	}
+	return rep.Value, nil
+}

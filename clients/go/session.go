@@ -21,6 +21,9 @@ import (
 // at least Pages pages of Device, by Free, before Deadline. Reason is
 // "allocate" (another session is waiting), "idle" or "admin".
 type Reclaim struct {
+	// ID names the request (unique for the daemon's life; 0 from a daemon
+	// before the reclaim answer): Session.AnswerReclaim answers it.
+	ID       uint64
 	Device   string
 	Pages    uint64
 	Deadline time.Time
@@ -103,7 +106,7 @@ func eventFromPB(e *pb.WatchEvent) Event {
 	switch ev.Kind {
 	case EventReclaim:
 		r := e.GetReclaim()
-		ev.Reclaim = &Reclaim{Device: r.GetDevice(), Pages: r.GetPages(), Deadline: unixTime(r.GetDeadlineUnix()), Reason: r.GetReason()}
+		ev.Reclaim = &Reclaim{ID: r.GetId(), Device: r.GetDevice(), Pages: r.GetPages(), Deadline: unixTime(r.GetDeadlineUnix()), Reason: r.GetReason()}
 	case EventBudgetChanged:
 		b := e.GetBudget()
 		ev.Budget = &BudgetChange{Device: b.GetDevice(), BudgetBytes: b.GetBudgetBytes(), GuaranteedBytes: b.GetGuaranteedBytes(),
