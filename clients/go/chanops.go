@@ -43,8 +43,9 @@ type chanCall struct {
 }
 
 // ChannelRequests reports whether the session's Allocate, Free and Close
-// go over its fd channel (the daemon offers it) rather than gRPC.
-func (s *Session) ChannelRequests() bool { return s.chanOps }
+// go over its fd channel: always, since this client dropped its gRPC page
+// path (OpenSession refuses a daemon that does not offer the channel).
+func (s *Session) ChannelRequests() bool { return true }
 
 // startRequest registers a request on the current fd channel. setup runs
 // under s.mu with the request id. closing allows the CLOSE of Close.
@@ -384,9 +385,6 @@ func (s *Session) AnswerReclaim(ctx context.Context, id, bytesGiven, bytesKept u
 	const op = "AnswerReclaim"
 	if len(reason) > fdchan.MaxReason {
 		return 0, newError(ErrInvalidArgument, op, "the reason is %d bytes, at most %d", len(reason), fdchan.MaxReason)
-	}
-	if !s.chanOps {
-		return 0, newError(ErrFailedPrecondition, op, "the daemon takes no requests on the fd channel (GetInfo().fd_channel_requests is false): it predates the reclaim answer")
 	}
 	c, _, err := s.startRequest(op, false, nil)
 	if err != nil {
