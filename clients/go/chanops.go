@@ -21,7 +21,8 @@ import (
 // REPLY to the goroutine waiting for it. An ALLOCATE's pages arrive as
 // PAGES records with allocation id req_id|AllocBit, all before its REPLY,
 // so they are complete when the REPLY is read. After a resume the requests
-// go on the new channel. Daemons without the feature get the gRPC calls.
+// go on the new channel. There is no gRPC page path: OpenSession refuses a
+// daemon that does not offer the channel.
 
 // waiter is a request waiting for its REPLY.
 type waiter struct {
