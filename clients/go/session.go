@@ -197,6 +197,8 @@ type Session struct {
 	resumeTimeout time.Duration
 
 	mu       sync.Mutex
+	pageOps  int            // Allocate/Free calls in progress (resume waits for them to settle)
+	opsIdle  *sync.Cond     // on mu: pageOps reached 0 (made on first use)
 	ref      *pb.SessionRef // changes (new token) at each resume
 	ch       *fdchan.Conn   // changes at each resume
 	allocs   map[allocKey]*pendingAlloc
