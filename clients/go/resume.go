@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -240,6 +241,15 @@ func (s *Session) resume(old *fdchan.Conn, cause error) (*fdchan.Conn, error) {
 	held := len(s.keep)
 	s.mu.Unlock()
 	old.Close()
+	// Before it claims anything, the resume waits for the page requests in
+	// flight to settle (docs/protocol.md, "Hang-up and resume"): each wakes
+	// at once (the channel is lost), and a Free among them defers its pages
+	// so that they are not claimed.
+	s.mu.Lock()
+	for s.pageOps > 0 {
+		s.opsIdleLocked().Wait()
+	}
+	s.mu.Unlock()
 	s.log.Warn("kvcached: the daemon went away; resuming the session", "pages_held", held, "cause", cause)
 
 	start := time.Now()
@@ -341,11 +351,9 @@ func (s *Session) finishResume(ch *fdchan.Conn, resp *pb.ResumeSessionResponse, 
 	// Pages freed (and failed with UNAVAILABLE) while this attempt was in
 	// flight were claimed: give them back now.
 	var late []uint64
-	lateSeqs := map[uint64]uint64{}
 	for _, id := range claimed {
-		if seq, ok := s.deferred[id]; ok {
+		if _, ok := s.deferred[id]; ok {
 			late = append(late, id)
-			lateSeqs[id] = seq
 		}
 	}
 	s.ch = ch
@@ -356,11 +364,10 @@ func (s *Session) finishResume(ch *fdchan.Conn, resp *pb.ResumeSessionResponse, 
 	s.resumes++
 	s.resuming = false
 	close(s.resumed)
-	ref := s.ref
 	s.mu.Unlock()
 	s.log.Warn("kvcached session resumed", "pages_adopted", resp.GetPagesAdopted(),
 		"pages_forgotten", resp.GetPagesForgotten(), "attempts", attempts, "took", took)
-	if len(late) > 0 && s.chanOps {
+	if len(late) > 0 {
 		// Over the new channel, whose REPLY this (reader) goroutine reads:
 		// from another goroutine.
 		s.wg.Add(1)
@@ -372,15 +379,6 @@ func (s *Session) finishResume(ch *fdchan.Conn, resp *pb.ResumeSessionResponse, 
 				s.log.Warn("kvcached: freeing pages released during the resume failed", "pages", len(late), "err", err)
 			}
 		}()
-	} else if len(late) > 0 {
-		ctx, cancel := context.WithTimeout(s.stopCtx, resumeAttempt)
-		_, err := s.c.rpc.Free(ctx, &pb.FreeRequest{Session: ref, PageIds: late})
-		cancel()
-		if err == nil {
-			s.unkeep(lateSeqs)
-		} else {
-			s.log.Warn("kvcached: freeing pages released during the resume failed", "pages", len(late), "err", err)
-		}
 	}
 	return ch, nil
 }
@@ -392,4 +390,28 @@ func (s *Session) resumeFailed(err error) error {
 	s.mu.Unlock()
 	s.log.Error("kvcached session could not be resumed", "err", err)
 	return err
+}
+
+// pageOpBegin and pageOpEnd bracket an Allocate or one FREE record's
+// request, so that a resume can wait for them to settle.
+func (s *Session) pageOpBegin() {
+	s.mu.Lock()
+	s.pageOps++
+	s.mu.Unlock()
+}
+
+func (s *Session) pageOpEnd() {
+	s.mu.Lock()
+	s.pageOps--
+	if s.pageOps == 0 {
+		s.opsIdleLocked().Broadcast()
+	}
+	s.mu.Unlock()
+}
+
+func (s *Session) opsIdleLocked() *sync.Cond {
+	if s.opsIdle == nil {
+		s.opsIdle = sync.NewCond(&s.mu)
+	}
+	return s.opsIdle
 }
