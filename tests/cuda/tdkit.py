@@ -24,6 +24,10 @@ from kvcached_service.client.cuda_mapper import CudaMapper  # noqa: F401
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HERE = pathlib.Path(__file__).resolve().parent
 GRAN = 2 << 20
+STRICTNESS_KNOBS = frozenset(
+    "KVCACHED_TESTDRV_" + k
+    for k in ("STRICT", "FD_IDENTITY", "ASYNC", "POISON", "FORK", "PEERS", "CONTEXT_BYTES", "OTHER_BYTES", "COST", "CREATE_US")
+)
 
 
 # ---------------------------------------------------------------------------
@@ -47,6 +51,8 @@ class Sim:
 
     def proc_env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "CUDA_VISIBLE"))}
+        # the driver's strictness knobs (tests/cudadriver/README.md) pass through, so the suite runs in each mode
+        env.update({k: v for k, v in os.environ.items() if k in STRICTNESS_KNOBS})
         env.update(self.env)
         env.update(extra)
         return env
