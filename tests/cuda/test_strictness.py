@@ -227,6 +227,40 @@ fini()
         assert rep is not None and rep["leaks"] == 0 and rep["mode"]["fd_identity"] == mode, rep
 
 
+@pytest.mark.parametrize("mode", ["distinct", "same", "file"])
+def test_import_finds_the_page_from_the_fd_alone(sim, tmp_path, mode):
+    """A process whose driver was loaded with another state directory (as
+    pytest's own process is when a test loads the library early) still
+    imports: the page is found relative to the exported fd."""
+    a_sock, b_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    env = knobs(FD_IDENTITY=mode)
+    exporter = sim.spawn(f"""
+d = drv(); init()
+h = create(); base = reserve(GRAN); map_rw(base, h); write(base, b"found"); d.cuCtxSynchronize()
+send_fds({a_sock.fileno()}, [export(h)])
+out(sent=True)
+wait_line()
+""", pass_fds=(a_sock.fileno(),), **env)
+    importer = sim.spawn(f"""
+d = drv(); init()
+_, fds = recv_fds({b_sock.fileno()})
+h = import_fd(fds[0]); os.close(fds[0]); base = reserve(GRAN); map_rw(base, h)
+out(got=read(base, 5).decode())
+d.cuMemUnmap(base, GRAN); d.cuMemAddressFree(base, GRAN); d.cuMemRelease(h); fini()
+""", pass_fds=(b_sock.fileno(),), KVCACHED_TESTDRV_STATE=str(tmp_path / "elsewhere"), **env)
+    try:
+        assert _line(exporter) == {"sent": True}
+        assert _line(importer) == {"got": "found"}
+        assert importer.wait(10) == 0, importer.stderr.read()
+    finally:
+        for p in (exporter, importer):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        a_sock.close()
+        b_sock.close()
+
+
 def test_same_identity_export_alone_keeps_the_page_until_closed(sim):
     r = sim.run("""
 d = drv(); init()

@@ -790,17 +790,17 @@ static dev_t g_ctl_dev;
 static ino_t g_ctl_ino;
 
 /* Does some description hold the OFD lock of page `key` on nvidiactl (an
- * export in "same" identity mode is alive)? */
-static bool ctl_locked(uint32_t key) {
-    if (g_ctlfd < 0) return false;
+ * export in "same" identity mode is alive)? `ctl`: that machine's nvidiactl. */
+static bool ctl_locked(int ctl, uint32_t key) {
+    if (ctl < 0) return false;
     struct flock q = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = (off_t)key, .l_len = 1};
-    return fcntl(g_ctlfd, F_OFD_GETLK, &q) == 0 && q.l_type != F_UNLCK;
+    return fcntl(ctl, F_OFD_GETLK, &q) == 0 && q.l_type != F_UNLCK;
 }
 
-/* Page directory `name` (open as `dfd`'s child `fd`, LOCK_EX held): still
- * referenced by an export that holds no flock on it? */
-static bool held_by_export(int fd, uint32_t key) {
-    if (ctl_locked(key)) return true;
+/* Page directory `fd` (LOCK_EX held): still referenced by an export that
+ * holds no flock on it? */
+static bool held_by_export(int fd, uint32_t key, int ctl) {
+    if (ctl_locked(ctl, key)) return true;
     if (cfg.fdmode == FD_FILE) { /* lenient exports are descriptions of the data file */
         int dfd = openat(fd, "data", O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
         if (dfd >= 0) {
@@ -848,7 +848,7 @@ static size_t scan_used(int phys) {
         if (n[0] == 'c') {
             if (busy) used += ctx_size;
             else unlinkat(dfd, n, AT_REMOVEDIR);
-        } else if (busy || held_by_export(fd, (uint32_t)key)) {
+        } else if (busy || held_by_export(fd, (uint32_t)key, g_ctlfd)) {
             struct stat st;
             if (fstatat(fd, "data", &st, AT_SYMLINK_NOFOLLOW) == 0 && st.st_size >= (off_t)TD_TRAILER)
                 used += (size_t)st.st_size - TD_TRAILER;
@@ -889,18 +889,19 @@ static bool device_reserve(int phys, int lfd, size_t size) {
     return ok;
 }
 
-/* Remove page `key` if nothing references it any more. */
-static void try_collect(int phys, uint32_t key, dev_t sdev, ino_t sino) {
-    int dfd = dev_dirfd(phys);
-    if (dfd < 0) return;
+/* Remove page `key` (a child of `dfd`, a device directory of whichever
+ * machine the page belongs to) if nothing references it any more. */
+static void try_collect(int dfd, uint32_t key, dev_t sdev, ino_t sino) {
     char name[16];
     page_name(key, name);
     int fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0) return;
     struct stat st;
-    if (fstat(fd, &st) == 0 && st.st_dev == sdev && st.st_ino == sino && flock(fd, LOCK_EX | LOCK_NB) == 0 &&
-        !held_by_export(fd, key))
-        remove_page_dir(dfd, name, fd);
+    if (fstat(fd, &st) == 0 && st.st_dev == sdev && st.st_ino == sino && flock(fd, LOCK_EX | LOCK_NB) == 0) {
+        int ctl = openat(dfd, "../" TD_CTL, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (!held_by_export(fd, key, ctl)) remove_page_dir(dfd, name, fd);
+        if (ctl >= 0) close(ctl);
+    }
     close(fd);
 }
 
@@ -950,12 +951,15 @@ static void alloc_free(struct td_alloc *a) {
 
 static void alloc_unref(struct td_alloc *a) {
     if (--a->refs > 0) return;
-    int phys = a->phys;
     uint32_t key = a->key;
     dev_t sdev = a->st_dev;
     ino_t sino = a->st_ino;
+    int parent = openat(a->dirfd, "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC); /* the page's device directory */
     alloc_free(a);
-    try_collect(phys, key, sdev, sino);
+    if (parent >= 0) {
+        try_collect(parent, key, sdev, sino);
+        close(parent);
+    }
 }
 
 /* Create one page on `phys` (caller holds the device lock and reserved the bytes). */
@@ -1035,23 +1039,22 @@ fail:
     return r;
 }
 
-/* Open page `key` of `phys` for this process (an import): its own
- * reference (LOCK_SH on the page directory, offset S) and host view. */
-static CUresult open_page(int phys, uint32_t key, uint64_t secret, struct td_alloc **out) {
-    int dfd = dev_dirfd(phys);
-    if (dfd < 0) return CUDA_ERROR_INVALID_VALUE;
+/* An import's own reference to a page: `dirfd` is a fresh description of
+ * the page directory (taken over); LOCK_SH on it, offset S, the host view. */
+static CUresult open_page(int dirfd, int phys, uint32_t key, uint64_t secret, struct td_alloc **out) {
     struct td_alloc *a = calloc(1, sizeof *a);
-    if (!a) return CUDA_ERROR_OUT_OF_MEMORY;
-    char name[16];
-    page_name(key, name);
+    if (!a) {
+        close(dirfd);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     a->phys = phys;
     a->key = key;
     a->secret = secret;
-    a->dirfd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
+    a->dirfd = dirfd;
     struct stat st;
     struct td_trailer t;
     CUresult r = CUDA_ERROR_INVALID_VALUE;
-    if (a->dirfd < 0 || flock(a->dirfd, LOCK_SH) != 0 || fstat(a->dirfd, &st) != 0) goto fail;
+    if (flock(a->dirfd, LOCK_SH) != 0 || fstat(a->dirfd, &st) != 0) goto fail;
     a->st_dev = st.st_dev;
     a->st_ino = st.st_ino;
     if (secret && lseek(a->dirfd, (off_t)secret, SEEK_SET) != (off_t)secret) goto fail;
@@ -1064,7 +1067,6 @@ static CUresult open_page(int phys, uint32_t key, uint64_t secret, struct td_all
         t.size != (uint64_t)st.st_size - TD_TRAILER)
         goto fail;
     if (secret && td_hash(secret) != t.secret_hash) goto fail; /* not an export of this page */
-    if (!secret) a->secret = 0;
     a->size = (size_t)t.size;
     a->block = (size_t)t.block;
     r = alloc_map(a);
@@ -1691,29 +1693,36 @@ CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *ha
     if (fstat(fd, &st) != 0) RETURN(CUDA_ERROR_INVALID_VALUE);
     uint32_t key;
     uint64_t secret = 0;
+    int pagefd = -1; /* a fresh description of the page directory */
     if (S_ISDIR(st.st_mode)) {
         /* an export: its offset is S = L << 32 | secret (a page directory
-         * opened by path has offset 0 and is refused) */
+         * opened by path has offset 0 and is refused). Everything is found
+         * relative to the fd, so any process holding it can import. */
         off_t pos = lseek(fd, 0, SEEK_CUR);
         if (pos <= 0) RETURN(CUDA_ERROR_INVALID_VALUE);
         secret = (uint64_t)pos;
         key = (uint32_t)(secret >> 32);
         int phys = (int)(key >> TD_KEY_DEV_SHIFT);
         if (phys >= cfg.nphys) RETURN(CUDA_ERROR_INVALID_VALUE);
-        if (st.st_dev == g_ctl_dev && st.st_ino == g_ctl_ino) {
-            /* "same" identity: the export's OFD lock on byte L keeps the page;
-             * taking it on this description is a no-op for a real export */
+        char name[48];
+        struct stat ps;
+        int parent = openat(fd, "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (parent < 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+        if (fstatat(parent, TD_CTL, &ps, AT_SYMLINK_NOFOLLOW) == 0 && ps.st_dev == st.st_dev && ps.st_ino == st.st_ino) {
+            /* "same" identity: a description of nvidiactl whose OFD lock on
+             * byte L keeps the page; taking it on this description is a
+             * no-op for a real export */
             struct flock l = {.l_type = F_RDLCK, .l_whence = SEEK_SET, .l_start = (off_t)key, .l_len = 1};
-            if (fcntl(fd, F_OFD_SETLK, &l) != 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+            snprintf(name, sizeof name, "dev%d/p%08x", phys, key);
+            if (fcntl(fd, F_OFD_SETLK, &l) == 0) pagefd = openat(parent, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
         } else {
             /* "distinct": the fd must be the page directory itself */
-            char name[16];
             page_name(key, name);
-            struct stat ps;
-            if (fstatat(dev_dirfd(phys), name, &ps, AT_SYMLINK_NOFOLLOW) != 0 || ps.st_dev != st.st_dev ||
-                ps.st_ino != st.st_ino)
-                RETURN(CUDA_ERROR_INVALID_VALUE);
+            if (fstatat(parent, name, &ps, AT_SYMLINK_NOFOLLOW) == 0 && ps.st_dev == st.st_dev && ps.st_ino == st.st_ino)
+                pagefd = openat(fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
         }
+        close(parent);
+        if (pagefd < 0) RETURN(CUDA_ERROR_INVALID_VALUE);
     } else if (S_ISREG(st.st_mode) && cfg.fdmode == FD_FILE) {
         /* lenient: the page's data file (any description of it, even one opened by path) */
         struct td_trailer t;
@@ -1722,13 +1731,24 @@ CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *ha
             memcmp(t.magic, TD_MAGIC, 8) != 0 || t.phys >= (uint32_t)cfg.nphys)
             RETURN(CUDA_ERROR_INVALID_VALUE);
         key = t.key;
+        char link[64], path[PATH_MAX];
+        snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+        ssize_t n = readlink(link, path, sizeof path - 1);
+        char *slash = n > 0 ? memrchr(path, '/', (size_t)n) : NULL;
+        if (!slash) RETURN(CUDA_ERROR_INVALID_VALUE);
+        *slash = 0; /* the page directory the file is in */
+        pagefd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (pagefd < 0) RETURN(CUDA_ERROR_INVALID_VALUE);
     } else {
         RETURN(CUDA_ERROR_INVALID_VALUE); /* not an fd this driver exported */
     }
     int phys = (int)(key >> TD_KEY_DEV_SHIFT);
-    if (ordinal_of_phys(phys) < 0) RETURN(CUDA_ERROR_NOT_SUPPORTED); /* device not visible here */
+    if (ordinal_of_phys(phys) < 0) {
+        close(pagefd);
+        RETURN(CUDA_ERROR_NOT_SUPPORTED); /* device not visible here */
+    }
     struct td_alloc *a = NULL;
-    CUresult r = open_page(phys, key, secret, &a);
+    CUresult r = open_page(pagefd, phys, key, secret, &a);
     if (r) RETURN(r);
     a->exportable = true;
     r = handle_new(a, true, handle);
