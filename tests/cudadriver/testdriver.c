@@ -988,6 +988,9 @@ static CUresult create_page(int phys, size_t size, struct td_alloc **out) {
     a->dirfd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
     /* the lock first: from now on the page is in use */
     if (a->dirfd < 0 || flock(a->dirfd, LOCK_SH) != 0) goto fail;
+    /* whatever the creator's umask: another uid's process imports the page
+     * (opens data read-write) and may collect it (unlinks data) */
+    if (fchmod(a->dirfd, 0777) != 0) goto fail;
     a->secret = ((uint64_t)a->key << 32) | (uint32_t)(td_random() | 1);
     if (lseek(a->dirfd, (off_t)a->secret, SEEK_SET) != (off_t)a->secret) goto fail;
     struct stat st;
@@ -995,7 +998,7 @@ static CUresult create_page(int phys, size_t size, struct td_alloc **out) {
     a->st_dev = st.st_dev;
     a->st_ino = st.st_ino;
     datafd = openat(a->dirfd, "data", O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (datafd < 0 || ftruncate(datafd, (off_t)(size + TD_TRAILER)) != 0) {
+    if (datafd < 0 || fchmod(datafd, 0666) != 0 || ftruncate(datafd, (off_t)(size + TD_TRAILER)) != 0) {
         if (errno == ENOSPC || errno == EFBIG || errno == ENOMEM) r = CUDA_ERROR_OUT_OF_MEMORY;
         goto fail;
     }
