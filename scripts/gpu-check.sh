@@ -123,7 +123,7 @@ grep -q '"verdict": "FAIL"' "$TMP/probe.jsonl" && FAILED=1
 say "== daemon"
 KVCACHED_TESTDRV_REPORT="$TMP/leaks-daemon.json" "$PYTHON" -m kvcached_service.server \
     --backend cuda --socket "$SOCK" --memory-limit "${GPU_CHECK_MEMORY:-256MiB}" \
-    --pool-idle-seconds 0 --shutdown-grace 1 >"$LOG" 2>&1 &
+    --pool-idle-seconds 3 --shutdown-grace 1 >"$LOG" 2>&1 &  # freed pages stay pooled 3 s: the reader gets them back
 DAEMON=$!
 if ! "$PYTHON" "$HELPER" wait "$SOCK" "$DAEMON" 2>>"$TMP/wait.err" || ! kill -0 "$DAEMON" 2>/dev/null; then
     fail "kvcached-serve --backend cuda did not start: $(grep -m1 -E 'ERROR|failed|refus' "$LOG" || tail -1 "$LOG")"
