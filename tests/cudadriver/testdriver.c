@@ -861,11 +861,19 @@ static size_t scan_used(int phys) {
     return used;
 }
 
+static bool g_lock_ro[TD_MAX_DEVICES]; /* another uid's lock file: no bound kept here */
+
 static int device_lock(int phys) {
     if (g_lockfd[phys] < 0) {
         char path[PATH_MAX];
         snprintf(path, sizeof path, "%s/dev%d/.lock", cfg.state, phys);
         g_lockfd[phys] = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+        if (g_lockfd[phys] >= 0) {
+            fchmod(g_lockfd[phys], 0666); /* whatever the creator's umask; fails harmlessly if not ours */
+        } else if (errno == EACCES) {
+            g_lockfd[phys] = open(path, O_RDONLY | O_CLOEXEC); /* flock needs no write access */
+            g_lock_ro[phys] = g_lockfd[phys] >= 0;
+        }
         if (g_lockfd[phys] < 0) return -1;
     }
     while (flock(g_lockfd[phys], LOCK_EX) != 0)
@@ -881,11 +889,11 @@ static void device_unlock(int phys) { flock(g_lockfd[phys], LOCK_UN); }
 static bool device_reserve(int phys, int lfd, size_t size) {
     uint64_t bound = 0;
     size_t cap = capacity(phys);
-    if (pread(lfd, &bound, sizeof bound, 0) != (ssize_t)sizeof bound) bound = cap;
+    if (g_lock_ro[phys] || pread(lfd, &bound, sizeof bound, 0) != (ssize_t)sizeof bound) bound = cap;
     if (bound + size > cap) bound = scan_used(phys);
     bool ok = bound + size <= cap;
     if (ok) bound += size;
-    if (pwrite(lfd, &bound, sizeof bound, 0) != (ssize_t)sizeof bound) td_warn("cannot update the device bound");
+    if (!g_lock_ro[phys] && pwrite(lfd, &bound, sizeof bound, 0) != (ssize_t)sizeof bound) td_warn("cannot update the device bound");
     return ok;
 }
 
@@ -1548,7 +1556,8 @@ CUresult CUDAAPI cuMemGetInfo_v2(size_t *free_, size_t *total) {
     if (lfd < 0) RETURN(CUDA_ERROR_OPERATING_SYSTEM);
     size_t used = scan_used(c->phys);
     uint64_t bound = used;
-    if (pwrite(lfd, &bound, sizeof bound, 0) != (ssize_t)sizeof bound) td_warn("cannot update the device bound");
+    if (!g_lock_ro[c->phys] && pwrite(lfd, &bound, sizeof bound, 0) != (ssize_t)sizeof bound)
+        td_warn("cannot update the device bound");
     device_unlock(c->phys);
     size_t cap = capacity(c->phys);
     *total = cfg.memory;
