@@ -682,3 +682,42 @@ def test_profiles_and_report_name_the_mode(sim):
     r = sim.run("init(); fini(); out(ok=True)", **env)
     assert r.report["mode"] == {"fd_identity": "distinct", "async": "memset", "poison": "full", "fork": "refuse",
                                 "context_bytes": 0}
+
+
+# ---------------------------------------------------------------------------
+# what the strict driver finds in the project (part B of issue 17)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 17 part B: CudaMapper.write (cuMemcpyHtoD_v2 from pageable memory) does not synchronize, so another "
+    "process may read the page before the bytes land (KVCACHED_TESTDRV_ASYNC=all models that)",
+)
+def test_cuda_mapper_write_is_visible_to_another_process_when_it_returns(sim):
+    a_sock, b_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    env = knobs(ASYNC="all")
+    writer = sim.spawn(f"""
+b = open_backend(); on_worker(lambda: b.worker_init(0))
+pages = on_worker(lambda: b.create_pages(0, 1, GRAN, zero=True))
+uuid = b.devices()[0].uuid
+m = CudaMapper(uuid); base = m.reserve(GRAN); m.map(base, os.dup(pages[0].fd), GRAN)
+m.write(base, b"written before the fd was sent")
+send_fds({a_sock.fileno()}, [pages[0].fd], uuid.encode())
+out(sent=True)
+wait_line()
+""", pass_fds=(a_sock.fileno(),), **env)
+    reader = sim.spawn(f"""
+msg, fds = recv_fds({b_sock.fileno()})
+m = CudaMapper(msg.decode()); base = m.reserve(GRAN); m.map(base, fds[0], GRAN)
+out(got=m.read(base, 30).hex())
+""", pass_fds=(b_sock.fileno(),), **env)
+    try:
+        assert _line(writer) == {"sent": True}
+        got = _line(reader)["got"]
+    finally:
+        for p in (writer, reader):
+            p.kill()
+            p.wait()
+        a_sock.close()
+        b_sock.close()
+    assert bytes.fromhex(got) == b"written before the fd was sent"
