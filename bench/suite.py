@@ -118,7 +118,8 @@ def common_wait_pool_empty(session, timeout: float = 5.0) -> None:
 def s2_roundtrip(c: Ctx) -> dict:
     nproc = 64
     out: dict = {"page_size": PAGE}
-    with c.daemon("s2", ["--memory-limit", str(4 * nproc * PAGE)], device_bytes=8 * nproc * PAGE) as d:
+    # --grpc-page-ops: the "grpc" mode compares the gRPC Allocate/Free (for tools) with the fd channel's requests
+    with c.daemon("s2", ["--memory-limit", str(4 * nproc * PAGE), "--grpc-page-ops"], device_bytes=8 * nproc * PAGE) as d:
         env = common.client_env(d)
         procs = []
         try:

@@ -43,18 +43,66 @@ def _sleep_until(t: float) -> None:
         time.sleep(d)
 
 
+class GrpcPairs:
+    """The same one-page Allocate+Free, as gRPC Allocate/Free calls (the
+    daemon keeps them for tools; the client library sends page requests on
+    the fd channel): a raw session on a raw fd channel, pages mapped with
+    the client's mapper."""
+
+    def __init__(self, socket_path: str, page_size: int):
+        import os
+        import socket
+
+        import grpc
+
+        from kvcached_service import fdchannel
+        from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
+        from kvcached_service._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
+        from kvcached_service.client.mapping import HostMapper
+
+        self.pb, self.fdchannel = pb, fdchannel
+        self.stub = pb_grpc.KVCachedStub(grpc.insecure_channel(f"unix:{socket_path}"))
+        info = self.stub.GetInfo(pb.GetInfoRequest(), timeout=60)
+        self.ch = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.ch.connect(info.fd_socket)
+        hello = fdchannel.recv_record(self.ch)
+        self.ref = self.stub.OpenSession(pb.OpenSessionRequest(channel_secret=hello.secret, name=f"bench-pairs-grpc-{os.getpid()}"), timeout=60).session
+        dev = info.devices[0]
+        if dev.kind == "cuda":
+            from kvcached_service.client.cuda_mapper import CudaMapper
+
+            self.mapper = CudaMapper(dev.uuid)
+        else:
+            self.mapper = HostMapper()
+        self.page_size = page_size
+        self.slot = self.mapper.reserve(page_size)
+
+    def pair(self) -> None:
+        pb = self.pb
+        resp = self.stub.Allocate(pb.AllocateRequest(session=self.ref, num_pages=1), timeout=60)
+        rec = self.fdchannel.recv_record(self.ch)
+        token = self.mapper.map(self.slot, rec.fds[0], self.page_size)
+        self.mapper.unmap(self.slot, self.page_size, token)
+        self.stub.Free(pb.FreeRequest(session=self.ref, page_ids=list(resp.page_ids)), timeout=60)
+
+    def close(self) -> None:
+        self.mapper.release(self.slot, self.page_size)
+        self.stub.CloseSession(self.pb.CloseSessionRequest(session=self.ref), timeout=60)
+        self.ch.close()
+        self.mapper.close()
+
+
 def pairs(kind: str, page_size: int) -> None:
+    import os
+
     from kvcached_service.client import Client
 
     client = Client.connect(timeout=60)
     session = client.open_session(f"bench-pairs-{__import__('os').getpid()}")
     region = session.region(page_size)
     # the same work with Allocate/Free as gRPC calls instead of fd channel requests
-    grpc_client = Client.connect(timeout=60, channel_requests=False)
-    grpc_session = grpc_client.open_session(f"bench-pairs-grpc-{__import__('os').getpid()}")
-    grpc_region = grpc_session.region(page_size)
-    grpc_region.map(0, page_size)
-    grpc_region.unmap(0, page_size)
+    grpc_pairs = GrpcPairs(os.environ["KVCACHED_SOCKET"], page_size)
+    grpc_pairs.pair()
     base = common.inproc(kind, page_size)
     slot = base.reserve(page_size)
     # warm both paths once (first map creates the client's mapper / context)
@@ -70,8 +118,7 @@ def pairs(kind: str, page_size: int) -> None:
         base.unmap_release(base.create_map(slot))
 
     def grpc_pair() -> None:
-        grpc_region.map(0, page_size)
-        grpc_region.unmap(0, page_size)
+        grpc_pairs.pair()
 
     _out({"ready": True})
     for line in sys.stdin:
@@ -96,9 +143,7 @@ def pairs(kind: str, page_size: int) -> None:
             _out({"pairs": n})
     region.close()
     session.close()
-    grpc_region.close()
-    grpc_session.close()
-    grpc_client.close()
+    grpc_pairs.close()
     base.free_reservation(slot, page_size)
     base.close()
     client.close()

@@ -13,42 +13,27 @@ from __future__ import annotations
 
 import grp
 import os
-import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import ByteSize, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_BYTE_SIZE = TypeAdapter(ByteSize)
 
 
 def parse_size(text: str | int) -> int:
-    """'2MiB' -> 2097152; '1.5GB' -> 1500000000; 4096 -> 4096."""
+    """'2MiB' -> 2097152; '1.5GB' -> 1500000000; 4096 -> 4096 (pydantic's
+    ByteSize: decimal units are powers of 1000, binary ones of 1024)."""
     if isinstance(text, int):
         if text < 0:
             raise ValueError(f"size must not be negative: {text}")
         return text
-    m = _SIZE_RE.match(str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (examples: 4096, 512MiB, 8GiB, 20GB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    try:
+        return int(_BYTE_SIZE.validate_python(str(text).strip()))
+    except ValidationError:
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 512MiB, 8GiB, 20GB)") from None
 
 
 def format_size(n: int) -> str:
@@ -58,15 +43,42 @@ def format_size(n: int) -> str:
     return f"{n} B"
 
 
-def resolve_limit(text: str, total: int) -> int:
-    """A memory limit: bytes with units, or a percentage of `total`."""
-    t = text.strip()
-    if t.endswith("%"):
-        pct = float(t[:-1])
-        if not 0 < pct <= 100:
-            raise ValueError(f"percentage must be in (0, 100]: {text!r}")
-        return int(total * pct / 100)
-    return parse_size(t)
+@dataclass(frozen=True)
+class MemoryLimit:
+    """`--memory-limit`, parsed once: a byte count, or a percentage of each
+    device's memory. `resolve(total)` gives one device's budget in bytes; a
+    percentage needs a device to mean anything, so nothing is resolved
+    before the devices are known."""
+
+    text: str
+    nbytes: int | None = None
+    percent: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "MemoryLimit":
+        t = str(text).strip()
+        if t.endswith("%"):
+            try:
+                pct = float(t[:-1])
+            except ValueError:
+                raise ValueError(f"not a percentage: {text!r} (examples: 90%, 50%)") from None
+            if not 0 < pct <= 100:
+                raise ValueError(f"percentage must be in (0, 100]: {text!r}")
+            return cls(t, percent=pct)
+        n = parse_size(t)
+        if n <= 0:
+            raise ValueError(f"must be positive: {text!r}")
+        return cls(t, nbytes=n)
+
+    def resolve(self, device_total: int) -> int:
+        """This limit's budget on a device of `device_total` bytes."""
+        if self.percent is not None:
+            return int(device_total * self.percent / 100)
+        assert self.nbytes is not None
+        return self.nbytes
+
+    def __str__(self) -> str:
+        return self.text
 
 
 class Settings(BaseSettings):
@@ -74,6 +86,7 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVCACHED_", extra="forbid", validate_default=True)
     _toml_file: ClassVar[Path | None] = None
+    _memory_limit: MemoryLimit = PrivateAttr()
 
     socket: str = Field("/tmp/kvcached.sock", description="gRPC control socket path")
     fd_socket: str = Field("", description="fd channel socket path (default: <socket>.fd)")
@@ -90,12 +103,17 @@ class Settings(BaseSettings):
     max_pages_per_request: int = Field(65536, ge=1, le=1 << 24, description="largest Allocate, in pages")
     max_sessions: int = Field(4096, ge=1, description="open sessions in total")
     max_sessions_per_uid: int = Field(1024, ge=1, description="open sessions (and unbound fd channels) per uid")
-    channel_ops_only: bool = Field(False, description="serve Allocate/Free/CloseSession only as fd channel requests (the kernel names the sender), refusing them over gRPC")
+    grpc_page_ops: bool = Field(False, description="also serve Allocate/Free/CloseSession over gRPC, where a SessionRef is a bearer secret (for tools such as grpcurl); off: only as requests on the session's own fd channel, whose sender the kernel names (docs/architecture.md, Security model)")
+    channel_ops_only: bool | None = Field(None, description="page operations only on the fd channel: the default, kept for command lines that say so; --no-channel-ops-only is --grpc-page-ops")
+    max_grpc_connections: int = Field(1024, ge=1, description="control-socket (gRPC) connections open at once, all uids together")
+    max_grpc_connections_per_uid: int = Field(256, ge=1, description="control-socket (gRPC) connections open at once per uid (SO_PEERCRED); keep it below max_grpc_connections")
+    grpc_idle_timeout: float = Field(120.0, gt=0, description="seconds a control connection with no call in flight stays open (clients reconnect on their next call)")
     fd_send_timeout: float = Field(5.0, gt=0, description="seconds a client may leave its fd channel full before its session is ended")
     channel_bind_timeout: float = Field(30.0, gt=0, description="seconds an fd channel may stay without a session")
     host_memory: str = Field("", description="device size the host backend reports (default: physical RAM)")
     default_wait_ms: int = Field(10000, ge=0, description="default wait of an Allocate with wait=true, in ms")
     reclaim_timeout_ms: int = Field(2000, ge=1, description="time a session gets to answer a reclaim request, in ms")
+    memory_poll_seconds: float = Field(1.0, ge=0, description="how often the daemon reads each device's free memory (cuMemGetInfo; host: MemAvailable) to cap its budget at what the device has; 0 = at start and when an Allocate finds the budget short")
     idle_shrink_seconds: float = Field(0.0, ge=0, description="ask sessions idle this long to shrink to their guarantee; 0 = never")
     shutdown_grace: float = Field(2.0, ge=0, description="seconds between telling sessions about shutdown and closing them")
     metrics_address: str = Field("", description="host:port for Prometheus metrics; empty = off")
@@ -140,7 +158,7 @@ class Settings(BaseSettings):
     @field_validator("memory_limit")
     @classmethod
     def _limit(cls, v: str) -> str:
-        resolve_limit(v, 1 << 40)
+        MemoryLimit.parse(v)
         return v
 
     @field_validator("socket_mode")
@@ -180,9 +198,20 @@ class Settings(BaseSettings):
             raise ValueError("fd_socket: must differ from socket")
         if parse_size(self.page_size) == 0:
             raise ValueError("page_size: must be positive")
+        if self.channel_ops_only is not None:
+            if self.channel_ops_only and self.grpc_page_ops:
+                raise ValueError("channel_ops_only and grpc_page_ops contradict each other (channel_ops_only is the default now: drop it)")
+            if not self.channel_ops_only:
+                self.grpc_page_ops = True
+        self._memory_limit = MemoryLimit.parse(self.memory_limit)
         return self
 
     # ---- derived values -------------------------------------------------
+    @property
+    def memory_limit_value(self) -> MemoryLimit:
+        """memory_limit as parsed at validation (resolve it per device)."""
+        return self._memory_limit
+
     @property
     def page_size_bytes(self) -> int:
         return parse_size(self.page_size)
@@ -202,6 +231,12 @@ class Settings(BaseSettings):
         if self.socket_group.isdigit():
             return int(self.socket_group)
         return grp.getgrnam(self.socket_group).gr_gid
+
+    @property
+    def page_ops_on_channel_only(self) -> bool:
+        """Allocate/Free/CloseSession only as fd channel requests (the
+        default), not over gRPC (--grpc-page-ops)."""
+        return not self.grpc_page_ops
 
     def is_admin(self, uid: int) -> bool:
         return uid in self.admin_uids or uid == os.getuid()

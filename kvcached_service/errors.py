@@ -1,22 +1,60 @@
-"""The closed error taxonomy of kvcached-service, and its one mapping to gRPC.
+"""The closed error taxonomy of kvcached-service. No transport here.
 
-Every failure the daemon reports is one of the classes below. The daemon
-raises them anywhere; `to_status` turns one into a gRPC status code in
-exactly one place (the servicer's wrapper, and the fd channel's replies), and
-`from_rpc_error` / `from_code` turn a gRPC error or a status number back into
-the same class on the client side. A round-trip test
-(tests/test_errors.py) keeps the two directions in step.
+Every failure the daemon reports is one of the classes below. Each class
+carries a `Code`, whose numbers are the protocol's status numbers (the same
+numbers as gRPC's status codes, so that a REPLY or ERROR record on the fd
+channel and a gRPC status mean the same thing). This module imports nothing
+of gRPC:
+
+- `status_of(exc)`: the (Code, message) any exception travels as (an
+  unexpected exception is INTERNAL). The fd channel encodes errors with it.
+- `from_code(code, message)`: the class back from a status number (a REPLY
+  or ERROR record, or a gRPC status through the translator).
+
+The two gRPC translators, `to_grpc` (daemon side) and `from_grpc` (client
+side), live in `errors_grpc.py`, and nowhere else. tests/test_errors.py
+checks that every class survives both round trips.
 """
 
 from __future__ import annotations
 
-import grpc
+import enum
+
+
+class Code(enum.IntEnum):
+    """Status numbers of the protocol (docs/protocol.md, "Status codes")."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
+
+    @classmethod
+    def of(cls, number: int) -> "Code":
+        """The Code of a status number; UNKNOWN for a number outside the table."""
+        try:
+            return cls(number)
+        except ValueError:
+            return cls.UNKNOWN
 
 
 class KVCachedError(Exception):
-    """Base class. `code` is the gRPC status code the error travels as."""
+    """Base class. `code` is the status the error travels as."""
 
-    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    code: Code = Code.UNKNOWN
 
     def __init__(self, message: str):
         super().__init__(message)
@@ -24,39 +62,39 @@ class KVCachedError(Exception):
 
 
 class InvalidArgument(KVCachedError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    code = Code.INVALID_ARGUMENT
 
 
 class NotFound(KVCachedError):
-    code = grpc.StatusCode.NOT_FOUND
+    code = Code.NOT_FOUND
 
 
 class PermissionDenied(KVCachedError):
-    code = grpc.StatusCode.PERMISSION_DENIED
+    code = Code.PERMISSION_DENIED
 
 
 class ResourceExhausted(KVCachedError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = Code.RESOURCE_EXHAUSTED
 
 
 class FailedPrecondition(KVCachedError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = Code.FAILED_PRECONDITION
 
 
 class Unavailable(KVCachedError):
-    code = grpc.StatusCode.UNAVAILABLE
+    code = Code.UNAVAILABLE
 
 
 class DeadlineExceeded(KVCachedError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    code = Code.DEADLINE_EXCEEDED
 
 
 class Internal(KVCachedError):
-    code = grpc.StatusCode.INTERNAL
+    code = Code.INTERNAL
 
 
 class Unknown(KVCachedError):
-    code = grpc.StatusCode.UNKNOWN
+    code = Code.UNKNOWN
 
 
 ALL_ERRORS: tuple[type[KVCachedError], ...] = (
@@ -70,26 +108,18 @@ ALL_ERRORS: tuple[type[KVCachedError], ...] = (
     Internal,
 )
 
-_BY_CODE: dict[grpc.StatusCode, type[KVCachedError]] = {cls.code: cls for cls in ALL_ERRORS}
-_BY_NUMBER: dict[int, type[KVCachedError]] = {cls.code.value[0]: cls for cls in ALL_ERRORS}
+_BY_CODE: dict[Code, type[KVCachedError]] = {cls.code: cls for cls in ALL_ERRORS}
 
 
-def to_status(err: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The daemon side: the status code and message an exception travels as."""
+def status_of(err: BaseException) -> tuple[Code, str]:
+    """The (code, message) an exception travels as, on any transport."""
     if isinstance(err, KVCachedError):
         return err.code, err.message
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"
-
-
-def from_rpc_error(err: grpc.RpcError) -> KVCachedError:
-    """The client side: the taxonomy class for a failed rpc."""
-    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    details = err.details() if hasattr(err, "details") else str(err)
-    cls = _BY_CODE.get(code, Unknown)
-    return cls(details or code.name)
+    return Code.INTERNAL, f"internal error: {type(err).__name__}: {err}"
 
 
 def from_code(code: int, message: str) -> KVCachedError:
-    """The client side, for a status that arrived as a number (an ERROR or
-    REPLY record on the fd channel) rather than as a failed rpc."""
-    return _BY_NUMBER.get(code, Unknown)(message)
+    """The taxonomy class for a status number (never OK): an ERROR or REPLY
+    record, or a gRPC status through errors_grpc.from_grpc. A number
+    outside the taxonomy gives Unknown, with the message kept."""
+    return _BY_CODE.get(Code.of(code), Unknown)(message or Code.of(code).name)

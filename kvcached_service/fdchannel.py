@@ -1,9 +1,13 @@
-"""The fd channel: framing of the SOCK_SEQPACKET socket that carries page fds.
+"""The fd channel's codec: framing of the SOCK_SEQPACKET socket that carries page fds.
 
 This module owns that boundary for the daemon and the Python client: every
 record is built and parsed here, and every sendmsg/recvmsg with SCM_RIGHTS
-happens here. The format is specified in docs/protocol.md; the Go and C
-clients implement the same format and are tested against this daemon.
+happens here. The format is specified, machine-readably, in
+protos/kvcached/v1/fdchannel.spec.json (prose: docs/protocol.md), with
+shared test vectors in protos/kvcached/v1/fdchannel.vectors.json that this
+codec, the Go client's internal/fdchan and the C client's fdchannel.c all
+decode the same way (tests/test_fdchannel.py checks this one, and that the
+constants below match the spec).
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ REQ_ALLOCATE = 6  # client to daemon, on a session's channel
 REQ_FREE = 7
 REQ_CLOSE = 8
 REPLY = 9  # daemon to client: the answer to a request record
+REQ_ANSWER = 10  # client to daemon: a session's answer to a reclaim request
+NAMES = {HELLO: "HELLO", PAGES: "PAGES", ERROR: "ERROR", GOODBYE: "GOODBYE", ADOPT: "ADOPT", REQ_ALLOCATE: "ALLOCATE",
+         REQ_FREE: "FREE", REQ_CLOSE: "CLOSE", REPLY: "REPLY", REQ_ANSWER: "ANSWER"}
+REQUESTS = frozenset({REQ_ALLOCATE, REQ_FREE, REQ_CLOSE, REQ_ANSWER})  # answered by REPLY, req_id first
 # Allocations asked for on the channel are delivered with allocation_id =
 # req_id | CHANNEL_ALLOC_BIT, so they never collide with gRPC Allocate ids.
 CHANNEL_ALLOC_BIT = 1 << 63
@@ -39,6 +47,8 @@ _REQ_ALLOC = struct.Struct("<QIIII")  # req_id, num_pages, flags, wait_timeout_m
 _REQ_FREE = struct.Struct("<QII")  # req_id, count, reserved; then page ids
 _REQ_CLOSE = struct.Struct("<Q")  # req_id
 _REPLY = struct.Struct("<QIIQ")  # req_id, code, reserved, value; then message
+_REQ_ANSWER = struct.Struct("<QQQQ")  # req_id, reclaim_id, bytes_given, bytes_kept; then reason
+_REQ_ID = struct.Struct("<Q")  # the first field of every request
 ALLOC_WAIT = 1
 ALLOC_NOTIFY = 2
 HEADER_SIZE = _HEADER.size
@@ -47,10 +57,33 @@ SECRET_SIZE = 32
 # largest the daemon sends (a REPLY with its message, or a full PAGES record).
 MAX_CLIENT_RECORD = HEADER_SIZE + 16 + 8 * MAX_FREE_IDS
 MAX_RECORD = HEADER_SIZE + 4096 + 64
+MAX_MESSAGE = 4000  # bytes of an ERROR or REPLY message the daemon sends (cut there)
+MAX_REASON = 1024  # bytes of an ANSWER's reason
 
 
 class ProtocolError(Exception):
-    """A record that does not follow docs/protocol.md."""
+    """A record that does not follow docs/protocol.md and whose framing is
+    broken (or that has no request id to answer): the receiver closes the
+    channel (spec: on_protocol_error)."""
+
+
+class MalformedRequest(ProtocolError):
+    """A request record (ALLOCATE, FREE, CLOSE, ANSWER) whose framing is
+    sound (header, length, type) and whose req_id can be read, but which
+    breaks its type's own rules. The daemon answers it with a REPLY
+    INVALID_ARGUMENT carrying `message` and the session goes on (spec:
+    on_malformed_request); a client never receives requests, so for it this
+    is a protocol error like any other."""
+
+    def __init__(self, kind: str, req_id: int, fault: str):
+        self.kind = kind
+        self.req_id = req_id
+        self.fault = fault
+        super().__init__(f"malformed {kind} record: {fault}")
+
+    @property
+    def message(self) -> str:
+        return str(self)
 
 
 @dataclass(frozen=True)
@@ -106,9 +139,21 @@ class CloseReq:
 
 
 @dataclass(frozen=True)
+class AnswerReq:
+    """A session's answer to a reclaim request (a RECLAIM Watch event):
+    what it gave back for it and what it keeps, and why."""
+
+    req_id: int
+    reclaim_id: int
+    bytes_given: int
+    bytes_kept: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Reply:
     req_id: int
-    code: int  # a gRPC status code; 0 = OK
+    code: int  # a status number (errors.Code); 0 = OK
     value: int  # held bytes (ALLOCATE), pages freed (FREE), pages returned (CLOSE)
     message: str
 
@@ -124,7 +169,7 @@ class Goodbye:
     pass
 
 
-Record = Hello | Pages | Adopt | Error | Goodbye | AllocateReq | FreeReq | CloseReq | Reply
+Record = Hello | Pages | Adopt | Error | Goodbye | AllocateReq | FreeReq | CloseReq | AnswerReq | Reply
 
 
 def _frame(kind: int, payload: bytes) -> bytes:
@@ -149,7 +194,7 @@ def encode_adopt(session_id: int, first_index: int, total: int, page_ids: list[i
 
 
 def encode_error(code: int, message: str) -> bytes:
-    return _frame(ERROR, _ERROR.pack(code) + message.encode("utf-8", "replace")[:4000])
+    return _frame(ERROR, _ERROR.pack(code) + message.encode("utf-8", "replace")[:MAX_MESSAGE])
 
 
 def encode_allocate(req_id: int, num_pages: int, device: str = "", wait: bool = False, notify: bool = False, wait_timeout_ms: int = 0) -> bytes:
@@ -168,16 +213,32 @@ def encode_close(req_id: int) -> bytes:
     return _frame(REQ_CLOSE, _REQ_CLOSE.pack(req_id))
 
 
+def encode_answer(req_id: int, reclaim_id: int, bytes_given: int, bytes_kept: int, reason: str = "") -> bytes:
+    why = reason.encode("utf-8", "replace")
+    if len(why) > MAX_REASON:
+        raise ValueError(f"an ANSWER's reason is at most {MAX_REASON} bytes, not {len(why)}")
+    return _frame(REQ_ANSWER, _REQ_ANSWER.pack(req_id, reclaim_id, bytes_given, bytes_kept) + why)
+
+
 def encode_reply(req_id: int, code: int, value: int = 0, message: str = "") -> bytes:
-    return _frame(REPLY, _REPLY.pack(req_id, code, 0, value) + message.encode("utf-8", "replace")[:4000])
+    return _frame(REPLY, _REPLY.pack(req_id, code, 0, value) + message.encode("utf-8", "replace")[:MAX_MESSAGE])
 
 
 def encode_goodbye() -> bytes:
     return _frame(GOODBYE, b"")
 
 
-def decode(data: bytes, fds: list[int]) -> Record:
-    """Parse one record. On error the caller still owns (and must close) fds."""
+def decode(data: bytes, fds: list[int] | tuple[int, ...], truncated: bool = False, fds_truncated: bool = False) -> Record:
+    """Parse one record. On error the caller still owns (and must close) fds.
+
+    Raises MalformedRequest for a request record (ALLOCATE, FREE, CLOSE,
+    ANSWER) whose framing is sound and whose req_id can be read but which
+    breaks its own rules (the daemon answers it: REPLY INVALID_ARGUMENT),
+    ProtocolError for anything else malformed (the receiver closes the
+    channel). `truncated` / `fds_truncated`: the kernel cut the record or
+    its descriptor list on receipt (MSG_TRUNC / MSG_CTRUNC); a record
+    boundary is never lost on SOCK_SEQPACKET, so a cut request whose req_id
+    arrived is answered too."""
     if len(data) < HEADER_SIZE:
         raise ProtocolError(f"record of {len(data)} bytes is shorter than the header")
     magic, version, kind, length, _ = _HEADER.unpack_from(data)
@@ -186,44 +247,37 @@ def decode(data: bytes, fds: list[int]) -> Record:
     if version != VERSION:
         raise ProtocolError(f"unsupported fd protocol version {version}")
     payload = data[HEADER_SIZE:]
+    name = NAMES.get(kind)
+    if truncated:
+        if kind in REQUESTS and len(payload) >= 8 and length > len(payload):
+            raise MalformedRequest(name, _REQ_ID.unpack_from(payload)[0],
+                                   f"{HEADER_SIZE + length} bytes, more than the {MAX_CLIENT_RECORD} a client may send")
+        raise ProtocolError(f"record cut on receipt (header says {length} payload bytes)")
     if len(payload) != length:
         raise ProtocolError(f"payload is {len(payload)} bytes, header says {length}")
+    if name is None:
+        raise ProtocolError(f"unknown record type {kind}")
+    if kind in REQUESTS:
+        return _decode_request(kind, name, payload, fds, fds_truncated)
+    if fds_truncated:
+        raise ProtocolError(f"{name} record's descriptors were cut on receipt")
     if kind == HELLO:
         if length != _HELLO.size or fds:
             raise ProtocolError("malformed HELLO")
         return Hello(*_HELLO.unpack(payload))
     if kind in (PAGES, ADOPT):
         if length < _PAGES.size:
-            raise ProtocolError("PAGES record too short")
+            raise ProtocolError(f"{name} record too short")
         alloc, first, count, total, _ = _PAGES.unpack_from(payload)
-        if length != _PAGES.size + 8 * count or count != len(fds) or count == 0:
-            raise ProtocolError(f"PAGES record says {count} pages, carries {len(fds)} fds and {length} bytes")
+        if not 1 <= count <= MAX_FDS or length != _PAGES.size + 8 * count or count != len(fds):
+            raise ProtocolError(f"{name} record says {count} pages, carries {len(fds)} fds and {length} bytes")
+        if first + count > total:
+            raise ProtocolError(f"{name} record covers pages {first}..{first + count} of an allocation of {total}")
         ids = struct.unpack_from(f"<{count}Q", payload, _PAGES.size)
         return (Pages if kind == PAGES else Adopt)(alloc, first, total, tuple(ids), tuple(fds))
-    if kind in (REQ_ALLOCATE, REQ_FREE, REQ_CLOSE, REPLY) and fds:
-        raise ProtocolError(f"record type {kind} carries no descriptors")
-    if kind == REQ_ALLOCATE:
-        if length < _REQ_ALLOC.size:
-            raise ProtocolError("ALLOCATE record too short")
-        req, n, flags, wait_ms, dev_len = _REQ_ALLOC.unpack_from(payload)
-        if length != _REQ_ALLOC.size + dev_len:
-            raise ProtocolError("ALLOCATE record's device length does not match")
-        dev = payload[_REQ_ALLOC.size :].decode("utf-8", "replace")
-        return AllocateReq(req, n, bool(flags & ALLOC_WAIT), bool(flags & ALLOC_NOTIFY), wait_ms, dev)
-    if kind == REQ_FREE:
-        if length < _REQ_FREE.size:
-            raise ProtocolError("FREE record too short")
-        req, count, _ = _REQ_FREE.unpack_from(payload)
-        if length != _REQ_FREE.size + 8 * count:
-            raise ProtocolError(f"FREE record says {count} page ids in {length} bytes")
-        return FreeReq(req, struct.unpack_from(f"<{count}Q", payload, _REQ_FREE.size))
-    if kind == REQ_CLOSE:
-        if length != _REQ_CLOSE.size:
-            raise ProtocolError("malformed CLOSE")
-        return CloseReq(*_REQ_CLOSE.unpack(payload))
     if kind == REPLY:
-        if length < _REPLY.size:
-            raise ProtocolError("REPLY record too short")
+        if length < _REPLY.size or fds:
+            raise ProtocolError("REPLY record too short" if length < _REPLY.size else "REPLY record carries descriptors")
         req, code, _, value = _REPLY.unpack_from(payload)
         return Reply(req, code, value, payload[_REPLY.size :].decode("utf-8", "replace"))
     if kind == ERROR:
@@ -231,11 +285,49 @@ def decode(data: bytes, fds: list[int]) -> Record:
             raise ProtocolError("malformed ERROR")
         (code,) = _ERROR.unpack_from(payload)
         return Error(code, payload[_ERROR.size :].decode("utf-8", "replace"))
-    if kind == GOODBYE:
-        if length or fds:
-            raise ProtocolError("malformed GOODBYE")
-        return Goodbye()
-    raise ProtocolError(f"unknown record type {kind}")
+    assert kind == GOODBYE
+    if length or fds:
+        raise ProtocolError("malformed GOODBYE")
+    return Goodbye()
+
+
+def _decode_request(kind: int, name: str, payload: bytes, fds, fds_truncated: bool) -> Record:
+    """A request record: no req_id is a protocol error; after that every
+    fault is a MalformedRequest naming it."""
+    length = len(payload)
+    if length < _REQ_ID.size:
+        raise ProtocolError(f"{name} record of {length} payload bytes has no req_id")
+    (req,) = _REQ_ID.unpack_from(payload)
+    if fds or fds_truncated:
+        raise MalformedRequest(name, req, f"carries descriptors ({len(fds)}{' and more, cut' if fds_truncated else ''}); requests carry none")
+    if kind == REQ_ALLOCATE:
+        if length < _REQ_ALLOC.size:
+            raise MalformedRequest(name, req, f"{length} payload bytes, fewer than its fixed {_REQ_ALLOC.size}")
+        _, n, flags, wait_ms, dev_len = _REQ_ALLOC.unpack_from(payload)
+        if length != _REQ_ALLOC.size + dev_len:
+            raise MalformedRequest(name, req, f"device_len {dev_len} but {length - _REQ_ALLOC.size} bytes of device")
+        dev = payload[_REQ_ALLOC.size :].decode("utf-8", "replace")
+        return AllocateReq(req, n, bool(flags & ALLOC_WAIT), bool(flags & ALLOC_NOTIFY), wait_ms, dev)
+    if kind == REQ_FREE:
+        if length < _REQ_FREE.size:
+            raise MalformedRequest(name, req, f"{length} payload bytes, fewer than its fixed {_REQ_FREE.size}")
+        _, count, _ = _REQ_FREE.unpack_from(payload)
+        if count > MAX_FREE_IDS:
+            raise MalformedRequest(name, req, f"{count} page ids, more than {MAX_FREE_IDS}")
+        if length != _REQ_FREE.size + 8 * count:
+            raise MalformedRequest(name, req, f"count {count} but {length - _REQ_FREE.size} bytes of page ids")
+        return FreeReq(req, struct.unpack_from(f"<{count}Q", payload, _REQ_FREE.size))
+    if kind == REQ_CLOSE:
+        if length != _REQ_CLOSE.size:
+            raise MalformedRequest(name, req, f"{length} payload bytes, not {_REQ_CLOSE.size}")
+        return CloseReq(req)
+    assert kind == REQ_ANSWER
+    if length < _REQ_ANSWER.size:
+        raise MalformedRequest(name, req, f"{length} payload bytes, fewer than its fixed {_REQ_ANSWER.size}")
+    if length - _REQ_ANSWER.size > MAX_REASON:
+        raise MalformedRequest(name, req, f"a reason of {length - _REQ_ANSWER.size} bytes, more than {MAX_REASON}")
+    _, reclaim_id, given, kept = _REQ_ANSWER.unpack_from(payload)
+    return AnswerReq(req, reclaim_id, given, kept, payload[_REQ_ANSWER.size :].decode("utf-8", "replace"))
 
 
 def send_record(sock: socket.socket, data: bytes, fds: list[int] | tuple[int, ...] = ()) -> None:
@@ -263,9 +355,7 @@ def recv_record(sock: socket.socket, max_size: int = MAX_RECORD) -> Record | Non
     if not data and not fds:
         return None
     try:
-        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-            raise ProtocolError("record or its descriptors were truncated")
-        return decode(data, fds)
+        return decode(data, fds, bool(flags & socket.MSG_TRUNC), bool(flags & socket.MSG_CTRUNC))
     except ProtocolError:
         close_fds(fds)
         raise

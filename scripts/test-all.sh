@@ -2,12 +2,12 @@
 # Every test suite, one after another, even when one fails; then a summary.
 # This is what `make test` and CI run. Each suite also runs alone:
 #   scripts/test-python.sh  scripts/test-go.sh  scripts/test-c.sh  scripts/test-packaging.sh
-#   scripts/test-llama.sh
+#   scripts/test-llama.sh  scripts/test-ollama.sh (after test-llama.sh: it reuses its llama.cpp builds)
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 
-suites=(python go c packaging llama)
+suites=(python go c packaging llama ollama)
 declare -A result seconds
 failed=0
 for s in "${suites[@]}"; do

@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# llama.cpp's KV cache in daemon pages, end to end (issue 8):
+# llama.cpp's KV cache in daemon pages, end to end (issues 8, 13, 19):
 #   1. pip install gguf (tiny test models are written with it)
 #   2. llama.cpp source: the pinned sdist of llama-cpp-python (vendor/llama.cpp)
-#   3. the C client built and installed to build/llama/kvcached-prefix
-#   4. build/llama/llama.cpp-kvc = that tree + integrations/llama.cpp/apply.py
-#   5. llama-server built twice, unpatched (build/llama/build-orig) and patched
-#      (build/llama/build-kvc); each build is skipped when the hash of its
-#      inputs matches the stamp of the last good build (about 7-8 min each on
-#      2 cores when cold)
-#   6. pytest tests/llama
+#   3. the C client built (shared, static and the self-contained embed
+#      archive) and installed to build/llama/kvcached-prefix
+#   4. build/llama/llama.cpp-kvc = that tree + integrations/llama.cpp/apply.py;
+#      the Ollama compat form (apply.py --emit-compat) and the one-file patch
+#      are emitted from the pristine tree and checked with git apply
+#   5. llama-server and llama-quantize built twice, unpatched
+#      (build/llama/build-orig) and patched (build/llama/build-kvc), shared
+#      libraries as Ollama builds them (bin/ holds the programs and lib*.so);
+#      each build is skipped when the hash of its inputs matches the stamp of
+#      the last good build (about 7-8 min each on 2 cores when cold)
+#   6. the patched sources compiled without the C client (pass-throughs), also
+#      cached by hash
+#   7. pytest tests/llama
 # Exits non-zero on any failure. Nothing from llama.cpp lands in the repository.
 set -euo pipefail
 
@@ -22,9 +28,10 @@ SDIST="$B/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
 ORIG="$B/src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
 KVC="$B/llama.cpp-kvc"
 PREFIX="$B/kvcached-prefix"
+TARGETS=(llama-server llama-quantize)
 CMAKE_FLAGS=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DLLAMA_OPENSSL=OFF
              -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF
-             -DBUILD_SHARED_LIBS=OFF)
+             -DBUILD_SHARED_LIBS=ON)
 T0=$SECONDS
 step() { printf '\n==== test-llama [%ds]: %s ====\n' "$((SECONDS - T0))" "$*"; }
 mkdir -p "$B"
@@ -46,35 +53,45 @@ step "C client -> $PREFIX"
 if [[ ! -f "$REPO/build/c/CMakeCache.txt" ]]; then
   cmake -S clients/c -B build/c -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 fi
-cmake --build build/c -j"$JOBS" --target kvcached >/dev/null
+# the hook's static link needs libkvcached_embed.a (built from Debian's static gRPC,
+# protobuf and abseil archives: libgrpc++-dev and libprotobuf-dev ship them)
+cmake --build build/c -j"$JOBS" --target kvcached kvcached_static kvcached_embed kvc_kv_region >/dev/null
+rm -rf "$PREFIX"
 cmake --install build/c --prefix "$PREFIX" >/dev/null
+test -f "$PREFIX/lib/libkvcached_embed.a" || { echo "test-llama: no libkvcached_embed.a in $PREFIX/lib" >&2; exit 1; }
 
 hash_of() { # files and strings -> one sha256
   { for x in "$@"; do if [[ -f "$x" ]]; then sha256sum "$x"; else echo "$x"; fi; done; } | sha256sum | cut -d' ' -f1
 }
-build_server() { # name srcdir key [extra cmake args...]
+build_llama() { # name srcdir key [extra cmake args...]
   local name=$1 src=$2 key=$3; shift 3
-  local dir="$B/build-$name" bin="$B/build-$name/bin/llama-server"
-  if [[ -x "$bin" && -f "$dir/.kvc-stamp" && "$(cat "$dir/.kvc-stamp")" == "$key" ]]; then
+  local dir="$B/build-$name" ok=1
+  for t in "${TARGETS[@]}"; do [[ -x "$dir/bin/$t" ]] || ok=0; done
+  if [[ $ok == 1 && -f "$dir/.kvc-stamp" && "$(cat "$dir/.kvc-stamp")" == "$key" ]]; then
     echo "build-$name: up to date (stamp $key)"
     return
   fi
   local t=$SECONDS
+  rm -f "$dir/.kvc-stamp"
   cmake -S "$src" -B "$dir" "${CMAKE_FLAGS[@]}" "$@" >"$B/$name-configure.log" 2>&1 \
     || { tail -30 "$B/$name-configure.log"; exit 1; }
-  cmake --build "$dir" --target llama-server -j"$JOBS" >"$B/$name-build.log" 2>&1 \
+  cmake --build "$dir" --target "${TARGETS[@]}" -j"$JOBS" >"$B/$name-build.log" 2>&1 \
     || { tail -50 "$B/$name-build.log"; exit 1; }
   echo "$key" >"$dir/.kvc-stamp"
   echo "build-$name: built in $((SECONDS - t)) s"
 }
+C_CLIENT_FILES=(clients/c/CMakeLists.txt clients/c/kvcached.pc.in $(ls clients/c/cmake/* clients/c/include/* clients/c/src/* | sort))
+HOOK_FILES=(integrations/llama.cpp/apply.py integrations/llama.cpp/kvcached_kv.h integrations/llama.cpp/kvcached_kv.cpp)
 
-step "unpatched llama-server (build/llama/build-orig)"
-ORIG_KEY=$(hash_of "$SDIST" "${CMAKE_FLAGS[*]}")
-build_server orig "$ORIG" "$ORIG_KEY"
+step "unpatched llama.cpp (build/llama/build-orig: ${TARGETS[*]})"
+ORIG_KEY=$(hash_of "$SDIST" "${CMAKE_FLAGS[*]}" "${TARGETS[*]}")
+build_llama orig "$ORIG" "$ORIG_KEY"
 
 step "apply the hook -> build/llama/llama.cpp-kvc"
-KVC_KEY=$(hash_of "$SDIST" "${CMAKE_FLAGS[*]}" integrations/llama.cpp/apply.py integrations/llama.cpp/kvcached_kv.h \
-  integrations/llama.cpp/kvcached_kv.cpp clients/c/include/kvcached.h $(ls clients/c/src/* | sort))
+# the installed client itself too (the prelinked libkvcached_embed.a is deterministic):
+# the build links what is in $PREFIX now, whatever the sources said when it started
+KVC_KEY=$(hash_of "$SDIST" "${CMAKE_FLAGS[*]}" "${TARGETS[*]}" "${HOOK_FILES[@]}" "${C_CLIENT_FILES[@]}" \
+  "$PREFIX/lib/libkvcached_embed.a" "$PREFIX/include/kvcached.h")
 if [[ ! -f "$B/build-kvc/.kvc-stamp" || "$(cat "$B/build-kvc/.kvc-stamp")" != "$KVC_KEY" || ! -d "$KVC" ]]; then
   if [[ ! -d "$KVC" ]]; then
     cp -a "$ORIG" "$KVC"
@@ -87,23 +104,54 @@ if [[ ! -f "$B/build-kvc/.kvc-stamp" || "$(cat "$B/build-kvc/.kvc-stamp")" != "$
   fi
   "$PY" integrations/llama.cpp/apply.py "$KVC"
 fi
-# the change in the form of Ollama's llama/compat/*.patch (git diff), generated
-# from the pristine tree and checked with git apply (never committed)
+
+step "the change as a patch and in Ollama's compat form, checked with git apply"
+# one git-style patch (new files included), and the compat form: the hook's sources
+# plus 010-kvcached-kv-cache.patch holding only call sites (never committed)
 "$PY" integrations/llama.cpp/apply.py "$ORIG" --emit-patch "$B/kvcached-llama-cpp.patch"
+rm -rf "$B/compat" && mkdir -p "$B/compat"
+"$PY" integrations/llama.cpp/apply.py "$ORIG" --emit-compat "$B/compat" 2>/dev/null
 CHK="$(mktemp -d)"
+trap 'rm -rf "$CHK"' EXIT
 for f in $("$PY" integrations/llama.cpp/apply.py "$ORIG" --list); do
   if [[ -f "$ORIG/$f" ]]; then mkdir -p "$CHK/$(dirname "$f")" && cp "$ORIG/$f" "$CHK/$f"; fi
 done
-(cd "$CHK" && git apply --check "$B/kvcached-llama-cpp.patch") || { echo "test-llama: emitted patch does not apply" >&2; exit 1; }
-rm -rf "$CHK"
-echo "emitted $B/kvcached-llama-cpp.patch (git apply --check: ok)"
+(cd "$CHK" && git init -q . && git apply --check "$B/kvcached-llama-cpp.patch" && git apply --check "$B/compat/010-kvcached-kv-cache.patch") \
+  || { echo "test-llama: an emitted patch does not apply to $ORIG" >&2; exit 1; }
+if grep -q '^new file' "$B/compat/010-kvcached-kv-cache.patch"; then
+  echo "test-llama: the compat patch adds files (it must hold call sites only)" >&2; exit 1
+fi
+echo "emitted $B/kvcached-llama-cpp.patch and $B/compat/ (git apply --check: ok)"
 
-step "patched llama-server (build/llama/build-kvc)"
-build_server kvc "$KVC" "$KVC_KEY" -DCMAKE_PREFIX_PATH="$PREFIX"
+step "patched llama.cpp (build/llama/build-kvc: ${TARGETS[*]})"
+build_llama kvc "$KVC" "$KVC_KEY" -DCMAKE_PREFIX_PATH="$PREFIX"
+grep -q "kvcached: KV-cache hook on" "$B/kvc-configure.log" \
+  || { echo "test-llama: the patched build did not find the C client ($B/kvc-configure.log)" >&2; exit 1; }
+
+step "patched sources without the C client: pass-throughs compile (build/llama/build-nokvc)"
+NOKVC_KEY=$(hash_of "$KVC_KEY" nokvc)
+if [[ ! -f "$B/build-nokvc/.kvc-stamp" || "$(cat "$B/build-nokvc/.kvc-stamp")" != "$NOKVC_KEY" ]]; then
+  rm -rf "$B/build-nokvc"
+  cmake -S "$KVC" -B "$B/build-nokvc" "${CMAKE_FLAGS[@]}" -DCMAKE_DISABLE_FIND_PACKAGE_kvcached=ON \
+    >"$B/nokvc-configure.log" 2>&1 || { tail -30 "$B/nokvc-configure.log"; exit 1; }
+  grep -q "kvcached: C client not found" "$B/nokvc-configure.log" \
+    || { echo "test-llama: build-nokvc found a C client" >&2; exit 1; }
+  objs=(src/CMakeFiles/llama.dir/kvcached_kv.cpp.o src/CMakeFiles/llama.dir/llama-kv-cache.cpp.o
+        tools/server/CMakeFiles/server-context.dir/server-context.cpp.o)
+  cmake --build "$B/build-nokvc" --target "${objs[@]}" -j"$JOBS" >"$B/nokvc-build.log" 2>&1 \
+    || { tail -50 "$B/nokvc-build.log"; exit 1; }
+  echo "$NOKVC_KEY" >"$B/build-nokvc/.kvc-stamp"
+  echo "build-nokvc: the hook and its call sites compile without the C client"
+else
+  echo "build-nokvc: up to date (stamp $NOKVC_KEY)"
+fi
 
 step "pytest tests/llama"
 export LLAMA_SERVER_ORIG="$B/build-orig/bin/llama-server"
 export LLAMA_SERVER_KVC="$B/build-kvc/bin/llama-server"
+export LLAMA_QUANTIZE_ORIG="$B/build-orig/bin/llama-quantize"
+export LLAMA_QUANTIZE_KVC="$B/build-kvc/bin/llama-quantize"
+export LLAMA_CPP_ORIG="$ORIG"
 status=0
 "$PY" -m pytest -v -p no:cacheprovider tests/llama "$@" || status=$?
 step "done (exit $status)"

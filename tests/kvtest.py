@@ -66,6 +66,9 @@ def testdriver_env(**extra: str) -> dict[str, str]:
     return env
 
 
+testdriver_env.__test__ = False  # a helper whose name pytest would collect where it is imported
+
+
 class Daemon:
     def __init__(self, proc: subprocess.Popen, socket: str, log: pathlib.Path, env: dict, report: pathlib.Path | None):
         self.proc = proc

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from kvtest import assert_books, wait_until
+from helpers.raw import stub
 
 
 def _reclaimed_within(c, seconds: float) -> float:
@@ -37,7 +38,8 @@ def test_kill_while_holding_pages(daemon):
     assert info["pages"]
 
 
-def test_kill_between_allocate_and_reading_fds(daemon):
+def test_kill_between_allocate_and_reading_fds(daemon_factory, backend):
+    daemon = daemon_factory(backend, grpc_page_ops=True)  # raw-allocate: a gRPC Allocate, as a tool would
     p = daemon.spawn_client("client_proc.py", "raw-allocate", "100")  # fds sit unread in its socket
     json.loads(p.stdout.readline())
     with daemon.client() as c:
@@ -63,7 +65,7 @@ def test_kill_at_random_points_of_a_busy_client(daemon):
 
 def test_client_that_stops_reading_cannot_stall_others(daemon_factory):
     # 4 KiB pages so a never-reading client can fill its socket buffer quickly
-    d = daemon_factory("host", page_size="4KiB", memory_limit="1GiB", fd_send_timeout="1")
+    d = daemon_factory("host", page_size="4KiB", memory_limit="1GiB", fd_send_timeout="1", grpc_page_ops=True)
     stuck = d.spawn_client("client_proc.py", "raw-allocate", "16000")  # ~63 records: more than a socket buffer holds
     with d.client() as c, c.open_session("bystander") as s:
         t0 = time.monotonic()
@@ -93,19 +95,19 @@ def test_allocate_cancelled_by_its_deadline_leaves_nothing_held(daemon_factory):
     from kvcached_service import fdchannel
     from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
 
-    d = daemon_factory("host", page_size="4KiB", memory_limit="1GiB", fd_send_timeout="30")
+    d = daemon_factory("host", page_size="4KiB", memory_limit="1GiB", fd_send_timeout="30", grpc_page_ops=True)
     with d.client() as c:
         raw = so.socket(so.AF_UNIX, so.SOCK_SEQPACKET)
         raw.connect(d.fd_socket)
         hello = fdchannel.recv_record(raw)
-        ref = c._stub.OpenSession(pb.OpenSessionRequest(channel_secret=hello.secret, name="impatient")).session
+        ref = stub(c).OpenSession(pb.OpenSessionRequest(channel_secret=hello.secret, name="impatient")).session
         # 16000 pages: more records than the socket buffer holds, so delivery blocks
         with pytest.raises(grpc.RpcError) as info:
-            c._stub.Allocate(pb.AllocateRequest(session=ref, num_pages=16000), timeout=1.0)
+            stub(c).Allocate(pb.AllocateRequest(session=ref, num_pages=16000), timeout=1.0)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
         def held():
-            return {s.id: s for s in c._stub.GetStats(pb.GetStatsRequest(session=ref)).sessions}[ref.id].pages_held
+            return {s.id: s for s in stub(c).GetStats(pb.GetStatsRequest(session=ref)).sessions}[ref.id].pages_held
 
         assert wait_until(lambda: held() == 0, timeout=5)
         assert_books(c.stats())
@@ -117,6 +119,6 @@ def test_allocate_cancelled_by_its_deadline_leaves_nothing_held(daemon_factory):
             except so.timeout:
                 break
             fdchannel.close_fds(rec.fds)
-        resp = c._stub.Allocate(pb.AllocateRequest(session=ref, num_pages=3), timeout=10)
+        resp = stub(c).Allocate(pb.AllocateRequest(session=ref, num_pages=3), timeout=10)
         assert len(resp.page_ids) == 3
         raw.close()

@@ -441,11 +441,15 @@ def test_set_limits_and_shrink_by_name_and_id(daemon_factory):
         assert "guaranteed 4 MiB, max 48 MiB, priority -2" in r.stdout
         mine = s.my_stats()
         assert (mine.guaranteed_bytes, mine.max_bytes, mine.priority) == (4 * MIB, 48 * MIB, -2)
-        r = ctl("shrink", str(s.id), "--to", "4MiB", env=sock_env(d))
+        r = ctl("shrink", str(s.id), "--to", "4MiB", "--timeout-ms", "500", env=sock_env(d))
         assert r.returncode == 0, r.stderr
         assert "give back 4 pages" in r.stdout
+        # the session neither answers nor frees: shrink waits out the 500 ms and says so
+        assert "HOST-0: neither answered nor gave back everything before the deadline; the daemon's books: it holds 12 MiB" in r.stdout, r.stdout
         assert got.wait(10), "the session never got the reclaim request"
         assert reclaims[0].pages == 4 and reclaims[0].reason == "admin"
+        r = ctl("shrink", str(s.id), "--to", "4MiB", "--no-wait", env=sock_env(d))
+        assert r.returncode == 0 and "HOST-0: no answer yet (not waited for)" in r.stdout, r.stdout
         # already small enough: nothing asked
         r = ctl("shrink", "other", "--to", "0", env=sock_env(d))
         assert r.returncode == 0 and "nothing asked" in r.stdout
@@ -459,6 +463,30 @@ def test_set_limits_and_shrink_by_name_and_id(daemon_factory):
         r = ctl("shrink", "other", "--to", "lots", env=sock_env(d))
         assert r.returncode == 2 and "not a size" in r.stderr
         o.close()
+
+
+def test_shrink_prints_the_sessions_answer_as_soon_as_it_comes(daemon_factory):
+    """kvcachedctl shrink returns once the session answered (issue 19, item
+    5: the llama.cpp hook answers at once with what it gave and keeps) and
+    prints what could and could not be given back, and why."""
+    d = daemon_factory("host", memory_limit="64MiB", reclaim_timeout_ms="20000")
+    with d.client() as c, c.open_session("busy-model") as s:
+        pages = s.allocate(8)
+
+        def on_reclaim(ev):
+            s.free([pages.pop()])
+            s.answer_reclaim(ev, 2 * MIB, len(pages) * 2 * MIB, "the rest is in use by busy slots")
+
+        s.on_reclaim(on_reclaim)
+        t0 = time.monotonic()
+        r = ctl("shrink", "busy-model", "--to", "2MiB", env=sock_env(d))
+        took = time.monotonic() - t0
+        assert r.returncode == 0, r.stderr
+        assert took < 10, f"shrink took {took:.1f} s: it waited for the 20 s deadline"
+        assert "asked session" in r.stdout and "to give back 7 pages, down to 2 MiB" in r.stdout, r.stdout
+        assert ("HOST-0: answered: gave back 2 MiB, keeps 14 MiB (the rest is in use by busy slots); "
+                "the daemon's books: it holds 14 MiB") in r.stdout, r.stdout
+        s.free(pages)
 
 
 def test_admin_commands_need_an_admin(daemon_factory):

@@ -313,10 +313,11 @@ def test_ollama_drop_in():
     assert env == {"OLLAMA_KVCACHED_SOCKET": "/run/kvcached/kvcached.sock", "OLLAMA_FLASH_ATTENTION": "1"}
 
 
-def test_no_created_series_with_the_deployed_setting(daemon_factory):
-    """PROMETHEUS_DISABLE_CREATED_SERIES=true (unit, image, DaemonSet): no
-    *_created series next to the counters and histograms."""
-    d = start_with_metrics(daemon_factory, env={"PROMETHEUS_DISABLE_CREATED_SERIES": "true"})
+@pytest.mark.parametrize("env", [{}, {"PROMETHEUS_DISABLE_CREATED_SERIES": "true"}], ids=["by-hand", "deployed"])
+def test_no_created_series(daemon_factory, env):
+    """No *_created series next to the counters and histograms, whether the
+    daemon is started by hand or with the deployed forms' setting."""
+    d = start_with_metrics(daemon_factory, env=env)
     with d.client() as c, c.open_session("m") as s:
         s.allocate(1)
         text = scrape(d)

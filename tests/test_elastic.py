@@ -258,3 +258,118 @@ def test_reclaim_counters_in_metrics(daemon_factory):
         assert 'kvcached_reclaim_requests_by_reason_total{reason="admin"} 1.0' in text
         for x in (t, w, admin):
             x.close()
+
+
+# ---- the reclaim answer (issue 19, item 5) -----------------------------------
+def test_an_answered_shrink_returns_at_once_with_the_answer(daemon_factory):
+    """A session answers a reclaim request at once (ANSWER on its fd
+    channel): what it gave back and what it keeps, and why. RequestShrink
+    with wait returns as soon as the answer is in (not at its deadline),
+    reporting both the answer and the daemon's own books; the session is not
+    counted as ignoring the request; answering an id it was never sent is
+    NOT_FOUND."""
+    d = daemon_factory("host", memory_limit="64MiB", reclaim_timeout_ms="10000")
+    with d.client() as c, c.open_session("engine") as s, c.open_session("admin") as admin:
+        pages = s.allocate(12)  # 24 MiB
+        events, replies = [], []
+
+        mode = ["answer"]
+
+        def on_reclaim(ev):
+            events.append(ev)
+            if mode[0] == "answer":  # give back 2 pages of the 4 asked, keep the rest: "busy slots"
+                given = s.free(pages[-2:])
+                del pages[-2:]
+                replies.append(s.answer_reclaim(ev, given * 2 * MiB, len(pages) * 2 * MiB, "the rest is in use by busy slots"))
+            else:  # give back everything asked, no answer
+                s.free([pages.pop() for _ in range(ev.pages)])
+
+        s.on_reclaim(on_reclaim)
+        t0 = time.monotonic()
+        r = admin.shrink(s.id, 16 * MiB, timeout_ms=10000)
+        took = time.monotonic() - t0
+        print(f"\nshrink answered after {took * 1000:.0f} ms: {r}")
+        assert took < 3, f"RequestShrink waited {took:.1f} s for an answered request"
+        (o,) = r.reclaims
+        assert r.pages_requested == 4 and o.pages_requested == 4 and o.reclaim_id == events[0].reclaim_id > 0
+        assert (o.state, o.answered, o.bytes_given, o.bytes_kept) == ("ANSWERED", True, 4 * MiB, 20 * MiB), o
+        assert o.reason == "the rest is in use by busy slots" and o.held_bytes == 20 * MiB
+        assert wait_until(lambda: replies, timeout=5) and replies == [20 * MiB]  # the daemon's books, in the REPLY to the ANSWER
+        me = {x.id: x for x in admin.stats().sessions}[s.id]
+        assert me.reclaim_ignored == 0 and me.reclaim_pending_pages == 0, me
+        with pytest.raises(errors.NotFound, match=r"was sent no reclaim request 999999"):
+            s.answer_reclaim(999999, 0, 0)
+        with pytest.raises(errors.NotFound, match="was sent no reclaim request"):
+            admin.answer_reclaim(events[0], 0, 0)  # another session's request
+        # a session that gives everything back: MET, without answering, also at once
+        mode[0] = "give"
+        t0 = time.monotonic()
+        r = admin.shrink(s.id, 4 * MiB, timeout_ms=10000)
+        assert time.monotonic() - t0 < 3
+        (o,) = r.reclaims
+        assert (o.state, o.answered, o.held_bytes) == ("MET", False, 4 * MiB), o
+        s.free(pages)
+
+
+def test_a_waiting_allocate_asks_elsewhere_once_a_victim_answered(daemon_factory):
+    """A victim that answers "I keep these" is not waited for, nor asked
+    again before its request's deadline: a waiting Allocate asks the next
+    session at once and gets its pages from it, well before the first
+    request's deadline (which would otherwise be waited out and then the
+    same victim asked again, as an ignorer)."""
+    d = daemon_factory("host", memory_limit="64MiB", reclaim_timeout_ms="5000")  # 32 pages
+    with d.client() as c:
+        a = c.open_session("a")
+        b = c.open_session("b")
+        asked = {"a": 0, "b": 0}
+        held_a = a.allocate(16)
+        held_b = b.allocate(12)
+
+        def answer_a(ev):
+            asked["a"] += 1
+            a.answer_reclaim(ev, 0, len(held_a) * 2 * MiB, "every cell is in use")
+
+        def give_b(ev):
+            asked["b"] += 1
+            b.free([held_b.pop() for _ in range(ev.pages)])
+
+        a.on_reclaim(answer_a)
+        b.on_reclaim(give_b)
+        time.sleep(0.05)
+        b.free([held_b.pop()])  # b is the more recently active: a (idle longest) is asked first
+        held_b.append(b.allocate(1)[0])
+        w = c.open_session("waiter")
+        t0 = time.monotonic()
+        got = w.allocate(8, wait=True, wait_timeout_ms=4000)  # 4 free: 4 more must come from someone
+        took = time.monotonic() - t0
+        print(f"\nwaiting Allocate served after {took * 1000:.0f} ms; asked {asked}")
+        assert took < 2.5, f"waited {took:.2f} s: the answered victim was waited for"
+        assert asked == {"a": 1, "b": 1}, asked
+        st = {x.name: x for x in w.stats().sessions if x.name in ("a", "b")} if w.admin else {}
+        if st:
+            assert st["a"].reclaim_ignored == 0
+        w.free(got)
+        a.free(held_a)
+        b.free(held_b)
+        for s in (w, a, b):
+            s.close()
+
+
+def test_a_waiting_shrink_answers_before_the_callers_own_deadline(daemon_factory):
+    """RequestShrink(wait) with a 60 s reclaim deadline from a caller whose
+    own gRPC deadline is 1.5 s: the daemon answers before that deadline with
+    the request as it stands (OPEN), never DEADLINE_EXCEEDED."""
+    from helpers.raw import ref, stub
+    from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
+
+    d = daemon_factory("host", memory_limit="64MiB")
+    with d.client() as c, c.open_session("silent") as s, c.open_session("admin") as admin:
+        pages = s.allocate(6)
+        t0 = time.monotonic()
+        r = stub(d).RequestShrink(pb.RequestShrinkRequest(admin=ref(admin), session_id=s.id, target_bytes=0,
+                                                          timeout_ms=60000, wait=True), timeout=1.5)
+        took = time.monotonic() - t0
+        assert took < 1.5, took
+        (o,) = r.reclaims
+        assert o.state == pb.ReclaimOutcome.OPEN and not o.answered and o.held_bytes == 12 * MiB, o
+        s.free(pages)

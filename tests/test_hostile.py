@@ -9,10 +9,12 @@ What a tenant of another uid must not be able to do:
   not by grabbing the whole budget the moment a victim dies;
 - free, see or re-limit another tenant's pages or session with its own
   session;
-- use a SessionRef stolen from another uid at all (PERMISSION_DENIED):
-  test_stolen_ref_from_another_uid_is_refused states that rule, and the
-  daemon does not meet it today (gRPC gives the daemon no peer uid; see the
-  test's docstring for the binding proposed).
+- use a SessionRef stolen from another uid at all (PERMISSION_DENIED on
+  every rpc: the control socket's front door names each caller's uid), or
+  bind a session to another uid's fd channel with its secret;
+- by default, change a session's pages over gRPC even with its SessionRef
+  and its uid (page operations only on the session's own fd channel);
+- hold more than its share of control connections (test_limits.py).
 """
 
 from __future__ import annotations
@@ -98,55 +100,48 @@ def test_stolen_ref_gives_no_pages_and_no_bytes(daemon_factory):
         assert st.total.pages_in_use == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limitation of the default mode (docs/architecture.md, Security model): grpcio gives the "
-    "servicer no peer credentials on a Unix socket, so a SessionRef is a bearer secret over gRPC; "
-    "--channel-ops-only (tested below) takes Allocate/Free/Close only on the fd channel. strict: fails loudly once fixed.",
-)
-def test_stolen_ref_from_another_uid_is_refused(daemon_factory):
-    """The rule (invariant 3, decided here): a SessionRef is good only for
-    the uid that opened the session. Another uid using a stolen one must get
-    PERMISSION_DENIED on every rpc, and the victim's pages stay mapped and
-    intact.
-
-    Known limitation today (xfail): the daemon checks only the token, so
-    nobody can GetStats the victim (name, pid, labels), Allocate against its
-    budget (pages go to the victim's channel), Free its pages (they are
-    zeroed under the victim's live mapping: data loss) and CloseSession it.
-    grpcio gives a servicer no peer credentials on a Unix socket (not even
-    with local_server_credentials(UDS): the auth context holds only
-    transport_security_type and security_level), so the binding has to come
-    from the fd channel, whose peer uid the kernel reports: see the report
-    (proof of possession of the channel key from HELLO, which never travels
-    over gRPC)."""
-    d = daemon_factory("host", shared_dir=True, socket_mode="0666", memory_limit="32MiB")
+@pytest.mark.parametrize("grpc_page_ops", [False, True], ids=["default", "grpc-page-ops"])
+def test_stolen_ref_from_another_uid_is_refused(daemon_factory, grpc_page_ops):
+    """The rule (invariant 3): a SessionRef is good only for the uid that
+    opened the session. Another uid using a stolen one gets
+    PERMISSION_DENIED on every rpc, in the default mode and with
+    --grpc-page-ops alike, and the victim's pages stay mapped and intact.
+    grpcio tells a servicer nothing about a Unix-socket peer; the control
+    socket's front door (server/control.py) reads SO_PEERCRED of every
+    connection and names the caller to the servicer, so the daemon checks
+    the caller's uid against the session's."""
+    d = daemon_factory("host", shared_dir=True, socket_mode="0666", memory_limit="32MiB", grpc_page_ops=grpc_page_ops)
     v, info = _victim(d, 6, 0x5A)
     try:
         res = run(d, "stolen", str(info["session"]), info["token"], *map(str, info["pages"]), env=AS_NOBODY)
-        print("\nstolen ref, as nobody:", res)
+        print(f"\nstolen ref ({'--grpc-page-ops' if grpc_page_ops else 'default'}), as nobody:", res)
         intact = _intact(v)
         wrong = {k: res[k] for k in ("GetStats", "Allocate", "Watch", "Free", "CloseSession") if res[k] != "PERMISSION_DENIED"}
-        assert not wrong and intact, (
-            f"a stolen SessionRef works for another uid: {wrong}; victim's bytes intact: {intact}")
+        assert not wrong and intact, f"a stolen SessionRef works for another uid: {wrong}; victim's bytes intact: {intact}"
+        assert res["records_on_own_channel"] == []
+        with d.client() as c, c.open_session("admin-view") as me:
+            victim = [s for s in me.stats().sessions if s.id == info["session"]]
+            assert victim and victim[0].pages_held == 6
     finally:
         v.kill()
         v.wait()
 
 
-def test_channel_ops_only_makes_a_stolen_ref_powerless_to_change_pages(daemon_factory):
-    """With channel_ops_only the daemon takes Allocate, Free and CloseSession
-    only as requests on the session's own fd channel, whose peer the kernel
-    names: a stolen SessionRef can no longer allocate against the victim,
-    free its pages (zeroing them under its mapping) or close its session.
-    (GetStats and Watch with it still work: read-only, see docs.)"""
-    d = daemon_factory("host", shared_dir=True, socket_mode="0666", memory_limit="32MiB", channel_ops_only=True)
+def test_by_default_a_stolen_ref_of_the_same_uid_cannot_change_pages(daemon_factory):
+    """The default mode takes Allocate, Free and CloseSession only as
+    requests on the session's own fd channel, whose peer the kernel names:
+    even a process of the session's own uid holding its SessionRef cannot
+    allocate against it, free its pages (zeroing them under its mapping) or
+    close it over gRPC (FAILED_PRECONDITION); it can read the session's
+    stats and Watch it, which its uid could do anyway (ptrace)."""
+    d = daemon_factory("host", shared_dir=True, socket_mode="0666", memory_limit="32MiB")
     v, info = _victim(d, 6, 0x3C)
     try:
-        res = run(d, "stolen", str(info["session"]), info["token"], *map(str, info["pages"]), env=AS_NOBODY)
-        print("\nstolen ref with channel_ops_only, as nobody:", res)
+        res = run(d, "stolen", str(info["session"]), info["token"], *map(str, info["pages"]))  # root, as the victim
+        print("\nstolen ref, same uid, default mode:", res)
         for rpc in ("Allocate", "Free", "CloseSession"):
             assert res[rpc] == "FAILED_PRECONDITION", (rpc, res)
+        assert res["GetStats"] == "OK" and res["Watch"] == "OK", res
         assert res["records_on_own_channel"] == []
         assert _intact(v), "the victim's pages changed"
         with d.client() as c:
@@ -155,6 +150,26 @@ def test_channel_ops_only_makes_a_stolen_ref_powerless_to_change_pages(daemon_fa
     finally:
         v.kill()
         v.wait()
+
+
+def test_a_channel_secret_opens_a_session_only_for_its_own_uid(daemon_factory):
+    """The secret of root's fd channel, in the hands of nobody, cannot bind
+    a session to root's channel (PERMISSION_DENIED, naming both uids); root
+    can still use it."""
+    import socket as so
+
+    from kvcached_service import fdchannel
+
+    d = daemon_factory("host", shared_dir=True, socket_mode="0666")
+    ch = so.socket(so.AF_UNIX, so.SOCK_SEQPACKET)
+    ch.connect(d.fd_socket)
+    hello = fdchannel.recv_record(ch)
+    res = run(d, "opensecret", hello.secret.hex(), env=AS_NOBODY)
+    assert res["OpenSession"] == "PERMISSION_DENIED", res
+    assert "comes from uid 65534, but the fd channel of that secret belongs to uid 0" in res["OpenSession_msg"], res
+    res = run(d, "opensecret", hello.secret.hex())
+    assert res["OpenSession"] == "OK", res
+    ch.close()
 
 
 def test_own_session_cannot_free_see_or_limit_another_uids(daemon_factory):

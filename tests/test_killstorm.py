@@ -80,12 +80,12 @@ def test_kill_storm_1000_host(daemon_factory, tmp_path):
     # 64 KiB pages so a child can take hundreds (several PAGES records) cheaply;
     # 1024 pages of budget shared by 12 live children, so Allocates also fail
     # and pages are reused between sessions all the time.
-    d = daemon_factory("host", page_size="64KiB", memory_limit="64MiB", log_level="WARNING")
+    d = daemon_factory("host", page_size="64KiB", memory_limit="64MiB", log_level="WARNING", grpc_page_ops=True)
     rep = run_storm(d, tmp_path, kills=1000, concurrency=12, max_pages=300, max_delay=0.3, mapped=False, timeout=170)
     assert rep["storm_seconds"] < 150
 
 
 def test_kill_storm_cuda_test_driver(daemon_factory, tmp_path):
     # pages through the test driver: export, import, cuMemMap, bytes by cuMemcpy
-    d = daemon_factory("cuda", memory_limit="128MiB", log_level="WARNING")
+    d = daemon_factory("cuda", memory_limit="128MiB", log_level="WARNING", grpc_page_ops=True)
     run_storm(d, tmp_path, kills=100, concurrency=6, max_pages=12, max_delay=0.4, mapped=True, timeout=120)

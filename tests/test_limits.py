@@ -5,6 +5,9 @@ applies with a precise error, and the daemon and the other tenants keep
 working (a bystander allocates and frees throughout).
 
 Limits and their defaults (kvcached_service/config.py):
+  max_grpc_connections  1024   control (gRPC) connections open at once, all uids
+  max_grpc_connections_per_uid 256  ... per uid (SO_PEERCRED at the control socket's front door)
+  grpc_idle_timeout     120 s  a control connection with no call in flight is closed
   max_sessions          4096   fd channels (bound or not) and sessions in total
   max_sessions_per_uid  1024   fd channels (bound or not) per uid
   channel_bind_timeout  30 s   an fd channel without OpenSession is closed
@@ -32,6 +35,7 @@ from kvcached_service import errors, fdchannel
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 from test_hostile import AS_DAEMON, AS_NOBODY, NOBODY
+from helpers.raw import ref, stub
 
 C = grpc.StatusCode
 
@@ -193,7 +197,7 @@ def test_sessions_that_never_read_their_fds(daemon_factory):
     # A full socket takes ~50 PAGES records (~12,000 fds, the daemon's send
     # buffer); this machine's hard RLIMIT_NOFILE is 20,000 and cannot be
     # raised here (no CAP_SYS_RESOURCE), so one session is stuck at a time.
-    d = daemon_factory("host", page_size="4KiB", memory_limit="256MiB", fd_send_timeout="1", log_level="WARNING")
+    d = daemon_factory("host", page_size="4KiB", memory_limit="256MiB", fd_send_timeout="1", log_level="WARNING", grpc_page_ops=True)
     stub = pb_grpc.KVCachedStub(grpc.insecure_channel(f"unix:{d.socket}"))
     by = Bystander(d).settled()
     time.sleep(0.2)
@@ -300,10 +304,10 @@ def test_huge_messages(daemon_factory, tmp_path):
     after validation that takes well under a second; over it,
     RESOURCE_EXHAUSTED from gRPC for every method; the daemon's memory does
     not balloon and it keeps serving."""
-    d = daemon_factory("host", state_dir=str(tmp_path / "state"))
+    d = daemon_factory("host", state_dir=str(tmp_path / "state"), grpc_page_ops=True)
     by = Bystander(d).settled()
     with d.client() as c, c.open_session("big") as s:
-        stub = c._stub
+        rpc = stub(c)
         held = s.allocate(1)
         rss0 = daemon_rss(d)
 
@@ -317,16 +321,16 @@ def test_huge_messages(daemon_factory, tmp_path):
             return took
 
         many = list(range(10**6, 10**6 + 900_000))  # 3-byte varints: ~2.7 MB
-        t_free = expect(lambda: stub.Free(pb.FreeRequest(session=s.ref, page_ids=many), timeout=20), C.NOT_FOUND, f"page {10**6} is not held")
+        t_free = expect(lambda: rpc.Free(pb.FreeRequest(session=ref(s), page_ids=many), timeout=20), C.NOT_FOUND, f"page {10**6} is not held")
         same = [held[0].id] * 900_000
-        t_dup = expect(lambda: stub.Free(pb.FreeRequest(session=s.ref, page_ids=same), timeout=20), C.INVALID_ARGUMENT, "appears more than once")
-        expect(lambda: stub.OpenSession(pb.OpenSessionRequest(channel_secret=b"s" * 32, name="n" * (3 << 20)), timeout=20), C.INVALID_ARGUMENT, "session name must be 1-128")
+        t_dup = expect(lambda: rpc.Free(pb.FreeRequest(session=ref(s), page_ids=same), timeout=20), C.INVALID_ARGUMENT, "appears more than once")
+        expect(lambda: rpc.OpenSession(pb.OpenSessionRequest(channel_secret=b"s" * 32, name="n" * (3 << 20)), timeout=20), C.INVALID_ARGUMENT, "session name must be 1-128")
         labels = {f"k{i}": "v" * 100 for i in range(30_000)}  # ~3.5 MB
         ch = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ch.connect(d.fd_socket)
         secret = fdchannel.recv_record(ch).secret
-        expect(lambda: stub.OpenSession(pb.OpenSessionRequest(channel_secret=secret, name="x", labels=labels), timeout=20), C.INVALID_ARGUMENT, "at most 16 labels")
-        expect(lambda: stub.ResumeSession(pb.ResumeSessionRequest(channel_secret=secret, session_id=77, page_ids=many), timeout=20), C.NOT_FOUND, "no session 77 to resume")
+        expect(lambda: rpc.OpenSession(pb.OpenSessionRequest(channel_secret=secret, name="x", labels=labels), timeout=20), C.INVALID_ARGUMENT, "at most 16 labels")
+        expect(lambda: rpc.ResumeSession(pb.ResumeSessionRequest(channel_secret=secret, session_id=77, page_ids=many), timeout=20), C.NOT_FOUND, "no session 77 to resume")
         ch.close()
         grpc_ch = grpc.insecure_channel(f"unix:{d.socket}")
         for m in pb.DESCRIPTOR.services_by_name["KVCached"].methods:
@@ -336,7 +340,7 @@ def test_huge_messages(daemon_factory, tmp_path):
                    C.RESOURCE_EXHAUSTED, "")
         # a 1 MiB header: refused by gRPC (on either side), the daemon carries on
         with pytest.raises(grpc.RpcError):
-            stub.GetInfo(pb.GetInfoRequest(), metadata=[("x-big", "a" * (1 << 20))], timeout=10)
+            rpc.GetInfo(pb.GetInfoRequest(), metadata=[("x-big", "a" * (1 << 20))], timeout=10)
         grpc_ch.close()
         s.free(held)
         grown = daemon_rss(d) - rss0
@@ -345,3 +349,124 @@ def test_huge_messages(daemon_factory, tmp_path):
         assert grown < 200 << 20, f"daemon RSS grew by {grown >> 20} MiB"
         assert_books(c.stats())
     by.stop()
+
+
+# ---- the control (gRPC) socket ------------------------------------------------
+def flood(d, n: int, seconds: float, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([PY, str(HELPERS / "flood.py"), str(n), str(seconds)], env=dict(d.client_env(), **env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_control_connection_flood_from_another_uid(daemon_factory):
+    """Two `nobody` processes open 21,000 control connections that never
+    call (more than the daemon's 20,000 open files) while root's bystander
+    allocates over its fd channel and new root clients keep connecting,
+    opening sessions and allocating: nobody holds at most
+    max_grpc_connections_per_uid (256) of them, the rest are closed at once
+    (counted and logged); the ones it holds are closed after
+    grpc_idle_timeout; the daemon's open files stay bounded; every
+    bystander call succeeds."""
+    from test_metrics import scrape, value
+
+    d = daemon_factory("host", shared_dir=True, socket_mode="0666", grpc_idle_timeout="15",
+                       metrics_address="127.0.0.1:0")
+    by = Bystander(d).settled()
+    base = daemon_fds(d)
+    peak = [base]
+    newcomers: list[float] = []
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def watch_fds():
+        while not stop.is_set():
+            peak[0] = max(peak[0], daemon_fds(d))
+            time.sleep(0.05)
+
+    def newcomer():  # a new client of root, from scratch, again and again
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                with d.client(timeout=20) as c, c.open_session("newcomer") as s:
+                    s.free(s.allocate(1))
+                newcomers.append(time.monotonic() - t0)
+            except Exception as exc:  # noqa: BLE001
+                failures.append(f"{type(exc).__name__}: {exc}")
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=watch_fds, daemon=True), threading.Thread(target=newcomer, daemon=True)]
+    for t in threads:
+        t.start()
+    t0 = time.monotonic()
+    floods = [flood(d, 10_500, 40, AS_NOBODY) for _ in range(2)]
+    results = []
+    for f in floods:
+        out, err = f.communicate(timeout=240)
+        assert f.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    took = time.monotonic() - t0
+    stop.set()
+    for t in threads:
+        t.join(30)
+    by.stop()
+    total = {k: sum(r[k] for r in results) for k in ("connected", "refused", "closed_early", "held", "closed_later")}
+    print(f"\ncontrol flood as nobody: {total} in {took:.1f} s; daemon fds: base {base}, peak {peak[0]}; "
+          f"root newcomers {len(newcomers)} (worst {max(newcomers, default=0):.2f} s); bystander {by.rounds} rounds, "
+          f"worst {by.worst * 1000:.0f} ms; first idle close after {[r['first_close_after'] for r in results]} s")
+    assert not failures, failures[:5]
+    assert len(newcomers) >= 5, newcomers
+    assert total["connected"] == 21_000, total  # every connect() got through the door, and most were shown out
+    assert total["held"] <= 256, total  # max_grpc_connections_per_uid, both processes together
+    assert total["closed_later"] == total["held"], total  # held ones: closed after the idle timeout
+    assert all(r["first_close_after"] is None or r["first_close_after"] >= 12 for r in results), results  # 15 s, grpc's jitter
+    # the daemon's files: at most 256 relayed connections (3 fds each: the client's, the relay's, grpcio's),
+    # 64 refusals being answered, and the connections accepted but not yet admitted or closed (asyncio
+    # accepts up to 100 per wake-up and closes refused ones on its next turn); far from the 20,000 limit
+    assert peak[0] <= base + 3 * 256 + 64 + 400, f"daemon fds peaked at {peak[0]} (base {base})"
+    text = scrape(d)
+    refused = value(text, "kvcached_control_connections_refused_total", limit="per_uid")
+    assert refused >= total["closed_early"], (refused, total)
+    log = d.log_text()
+    assert "refused a control connection from pid" in log and f"uid {NOBODY.pw_uid} already has 256 control connections open (max_grpc_connections_per_uid=256)" in log
+    assert wait_until(lambda: daemon_fds(d) <= base + 8, timeout=10), f"{daemon_fds(d) - base} fds left after the flood"
+
+
+def test_control_connection_limits_answer_precisely(daemon_factory):
+    """A gRPC client over a limit gets RESOURCE_EXHAUSTED naming it (per uid,
+    then in total); another uid is not refused for the first uid's
+    connections; a slot freed is usable again."""
+    from test_metrics import scrape, value
+
+    d = daemon_factory("host", shared_dir=True, socket_mode="0666", max_grpc_connections="6", max_grpc_connections_per_uid="4",
+                       metrics_address="127.0.0.1:0")
+    # the start-up health check's connection is gone
+    assert wait_until(lambda: value(scrape(d), "kvcached_control_connections") == 0, timeout=5)
+    opts = [("grpc.use_local_subchannel_pool", 1)]  # one connection per channel
+    chans = [grpc.insecure_channel(f"unix:{d.socket}", options=opts) for _ in range(5)]
+    codes = []
+    for ch in chans:
+        try:
+            pb_grpc.KVCachedStub(ch).GetInfo(pb.GetInfoRequest(), timeout=10)
+            codes.append("OK")
+        except grpc.RpcError as exc:
+            codes.append((exc.code().name, exc.details()))
+    assert codes[:4] == ["OK"] * 4, codes
+    assert codes[4] == ("RESOURCE_EXHAUSTED", "kvcached: uid 0 already has 4 control connections open (max_grpc_connections_per_uid=4)"), codes
+    # the uid `daemon` is not refused for root's four: 2 slots left in total
+    other = subprocess.run([PY, str(HELPERS / "hostile.py"), "getinfo", "3"], env=dict(d.client_env(), **AS_DAEMON),
+                           capture_output=True, text=True, timeout=60)
+    res = json.loads(other.stdout.strip().splitlines()[-1])
+    assert res["codes"][:2] == ["OK", "OK"], res
+    assert res["codes"][2] == ["RESOURCE_EXHAUSTED", "kvcached: the daemon already has 6 control connections open (max_grpc_connections=6)"], res
+    chans[0].close()  # a slot comes back
+    assert wait_until(lambda: _getinfo_ok(d, opts), timeout=5)
+    for ch in chans[1:]:
+        ch.close()
+
+
+def _getinfo_ok(d, opts) -> bool:
+    with grpc.insecure_channel(f"unix:{d.socket}", options=opts) as ch:
+        try:
+            pb_grpc.KVCachedStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5)
+            return True
+        except grpc.RpcError:
+            return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import dataclasses
 import os
 import pathlib
 import re
@@ -28,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcached_service import errors
 from kvcached_service.server.metrics import Metrics, Nvml
+from kvcached_service.server.pool import Books, Budget
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -124,7 +126,10 @@ def fake_daemon():
     """Just enough of Daemon for the collector (unit tests, no event loop)."""
     spec = types.SimpleNamespace(name="fake", kind="cuda", total_bytes=80 * 2**30)
     counters = types.SimpleNamespace(created_total=7, released_total=2, allocations_total=5, allocation_failures_total=1)
-    pool = types.SimpleNamespace(page_size=2 * MIB, spec=spec, budget_pages=100, n_in_use=10, n_pooled=5, n_free=85, counters=counters)
+    books = Books(Budget("GPU-00000000-fake", 2 * MIB, 100), 5, 10, 85, counters.created_total, counters.released_total,
+                  counters.allocations_total, counters.allocation_failures_total)
+    pool = types.SimpleNamespace(page_size=2 * MIB, spec=spec, snapshot=books)
+    pool.books = lambda: pool.snapshot  # the read model the collector uses
     sess = lambda sid, name, held: types.SimpleNamespace(  # noqa: E731
         id=sid, name=name, guaranteed_bytes=4 * MIB, max_bytes=0, reclaim_ignored=1, reclaim_requests=2,
         held_by_device={"GPU-00000000-fake": held})
@@ -135,7 +140,7 @@ def fake_daemon():
         started_monotonic=time.monotonic() - 5,
         counters={"sessions_opened": 3, "sessions_closed": 1, "sessions_crashed": 0, "fd_channel_errors": 0},
         reclaimer=types.SimpleNamespace(requests_total=4, ignored_total=2, pages_asked_total=9, pages_returned_total=6,
-                                        requests_by_reason={"allocate": 3, "idle": 1}),
+                                        answers_total=1, requests_by_reason={"allocate": 3, "idle": 1}),
     )
 
 
@@ -217,6 +222,49 @@ def test_rpc_outcomes_and_allocate_histogram(daemon_factory):
     assert value(text, "kvcached_allocate_duration_seconds_count", wait="true") == 0
 
 
+def test_each_page_request_is_counted_once_whichever_transport(daemon_factory):
+    """Allocate, Free and CloseSession are observed by the core at its
+    boundary, once, whether they came as fd channel requests (the client) or
+    as gRPC calls (tools); the gRPC interceptor does not count them again.
+    A gRPC Allocate whose body cannot be decoded never reaches the core and
+    is still counted, once."""
+    import grpc
+
+    from helpers.raw import stub
+    from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
+
+    from kvcached_service import fdchannel
+
+    d = start_with_metrics(daemon_factory, memory_limit="16MiB", grpc_page_ops=True)
+    with d.client() as c, c.open_session("channel") as s:
+        s.free(s.allocate(1))  # over the fd channel
+        # a tool's session: its own fd channel, page rpcs over gRPC
+        rpc = stub(d)
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        raw.connect(d.fd_socket)
+        raw.settimeout(10)
+        hello = fdchannel.recv_record(raw)
+        tool = rpc.OpenSession(pb.OpenSessionRequest(channel_secret=hello.secret, name="tool"), timeout=10).session
+        resp = rpc.Allocate(pb.AllocateRequest(session=tool, num_pages=1), timeout=10)
+        fdchannel.close_fds(fdchannel.recv_record(raw).fds)
+        rpc.Free(pb.FreeRequest(session=tool, page_ids=list(resp.page_ids)), timeout=10)
+        with pytest.raises(grpc.RpcError) as info:
+            rpc.Allocate(pb.AllocateRequest(session=pb.SessionRef(id=s.id, token=b"x" * 32), num_pages=1), timeout=10)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        garbage = c._rpc._channel.unary_unary("/kvcached.v1.KVCached/Allocate")
+        with pytest.raises(grpc.RpcError) as info:
+            garbage(b"\xff\xff\xff", timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        text = scrape(d)
+    assert value(text, "kvcached_rpc_requests_total", rpc="Allocate", code="OK") == 2
+    assert value(text, "kvcached_rpc_requests_total", rpc="Free", code="OK") == 2
+    assert value(text, "kvcached_rpc_requests_total", rpc="Allocate", code="PERMISSION_DENIED") == 1
+    assert value(text, "kvcached_rpc_requests_total", rpc="Allocate", code="INVALID_ARGUMENT") == 1
+    assert value(text, "kvcached_allocate_duration_seconds_count", wait="false") == 4
+    assert value(text, "kvcached_rpc_requests_total", rpc="OpenSession", code="OK") == 2  # the interceptor's
+    raw.close()
+
+
 def test_session_and_reclaim_counters(daemon_factory):
     d = start_with_metrics(daemon_factory, memory_limit="32MiB", reclaim_timeout_ms=200)
     with d.client() as c:
@@ -265,7 +313,8 @@ def test_collector_reads_live_state_and_nvml_with_a_fake_library():
     assert value(text, "kvcached_session_held_bytes", session="llama3:8b", device=uuid) == 10 * 2 * MIB
     assert value(text, "kvcached_session_open", session="llama3:8b") == 2
     # values are read at scrape time: change the daemon, scrape again
-    daemon.pools[uuid].n_in_use = 42
+    pool = daemon.pools[uuid]
+    pool.snapshot = dataclasses.replace(pool.snapshot, in_use=42, free=53)
     daemon.sessions.pop(2)
     fake.mem[0] = (80 * 2**30, 30 * 2**30, 50 * 2**30)
     text = m.text().decode()

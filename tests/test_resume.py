@@ -107,7 +107,7 @@ def _raw_resume(d, sid, token, ids, fds, keep_open=None):
     ch = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     ch.connect(d.fd_socket)
     hello = fdchannel.recv_record(ch)
-    if ids:
+    if ids and fds:  # (no fds: the claim comes without ADOPT records)
         fdchannel.send_record(ch, fdchannel.encode_adopt(sid, 0, len(ids), ids), fds)
     stub = pb_grpc.KVCachedStub(grpc.insecure_channel(f"unix:{d.socket}"))
     try:
@@ -236,7 +236,7 @@ def test_threads_of_one_session_across_a_kill(daemon_factory, tmp_path):
     assert not problems, problems
     mapped = sum(r.mapped_pages for r in regions)
     assert s.my_stats().pages_held == mapped
-    assert set(s._keep) == {pid for r in regions for pid in r.page_ids()}
+    assert s._keeper.ids() == {pid for r in regions for pid in r.page_ids()}
     for r in regions:
         r.close()
     assert_books(s.stats())

@@ -1,5 +1,6 @@
-"""Unit tests: settings, the error taxonomy, fd channel framing, generated
-code freshness, and the pool's accounting with a fake backend."""
+"""Unit tests: settings, generated code freshness, the pool's accounting
+with a fake backend, and admission. (The error taxonomy: test_errors.py;
+the fd channel codec against the wire spec: test_fdchannel.py.)"""
 
 from __future__ import annotations
 
@@ -9,14 +10,13 @@ import socket
 import subprocess
 import sys
 
-import grpc
 import pytest
 
 from kvtest import ROOT
-from kvcached_service import errors, fdchannel
+from kvcached_service import errors
 from kvcached_service.backends.base import Backend, DeviceSpec, PageHandle
 from kvcached_service.backends.host import HostBackend
-from kvcached_service.config import ConfigError, load_settings, parse_size, resolve_limit
+from kvcached_service.config import ConfigError, MemoryLimit, load_settings, parse_size
 
 
 # ---- settings -----------------------------------------------------------------
@@ -24,12 +24,23 @@ def test_sizes():
     assert parse_size("2MiB") == 2 << 20
     assert parse_size("1.5GB") == 1_500_000_000
     assert parse_size("4096") == 4096
-    assert resolve_limit("50%", 1000) == 500
     for bad in ("lots", "-1", "2XB", ""):
         with pytest.raises(ValueError):
             parse_size(bad)
-    with pytest.raises(ValueError):
-        resolve_limit("150%", 100)
+
+
+def test_memory_limit_is_parsed_once_and_resolved_per_device():
+    half = MemoryLimit.parse("50%")
+    assert (half.resolve(1000), half.resolve(4096)) == (500, 2048)  # the same limit, two devices
+    fixed = MemoryLimit.parse("8GiB")
+    assert fixed.resolve(1 << 40) == fixed.resolve(1 << 30) == 8 << 30  # bytes do not depend on the device
+    for bad in ("150%", "0%", "x%", "0", "lots"):
+        with pytest.raises(ValueError):
+            MemoryLimit.parse(bad)
+    s = load_settings({"memory_limit": "25%"})
+    assert s.memory_limit == "25%" and s.memory_limit_value.resolve(400) == 100  # parsed at validation
+    with pytest.raises(ConfigError, match="memory_limit.*percentage"):
+        load_settings({"memory_limit": "101%"})
 
 
 def test_precedence_cli_env_file(tmp_path, monkeypatch):
@@ -64,81 +75,6 @@ def test_invalid_settings_name_the_setting(tmp_path, monkeypatch):
 def test_uid_lists_from_env(monkeypatch):
     monkeypatch.setenv("KVCACHED_ALLOWED_UIDS", "1000, 1001")
     assert load_settings({}).allowed_uids == [1000, 1001]
-
-
-# ---- errors -------------------------------------------------------------------
-class _FakeRpcError(grpc.RpcError):
-    def __init__(self, code, details):
-        self._c, self._d = code, details
-
-    def code(self):
-        return self._c
-
-    def details(self):
-        return self._d
-
-
-@pytest.mark.parametrize("cls", errors.ALL_ERRORS)
-def test_error_round_trip(cls):
-    code, msg = errors.to_status(cls("what went wrong"))
-    back = errors.from_rpc_error(_FakeRpcError(code, msg))
-    assert type(back) is cls and back.message == "what went wrong"
-    by_number = errors.from_code(code.value[0], msg)  # as it travels on the fd channel
-    assert type(by_number) is cls and by_number.message == "what went wrong"
-    assert type(errors.from_code(99, "x")) is errors.Unknown
-
-
-def test_unexpected_exception_is_internal():
-    code, msg = errors.to_status(ZeroDivisionError("x"))
-    assert code is grpc.StatusCode.INTERNAL and "ZeroDivisionError" in msg
-    assert isinstance(errors.from_rpc_error(_FakeRpcError(grpc.StatusCode.DATA_LOSS, "d")), errors.Unknown)
-
-
-# ---- fd channel framing -------------------------------------------------------
-def test_hello_bytes_match_the_spec():
-    rec = fdchannel.encode_hello(fdchannel.Hello(7, 100, 1000, 1001, 253, bytes(range(32))))
-    assert rec[:4] == b"KVCF" and rec[4:6] == b"\x01\x00" and rec[6:8] == b"\x01\x00"
-    assert int.from_bytes(rec[8:12], "little") == 56 and len(rec) == 16 + 56
-    assert int.from_bytes(rec[16:24], "little") == 7
-    assert rec[-32:] == bytes(range(32))
-    assert fdchannel.decode(rec, []) == fdchannel.Hello(7, 100, 1000, 1001, 253, bytes(range(32)))
-
-
-def test_pages_round_trip_with_real_fds():
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    fds = [os.memfd_create("t") for _ in range(3)]
-    for i, fd in enumerate(fds):
-        os.write(fd, bytes([i]))
-    fdchannel.send_record(a, fdchannel.encode_pages(9, 253, 256, [11, 12, 13]), fds)
-    rec = fdchannel.recv_record(b)
-    assert isinstance(rec, fdchannel.Pages)
-    assert (rec.allocation_id, rec.first_index, rec.total, rec.page_ids) == (9, 253, 256, (11, 12, 13))
-    for i, fd in enumerate(rec.fds):
-        assert os.pread(fd, 1, 0) == bytes([i])
-    fdchannel.close_fds(rec.fds + tuple(fds))
-    a.close()
-    assert fdchannel.recv_record(b) is None
-
-
-def test_malformed_records_are_rejected():
-    good = fdchannel.encode_pages(1, 0, 1, [5])
-    with pytest.raises(fdchannel.ProtocolError, match="carries 0 fds"):
-        fdchannel.decode(good, [])
-    with pytest.raises(fdchannel.ProtocolError, match="bad magic"):
-        fdchannel.decode(b"XXXX" + good[4:], [1])
-    with pytest.raises(fdchannel.ProtocolError, match="version"):
-        fdchannel.decode(good[:4] + b"\x02\x00" + good[6:], [1])
-    with pytest.raises(fdchannel.ProtocolError, match="header says"):
-        fdchannel.decode(good + b"x", [1])
-    with pytest.raises(fdchannel.ProtocolError, match="shorter than the header"):
-        fdchannel.decode(b"KV", [])
-    with pytest.raises(fdchannel.ProtocolError, match="unknown record type"):
-        fdchannel.decode(good[:6] + b"\x7f\x00" + good[8:], [1])
-    with pytest.raises(ValueError):
-        fdchannel.encode_pages(1, 0, 254, list(range(254)))
-    err = fdchannel.decode(fdchannel.encode_error(7, "nope"), [])
-    assert err == fdchannel.Error(7, "nope")
-    assert fdchannel.decode(fdchannel.encode_goodbye(), []) == fdchannel.Goodbye()
 
 
 def test_generated_python_is_up_to_date():
@@ -193,14 +129,14 @@ class FakeBackend(Backend):
         return [PageHandle(fd=fd, size=page_size) for fd in fds]
 
 
-def _pool(backend, budget_pages=16, warm=0):
-    from kvcached_service.server.pool import DevicePool
+def _pool(backend, budget_pages=16, warm=0, page_ids=None):
+    from kvcached_service.server.pool import DevicePool, PageIds
     from kvcached_service.server.worker import DeviceWorker
 
     w = DeviceWorker(backend, 0, "fake")
     w.start()
-    return DevicePool(backend, backend.devices()[0], w, page_size=4096, budget_bytes=budget_pages * 4096,
-                      warm_pages=warm, idle_seconds=0, zero_pages=True)
+    return DevicePool(backend, backend.devices()[0], w, page_ids=page_ids or PageIds(), page_size=4096,
+                      budget_bytes=budget_pages * 4096, warm_pages=warm, idle_seconds=0, zero_pages=True)
 
 
 class _S:
@@ -215,10 +151,11 @@ def test_pool_books_and_uid_partitioning():
         a, b = _S(1, 1000), _S(2, 2000)
         pa = await pool.acquire(a, 10)
         pool.check()
-        assert (pool.n_in_use, pool.n_free) == (10, 6)
+        bk = pool.books()
+        assert (bk.in_use, bk.free) == (10, 6)
         await pool.give_back(pa)
         pool.check()
-        assert pool.n_pooled == 10 and pool.n_ready_for(1000) == 10 and pool.n_ready_for(2000) == 0
+        assert pool.books().pooled == 10 and pool.n_ready_for(1000) == 10 and pool.n_ready_for(2000) == 0
         # uid 2000 needs 16: 6 from free budget, 10 by releasing uid 1000's pooled pages
         pb_ = await pool.acquire(b, 16)
         assert not {p.id for p in pa} & {p.id for p in pb_}
@@ -247,7 +184,7 @@ def test_pool_rolls_back_when_create_fails():
         with pytest.raises(errors.Internal, match="injected"):
             await pool.acquire(s, 8)  # 4 ready + 4 to create: the create fails
         pool.check()
-        assert pool.n_ready_for(1) == 4 and pool.n_in_use == 0 and pool.n_free == 12
+        assert pool.n_ready_for(1) == 4 and pool.books().in_use == 0 and pool.books().free == 12
         pool.worker.stop()
 
     asyncio.run(run())
@@ -258,16 +195,179 @@ def test_pool_warm_pages_and_idle_trim():
         be = FakeBackend()
         pool = _pool(be, warm=4)
         await pool.prefill()
-        assert pool.n_pooled == 4
+        assert pool.books().pooled == 4
         s = _S(1, 1)
         pages = await pool.acquire(s, 8)
         await asyncio.sleep(0.05)  # background refill
         assert pool.n_ready_total() == 4
         await pool.give_back(pages)
-        assert pool.n_pooled == 12
+        assert pool.books().pooled == 12
         released = await pool.trim_idle()
-        assert released == 8 and pool.n_pooled == 4  # back to the warm target
+        assert released == 8 and pool.books().pooled == 4  # back to the warm target
         pool.check()
         pool.worker.stop()
 
     asyncio.run(run())
+
+
+def test_books_are_a_frozen_snapshot():
+    import dataclasses
+
+    async def run():
+        be = FakeBackend()
+        pool = _pool(be)
+        before = pool.books()
+        got = await pool.acquire(_S(1, 1), 3)
+        after = pool.books()
+        assert (before.in_use, after.in_use) == (0, 3)  # the first snapshot did not move
+        assert after.budget_bytes == 16 * 4096 and after.in_use_bytes == 3 * 4096
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            after.in_use = 0
+        await pool.give_back(got)
+        pool.worker.stop()
+
+    asyncio.run(run())
+
+
+def test_page_ids_are_shared_by_pools_and_continue_after_a_restart():
+    from kvcached_service.server.pool import PageIds
+
+    async def run():
+        ids = PageIds()
+        ids.continue_from(100)  # the journal knew ids below 100
+        a, b = _pool(FakeBackend(), page_ids=ids), _pool(FakeBackend(), page_ids=ids)
+        pa = await a.acquire(_S(1, 1), 2)
+        pb_ = await b.acquire(_S(2, 1), 2)
+        assert [p.id for p in pa] == [100, 101] and [p.id for p in pb_] == [102, 103]
+        ids.continue_from(50)  # never backwards
+        assert ids.peek() == 104
+        for pool in (a, b):
+            pool.worker.stop()
+
+    asyncio.run(run())
+
+
+def test_orphans_and_adoption_go_through_the_pool():
+    """A previous daemon's pages count as in use while their session may
+    resume; adopting them changes no count, forgetting frees the budget."""
+
+    async def run():
+        be = FakeBackend()
+        pool = _pool(be)
+        pool.hold_orphans(5)
+        pool.check()
+        assert (pool.books().in_use, pool.books().free) == (5, 11)
+        handles = await pool.import_pages([50, 51, 52])
+        s = _S(7, 1000)
+        pages = pool.adopt(s, [(9, handles[0], "a"), (10, handles[1], "b"), (11, handles[2], "c")])
+        assert [p.id for p in pages] == [9, 10, 11] and all(p.session is s and p.uid == 1000 for p in pages)
+        pool.forget_orphans(2)  # the two pages the client did not claim
+        pool.check()
+        assert (pool.books().in_use, pool.books().free) == (3, 13)
+        await pool.give_back(pages)  # the adopted pages are ordinary held pages now
+        pool.check()
+        assert pool.books().in_use == 0 and pool.n_ready_for(1000) == 3
+        pool.worker.stop()
+
+    asyncio.run(run())
+
+
+def test_admission_one_function_for_every_limit():
+    from kvcached_service.server.admission import admit
+    from kvcached_service.server.pool import Budget
+
+    books = [Budget("D0", 4096, 100), Budget("D1", 4096, 50)]
+    admit(books, session="s", guaranteed_bytes=0, max_bytes=0, device="D0", held_pages=90, more_pages=10)
+    with pytest.raises(errors.ResourceExhausted, match="exceed its maximum of 100 pages \\(the device budget\\)"):
+        admit(books, session="s", guaranteed_bytes=0, max_bytes=0, device="D0", held_pages=90, more_pages=11)
+    with pytest.raises(errors.ResourceExhausted, match="maximum of 8 pages \\(max_bytes 32 KiB\\)"):
+        admit(books, session="s", guaranteed_bytes=0, max_bytes=8 * 4096, device="D0", held_pages=0, more_pages=9)
+    # a guarantee applies on every device: the smallest budget decides
+    admit(books, session="s", guaranteed_bytes=30 * 4096, max_bytes=0, others_guaranteed=20 * 4096)
+    with pytest.raises(errors.ResourceExhausted, match="more than device D1's budget"):
+        admit(books, session="s", guaranteed_bytes=31 * 4096, max_bytes=0, others_guaranteed=20 * 4096)
+    with pytest.raises(errors.InvalidArgument, match="exceeds max_bytes"):
+        admit(books, session="s", guaranteed_bytes=2, max_bytes=1, others_guaranteed=0)
+
+
+def test_socket_variables_in_one_order(monkeypatch):
+    """OLLAMA_KVCACHED_SOCKET wins over KVCACHED_SOCKET, as in the Go and C
+    clients, the hook and kvcachedctl (docs/operations.md)."""
+    from kvcached_service.client.client import socket_from_env
+
+    monkeypatch.setenv("KVCACHED_SOCKET", "/generic.sock")
+    monkeypatch.setenv("OLLAMA_KVCACHED_SOCKET", "/ollama.sock")
+    assert socket_from_env() == "/ollama.sock"
+    monkeypatch.delenv("OLLAMA_KVCACHED_SOCKET")
+    assert socket_from_env() == "/generic.sock"
+    monkeypatch.delenv("KVCACHED_SOCKET")
+    with pytest.raises(errors.FailedPrecondition, match="no daemon socket given"):
+        socket_from_env()
+
+
+def test_sizes_parse_like_pydantic_bytesize():
+    assert parse_size("2MiB") == 2 << 20 and parse_size("1.5GB") == 1_500_000_000 and parse_size(4096) == 4096
+    for bad in ("lots", "-1", "2 parsecs"):
+        with pytest.raises(ValueError, match="not a size"):
+            parse_size(bad)
+
+
+def test_budget_is_capped_by_what_the_device_has():
+    """DevicePool.set_supply (issue 16): the budget is the configured limit
+    capped at the pages the pool accounts for plus the device's free memory,
+    never below what it accounts for; the rest of the limit is unavailable,
+    not free; the books add up at every step; admission reads the new
+    Budget; a Shortage names it."""
+
+    async def run():
+        pool = _pool(FakeBackend())  # 16 pages of 4 KiB
+        s = _S(1, 1)
+        assert pool.set_supply(100 * 4096) is None  # plenty: the limit holds
+        assert pool.set_supply(6 * 4096) == (16, 6)  # an orphaned client maps 10 pages' worth
+        b = pool.books()
+        assert (b.budget_pages, b.free, b.unavailable, b.unavailable_bytes) == (6, 6, 10, 10 * 4096)
+        assert pool.budget.pages == 6
+        b.check()
+        got = await pool.acquire(s, 4)
+        with pytest.raises(errors.ResourceExhausted, match="budget 24 KiB"):
+            await pool.acquire(s, 3)  # only 2 left
+        # the device now has 1 page free besides the daemon's 4: budget 5, never below what is held
+        assert pool.set_supply(1 * 4096) == (6, 5)
+        assert pool.set_supply(0) == (5, 4)
+        assert pool.books().free == 0 and pool.budget_pages == 4
+        pool.check()
+        await pool.give_back(got)
+        # the orphan exits: everything back up to the configured limit
+        assert pool.set_supply(12 * 4096) == (4, 16)
+        b = pool.books()
+        assert (b.budget_pages, b.unavailable, b.pooled + b.in_use + b.free) == (16, 0, 16)
+        pool.worker.stop()
+
+    asyncio.run(run())
+
+
+def test_front_door_names_callers_and_fails_closed(tmp_path):
+    """control.ControlFront.peer: a call through a live relay has its
+    client's credentials; one whose relay is gone matches no uid (GONE);
+    a direct connection to grpcio's private socket (only the daemon's uid
+    and root can make one) is not named (None: trusted)."""
+    from kvcached_service.config import Settings
+    from kvcached_service.server import control
+
+    front = control.ControlFront(Settings(socket=str(tmp_path / "k.sock")))
+    try:
+        assert os.stat(os.path.dirname(front.private_path)).st_mode & 0o777 == 0o700
+        relay = control._Relay(front, control.Peer(42, 1000, 1000))
+        relay.name = "kvcached-0123abcd"
+        front._relays[relay.name] = relay
+        assert front.peer("unix-abstract:kvcached-0123abcd") == control.Peer(42, 1000, 1000)
+        assert front.peer("unix-abstract:kvcached-ffffffff") is control.GONE and control.GONE.uid == -1
+        assert front.peer("unix:") is None and front.peer("unix-abstract:other") is None
+        assert control.first_call(b"PRI * HTTP/2.0\r\n") is None  # preface still arriving
+        assert control.first_call(b"GET / HTTP/1.1\r\n\r\n") == -1  # not HTTP/2
+        hdr = (0).to_bytes(3, "big") + bytes([0x4, 0]) + (0).to_bytes(4, "big")
+        call = (5).to_bytes(3, "big") + bytes([0x1, 0x4]) + (3).to_bytes(4, "big") + b"xxxxx"
+        assert control.first_call(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + hdr + call) == 3
+    finally:
+        front.close()
+    assert not os.path.exists(os.path.dirname(front.private_path))

@@ -287,7 +287,9 @@ func TestChannelOpsOnlyResume(t *testing.T) {
 // the fd channel.
 func TestGRPCFallback(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, backend string) {
-		d := sharedDaemon(t, backend)
+		// the gRPC page rpcs are served only with --grpc-page-ops (daemons
+		// before issue 16 served them by default)
+		d := sharedDaemonWith(t, backend+"-grpc-page-ops", backend, "--grpc-page-ops")
 		checkGoroutines(t)
 		g, gcalls := dialCounted(t, d)
 		g.grpcOnly = true

@@ -151,6 +151,8 @@ struct state {
     bool     wait_set       = false;
     bool     wait_on        = false;
     std::string last_error;          // why the last batch could not be backed ("" = it could)
+    std::string logged_error;        // the last one logged, and when: the retries of one
+    int64_t     logged_error_at = 0; // request (llama-server halves the batch) log it once
 
     // daemon loss
     bool    lost          = false;   // the session ended: reconnecting
@@ -853,7 +855,12 @@ bool map_locked(kv_cache * c, const std::vector<uint32_t> & need_in) {
                 g.no_wait_until = now_ms() + g.fail_fast_ms;
             }
             g.last_error = map_error_locked(st, why, wait);
-            LLAMA_LOG_WARN("%s\n", g.last_error.c_str());
+            const int64_t t = now_ms();
+            if (g.last_error != g.logged_error || t - g.logged_error_at >= 5000) {
+                LLAMA_LOG_WARN("%s\n", g.last_error.c_str());
+                g.logged_error    = g.last_error;
+                g.logged_error_at = t;
+            }
             if (changed) {
                 log_lines_locked();
             }
@@ -1308,8 +1315,26 @@ const char * llama_kvcached_decode_error(const char * fallback) {
 
 #else  // !LLAMA_KVCACHED: built without the C client, every call is a pass-through
 
+#include "llama-impl.h"
+
+#include <cstdlib>
+#include <mutex>
+
 ggml_backend_buffer_t llama_kvcached_alloc_kv(ggml_context * ctx, ggml_backend_buffer_type_t buft,
                                               const llama_kvcached_cache_info & /*info*/) {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        const char * v = getenv("OLLAMA_KVCACHED_SOCKET");
+        if (!v || !*v) {
+            v = getenv("KVCACHED_SOCKET");
+        }
+        if (v && *v) {
+            LLAMA_LOG_WARN("kvcached: the daemon socket is set (%s) but this llama.cpp was built without the kvcached "
+                           "C client (find_package(kvcached) found none at configure time); KV cache in ordinary "
+                           "memory\n",
+                           v);
+        }
+    });
     return ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
 }
 

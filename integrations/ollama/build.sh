@@ -41,7 +41,10 @@
 #   --force            rebuild even when the stamps match
 #
 # Each part is skipped when the hash of its inputs matches the stamp of its
-# last good build (OUT/.stamp-go, OUT/.stamp-llama). Exits non-zero with a
+# last good build (OUT/.stamp-go, OUT/.stamp-llama-<preset>). A GPU preset
+# installs its backend over the CPU preset's lib/ollama (as Ollama's
+# Dockerfile does): run --preset cpu first, then e.g.
+# --preset llama_cuda_v12_linux, with the same --out. Exits non-zero with a
 # message naming the problem on any failure.
 set -euo pipefail
 
@@ -122,8 +125,13 @@ prepare_tree() {
   rm -rf "$WORK/compat.orig" && cp -a "$WORK/ollama/llama/compat" "$WORK/compat.orig"
   local p
   for p in "${PATCHES[@]}"; do
-    (cd "$WORK/ollama" && git apply --whitespace=nowarn "$p") \
+    # GIT_CEILING_DIRECTORIES: the work tree may sit inside another git
+    # checkout (this one), where git apply would silently skip every path
+    # (as Ollama's cmake/apply-git-patches.cmake does it)
+    (cd "$WORK/ollama" && GIT_CEILING_DIRECTORIES="$WORK" git apply --whitespace=nowarn "$p") \
       || die "$(basename "$p") does not apply to Ollama v$OLLAMA_VERSION (set OLLAMA_VERSION to the version the patches were made for)"
+    (cd "$WORK/ollama" && GIT_CEILING_DIRECTORIES="$WORK" git apply --reverse --check "$p" 2>/dev/null) \
+      || die "$(basename "$p") was not applied to $WORK/ollama"
     echo "applied $(basename "$p")"
   done
   if [[ $STOCK == 0 ]]; then
@@ -148,6 +156,9 @@ else
   mkdir -p "$OUT/bin"
   (cd "$WORK/ollama" && CGO_ENABLED=1 go build -trimpath -ldflags "$LDFLAGS" -o "$OUT/bin/ollama" .) \
     || die "go build of ollama failed (see above)"
+  if [[ $STOCK == 0 ]] && ! grep -q "OLLAMA_KVCACHED_SOCKET" "$OUT/bin/ollama"; then
+    die "$OUT/bin/ollama does not carry the Go patch (no OLLAMA_KVCACHED_SOCKET in it)"
+  fi
   echo "$GO_KEY" >"$OUT/.stamp-go"
   echo "bin/ollama built in $((SECONDS - t)) s"
 fi
@@ -155,10 +166,14 @@ fi
 # ---- 4. lib/ollama -----------------------------------------------------------
 if [[ -n "$LINK_LLAMA" ]]; then
   step "lib/ollama -> $LINK_LLAMA"
-  mkdir -p "$OUT/lib/ollama"
+  rm -rf "$OUT/lib/ollama" && mkdir -p "$OUT/lib/ollama"
+  LINK_LLAMA="$(cd "$LINK_LLAMA" && pwd)"
   for b in llama-server llama-quantize; do
     [[ -x "$LINK_LLAMA/$b" ]] || die "$LINK_LLAMA/$b is missing (ollama needs $b in lib/ollama; ollama create runs llama-quantize)"
-    ln -sfn "$(cd "$LINK_LLAMA" && pwd)/$b" "$OUT/lib/ollama/$b"
+  done
+  # the programs and their shared libraries (Ollama probes lib/ollama/libggml-*.so too)
+  for f in "$LINK_LLAMA"/llama-server "$LINK_LLAMA"/llama-quantize "$LINK_LLAMA"/lib*.so*; do
+    [[ -e "$f" ]] && ln -sfn "$f" "$OUT/lib/ollama/$(basename "$f")"
   done
 elif [[ $GO_ONLY == 0 ]]; then
   if [[ -z "$LLAMA_SRC" ]]; then
@@ -182,8 +197,9 @@ elif [[ $GO_ONLY == 0 ]]; then
       || die "integrations/llama.cpp/apply.py has no --emit-compat (the hook's Ollama compat form); update the checkout"
     HOOK_INPUTS=("$REPO/integrations/llama.cpp" "$REPO/clients/c/include" "$REPO/clients/c/src" "$REPO/clients/c/CMakeLists.txt" "$REPO/protos")
   fi
-  LLAMA_KEY=$(hash_of "$GO_KEY" "$LLAMA_SRC" "$PRESET" "${CMAKE_EXTRA[*]:-}" "${HOOK_INPUTS[@]}")
-  if [[ $FORCE == 0 && -x "$OUT/lib/ollama/llama-server" && -x "$OUT/lib/ollama/llama-quantize" && "$(cat "$OUT/.stamp-llama" 2>/dev/null)" == "$LLAMA_KEY" ]]; then
+  LLAMA_KEY=$(hash_of "ollama@$OLLAMA_VERSION" "$VARIANT" "$LLAMA_SRC" "$PRESET" "${CMAKE_EXTRA[*]:-}" "${HOOK_INPUTS[@]}")
+  STAMP="$OUT/.stamp-llama-$PRESET"
+  if [[ $FORCE == 0 && -x "$OUT/lib/ollama/llama-server" && -x "$OUT/lib/ollama/llama-quantize" && "$(cat "$STAMP" 2>/dev/null)" == "$LLAMA_KEY" ]]; then
     step "lib/ollama up to date (stamp $LLAMA_KEY)"
   else
     [[ -d "$WORK/ollama" ]] || prepare_tree
@@ -191,6 +207,9 @@ elif [[ $GO_ONLY == 0 ]]; then
     # in place: give it a private copy.
     step "llama.cpp tree -> $WORK/llama.cpp"
     rm -rf "$WORK/llama.cpp" && cp -a "$LLAMA_SRC" "$WORK/llama.cpp"
+    # the sdist's tree carries a submodule's .git file pointing outside it, on
+    # which Ollama's git apply stops ("not a git repository"): a plain tree
+    [[ -f "$WORK/llama.cpp/.git" ]] && rm -f "$WORK/llama.cpp/.git"
     # Ollama's own compat dir as published (a previous run's hook files would be stale)
     rm -rf "$WORK/ollama/llama/compat" && cp -a "$WORK/compat.orig" "$WORK/ollama/llama/compat"
     if [[ $STOCK == 0 ]]; then
@@ -213,23 +232,30 @@ elif [[ $GO_ONLY == 0 ]]; then
     fi
     step "cmake --preset $PRESET (llama/server) with -DFETCHCONTENT_SOURCE_DIR_LLAMA_CPP"
     t=$SECONDS
-    rm -rf "$WORK/build-llama"
-    cmake -S "$WORK/ollama/llama/server" --preset "$PRESET" -B "$WORK/build-llama" \
+    BL="$WORK/build-llama-$PRESET"
+    rm -rf "$BL"
+    cmake -S "$WORK/ollama/llama/server" --preset "$PRESET" -B "$BL" \
       -DFETCHCONTENT_SOURCE_DIR_LLAMA_CPP="$WORK/llama.cpp" "${KVC_ARGS[@]}" "${CMAKE_EXTRA[@]}" >"$OUT/llama-configure.log" 2>&1 \
       || { tail -40 "$OUT/llama-configure.log"; die "configure failed (full log: $OUT/llama-configure.log)"; }
     echo "configured in $((SECONDS - t)) s"
-    step "build llama-server llama-quantize (-j$JOBS; log $OUT/llama-build.log)"
+    # the CPU preset: the two programs (and what they need); a GPU preset:
+    # everything, as Ollama's Dockerfile builds it (its install adds only the
+    # GPU backend, lib/ollama/<runner dir>/, over the CPU install)
+    TARGETS=()
+    [[ "$PRESET" == cpu ]] && TARGETS=(--target llama-server llama-quantize)
+    step "build ${TARGETS[*]:-all} (-j$JOBS; log $OUT/llama-build.log)"
     t=$SECONDS
-    cmake --build "$WORK/build-llama" --target llama-server llama-quantize -j"$JOBS" >"$OUT/llama-build.log" 2>&1 \
+    cmake --build "$BL" "${TARGETS[@]}" -j"$JOBS" >"$OUT/llama-build.log" 2>&1 \
       || { tail -60 "$OUT/llama-build.log"; die "build failed (full log: $OUT/llama-build.log)"; }
     echo "built in $((SECONDS - t)) s"
-    rm -rf "$OUT/lib/ollama"
-    cmake --install "$WORK/build-llama" --component llama-server --prefix "$OUT" >"$OUT/llama-install.log" 2>&1 \
+    [[ "$PRESET" == cpu ]] && rm -rf "$OUT/lib/ollama"
+    cmake --install "$BL" --component llama-server --prefix "$OUT" >"$OUT/llama-install.log" 2>&1 \
       || { tail -20 "$OUT/llama-install.log"; die "install failed (full log: $OUT/llama-install.log)"; }
+    hint=""; [[ "$PRESET" != cpu ]] && hint=" (a GPU preset installs over the CPU one: run --preset cpu first)"
     for b in llama-server llama-quantize; do
-      [[ -x "$OUT/lib/ollama/$b" ]] || die "$b was not installed to $OUT/lib/ollama"
+      [[ -x "$OUT/lib/ollama/$b" ]] || die "$b was not installed to $OUT/lib/ollama$hint"
     done
-    echo "$LLAMA_KEY" >"$OUT/.stamp-llama"
+    echo "$LLAMA_KEY" >"$STAMP"
   fi
 fi
 

@@ -53,6 +53,21 @@ class HostBackend(Backend):
     def devices(self) -> list[DeviceSpec]:
         return [self._spec]
 
+    def memory_info(self, device: int) -> tuple[int, int]:
+        """(free, total): free is the kernel's MemAvailable (memory that can
+        be had without swapping), capped at the device size. memfd pages any
+        process has written (pages of a previous daemon still mapped by its
+        clients among them) are not available, as on a GPU."""
+        total = self._spec.total_bytes
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return min(total, int(line.split()[1]) * 1024), total
+        except OSError:
+            pass
+        return total, total
+
     def create_pages(self, device: int, count: int, page_size: int, zero: bool) -> list[PageHandle]:
         pages: list[PageHandle] = []
         try:

@@ -11,316 +11,43 @@
             region.map(0, 64 << 20)                            # back the first 64 MiB
             region.unmap(32 << 20, 32 << 20)                   # give half back
 
-Every failed call raises a subclass of kvcached_service.errors.KVCachedError
-(gRPC errors are mapped in one place, `_call`).
+The client is split by concern:
+- client.py (this module): Client and Session, the public API, and mapped
+  Pages;
+- channel.py: the fd channel (page requests, PAGES, REPLY, hang-up);
+- resume.py: what a resumable session keeps, and the resume loop;
+- rpc.py: the gRPC adapter (the only module importing grpc or protobuf);
+- types.py: the value types the API returns.
+Page operations (Allocate, Free, Close) go on the session's fd channel only;
+gRPC carries GetInfo, OpenSession, ResumeSession, GetStats, Watch and the
+admin rpcs. Every failed call raises a subclass of
+kvcached_service.errors.KVCachedError.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
-import socket
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
-
-import grpc
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from .. import errors, fdchannel
-from .._generated.kvcached.v1 import kvcached_pb2 as pb
-from .._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
+from .channel import Channel
 from .mapping import HostMapper, Mapper
+from .resume import Keeper, Resumer
+from .rpc import Rpc, WatchStream
+from .types import Allocation, Device, Event, Info, Opened, PoolStats, ReclaimOutcome, SessionStats, Shrink, Stats
 
 if TYPE_CHECKING:
     from .region import Region
 
-ENV_VARS = ("KVCACHED_SOCKET", "OLLAMA_KVCACHED_SOCKET")
+ENV_VARS = ("OLLAMA_KVCACHED_SOCKET", "KVCACHED_SOCKET")  # one order in every client: docs/operations.md
 
 log = logging.getLogger("kvcached.client")
 
-# Reconnect quickly after a daemon restart (gRPC's default backoff grows to minutes).
-_CHANNEL_OPTIONS = [
-    ("grpc.enable_http_proxy", 0),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 1000),  # also the connect timeout: not too short
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
-
-
-def _call(fn, request, timeout: float | None = None):
-    """Run one unary rpc; map a gRPC failure to the error taxonomy."""
-    try:
-        return fn(request, timeout=timeout)
-    except grpc.RpcError as exc:
-        raise errors.from_rpc_error(exc) from None
-
-
-# ---- domain types ----------------------------------------------------------
-@dataclass(frozen=True)
-class Device:
-    uuid: str
-    name: str
-    kind: str
-    page_size: int
-    granularity: int
-    total_bytes: int
-    budget_bytes: int
-
-    @classmethod
-    def from_pb(cls, m: pb.DeviceInfo) -> "Device":
-        return cls(m.uuid, m.name, m.kind, m.page_size, m.granularity, m.total_bytes, m.budget_bytes)
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    budget_bytes: int
-    pooled_bytes: int
-    in_use_bytes: int
-    free_bytes: int
-    page_size: int
-    pages_pooled: int
-    pages_in_use: int
-    pages_created_total: int
-    pages_released_total: int
-
-    @classmethod
-    def from_pb(cls, m: pb.PoolStats) -> "PoolStats":
-        return cls(*(getattr(m, f) for f in cls.__dataclass_fields__))
-
-
-@dataclass(frozen=True)
-class SessionStats:
-    id: int
-    name: str
-    pid: int
-    uid: int
-    held_bytes: int
-    pages_held: int
-    guaranteed_bytes: int
-    max_bytes: int
-    priority: int
-    last_active_unix: float
-    reclaim_ignored: int
-    allocations_total: int
-    frees_total: int
-    labels: dict
-    opened_unix: float
-    held_bytes_by_device: dict
-    reclaim_pending_pages: int
-    reclaim_requests: int
-
-    @classmethod
-    def from_pb(cls, m: pb.SessionStats) -> "SessionStats":
-        vals = {f: getattr(m, f) for f in cls.__dataclass_fields__}
-        vals["labels"] = dict(m.labels)
-        vals["held_bytes_by_device"] = dict(m.held_bytes_by_device)
-        return cls(**vals)
-
-
-@dataclass(frozen=True)
-class Stats:
-    total: PoolStats
-    devices: dict[str, PoolStats]
-    sessions: list[SessionStats]
-    uptime_seconds: float
-    sessions_open: int
-
-    @classmethod
-    def from_pb(cls, m: pb.GetStatsResponse) -> "Stats":
-        return cls(
-            PoolStats.from_pb(m.total),
-            {d.device.uuid: PoolStats.from_pb(d.pool) for d in m.devices},
-            [SessionStats.from_pb(s) for s in m.sessions],
-            m.uptime_seconds,
-            m.sessions_open,
-        )
-
-
-@dataclass(frozen=True)
-class Event:
-    """A Watch event. kind: READY, RECLAIM, BUDGET_CHANGED, MEMORY_AVAILABLE, SHUTDOWN."""
-
-    kind: str
-    time_unix: float
-    device: str = ""
-    pages: int = 0
-    deadline_unix: float = 0.0
-    reason: str = ""
-    data: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_pb(cls, m: pb.WatchEvent) -> "Event":
-        kind = pb.WatchEvent.Kind.Name(m.kind)
-        if kind == "RECLAIM":
-            r = m.reclaim
-            return cls(kind, m.time_unix, r.device, r.pages, r.deadline_unix, r.reason)
-        if kind == "MEMORY_AVAILABLE":
-            return cls(kind, m.time_unix, m.available.device, m.available.pages)
-        if kind == "SHUTDOWN":
-            return cls(kind, m.time_unix, reason=m.shutdown.reason, data={"grace_seconds": m.shutdown.grace_seconds})
-        if kind == "BUDGET_CHANGED":
-            b = m.budget
-            return cls(kind, m.time_unix, b.device, data={
-                "budget_bytes": b.budget_bytes, "guaranteed_bytes": b.guaranteed_bytes,
-                "max_bytes": b.max_bytes, "priority": b.priority})
-        return cls(kind, m.time_unix)
-
-
-# ---- the fd channel, client side -------------------------------------------
-class _Channel:
-    """The client's end of the fd channel. A reader thread takes every
-    record off the socket as it arrives (the daemon writes an allocation's
-    fds before the rpc answers, and an allocation can be larger than a
-    socket buffer), keeping PAGES by allocation id until `receive` claims
-    them. Records nobody claims within STALE_AFTER seconds (the rpc that
-    asked for them failed) are closed. The end of the stream (the daemon
-    went away, or ended the session) calls `on_hangup` once."""
-
-    STALE_AFTER = 120.0
-
-    def __init__(self, path: str, timeout: float, on_hangup: Callable[["_Channel"], None] | None = None):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        self.sock.settimeout(timeout)
-        self.timeout = timeout
-        try:
-            self.sock.connect(path)
-            rec = fdchannel.recv_record(self.sock)
-        except OSError as exc:
-            self.sock.close()
-            raise errors.Unavailable(f"cannot connect the fd channel {path}: {exc}") from None
-        if isinstance(rec, fdchannel.Error):
-            self.sock.close()
-            raise errors.from_code(rec.code, rec.message)
-        if not isinstance(rec, fdchannel.Hello):
-            self.sock.close()
-            raise errors.Unavailable(f"fd channel {path}: expected HELLO, got {rec!r}")
-        self.hello = rec
-        self.sock.settimeout(None)
-        self._cond = threading.Condition()
-        # alloc -> (first arrival, {index: (page id, fd)})
-        self._stash: dict[int, tuple[float, dict[int, tuple[int, int]]]] = {}
-        self._ended: errors.KVCachedError | None = None
-        self._closing = False
-        self._replies: dict[int, fdchannel.Reply] = {}
-        self._totals: dict[int, int] = {}  # allocation id -> pages it has in all
-        self._req_ids = itertools.count(1)
-        self.on_hangup = on_hangup
-        self._reader = threading.Thread(target=self._read, name="kvcached-fdchannel", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        ended: errors.KVCachedError
-        while True:
-            try:
-                rec = fdchannel.recv_record(self.sock)
-            except fdchannel.ProtocolError:
-                continue  # its descriptors are closed; the stream goes on
-            except OSError as exc:
-                ended = errors.Unavailable(f"fd channel failed: {exc}")
-                break
-            if isinstance(rec, fdchannel.Reply):
-                with self._cond:
-                    self._replies[rec.req_id] = rec
-                    self._cond.notify_all()
-                continue
-            if isinstance(rec, fdchannel.Pages):
-                with self._cond:
-                    self._totals[rec.allocation_id] = rec.total
-                    slot = self._stash.setdefault(rec.allocation_id, (time.monotonic(), {}))[1]
-                    for i, (pid, fd) in enumerate(zip(rec.page_ids, rec.fds)):
-                        slot[rec.first_index + i] = (pid, fd)
-                    self._purge_stale()
-                    self._cond.notify_all()
-                continue
-            if isinstance(rec, fdchannel.Error):
-                ended = errors.from_code(rec.code, rec.message)
-            elif rec is None or isinstance(rec, fdchannel.Goodbye):
-                ended = errors.Unavailable("the daemon closed this session's fd channel")
-            else:
-                continue
-            break
-        with self._cond:
-            self._ended = ended
-            self._cond.notify_all()
-            closing = self._closing
-        if not closing and self.on_hangup is not None:
-            self.on_hangup(self)
-
-    def _purge_stale(self) -> None:
-        now = time.monotonic()
-        for alloc in [a for a, (t, _) in self._stash.items() if now - t > self.STALE_AFTER]:
-            fdchannel.close_fds(fd for _, fd in self._stash.pop(alloc)[1].values())
-            self._totals.pop(alloc, None)
-
-    def request(self, record: bytes, req_id: int, timeout: float) -> fdchannel.Reply:
-        """Send a request record and wait for its REPLY (raised as the
-        error its code names)."""
-        try:
-            fdchannel.send_record(self.sock, record)
-        except OSError as exc:
-            raise errors.Unavailable(f"fd channel failed: {exc}") from None
-        with self._cond:
-            self._cond.wait_for(lambda: req_id in self._replies or self._ended is not None, timeout)
-            rep = self._replies.pop(req_id, None)
-            if rep is None:
-                if self._ended is not None:
-                    raise self._ended
-                raise errors.DeadlineExceeded(f"no answer on the fd channel within {timeout:g} s")
-        if rep.code:
-            raise errors.from_code(rep.code, rep.message)
-        return rep
-
-    def next_request_id(self) -> int:
-        return next(self._req_ids)
-
-    def receive_all(self, alloc_id: int) -> tuple[list[int], list[int]]:
-        """(page ids, fds) of an allocation asked for on the channel: its
-        PAGES records came before the REPLY, so they are all here."""
-        with self._cond:
-            total = self._totals.pop(alloc_id, 0)
-            got = self._stash.pop(alloc_id, (0, {}))[1]
-        if len(got) != total or total == 0:
-            fdchannel.close_fds(fd for _, fd in got.values())
-            raise errors.Internal(f"allocation {alloc_id}: {len(got)} of {total} pages arrived before the answer")
-        return [got[i][0] for i in range(total)], [got[i][1] for i in range(total)]
-
-    def receive(self, alloc_id: int, page_ids: Sequence[int]) -> list[int]:
-        """The fds of an allocation, in page order. They were written before
-        the rpc answered, so this waits only for the reader thread."""
-        total = len(page_ids)
-        with self._cond:
-            self._cond.wait_for(
-                lambda: len(self._stash.get(alloc_id, (0, {}))[1]) >= total or self._ended is not None, self.timeout
-            )
-            if len(self._stash.get(alloc_id, (0, {}))[1]) < total:
-                if self._ended is not None:
-                    raise self._ended
-                raise errors.Unavailable(f"fds of allocation {alloc_id} did not arrive within {self.timeout:g} s")
-            got = self._stash.pop(alloc_id)[1]
-            self._totals.pop(alloc_id, None)
-        fds = [got[i][1] for i in range(total)]
-        ids = [got[i][0] for i in range(total)]
-        if ids != list(page_ids):
-            fdchannel.close_fds(fds)
-            raise errors.Internal(f"allocation {alloc_id}: fd channel page ids {ids[:4]}... differ from the rpc's")
-        return fds
-
-    def close(self) -> None:
-        with self._cond:
-            self._closing = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the reader
-        except OSError:
-            pass
-        if self._reader is not threading.current_thread():
-            self._reader.join(timeout=5)
-        with self._cond:
-            for _, slot in self._stash.values():
-                fdchannel.close_fds(fd for _, fd in slot.values())
-            self._stash.clear()
-        self.sock.close()
+__all__ = ["Allocation", "Client", "Device", "Event", "Info", "Page", "PoolStats", "ReclaimOutcome", "Session", "SessionStats", "Shrink",
+           "Stats", "socket_from_env"]
 
 
 # ---- pages -------------------------------------------------------------------
@@ -386,132 +113,152 @@ class Session:
     def __init__(self, client: "Client", name: str, guaranteed_bytes: int, max_bytes: int, priority: int, labels: dict[str, str] | None):
         self.client = client
         self.name = name
-        self._channel = _Channel(client.info.fd_socket, client.timeout, self._hangup)
+        self._channel = Channel(client.info.fd_socket, client.timeout, self._hangup)
         try:
-            resp = _call(
-                client._stub.OpenSession,
-                pb.OpenSessionRequest(
-                    channel_secret=self._channel.hello.secret,
-                    name=name,
-                    guaranteed_bytes=guaranteed_bytes,
-                    max_bytes=max_bytes,
-                    priority=priority,
-                    labels=labels or {},
-                ),
-                client.timeout,
-            )
+            opened = client._rpc.open_session(self._channel.hello.secret, name, guaranteed_bytes, max_bytes, priority, labels)
         except BaseException:
             self._channel.close()
             raise
-        self.ref = resp.session
-        self.id = resp.session.id
-        self.pid, self.uid, self.gid, self.admin = resp.pid, resp.uid, resp.gid, resp.admin
+        self.id = opened.id
+        self.token = opened.token  # a bearer secret for gRPC: never log or share it
+        self.pid, self.uid, self.gid, self.admin = opened.pid, opened.uid, opened.gid, opened.admin
         self._mappers: dict[str, Mapper] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._watch_threads: list[threading.Thread] = []
-        self._calls: list[grpc.Future] = []
-        # Resume after a daemon restart (the daemon keeps a journal): keep a
-        # duplicate fd of every page held, to prove and re-send it.
-        self.resume_token = resp.resume_token
-        self.resumable = bool(resp.resume_token)
-        # page id -> (sequence, dup fd). The daemon lends a freed page again
-        # under the same id, possibly to another thread of this session
-        # before the first thread's Free has returned: the sequence lets a
-        # Free drop only the entry it saw.
-        self._keep: dict[int, tuple[int, int]] = {}
-        self._keep_seq = 0
-        self._deferred_free: dict[int, int] = {}  # page id -> sequence of the kept fd
+        self._streams: list[WatchStream] = []
+        # Resume after a daemon restart (the daemon keeps a journal).
+        self.resume_token = opened.resume_token
+        self.resumable = bool(opened.resume_token)
+        self._keeper: Keeper | None = Keeper() if self.resumable else None
         self._state = "ok"  # ok | resuming | dead
         self._dead: errors.KVCachedError | None = None
         self._resumed = threading.Event()
         self._resumed.set()
         self.resumes = 0
+        # page requests in flight (see _request_begins)
+        self._inflight = 0
+        self._inflight_lock = threading.Lock()
 
     # -- plumbing
+    def _ref(self) -> tuple[int, bytes]:
+        return self.id, self.token
+
+    @property
+    def resuming(self) -> bool:
+        """True while the daemon is away and the session is being resumed."""
+        return self._state == "resuming"
+
     def _check_state(self) -> None:
         if self._state == "resuming":
             raise errors.Unavailable(f"the daemon went away; session {self.id} is being resumed: the pages you hold stay usable, try again shortly")
         if self._state == "dead":
-            raise self._dead
+            raise self._dead  # type: ignore[misc]
 
-    def _rpc(self, method: str, request, timeout: float | None = None):
+    def _ended_by_hangup(self) -> errors.FailedPrecondition:
+        return errors.FailedPrecondition(
+            f"session {self.id} ended: the daemon went away, and without a state dir (kvcached-serve --state-dir) "
+            "a daemon that restarts cannot resume it; open a new session")
+
+    def _unreachable(self, exc: errors.Unavailable, ch: Channel | None = None) -> errors.KVCachedError:
+        """UNAVAILABLE because the daemon went away: say that the session
+        resumes (when it does: resumable, and the channel hung up). A session
+        that cannot resume ended with its channel: a terminal error."""
+        if not self.resumable and not self._closed and ch is not None and ch.hung_up:
+            return self._dead or self._ended_by_hangup()
+        if not self.resumable or self._closed or (ch is not None and ch.ended is not None and not ch.hung_up):
+            return exc
+        return errors.Unavailable(
+            f"the daemon is unreachable; session {self.id} resumes when it is back and the pages you hold stay usable ({exc.message})"
+        )
+
+    def _rpc(self, fn: Callable[[], object]):
+        """A gRPC call of this session, with the same error handling as the channel's."""
         self._check_state()
         try:
-            return _call(getattr(self.client._stub, method), request, timeout or self.client.timeout)
+            return fn()
         except errors.Unavailable as exc:
-            if not self.resumable or self._closed:
-                raise
-            raise errors.Unavailable(
-                f"the daemon is unreachable; session {self.id} resumes when it is back and the pages you hold stay usable ({exc.message})"
-            ) from None
+            raise self._unreachable(exc) from None
+
+    def _on_channel(self, fn: Callable[[Channel], object]):
+        """Run a page request on the current fd channel."""
+        self._check_state()
+        ch = self._channel
+        try:
+            return fn(ch)
+        except errors.Unavailable as exc:
+            raise self._unreachable(exc, ch) from None
+
+    def _request_begins(self) -> None:
+        """A page request is in flight: a resume waits until none is (see
+        _connect_for_resume), so that what they did (pages kept, frees
+        deferred) is settled before it claims what the session holds."""
+        with self._inflight_lock:
+            self._inflight += 1
+
+    def _request_ends(self) -> None:
+        with self._inflight_lock:
+            self._inflight -= 1
 
     # -- resume after a daemon restart
-    def _hangup(self, ch: "_Channel") -> None:
-        """The fd channel ended (reader thread). A resumable session resumes
-        on a thread of its own; any other session is over."""
+    def _hangup(self, ch: Channel) -> None:
+        """The fd channel hung up (reader thread). A resumable session
+        resumes on a thread of its own; any other session is over: every
+        later call fails with FAILED_PRECONDITION "session N ended: ...",
+        never a retryable UNAVAILABLE (docs/protocol.md, Client semantics)."""
         if self._closed or ch is not self._channel:
             return
-        if self.resumable:
-            threading.Thread(target=self._resume, name=f"kvcached-resume-{self.id}", daemon=True).start()
-
-    def _resume(self, timeout: float = 120.0) -> None:
+        if not self.resumable:
+            self._dead = self._ended_by_hangup()
+            self._state = "dead"
+            log.warning("%s", self._dead.message)
+            return
         self._state = "resuming"
         self._resumed.clear()
-        log.warning("session %d: the daemon went away; resuming (holding %d pages)", self.id, len(self._keep))
-        delay, deadline = 0.05, time.monotonic() + timeout
-        while not self._closed and time.monotonic() < deadline:
-            try:
-                ch = _Channel(self.client.info.fd_socket, self.client.timeout, self._hangup)
-            except errors.KVCachedError:
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-                continue
-            try:
-                with self._lock:
-                    # Pages whose Free failed while the daemon was away are
-                    # not claimed (the old daemon may or may not have freed
-                    # them): the new one forgets them, which frees them.
-                    for i, seq in self._deferred_free.items():
-                        kept = self._keep.get(i)
-                        if kept is not None and kept[0] == seq:
-                            fdchannel.close_fds([self._keep.pop(i)[1]])
-                    self._deferred_free.clear()
-                    ids = list(self._keep)
-                    for i in range(0, len(ids), fdchannel.MAX_FDS):
-                        chunk = ids[i : i + fdchannel.MAX_FDS]
-                        fdchannel.send_record(ch.sock, fdchannel.encode_adopt(self.id, i, len(ids), chunk), [self._keep[x][1] for x in chunk])
-                resp = _call(
-                    self.client._stub.ResumeSession,
-                    pb.ResumeSessionRequest(channel_secret=ch.hello.secret, session_id=self.id, resume_token=self.resume_token, page_ids=ids),
-                    self.client.timeout,
-                )
-            except (errors.Unavailable, OSError):
-                ch.close()
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-                continue
-            except errors.KVCachedError as exc:
-                ch.close()
-                self._dead = errors.FailedPrecondition(f"session {self.id} could not be resumed after the daemon restarted: {exc.message}")
+        assert self._keeper is not None
+        Resumer(self.id, self.resume_token, self._keeper, self.client._rpc, self.client.info.fd_socket, self.client.timeout,
+                connect=self._connect_for_resume, done=self._resume_done, closed=lambda: self._closed).start()
+
+    def _connect_for_resume(self) -> Channel:
+        ch = Channel(self.client.info.fd_socket, self.client.timeout, self._hangup)
+        # Page requests of the old channel settle first (pages kept, frees
+        # deferred): they fail or finish at once, its channel has ended.
+        deadline = time.monotonic() + self.client.timeout
+        while self._inflight and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return ch
+
+    def _resume_done(self, ch: Channel | None, opened: Opened | None, err: errors.KVCachedError | None) -> None:
+        if ch is None:
+            if err is not None:
+                self._dead = err
                 self._state = "dead"
-                self._resumed.set()
-                log.error("%s", self._dead.message)
-                return
-            old, self._channel = self._channel, ch
-            old.on_hangup = None
-            old.close()
-            self.ref = resp.session
-            self.resumes += 1
-            self._state = "ok"
             self._resumed.set()
-            log.warning("session %d resumed: %d pages adopted, %d forgotten", self.id, resp.pages_adopted, resp.pages_forgotten)
-            if ch._ended is not None:  # the daemon went away again before the swap
-                self._hangup(ch)
             return
-        self._dead = errors.Unavailable(f"session {self.id}: the daemon did not come back within {timeout:g} s")
-        self._state = "dead"
+        assert opened is not None and self._keeper is not None
+        if self._closed:
+            ch.close()  # the daemon ends the session when its channel closes
+            self._resumed.set()
+            return
+        old, self._channel = self._channel, ch
+        old.on_hangup = None
+        old.close()
+        self.token = opened.token
+        self.resumes += 1
+        self._state = "ok"
         self._resumed.set()
+        late = self._keeper.late()
+        if late:  # freed while the resume was in flight, so adopted: free them here
+            def free_late() -> None:
+                try:
+                    ch.free(sorted(late), self.client.timeout)
+                    self._keeper.forget(late)  # type: ignore[union-attr]
+                except errors.KVCachedError as exc:
+                    log.warning("session %d: freeing %d pages released during the resume failed: %s", self.id, len(late), exc.message)
+
+            threading.Thread(target=free_late, name=f"kvcached-late-free-{self.id}", daemon=True).start()
+        if ch.ended is not None and ch.hung_up:  # the daemon went away again before the swap
+            self._hangup(ch)
 
     def wait_resumed(self, timeout: float | None = None) -> bool:
         """Block until the session is usable again after a daemon restart."""
@@ -534,116 +281,84 @@ class Session:
             return m
 
     # -- raw pages (fds; the caller maps them)
-    def allocate_fds(self, num_pages: int, device: str = "", wait: bool = False, wait_timeout_ms: int = 0, notify: bool = False) -> tuple[pb.AllocateResponse, list[int]]:
-        """Allocate and return the rpc answer and one fd per page (caller
+    def allocate_fds(self, num_pages: int, device: str = "", wait: bool = False, wait_timeout_ms: int = 0, notify: bool = False) -> tuple[Allocation, list[int]]:
+        """Allocate and return the answer and one fd per page (caller
         closes). wait: let the daemon reclaim from other sessions for up to
         wait_timeout_ms (0 = its default). notify: if it fails for lack of
         memory, get a MEMORY_AVAILABLE event when enough pages are free."""
-        wait_budget = (wait_timeout_ms or 60_000) / 1000 if wait else 0
-        if self.client.channel_requests:
-            return self._allocate_on_channel(num_pages, device, wait, wait_timeout_ms, notify, self.client.timeout + wait_budget)
-        resp = self._rpc(
-            "Allocate",
-            pb.AllocateRequest(session=self.ref, device=device, num_pages=num_pages, wait=wait,
-                               wait_timeout_ms=wait_timeout_ms, notify_when_available=notify),
-            self.client.timeout + wait_budget,
-        )
-        fds = self._channel.receive(resp.allocation_id, resp.page_ids)
-        self._keep_fds(resp.page_ids, fds)
-        return resp, fds
-
-    def _keep_fds(self, ids: Sequence[int], fds: Sequence[int]) -> None:
-        """A resumable session keeps a duplicate of every page fd it got."""
-        if not self.resumable:
-            return
-        with self._lock:
-            for pid, fd in zip(ids, fds):
-                self._keep_seq += 1
-                old = self._keep.get(pid)
-                if old is not None:  # re-lent before an earlier Free of it returned
-                    fdchannel.close_fds([old[1]])
-                self._keep[pid] = (self._keep_seq, os.dup(fd))
-
-    def _on_channel(self, fn):
-        """Run a request on the fd channel with the same error handling as _rpc."""
-        self._check_state()
+        timeout = self.client.timeout + ((wait_timeout_ms or 60_000) / 1000 if wait else 0)
+        self._request_begins()
         try:
-            return fn(self._channel)
-        except errors.Unavailable as exc:
-            if not self.resumable or self._closed:
-                raise
-            raise errors.Unavailable(
-                f"the daemon is unreachable; session {self.id} resumes when it is back and the pages you hold stay usable ({exc.message})"
-            ) from None
-
-    def _allocate_on_channel(self, n: int, device: str, wait: bool, wait_ms: int, notify: bool, timeout: float):
-        def run(ch: _Channel):
-            req = ch.next_request_id()
-            rep = ch.request(fdchannel.encode_allocate(req, n, device, wait, notify, wait_ms), req, timeout)
-            ids, fds = ch.receive_all(req | fdchannel.CHANNEL_ALLOC_BIT)
-            return rep, ids, fds
-
-        rep, ids, fds = self._on_channel(run)
-        dev = self.client.device(device)
-        resp = pb.AllocateResponse(allocation_id=rep.req_id | fdchannel.CHANNEL_ALLOC_BIT, device=dev.uuid,
-                                   page_size=dev.page_size, page_ids=ids, held_bytes=rep.value)
-        self._keep_fds(ids, fds)
-        return resp, fds
-
-    def _free_on_channel(self, ids: list[int]) -> int:
-        def run(ch: _Channel) -> int:
-            n = 0
-            for i in range(0, len(ids), fdchannel.MAX_FREE_IDS):
-                req = ch.next_request_id()
-                n += ch.request(fdchannel.encode_free(req, ids[i : i + fdchannel.MAX_FREE_IDS]), req, self.client.timeout).value
-            return n
-
-        return self._on_channel(run)
+            alloc_id, held, ids, fds = self._on_channel(lambda ch: ch.allocate(num_pages, device, wait, notify, wait_timeout_ms, timeout))
+            dev = self.client.device(device)
+            if self._keeper is not None:
+                self._keeper.keep(ids, fds)
+        finally:
+            self._request_ends()
+        return Allocation(alloc_id, dev.uuid, dev.page_size, tuple(ids), held), fds
 
     def free_ids(self, page_ids: Iterable[int]) -> int:
-        """Give pages back. If the daemon is away (UNAVAILABLE) on a
-        resumable session, the pages are not claimed when the session
-        resumes, which gives them back; the error is still raised so the
-        caller knows."""
+        """Give pages back; all or nothing. On a resumable session whose
+        daemon is away (or goes away before answering), the Free succeeds
+        at once: the pages are not claimed when the session resumes, so the
+        restarted daemon takes them back (docs/protocol.md, "Client
+        semantics")."""
         ids = list(page_ids)
-        with self._lock:
-            seen = {i: self._keep[i][0] for i in ids if i in self._keep}
+        if not ids:
+            raise errors.InvalidArgument("page_ids is empty: name the pages to free")
+        if self._closed:
+            raise errors.FailedPrecondition(f"session {self.id} is closed")
+        k = self._keeper
+        self._request_begins()
         try:
-            if not ids:
-                raise errors.InvalidArgument("page_ids is empty: name the pages to free")
-            if self.client.channel_requests:
-                n = self._free_on_channel(ids)
-            else:
-                n = self._rpc("Free", pb.FreeRequest(session=self.ref, page_ids=ids)).pages_freed
-        except errors.Unavailable:
-            if self.resumable:
-                with self._lock:
-                    self._deferred_free.update(seen)
-            raise
-        if self.resumable:
-            with self._lock:
-                for i, seq in seen.items():
-                    kept = self._keep.get(i)
-                    if kept is not None and kept[0] == seq:
-                        fdchannel.close_fds([self._keep.pop(i)[1]])
-        return n
+            seqs = k.seqs(ids) if k is not None else {}
+            if k is not None and self._state == "resuming":
+                return self._defer(ids, seqs)
+            self._check_state()
+            ch = self._channel
+            try:
+                n = ch.free(ids, self.client.timeout)
+            except errors.Unavailable as exc:
+                if k is not None and ch.hung_up and not self._closed:
+                    return self._defer(ids, seqs)
+                raise self._unreachable(exc, ch) from None
+            if k is not None:
+                k.forget(seqs)
+            return n
+        finally:
+            self._request_ends()
+
+    def _defer(self, ids: list[int], seqs: dict[int, int]) -> int:
+        """Free while the daemon is away: checked here as the daemon would
+        (all or nothing), then deferred (resume.Keeper.defer)."""
+        assert self._keeper is not None
+        seen: set[int] = set()
+        for pid in ids:
+            if pid in seen:
+                raise errors.InvalidArgument(f"page {pid} appears more than once; nothing was freed")
+            seen.add(pid)
+        missing = self._keeper.not_held(ids)
+        if missing:
+            raise errors.NotFound(f"page {missing[0]} is not held by session {self.id}; nothing was freed")
+        self._keeper.defer(seqs)
+        return len(ids)
 
     # -- mapped pages
     def allocate(self, num_pages: int, device: str = "", wait: bool = False, wait_timeout_ms: int = 0, notify: bool = False) -> list[Page]:
         """Allocate pages and map them, contiguously, into this process."""
-        resp, fds = self.allocate_fds(num_pages, device, wait, wait_timeout_ms, notify)
-        mapper = self.mapper(resp.device)
-        size = resp.page_size
+        a, fds = self.allocate_fds(num_pages, device, wait, wait_timeout_ms, notify)
+        mapper = self.mapper(a.device)
+        size = a.page_size
         res = None
         pages: list[Page] = []
         try:
             res = _Reservation(mapper, size * len(fds))
-            for i, (pid, fd) in enumerate(zip(resp.page_ids, fds)):
+            for i, (pid, fd) in enumerate(zip(a.page_ids, fds)):
                 addr = res.base + i * size
                 token = mapper.map(addr, fd, size)
                 fds[i] = -1
                 res.live += 1
-                pages.append(Page(pid, resp.device, size, addr, mapper, token, res))
+                pages.append(Page(pid, a.device, size, addr, mapper, token, res))
         except BaseException:
             fdchannel.close_fds(fd for fd in fds if fd >= 0)
             for p in pages:
@@ -651,7 +366,7 @@ class Session:
             if res is not None and res.live == 0:
                 mapper.release(res.base, res.size)
             try:
-                self.free_ids(resp.page_ids)
+                self.free_ids(a.page_ids)
             except errors.KVCachedError:
                 pass
             raise
@@ -674,7 +389,7 @@ class Session:
 
     # -- information
     def stats(self) -> Stats:
-        return Stats.from_pb(self._rpc("GetStats", pb.GetStatsRequest(session=self.ref)))
+        return self._rpc(lambda: self.client._rpc.stats(self._ref()))
 
     def my_stats(self) -> SessionStats:
         for s in self.stats().sessions:
@@ -684,18 +399,13 @@ class Session:
 
     def events(self) -> Iterator[Event]:
         """Watch events until the session or the daemon ends. The first is READY."""
-        call = self.client._stub.Watch(pb.WatchRequest(session=self.ref))
-        self._calls.append(call)
+        stream = self.client._rpc.watch(self._ref())
+        self._streams.append(stream)
         try:
-            for m in call:
-                yield Event.from_pb(m)
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.CANCELLED and self._closed:
-                return
-            raise errors.from_rpc_error(exc) from None
+            yield from stream
         finally:
-            if call in self._calls:
-                self._calls.remove(call)
+            if stream in self._streams:
+                self._streams.remove(stream)
 
     def on_event(self, callback: Callable[[Event], None], kinds: Iterable[str] = ("RECLAIM",)) -> threading.Thread:
         """Run `callback(event)` on a background thread for each event of the
@@ -733,12 +443,32 @@ class Session:
 
     # -- admin
     def set_limits(self, session_id: int, **limits) -> SessionStats:
-        req = pb.SetSessionLimitsRequest(admin=self.ref, session_id=session_id, set_fields=list(limits), **limits)
-        return SessionStats.from_pb(self._rpc("SetSessionLimits", req).session)
+        return self._rpc(lambda: self.client._rpc.set_limits(self._ref(), session_id, **limits))
 
     def request_shrink(self, session_id: int, target_bytes: int, timeout_ms: int = 0) -> int:
-        req = pb.RequestShrinkRequest(admin=self.ref, session_id=session_id, target_bytes=target_bytes, timeout_ms=timeout_ms)
-        return self._rpc("RequestShrink", req).pages_requested
+        """Ask a session (an admin may ask any; others only their own uid's)
+        to hold at most target_bytes per device. Returns the pages asked for;
+        see shrink() to wait for the outcome."""
+        return self._rpc(lambda: self.client._rpc.request_shrink(self._ref(), session_id, target_bytes, timeout_ms).pages_requested)
+
+    def shrink(self, session_id: int, target_bytes: int, timeout_ms: int = 0, wait: bool = True) -> Shrink:
+        """request_shrink, and (wait) return once the session answered, gave
+        the pages back, ended, or the deadline passed: each request's
+        outcome, with what the session said it gave and keeps, and why."""
+        return self._rpc(lambda: self.client._rpc.request_shrink(self._ref(), session_id, target_bytes, timeout_ms, wait))
+
+    def answer_reclaim(self, request: Event | int, bytes_given: int, bytes_kept: int, reason: str = "") -> int:
+        """Answer a reclaim request (a RECLAIM event, or its reclaim_id) at
+        once: the bytes given back for it (already freed) and the bytes kept
+        on its device, with why. The request is settled: not counted as
+        ignored, nobody waits for the rest, and a waiting `kvcachedctl
+        shrink` prints the answer. Sent on the session's fd channel (the
+        kernel names the sender). Returns the bytes the daemon's books show
+        this session holding on that device."""
+        rid = request.reclaim_id if isinstance(request, Event) else int(request)
+        if rid <= 0:
+            raise errors.InvalidArgument("answer_reclaim needs a RECLAIM event (or its reclaim_id) from this session's Watch stream")
+        return self._on_channel(lambda ch: ch.answer(rid, bytes_given, bytes_kept, reason, self.client.timeout))
 
     # -- life cycle
     def close(self) -> None:
@@ -749,24 +479,20 @@ class Session:
             return
         self._closed = True
         try:
-            if self.client.channel_requests and self._state == "ok":
-                ch = self._channel
-                req = ch.next_request_id()
-                ch.request(fdchannel.encode_close(req), req, self.client.timeout)
-            else:
-                self._rpc("CloseSession", pb.CloseSessionRequest(session=self.ref))
+            if self._state == "ok":
+                self._channel.close_session(self.client.timeout)
         except errors.KVCachedError:
             pass  # already ended by the daemon; closing the channel is enough
         finally:
-            for call in list(self._calls):
-                call.cancel()
+            for stream in list(self._streams):
+                stream.cancel()
             self._channel.close()
             for t in self._watch_threads:
                 t.join(timeout=2)
             with self._lock:
                 mappers, self._mappers = list(self._mappers.values()), {}
-                fdchannel.close_fds(fd for _, fd in self._keep.values())
-                self._keep.clear()
+            if self._keeper is not None:
+                self._keeper.close()
             for m in mappers:
                 m.close()
 
@@ -778,33 +504,26 @@ class Session:
 
 
 class Client:
-    """A connection to kvcached-serve's control socket."""
+    """A connection to kvcached-serve."""
 
-    def __init__(self, path: str, timeout: float = 10.0, channel_requests: bool | None = None):
-        """channel_requests: send Allocate/Free/Close as fd channel requests
-        (None = whenever the daemon offers them; False = always gRPC)."""
+    def __init__(self, path: str, timeout: float = 10.0):
         self.path = path
         self.timeout = timeout
-        self._grpc = grpc.insecure_channel(f"unix:{path}", options=_CHANNEL_OPTIONS)
+        self._rpc = Rpc(path, timeout)
         try:
-            grpc.channel_ready_future(self._grpc).result(timeout=timeout)
-        except grpc.FutureTimeoutError:
-            self._grpc.close()
-            raise errors.Unavailable(f"no kvcached daemon answers on {path} (is kvcached-serve running?)") from None
-        self._stub = pb_grpc.KVCachedStub(self._grpc)
-        self.info = _call(self._stub.GetInfo, pb.GetInfoRequest(), timeout)
-        self.devices = [Device.from_pb(d) for d in self.info.devices]
-        offered = self.info.fd_channel_requests
-        if channel_requests and not offered:
-            raise errors.FailedPrecondition("this daemon does not take requests on the fd channel")
-        if channel_requests is False and self.info.fd_channel_requests_only:
-            raise errors.FailedPrecondition("this daemon takes Allocate/Free/Close only on the fd channel (channel_ops_only)")
-        self.channel_requests = offered if channel_requests is None else channel_requests
+            self.info: Info = self._rpc.get_info()
+            if not self.info.fd_channel_requests:
+                raise errors.FailedPrecondition(
+                    f"the daemon on {path} does not take page requests on the fd channel (kvcached-serve {self.info.version} is too old for this client)")
+        except BaseException:
+            self._rpc.close()
+            raise
+        self.devices: list[Device] = list(self.info.devices)
 
     @classmethod
-    def connect(cls, path: str | None = None, timeout: float = 10.0, channel_requests: bool | None = None) -> "Client":
+    def connect(cls, path: str | None = None, timeout: float = 10.0) -> "Client":
         """Connect to `path`, or to the socket named by the environment."""
-        return cls(path or socket_from_env(), timeout, channel_requests)
+        return cls(path or socket_from_env(), timeout)
 
     @classmethod
     def from_env(cls, timeout: float = 10.0) -> "Client":
@@ -822,10 +541,10 @@ class Client:
         return Session(self, name, guaranteed_bytes, max_bytes, priority, labels)
 
     def stats(self) -> Stats:
-        return Stats.from_pb(_call(self._stub.GetStats, pb.GetStatsRequest(), self.timeout))
+        return self._rpc.stats()
 
     def close(self) -> None:
-        self._grpc.close()
+        self._rpc.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -835,11 +554,11 @@ class Client:
 
 
 def socket_from_env() -> str:
-    """KVCACHED_SOCKET, then OLLAMA_KVCACHED_SOCKET."""
+    """OLLAMA_KVCACHED_SOCKET, then KVCACHED_SOCKET (as the Go and C clients)."""
     for var in ENV_VARS:
         value = os.environ.get(var)
         if value:
             return value
     raise errors.FailedPrecondition(
-        "no daemon socket given: pass a path or set KVCACHED_SOCKET (or OLLAMA_KVCACHED_SOCKET) to kvcached-serve's --socket"
+        "no daemon socket given: pass a path or set OLLAMA_KVCACHED_SOCKET or KVCACHED_SOCKET to kvcached-serve's --socket"
     )

@@ -4,7 +4,7 @@
     kvcachedctl sessions [--json]         every session (admin)
     kvcachedctl top [--interval S] [--iterations N]
     kvcachedctl set-limits SESSION [--guaranteed SIZE] [--max SIZE] [--priority N]   (admin)
-    kvcachedctl shrink SESSION --to SIZE [--timeout-ms MS]                          (admin)
+    kvcachedctl shrink SESSION --to SIZE [--timeout-ms MS] [--no-wait]              (admin)
     kvcachedctl plan MODEL|FILE.gguf [--ctx N] [--parallel N] [--page-size SIZE] [--json]
     kvcachedctl health                    exit 0 iff the daemon's health service says SERVING
 
@@ -399,14 +399,30 @@ def cmd_set_limits(args, out: TextIO) -> int:
 def cmd_shrink(args, out: TextIO) -> int:
     with connect(args) as client, AdminSession(client, "shrink") as me:
         target = find_session(me.stats(), args.session, me.id)
-        n = me.request_shrink(target.id, args.to, args.timeout_ms)
-        if n:
-            out.write(f"asked session {target.id} '{target.name}' (holding {format_size(target.held_bytes)}) "
-                      f"to give back {n} pages, down to {format_size(args.to)}\n")
-        else:
+        r = me.shrink(target.id, args.to, args.timeout_ms, wait=not args.no_wait)
+        if not r.pages_requested:
             out.write(f"session {target.id} '{target.name}' holds {format_size(target.held_bytes)}: "
                       f"already at or below {format_size(args.to)} (or its guarantee); nothing asked\n")
+            return EXIT_OK
+        out.write(f"asked session {target.id} '{target.name}' (holding {format_size(target.held_bytes)}) "
+                  f"to give back {r.pages_requested} pages, down to {format_size(args.to)}\n")
+        for o in r.reclaims:
+            out.write(f"  {o.device}: {_outcome(o)}\n")
     return EXIT_OK
+
+
+def _outcome(o) -> str:
+    """One reclaim request's outcome, as kvcachedctl shrink prints it."""
+    books = f"the daemon's books: it holds {format_size(o.held_bytes)}"
+    if o.answered:
+        said = f"answered: gave back {format_size(o.bytes_given)}, keeps {format_size(o.bytes_kept)}"
+        return said + (f" ({o.reason})" if o.reason else "") + f"; {books}"
+    return {
+        "MET": f"gave back what was asked; {books}",
+        "EXPIRED": f"neither answered nor gave back everything before the deadline; {books}",
+        "ENDED": "the session ended",
+        "OPEN": f"no answer yet (not waited for); {books}",
+    }.get(o.state, f"{o.state}; {books}")
 
 
 def cmd_plan(args, out: TextIO) -> int:
@@ -523,6 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("session", help="session id or unique name")
     p.add_argument("--to", type=_size, required=True, metavar="SIZE", help="bytes per device the session may keep (never below its guarantee)")
     p.add_argument("--timeout-ms", type=int, default=0, help="how long it has (default: the daemon's reclaim timeout)")
+    p.add_argument("--no-wait", action="store_true",
+                   help="return once asked; by default wait until the session answers, gives the pages back, or the time is up")
     p.set_defaults(fn=cmd_shrink)
 
     p = sub.add_parser("plan", help="KV-cache memory of a model (Ollama name or GGUF file)")

@@ -1,8 +1,20 @@
-"""The daemon: pools, sessions, the fd channel listener and the life cycle.
+"""The daemon's core: pools, sessions, their limits, resume, the life cycle.
 
-Everything here runs on one asyncio event loop (the gRPC aio server's). The
-gRPC servicer (service.py) translates requests into calls on Daemon and
-errors into status codes; it holds no state of its own.
+No transport here. Two adapters sit beside it and translate:
+- service.py, gRPC: protobuf in, Daemon calls, protobuf out;
+- channel.py, the fd channel: records in, Daemon calls, records out. It
+  also gives every session its SessionPort (deliver pages, hang up) and
+  finds unbound channels for OpenSession/ResumeSession (PortDirectory).
+
+Who asks is a `Who`: a Session the fd channel vouches for (the kernel named
+the sender), or a `Bearer` (id, token) from gRPC. Mutating requests from a
+Bearer are refused unless the daemon runs with --grpc-page-ops.
+
+The core operations both adapters call (Allocate, Free, CloseSession) are
+observed once, here, at their boundary (`_Observation`): `observers` get
+(operation, code, seconds, waited) for each; the metrics subscribe.
+
+Everything runs on one asyncio event loop (the gRPC aio server's).
 """
 
 from __future__ import annotations
@@ -12,27 +24,29 @@ import hashlib
 import hmac
 import itertools
 import logging
-import os
 import secrets
-import select
-import socket
-import stat
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Union
 
-from .. import errors, fdchannel
+from .. import errors
 from ..backends.base import Backend
-from ..config import Settings, format_size, resolve_limit
-from .elastic import Reclaimer, pending_pages
-from .journal import JSession, Journal
-from .pool import DevicePool, Page, PageState, Shortage, continue_page_ids, next_page_id
-from .sessions import Channel, ChannelClosed, Session, Tombstones, check_labels, check_name
+from ..config import Settings, format_size
+from ..errors import Code
+from .admission import admit
+from .elastic import Reclaim, Reclaimer, pending_pages
+from .journal import JournalDamaged, JSession, Journal
+from .pool import DevicePool, Page, PageIds, PageState, Shortage
+from .sessions import DeliveryFailed, PortDirectory, Session, SessionPort, Tombstones, check_labels, check_name
 from .worker import DeviceWorker
 
 log = logging.getLogger("kvcached.daemon")
 
 API_VERSION = 1
+SECRET_SIZE = 32  # the fd channel's HELLO secret, the session token, the resume token
+# Operations observed by the core itself (both adapters reach them); the
+# gRPC interceptor observes every other rpc.
+CORE_OPS = frozenset({"Allocate", "Free", "CloseSession"})
 
 
 @dataclass
@@ -44,48 +58,30 @@ class Event:
     data: dict
 
 
-def prepare_socket_path(path: str) -> None:
-    """Refuse to start if another daemon listens on `path`; remove a stale
-    socket file nobody listens on; refuse anything that is not a socket."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        parent = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(parent):
-            raise errors.FailedPrecondition(f"socket directory {parent} does not exist")
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise errors.FailedPrecondition(f"{path} exists and is not a socket; refusing to replace it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        os.unlink(path)  # stale: nobody listens
-        log.info("removed stale socket %s", path)
-        return
-    except OSError as exc:
-        if exc.errno == 91:  # EPROTOTYPE: a SOCK_SEQPACKET listener; try that type
-            probe.close()
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            probe.settimeout(1.0)
-            try:
-                probe.connect(path)
-            except (ConnectionRefusedError, FileNotFoundError):
-                os.unlink(path)
-                return
-        else:
-            raise
-    finally:
-        probe.close()
-    raise errors.FailedPrecondition(f"another daemon is listening on {path}; refusing to start")
+@dataclass(frozen=True)
+class Bearer:
+    """A SessionRef as gRPC carries it, and the uid of the caller as the
+    kernel named it to the control socket's front door (None: a trusted
+    caller that reached grpcio directly, i.e. the daemon's own uid or
+    root). A SessionRef is good only for the uid that opened the session."""
+
+    id: int
+    token: bytes
+    uid: int | None = None
 
 
-def apply_socket_permissions(path: str, settings: Settings) -> None:
-    os.chmod(path, settings.socket_mode_bits)
-    gid = settings.socket_gid
-    if gid is not None:
-        os.chown(path, -1, gid)
+Who = Union[Session, Bearer]
+
+
+@dataclass(frozen=True)
+class Allocated:
+    """The answer to an Allocate, before an adapter encodes it."""
+
+    allocation_id: int
+    device: str
+    page_size: int
+    page_ids: list[int]
+    held_bytes: int
 
 
 class Daemon:
@@ -95,19 +91,17 @@ class Daemon:
         self.pools: dict[str, DevicePool] = {}
         self.workers: list[DeviceWorker] = []
         self.sessions: dict[int, Session] = {}
-        self.channels: dict[int, Channel] = {}
-        self._unbound: dict[bytes, Channel] = {}
+        self.ports: PortDirectory | None = None  # the fd channel adapter, once attached
         self.tombstones = Tombstones()
-        self._channel_ids = itertools.count(1)
+        self.page_ids = PageIds()
         self._alloc_ids = itertools.count(1)
-        self._listener: socket.socket | None = None
         self.started_monotonic = time.monotonic()
         self.shutting_down = False
         self._tasks: set[asyncio.Task] = set()
         # Observers (metrics, the elasticity manager) may hook these.
         self.on_session_end: list[Callable[[Session, str], None]] = []
-        # (rpc name, status code number, seconds, waited) for requests served on fd channels
-        self.on_request: list[Callable[[str, int, float, bool], None]] = []
+        # (operation, Code, seconds, waited) once per core operation (CORE_OPS)
+        self.observers: list[Callable[[str, Code, float, bool], None]] = []
         self.counters = {"sessions_opened": 0, "sessions_closed": 0, "sessions_crashed": 0, "fd_channel_errors": 0}
         self.reclaimer = Reclaimer(lambda: list(self.sessions.values()), self._post, settings.reclaim_timeout_ms / 1000)
         # (session, pool uuid, pages): tell the session when that many pages could be had
@@ -117,19 +111,22 @@ class Daemon:
         self.orphans: dict[int, JSession] = {}
         self._orphan_deadline: dict[int, float] = {}
         self._next_session_id = 1
+        self._supply_read = 0.0  # when the devices' free memory was last read (monotonic)
+        self.journal_damage: dict | None = None  # set when recover() found the journal damaged
 
     # ---- start-up -------------------------------------------------------
     def start_devices(self) -> None:
         page_size = self.settings.page_size_bytes
+        limit = self.settings.memory_limit_value
         for spec in self.backend.devices():
             if page_size % spec.granularity:
                 raise errors.InvalidArgument(
                     f"page_size {page_size} is not a multiple of device {spec.uuid}'s granularity {spec.granularity}"
                 )
-            budget = resolve_limit(self.settings.memory_limit, spec.total_bytes)
+            budget = limit.resolve(spec.total_bytes)
             if budget < page_size:
                 raise errors.InvalidArgument(
-                    f"memory_limit {self.settings.memory_limit} gives device {spec.uuid} a budget of {budget} bytes, less than one page ({page_size})"
+                    f"memory_limit {limit} gives device {spec.uuid} a budget of {budget} bytes, less than one page ({page_size})"
                 )
             worker = DeviceWorker(self.backend, spec.ordinal, spec.uuid[:12])
             worker.start()
@@ -138,6 +135,7 @@ class Daemon:
                 self.backend,
                 spec,
                 worker,
+                page_ids=self.page_ids,
                 page_size=page_size,
                 budget_bytes=budget,
                 warm_pages=self.settings.prealloc_bytes // page_size,
@@ -150,11 +148,50 @@ class Daemon:
                 "device %s (%s): budget %s of %s, page %s, warm pages %d",
                 spec.uuid,
                 spec.name,
-                format_size(pool.budget_pages * page_size),
+                format_size(pool.budget.bytes),
                 format_size(spec.total_bytes),
                 format_size(page_size),
                 pool.warm_pages,
             )
+            free, _ = worker.call_sync(self.backend.memory_info, spec.ordinal)
+            self._supply(pool, free)
+
+    def _supply(self, pool: DevicePool, device_free: int) -> None:
+        """Cap the pool's budget at what the device really has (pool.set_supply),
+        saying so when the cap starts, changes by a lot, or ends."""
+        before_capped = pool.budget_pages < pool.limit_pages
+        changed = pool.set_supply(device_free)
+        if changed is None:
+            return
+        old, new = changed
+        capped = new < pool.limit_pages
+        unavailable = format_size((pool.limit_pages - new) * pool.page_size) if capped else "0"
+        if capped and (not before_capped or abs(new - old) * 20 >= pool.limit_pages):
+            log.warning(
+                "device %s: budget %s, not the configured %s: the device has only %s free besides the daemon's %d pages "
+                "(%s unavailable: other processes' memory, or pages of a previous daemon its clients still map)",
+                pool.uuid, format_size(new * pool.page_size), format_size(pool.limit_pages * pool.page_size),
+                format_size(device_free), pool.n_pooled + pool.n_in_use, unavailable)
+        elif before_capped and not capped:
+            log.info("device %s: budget back to the configured %s (the device has the memory again)",
+                     pool.uuid, format_size(new * pool.page_size))
+        else:
+            log.debug("device %s: budget %d -> %d pages (device free %d bytes)", pool.uuid, old, new, device_free)
+
+    async def refresh_supply(self, pools: list[DevicePool] | None = None) -> None:
+        """Read the devices' free memory (on their workers) and cap budgets."""
+        self._supply_read = time.monotonic()
+        for pool in pools if pools is not None else list(self.pools.values()):
+            try:
+                free, _ = await pool.worker.call(self.backend.memory_info, pool.spec.ordinal)
+            except Exception as exc:  # noqa: BLE001 - keep the last budget
+                log.debug("device %s: free memory unknown (%s); budget unchanged", pool.uuid, exc)
+                continue
+            self._supply(pool, free)
+
+    def attach(self, ports: PortDirectory) -> None:
+        """The fd channel adapter: where sessions' channels come from."""
+        self.ports = ports
 
     def recover(self) -> None:
         """Read the journal a previous daemon left: its live sessions become
@@ -163,9 +200,20 @@ class Daemon:
         if self.journal is None:
             return
         j = self.journal
-        j.load()
+        try:
+            j.load()
+        except JournalDamaged as exc:
+            aside = j.move_aside()
+            j.forget()
+            self.journal_damage = {"path": str(exc.path), "line": exc.line, "problem": exc.problem, "moved_to": str(aside)}
+            log.error(
+                "%s. Moved it to %s and starting WITHOUT resumes: the sessions of the previous daemon cannot be "
+                "resumed (their clients see them end and open new ones); memory their clients still map is "
+                "unavailable, not free, until they let it go (the budget follows the device's free memory). "
+                "Nothing else to do: keep %s for a bug report, then delete it (docs/reliability.md).",
+                exc, aside, aside.name)
         self._next_session_id = j.next_session_id
-        continue_page_ids(j.next_page_id)
+        self.page_ids.continue_from(j.next_page_id)
         deadline = time.monotonic() + self.settings.resume_grace
         for js in j.sessions.values():
             for pid, (dev, _) in list(js.pages.items()):
@@ -174,7 +222,7 @@ class Daemon:
                     log.warning("journal: session %d page %d is on device %s, which this daemon does not serve; forgotten", js.sid, pid, dev)
                     del js.pages[pid]
                     continue
-                pool.n_held += 1
+                pool.hold_orphans(1)
             self.orphans[js.sid] = js
             self._orphan_deadline[js.sid] = deadline
         j.start(self.orphans, j.next_session_id, j.next_page_id)
@@ -191,7 +239,7 @@ class Daemon:
         j.append(rec)
         live = sum(len(s.pages) + 1 for s in self.sessions.values()) + sum(len(o.pages) + 1 for o in self.orphans.values())
         if j.wants_compaction(live):
-            j.compact(self._live_state(), self._next_session_id, next_page_id())
+            j.compact(self._live_state(), self._next_session_id, self.page_ids.peek())
 
     def _live_state(self) -> dict[int, JSession]:
         out = dict(self.orphans)
@@ -205,25 +253,25 @@ class Daemon:
     def _forget_orphan(self, sid: int, reason: str) -> None:
         js = self.orphans.pop(sid)
         self._orphan_deadline.pop(sid, None)
+        per_dev: dict[str, int] = {}
         for dev, _ in js.pages.values():
-            self.pools[dev].n_held -= 1
+            per_dev[dev] = per_dev.get(dev, 0) + 1
+        for dev, n in per_dev.items():
+            self.pools[dev].forget_orphans(n)
         self._journal({"op": "close", "sid": sid})
         self.tombstones.add(sid, reason)
         log.warning("session %d '%s' (uid %d): %s; forgetting its %d pages (their memory stays with whoever still maps them)",
                     sid, js.name, js.uid, reason, len(js.pages))
 
+    def may_adopt(self, session_id: int, uid: int, page_id: int) -> bool:
+        """Whether an ADOPT record's page is worth keeping until
+        ResumeSession: a page the journal gave an orphan of that uid (so
+        nobody can make the daemon hold descriptors for nothing)."""
+        js = self.orphans.get(session_id)
+        return js is not None and js.uid == uid and page_id in js.pages
+
     async def prefill(self) -> None:
         await asyncio.gather(*(p.prefill() for p in self.pools.values()))
-
-    def start_fd_listener(self) -> None:
-        path = self.settings.fd_socket
-        prepare_socket_path(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
-        sock.bind(path)
-        apply_socket_permissions(path, self.settings)
-        sock.listen(128)
-        self._listener = sock
-        asyncio.get_running_loop().add_reader(sock.fileno(), self._accept)
 
     def start_background(self) -> None:
         self._spawn(self._housekeeping())
@@ -243,173 +291,78 @@ class Daemon:
                     await pool.trim_idle(now)
                 except Exception:  # keep the loop alive whatever happens
                     log.exception("idle trim failed on %s", pool.uuid)
+            poll = self.settings.memory_poll_seconds
+            if poll > 0 and now - self._supply_read >= poll:
+                await self.refresh_supply()
             self.reclaimer.idle_scan(list(self.pools.values()), self.settings.idle_shrink_seconds)
             for sid in [k for k, t in self._orphan_deadline.items() if t <= now]:
                 self._forget_orphan(sid, f"not resumed within {self.settings.resume_grace:g} s of the restart")
-            limit = self.settings.channel_bind_timeout
-            for ch in [c for c in self._unbound.values() if now - c.created > limit]:
-                self._drop_channel(ch, errors.FailedPrecondition(f"no OpenSession within {limit:g} s"))
 
-    # ---- fd channel -----------------------------------------------------
-    def _accept(self) -> None:
-        assert self._listener is not None
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                self.counters["fd_channel_errors"] += 1
-                log.warning("fd channel accept failed: %s", exc)
-                return
-            try:
-                self._admit(conn)
-            except Exception:
-                self.counters["fd_channel_errors"] += 1
-                log.exception("fd channel set-up failed")
-                conn.close()
+    def count(self, counter: str) -> None:
+        """An event an adapter reports (e.g. fd_channel_errors)."""
+        self.counters[counter] = self.counters.get(counter, 0) + 1
 
-    def _admit(self, conn: socket.socket) -> None:
-        conn.setblocking(False)
-        pid, uid, gid = fdchannel.peer_credentials(conn)
-        ch = Channel(next(self._channel_ids), conn, pid, uid, gid, secrets.token_bytes(fdchannel.SECRET_SIZE))
-        refusal = self._refusal(ch)
-        if refusal is not None:
-            log.warning("refused fd channel from pid %d uid %d: %s", pid, uid, refusal.message)
-            ch.send_nowait(fdchannel.encode_error(refusal.code.value[0], refusal.message))
-            ch.close()
-            return
-        if self.shutting_down:
-            ch.send_nowait(fdchannel.encode_error(errors.Unavailable.code.value[0], "the daemon is shutting down"))
-            ch.close()
-            return
-        loop = asyncio.get_running_loop()
-        self.channels[ch.id] = ch
-        self._unbound[ch.secret] = ch
-        if pid > 0:
-            try:
-                ch.pidfd = os.pidfd_open(pid)
-                loop.add_reader(ch.pidfd, self._peer_exited, ch)
-            except ProcessLookupError:
-                self._drop_channel(ch, None, crashed=True)
-                return
-            except OSError as exc:
-                log.debug("pidfd_open(%d) failed: %s; relying on the socket alone", pid, exc)
-        loop.add_reader(conn.fileno(), self._channel_readable, ch)
-        ch.send_nowait(
-            fdchannel.encode_hello(
-                fdchannel.Hello(ch.id, pid, uid, gid, fdchannel.MAX_FDS, ch.secret)
+    # ---- who is asking --------------------------------------------------
+    def resolve(self, who: Who, op: str, mutating: bool = True) -> Session:
+        """The session a request acts for. A Session comes vouched by its fd
+        channel; a Bearer is checked (token) and, for requests that change
+        pages, refused unless grpc_page_ops."""
+        if isinstance(who, Session):
+            if who.closed:
+                raise errors.FailedPrecondition(f"session {who.id} is closed")
+            return who
+        if mutating and self.settings.page_ops_on_channel_only:
+            # refused whatever the SessionRef; but never tell another uid more than PERMISSION_DENIED
+            target = self.sessions.get(who.id)
+            if target is not None:
+                self._check_uid(who.uid, target)
+            raise errors.FailedPrecondition(
+                f"this daemon serves {op} only as a request on the session's fd channel, where the kernel vouches "
+                "for the sender (channel_ops_only, the default; kvcached-serve --grpc-page-ops serves it over gRPC too); "
+                "see docs/protocol.md"
             )
-        )
-        log.debug("fd channel %d: pid %d uid %d gid %d", ch.id, pid, uid, gid)
+        return self.session(who.id, who.token, who.uid)
 
-    def _refusal(self, ch: Channel) -> errors.KVCachedError | None:
-        allowed = self.settings.allowed_uids
-        if allowed and ch.uid not in allowed and ch.uid != os.getuid():
-            return errors.PermissionDenied(f"uid {ch.uid} is not allowed to use this daemon (allowed_uids)")
-        per_uid = sum(1 for c in self.channels.values() if c.uid == ch.uid)
-        if per_uid >= self.settings.max_sessions_per_uid:
-            return errors.ResourceExhausted(
-                f"uid {ch.uid} already has {per_uid} fd channels open (max_sessions_per_uid={self.settings.max_sessions_per_uid})"
-            )
-        if len(self.channels) >= self.settings.max_sessions:
-            return errors.ResourceExhausted(f"the daemon already has {len(self.channels)} channels open (max_sessions)")
-        return None
 
-    def _channel_readable(self, ch: Channel) -> None:
-        """Clients send request records (ALLOCATE, FREE, CLOSE) on a bound
-        channel and ADOPT records before ResumeSession; EOF ends the channel.
-        Anything else is dropped with its descriptors."""
-        try:
-            rec = fdchannel.recv_record(ch.sock, fdchannel.MAX_CLIENT_RECORD)
-        except (BlockingIOError, InterruptedError):
-            return
-        except fdchannel.ProtocolError as exc:
-            self.counters["fd_channel_errors"] += 1
-            log.info("fd channel %d (pid %d): dropped a malformed record: %s", ch.id, ch.pid, exc)
-            return
-        except OSError:
-            rec = None
-        if rec is None:
-            self._drop_channel(ch, None, crashed=ch.session is not None)
-            return
-        if isinstance(rec, (fdchannel.AllocateReq, fdchannel.FreeReq, fdchannel.CloseReq)):
-            if ch.session is None:
-                ch.send_nowait(fdchannel.encode_reply(rec.req_id, errors.FailedPrecondition.code.value[0], 0,
-                                                      "no session on this fd channel yet: call OpenSession first"))
-            else:
-                self._spawn(self._serve_request(ch, ch.session, rec))
-            return
-        js = self.orphans.get(rec.session_id) if isinstance(rec, fdchannel.Adopt) and ch.session is None else None
-        if js is not None and js.uid == ch.uid and (not ch.adopted or ch.adopt_session == rec.session_id):
-            # Keep only fds of pages the journal gave this orphan (of this
-            # uid): nobody can make the daemon hold descriptors for nothing.
-            ch.adopt_session = rec.session_id
-            for pid, fd in zip(rec.page_ids, rec.fds):
-                old = ch.adopted.pop(pid, None) if pid in js.pages else fd
-                if old is not None:
-                    fdchannel.close_fds([old])
-                if pid in js.pages:
-                    ch.adopted[pid] = fd
-            return
-        fdchannel.close_fds(getattr(rec, "fds", ()))
-
-    async def _serve_request(self, ch: Channel, s: Session, rec) -> None:
-        """A request record from a session's own fd channel: the kernel
-        vouches for the sender, so no token is needed. Answered with REPLY
-        (for ALLOCATE after its PAGES records)."""
-        t0 = time.monotonic()
-        kind = {fdchannel.AllocateReq: "Allocate", fdchannel.FreeReq: "Free", fdchannel.CloseReq: "CloseSession"}[type(rec)]
-        code, value, message = 0, 0, ""
-        try:
-            if s.closed:
-                raise errors.FailedPrecondition(f"session {s.id} is closed")
-            if isinstance(rec, fdchannel.AllocateReq):
-                _, pool, _ = await self.allocate(s, rec.device, rec.num_pages, rec.wait, rec.wait_timeout_ms, rec.notify,
-                                                 alloc_id=rec.req_id | fdchannel.CHANNEL_ALLOC_BIT)
-                value = s.held_pages(pool.uuid) * pool.page_size
-            elif isinstance(rec, fdchannel.FreeReq):
-                value = await self.free(s, list(rec.page_ids))
-            else:  # answer first: ending the session closes the channel
-                await ch.send(fdchannel.encode_reply(rec.req_id, 0, len(s.pages)), [], self.settings.fd_send_timeout)
-                self.end_session(s, "closed by client")
-        except ChannelClosed:
-            return  # nobody to answer
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a REPLY code
-            status, message = errors.to_status(exc)
-            code = status.value[0]
-            if status.name == "INTERNAL":
-                log.exception("fd channel %s failed", kind)
-        if not isinstance(rec, fdchannel.CloseReq) or code:
-            try:
-                await ch.send(fdchannel.encode_reply(rec.req_id, code, value, message), [], self.settings.fd_send_timeout)
-            except ChannelClosed:
-                pass
-        for hook in self.on_request:
-            hook(kind, code, time.monotonic() - t0, getattr(rec, "wait", False))
-
-    def _peer_exited(self, ch: Channel) -> None:
-        self._drop_channel(ch, None, crashed=True)
-
-    def _drop_channel(self, ch: Channel, err: errors.KVCachedError | None, crashed: bool = False) -> None:
-        """The channel is gone (EOF, peer exit, error): end its session."""
-        if ch.closed:
-            return
-        if err is not None:
-            ch.send_nowait(fdchannel.encode_error(err.code.value[0], err.message))
-        if ch.session is not None:
-            reason = "client exited" if crashed else (err.message if err else "fd channel closed")
-            self.end_session(ch.session, reason, crashed=crashed, goodbye=False)
-        self._forget_channel(ch)
-
-    def _forget_channel(self, ch: Channel) -> None:
-        self._unbound.pop(ch.secret, None)
-        self.channels.pop(ch.id, None)
-        ch.close()
+    def observe(self, op: str, code: Code, seconds: float, waited: bool = False) -> None:
+        """Report one core operation to the observers. An adapter calls it
+        itself only for a request of a core operation it had to refuse
+        before reaching the core (a body it could not decode)."""
+        for fn in self.observers:
+            fn(op, code, seconds, waited)
 
     # ---- sessions -------------------------------------------------------
+    def _ports(self) -> PortDirectory:
+        if self.ports is None:
+            raise errors.Unavailable("the fd channel is not serving yet")
+        return self.ports
+
+    @staticmethod
+    def _check_uid(caller_uid: int | None, s: Session) -> None:
+        """A SessionRef is good only for the uid that opened the session."""
+        if caller_uid is not None and caller_uid != s.uid:
+            who = f"the caller's ({caller_uid})" if caller_uid >= 0 else "a caller whose connection is gone"
+            raise errors.PermissionDenied(
+                f"session {s.id} belongs to another uid than {who}: a SessionRef is good only for the uid that opened the session")
+
+    @staticmethod
+    def _same_uid(caller_uid: int | None, port: SessionPort, rpc: str) -> None:
+        """The session's identity is its fd channel's peer: the gRPC caller
+        that binds it must be of the same uid."""
+        if caller_uid is not None and caller_uid != port.uid:
+            raise errors.PermissionDenied(
+                f"{rpc} comes from uid {caller_uid}, but the fd channel of that secret belongs to uid {port.uid}: "
+                "call it from the process (uid) that connected the channel")
+
+    def _others_guaranteed(self, exclude: Session | None) -> int:
+        return sum(s.guaranteed_bytes for s in self.sessions.values() if s is not exclude)
+
+    def _budgets(self):
+        return [p.budget for p in self.pools.values()]
+
     def open_session(
         self,
+        caller_uid: int | None,
         secret: bytes,
         name: str,
         guaranteed_bytes: int,
@@ -420,20 +373,20 @@ class Daemon:
         self._check_serving()
         check_name(name)
         labels = check_labels(labels)
-        if max_bytes and guaranteed_bytes > max_bytes:
-            raise errors.InvalidArgument(f"guaranteed_bytes {guaranteed_bytes} exceeds max_bytes {max_bytes}")
-        ch = self._unbound_channel(secret)
+        ports = self._ports()
+        port = ports.find(secret)
+        self._same_uid(caller_uid, port, "OpenSession")
         if len(self.sessions) >= self.settings.max_sessions:
             raise errors.ResourceExhausted(f"{len(self.sessions)} sessions open (max_sessions)")
-        self._check_guarantees(guaranteed_bytes, None)
-        del self._unbound[ch.secret]
-        resume_token = secrets.token_bytes(32) if self.journal is not None else b""
+        admit(self._budgets(), session=f"'{name}'", guaranteed_bytes=guaranteed_bytes, max_bytes=max_bytes,
+              others_guaranteed=self._others_guaranteed(None))
+        resume_token = secrets.token_bytes(SECRET_SIZE) if self.journal is not None else b""
         s = Session(
             id=self._next_session_id,
-            token=secrets.token_bytes(32),
+            token=secrets.token_bytes(SECRET_SIZE),
             name=name,
-            channel=ch,
-            admin=self.settings.is_admin(ch.uid),
+            port=port,
+            admin=self.settings.is_admin(port.uid),
             labels=labels,
             guaranteed_bytes=guaranteed_bytes,
             max_bytes=max_bytes,
@@ -442,7 +395,7 @@ class Daemon:
         )
         self._next_session_id += 1
         s.resume_token = resume_token  # handed to the client once, never stored
-        ch.session = s
+        ports.bind(port, s)
         self.sessions[s.id] = s
         self.counters["sessions_opened"] += 1
         self._journal({"op": "open", "sid": s.id, "uid": s.uid, "name": name, "rh": s.resume_hash,
@@ -450,36 +403,18 @@ class Daemon:
         log.info("session %d '%s' opened by pid %d uid %d%s", s.id, name, s.pid, s.uid, " (admin)" if s.admin else "")
         return s
 
-    def _unbound_channel(self, secret: bytes) -> Channel:
-        if len(secret) != fdchannel.SECRET_SIZE:
-            raise errors.InvalidArgument(f"channel_secret must be {fdchannel.SECRET_SIZE} bytes from the fd channel's HELLO, got {len(secret)}")
-        for candidate_secret, candidate in self._unbound.items():
-            if hmac.compare_digest(candidate_secret, secret) and not candidate.closed:
-                return candidate
-        raise errors.FailedPrecondition("unknown or already used channel secret: connect the fd channel and use the secret from its HELLO")
-
-    async def resume_session(self, secret: bytes, sid: int, token: bytes, page_ids: list[int]) -> tuple[Session, int, int]:
+    async def resume_session(self, caller_uid: int | None, secret: bytes, sid: int, token: bytes, page_ids: list[int]) -> tuple[Session, int, int]:
         """Re-attach a session of the previous daemon to a new fd channel,
-        adopting the pages its client re-sent (ADOPT) after checking the
-        claim against the journal. Returns (session, adopted, forgotten)."""
+        adopting the pages its client re-sent (ADOPT, collected by the
+        channel adapter) after checking the claim against the journal.
+        Returns (session, adopted, forgotten)."""
         self._check_serving()
         if self.journal is None:
             raise errors.FailedPrecondition("this daemon keeps no journal (--state-dir), so sessions cannot be resumed; open a new one")
-        ch = self._unbound_channel(secret)
-        # the client sent its ADOPT records before this call: read them all now
-        while not ch.closed and ch.sock.fileno() >= 0:
-            before = len(ch.adopted)
-            try:
-                select_ready = bool(select.select([ch.sock], [], [], 0)[0])
-            except (OSError, ValueError):
-                break
-            if not select_ready:
-                break
-            self._channel_readable(ch)
-            if len(ch.adopted) == before and not select.select([ch.sock], [], [], 0)[0]:
-                break
-        if ch.closed:
-            raise errors.FailedPrecondition("the fd channel closed before ResumeSession")
+        ports = self._ports()
+        port = ports.find(secret)
+        self._same_uid(caller_uid, port, "ResumeSession")
+        adoption = ports.adoption(port)
         js = self.orphans.get(sid)
         if js is None:
             if sid in self.sessions:
@@ -488,91 +423,79 @@ class Daemon:
             raise errors.NotFound(f"no session {sid} to resume" + (f" ({reason})" if reason else " in the journal"))
         if not hmac.compare_digest(hashlib.sha256(token).hexdigest(), js.resume_hash):
             raise errors.PermissionDenied(f"resume token does not match session {sid}")
-        if ch.uid != js.uid:
-            raise errors.PermissionDenied(f"session {sid} belonged to uid {js.uid}, not to uid {ch.uid}")
+        if port.uid != js.uid:
+            raise errors.PermissionDenied(f"session {sid} belonged to uid {js.uid}, not to uid {port.uid}")
         if len(set(page_ids)) != len(page_ids):
             raise errors.InvalidArgument("page_ids repeats a page; nothing was adopted")
-        if ch.adopted and ch.adopt_session != sid:
-            raise errors.InvalidArgument(f"the ADOPT records on this channel name session {ch.adopt_session}, not {sid}")
+        if adoption.fds and adoption.session_id != sid:
+            raise errors.InvalidArgument(f"the ADOPT records on this channel name session {adoption.session_id}, not {sid}")
         for pid in page_ids:
             if pid not in js.pages:
                 raise errors.PermissionDenied(f"page {pid} was not held by session {sid}; nothing was adopted")
-            if pid not in ch.adopted:
+            if pid not in adoption.fds:
                 raise errors.InvalidArgument(f"page {pid} is claimed but its fd was not sent as ADOPT; nothing was adopted")
         for pid in page_ids:
-            if self.backend.identity(ch.adopted[pid]) != js.pages[pid][1]:
+            if self.backend.identity(adoption.fds[pid]) != js.pages[pid][1]:
                 raise errors.PermissionDenied(f"the fd sent for page {pid} is not the page the journal recorded; nothing was adopted")
         by_dev: dict[str, list[int]] = {}
         for pid in page_ids:
             by_dev.setdefault(js.pages[pid][0], []).append(pid)
-        adopted: dict[int, tuple[str, object]] = {}
-        for dev, pids in by_dev.items():
-            pool = self.pools[dev]
-            fds = [ch.adopted.pop(pid) for pid in pids]
-            try:
-                handles = await pool.worker.call(self.backend.adopt_pages, pool.spec.ordinal, fds, pool.page_size)
-            except BaseException:
-                # undo earlier devices: the orphan keeps its pages, the client may retry
-                for d2, h in adopted.values():
-                    await self.pools[d2].worker.call(self.backend.release_pages, self.pools[d2].spec.ordinal, [h])
-                raise
-            for pid, h in zip(pids, handles):
-                adopted[pid] = (dev, h)
-        fdchannel.close_fds(ch.adopted.values())
-        ch.adopted.clear()
-        if sid not in self.orphans or ch.closed:  # lost a race with the grace timer or the client
-            for dev, h in adopted.values():
-                await self.pools[dev].worker.call(self.backend.release_pages, self.pools[dev].spec.ordinal, [h])
+        imported: dict[str, tuple[list[int], list]] = {}
+        try:
+            for dev, pids in by_dev.items():
+                handles = await self.pools[dev].import_pages([adoption.take(pid) for pid in pids])
+                imported[dev] = (pids, handles)
+        except BaseException:
+            # undo earlier devices: the orphan keeps its pages, the client may retry
+            for dev, (_, handles) in imported.items():
+                await self.pools[dev].release_handles(handles)
+            raise
+        adoption.discard()
+        if sid not in self.orphans or port.closed:  # lost a race with the grace timer or the client
+            for dev, (_, handles) in imported.items():
+                await self.pools[dev].release_handles(handles)
             raise errors.FailedPrecondition(f"session {sid} could not be resumed: it expired or its channel closed meanwhile")
         del self.orphans[sid]
         self._orphan_deadline.pop(sid, None)
-        del self._unbound[ch.secret]
         s = Session(
-            id=sid, token=secrets.token_bytes(32), name=js.name, channel=ch, admin=self.settings.is_admin(ch.uid),
+            id=sid, token=secrets.token_bytes(SECRET_SIZE), name=js.name, port=port, admin=self.settings.is_admin(port.uid),
             labels=dict(js.labels), guaranteed_bytes=js.guaranteed_bytes, max_bytes=js.max_bytes,
             priority=js.priority, resume_hash=js.resume_hash,
         )
-        ch.session = s
+        ports.bind(port, s)
         self.sessions[sid] = s
+        adopted = {pid for pids, _ in imported.values() for pid in pids}
         forgotten = [pid for pid in js.pages if pid not in adopted]
+        per_dev: dict[str, int] = {}
         for pid in forgotten:
-            self.pools[js.pages[pid][0]].n_held -= 1
-        by_pool: dict[str, list[Page]] = {}
-        for pid, (dev, h) in adopted.items():
-            page = Page(id=pid, device=dev, handle=h, state=PageState.HELD, session=s, uid=s.uid, ident=js.pages[pid][1])
-            self.pools[dev].pages[pid] = page
-            by_pool.setdefault(dev, []).append(page)
-        for dev, pages in by_pool.items():
-            s.add_pages(self.pools[dev], pages)
+            dev = js.pages[pid][0]
+            per_dev[dev] = per_dev.get(dev, 0) + 1
+        for dev, n in per_dev.items():
+            self.pools[dev].forget_orphans(n)
+        for dev, (pids, handles) in imported.items():
+            pool = self.pools[dev]
+            pages = pool.adopt(s, [(pid, h, js.pages[pid][1]) for pid, h in zip(pids, handles)])
+            s.add_pages(pool, pages)
         if forgotten:
             self._journal({"op": "free", "sid": sid, "pages": forgotten})
-        self.counters["sessions_resumed"] = self.counters.get("sessions_resumed", 0) + 1
+        self.count("sessions_resumed")
         log.info("session %d '%s' resumed by pid %d uid %d: %d pages adopted, %d forgotten",
                  sid, s.name, s.pid, s.uid, len(adopted), len(forgotten))
         return s, len(adopted), len(forgotten)
 
-    def _check_guarantees(self, guaranteed_bytes: int, exclude: Session | None) -> None:
-        if not guaranteed_bytes:
-            return
-        for pool in self.pools.values():
-            budget = pool.budget_pages * pool.page_size
-            total = sum(s.guaranteed_bytes for s in self.sessions.values() if s is not exclude) + guaranteed_bytes
-            if total > budget:
-                raise errors.ResourceExhausted(
-                    f"guarantees would total {format_size(total)}, more than device {pool.uuid}'s budget {format_size(budget)}"
-                )
-
-    def session(self, ref_id: int, token: bytes) -> Session:
-        """The session a request names; checks the token."""
+    def session(self, ref_id: int, token: bytes, caller_uid: int | None = None) -> Session:
+        """The session a SessionRef names; checks the caller's uid (when the
+        front door named it) and the token."""
         if not ref_id:
             raise errors.InvalidArgument("session is required (SessionRef with id and token)")
         s = self.target_session(ref_id)
+        self._check_uid(caller_uid, s)
         if not hmac.compare_digest(s.token, token):
             raise errors.PermissionDenied(f"token does not match session {ref_id}")
         return s
 
-    def admin_session(self, ref_id: int, token: bytes) -> Session:
-        s = self.session(ref_id, token)
+    def admin_session(self, ref_id: int, token: bytes, caller_uid: int | None = None) -> Session:
+        s = self.session(ref_id, token, caller_uid)
         if not s.admin:
             raise errors.PermissionDenied(f"session {s.id} (uid {s.uid}) is not an admin session (admin_uids)")
         return s
@@ -587,11 +510,11 @@ class Daemon:
             return list(self.sessions.values())
         return [s] + [x for x in self.sessions.values() if x.uid == s.uid and x is not s]
 
-    def shrinker_session(self, ref_id: int, token: bytes, target_sid: int) -> Session:
+    def shrinker_session(self, ref_id: int, token: bytes, target_sid: int, caller_uid: int | None = None) -> Session:
         """The session a RequestShrink comes from: an admin, or a session of
         the target's own uid (asking one's own processes to give memory back
         needs no more than the uid already has)."""
-        s = self.session(ref_id, token)
+        s = self.session(ref_id, token, caller_uid)
         if s.admin:
             return s
         target = self.target_session(target_sid)
@@ -601,9 +524,21 @@ class Daemon:
                 f"(session {target_sid} is uid {target.uid}) unless it is an admin session (admin_uids)")
         return s
 
-    def end_session(self, s: Session, reason: str, *, crashed: bool = False, goodbye: bool = True) -> int:
+    async def close_session(self, who: Who) -> int:
+        """CloseSession: the session ends; returns the pages it gave back."""
+        with _Observation(self, "CloseSession"):
+            s = self.resolve(who, "CloseSession")
+            return self.end_session(s, "closed by client")
+
+    def session_lost(self, s: Session, crashed: bool) -> None:
+        """The adapter lost the session's channel (EOF, peer exit)."""
+        self.end_session(s, "client exited" if crashed else "fd channel closed", crashed=crashed)
+
+    def end_session(self, s: Session, reason: str, *, crashed: bool = False,
+                    farewell: errors.KVCachedError | None = None) -> int:
         """End a session: its pages go back to the pool (zeroed for their
-        uid), its watchers stop, its channel closes. Returns pages returned."""
+        uid), its watchers stop, its port hangs up (GOODBYE, or ERROR with
+        `farewell`). Returns pages returned."""
         if s.closed:
             return 0
         s.closed = True
@@ -622,10 +557,8 @@ class Daemon:
             self._spawn(pool.give_back(pages))
         for q in s.watchers:
             q.put_nowait(None)
-        ch = s.channel
-        if goodbye and not ch.closed:
-            ch.send_nowait(fdchannel.encode_goodbye())
-        self._forget_channel(ch)
+        self.reclaimer.session_ended(s)
+        s.port.hang_up(farewell, pages_returned=n)
         for hook in self.on_session_end:
             hook(s, reason)
         log.info("session %d '%s' ended (%s): %d pages returned", s.id, s.name, reason, n)
@@ -640,54 +573,51 @@ class Daemon:
             raise errors.NotFound(f"no device {device!r}; this daemon serves {', '.join(self.pools)}")
         return pool
 
-    async def allocate(self, s: Session, device: str, count: int, wait: bool, wait_ms: int, notify: bool = False,
-                       alloc_id: int | None = None) -> tuple[int, DevicePool, list[Page]]:
-        self._check_serving()
-        limit = self.settings.max_pages_per_request
-        if count <= 0 or count > limit:
-            raise errors.InvalidArgument(f"num_pages must be 1..{limit}, got {count}")
-        pool = self.pool(device)
-        cap = pool.budget_pages if not s.max_bytes else min(pool.budget_pages, s.max_bytes // pool.page_size)
-        held = s.held_pages(pool.uuid)
-        if held + count > cap:
-            raise errors.ResourceExhausted(
-                f"session {s.id} '{s.name}' holds {held} pages on {pool.uuid}; {count} more would exceed its maximum of {cap} pages"
-                + (f" (max_bytes {format_size(s.max_bytes)})" if s.max_bytes else " (the device budget)")
-            )
-        pages = await self._acquire(s, pool, count, wait, wait_ms, notify)
-        if s.closed:
-            # The session ended while its pages were being made: nobody got them.
-            await pool.give_back(pages)
-            raise errors.FailedPrecondition(f"session {s.id} closed while allocating")
-        s.add_pages(pool, pages)
-        if self.journal is not None:
-            for p in pages:
-                if not p.ident:
-                    p.ident = self.backend.identity(p.handle.fd)
-            self._journal({"op": "alloc", "sid": s.id, "dev": pool.uuid, "pages": [[p.id, p.ident] for p in pages]})
-        if alloc_id is None:
-            alloc_id = next(self._alloc_ids)
-        try:
-            await self._deliver(s, alloc_id, pages)
-        except ChannelClosed as exc:
-            self.counters["fd_channel_errors"] += 1
-            err = errors.Unavailable(f"could not deliver pages on session {s.id}'s fd channel: {exc}")
-            self._drop_channel(s.channel, err)
-            if not s.closed:
-                self.end_session(s, str(exc))
-            raise err from None
-        except asyncio.CancelledError:
-            # The caller gave up (its deadline passed) before the answer: it
-            # never learns these page ids, so the session must not keep them.
-            if not s.closed and all(p.id in s.pages for p in pages):
-                s.remove_pages(pool, pages)
-                self._journal({"op": "free", "sid": s.id, "pages": [p.id for p in pages]})
-                self._spawn(pool.give_back(pages))
-            raise
-        pool.mark_held(pages)
-        s.allocations_total += 1
-        s.touch()
-        return alloc_id, pool, pages
+    async def allocate(self, who: Who, device: str, count: int, wait: bool, wait_ms: int, notify: bool = False,
+                       alloc_id: int | None = None) -> Allocated:
+        """Allocate: admission, pages from the pool (waiting and reclaiming
+        when allowed), delivery through the session's port, then the answer."""
+        with _Observation(self, "Allocate", wait):
+            s = self.resolve(who, "Allocate")
+            self._check_serving()
+            limit = self.settings.max_pages_per_request
+            if count <= 0 or count > limit:
+                raise errors.InvalidArgument(f"num_pages must be 1..{limit}, got {count}")
+            pool = self.pool(device)
+            admit([pool.budget], session=f"{s.id} '{s.name}'", guaranteed_bytes=s.guaranteed_bytes, max_bytes=s.max_bytes,
+                  device=pool.uuid, held_pages=s.held_pages(pool.uuid), more_pages=count)
+            pages = await self._acquire(s, pool, count, wait, wait_ms, notify)
+            if s.closed:
+                # The session ended while its pages were being made: nobody got them.
+                await pool.give_back(pages)
+                raise errors.FailedPrecondition(f"session {s.id} closed while allocating")
+            s.add_pages(pool, pages)
+            if self.journal is not None:
+                for p in pages:
+                    if not p.ident:
+                        p.ident = self.backend.identity(p.handle.fd)
+                self._journal({"op": "alloc", "sid": s.id, "dev": pool.uuid, "pages": [[p.id, p.ident] for p in pages]})
+            if alloc_id is None:
+                alloc_id = next(self._alloc_ids)
+            try:
+                await s.port.deliver(alloc_id, pages)
+            except DeliveryFailed as exc:
+                self.count("fd_channel_errors")
+                err = errors.Unavailable(f"could not deliver pages on session {s.id}'s fd channel: {exc}")
+                self.end_session(s, str(exc), farewell=err)
+                raise err from None
+            except asyncio.CancelledError:
+                # The caller gave up (its deadline passed) before the answer: it
+                # never learns these page ids, so the session must not keep them.
+                if not s.closed and all(p.id in s.pages for p in pages):
+                    s.remove_pages(pool, pages)
+                    self._journal({"op": "free", "sid": s.id, "pages": [p.id for p in pages]})
+                    self._spawn(pool.give_back(pages))
+                raise
+            pool.mark_held(pages)
+            s.allocations_total += 1
+            s.touch()
+            return Allocated(alloc_id, pool.uuid, pool.page_size, [p.id for p in pages], s.held_pages(pool.uuid) * pool.page_size)
 
     async def _acquire(self, s: Session, pool: DevicePool, count: int, wait: bool, wait_ms: int, notify: bool) -> list[Page]:
         """pool.acquire, and when memory is short and the caller may wait:
@@ -701,9 +631,16 @@ class Daemon:
             try:
                 return await pool.acquire(s, count)
             except Shortage as short:
+                if pool.budget_pages < pool.limit_pages and time.monotonic() - self._supply_read > 0.1:
+                    # capped by what the device had: it may have more now (a client of a
+                    # previous daemon exited); read it before refusing or reclaiming
+                    before = pool.budget_pages
+                    await self.refresh_supply([pool])
+                    if pool.budget_pages > before:
+                        continue
                 now = loop.time()
                 if not wait or now >= deadline:
-                    pool.counters.allocation_failures_total += 1
+                    pool.note_failure()
                     if notify:
                         self._notify.append((s, pool.uuid, count))
                     if not wait:
@@ -746,41 +683,36 @@ class Daemon:
                 keep.append((s, dev, want))
         self._notify = keep
 
-    async def _deliver(self, s: Session, alloc_id: int, pages: list[Page]) -> None:
-        total = len(pages)
-        step = fdchannel.MAX_FDS
-        for first in range(0, total, step):
-            chunk = pages[first : first + step]
-            rec = fdchannel.encode_pages(alloc_id, first, total, [p.id for p in chunk])
-            await s.channel.send(rec, [p.handle.fd for p in chunk], self.settings.fd_send_timeout)
-
-    async def free(self, s: Session, page_ids: list[int]) -> int:
-        if not page_ids:
-            raise errors.InvalidArgument("page_ids is empty: name the pages to free")
-        seen: set[int] = set()
-        pages: list[Page] = []
-        for pid in page_ids:
-            if pid in seen:
-                raise errors.InvalidArgument(f"page {pid} appears more than once; nothing was freed")
-            seen.add(pid)
-            page = s.pages.get(pid)
-            if page is None:
-                raise errors.NotFound(f"page {pid} is not held by session {s.id}; nothing was freed")
-            if page.state is not PageState.HELD:
-                raise errors.FailedPrecondition(f"page {pid} is still being delivered; nothing was freed")
-            pages.append(page)
-        by_pool: dict[str, list[Page]] = {}
-        for page in pages:
-            by_pool.setdefault(page.device, []).append(page)
-        for uuid, group in by_pool.items():
-            s.remove_pages(self.pools[uuid], group)
-            self.reclaimer.settle(s, uuid, len(group))
-        s.frees_total += 1
-        s.touch()
-        self._journal({"op": "free", "sid": s.id, "pages": [p.id for p in pages]})
-        # Tasks of their own: a cancelled Free (its client died) still returns the pages.
-        await asyncio.wait([self._spawn(self.pools[u].give_back(g)) for u, g in by_pool.items()])
-        return len(pages)
+    async def free(self, who: Who, page_ids: list[int]) -> tuple[int, Session]:
+        """Free: all or nothing. Returns (pages freed, the session)."""
+        with _Observation(self, "Free"):
+            s = self.resolve(who, "Free")
+            if not page_ids:
+                raise errors.InvalidArgument("page_ids is empty: name the pages to free")
+            seen: set[int] = set()
+            pages: list[Page] = []
+            for pid in page_ids:
+                if pid in seen:
+                    raise errors.InvalidArgument(f"page {pid} appears more than once; nothing was freed")
+                seen.add(pid)
+                page = s.pages.get(pid)
+                if page is None:
+                    raise errors.NotFound(f"page {pid} is not held by session {s.id}; nothing was freed")
+                if page.state is not PageState.HELD:
+                    raise errors.FailedPrecondition(f"page {pid} is still being delivered; nothing was freed")
+                pages.append(page)
+            by_pool: dict[str, list[Page]] = {}
+            for page in pages:
+                by_pool.setdefault(page.device, []).append(page)
+            for uuid, group in by_pool.items():
+                s.remove_pages(self.pools[uuid], group)
+                self.reclaimer.settle(s, uuid, len(group))
+            s.frees_total += 1
+            s.touch()
+            self._journal({"op": "free", "sid": s.id, "pages": [p.id for p in pages]})
+            # Tasks of their own: a cancelled Free (its client died) still returns the pages.
+            await asyncio.wait([self._spawn(self.pools[u].give_back(g)) for u, g in by_pool.items()])
+            return len(pages), s
 
     def held_bytes(self, s: Session) -> int:
         return sum(n * self.pools[u].page_size for u, n in s.held_by_device.items())
@@ -805,32 +737,39 @@ class Daemon:
         s = self.target_session(sid)
         g = fields.get("guaranteed_bytes", s.guaranteed_bytes)
         m = fields.get("max_bytes", s.max_bytes)
-        if m and g > m:
-            raise errors.InvalidArgument(f"guaranteed_bytes {g} exceeds max_bytes {m}")
-        self._check_guarantees(g, s)
+        admit(self._budgets(), session=f"{s.id} '{s.name}'", guaranteed_bytes=g, max_bytes=m,
+              others_guaranteed=self._others_guaranteed(s))
         s.guaranteed_bytes, s.max_bytes = g, m
         s.priority = fields.get("priority", s.priority)
         self._journal({"op": "limits", "sid": s.id, "g": s.guaranteed_bytes, "m": s.max_bytes, "p": s.priority})
         for pool in self.pools.values():
             s.post(Event("BUDGET_CHANGED", time.time(), {
-                "device": pool.uuid, "budget_bytes": pool.budget_pages * pool.page_size,
+                "device": pool.uuid, "budget_bytes": pool.budget.bytes,
                 "guaranteed_bytes": s.guaranteed_bytes, "max_bytes": s.max_bytes, "priority": s.priority}))
         log.info("session %d '%s' limits: guaranteed %d, max %d, priority %d", s.id, s.name, g, m, s.priority)
         return s
 
-    def request_shrink(self, sid: int, target_bytes: int, timeout_ms: int, reason: str) -> int:
+    def request_shrink(self, sid: int, target_bytes: int, timeout_ms: int, reason: str) -> list[Reclaim]:
         """Ask a session (through Watch) to hold at most target_bytes per
-        device, never below its guarantee. Returns pages asked for."""
+        device, never below its guarantee. Returns the RECLAIM events sent
+        (one per device it holds more on; each settles when the session
+        answers, meets it, ends, or the deadline passes)."""
         s = self.target_session(sid)
         timeout = (timeout_ms or self.settings.reclaim_timeout_ms) / 1000
-        asked = 0
+        sent = []
         for pool in self.pools.values():
             keep = max(target_bytes, s.guaranteed_bytes) // pool.page_size
             extra = s.held_pages(pool.uuid) - keep - pending_pages(s, pool, time.time())
             if extra > 0:
-                asked += extra
-                self.reclaimer.ask(s, pool, extra, time.time() + timeout, reason)
-        return asked
+                sent.append(self.reclaimer.ask(s, pool, extra, time.time() + timeout, reason))
+        return sent
+
+    def answer_reclaim(self, s: Session, reclaim_id: int, bytes_given: int, bytes_kept: int, why: str) -> int:
+        """A session's answer to one of its RECLAIM events (an ANSWER record
+        on its own fd channel). Returns the bytes the daemon's books show it
+        holding on that device."""
+        ev = self.reclaimer.answer(self.resolve(s, "AnswerReclaim"), reclaim_id, bytes_given, bytes_kept, why)
+        return s.held_pages(ev.device) * ev.page_size
 
     # ---- watch ----------------------------------------------------------
     def watch(self, s: Session) -> asyncio.Queue:
@@ -849,14 +788,10 @@ class Daemon:
             raise errors.Unavailable("the daemon is shutting down")
 
     async def begin_shutdown(self, reason: str) -> None:
-        """Tell every session, stop accepting, wait out the grace period (or
-        until every session has gone)."""
+        """Tell every session, wait out the grace period (or until every
+        session has gone). The adapters stop taking new work first."""
         self.shutting_down = True
         loop = asyncio.get_running_loop()
-        if self._listener is not None:
-            loop.remove_reader(self._listener.fileno())
-            self._listener.close()
-            self._listener = None
         grace = self.settings.shutdown_grace
         ev = Event("SHUTDOWN", time.time(), {"reason": reason, "grace_seconds": grace})
         for s in list(self.sessions.values()):
@@ -870,11 +805,12 @@ class Daemon:
         an earlier one failed; failures are logged and raised together at
         the end (ShutdownIncomplete), so a driver error cannot leave the
         other devices, the backend or the socket files behind."""
+        self.shutting_down = True
+        gone = errors.Unavailable("the daemon is shutting down")
         for s in list(self.sessions.values()):
-            s.channel.send_nowait(fdchannel.encode_error(errors.Unavailable.code.value[0], "the daemon is shutting down"))
-            self.end_session(s, "daemon shutdown", goodbye=False)
-        for ch in list(self.channels.values()):
-            self._drop_channel(ch, errors.Unavailable("the daemon is shutting down"))
+            self.end_session(s, "daemon shutdown", farewell=gone)
+        if self.ports is not None:
+            self.ports.shutdown(gone)
         # Let the give_back tasks settle, then release everything.
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5)
@@ -899,13 +835,40 @@ class Daemon:
         step("closing the backend", self.backend.close, True)
         if self.journal is not None:  # every session ended: nothing left to resume
             self.journal.close(remove=True)
-        try:
-            os.unlink(self.settings.fd_socket)
-        except FileNotFoundError:
-            pass
         if failures:
             raise ShutdownIncomplete("; ".join(failures))
 
 
+class _Observation:
+    """The one place a core operation's outcome and latency are observed:
+    `with _Observation(daemon, "Allocate"): ...` reports (operation, code,
+    seconds, waited) to every Daemon.observers entry."""
+
+    __slots__ = ("d", "op", "waited", "t0")
+
+    def __init__(self, d: Daemon, op: str, waited: bool = False):
+        self.d, self.op, self.waited = d, op, waited
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if exc is None:
+            code = Code.OK
+        elif isinstance(exc, asyncio.CancelledError):
+            code = Code.CANCELLED
+        else:
+            code = errors.status_of(exc)[0]
+        observers = self.d.observers
+        if observers:
+            seconds = time.perf_counter() - self.t0
+            for fn in observers:
+                fn(self.op, code, seconds, self.waited)
+
+
 class ShutdownIncomplete(Exception):
     """Shutdown finished but could not release everything (the message says what)."""
+
+
+# SessionPort is re-exported for the adapters' type hints.
+__all__ = ["API_VERSION", "Allocated", "Bearer", "CORE_OPS", "Daemon", "Event", "SessionPort", "ShutdownIncomplete", "Who"]

@@ -9,10 +9,18 @@ it holds, and refuse claims that do not add up.
 
 Format: `<state_dir>/journal.jsonl`, one JSON object per line, appended and
 flushed (not fsynced: it must survive the daemon's death, not the host's).
-Records: open, alloc, free, close, and a snapshot written at start-up and on
-compaction (when the log grows past twice the live state). Compaction
-writes a new file and renames it over the old one, atomically.
+Records: open, alloc, free, close, limits, and a snapshot written at start-up
+and on compaction (when the log grows past twice the live state).
+Compaction writes a new file and renames it over the old one, atomically.
 Writing costs O(pages in the call), never O(pages tracked).
+
+Reading is strict: every complete line must be UTF-8, JSON, an object, a
+known record with every field present and of its type. The one exception is
+a torn last record (no newline at the end of the file: the daemon died
+mid-write), which is applied if it happens to be complete and dropped
+otherwise. Anything else raises JournalDamaged naming the file, the line
+and the problem; the daemon then moves the file aside and starts without
+resumes (daemon.recover, docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -20,12 +28,100 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("kvcached.journal")
 
 NAME = "journal.jsonl"
+
+
+class JournalDamaged(Exception):
+    """A journal line that is not a valid record: names the file and line."""
+
+    def __init__(self, path: Path, line: int, problem: str):
+        self.path, self.line, self.problem = path, line, problem
+        super().__init__(f"journal {path} line {line}: {problem}")
+
+
+def _is_int(v, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(what)
+
+
+def _labels(v, where: str) -> dict:
+    _check(isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()),
+           f"{where} must be an object of strings")
+    return dict(v)
+
+
+def _session_fields(rec: dict, keys: dict[str, str], where: str) -> None:
+    for key, kind in keys.items():
+        _check(key in rec, f"{where} lacks {key!r}")
+        v = rec[key]
+        if kind == "id":
+            _check(_is_int(v, 1), f"{where}: {key!r} must be a positive integer, not {v!r:.40}")
+        elif kind == "uint":
+            _check(_is_int(v), f"{where}: {key!r} must be a non-negative integer, not {v!r:.40}")
+        elif kind == "int":
+            _check(isinstance(v, int) and not isinstance(v, bool), f"{where}: {key!r} must be an integer, not {v!r:.40}")
+        elif kind == "str":
+            _check(isinstance(v, str), f"{where}: {key!r} must be a string, not {v!r:.40}")
+        elif kind == "labels":
+            _labels(v, f"{where}: {key!r}")
+
+
+_OPEN = {"sid": "id", "uid": "uint", "name": "str", "rh": "str"}
+_OPEN_OPTIONAL = {"g": "uint", "m": "uint", "p": "int", "labels": "labels"}
+_SNAP_SESSION = {"sid": "id", "uid": "uint", "name": "str", "resume_hash": "str", "guaranteed_bytes": "uint",
+                 "max_bytes": "uint", "priority": "int", "labels": "labels"}
+
+
+def validate(rec) -> None:
+    """Raise ValueError naming what is wrong with a decoded journal record."""
+    _check(isinstance(rec, dict), f"a JSON {type(rec).__name__.replace('dict', 'object').replace('list', 'array')}, not an object")
+    op = rec.get("op")
+    _check(op is not None, "a record without 'op'")
+    if op == "snapshot":
+        _session_fields(rec, {"next_session_id": "id", "next_page_id": "id"}, "snapshot")
+        _check(isinstance(rec.get("sessions"), list), "snapshot: 'sessions' must be an array")
+        for i, js in enumerate(rec["sessions"]):
+            where = f"snapshot session #{i + 1}"
+            _check(isinstance(js, dict), f"{where} is not an object")
+            _session_fields(js, _SNAP_SESSION, where)
+            extra = set(js) - set(_SNAP_SESSION) - {"pages"}
+            _check(not extra, f"{where} has unknown fields {sorted(extra)}")
+            pages = js.get("pages")
+            _check(isinstance(pages, dict), f"{where}: 'pages' must be an object")
+            for k, v in pages.items():
+                _check(k.isdigit() and int(k) >= 1, f"{where}: page id {k!r:.40} is not a positive integer")
+                _check(isinstance(v, list) and len(v) == 2 and all(isinstance(x, str) for x in v),
+                       f"{where}: page {k} must be [device, identity]")
+    elif op == "open":
+        _session_fields(rec, _OPEN, "'open' record")
+        _session_fields(rec, {k: t for k, t in _OPEN_OPTIONAL.items() if k in rec}, "'open' record")
+    elif op == "alloc":
+        _session_fields(rec, {"sid": "id", "dev": "str"}, "'alloc' record")
+        pages = rec.get("pages")
+        _check(isinstance(pages, list), "'alloc' record: 'pages' must be an array")
+        for p in pages:
+            _check(isinstance(p, list) and len(p) == 2 and _is_int(p[0], 1) and isinstance(p[1], str),
+                   f"'alloc' record: page {p!r:.60} must be [page id, identity]")
+    elif op == "free":
+        _session_fields(rec, {"sid": "id"}, "'free' record")
+        pages = rec.get("pages")
+        _check(isinstance(pages, list) and all(_is_int(p, 1) for p in pages), "'free' record: 'pages' must be an array of page ids")
+    elif op == "close":
+        _session_fields(rec, {"sid": "id"}, "'close' record")
+    elif op == "limits":
+        _session_fields(rec, {"sid": "id", "g": "uint", "m": "uint", "p": "int"}, "'limits' record")
+    else:
+        raise ValueError(f"unknown record {op!r:.40}")
 
 
 @dataclass
@@ -53,23 +149,60 @@ class Journal:
 
     # ---- reading --------------------------------------------------------
     def load(self) -> None:
-        """Read what a previous daemon left. A torn last line (the daemon
-        died mid-write) is ignored; anything else malformed is an error."""
+        """Read what a previous daemon left. Raises JournalDamaged for any
+        line that is not a valid record (what was read before it stays in
+        `sessions`, `next_session_id`, `next_page_id`), OSError when the
+        state directory or the file cannot be used at all."""
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if not self.path.exists():
             return
-        lines = self.path.read_text().splitlines()
-        for n, line in enumerate(lines):
-            if not line.strip():
+        data = self.path.read_bytes()
+        lines = data.split(b"\n")
+        torn = lines.pop()  # after the last newline: empty, or a record cut mid-write
+        for n, raw in enumerate(lines, 1):
+            if not raw.strip():
                 continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                if n == len(lines) - 1:
-                    log.warning("journal: ignoring a torn last record")
-                    continue
-                raise ValueError(f"journal {self.path} line {n + 1} is corrupt") from None
+            rec = self._parse(raw, n)
             self._apply(rec)
+        if torn.strip():
+            try:
+                rec = self._parse(torn, len(lines) + 1)
+            except JournalDamaged as exc:
+                log.warning("journal %s: ignoring a torn last record (line %d, the daemon died mid-write): %s",
+                            self.path, len(lines) + 1, exc.problem)
+            else:
+                self._apply(rec)
+
+    def _parse(self, raw: bytes, n: int) -> dict:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise JournalDamaged(self.path, n, f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})") from None
+        try:
+            rec = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise JournalDamaged(self.path, n, f"not JSON: {exc.msg} (column {exc.colno})") from None
+        try:
+            validate(rec)
+        except ValueError as exc:
+            raise JournalDamaged(self.path, n, str(exc)) from None
+        return rec
+
+    def move_aside(self) -> Path:
+        """Rename a damaged journal out of the way (kept for a bug report)."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        aside = self.path.with_name(f"{NAME}.damaged-{stamp}")
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = self.path.with_name(f"{NAME}.damaged-{stamp}-{n}")
+        os.replace(self.path, aside)
+        return aside
+
+    def forget(self) -> None:
+        """Drop what a damaged journal said about sessions (ids stay: they
+        only ever grow)."""
+        self.sessions = {}
 
     def _apply(self, rec: dict) -> None:
         op = rec["op"]
@@ -78,6 +211,7 @@ class Journal:
             self.next_session_id = rec["next_session_id"]
             self.next_page_id = rec["next_page_id"]
             for js in rec["sessions"]:
+                js = dict(js)
                 pages = {int(k): tuple(v) for k, v in js.pop("pages").items()}
                 self.sessions[js["sid"]] = JSession(**js, pages=pages)
         elif op == "open":

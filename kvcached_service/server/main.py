@@ -1,7 +1,10 @@
 """kvcached-serve: the command line, backend choice, and the server's life.
 
 Exit codes: 0 after a clean shutdown (SIGTERM/SIGINT), 2 for invalid
-settings, 1 when the daemon cannot start (backend unusable, socket busy).
+settings (including a state directory that cannot be read or written), 1
+when the daemon cannot start (backend unusable, socket busy). A damaged
+journal is not a reason to stop: it is moved aside and the daemon starts
+without resumes (daemon.recover).
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ from .._generated.kvcached.v1 import kvcached_pb2 as pb
 from ..backends.base import Backend
 from ..config import ConfigError, Settings, load_settings, parse_size
 from . import sdnotify
-from .daemon import Daemon, ShutdownIncomplete, apply_socket_permissions, prepare_socket_path
+from .channel import ChannelServer
+from .control import ControlFront
+from .daemon import Daemon, ShutdownIncomplete
 from .metrics import Metrics
 from .service import KVCachedService, add_to_server
+from .sockets import prepare_socket_path
 
 log = logging.getLogger("kvcached")
 
@@ -34,7 +40,23 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCached"].full_name
 
 
 class StartupError(Exception):
-    pass
+    """The daemon cannot start now (exit 1; systemd retries)."""
+
+
+class SettingsError(Exception):
+    """A setting that cannot work as given (exit 2; systemd does not retry:
+    RestartPreventExitStatus=2)."""
+
+
+def _stop_devices(daemon: Daemon, backend: Backend) -> None:
+    """Undo start_devices after a failed start."""
+    for worker in daemon.workers:
+        try:
+            worker.stop()
+        except Exception as exc:  # noqa: BLE001 - release the rest
+            log.warning("stopping a device worker after a failed start: %s", exc)
+    daemon.workers.clear()
+    backend.close()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         help_text = field.description or ""
-        if field.annotation is bool:
+        if field.annotation in (bool, bool | None):
             ap.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
             ap.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=help_text)
@@ -96,46 +118,59 @@ async def serve(settings: Settings, ready_hook=None) -> int:
     nofile = raise_fd_limit()
     backend = open_backend(settings)
     daemon = Daemon(settings, backend)
+    channels = ChannelServer(daemon, settings)  # the fd channel adapter, beside the gRPC one
     try:
         daemon.start_devices()
         daemon.recover()
     except errors.KVCachedError as exc:
-        backend.close()
+        _stop_devices(daemon, backend)
         raise StartupError(exc.message) from None
-    except (OSError, ValueError) as exc:  # an unreadable or corrupt journal
-        backend.close()
-        raise StartupError(f"state directory {settings.state_dir}: {exc}") from None
+    except OSError as exc:  # the state directory cannot be used at all: a setting to fix, not to retry
+        _stop_devices(daemon, backend)
+        raise SettingsError(f"state_dir (--state-dir, KVCACHED_STATE_DIR) {settings.state_dir}: {exc.strerror or exc}"
+                            + (f": {exc.filename}" if exc.filename else "")) from None
 
     prepare_socket_path(settings.socket)
-    metrics = Metrics(daemon) if settings.metrics_address else None
+    # grpcio listens on a private socket; the control socket is the front
+    # door's (control.py: per-uid connection limits, the caller's uid).
+    try:
+        front = ControlFront(settings)
+    except OSError as exc:
+        _stop_devices(daemon, backend)
+        raise StartupError(f"cannot make grpcio's private socket directory beside {settings.socket}: {exc}") from None
+    metrics = Metrics(daemon, control=front) if settings.metrics_address else None
     server = grpc.aio.server(
         interceptors=metrics.interceptors() if metrics else None,
         options=[
             ("grpc.max_receive_message_length", 4 * 1024 * 1024),
             ("grpc.so_reuseport", 0),
+            # a connection with no call in flight is closed (GOAWAY); clients reconnect on their next call
+            ("grpc.max_connection_idle_ms", int(settings.grpc_idle_timeout * 1000)),
+            # the front door admits at most max_grpc_connections; the margin is for the daemon's own uid and root
+            ("grpc.max_allowed_incoming_connections", settings.max_grpc_connections + 64),
         ]
     )
-    add_to_server(KVCachedService(daemon, observe_error=metrics.observe_error if metrics else None), server)
+    add_to_server(KVCachedService(daemon, peers=front.peer), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    old_umask = os.umask(0o177)  # the socket file is born private; then chmod to the configured mode
+    old_umask = os.umask(0o077)  # grpcio's socket is private: only the front door (and root) reach it
     try:
-        server.add_insecure_port(f"unix:{settings.socket}")
+        server.add_insecure_port(f"unix:{front.private_path}")
         await server.start()
     finally:
         os.umask(old_umask)
-    apply_socket_permissions(settings.socket, settings)
     try:
-        daemon.start_fd_listener()
+        await front.start()
+        channels.start()
         await daemon.prefill()
         if metrics:
             metrics.start_http(settings.metrics_address)
     except Exception:
         await server.stop(None)
-        _unlink(settings.socket)
+        front.close()
         raise
     daemon.start_background()
 
@@ -146,7 +181,7 @@ async def serve(settings: Settings, ready_hook=None) -> int:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving on %s (fd channel %s), pid %d", settings.socket, settings.fd_socket, os.getpid())
-    pages = sum(p.budget_pages for p in daemon.pools.values())
+    pages = sum(p.budget.pages for p in daemon.pools.values())
     if pages + 256 > nofile:
         log.warning("the budget is %d pages but the open-file limit is %d: every page is one fd; "
                     "raise LimitNOFILE (systemd) or ulimit -n, or use larger pages", pages, nofile)
@@ -158,7 +193,9 @@ async def serve(settings: Settings, ready_hook=None) -> int:
 
     log.info("shutting down: telling %d sessions", len(daemon.sessions))
     await health_servicer.enter_graceful_shutdown()
+    channels.stop_accepting()
     await daemon.begin_shutdown("daemon stopping (signal)")
+    front.stop_accepting()
     await server.stop(grace=0.5)
     try:
         await daemon.finish_shutdown()
@@ -166,19 +203,12 @@ async def serve(settings: Settings, ready_hook=None) -> int:
         log.error("shutdown incomplete: %s", exc)
         return 1
     finally:
-        _unlink(settings.socket)
+        front.close()
         if metrics:
             metrics.stop()
         notifier.close()
     log.info("stopped: every page released")
     return 0
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return asyncio.run(serve(settings))
+    except SettingsError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
     except (StartupError, errors.KVCachedError) as exc:
         msg = exc.message if isinstance(exc, errors.KVCachedError) else str(exc)
         log.error("cannot start: %s", msg)

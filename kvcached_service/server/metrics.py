@@ -10,9 +10,13 @@ Design (after prometheus/client_python's custom collectors):
   server's thread) asks the loop for one snapshot per scrape: the numbers of
   one scrape come from one instant, so pooled + in_use + free == budget holds
   in the scraped values too.
-- What the daemon does not count itself -- rpc outcomes by status code and
-  Allocate latency -- is observed by a grpc.aio server interceptor
-  (MetricsInterceptor) and kept in ordinary Counter/Histogram objects.
+- What the daemon does not count itself -- request outcomes by status code
+  and Allocate latency -- is kept in ordinary Counter/Histogram objects, and
+  each request is observed exactly once: the core operations both adapters
+  reach (Allocate, Free, CloseSession; daemon.CORE_OPS) by the core at their
+  boundary (Daemon.observers), whether they came over gRPC or as fd channel
+  requests; every other rpc by a grpc.aio server interceptor
+  (MetricsInterceptor). Status names come from errors.Code (the one table).
 - Device memory from NVML (nvidia-ml-py) when a driver is present: total,
   used and free bytes per GPU UUID. Without a driver these series are absent
   and one debug line says why; nothing is retried per scrape.
@@ -34,12 +38,15 @@ import types
 from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
 from .. import __version__, errors
+from ..errors import Code
+from ..errors_grpc import code_of
+from .daemon import CORE_OPS
 
 if TYPE_CHECKING:
     from .daemon import Daemon
@@ -65,15 +72,9 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 def code_name(code: Any) -> str:
-    """A grpc.StatusCode, the integer cygrpc uses inside aio, or None (OK)."""
-    if code is None:
-        return "OK"
-    if isinstance(code, grpc.StatusCode):
-        return code.name
-    for sc in grpc.StatusCode:
-        if sc.value[0] == code:
-            return sc.name
-    return str(code)
+    """The name of a status: an errors.Code, a grpc.StatusCode, the integer
+    cygrpc uses inside aio, or None (OK)."""
+    return code_of(code).name
 
 
 # ---------------------------------------------------------------------------
@@ -131,28 +132,30 @@ def _import_pynvml():
 
 # ---------------------------------------------------------------------------
 # scrape-time collector
-def snapshot(daemon: "Daemon") -> dict:
-    """Every number the collector exports, read from the daemon's live state.
-    Must run on the daemon's event loop thread (or with the loop idle)."""
+def snapshot(daemon: "Daemon", control: Any = None) -> dict:
+    """Every number the collector exports, read from the daemon's live state
+    (and the control socket's front door, when given). Must run on the
+    daemon's event loop thread (or with the loop idle)."""
     now = time.time()
     devices = []
     for uuid, pool in daemon.pools.items():
-        ps = pool.page_size
+        b = pool.books()
         devices.append(
             {
                 "uuid": uuid,
                 "name": pool.spec.name,
                 "kind": pool.spec.kind,
-                "page_size": ps,
+                "page_size": b.page_size,
                 "total": pool.spec.total_bytes,
-                "budget": pool.budget_pages * ps,
-                "in_use": pool.n_in_use * ps,
-                "pooled": pool.n_pooled * ps,
-                "free": pool.n_free * ps,
-                "created_total": pool.counters.created_total,
-                "released_total": pool.counters.released_total,
-                "allocations_total": pool.counters.allocations_total,
-                "allocation_failures_total": pool.counters.allocation_failures_total,
+                "budget": b.budget_bytes,
+                "in_use": b.in_use_bytes,
+                "pooled": b.pooled_bytes,
+                "free": b.free_bytes,
+                "unavailable": b.unavailable_bytes,
+                "created_total": b.created_total,
+                "released_total": b.released_total,
+                "allocations_total": b.allocations_total,
+                "allocation_failures_total": b.allocation_failures_total,
             }
         )
     by_name: dict[str, dict] = {}
@@ -179,7 +182,10 @@ def snapshot(daemon: "Daemon") -> dict:
         "held": dict(held),
         "sessions_open": len(daemon.sessions),
         "counters": dict(c),
+        "control": control.stats() if control is not None else None,
+        "journal_damaged": 1 if getattr(daemon, "journal_damage", None) else 0,
         "reclaim": {
+            "answers": r.answers_total,
             "requests": r.requests_total,
             "ignored": r.ignored_total,
             "pages_asked": r.pages_asked_total,
@@ -196,20 +202,21 @@ class DaemonCollector:
     on that loop (call_soon_threadsafe) and waits up to SNAPSHOT_TIMEOUT; a
     stuck loop makes the scrape fail, which is the honest answer."""
 
-    def __init__(self, daemon: "Daemon", loop: asyncio.AbstractEventLoop | None = None, nvml: Nvml | None = None):
+    def __init__(self, daemon: "Daemon", loop: asyncio.AbstractEventLoop | None = None, nvml: Nvml | None = None, control: Any = None):
         self.daemon = daemon
         self.loop = loop
         self.nvml = nvml
+        self.control = control
 
     def _snapshot(self) -> dict:
         loop = self.loop
         if loop is None or _on_loop_thread(loop):
-            return snapshot(self.daemon)
+            return snapshot(self.daemon, self.control)
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
             try:
-                fut.set_result(snapshot(self.daemon))
+                fut.set_result(snapshot(self.daemon, self.control))
             except BaseException as exc:  # noqa: BLE001 - hand it to the scraper
                 fut.set_exception(exc)
 
@@ -248,6 +255,12 @@ class DaemonCollector:
         yield dev_gauge("kvcached_device_in_use_bytes", "Bytes in pages held by sessions (or being delivered or created)", "in_use")
         yield dev_gauge("kvcached_device_pooled_bytes", "Bytes in created pages held by no session (warm pool)", "pooled")
         yield dev_gauge("kvcached_device_free_bytes", "Budget not backed by any page (pooled + in_use + free = budget)", "free")
+        yield dev_gauge(
+            "kvcached_device_unavailable_bytes",
+            "Bytes of the configured limit the device does not have free (other processes, pages of a previous daemon "
+            "still mapped by its clients); not in the budget (budget + unavailable = the configured limit)",
+            "unavailable",
+        )
         yield dev_gauge("kvcached_device_page_size_bytes", "Bytes per page", "page_size")
         yield dev_counter("kvcached_device_pages_created", "Pages created on the device", "created_total")
         yield dev_counter("kvcached_device_pages_released", "Pages released back to the device", "released_total")
@@ -304,13 +317,29 @@ class DaemonCollector:
         yield CounterMetricFamily("kvcached_sessions_opened", "Sessions opened", value=c.get("sessions_opened", 0))
         yield CounterMetricFamily("kvcached_sessions_closed", "Sessions ended normally (CloseSession, channel closed, shutdown)", value=c.get("sessions_closed", 0))
         yield CounterMetricFamily("kvcached_sessions_crashed", "Sessions ended because the client process exited without closing", value=c.get("sessions_crashed", 0))
-        yield CounterMetricFamily("kvcached_fd_channel_errors", "fd channel failures (accept, set-up, page delivery)", value=c.get("fd_channel_errors", 0))
+        yield CounterMetricFamily("kvcached_fd_channel_errors", "fd channel failures (accept, set-up, page delivery, protocol errors that closed a channel)", value=c.get("fd_channel_errors", 0))
+        yield CounterMetricFamily("kvcached_fd_channel_malformed_requests", "Malformed request records answered INVALID_ARGUMENT (the session went on)",
+                                  value=c.get("fd_channel_malformed_requests", 0))
+        yield GaugeMetricFamily("kvcached_journal_damaged", "1 when this daemon found its journal damaged at start and moved it aside (no resumes)",
+                                value=snap["journal_damaged"])
+        ctl = snap["control"]
+        if ctl is not None:
+            yield GaugeMetricFamily("kvcached_control_connections", "Open connections on the control (gRPC) socket", value=ctl["open"])
+            refused = CounterMetricFamily("kvcached_control_connections_refused",
+                                          "Control connections refused by a limit (per_uid: max_grpc_connections_per_uid, total: max_grpc_connections)",
+                                          labels=["limit"])
+            for kind, n in sorted(ctl["refused"].items()):
+                refused.add_metric([kind], n)
+            yield refused
+            yield CounterMetricFamily("kvcached_control_connections_closed_idle",
+                                      "Control connections the daemon closed (idle for grpc_idle_timeout, or at shutdown)", value=ctl["closed_by_server"])
 
         r = snap["reclaim"]
         yield CounterMetricFamily("kvcached_reclaim_requests", "Reclaim requests sent to sessions", value=r["requests"])
         yield CounterMetricFamily("kvcached_reclaim_asked_pages", "Pages asked back by reclaim requests", value=r["pages_asked"])
         yield CounterMetricFamily("kvcached_reclaim_ignored", "Reclaim requests that expired without the pages coming back", value=r["ignored"])
         yield CounterMetricFamily("kvcached_reclaim_returned_pages", "Pages freed in answer to an open reclaim request", value=r["pages_returned"])
+        yield CounterMetricFamily("kvcached_reclaim_answers", "Reclaim requests a session answered (ANSWER: what it gave, what it keeps)", value=r["answers"])
         by_reason = CounterMetricFamily("kvcached_reclaim_requests_by_reason", "Reclaim requests by reason (allocate, idle, admin)", labels=["reason"])
         for reason, n in sorted(r["by_reason"].items()):
             by_reason.add_metric([reason], n)
@@ -386,6 +415,8 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not method.startswith(SERVICE_PREFIX):
             return handler
         rpc = method[len(SERVICE_PREFIX) :]
+        if rpc in CORE_OPS:
+            return handler  # the core observes these itself (Daemon.observers)
         m = self.m
         if handler.unary_unary is not None:
             inner = handler.unary_unary
@@ -400,7 +431,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                 except BaseException as exc:
                     code = context.code()
                     if code is None or code_name(code) == "OK":
-                        code = grpc.StatusCode.CANCELLED if isinstance(exc, asyncio.CancelledError) else grpc.StatusCode.UNKNOWN
+                        code = Code.CANCELLED if isinstance(exc, asyncio.CancelledError) else Code.UNKNOWN
                     raise
                 finally:
                     m.observe(rpc, code, time.perf_counter() - t0, request)
@@ -421,7 +452,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                 except BaseException as exc:
                     code = context.code()
                     if code is None or code_name(code) == "OK":
-                        code = grpc.StatusCode.CANCELLED if isinstance(exc, (asyncio.CancelledError, GeneratorExit)) else grpc.StatusCode.UNKNOWN
+                        code = Code.CANCELLED if isinstance(exc, (asyncio.CancelledError, GeneratorExit)) else Code.UNKNOWN
                     raise
                 finally:
                     m.observe(rpc, code, time.perf_counter() - t0, request)
@@ -444,12 +475,16 @@ class Metrics:
         metrics.stop()
     """
 
-    def __init__(self, daemon: "Daemon", registry: CollectorRegistry | None = None, *, nvml: Nvml | None = None, process: bool = True):
+    def __init__(self, daemon: "Daemon", registry: CollectorRegistry | None = None, *, nvml: Nvml | None = None, process: bool = True,
+                 control: Any = None):
         self.daemon = daemon
+        # No *_created series beside counters and histograms: they double the
+        # series count and no alert or dashboard reads them.
+        disable_created_metrics()
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
         self.rpc = RpcMetrics(self.registry)
         self.nvml = nvml if nvml is not None else Nvml()
-        self.collector = DaemonCollector(daemon, None, self.nvml)
+        self.collector = DaemonCollector(daemon, None, self.nvml, control)
         self.registry.register(self.collector)
         if process:
             # process_open_fds / process_max_fds matter here: every page is one fd.
@@ -457,22 +492,17 @@ class Metrics:
         self._server = None
         self._thread: threading.Thread | None = None
         self.address: tuple[str, int] | None = None
-        # Allocate/Free/Close sent as fd channel requests never pass the
-        # gRPC interceptor: the daemon reports them here, into the same series.
-        hooks = getattr(daemon, "on_request", None)
-        if hooks is not None:
-            hooks.append(self._channel_request)
+        # Allocate/Free/CloseSession, over gRPC or as fd channel requests:
+        # the core reports each once, at its boundary.
+        observers = getattr(daemon, "observers", None)
+        if observers is not None:
+            observers.append(self._core_op)
 
-    def _channel_request(self, rpc: str, code: int, seconds: float, waited: bool) -> None:
-        self.rpc.observe(rpc, code, seconds, types.SimpleNamespace(wait=waited))  # code_name takes the number
+    def _core_op(self, rpc: str, code: errors.Code, seconds: float, waited: bool) -> None:
+        self.rpc.observe(rpc, code, seconds, types.SimpleNamespace(wait=waited))
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         return [MetricsInterceptor(self.rpc)]
-
-    def observe_error(self, rpc: str, code: grpc.StatusCode) -> None:
-        """KVCachedService's observe_error hook. The interceptor already counts
-        every outcome by code, so this only logs at debug level."""
-        log.debug("rpc %s failed: %s", rpc, code_name(code))
 
     def text(self) -> bytes:
         """The exposition, as a scrape would get it."""

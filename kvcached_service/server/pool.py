@@ -27,11 +27,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
-import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple
 
 from .. import errors
 from ..backends.base import Backend, DeviceSpec, PageHandle
@@ -43,17 +42,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvcached.pool")
 
-_page_ids = itertools.count(1)
+class PageIds:
+    """The daemon's page-id counter, shared by its pools (a page id names a
+    page across devices and restarts). Owned by the Daemon, not global."""
 
+    def __init__(self, start: int = 1):
+        self._next = start
 
-def continue_page_ids(start: int) -> None:
-    """After a restart: never reuse a page id the journal knows."""
-    global _page_ids
-    _page_ids = itertools.count(start)
+    def next(self) -> int:
+        n = self._next
+        self._next += 1
+        return n
 
+    def peek(self) -> int:
+        """The id the next page will get (the journal records it)."""
+        return self._next
 
-def next_page_id() -> int:
-    return next(_page_ids)
+    def continue_from(self, start: int) -> None:
+        """After a restart: never reuse a page id the journal knows."""
+        self._next = max(self._next, start)
 
 
 class PageState(enum.Enum):
@@ -83,6 +90,80 @@ class PoolCounters:
     allocation_failures_total: int = 0
 
 
+class Budget(NamedTuple):
+    """A device's budget: what the daemon may lend on it now, in pages. What
+    admission reads. The configured limit (memory_limit resolved for the
+    device), capped by what the device really has: the pages the pool
+    accounts for plus the device's free memory (DevicePool.set_supply). A
+    new tuple replaces the old one when that changes."""
+
+    device: str
+    page_size: int
+    pages: int
+
+    @property
+    def bytes(self) -> int:
+        """The budget in bytes: the one place it is derived."""
+        return self.pages * self.page_size
+
+
+@dataclass(frozen=True)
+class Books:
+    """One device's books at one instant, in pages: the read model every
+    reader uses (GetStats, metrics, sd_notify, kvcachedctl through GetStats,
+    tests). Only DevicePool writes the numbers it is made from.
+
+        pooled + in_use + free == budget
+    """
+
+    budget: Budget
+    pooled: int
+    in_use: int
+    free: int
+    created_total: int
+    released_total: int
+    allocations_total: int
+    allocation_failures_total: int
+    unavailable: int = 0  # pages of the configured limit the device does not have (not in budget)
+
+    @property
+    def device(self) -> str:
+        return self.budget.device
+
+    @property
+    def page_size(self) -> int:
+        return self.budget.page_size
+
+    @property
+    def budget_pages(self) -> int:
+        return self.budget.pages
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.budget.bytes
+
+    @property
+    def pooled_bytes(self) -> int:
+        return self.pooled * self.page_size
+
+    @property
+    def in_use_bytes(self) -> int:
+        return self.in_use * self.page_size
+
+    @property
+    def free_bytes(self) -> int:
+        return self.free * self.page_size
+
+    @property
+    def unavailable_bytes(self) -> int:
+        return self.unavailable * self.page_size
+
+    def check(self) -> None:
+        """Assert the books add up (GetStats calls it on every snapshot)."""
+        assert self.pooled + self.in_use + self.free == self.budget_pages, self
+        assert self.free >= 0, f"budget overdrawn by {-self.free} pages"
+
+
 class Shortage(errors.ResourceExhausted):
     """Not enough budget; carries the numbers for the message and for reclaim."""
 
@@ -98,6 +179,7 @@ class DevicePool:
         spec: DeviceSpec,
         worker: DeviceWorker,
         *,
+        page_ids: PageIds,
         page_size: int,
         budget_bytes: int,
         warm_pages: int,
@@ -107,8 +189,11 @@ class DevicePool:
         self.backend = backend
         self.spec = spec
         self.worker = worker
+        self.page_ids = page_ids
         self.page_size = page_size
-        self.budget_pages = budget_bytes // page_size
+        self.limit_pages = budget_bytes // page_size  # the configured limit
+        self.budget_pages = self.limit_pages  # the limit capped by supply (set_supply)
+        self.budget = Budget(spec.uuid, page_size, self.budget_pages)
         self.warm_pages = min(warm_pages, self.budget_pages)
         self.idle_seconds = idle_seconds
         self.zero_pages = zero_pages
@@ -148,10 +233,78 @@ class DevicePool:
         """Pages a session of `uid` could get now without anyone freeing."""
         return self.n_ready_total() + self.n_free
 
+    def books(self) -> Books:
+        """A frozen snapshot of the books (see Books)."""
+        c = self.counters
+        return Books(
+            self.budget, self.n_pooled, self.n_in_use, self.n_free,
+            c.created_total, c.released_total, c.allocations_total, c.allocation_failures_total,
+            max(0, self.limit_pages - self.budget_pages),
+        )
+
+    # ---- supply: what the device really has ---------------------------
+    def set_supply(self, device_free_bytes: int) -> tuple[int, int] | None:
+        """The device reports `device_free_bytes` free (cuMemGetInfo; host:
+        MemAvailable). The budget becomes the configured limit capped at the
+        pages this pool accounts for (pooled + in use, orphans included) plus
+        the free ones, and never below what it accounts for: memory the
+        daemon cannot account for (other processes, pages of a previous
+        daemon its clients still map) is unavailable, not free. Returns
+        (old, new) budget pages when the budget changed."""
+        accounted = self.n_pooled + self.n_in_use
+        supply = accounted + max(0, device_free_bytes) // self.page_size
+        pages = max(accounted, min(self.limit_pages, supply))
+        if pages == self.budget_pages:
+            return None
+        old = self.budget_pages
+        self.budget_pages = pages
+        self.budget = Budget(self.uuid, self.page_size, pages)
+        if pages > old:
+            self._notify(0)  # a waiting Allocate may fit now
+        return old, pages
+
     def check(self) -> None:
-        """Assert the books add up (tests call it through GetStats)."""
-        assert self.n_pooled + self.n_in_use + self.n_free == self.budget_pages
-        assert self.n_free >= 0, f"budget overdrawn by {-self.n_free} pages"
+        """Assert the books add up (GetStats calls it on every snapshot)."""
+        self.books().check()
+
+    def note_failure(self) -> None:
+        """An Allocate this pool could not satisfy (after any wait)."""
+        self.counters.allocation_failures_total += 1
+
+    # ---- pages of a previous daemon (journal) ---------------------------
+    def hold_orphans(self, n: int) -> None:
+        """Pages a previous daemon lent to sessions that may still resume:
+        they count as in use (their memory is still mapped by the clients)
+        until they are adopted or forgotten."""
+        self.n_held += n
+
+    def forget_orphans(self, n: int) -> None:
+        """Orphan pages nobody will claim (grace over, or left out of a
+        resume): their budget is free again; the memory stays with whoever
+        still maps it."""
+        assert 0 <= n <= self.n_held
+        self.n_held -= n
+
+    async def import_pages(self, fds: list[int]) -> list[PageHandle]:
+        """Handles for pages a resuming client sent back (the backend takes
+        the fds). Not in the books until `adopt`."""
+        return await self.worker.call(self.backend.adopt_pages, self.spec.ordinal, fds, self.page_size)
+
+    async def release_handles(self, handles: list[PageHandle]) -> None:
+        """Undo import_pages (a resume that failed after importing)."""
+        await self.worker.call(self.backend.release_pages, self.spec.ordinal, handles)
+
+    def adopt(self, session: "Session", adopted: list[tuple[int, PageHandle, str]]) -> list[Page]:
+        """Orphan pages a resuming client proved it holds, as (page id,
+        handle, identity): they become the session's HELD pages. They were
+        counted in use since hold_orphans, so the counts do not change."""
+        out = []
+        for pid, handle, ident in adopted:
+            page = Page(id=pid, device=self.uuid, handle=handle, state=PageState.HELD, session=session,
+                        uid=session.uid, ident=ident)
+            self.pages[pid] = page
+            out.append(page)
+        return out
 
     # ---- allocation ----------------------------------------------------
     async def acquire(self, session: "Session", count: int) -> list[Page]:
@@ -183,7 +336,7 @@ class DevicePool:
         self.n_creating -= create
         now = time.monotonic()
         for h in new_handles:
-            page = Page(id=next_page_id(), device=self.uuid, handle=h, pooled_at=now)
+            page = Page(id=self.page_ids.next(), device=self.uuid, handle=h, pooled_at=now)
             self.pages[page.id] = page
             got.append(page)
         self.counters.created_total += len(new_handles)
@@ -259,7 +412,7 @@ class DevicePool:
         who = ", ".join(f"session {sid} '{name}' (uid {uid}) holds {format_size(n * self.page_size)}" for sid, name, uid, n in holders[:5])
         return (
             f"device {self.uuid}: cannot allocate {count} pages ({format_size(count * self.page_size)}) "
-            f"for session {session.id} '{session.name}': budget {format_size(self.budget_pages * self.page_size)}, "
+            f"for session {session.id} '{session.name}': budget {format_size(self.budget.bytes)}, "
             f"{self.n_free} pages free, {self.n_ready_total()} pooled, {self.n_held} held by sessions"
             + (f"; {who}" if who else "")
         )
@@ -360,7 +513,7 @@ class DevicePool:
                     self.n_pooled -= want
                 now = time.monotonic()
                 for h in handles:
-                    page = Page(id=next_page_id(), device=self.uuid, handle=h)
+                    page = Page(id=self.page_ids.next(), device=self.uuid, handle=h)
                     self.pages[page.id] = page
                     self._pool(page, now)
                 self.counters.created_total += len(handles)

@@ -128,9 +128,10 @@ def _safe(status: Callable[[], str]) -> str:
 def status_line(daemon: "Daemon") -> str:
     """'serving 3 sessions; 1.50 GiB in use, 256 MiB pooled, budget 20 GiB on 2 devices'"""
     pools = list(daemon.pools.values())
-    in_use = sum(p.n_in_use * p.page_size for p in pools)
-    pooled = sum(p.n_pooled * p.page_size for p in pools)
-    budget = sum(p.budget_pages * p.page_size for p in pools)
+    books = [p.books() for p in pools]
+    in_use = sum(b.in_use_bytes for b in books)
+    pooled = sum(b.pooled_bytes for b in books)
+    budget = sum(b.budget_bytes for b in books)
     n = len(daemon.sessions)
     where = f"{len(pools)} devices" if len(pools) != 1 else pools[0].uuid if pools else "no device"
     return (

@@ -1,14 +1,21 @@
-"""The gRPC servicer: protobuf in, Daemon calls, protobuf out.
+"""The gRPC adapter: protobuf in, Daemon calls, protobuf out.
 
-Errors become gRPC status codes in exactly one place, `_rpc` below, through
-errors.to_status. The servicer keeps no state of its own.
+It sits beside the fd channel adapter (channel.py) in front of the core
+(daemon.py). Errors become gRPC status codes in exactly one place, `_abort`
+below (every unary rpc through `_rpc`, and Watch), through
+errors_grpc.to_grpc. The servicer keeps no state of its own. A SessionRef
+is a Bearer to the core, with the caller's uid as the kernel named it to
+the control socket's front door (control.py); the core decides what a
+bearer may do.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
+from typing import Callable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -16,9 +23,11 @@ from google.protobuf.message import DecodeError
 from .. import __version__, errors, fdchannel
 from .._generated.kvcached.v1 import kvcached_pb2 as pb
 from .._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
-from .daemon import API_VERSION, Daemon, Event
-from .elastic import pending_pages
-from .pool import DevicePool
+from ..errors_grpc import to_grpc
+from .control import Peer
+from .daemon import API_VERSION, CORE_OPS, Bearer, Daemon, Event
+from .elastic import Reclaim, pending_pages
+from .pool import Books, DevicePool
 from .sessions import Session
 
 log = logging.getLogger("kvcached.rpc")
@@ -35,22 +44,33 @@ def _parse(request, cls):
     return request
 
 
+async def _abort(d: Daemon, context, rpc: str, exc: BaseException) -> None:
+    """The one place an error becomes a gRPC status."""
+    code, message = to_grpc(exc)
+    if not isinstance(exc, errors.KVCachedError) or isinstance(exc, errors.Internal):
+        log.error("%s failed", rpc, exc_info=exc)
+    else:
+        log.debug("%s: %s %s", rpc, code.name, message)
+    await context.abort(code, message)
+
+
 def _rpc(fn):
-    """Run a unary handler; map any error to its status (the one place)."""
-    request_cls = getattr(pb, _REQUEST_TYPES[fn.__name__])
+    """Run a unary handler; map any error to its status."""
+    rpc = fn.__name__
+    request_cls = getattr(pb, _REQUEST_TYPES[rpc])
 
     @functools.wraps(fn)
     async def wrapper(self, request, context):
         try:
-            return await fn(self, _parse(request, request_cls), context)
+            request = _parse(request, request_cls)
+        except errors.KVCachedError as exc:
+            if rpc in CORE_OPS:  # the core observes these; it never saw this one
+                self.d.observe(rpc, exc.code, 0.0)
+            await _abort(self.d, context, rpc, exc)
+        try:
+            return await fn(self, request, context)
         except Exception as exc:  # noqa: BLE001 - every error gets a status
-            code, message = errors.to_status(exc)
-            if code is grpc.StatusCode.INTERNAL:
-                log.exception("%s failed", fn.__name__)
-            else:
-                log.debug("%s: %s %s", fn.__name__, code.name, message)
-            self.daemon_observe_error(fn.__name__, code)
-            await context.abort(code, message)
+            await _abort(self.d, context, rpc, exc)
 
     return wrapper
 
@@ -91,24 +111,36 @@ def device_info(pool: DevicePool) -> pb.DeviceInfo:
         page_size=pool.page_size,
         granularity=spec.granularity,
         total_bytes=spec.total_bytes,
-        budget_bytes=pool.budget_pages * pool.page_size,
+        budget_bytes=pool.budget.bytes,
     )
 
 
-def pool_stats(pools: list[DevicePool]) -> pb.PoolStats:
+def pool_stats(books: list[Books]) -> pb.PoolStats:
     out = pb.PoolStats()
-    for pool in pools:
-        ps = pool.page_size
-        out.budget_bytes += pool.budget_pages * ps
-        out.pooled_bytes += pool.n_pooled * ps
-        out.in_use_bytes += pool.n_in_use * ps
-        out.free_bytes += pool.n_free * ps
-        out.pages_pooled += pool.n_pooled
-        out.pages_in_use += pool.n_in_use
-        out.pages_created_total += pool.counters.created_total
-        out.pages_released_total += pool.counters.released_total
-        out.page_size = ps
+    for b in books:
+        out.budget_bytes += b.budget_bytes
+        out.pooled_bytes += b.pooled_bytes
+        out.in_use_bytes += b.in_use_bytes
+        out.free_bytes += b.free_bytes
+        out.unavailable_bytes += b.unavailable_bytes
+        out.pages_pooled += b.pooled
+        out.pages_in_use += b.in_use
+        out.pages_created_total += b.created_total
+        out.pages_released_total += b.released_total
+        out.page_size = b.page_size
     return out
+
+
+_OUTCOME = {"open": pb.ReclaimOutcome.OPEN, "met": pb.ReclaimOutcome.MET, "answered": pb.ReclaimOutcome.ANSWERED,
+            "expired": pb.ReclaimOutcome.EXPIRED, "ended": pb.ReclaimOutcome.ENDED}
+
+
+def reclaim_outcome(daemon: Daemon, ev: Reclaim) -> pb.ReclaimOutcome:
+    return pb.ReclaimOutcome(
+        reclaim_id=ev.id, device=ev.device, pages_requested=ev.pages, state=_OUTCOME[ev.state], answered=ev.answered,
+        bytes_given=ev.bytes_given, bytes_kept=ev.bytes_kept, reason=ev.why,
+        held_bytes=ev.session.held_pages(ev.device) * ev.page_size,
+    )
 
 
 def session_stats(daemon: Daemon, s: Session) -> pb.SessionStats:
@@ -135,23 +167,26 @@ def session_stats(daemon: Daemon, s: Session) -> pb.SessionStats:
 
 
 class KVCachedService(pb_grpc.KVCachedServicer):
-    def __init__(self, daemon: Daemon, observe_error=None):
+    def __init__(self, daemon: Daemon, peers: Callable[[str], Peer | None] | None = None):
         self.d = daemon
-        self._observe_error = observe_error
+        # the control socket's front door (control.py): context.peer() -> the
+        # kernel's credentials of the caller; None for a trusted direct caller
+        self._peers = peers
 
-    def daemon_observe_error(self, rpc: str, code: grpc.StatusCode) -> None:
-        if self._observe_error is not None:
-            self._observe_error(rpc, code)
+    def _uid(self, context) -> int | None:
+        """The caller's uid (SO_PEERCRED through the front door), or None
+        when the call did not come through it (the daemon's own uid or root
+        on grpcio's private socket, or a test servicer)."""
+        if self._peers is None:
+            return None
+        peer = self._peers(context.peer())
+        return peer.uid if peer is not None else None
 
-    def _session(self, ref: pb.SessionRef) -> Session:
-        return self.d.session(ref.id, ref.token)
+    def _bearer(self, ref: pb.SessionRef, context) -> Bearer:
+        return Bearer(ref.id, ref.token, self._uid(context))
 
-    def _mutating(self, rpc: str) -> None:
-        if self.d.settings.channel_ops_only:
-            raise errors.FailedPrecondition(
-                f"this daemon serves {rpc} only as a request on the session's fd channel (channel_ops_only), "
-                "where the kernel vouches for the sender; see docs/protocol.md"
-            )
+    def _session(self, ref: pb.SessionRef, context) -> Session:
+        return self.d.session(ref.id, ref.token, self._uid(context))
 
     @_rpc
     async def GetInfo(self, request, context):
@@ -165,12 +200,13 @@ class KVCachedService(pb_grpc.KVCachedServicer):
             devices=[device_info(p) for p in d.pools.values()],
             max_pages_per_request=d.settings.max_pages_per_request,
             fd_channel_requests=True,
-            fd_channel_requests_only=d.settings.channel_ops_only,
+            fd_channel_requests_only=d.settings.page_ops_on_channel_only,
         )
 
     @_rpc
     async def OpenSession(self, request, context):
         s = self.d.open_session(
+            self._uid(context),
             request.channel_secret,
             request.name,
             request.guaranteed_bytes,
@@ -186,6 +222,7 @@ class KVCachedService(pb_grpc.KVCachedServicer):
     @_rpc
     async def ResumeSession(self, request, context):
         s, adopted, forgotten = await self.d.resume_session(
+            self._uid(context),
             request.channel_secret, request.session_id, request.resume_token, list(request.page_ids)
         )
         return pb.ResumeSessionResponse(
@@ -194,31 +231,21 @@ class KVCachedService(pb_grpc.KVCachedServicer):
 
     @_rpc
     async def CloseSession(self, request, context):
-        self._mutating("CloseSession")
-        s = self._session(request.session)
-        n = self.d.end_session(s, "closed by client")
+        n = await self.d.close_session(self._bearer(request.session, context))
         return pb.CloseSessionResponse(pages_returned=n)
 
     @_rpc
     async def Allocate(self, request, context):
-        self._mutating("Allocate")
-        s = self._session(request.session)
-        alloc_id, pool, pages = await self.d.allocate(
-            s, request.device, request.num_pages, request.wait, request.wait_timeout_ms, request.notify_when_available
+        a = await self.d.allocate(
+            self._bearer(request.session, context), request.device, request.num_pages, request.wait,
+            request.wait_timeout_ms, request.notify_when_available,
         )
-        return pb.AllocateResponse(
-            allocation_id=alloc_id,
-            device=pool.uuid,
-            page_size=pool.page_size,
-            page_ids=[p.id for p in pages],
-            held_bytes=s.held_pages(pool.uuid) * pool.page_size,
-        )
+        return pb.AllocateResponse(allocation_id=a.allocation_id, device=a.device, page_size=a.page_size,
+                                   page_ids=a.page_ids, held_bytes=a.held_bytes)
 
     @_rpc
     async def Free(self, request, context):
-        self._mutating("Free")
-        s = self._session(request.session)
-        n = await self.d.free(s, list(request.page_ids))
+        n, s = await self.d.free(self._bearer(request.session, context), list(request.page_ids))
         return pb.FreeResponse(pages_freed=n, held_bytes=self.d.held_bytes(s))
 
     @_rpc
@@ -226,14 +253,15 @@ class KVCachedService(pb_grpc.KVCachedServicer):
         d = self.d
         sessions: list[Session] = []
         if request.HasField("session"):
-            s = self._session(request.session)
+            s = self._session(request.session, context)
             sessions = d.visible_sessions(s)
         pools = list(d.pools.values())
-        for pool in pools:
-            pool.check()
+        books = [p.books() for p in pools]
+        for b in books:
+            b.check()
         return pb.GetStatsResponse(
-            total=pool_stats(pools),
-            devices=[pb.DeviceStats(device=device_info(p), pool=pool_stats([p])) for p in pools],
+            total=pool_stats(books),
+            devices=[pb.DeviceStats(device=device_info(p), pool=pool_stats([b])) for p, b in zip(pools, books)],
             sessions=[session_stats(d, s) for s in sessions],
             uptime_seconds=time.monotonic() - d.started_monotonic,
             sessions_open=len(d.sessions),
@@ -242,11 +270,9 @@ class KVCachedService(pb_grpc.KVCachedServicer):
     async def Watch(self, request, context):
         try:
             request = _parse(request, pb.WatchRequest)
-            s = self._session(request.session)
-        except Exception as exc:  # noqa: BLE001
-            code, message = errors.to_status(exc)
-            self.daemon_observe_error("Watch", code)
-            await context.abort(code, message)
+            s = self._session(request.session, context)
+        except Exception as exc:  # noqa: BLE001 - every error gets a status
+            await _abort(self.d, context, "Watch", exc)
             return
         q = self.d.watch(s)
         try:
@@ -262,16 +288,29 @@ class KVCachedService(pb_grpc.KVCachedServicer):
 
     @_rpc
     async def SetSessionLimits(self, request, context):
-        self.d.admin_session(request.admin.id, request.admin.token)
+        self.d.admin_session(request.admin.id, request.admin.token, self._uid(context))
         limits = {f: getattr(request, f) if f in _LIMIT_FIELDS else None for f in request.set_fields}
         s = self.d.set_limits(request.session_id, limits)
         return pb.SetSessionLimitsResponse(session=session_stats(self.d, s))
 
     @_rpc
     async def RequestShrink(self, request, context):
-        self.d.shrinker_session(request.admin.id, request.admin.token, request.session_id)
-        n = self.d.request_shrink(request.session_id, request.target_bytes, request.timeout_ms, reason="admin")
-        return pb.RequestShrinkResponse(pages_requested=n)
+        d = self.d
+        d.shrinker_session(request.admin.id, request.admin.token, request.session_id, self._uid(context))
+        sent = d.request_shrink(request.session_id, request.target_bytes, request.timeout_ms, reason="admin")
+        if request.wait and sent:
+            wait_s = max(0.0, max(ev.deadline for ev in sent) - time.time()) + 0.05
+            left = context.time_remaining()  # the caller's own deadline: answer with what stands before it
+            if left is not None:
+                wait_s = min(wait_s, max(0.0, left - 0.2))
+            waiters = [asyncio.ensure_future(ev.settled.wait()) for ev in sent]
+            try:
+                await asyncio.wait(waiters, timeout=wait_s)
+            finally:
+                for w in waiters:
+                    w.cancel()
+        return pb.RequestShrinkResponse(pages_requested=sum(ev.pages for ev in sent),
+                                        reclaims=[reclaim_outcome(d, ev) for ev in sent])
 
 
 def add_to_server(service: KVCachedService, server) -> None:

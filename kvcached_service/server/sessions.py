@@ -1,117 +1,91 @@
-"""Sessions and their fd channels.
+"""Sessions, and the port through which the core reaches a session's client.
 
-A Channel is one accepted connection on the fd socket: the kernel tells us
-who is on the other end (SO_PEERCRED), and the connection is the session's
-liveness. A Session is bound to exactly one channel by OpenSession.
+A Session is the daemon's record of one client: its limits, the pages it
+holds, its Watch queues. It reaches its client only through its SessionPort,
+which the fd channel adapter (channel.py) implements: the kernel told the
+adapter who is on the other end (SO_PEERCRED), so the port carries that
+identity, delivers pages, and hangs up. The core never touches a socket.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import errno
-import os
-import socket
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from .. import errors, fdchannel
+from .. import errors
 
 if TYPE_CHECKING:
     from .pool import DevicePool, Page
 
 
-class ChannelClosed(Exception):
-    pass
+class DeliveryFailed(Exception):
+    """The port could not deliver pages (the client stopped reading, or its
+    channel is gone)."""
 
 
-class Channel:
-    """The daemon's end of one fd channel connection."""
+class SessionPort(Protocol):
+    """What the core needs from a session's transport: who the peer is,
+    page delivery, and hanging up. One per session."""
 
-    def __init__(self, channel_id: int, sock: socket.socket, pid: int, uid: int, gid: int, secret: bytes):
-        self.id = channel_id
-        self.sock = sock
-        self.pid, self.uid, self.gid = pid, uid, gid
-        self.secret = secret
-        self.pidfd: int | None = None
-        self.session: "Session | None" = None
-        self.closed = False
-        self.created = time.monotonic()
-        self._send_lock = asyncio.Lock()
-        # ADOPT records received before ResumeSession: page id -> fd
-        self.adopted: dict[int, int] = {}
-        self.adopt_session = 0
+    pid: int
+    uid: int
+    gid: int
 
-    def fileno(self) -> int:
-        return self.sock.fileno()
+    @property
+    def closed(self) -> bool: ...
 
-    async def send(self, data: bytes, fds: list[int], timeout: float) -> None:
-        """Send one record without blocking the loop; waits for room up to
-        `timeout` seconds. Raises ChannelClosed when it cannot deliver."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        async with self._send_lock:
-            while True:
-                if self.closed:
-                    raise ChannelClosed("channel closed")
-                try:
-                    fdchannel.send_record(self.sock, data, fds)
-                    return
-                except BlockingIOError:
-                    pass
-                except OSError as exc:
-                    if exc.errno in (errno.EAGAIN, errno.ENOBUFS):
-                        pass
-                    else:
-                        raise ChannelClosed(f"send failed: {exc.strerror}") from exc
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise ChannelClosed(f"client did not read its fd channel for {timeout:g} s")
-                await self._writable(min(remaining, 0.05))
+    async def deliver(self, allocation_id: int, pages: list["Page"]) -> None:
+        """Hand the pages' descriptors to the client, in order, before the
+        request is answered. Raises DeliveryFailed."""
 
-    async def _writable(self, timeout: float) -> None:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        fd = self.sock.fileno()
-        loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
-        try:
-            await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            loop.remove_writer(fd)
+    def hang_up(self, error: errors.KVCachedError | None, pages_returned: int = 0) -> None:
+        """The session ended: tell the client (GOODBYE when error is None,
+        else ERROR with it) and close. A no-op once closed."""
 
-    def send_nowait(self, data: bytes) -> None:
-        """Best effort (GOODBYE / ERROR before closing)."""
-        try:
-            fdchannel.send_record(self.sock, data)
-        except OSError:
-            pass
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        fdchannel.close_fds(self.adopted.values())
-        self.adopted.clear()
-        loop = asyncio.get_event_loop()
-        for fd in (self.sock.fileno(), self.pidfd):
-            if fd is not None and fd >= 0:
-                try:
-                    loop.remove_reader(fd)
-                except (ValueError, OSError):
-                    pass
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-        if self.pidfd is not None:
+@dataclass
+class Adoption:
+    """Pages a client re-sent (ADOPT records) on a new channel before
+    ResumeSession, collected by the channel adapter: page id -> fd. The
+    holder owns the fds: ResumeSession takes those it adopts, `discard`
+    closes the rest."""
+
+    session_id: int = 0
+    fds: dict[int, int] = field(default_factory=dict)
+
+    def take(self, page_id: int) -> int:
+        return self.fds.pop(page_id)
+
+    def discard(self) -> None:
+        import os
+
+        for fd in self.fds.values():
             try:
-                os.close(self.pidfd)
+                os.close(fd)
             except OSError:
                 pass
-            self.pidfd = None
+        self.fds.clear()
+
+
+class PortDirectory(Protocol):
+    """The fd channel adapter as the core sees it: channels not bound to a
+    session yet, found by the one-time secret of their HELLO."""
+
+    def find(self, secret: bytes) -> SessionPort:
+        """The unbound port with this secret (InvalidArgument for a secret
+        of the wrong size, FailedPrecondition for an unknown or used one)."""
+
+    def bind(self, port: SessionPort, session: "Session") -> None:
+        """The port now belongs to `session` (its secret is spent)."""
+
+    def adoption(self, port: SessionPort) -> Adoption:
+        """Every ADOPT record the client sent on this port so far."""
+
+    def shutdown(self, error: errors.KVCachedError) -> None:
+        """Close every channel still open and stop (daemon shutdown)."""
 
 
 @dataclass(eq=False)
@@ -119,7 +93,7 @@ class Session:
     id: int
     token: bytes
     name: str
-    channel: Channel
+    port: SessionPort
     admin: bool
     labels: dict[str, str]
     resume_hash: str = ""
@@ -143,15 +117,15 @@ class Session:
 
     @property
     def uid(self) -> int:
-        return self.channel.uid
+        return self.port.uid
 
     @property
     def pid(self) -> int:
-        return self.channel.pid
+        return self.port.pid
 
     @property
     def gid(self) -> int:
-        return self.channel.gid
+        return self.port.gid
 
     def touch(self) -> None:
         self.last_active_unix = time.time()

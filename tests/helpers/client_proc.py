@@ -11,6 +11,11 @@ Modes (each prints one JSON line on stdout when it reaches its checkpoint):
                          print and sleep until killed
   loop SECONDS N         allocate/verify/free N pages in a loop; print counts
   sleep-open             open a session, print, sleep until killed
+  orphan N               allocate N pages and write every byte of them (all
+                         resident), print; then for each stdin line try
+                         Allocate, Free and GetStats and print what each
+                         raised (code and message) and whether the pages
+                         still hold their bytes; exit at end of input
 """
 
 import json
@@ -20,6 +25,7 @@ import time
 
 from kvcached_service.client import Client
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
+from raw import stub
 
 
 def out(**kw):
@@ -51,6 +57,25 @@ def main() -> int:
     drop_privileges()
     client = Client.from_env()
     s = client.open_session(f"{mode}-{os.getpid()}")
+    if mode == "orphan":
+        n = int(args[0])
+        pages = s.allocate(n)
+        for p in pages:
+            p.write(0, bytes([p.id & 0xFF]) * p.size)
+        out(session=s.id, pages=[p.id for p in pages], pid=os.getpid(), resumable=s.resumable)
+        from kvcached_service.errors import KVCachedError
+
+        def outcome(fn):
+            try:
+                fn()
+                return ["OK", ""]
+            except KVCachedError as exc:
+                return [exc.code.name, exc.message]
+
+        for _ in sys.stdin:
+            out(Allocate=outcome(lambda: s.allocate(1)), Free=outcome(lambda: s.free_ids([pages[0].id])),
+                GetStats=outcome(s.stats), intact=all(p.read(0, 64) == bytes([p.id & 0xFF]) * 64 for p in pages))
+        return 0
     if mode == "hold":
         n = int(args[0])
         pages = s.allocate(n)
@@ -102,8 +127,8 @@ def main() -> int:
         raw = so.socket(so.AF_UNIX, so.SOCK_SEQPACKET)
         raw.connect(client.info.fd_socket)
         hello = fdchannel.recv_record(raw)
-        opened = client._stub.OpenSession(pb.OpenSessionRequest(channel_secret=hello.secret, name="never-reads"))
-        resp = client._stub.Allocate(pb.AllocateRequest(session=opened.session, num_pages=n))
+        opened = stub(client).OpenSession(pb.OpenSessionRequest(channel_secret=hello.secret, name="never-reads"))
+        resp = stub(client).Allocate(pb.AllocateRequest(session=opened.session, num_pages=n))
         out(session=opened.session.id, pages=list(resp.page_ids))
         time.sleep(3600)
     elif mode == "loop":

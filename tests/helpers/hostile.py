@@ -12,6 +12,8 @@ every import, like client_proc.py).
                            victim's pages and session; report codes
   grab N TIMEOUT           allocate N pages as soon as they can be had (retrying);
                            report whether every byte of every page is zero
+  getinfo N                N control connections held at once, GetInfo on each; report codes
+  opensecret SECRET_HEX    OpenSession with another process's channel secret; report the code
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from kvcached_service import fdchannel  # noqa: E402
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb  # noqa: E402
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc  # noqa: E402
 from kvcached_service.client import Client  # noqa: E402
+from kvcached_service.errors import KVCachedError  # noqa: E402
+from raw import ref, stub  # noqa: E402
 
 
 def code_of(fn):
@@ -80,31 +84,31 @@ def main() -> int:
         pages = s.allocate(n)
         for p in pages:
             p.write(0, bytes([byte]) * p.size)
-        out(session=s.id, token=s.ref.token.hex(), pages=[p.id for p in pages], pid=os.getpid(), uid=os.getuid())
+        out(session=s.id, token=s.token.hex(), pages=[p.id for p in pages], pid=os.getpid(), uid=os.getuid())
         for _ in sys.stdin:
             out(intact=all(p.read() == bytes([byte]) * p.size for p in pages))
         return 0
     if mode == "stolen":
         sid, token, ids = int(args[0]), bytes.fromhex(args[1]), [int(x) for x in args[2:]]
-        ref = pb.SessionRef(id=sid, token=token)
-        stub = pb_grpc.KVCachedStub(grpc.insecure_channel(f"unix:{sock}"))
+        stolen = pb.SessionRef(id=sid, token=token)
+        rpc = pb_grpc.KVCachedStub(grpc.insecure_channel(f"unix:{sock}"))
         # its own fd channel: the only place fds could ever reach it
         ch = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ch.connect(sock + ".fd")
         hello = fdchannel.recv_record(ch)
         ch.setblocking(False)
         res = {}
-        code, st = code_of(lambda: stub.GetStats(pb.GetStatsRequest(session=ref), timeout=10))
+        code, st = code_of(lambda: rpc.GetStats(pb.GetStatsRequest(session=stolen), timeout=10))
         res["GetStats"] = code
         res["GetStats_saw_victim"] = code == "OK" and any(x.id == sid for x in st.sessions)
-        code, r = code_of(lambda: stub.Allocate(pb.AllocateRequest(session=ref, num_pages=2), timeout=10))
+        code, r = code_of(lambda: rpc.Allocate(pb.AllocateRequest(session=stolen, num_pages=2), timeout=10))
         res["Allocate"] = code
         res["Allocate_ids"] = list(r.page_ids) if code == "OK" else []
-        code, _ = code_of(lambda: next(iter(stub.Watch(pb.WatchRequest(session=ref), timeout=3))))
+        code, _ = code_of(lambda: next(iter(rpc.Watch(pb.WatchRequest(session=stolen), timeout=3))))
         res["Watch"] = code
-        code, _ = code_of(lambda: stub.ResumeSession(pb.ResumeSessionRequest(channel_secret=hello.secret, session_id=sid, resume_token=token), timeout=10))
+        code, _ = code_of(lambda: rpc.ResumeSession(pb.ResumeSessionRequest(channel_secret=hello.secret, session_id=sid, resume_token=token), timeout=10))
         res["ResumeSession"] = code
-        code, _ = code_of(lambda: stub.Free(pb.FreeRequest(session=ref, page_ids=ids), timeout=10))
+        code, _ = code_of(lambda: rpc.Free(pb.FreeRequest(session=stolen, page_ids=ids), timeout=10))
         res["Free"] = code
         time.sleep(0.3)
         got = []
@@ -118,7 +122,7 @@ def main() -> int:
             got.append(type(rec).__name__)
             fdchannel.close_fds(getattr(rec, "fds", ()))
         res["records_on_own_channel"] = got
-        code, _ = code_of(lambda: stub.CloseSession(pb.CloseSessionRequest(session=ref), timeout=10))
+        code, _ = code_of(lambda: rpc.CloseSession(pb.CloseSessionRequest(session=stolen), timeout=10))
         res["CloseSession"] = code
         out(**res)
         return 0
@@ -126,15 +130,19 @@ def main() -> int:
         ids, victim_sid = [int(x) for x in args[0].split(",")], int(args[1])
         c = Client.from_env()
         s = c.open_session("attacker")
-        stub = c._stub
+        rpc = stub(c)
         res = {"admin": s.admin}
-        res["Free"], res["Free_msg"] = code_of(lambda: stub.Free(pb.FreeRequest(session=s.ref, page_ids=ids), timeout=10))
-        code, st = code_of(lambda: stub.GetStats(pb.GetStatsRequest(session=s.ref), timeout=10))
+        try:  # on its own fd channel (a FREE record): the only place the default mode takes it
+            s.free_ids(ids)
+            res["Free"], res["Free_msg"] = "OK", ""
+        except KVCachedError as exc:
+            res["Free"], res["Free_msg"] = exc.code.name, exc.message
+        code, st = code_of(lambda: rpc.GetStats(pb.GetStatsRequest(session=ref(s)), timeout=10))
         res["GetStats"] = code
         res["sessions_seen"] = sorted(x.id for x in st.sessions) if code == "OK" else []
-        res["SetSessionLimits"], _ = code_of(lambda: stub.SetSessionLimits(pb.SetSessionLimitsRequest(
-            admin=s.ref, session_id=victim_sid, max_bytes=1, set_fields=["max_bytes"]), timeout=10))
-        res["RequestShrink"], _ = code_of(lambda: stub.RequestShrink(pb.RequestShrinkRequest(admin=s.ref, session_id=victim_sid), timeout=10))
+        res["SetSessionLimits"], _ = code_of(lambda: rpc.SetSessionLimits(pb.SetSessionLimitsRequest(
+            admin=ref(s), session_id=victim_sid, max_bytes=1, set_fields=["max_bytes"]), timeout=10))
+        res["RequestShrink"], _ = code_of(lambda: rpc.RequestShrink(pb.RequestShrinkRequest(admin=ref(s), session_id=victim_sid), timeout=10))
         res["own_session"] = s.id
         s.close()
         out(**res)
@@ -143,20 +151,36 @@ def main() -> int:
         other_uid_sid = int(args[0])
         c = Client.from_env()
         server, runner = c.open_session("server"), c.open_session("runner")
-        stub = c._stub
+        rpc = stub(c)
         pages = runner.allocate(3)
         res = {"admin": server.admin, "server": server.id, "runner": runner.id}
         res["sessions_seen"] = [x.id for x in server.stats().sessions]
-        code, r = code_of(lambda: stub.RequestShrink(pb.RequestShrinkRequest(admin=server.ref, session_id=runner.id, target_bytes=1 << 20), timeout=10))
+        code, r = code_of(lambda: rpc.RequestShrink(pb.RequestShrinkRequest(admin=ref(server), session_id=runner.id, target_bytes=1 << 20), timeout=10))
         res["RequestShrink_own_uid"], res["pages_requested"] = code, (r.pages_requested if code == "OK" else None)
-        res["RequestShrink_other_uid"], res["RequestShrink_other_uid_msg"] = code_of(lambda: stub.RequestShrink(
-            pb.RequestShrinkRequest(admin=server.ref, session_id=other_uid_sid), timeout=10))
-        res["SetSessionLimits_own_uid"], _ = code_of(lambda: stub.SetSessionLimits(pb.SetSessionLimitsRequest(
-            admin=server.ref, session_id=runner.id, max_bytes=8 << 20, set_fields=["max_bytes"]), timeout=10))
+        res["RequestShrink_other_uid"], res["RequestShrink_other_uid_msg"] = code_of(lambda: rpc.RequestShrink(
+            pb.RequestShrinkRequest(admin=ref(server), session_id=other_uid_sid), timeout=10))
+        res["SetSessionLimits_own_uid"], _ = code_of(lambda: rpc.SetSessionLimits(pb.SetSessionLimitsRequest(
+            admin=ref(server), session_id=runner.id, max_bytes=8 << 20, set_fields=["max_bytes"]), timeout=10))
         runner.free(pages)
         runner.close()
         server.close()
         out(**res)
+        return 0
+    if mode == "opensecret":
+        secret = bytes.fromhex(args[0])
+        code, r = code_of(lambda: stub(sock).OpenSession(pb.OpenSessionRequest(channel_secret=secret, name="thief"), timeout=10))
+        out(OpenSession=code, OpenSession_msg=r if code != "OK" else "")
+        return 0
+    if mode == "getinfo":
+        n = int(args[0])
+        opts = [("grpc.use_local_subchannel_pool", 1)]  # one connection per channel
+        chans, codes = [], []
+        for _ in range(n):
+            ch = grpc.insecure_channel(f"unix:{sock}", options=opts)
+            chans.append(ch)
+            code, r = code_of(lambda: pb_grpc.KVCachedStub(ch).GetInfo(pb.GetInfoRequest(), timeout=10))
+            codes.append("OK" if code == "OK" else [code, r])
+        out(codes=codes)
         return 0
     if mode == "grab":
         n, timeout = int(args[0]), float(args[1])

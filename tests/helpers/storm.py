@@ -31,6 +31,7 @@ import mmap
 import os
 import random
 import signal
+import socket
 import struct
 import sys
 import time
@@ -38,9 +39,10 @@ import time
 # Everything a child needs, imported once in the parent.
 import grpc  # noqa: F401
 
-from kvcached_service import errors
+from kvcached_service import fdchannel
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
 from kvcached_service.client import Client
+from raw import ref, stub
 
 PHASES = ["forked", "connect", "open", "allocate", "receive", "map", "stamp", "verify", "free", "idle"]
 P = {name: i for i, name in enumerate(PHASES)}
@@ -62,6 +64,37 @@ def log_failure(path: str, **kw) -> None:
         os.close(fd)
 
 
+class RawSession:
+    """A session driven by raw gRPC calls and a raw fd channel, as a tool
+    would (the client library sends page requests on the channel; this
+    storm exercises the daemon's gRPC Allocate/Free under SIGKILL)."""
+
+    def __init__(self, sock: str, name: str):
+        self.rpc = stub(sock)
+        self.ch = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.ch.connect(sock + ".fd")
+        hello = fdchannel.recv_record(self.ch)
+        if not isinstance(hello, fdchannel.Hello):
+            raise RuntimeError(f"fd channel: expected HELLO, got {hello!r}")
+        self.ref = self.rpc.OpenSession(pb.OpenSessionRequest(channel_secret=hello.secret, name=name), timeout=30).session
+        self.device = self.rpc.GetInfo(pb.GetInfoRequest(), timeout=30).devices[0].uuid
+
+    def receive(self, resp) -> list[int]:
+        """The fds of an answered Allocate: its PAGES records came first."""
+        fds = [-1] * len(resp.page_ids)
+        got = 0
+        while got < len(fds):
+            rec = fdchannel.recv_record(self.ch)
+            if not isinstance(rec, fdchannel.Pages) or rec.allocation_id != resp.allocation_id:
+                raise RuntimeError(f"fd channel: expected PAGES of allocation {resp.allocation_id}, got {rec!r}")
+            for i, (pid_, fd) in enumerate(zip(rec.page_ids, rec.fds)):
+                if resp.page_ids[rec.first_index + i] != pid_:
+                    raise RuntimeError(f"page {rec.first_index + i} is {pid_} on the channel, {resp.page_ids[rec.first_index + i]} in the answer")
+                fds[rec.first_index + i] = fd
+            got += len(rec.fds)
+        return fds
+
+
 def child(sock: str, table: mmap.mmap, slot: int, seed: int, failures: str, max_pages: int, mapped: bool) -> None:
     """A client process: never returns (exits or is killed). mapped: map the
     pages through the client's mapper (CUDA: import + cuMemMap, bytes through
@@ -70,53 +103,53 @@ def child(sock: str, table: mmap.mmap, slot: int, seed: int, failures: str, max_
     def phase(name: str) -> None:
         table[slot * SLOT] = P[name]
 
-    def phase_mapped(s, resp, rnd: int) -> None:
-        from kvcached_service.client.client import Page, _Reservation
+    mappers: dict = {}
 
-        fds = s._channel.receive(resp.allocation_id, resp.page_ids)
+    def phase_mapped(s: RawSession, resp, rnd: int) -> None:
+        from kvcached_service.client.cuda_mapper import CudaMapper
+
+        fds = s.receive(resp)
         phase("map")
-        mapper = s.mapper(resp.device)
+        mapper = mappers.get(resp.device) or mappers.setdefault(resp.device, CudaMapper(resp.device))
         size = resp.page_size
-        res = _Reservation(mapper, size * len(fds))
-        pages = []
+        base = mapper.reserve(size * len(fds))
+        pages = []  # (page id, address, map token)
         for i, (pid_, fd) in enumerate(zip(resp.page_ids, fds)):
-            token = mapper.map(res.base + i * size, fd, size)
-            res.live += 1
-            pages.append(Page(pid_, resp.device, size, res.base + i * size, mapper, token, res))
+            pages.append((pid_, base + i * size, mapper.map(base + i * size, fd, size)))
         phase("stamp")
         zero = bytes(size)
-        for p in pages:
-            data = p.read(0, size)
+        for pid_, addr, _ in pages:
+            data = mapper.read(addr, size)
             if data != zero:
-                log_failure(failures, kind="not-zero-on-arrival", pid=pid, page=p.id, round=rnd, head=data[: STAMP.size].hex())
-            st = STAMP.pack(MAGIC, pid, p.id, rnd)
-            p.write(0, st)
-            p.write(size - STAMP.size, st)
+                log_failure(failures, kind="not-zero-on-arrival", pid=pid, page=pid_, round=rnd, head=data[: STAMP.size].hex())
+            st = STAMP.pack(MAGIC, pid, pid_, rnd)
+            mapper.write(addr, st)
+            mapper.write(addr + size - STAMP.size, st)
         phase("verify")
-        for p in pages:
-            st = STAMP.pack(MAGIC, pid, p.id, rnd)
-            if p.read(0, STAMP.size) != st or p.read(size - STAMP.size, STAMP.size) != st:
-                log_failure(failures, kind="foreign-stamp", pid=pid, page=p.id, round=rnd, head=p.read(0, STAMP.size).hex())
+        for pid_, addr, _ in pages:
+            st = STAMP.pack(MAGIC, pid, pid_, rnd)
+            if mapper.read(addr, STAMP.size) != st or mapper.read(addr + size - STAMP.size, STAMP.size) != st:
+                log_failure(failures, kind="foreign-stamp", pid=pid, page=pid_, round=rnd, head=mapper.read(addr, STAMP.size).hex())
         phase("free")
-        for p in pages:
-            p._unmap()
-        s.client._stub.Free(pb.FreeRequest(session=s.ref, page_ids=list(resp.page_ids)), timeout=30)
+        for _, addr, token in pages:
+            mapper.unmap(addr, size, token)
+        mapper.release(base, size * len(fds))
+        s.rpc.Free(pb.FreeRequest(session=s.ref, page_ids=list(resp.page_ids)), timeout=30)
         phase("idle")
 
     rng = random.Random(seed)
     pid = os.getpid()
     try:
         phase("connect")
-        client = Client.connect(sock, timeout=30)
         phase("open")
-        s = client.open_session(f"storm-{pid}")
+        s = RawSession(sock, f"storm-{pid}")
         rnd = 0
         while True:
             rnd += 1
             n = rng.choice([1, 1, 2, 3, 8, 16, 64, rng.randint(1, max_pages)])
             phase("allocate")
             try:
-                resp = s.client._stub.Allocate(pb.AllocateRequest(session=s.ref, num_pages=n), timeout=30)
+                resp = s.rpc.Allocate(pb.AllocateRequest(session=s.ref, num_pages=n), timeout=30)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the budget is shared: fine
                     phase("idle")
@@ -127,7 +160,7 @@ def child(sock: str, table: mmap.mmap, slot: int, seed: int, failures: str, max_
             if mapped:
                 phase_mapped(s, resp, rnd)
                 continue
-            fds = s._channel.receive(resp.allocation_id, resp.page_ids)
+            fds = s.receive(resp)
             phase("map")
             size = resp.page_size
             maps = []
@@ -154,7 +187,7 @@ def child(sock: str, table: mmap.mmap, slot: int, seed: int, failures: str, max_
             for m in maps:
                 m.close()
             phase("free")
-            s.client._stub.Free(pb.FreeRequest(session=s.ref, page_ids=list(resp.page_ids)), timeout=30)
+            s.rpc.Free(pb.FreeRequest(session=s.ref, page_ids=list(resp.page_ids)), timeout=30)
             phase("idle")
     except BaseException as exc:  # noqa: BLE001 - anything unexpected is a failure
         log_failure(failures, kind="error", pid=pid, error=f"{type(exc).__name__}: {exc}")
@@ -172,7 +205,7 @@ def monitor(sock: str, path: str, stop_fd: int) -> None:
         s = client.open_session("storm-monitor")
         me = os.getpid()
         while True:
-            r = client._stub.GetStats(pb.GetStatsRequest(session=s.ref), timeout=30)
+            r = stub(sock).GetStats(pb.GetStatsRequest(session=ref(s)), timeout=30)
             t = now()
             p = r.total
             ok = p.pooled_bytes + p.in_use_bytes + p.free_bytes == p.budget_bytes

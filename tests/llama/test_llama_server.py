@@ -1,37 +1,28 @@
-"""llama-server with its KV cache in kvcached-serve pages (issue 8).
+"""llama-server with its KV cache in kvcached-serve pages (issue 8): token
+identity, pages following the context, SIGKILL, the hook off without the
+variable, two servers sharing a budget, held bytes vs context.
 
 Two builds of the same llama.cpp (scripts/test-llama.sh builds them):
 LLAMA_SERVER_ORIG (unpatched) and LLAMA_SERVER_KVC (integrations/llama.cpp
 applied). Models are tiny random-weight GGUFs written here (tiny_model.py).
-A missing binary fails the tests; nothing is skipped.
+A missing binary fails the tests; nothing is skipped. Helpers and fixtures:
+llamatest.py, conftest.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import pathlib
 import re
 import signal
-import socket
-import subprocess
-import threading
 import time
-import urllib.error
-import urllib.request
 
-import numpy as np
 import pytest
 
 import tiny_model
 from kvtest import ROOT, assert_books, wait_until
-
-ORIG = pathlib.Path(os.environ.get("LLAMA_SERVER_ORIG", ROOT / "build/llama/build-orig/bin/llama-server"))
-KVC = pathlib.Path(os.environ.get("LLAMA_SERVER_KVC", ROOT / "build/llama/build-kvc/bin/llama-server"))
+from llamatest import KVC, ORIG, PAD, PROMPTS, held, observe, session_of, text, tokens_of
 
 PAGE = 64 << 10          # daemon page size in these tests (a multiple of the host granularity)
-PAD = 256                # llama.cpp pads n_kv to 256 cells
 ROW = tiny_model.N_EMBD * 2   # bytes per cell of one K (or V) tensor, F16
 N_TENSORS = 2 * tiny_model.N_LAYER
 
@@ -45,139 +36,6 @@ def need_bytes(cells_per_stream: list[int]) -> int:
         cells = -(-used // PAD) * PAD if used else 0
         total += N_TENSORS * (-(-cells * ROW // PAGE) * PAGE)
     return total
-
-
-def text(n_chars: int, seed: int) -> str:
-    rng = np.random.default_rng(seed)
-    words = ["alpha", "beta", "gamma", "delta", "kv", "cache", "page", "daemon", "llama", "token", "slot", "the", "of"]
-    out: list[str] = []
-    while sum(len(w) + 1 for w in out) < n_chars:
-        out.append(words[rng.integers(len(words))])
-    return " ".join(out)[:n_chars]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, binary: pathlib.Path, model: pathlib.Path, log: pathlib.Path, *, kvc_socket: str | None,
-                 ctx: int = 8192, parallel: int = 2, fa: str = "on", extra: list[str] | None = None):
-        if not binary.exists():
-            pytest.fail(f"{binary} is missing: run scripts/test-llama.sh (it builds both llama-servers)")
-        self.port = free_port()
-        self.log = log
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_") and "KVCACHED_SOCKET" not in k}
-        if kvc_socket:
-            env["KVCACHED_SOCKET"] = kvc_socket
-        args = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-t", "2",
-                "-c", str(ctx), "-np", str(parallel), "-fa", fa, "--no-webui", "-lv", "4", *(extra or [])]
-        self.fh = open(log, "w")
-        self.proc = subprocess.Popen(args, stdout=self.fh, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"llama-server exited {self.proc.returncode}:\n{self.log_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            time.sleep(0.1)
-        raise AssertionError("llama-server not ready in 60 s:\n" + self.log_text()[-4000:])
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log_text(self) -> str:
-        self.fh.flush()
-        return self.log.read_text(errors="replace")
-
-    def post(self, path: str, body: dict, timeout: float = 120):
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise AssertionError(f"{path}: HTTP {e.code}: {e.read()[:2000]!r}\n{self.log_text()[-3000:]}") from None
-
-    def complete(self, prompt, n_predict: int = 32, **kw):
-        """Greedy completion; a list of prompts runs as parallel tasks (one per slot)."""
-        body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "top_k": 1, "seed": 7,
-                "ignore_eos": True, "cache_prompt": True, "return_tokens": True}
-        body.update(kw)
-        return self.post("/completion", body)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.fh.close()
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[int, pathlib.Path]:
-    d = tmp_path_factory.mktemp("models")
-    return {seed: tiny_model.write(d / f"tiny{seed}.gguf", seed=seed) for seed in (0, 1, 2)}
-
-
-@pytest.fixture
-def servers(tmp_path):
-    started: list[Server] = []
-
-    def start(binary, model, **kw) -> Server:
-        s = Server(binary, model, tmp_path / f"server{len(started)}.log", **kw)
-        started.append(s)
-        return s
-
-    yield start
-    for s in started:
-        s.stop()
-
-
-@contextlib.contextmanager
-def observe(d):
-    """An admin session of the test (root is the daemon's admin): its
-    GetStats lists every session."""
-    with d.client() as client:
-        s = client.open_session("llama-test-observer")
-        try:
-            yield s
-        finally:
-            s.close()
-
-
-def session_of(client, pid: int):
-    for s in client.stats().sessions:
-        if s.pid == pid:
-            return s
-    return None
-
-
-def held(client, pid: int) -> int:
-    s = session_of(client, pid)
-    return s.held_bytes if s else 0
-
-
-PROMPTS = [
-    "Hello",
-    text(300, 1),
-    text(1200, 2),
-]
-
-
-def tokens_of(res) -> list[list[int]]:
-    res = res if isinstance(res, list) else [res]
-    return [r["tokens"] for r in res]
 
 
 @pytest.mark.parametrize("fa", ["on", "off"])

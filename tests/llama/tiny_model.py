@@ -11,6 +11,9 @@ text. The output projection is scaled up so greedy decoding has clear
 winners (no near ties that rounding could flip).
 
 KV bytes per token (F16 cache): 4 layers x (K 256 + V 256) x 2 B = 4 KiB.
+
+Other shapes (layers, width, heads, GQA) are keyword arguments of write();
+kv_row_bytes() gives the bytes of one cell of one K or V tensor.
 """
 
 from __future__ import annotations
@@ -47,9 +50,22 @@ def vocab() -> tuple[list[str], list[float], list[int]]:
     return toks, scores, [int(t) for t in types]
 
 
-def write(path: str | pathlib.Path, seed: int = 0, name: str = "tiny-llama") -> pathlib.Path:
+def kv_row_bytes(n_embd: int = N_EMBD, n_head: int = N_HEAD, n_head_kv: int = N_HEAD_KV, kv_type: str = "f16") -> int:
+    """Bytes of one cell of one K (or V) tensor: n_embd_k_gqa elements."""
+    n = n_embd // n_head * n_head_kv
+    if kv_type == "f16":
+        return 2 * n
+    if kv_type == "q8_0":
+        assert n % 32 == 0, n
+        return n // 32 * 34
+    raise ValueError(kv_type)
+
+
+def write(path: str | pathlib.Path, seed: int = 0, name: str = "tiny-llama", *, n_layer: int = N_LAYER,
+          n_embd: int = N_EMBD, n_head: int = N_HEAD, n_head_kv: int = N_HEAD_KV, n_ff: int = N_FF) -> pathlib.Path:
     import gguf
 
+    N_LAYER, N_EMBD, N_HEAD, N_HEAD_KV, N_FF = n_layer, n_embd, n_head, n_head_kv, n_ff  # noqa: N806
     path = pathlib.Path(path)
     rng = np.random.default_rng(seed)
     toks, scores, types = vocab()

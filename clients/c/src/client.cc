@@ -1318,6 +1318,8 @@ grpc::Status watch_stream(kvc_session *s, grpc::ClientContext *ctx)
 
 // The Watch thread. On a resumable session a stream cut by the daemon's
 // death is opened again (with the new SessionRef) once the session resumed.
+bool channel_gone(kvc_session *s);
+
 void watch_loop(kvc_session *s)
 {
     grpc::Status st;
@@ -1332,6 +1334,18 @@ void watch_loop(kvc_session *s)
             ctx = s->watch_ctx.get();
         }
         st = watch_stream(s, ctx);
+        if (!s->resumable && !st.ok() && !s->ended.load() && !s->closing.load()) {
+            // A session that cannot be resumed is over when its daemon is
+            // gone: say so now (its fd channel closed), not at the next call.
+            bool stopping;
+            {
+                std::lock_guard<std::mutex> g(s->watch_mu);
+                stopping = s->watch_stopping;
+            }
+            if (!stopping && channel_gone(s))
+                s->mark_ended("the daemon went away (its fd channel closed; Watch: " + st.error_message() +
+                              ")");
+        }
         if (!s->resumable || st.ok() || s->ended.load())
             break;
         std::unique_lock<std::mutex> g(s->watch_mu);

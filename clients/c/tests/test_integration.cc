@@ -1606,6 +1606,36 @@ TEST(KvcOwnDaemon, RegionRebindAfterDaemonRestart)
     d4.stop();
 }
 
+// A watched session (reclaim callback set) that cannot be resumed notices
+// at once that its daemon died: ended without any call of its own.
+TEST(KvcOwnDaemon, WatchedSessionEndsWhenItsDaemonDies)
+{
+    Daemon d;
+    ASSERT_NO_FATAL_FAILURE(d.start());
+    kvc_client *c = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c));
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "watched";
+    kvc_session *s = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &s));
+    std::atomic<int> calls{0};
+    KVC_OK_OR_FAIL(kvc_session_set_reclaim_callback(s, on_reclaim_count, &calls));
+    EXPECT_EQ(kvc_session_ended(s), 0);
+    d.proc.kill_and_wait(SIGKILL);
+    EXPECT_TRUE(wait_until([&] { return kvc_session_ended(s) == 1; }, 5000)) << "not noticed";
+    kvc_stats st;
+    std::memset(&st, 0, sizeof st);
+    st.struct_size = sizeof st;
+    EXPECT_STATUS(KVC_ERR_FAILED_PRECONDITION, kvc_session_get_stats(s, &st));
+    const std::string why = kvc_last_error();
+    EXPECT_TRUE(why.find("has ended") != std::string::npos &&
+                (why.find("the daemon went away") != std::string::npos || why.find("closed") != std::string::npos))
+        << why;
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s));
+    kvc_client_destroy(c);
+}
+
 // CUDA only: the local driver and the daemon's backend failing.
 TEST(KvcOwnDaemon, DriverFailuresOnCuda)
 {

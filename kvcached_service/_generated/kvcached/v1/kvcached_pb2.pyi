@@ -202,7 +202,7 @@ class GetStatsResponse(_message.Message):
     def __init__(self, total: _Optional[_Union[PoolStats, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceStats, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStats, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., sessions_open: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("budget_bytes", "pooled_bytes", "in_use_bytes", "free_bytes", "page_size", "pages_pooled", "pages_in_use", "pages_created_total", "pages_released_total")
+    __slots__ = ("budget_bytes", "pooled_bytes", "in_use_bytes", "free_bytes", "page_size", "pages_pooled", "pages_in_use", "pages_created_total", "pages_released_total", "unavailable_bytes")
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     POOLED_BYTES_FIELD_NUMBER: _ClassVar[int]
     IN_USE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,7 @@ class PoolStats(_message.Message):
     PAGES_IN_USE_FIELD_NUMBER: _ClassVar[int]
     PAGES_CREATED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PAGES_RELEASED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     budget_bytes: int
     pooled_bytes: int
     in_use_bytes: int
@@ -221,7 +222,8 @@ class PoolStats(_message.Message):
     pages_in_use: int
     pages_created_total: int
     pages_released_total: int
-    def __init__(self, budget_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., pages_pooled: _Optional[int] = ..., pages_in_use: _Optional[int] = ..., pages_created_total: _Optional[int] = ..., pages_released_total: _Optional[int] = ...) -> None: ...
+    unavailable_bytes: int
+    def __init__(self, budget_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., pages_pooled: _Optional[int] = ..., pages_in_use: _Optional[int] = ..., pages_created_total: _Optional[int] = ..., pages_released_total: _Optional[int] = ..., unavailable_bytes: _Optional[int] = ...) -> None: ...
 
 class DeviceStats(_message.Message):
     __slots__ = ("device", "pool")
@@ -322,16 +324,18 @@ class WatchEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., time_unix: _Optional[float] = ..., reclaim: _Optional[_Union[Reclaim, _Mapping]] = ..., budget: _Optional[_Union[BudgetChanged, _Mapping]] = ..., available: _Optional[_Union[MemoryAvailable, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
 
 class Reclaim(_message.Message):
-    __slots__ = ("device", "pages", "deadline_unix", "reason")
+    __slots__ = ("id", "device", "pages", "deadline_unix", "reason")
+    ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    id: int
     device: str
     pages: int
     deadline_unix: float
     reason: str
-    def __init__(self, device: _Optional[str] = ..., pages: _Optional[int] = ..., deadline_unix: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., device: _Optional[str] = ..., pages: _Optional[int] = ..., deadline_unix: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class BudgetChanged(_message.Message):
     __slots__ = ("device", "budget_bytes", "guaranteed_bytes", "max_bytes", "priority")
@@ -386,19 +390,59 @@ class SetSessionLimitsResponse(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionStats, _Mapping]] = ...) -> None: ...
 
 class RequestShrinkRequest(_message.Message):
-    __slots__ = ("admin", "session_id", "target_bytes", "timeout_ms")
+    __slots__ = ("admin", "session_id", "target_bytes", "timeout_ms", "wait")
     ADMIN_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
     admin: SessionRef
     session_id: int
     target_bytes: int
     timeout_ms: int
-    def __init__(self, admin: _Optional[_Union[SessionRef, _Mapping]] = ..., session_id: _Optional[int] = ..., target_bytes: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    wait: bool
+    def __init__(self, admin: _Optional[_Union[SessionRef, _Mapping]] = ..., session_id: _Optional[int] = ..., target_bytes: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., wait: _Optional[bool] = ...) -> None: ...
 
 class RequestShrinkResponse(_message.Message):
-    __slots__ = ("pages_requested",)
+    __slots__ = ("pages_requested", "reclaims")
     PAGES_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMS_FIELD_NUMBER: _ClassVar[int]
     pages_requested: int
-    def __init__(self, pages_requested: _Optional[int] = ...) -> None: ...
+    reclaims: _containers.RepeatedCompositeFieldContainer[ReclaimOutcome]
+    def __init__(self, pages_requested: _Optional[int] = ..., reclaims: _Optional[_Iterable[_Union[ReclaimOutcome, _Mapping]]] = ...) -> None: ...
+
+class ReclaimOutcome(_message.Message):
+    __slots__ = ("reclaim_id", "device", "pages_requested", "state", "answered", "bytes_given", "bytes_kept", "reason", "held_bytes")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATE_UNSPECIFIED: _ClassVar[ReclaimOutcome.State]
+        OPEN: _ClassVar[ReclaimOutcome.State]
+        MET: _ClassVar[ReclaimOutcome.State]
+        ANSWERED: _ClassVar[ReclaimOutcome.State]
+        EXPIRED: _ClassVar[ReclaimOutcome.State]
+        ENDED: _ClassVar[ReclaimOutcome.State]
+    STATE_UNSPECIFIED: ReclaimOutcome.State
+    OPEN: ReclaimOutcome.State
+    MET: ReclaimOutcome.State
+    ANSWERED: ReclaimOutcome.State
+    EXPIRED: ReclaimOutcome.State
+    ENDED: ReclaimOutcome.State
+    RECLAIM_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PAGES_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_GIVEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_KEPT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    reclaim_id: int
+    device: str
+    pages_requested: int
+    state: ReclaimOutcome.State
+    answered: bool
+    bytes_given: int
+    bytes_kept: int
+    reason: str
+    held_bytes: int
+    def __init__(self, reclaim_id: _Optional[int] = ..., device: _Optional[str] = ..., pages_requested: _Optional[int] = ..., state: _Optional[_Union[ReclaimOutcome.State, str]] = ..., answered: _Optional[bool] = ..., bytes_given: _Optional[int] = ..., bytes_kept: _Optional[int] = ..., reason: _Optional[str] = ..., held_bytes: _Optional[int] = ...) -> None: ...

@@ -121,7 +121,8 @@ class KVCachedServicer:
 
     def CloseSession(self, request, context):
         """Ends a session: every page it holds returns to the pool, and the daemon
-        closes the session's fd channel.
+        closes the session's fd channel. Served only with --grpc-page-ops (the
+        CLOSE record on the fd channel otherwise).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -130,7 +131,8 @@ class KVCachedServicer:
     def Allocate(self, request, context):
         """Lends num_pages pages of one device to the session, all or nothing. The
         pages' fds are written to the session's fd channel (PAGES frames tagged
-        with allocation_id) before this call returns.
+        with allocation_id) before this call returns. Served only with
+        --grpc-page-ops (the ALLOCATE record on the fd channel otherwise).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -138,7 +140,8 @@ class KVCachedServicer:
 
     def Free(self, request, context):
         """Gives pages back. All or nothing: if any id is not held by the session,
-        nothing is freed. Unmap the pages before calling Free.
+        nothing is freed. Unmap the pages before calling Free. Served only with
+        --grpc-page-ops (the FREE record on the fd channel otherwise).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -171,7 +174,9 @@ class KVCachedServicer:
     def RequestShrink(self, request, context):
         """Ask a session to shrink to a number of bytes (a reclaim request
         delivered through its Watch stream). Allowed to an admin session and to
-        any session of the target's own uid.
+        any session of the target's own uid. With wait, returns once the
+        session answered (ANSWER on its fd channel), gave the pages back, ended,
+        or the deadline passed, reporting how each request ended.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,334 @@
+"""The client's end of the fd channel (docs/protocol.md, "Client semantics").
+
+One reader thread takes every record off the socket as it arrives (an
+allocation can be larger than a socket buffer, and the daemon writes its
+PAGES records before the REPLY):
+
+- PAGES are kept by allocation id until the request that asked for them is
+  answered. A record that does not fit its allocation (past its total, a
+  total that changes, an index twice) is a protocol error. An allocation
+  nobody waits for any more (its request gave up: deadline) is given back
+  as soon as it is complete: descriptors closed, FREE sent.
+- REPLY goes to the request waiting for it; a REPLY nobody waits for is
+  dropped.
+- ERROR or GOODBYE: the daemon ended the session; every waiting and later
+  request fails with that error (GOODBYE: FAILED_PRECONDITION).
+- End of stream or a socket error: a hang-up (the daemon went away).
+  `on_hangup` runs once (the session may resume); waiting requests fail
+  with UNAVAILABLE.
+- A malformed record, or one the daemon never sends (HELLO again, ADOPT,
+  ALLOCATE, FREE, CLOSE): a protocol error. The client closes the channel
+  (the daemon then ends the session) and requests fail with INTERNAL
+  "fd channel protocol error: ...". No resume.
+
+Requests (ALLOCATE, FREE, CLOSE) may be in flight from many threads at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .. import errors, fdchannel
+
+log = logging.getLogger("kvcached.client")
+
+
+class ProtocolViolation(errors.Internal):
+    """The daemon broke the wire protocol on the fd channel."""
+
+    def __init__(self, detail: str):
+        super().__init__(f"fd channel protocol error: {detail}")
+
+
+@dataclass
+class _Pending:
+    """An allocation's PAGES records so far."""
+
+    total: int = 0
+    ids: dict[int, int] = field(default_factory=dict)  # index -> page id
+    fds: dict[int, int] = field(default_factory=dict)  # index -> fd
+    wanted: bool = True  # a request waits for it; False once it gave up
+
+    @property
+    def complete(self) -> bool:
+        return self.total > 0 and len(self.fds) == self.total
+
+
+@dataclass
+class _Waiter:
+    kind: str
+    reply: fdchannel.Reply | None = None
+    done: bool = False
+    pages: _Pending | None = None  # an ALLOCATE's pages, taken with its REPLY
+
+
+class Channel:
+    """A connected fd channel, after HELLO."""
+
+    def __init__(self, path: str, timeout: float, on_hangup: Callable[["Channel"], None] | None = None):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self.sock.settimeout(timeout)
+        self.timeout = timeout
+        try:
+            self.sock.connect(path)
+            rec = fdchannel.recv_record(self.sock)
+        except fdchannel.ProtocolError as exc:
+            self.sock.close()
+            raise ProtocolViolation(f"{path}: first record: {exc}") from None
+        except OSError as exc:
+            self.sock.close()
+            raise errors.Unavailable(f"cannot connect the fd channel {path}: {exc}") from None
+        if isinstance(rec, fdchannel.Error):
+            self.sock.close()
+            raise errors.from_code(rec.code, rec.message)
+        if not isinstance(rec, fdchannel.Hello):
+            self.sock.close()
+            if rec is None:
+                raise errors.Unavailable(f"fd channel {path}: closed before HELLO")
+            raise ProtocolViolation(f"{path}: expected HELLO, got {type(rec).__name__}")
+        self.hello = rec
+        self.sock.settimeout(None)
+        self._cond = threading.Condition()
+        self._pending: dict[int, _Pending] = {}  # allocation id -> its pages so far
+        self._waiters: dict[int, _Waiter] = {}  # request id -> waiter
+        self._ended: errors.KVCachedError | None = None
+        self.hung_up = False
+        self._closing = False
+        self._req_ids = itertools.count(1)
+        self.on_hangup = on_hangup
+        self._reader = threading.Thread(target=self._read, name="kvcached-fdchannel", daemon=True)
+        self._reader.start()
+
+    @property
+    def ended(self) -> errors.KVCachedError | None:
+        """Why the channel ended (None while it is up)."""
+        return self._ended
+
+    # ---- the reader thread -------------------------------------------------
+    def _read(self) -> None:
+        hangup = False
+        while True:
+            try:
+                rec = fdchannel.recv_record(self.sock)
+            except fdchannel.ProtocolError as exc:  # its descriptors are closed
+                ended: errors.KVCachedError = ProtocolViolation(str(exc))
+                break
+            except OSError as exc:
+                ended, hangup = errors.Unavailable(f"the daemon went away (fd channel: {exc.strerror or exc})"), True
+                break
+            if rec is None:
+                ended, hangup = errors.Unavailable("the daemon went away (its fd channel closed)"), True
+                break
+            try:
+                if isinstance(rec, fdchannel.Pages):
+                    self._pages(rec)
+                    continue
+                if isinstance(rec, fdchannel.Reply):
+                    self._reply(rec)
+                    continue
+            except ProtocolViolation as exc:
+                ended = exc
+                break
+            if isinstance(rec, fdchannel.Error):
+                ended = errors.from_code(rec.code, rec.message)
+            elif isinstance(rec, fdchannel.Goodbye):
+                ended = errors.FailedPrecondition("the daemon ended this session (GOODBYE)")
+            else:  # HELLO again, or a record only clients send
+                fdchannel.close_fds(getattr(rec, "fds", ()))
+                ended = ProtocolViolation(f"the daemon sent a {type(rec).__name__} record")
+            break
+        self._end(ended, hangup)
+
+    def _end(self, ended: errors.KVCachedError, hangup: bool) -> None:
+        with self._cond:
+            if self._ended is None:
+                self._ended = ended
+            else:  # already ended (a protocol error a request found): not a hang-up
+                hangup = False
+            self.hung_up = hangup
+            for p in self._pending.values():
+                fdchannel.close_fds(p.fds.values())
+            self._pending.clear()
+            closing = self._closing
+            self._cond.notify_all()
+        if isinstance(ended, ProtocolViolation):
+            log.error("%s; closing the fd channel", ended.message)
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)  # the daemon ends the session
+            except OSError:
+                pass
+        if hangup and not closing and self.on_hangup is not None:
+            self.on_hangup(self)
+
+    def _pages(self, rec: fdchannel.Pages) -> None:
+        """Keep a PAGES record with its allocation (under the lock)."""
+        with self._cond:
+            p = self._pending.get(rec.allocation_id)
+            if p is None:
+                # Not (yet) asked for by a request: give it back once complete.
+                p = self._pending[rec.allocation_id] = _Pending(wanted=False)
+            if p.total == 0:
+                p.total = rec.total
+            if rec.total != p.total:
+                fdchannel.close_fds(rec.fds)
+                raise ProtocolViolation(f"allocation {rec.allocation_id}: a record says {rec.total} pages, an earlier one {p.total}")
+            for i, (pid, fd) in enumerate(zip(rec.page_ids, rec.fds)):
+                j = rec.first_index + i
+                if j in p.fds:
+                    fdchannel.close_fds(rec.fds[i:])
+                    raise ProtocolViolation(f"allocation {rec.allocation_id}: page index {j} sent twice")
+                p.ids[j], p.fds[j] = pid, fd
+            if p.complete and not p.wanted:
+                self._give_back_locked(rec.allocation_id)
+
+    def _reply(self, rec: fdchannel.Reply) -> None:
+        with self._cond:
+            w = self._waiters.get(rec.req_id)
+            if w is None:
+                log.debug("fd channel: REPLY to no waiting request (%d, code %d)", rec.req_id, rec.code)
+                return
+            w.reply, w.done = rec, True
+            if w.kind == "Allocate":  # its pages are the caller's now, whatever comes next
+                w.pages = self._pending.pop(rec.req_id | fdchannel.CHANNEL_ALLOC_BIT, None)
+            self._cond.notify_all()
+
+    def _give_back_locked(self, alloc_id: int) -> None:
+        """An allocation nobody will claim: close its fds, FREE its pages
+        (the answer is not waited for)."""
+        p = self._pending.pop(alloc_id)
+        fdchannel.close_fds(p.fds.values())
+        ids = [p.ids[i] for i in sorted(p.ids)]
+        log.warning("fd channel: giving back %d pages of allocation %d that nobody waits for", len(ids), alloc_id)
+        for i in range(0, len(ids), fdchannel.MAX_FREE_IDS):
+            try:
+                fdchannel.send_record(self.sock, fdchannel.encode_free(next(self._req_ids), ids[i : i + fdchannel.MAX_FREE_IDS]))
+            except OSError:
+                return  # the channel is going: the session ends, and its pages with it
+
+    # ---- requests ------------------------------------------------------------
+    def _call(self, kind: str, build: Callable[[int], bytes], timeout: float, alloc: bool = False) -> tuple[int, _Waiter]:
+        """Send a request and wait for its REPLY. On a timeout the request
+        is abandoned (an ALLOCATE's pages are given back when they come)."""
+        with self._cond:
+            if self._ended is not None:
+                raise self._ended
+            req = next(self._req_ids)
+            self._waiters[req] = _Waiter(kind)
+            if alloc:
+                self._pending.setdefault(req | fdchannel.CHANNEL_ALLOC_BIT, _Pending())
+        try:
+            fdchannel.send_record(self.sock, build(req))
+        except OSError as exc:
+            with self._cond:
+                self._waiters.pop(req, None)
+                self._pending.pop(req | fdchannel.CHANNEL_ALLOC_BIT, None)
+                ended = self._ended
+            raise ended if ended is not None else errors.Unavailable(f"the daemon went away (fd channel: {exc.strerror or exc})") from None
+        with self._cond:
+            w = self._waiters[req]
+            self._cond.wait_for(lambda: w.done or self._ended is not None, timeout)
+            del self._waiters[req]
+            if w.done:
+                return req, w
+            if self._ended is not None:
+                raise self._ended
+            if alloc:  # abandoned: its pages go back once they are all here
+                p = self._pending.get(req | fdchannel.CHANNEL_ALLOC_BIT)
+                if p is not None:
+                    p.wanted = False
+                    if p.complete:
+                        self._give_back_locked(req | fdchannel.CHANNEL_ALLOC_BIT)
+        raise errors.DeadlineExceeded(f"{kind}: no answer on the fd channel within {timeout:g} s")
+
+    def allocate(self, num_pages: int, device: str, wait: bool, notify: bool, wait_ms: int, timeout: float) -> tuple[int, int, list[int], list[int]]:
+        """ALLOCATE. Returns (allocation id, held bytes, page ids, fds): the
+        PAGES records came before the REPLY, so they are all here."""
+        req, w = self._call("Allocate", lambda r: fdchannel.encode_allocate(r, num_pages, device, wait, notify, wait_ms), timeout, alloc=True)
+        alloc_id = req | fdchannel.CHANNEL_ALLOC_BIT
+        rep, p = w.reply, w.pages
+        assert rep is not None
+        if rep.code:
+            if p is not None and p.fds:
+                fdchannel.close_fds(p.fds.values())
+                self._violation(f"request {req}: PAGES came before an error REPLY")
+            raise errors.from_code(rep.code, rep.message)
+        if p is None or not p.complete or p.total != num_pages:
+            got = 0 if p is None else len(p.fds)
+            if p is not None:
+                fdchannel.close_fds(p.fds.values())
+            self._violation(f"request {req}: {got} of {num_pages} pages arrived before the answer")
+        assert p is not None
+        return alloc_id, rep.value, [p.ids[i] for i in range(p.total)], [p.fds[i] for i in range(p.total)]
+
+    def free(self, page_ids: list[int], timeout: float) -> int:
+        """FREE (all or nothing per record of at most MAX_FREE_IDS ids).
+        Returns pages freed."""
+        n = 0
+        for i in range(0, len(page_ids), fdchannel.MAX_FREE_IDS):
+            chunk = page_ids[i : i + fdchannel.MAX_FREE_IDS]
+            rep = self._call("Free", lambda r: fdchannel.encode_free(r, chunk), timeout)[1].reply
+            assert rep is not None
+            if rep.code:
+                raise errors.from_code(rep.code, rep.message)
+            n += rep.value
+        return n
+
+    def close_session(self, timeout: float) -> int:
+        """CLOSE: the session ends; returns the pages it gave back."""
+        with self._cond:
+            self._closing = True
+        rep = self._call("CloseSession", fdchannel.encode_close, timeout)[1].reply
+        assert rep is not None
+        if rep.code:
+            raise errors.from_code(rep.code, rep.message)
+        return rep.value
+
+    def answer(self, reclaim_id: int, bytes_given: int, bytes_kept: int, reason: str, timeout: float) -> int:
+        """ANSWER a reclaim request; returns the bytes the daemon's books
+        show the session holding on that device."""
+        why = reason.encode("utf-8", "replace")[: fdchannel.MAX_REASON].decode("utf-8", "ignore")
+        rep = self._call("AnswerReclaim", lambda r: fdchannel.encode_answer(r, reclaim_id, bytes_given, bytes_kept, why), timeout)[1].reply
+        assert rep is not None
+        if rep.code:
+            raise errors.from_code(rep.code, rep.message)
+        return rep.value
+
+    def send_adopt(self, session_id: int, ids: list[int], fds: list[int]) -> None:
+        """ADOPT records for a resume (before ResumeSession)."""
+        for i in range(0, len(ids), fdchannel.MAX_FDS):
+            chunk = ids[i : i + fdchannel.MAX_FDS]
+            fdchannel.send_record(self.sock, fdchannel.encode_adopt(session_id, i, len(ids), chunk), fds[i : i + fdchannel.MAX_FDS])
+
+    def _violation(self, detail: str) -> None:
+        """A protocol error found by a request: end the channel, raise."""
+        err = ProtocolViolation(detail)
+        with self._cond:
+            if self._ended is None:
+                self._ended = err
+            self._cond.notify_all()
+        log.error("%s; closing the fd channel", err.message)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        raise err
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the reader
+        except OSError:
+            pass
+        if self._reader is not threading.current_thread():
+            self._reader.join(timeout=5)
+        with self._cond:
+            for p in self._pending.values():
+                fdchannel.close_fds(p.fds.values())
+            self._pending.clear()
+        self.sock.close()

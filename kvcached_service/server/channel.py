@@ -1,0 +1,425 @@
+"""The fd channel adapter: records in, Daemon calls, records out.
+
+The gRPC adapter (service.py) and this one sit side by side in front of the
+core (daemon.py). This one owns everything about the fd channel's socket
+(docs/protocol.md):
+
+- the listener and admission of a connection: SO_PEERCRED names the peer,
+  the uid allow-list and the per-uid / total channel limits are checked, a
+  pidfd watches the peer process, HELLO carries the one-time secret;
+- channels not bound to a session yet, found by that secret when
+  OpenSession / ResumeSession arrive over gRPC (the core sees this adapter
+  as its PortDirectory); a channel left unbound for channel_bind_timeout is
+  closed;
+- each bound channel is its session's SessionPort (`Conn`): it delivers
+  pages as PAGES records and hangs up with GOODBYE or ERROR;
+- request records (ALLOCATE, FREE, CLOSE, ANSWER) become core calls,
+  answered by REPLY; ADOPT records are collected per channel as (page id, fd) pairs for
+  ResumeSession;
+- hang-up: EOF, or the peer process exiting, ends the session.
+
+A record that does not follow the wire spec gets one of two answers
+(protos/kvcached/v1/fdchannel.spec.json):
+- a request record whose framing is sound and whose req_id can be read
+  (a FREE whose count does not match its length, an ALLOCATE with a wrong
+  device_len, a CLOSE of 9 bytes, descriptors on a request, a request cut
+  because it is larger than any a client sends): REPLY INVALID_ARGUMENT
+  naming the fault; the session goes on ("on_malformed_request");
+- anything else (bad magic or version, a length that does not match, an
+  unknown type, a request too short to hold its req_id, a malformed record
+  of a type only the daemon sends, a malformed ADOPT): an ERROR record
+  naming the problem, and the channel is closed, ending its session
+  ("on_protocol_error").
+Well-formed records that make no sense here (a HELLO from a client, ADOPT
+for a session that cannot be resumed) are dropped with their descriptors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hmac
+import itertools
+import logging
+import os
+import secrets
+import socket
+import time
+from typing import TYPE_CHECKING
+
+from .. import errors, fdchannel
+from ..config import Settings
+from .sessions import Adoption, DeliveryFailed, Session
+from .sockets import apply_socket_permissions, prepare_socket_path
+
+if TYPE_CHECKING:
+    from .daemon import Daemon
+    from .pool import Page
+
+log = logging.getLogger("kvcached.channel")
+
+
+class Conn:
+    """The daemon's end of one fd channel: the SessionPort of its session."""
+
+    def __init__(self, server: "ChannelServer", channel_id: int, sock: socket.socket, pid: int, uid: int, gid: int, secret: bytes):
+        self._server = server
+        self.id = channel_id
+        self.sock = sock
+        self.pid, self.uid, self.gid = pid, uid, gid
+        self.secret = secret
+        self.pidfd: int | None = None
+        self.session: Session | None = None
+        self._closed = False
+        self.created = time.monotonic()
+        self._send_lock = asyncio.Lock()
+        self.adoption = Adoption()
+        self.closing_req: int | None = None  # a CLOSE being served: its REPLY precedes the GOODBYE
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ---- SessionPort ----------------------------------------------------
+    async def deliver(self, allocation_id: int, pages: list["Page"]) -> None:
+        total = len(pages)
+        step = fdchannel.MAX_FDS
+        timeout = self._server.settings.fd_send_timeout
+        for first in range(0, total, step):
+            chunk = pages[first : first + step]
+            rec = fdchannel.encode_pages(allocation_id, first, total, [p.id for p in chunk])
+            await self.send(rec, [p.handle.fd for p in chunk], timeout)
+
+    def hang_up(self, error: errors.KVCachedError | None, pages_returned: int = 0) -> None:
+        if self._closed:
+            return
+        if self.closing_req is not None:
+            self.send_nowait(fdchannel.encode_reply(self.closing_req, 0, pages_returned))
+        if error is None:
+            self.send_nowait(fdchannel.encode_goodbye())
+        else:
+            self.send_nowait(fdchannel.encode_error(error.code, error.message))
+        self.close()
+
+    # ---- sending --------------------------------------------------------
+    async def send(self, data: bytes, fds: list[int], timeout: float) -> None:
+        """Send one record without blocking the loop; waits for room up to
+        `timeout` seconds. Raises DeliveryFailed when it cannot deliver."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        async with self._send_lock:
+            while True:
+                if self._closed:
+                    raise DeliveryFailed("channel closed")
+                try:
+                    fdchannel.send_record(self.sock, data, fds)
+                    return
+                except BlockingIOError:
+                    pass
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.ENOBUFS):
+                        raise DeliveryFailed(f"send failed: {exc.strerror}") from exc
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise DeliveryFailed(f"client did not read its fd channel for {timeout:g} s")
+                await self._writable(min(remaining, 0.05))
+
+    async def _writable(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        fd = self.sock.fileno()
+        loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            loop.remove_writer(fd)
+
+    def send_nowait(self, data: bytes) -> None:
+        """Best effort (REPLY to CLOSE, GOODBYE, ERROR before closing)."""
+        try:
+            fdchannel.send_record(self.sock, data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.adoption.discard()
+        loop = asyncio.get_event_loop()
+        for fd in (self.sock.fileno(), self.pidfd):
+            if fd is not None and fd >= 0:
+                try:
+                    loop.remove_reader(fd)
+                except (ValueError, OSError):
+                    pass
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        if self.pidfd is not None:
+            try:
+                os.close(self.pidfd)
+            except OSError:
+                pass
+            self.pidfd = None
+        self._server._forget(self)
+
+
+class ChannelServer:
+    """The fd channel listener and every channel on it (the core's PortDirectory)."""
+
+    def __init__(self, daemon: "Daemon", settings: Settings):
+        self.daemon = daemon
+        self.settings = settings
+        self.channels: dict[int, Conn] = {}
+        self._unbound: dict[bytes, Conn] = {}
+        self._ids = itertools.count(1)
+        self._listener: socket.socket | None = None
+        self._tasks: set[asyncio.Task] = set()  # requests being served
+        self._sweeper: asyncio.Task | None = None
+        daemon.attach(self)
+
+    # ---- life cycle -----------------------------------------------------
+    def start(self) -> None:
+        path = self.settings.fd_socket
+        prepare_socket_path(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        sock.bind(path)
+        apply_socket_permissions(path, self.settings)
+        sock.listen(128)
+        self._listener = sock
+        loop = asyncio.get_running_loop()
+        loop.add_reader(sock.fileno(), self._accept)
+        self._sweeper = loop.create_task(self._sweep())
+
+    def stop_accepting(self) -> None:
+        if self._listener is not None:
+            asyncio.get_running_loop().remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+
+    def shutdown(self, error: errors.KVCachedError) -> None:
+        """PortDirectory.shutdown: close every channel (ERROR first), stop
+        listening, remove the socket file."""
+        self.stop_accepting()
+        for conn in list(self.channels.values()):
+            self._drop(conn, error)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        try:
+            os.unlink(self.settings.fd_socket)
+        except FileNotFoundError:
+            pass
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _sweep(self) -> None:
+        """Channels left without a session for channel_bind_timeout are closed."""
+        while True:
+            await asyncio.sleep(0.5)
+            limit = self.settings.channel_bind_timeout
+            now = time.monotonic()
+            for conn in [c for c in self._unbound.values() if now - c.created > limit]:
+                self._drop(conn, errors.FailedPrecondition(f"no OpenSession within {limit:g} s"))
+
+    # ---- PortDirectory --------------------------------------------------
+    def find(self, secret: bytes) -> Conn:
+        if len(secret) != fdchannel.SECRET_SIZE:
+            raise errors.InvalidArgument(f"channel_secret must be {fdchannel.SECRET_SIZE} bytes from the fd channel's HELLO, got {len(secret)}")
+        for candidate_secret, candidate in self._unbound.items():
+            if hmac.compare_digest(candidate_secret, secret) and not candidate.closed:
+                return candidate
+        raise errors.FailedPrecondition("unknown or already used channel secret: connect the fd channel and use the secret from its HELLO")
+
+    def bind(self, port: Conn, session: Session) -> None:
+        self._unbound.pop(port.secret, None)
+        port.session = session
+
+    def adoption(self, port: Conn) -> Adoption:
+        """The ADOPT records of this channel. The client sent them before
+        calling ResumeSession, so they are in the socket by now: read every
+        record waiting there first (no waiting, no polling)."""
+        while not port.closed and self._read_one(port):
+            pass
+        if port.closed:
+            raise errors.FailedPrecondition("the fd channel closed before ResumeSession")
+        return port.adoption
+
+    # ---- accepting ------------------------------------------------------
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self.daemon.count("fd_channel_errors")
+                log.warning("fd channel accept failed: %s", exc)
+                return
+            try:
+                self._admit(sock)
+            except Exception:
+                self.daemon.count("fd_channel_errors")
+                log.exception("fd channel set-up failed")
+                sock.close()
+
+    def _admit(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        pid, uid, gid = fdchannel.peer_credentials(sock)
+        conn = Conn(self, next(self._ids), sock, pid, uid, gid, secrets.token_bytes(fdchannel.SECRET_SIZE))
+        refusal = self._refusal(conn)
+        if refusal is None and self.daemon.shutting_down:
+            refusal = errors.Unavailable("the daemon is shutting down")
+        if refusal is not None:
+            log.warning("refused fd channel from pid %d uid %d: %s", pid, uid, refusal.message)
+            conn.send_nowait(fdchannel.encode_error(refusal.code, refusal.message))
+            sock.close()
+            return
+        loop = asyncio.get_running_loop()
+        self.channels[conn.id] = conn
+        self._unbound[conn.secret] = conn
+        if pid > 0:
+            try:
+                conn.pidfd = os.pidfd_open(pid)
+                loop.add_reader(conn.pidfd, self._peer_exited, conn)
+            except ProcessLookupError:
+                self._lost(conn, crashed=True)
+                return
+            except OSError as exc:
+                log.debug("pidfd_open(%d) failed: %s; relying on the socket alone", pid, exc)
+        loop.add_reader(sock.fileno(), self._read_one, conn)
+        conn.send_nowait(fdchannel.encode_hello(fdchannel.Hello(conn.id, pid, uid, gid, fdchannel.MAX_FDS, conn.secret)))
+        log.debug("fd channel %d: pid %d uid %d gid %d", conn.id, pid, uid, gid)
+
+    def _refusal(self, conn: Conn) -> errors.KVCachedError | None:
+        allowed = self.settings.allowed_uids
+        if allowed and conn.uid not in allowed and conn.uid != os.getuid():
+            return errors.PermissionDenied(f"uid {conn.uid} is not allowed to use this daemon (allowed_uids)")
+        per_uid = sum(1 for c in self.channels.values() if c.uid == conn.uid)
+        if per_uid >= self.settings.max_sessions_per_uid:
+            return errors.ResourceExhausted(
+                f"uid {conn.uid} already has {per_uid} fd channels open (max_sessions_per_uid={self.settings.max_sessions_per_uid})"
+            )
+        if len(self.channels) >= self.settings.max_sessions:
+            return errors.ResourceExhausted(f"the daemon already has {len(self.channels)} channels open (max_sessions)")
+        return None
+
+    # ---- records in ------------------------------------------------------
+    def _read_one(self, conn: Conn) -> bool:
+        """Read and handle one record; False when nothing was waiting (or
+        the channel is gone)."""
+        try:
+            rec = fdchannel.recv_record(conn.sock, fdchannel.MAX_CLIENT_RECORD)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except fdchannel.MalformedRequest as exc:
+            # framing sound, req_id readable: answer it; the session goes on
+            self.daemon.count("fd_channel_malformed_requests")
+            log.info("fd channel %d (pid %d): %s; answered INVALID_ARGUMENT", conn.id, conn.pid, exc)
+            conn.send_nowait(fdchannel.encode_reply(exc.req_id, errors.Code.INVALID_ARGUMENT, 0, exc.message))
+            return True
+        except fdchannel.ProtocolError as exc:
+            self.daemon.count("fd_channel_errors")
+            log.info("fd channel %d (pid %d): protocol error: %s; closing it", conn.id, conn.pid, exc)
+            self._drop(conn, errors.InvalidArgument(f"fd channel protocol error: {exc}"))
+            return False
+        except OSError:
+            rec = None
+        if rec is None:
+            self._lost(conn, crashed=conn.session is not None)
+            return False
+        if isinstance(rec, (fdchannel.AllocateReq, fdchannel.FreeReq, fdchannel.CloseReq, fdchannel.AnswerReq)):
+            if conn.session is None:
+                conn.send_nowait(fdchannel.encode_reply(rec.req_id, errors.Code.FAILED_PRECONDITION, 0,
+                                                        "no session on this fd channel yet: call OpenSession first"))
+            else:
+                self._spawn(self._serve_request(conn, conn.session, rec))
+            return True
+        if isinstance(rec, fdchannel.Adopt) and conn.session is None:
+            self._collect_adopt(conn, rec)
+            return True
+        fdchannel.close_fds(getattr(rec, "fds", ()))  # well-formed, but not for the daemon: dropped
+        return True
+
+    def _collect_adopt(self, conn: Conn, rec: fdchannel.Adopt) -> None:
+        """Keep the fds of pages the journal gave that orphan (of this uid),
+        for ResumeSession; close the rest. All ADOPT records of one channel
+        must name one session."""
+        a = conn.adoption
+        if a.fds and a.session_id != rec.session_id:
+            fdchannel.close_fds(rec.fds)
+            return
+        for pid, fd in zip(rec.page_ids, rec.fds):
+            if not self.daemon.may_adopt(rec.session_id, conn.uid, pid):
+                fdchannel.close_fds([fd])
+                continue
+            a.session_id = rec.session_id
+            old = a.fds.pop(pid, None)
+            if old is not None:
+                fdchannel.close_fds([old])
+            a.fds[pid] = fd
+
+    async def _serve_request(self, conn: Conn, s: Session, rec) -> None:
+        """A request record from a session's own fd channel: the kernel
+        vouches for the sender, so no token is needed. Answered with REPLY
+        (for ALLOCATE after its PAGES records; for CLOSE just before the
+        GOODBYE, by Conn.hang_up)."""
+        d = self.daemon
+        code, value, message = errors.Code.OK, 0, ""
+        try:
+            if isinstance(rec, fdchannel.AllocateReq):
+                a = await d.allocate(s, rec.device, rec.num_pages, rec.wait, rec.wait_timeout_ms, rec.notify,
+                                     alloc_id=rec.req_id | fdchannel.CHANNEL_ALLOC_BIT)
+                value = a.held_bytes
+            elif isinstance(rec, fdchannel.FreeReq):
+                value, _ = await d.free(s, list(rec.page_ids))
+            elif isinstance(rec, fdchannel.AnswerReq):
+                value = d.answer_reclaim(s, rec.reclaim_id, rec.bytes_given, rec.bytes_kept, rec.reason)
+            else:
+                conn.closing_req = rec.req_id
+                await d.close_session(s)
+                return
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a REPLY code
+            conn.closing_req = None
+            code, message = errors.status_of(exc)
+            if code == errors.Code.INTERNAL:
+                log.exception("fd channel request %s failed", type(rec).__name__)
+        try:
+            await conn.send(fdchannel.encode_reply(rec.req_id, code, value, message), [], self.settings.fd_send_timeout)
+        except DeliveryFailed:
+            pass  # nobody to answer
+
+    # ---- hang-up ----------------------------------------------------------
+    def _peer_exited(self, conn: Conn) -> None:
+        self._lost(conn, crashed=True)
+
+    def _lost(self, conn: Conn, crashed: bool) -> None:
+        """The peer is gone (EOF, exit): close, then end its session."""
+        if conn.closed:
+            return
+        conn.close()
+        if conn.session is not None:
+            self.daemon.session_lost(conn.session, crashed)
+
+    def _drop(self, conn: Conn, error: errors.KVCachedError) -> None:
+        """Close the channel with an ERROR record; its session ends."""
+        if conn.closed:
+            return
+        if conn.session is not None and not conn.session.closed:
+            self.daemon.end_session(conn.session, error.message, farewell=error)  # hangs up with the ERROR
+        else:
+            conn.send_nowait(fdchannel.encode_error(error.code, error.message))
+            conn.close()
+
+    def _forget(self, conn: Conn) -> None:
+        self._unbound.pop(conn.secret, None)
+        self.channels.pop(conn.id, None)

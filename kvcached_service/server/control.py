@@ -1,0 +1,452 @@
+"""The control socket's front door: who may hold gRPC connections, and who
+is calling.
+
+grpcio accepts connections itself and tells a servicer nothing about the
+peer of a Unix socket (no SO_PEERCRED), so the daemon does not let it listen
+on the control socket. This module listens there instead, and for every
+connection:
+
+- reads the peer's credentials from the kernel (SO_PEERCRED);
+- admits it or refuses it: at most `max_grpc_connections` open at once, at
+  most `max_grpc_connections_per_uid` per uid (one uid cannot take the
+  slots of another). A refused connection's first call is answered
+  RESOURCE_EXHAUSTED naming the limit (a trailers-only gRPC answer, then
+  GOAWAY), then it is closed (at once when 64 refusals are already being
+  answered: a flood gets the door, not words); counted (`refused`), logged
+  (once per uid per minute);
+- connects it to grpcio, which listens on a private socket in a 0700
+  directory only the daemon's uid (and root) can reach, and relays the
+  bytes both ways (flow control: a side that cannot take more pauses the
+  other), so gRPC itself, health and reflection are unchanged;
+- names the connection to grpcio: the relay's own socket is bound to a
+  random abstract name, which the servicer sees as `context.peer()`
+  ("unix-abstract:kvcached-..."): `peer(context.peer())` returns the
+  kernel's credentials of the real caller. That is how a SessionRef is
+  bound to the uid that opened the session (service.py, daemon.py).
+
+Connections with no call in flight are closed by grpcio after
+`grpc_idle_timeout` (grpc.max_connection_idle_ms); clients reconnect on
+their next call. The relay closes the other side when either side closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import shutil
+import socket
+import stat
+import struct
+import tempfile
+import time
+from dataclasses import dataclass
+
+from .. import fdchannel
+from ..config import Settings
+from .sockets import apply_socket_permissions, prepare_socket_path
+
+log = logging.getLogger("kvcached.control")
+
+_HIGH_WATER = 1 << 20  # bytes buffered towards one side before the other is paused
+_RESOURCE_EXHAUSTED = 8
+_REFUSAL_WAIT = 0.5  # seconds a refused connection has to send its first call and read the answer
+_REFUSALS_AT_ONCE = 64  # refused connections being answered at once; beyond, they are closed at once
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A control connection's client as the kernel names it."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+GONE = Peer(0, -1, -1)  # the caller of a relay that closed: matches no session's uid
+
+
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+SERVER_PREFACE = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # an empty SETTINGS frame
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
+
+
+def _hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes([first | value])
+    out = bytearray([first | limit])
+    value -= limit
+    while value >= 128:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _hpack_literal(name: bytes, value: bytes) -> bytes:
+    """A header field as a literal without indexing, new name, no Huffman."""
+    return b"\x00" + _hpack_int(len(name), 7) + name + _hpack_int(len(value), 7) + value
+
+
+def grpc_refusal(stream_id: int, code: int, message: str) -> bytes:
+    """What a refused gRPC client reads: the server's SETTINGS, a trailers-only
+    answer to its first call (gRPC status `code` and `message`, percent-encoded
+    as gRPC wants), and a GOAWAY. The server's SETTINGS (SERVER_PREFACE)
+    must have been sent first: a gRPC client sends no call before it."""
+    msg = "".join(c if 0x20 <= ord(c) < 0x7F and c != "%" else "".join(f"%{b:02X}" for b in c.encode()) for c in message)
+    block = (_hpack_literal(b":status", b"200") + _hpack_literal(b"content-type", b"application/grpc")
+             + _hpack_literal(b"grpc-status", str(code).encode()) + _hpack_literal(b"grpc-message", msg.encode()))
+    return (_frame(0x4, 0x1, 0, b"")  # the ACK of the client's SETTINGS (ours went first: SERVER_PREFACE)
+            + _frame(0x1, 0x4 | 0x1, stream_id, block)  # HEADERS: END_HEADERS | END_STREAM
+            + _frame(0x7, 0, 0, struct.pack(">II", stream_id, 0) + message.encode()[:1000]))
+
+
+def first_call(data: bytes) -> int | None:
+    """The stream id of the first HEADERS frame after the client preface,
+    None until it has arrived; -1 when the bytes are not HTTP/2."""
+    if len(data) < len(_PREFACE):
+        return None if _PREFACE.startswith(data) else -1
+    if not data.startswith(_PREFACE):
+        return -1
+    i = len(_PREFACE)
+    while len(data) - i >= 9:
+        length = int.from_bytes(data[i:i + 3], "big")
+        kind = data[i + 3]
+        stream = int.from_bytes(data[i + 5:i + 9], "big") & 0x7FFFFFFF
+        if kind == 0x1 and stream:
+            return stream
+        i += 9 + length
+    return None
+
+
+class _Side(asyncio.Protocol):
+    """One end of a relayed connection (public: the client; private: grpcio)."""
+
+    def __init__(self, conn: "_Relay", name: str):
+        self.conn = conn
+        self.name = name
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.set_write_buffer_limits(high=_HIGH_WATER)
+
+    def data_received(self, data: bytes) -> None:
+        self.conn.relay(self, data)
+
+    def eof_received(self) -> bool:
+        self.conn.close(f"{self.name} closed")
+        return False
+
+    def connection_lost(self, exc) -> None:
+        self.conn.close(f"{self.name} lost" + (f": {exc}" if exc else ""))
+
+    def pause_writing(self) -> None:
+        self.conn.other(self).pause()
+
+    def resume_writing(self) -> None:
+        self.conn.other(self).resume()
+
+    def pause(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+
+class _Relay:
+    """A client's control connection relayed to grpcio."""
+
+    def __init__(self, front: "ControlFront", peer: Peer):
+        self.front = front
+        self.peer = peer
+        self.public = _Side(self, "client")
+        self.private = _Side(self, "server")
+        self.name = ""  # the private side's abstract name, as grpcio reports the peer
+        self.pending: list[bytes] = []  # client bytes before the private side is up
+        self.closed = False
+        self.opened = time.monotonic()
+
+    def other(self, side: _Side) -> _Side:
+        return self.private if side is self.public else self.public
+
+    def relay(self, side: _Side, data: bytes) -> None:
+        dest = self.other(side).transport
+        if dest is None:
+            self.pending.append(data)
+        elif not dest.is_closing():
+            dest.write(data)
+
+    def private_up(self, transport) -> None:
+        if self.closed:
+            transport.close()
+            return
+        for data in self.pending:
+            transport.write(data)
+        self.pending.clear()
+        assert self.public.transport is not None
+        self.public.transport.resume_reading()
+
+    def close(self, why: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for side in (self.public, self.private):
+            if side.transport is not None:
+                side.transport.close()  # flushes what is buffered first
+        self.front._forget(self, why)
+
+
+class ControlFront:
+    """The control socket's listener and relay (see the module doc)."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.path = settings.socket
+        self._dir = self._private_dir(settings.socket)
+        self.private_path = os.path.join(self._dir, "grpc.sock")
+        self._server: asyncio.AbstractServer | None = None
+        self._relays: dict[str, _Relay] = {}  # by the private side's name
+        self._by_uid: dict[int, int] = {}
+        self._open = 0
+        self._last_warning: dict[int, float] = {}
+        self._answering = 0  # refused connections waiting for their first call (_Refusal)
+        self.refused = {"per_uid": 0, "total": 0}
+        self.accepted_total = 0
+        self.closed_by_server_total = 0  # grpcio closed it first (idle, or shutting down)
+
+    @staticmethod
+    def _private_dir(socket_path: str) -> str:
+        """A 0700 directory for grpcio's own socket: `.<socket name>.grpc`
+        beside the control socket (writable wherever the socket is, e.g.
+        /run/kvcached under systemd; one left by a daemon that was killed is
+        replaced, as main.py checked that no daemon serves that socket), or a
+        fresh one in the temporary directory when that path would be too long
+        for a Unix socket."""
+        parent, name = os.path.split(os.path.abspath(socket_path))
+        d = os.path.join(parent, f".{name}.grpc")
+        if len(os.path.join(d, "grpc.sock").encode()) < 100:
+            try:
+                st = os.lstat(d)
+            except FileNotFoundError:
+                pass
+            else:
+                if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                    raise OSError(f"{d} exists and is not a directory of this uid; remove it")
+                shutil.rmtree(d)  # a killed daemon's
+            os.mkdir(d, 0o700)
+            return d
+        return tempfile.mkdtemp(prefix="kvcached-grpc-")
+
+    # ---- life cycle -----------------------------------------------------
+    async def start(self) -> None:
+        """Listen on the control socket (grpcio must already serve the
+        private one). The socket file is born private, then gets the
+        configured mode and group."""
+        prepare_socket_path(self.path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        old_umask = os.umask(0o177)
+        try:
+            sock.bind(self.path)
+        finally:
+            os.umask(old_umask)
+        apply_socket_permissions(self.path, self.settings)
+        sock.listen(min(socket.SOMAXCONN, 4096))
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(self._accepted, sock=sock)
+
+    def stop_accepting(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    def close(self) -> None:
+        """Stop listening, close every relayed connection, remove the files."""
+        self.stop_accepting()
+        for relay in list(self._relays.values()):
+            relay.close("daemon stopping")
+        for path in (self.path,):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ---- who is calling ---------------------------------------------------
+    def peer(self, grpc_peer: str) -> Peer | None:
+        """The kernel's credentials of the client behind a gRPC call
+        (`context.peer()`); None for a connection that did not come through
+        this front door (only the daemon's own uid and root can make one).
+        A relay that is already gone (its client closed the connection
+        while a call of it was still being served) is GONE: no uid, so no
+        SessionRef is good for it (fail closed)."""
+        prefix = "unix-abstract:kvcached-"
+        if not grpc_peer.startswith(prefix):
+            return None
+        relay = self._relays.get(grpc_peer[len("unix-abstract:"):])
+        return relay.peer if relay is not None else GONE
+
+    def stats(self) -> dict:
+        return {"open": self._open, "uids": len(self._by_uid), "refused": dict(self.refused),
+                "accepted": self.accepted_total, "closed_by_server": self.closed_by_server_total}
+
+    # ---- accepting ----------------------------------------------------------
+    def _accepted(self) -> asyncio.Protocol:
+        """A new client connection: admitted or refused in connection_made."""
+        return _Admission(self)
+
+    def _admit(self, transport: asyncio.Transport) -> "_Side | _Refusal | None":
+        sock = transport.get_extra_info("socket")
+        pid, uid, gid = fdchannel.peer_credentials(sock)
+        peer = Peer(pid, uid, gid)
+        reason = self._refusal(uid)
+        if reason is not None:
+            kind, text = reason
+            self.refused[kind] += 1
+            now = time.monotonic()
+            if now - self._last_warning.get(uid, -1e9) >= 60:
+                self._last_warning[uid] = now
+                log.warning("refused a control connection from pid %d uid %d: %s (refused so far: %d per uid, %d in total)",
+                            pid, uid, text, self.refused["per_uid"], self.refused["total"])
+            if self._answering < _REFUSALS_AT_ONCE:
+                return _Refusal(self, transport, f"kvcached: {text}")
+            transport.abort()  # a flood: no answer, just the door
+            return None
+        relay = _Relay(self, peer)
+        relay.name = "kvcached-" + secrets.token_hex(12)
+        self._relays[relay.name] = relay
+        self._by_uid[uid] = self._by_uid.get(uid, 0) + 1
+        self._open += 1
+        self.accepted_total += 1
+        relay.public.connection_made(transport)
+        transport.pause_reading()  # until grpcio's side is connected
+        asyncio.get_running_loop().create_task(self._connect(relay))
+        return relay.public
+
+    def _refusal(self, uid: int) -> tuple[str, str] | None:
+        s = self.settings
+        mine = self._by_uid.get(uid, 0)
+        if mine >= s.max_grpc_connections_per_uid:
+            return "per_uid", f"uid {uid} already has {mine} control connections open (max_grpc_connections_per_uid={s.max_grpc_connections_per_uid})"
+        if self._open >= s.max_grpc_connections:
+            return "total", f"the daemon already has {self._open} control connections open (max_grpc_connections={s.max_grpc_connections})"
+        return None
+
+    async def _connect(self, relay: _Relay) -> None:
+        loop = asyncio.get_running_loop()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        try:
+            s.bind(b"\0" + relay.name.encode())
+            await loop.sock_connect(s, self.private_path)
+            transport, _ = await loop.create_unix_connection(lambda: relay.private, sock=s)
+        except OSError as exc:
+            s.close()
+            log.error("control connection from pid %d uid %d: cannot reach the gRPC server: %s", relay.peer.pid, relay.peer.uid, exc)
+            relay.close("private side failed")
+            return
+        relay.private_up(transport)
+
+    def _forget(self, relay: _Relay, why: str) -> None:
+        if self._relays.pop(relay.name, None) is None:
+            return
+        self._open -= 1
+        n = self._by_uid.get(relay.peer.uid, 0) - 1
+        if n > 0:
+            self._by_uid[relay.peer.uid] = n
+        else:
+            self._by_uid.pop(relay.peer.uid, None)
+        if why.startswith("server"):
+            self.closed_by_server_total += 1
+        log.debug("control connection from pid %d uid %d ended after %.1f s (%s)", relay.peer.pid, relay.peer.uid,
+                  time.monotonic() - relay.opened, why)
+
+
+class _Refusal:
+    """A refused connection: its first call is answered RESOURCE_EXHAUSTED
+    with the limit in the message (so a gRPC client reports what happened and
+    does not reconnect in a loop), then it is closed; within _REFUSAL_WAIT."""
+
+    def __init__(self, front: ControlFront, transport: asyncio.Transport, message: str):
+        self.front = front
+        self.transport = transport
+        self.message = message
+        self.data = b""
+        self.done = False
+        front._answering += 1
+        self._timer = asyncio.get_running_loop().call_later(_REFUSAL_WAIT, self._finish)
+        transport.write(SERVER_PREFACE)
+
+    def data_received(self, data: bytes) -> None:
+        if self.done:
+            return
+        self.data += data
+        stream = first_call(self.data)
+        if stream is None and len(self.data) < 65536:
+            return
+        if stream is not None and stream > 0:
+            self.transport.write(grpc_refusal(stream, _RESOURCE_EXHAUSTED, self.message))
+        self._finish()
+
+    def _finish(self) -> None:
+        if not self.done:
+            self.done = True
+            self._timer.cancel()
+            self.front._answering -= 1
+            self.transport.close()
+
+    def eof_received(self) -> bool:
+        self._finish()
+        return False
+
+    def connection_lost(self, exc) -> None:
+        self._finish()
+
+    def pause_writing(self) -> None:
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+
+class _Admission(asyncio.Protocol):
+    """The protocol asyncio creates for an accepted connection: admits it
+    (handing over to the relay's public side) or refuses it."""
+
+    def __init__(self, front: ControlFront):
+        self.front = front
+        self.side: _Side | _Refusal | None = None
+
+    def connection_made(self, transport) -> None:
+        try:
+            self.side = self.front._admit(transport)
+        except OSError as exc:  # the peer went away before we looked
+            log.debug("control connection gone before admission: %s", exc)
+            transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        if self.side is not None:
+            self.side.data_received(data)
+
+    def eof_received(self) -> bool:
+        if self.side is not None:
+            return self.side.eof_received()
+        return False
+
+    def connection_lost(self, exc) -> None:
+        if self.side is not None:
+            self.side.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.side is not None:
+            self.side.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.side is not None:
+            self.side.resume_writing()

@@ -1,0 +1,63 @@
+"""Fixtures of the Ollama suite: tiny GGUFs (tests/llama/tiny_model.py),
+imported once with `ollama create` into a models directory every `ollama
+serve` of the module shares, and Ollama instances stopped at teardown."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "llama"))  # tiny_model
+
+import tiny_model  # noqa: E402
+from ollamatest import Ollama, blob_digest  # noqa: E402
+
+# Two models: the tiny llama of tests/llama (4 layers, n_embd 256: 4 KiB of
+# F16 KV per token), seeds 0 and 1. num_ctx 4096 x OLLAMA_NUM_PARALLEL 2:
+# 32 MiB of KV per model at full context (what llama.cpp reserves without
+# the daemon).
+MODELS = {"tiny0": 0, "tiny1": 1}
+NUM_CTX = 4096
+WORST_CASE_KV = 2 * NUM_CTX * tiny_model.KV_BYTES_PER_TOKEN_F16  # 2 slots
+
+
+@pytest.fixture(scope="session")
+def model_store(tmp_path_factory):
+    """(models dir, {name: blob digest}): the tiny GGUFs imported with
+    `ollama create` by a stock Ollama (the blobs do not depend on the build)."""
+    tmp = tmp_path_factory.mktemp("ollama-models")
+    models = tmp / "models"
+    models.mkdir()
+    o = Ollama("stock", tmp, models, name="create")
+    try:
+        for name, seed in MODELS.items():
+            gguf = tiny_model.write(tmp / f"{name}.gguf", seed=seed)
+            o.create(name, gguf, num_ctx=NUM_CTX)
+    finally:
+        o.stop()
+    return models, {name: blob_digest(models, name) for name in MODELS}
+
+
+@pytest.fixture
+def ollamas(tmp_path, model_store):
+    """start(layout, **env) -> a running Ollama on the shared models."""
+    models, _ = model_store
+    started: list[Ollama] = []
+
+    def start(layout: str, name: str | None = None, **env) -> Ollama:
+        o = Ollama(layout, tmp_path, models, env={k: str(v) for k, v in env.items()}, name=name or f"{layout}{len(started)}")
+        started.append(o)
+        return o
+
+    yield start
+    for o in started:
+        o.stop()
+
+
+@pytest.fixture
+def digests(model_store) -> dict[str, str]:
+    return model_store[1]

@@ -1,0 +1,264 @@
+"""A journal that cannot brick the daemon, and what clients and the budget
+do after a restart that cannot resume them (issue 16, items 3 and 4).
+
+- Every kind of damage (random bytes, a non-UTF-8 line, valid JSON with a
+  key missing, a JSON array, a wrong type, an unknown record) is named by
+  file and line, without a traceback; the daemon moves the file aside,
+  starts without resumes and says so loudly; the next start (a systemd
+  restart) finds nothing to complain about. A torn last record, whatever
+  its bytes, is tolerated: the records before it still resume.
+- A state directory that cannot be used at all is a setting to fix: exit 2,
+  which the systemd unit does not retry.
+- After a restart without a journal (no --state-dir, or a damaged one) the
+  old clients' sessions end with FAILED_PRECONDITION "session N ended: ...",
+  never a retryable UNAVAILABLE; the memory they still map is unavailable
+  to the new daemon, not free, until they let it go (CUDA test driver:
+  device-wide memory across processes; host: MemAvailable).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+
+import pytest
+
+from kvtest import ROOT, SERVE, assert_books, wait_until
+from kvcached_service.server.journal import Journal, JournalDamaged
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+# a journal as a daemon leaves it: a snapshot with one session holding two pages, then more records
+GOOD = [
+    {"op": "snapshot", "next_session_id": 3, "next_page_id": 10, "sessions": [
+        {"sid": 2, "uid": 0, "name": "old", "resume_hash": "ab" * 32, "guaranteed_bytes": 0, "max_bytes": 0,
+         "priority": 0, "labels": {}, "pages": {"7": ["HOST-0", "1:2"], "8": ["HOST-0", "1:3"]}}]},
+    {"op": "open", "sid": 3, "uid": 0, "name": "new", "rh": "cd" * 32, "g": 0, "m": 0, "p": 0, "labels": {}},
+    {"op": "alloc", "sid": 3, "dev": "HOST-0", "pages": [[10, "1:4"]]},
+]
+
+
+def lines(recs) -> bytes:
+    return b"".join(json.dumps(r).encode() + b"\n" for r in recs)
+
+
+# name -> (journal bytes, damaged line, what the message must say)
+DAMAGE = {
+    "random_bytes": (bytes.fromhex("8d3f0c1b9a7e5d2246f0aa13c9e8b07d51e2f9c4") + b"\n" + lines(GOOD), 1, "not UTF-8 (byte 0x8d at column 1)"),
+    "non_utf8_line": (lines(GOOD[:2]) + b'{"op": "close", "sid": 3, "x": "\xff\xfe"}\n' + lines(GOOD[2:]), 3, "not UTF-8 (byte 0xff at column 33)"),
+    "missing_key": (lines(GOOD) + lines([{"op": "alloc", "dev": "HOST-0", "pages": [[11, "1:5"]]}]) + lines([{"op": "close", "sid": 3}]), 4, "'alloc' record lacks 'sid'"),
+    "an_array": (lines(GOOD[:1]) + b'[1, 2, 3]\n' + lines(GOOD[1:]), 2, "a JSON array, not an object"),
+    "wrong_type": (lines(GOOD[:1]) + lines([{"op": "open", "sid": "3", "uid": 0, "name": "n", "rh": ""}]) + b"\n", 2, "'sid' must be a positive integer, not '3'"),
+    "unknown_record": (lines(GOOD) + lines([{"op": "teleport", "sid": 3}]) + lines([{"op": "close", "sid": 3}]), 4, "unknown record 'teleport'"),
+    "not_json": (lines(GOOD[:2]) + b'{"op": "close", "sid": 3\n' + lines(GOOD[2:]), 3, "not JSON: Expecting ',' delimiter"),
+    "bad_snapshot_page": (lines([dict(GOOD[0], sessions=[dict(GOOD[0]["sessions"][0], pages={"x7": ["HOST-0", "1:2"]})])]), 1,
+                          "snapshot session #1: page id 'x7' is not a positive integer"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_every_kind_of_damage_is_named_by_file_and_line(tmp_path, kind):
+    data, line, fragment = DAMAGE[kind]
+    j = Journal(str(tmp_path))
+    j.path.write_bytes(data)
+    with pytest.raises(JournalDamaged) as info:
+        j.load()
+    assert info.value.line == line and str(info.value).startswith(f"journal {j.path} line {line}: "), str(info.value)
+    assert fragment in info.value.problem, info.value.problem
+
+
+def test_a_torn_last_record_is_tolerated_whatever_its_bytes(tmp_path):
+    """The daemon died mid-write: the last line has no newline. Non-UTF-8 or
+    cut JSON there is dropped with a warning; a complete record there (only
+    its newline missing) is applied. The same bytes on a complete line are
+    damage."""
+    j = Journal(str(tmp_path))
+    for torn, applied in ((b'{"op": "alloc", "sid": 3, "dev": "HOST-0", "pages": [[11, "1:\xff\xfe', False),
+                          (b'{"op": "alloc", "sid": 3, "dev": "HOST', False),
+                          (b'{"op": "alloc", "sid": 3, "dev": "HOST-0", "pages": [[11, "1:5"]]}', True)):
+        j = Journal(str(tmp_path))
+        j.path.write_bytes(lines(GOOD) + torn)
+        j.load()
+        assert set(j.sessions) == {2, 3}
+        assert set(j.sessions[3].pages) == ({10, 11} if applied else {10}), torn
+        assert j.next_page_id == (12 if applied else 11)
+        j = Journal(str(tmp_path))
+        j.path.write_bytes(lines(GOOD) + torn + b"\n" + lines([{"op": "close", "sid": 3}]))
+        if not applied:
+            with pytest.raises(JournalDamaged):
+                j.load()
+
+
+def _start(tmp_path, name: str, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, pathlib.Path]:
+    log = tmp_path / f"{name}.log"
+    penv = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    with open(log, "w") as f:
+        p = subprocess.Popen(SERVE + ["--backend", "host", "--memory-limit", "64MiB", "--shutdown-grace", "0", *args],
+                             env=penv, stdout=f, stderr=subprocess.STDOUT)
+    return p, log
+
+
+@pytest.mark.parametrize("kind", ["random_bytes", "non_utf8_line", "missing_key", "an_array", "wrong_type"])
+def test_damaged_journal_is_moved_aside_and_the_daemon_serves(daemon_factory, tmp_path, kind):
+    """A real daemon on a damaged journal: it serves (no resumes), its log
+    names the file and line and says what it did (no traceback), the file is
+    kept aside, the kvcached_journal_damaged gauge says 1; a restart (what
+    systemd's Restart= does) starts clean: no loop."""
+    from test_metrics import scrape, value
+
+    state = tmp_path / "state"
+    state.mkdir()
+    data, line, fragment = DAMAGE[kind]
+    (state / "journal.jsonl").write_bytes(data)
+    d = daemon_factory("host", state_dir=str(state), metrics_address="127.0.0.1:0")
+    log = d.log_text()
+    print(f"\n{kind}: " + next(x for x in log.splitlines() if "ERROR" in x))
+    assert f"ERROR kvcached.daemon: journal {state / 'journal.jsonl'} line {line}: " in log and fragment in log, log
+    assert "starting WITHOUT resumes" in log and "Traceback" not in log, log
+    aside = list(state.glob("journal.jsonl.damaged-*"))
+    assert len(aside) == 1 and aside[0].read_bytes() == data
+    assert value(scrape(d), "kvcached_journal_damaged") == 1
+    with d.client() as c, c.open_session("after") as s:  # serving, with a new journal: resumable sessions again
+        assert s.resumable
+        s.free(s.allocate(2))
+        assert_books(c.stats())
+    assert d.stop() == 0
+    d2 = daemon_factory("host", state_dir=str(state), socket=d.socket)
+    assert "ERROR" not in d2.log_text() and "Traceback" not in d2.log_text(), d2.log_text()
+    assert len(list(state.glob("journal.jsonl.damaged-*"))) == 1
+
+
+def test_an_unusable_state_dir_exits_2(tmp_path):
+    """A state directory that cannot be created or written is a setting to
+    fix, not a crash to retry: exit 2 (RestartPreventExitStatus=2 in the
+    unit), one line naming the setting and the path."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    p, log = _start(tmp_path, "bad-state", "--socket", str(tmp_path / "s.sock"), "--state-dir", str(blocker / "state"))
+    assert p.wait(60) == 2, log.read_text()
+    text = log.read_text()
+    assert "cannot start: state_dir (--state-dir, KVCACHED_STATE_DIR)" in text and str(blocker) in text, text
+    assert "Traceback" not in text
+
+
+# ---- restart without a journal: clients and the budget ------------------------------
+def _orphan(d, n: int) -> tuple[subprocess.Popen, dict]:
+    p = d.spawn_client("client_proc.py", "orphan", str(n))
+    line = p.stdout.readline()
+    assert line, p.stderr.read()
+    return p, json.loads(line)
+
+
+def _poke(p) -> dict:
+    p.stdin.write("\n")
+    p.stdin.flush()
+    line = p.stdout.readline()
+    assert line, p.stderr.read()
+    return json.loads(line)
+
+
+def _kill(d) -> None:
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+
+
+def _device(c):
+    (dev,) = c.stats().devices.values()
+    return dev
+
+
+@pytest.mark.parametrize("damaged", [False, True], ids=["no-state-dir", "damaged-journal"])
+def test_restart_that_cannot_resume_ends_sessions_and_keeps_orphans_unavailable_cuda(daemon_factory, tmp_path, damaged):
+    """CUDA test driver (one 1 GiB device across processes, as a GPU): a
+    client maps 192 MiB; the daemon is SIGKILLed and restarted either without
+    a state dir or on a journal that got damaged. The client's calls end with
+    FAILED_PRECONDITION (session ended), its bytes intact; the new daemon's
+    budget is at most what the device has besides the client's pages (they
+    are unavailable, not free, so they are not lent twice); once the client
+    exits, the budget is back to the configured limit."""
+    state = str(tmp_path / "state")
+    extra = {"state_dir": state} if damaged else {}
+    d = daemon_factory("cuda", memory_limit="90%", memory_poll_seconds="0.2", **extra)
+    with d.client() as c:
+        limit = _device(c).budget_bytes
+    p, info = _orphan(d, 96)  # 192 MiB, every byte written
+    _kill(d)
+    if damaged:
+        j = pathlib.Path(state) / "journal.jsonl"
+        j.write_bytes(b"\x8d\x00garbage\n" + j.read_bytes())
+    d2 = daemon_factory("cuda", socket=d.socket, memory_limit="90%", memory_poll_seconds="0.2", **extra)
+    # a resumable session (the journal existed) first tries to resume: UNAVAILABLE meanwhile, then refused
+    res = {}
+    assert wait_until(lambda: res.update(_poke(p)) or res["Allocate"][0] != "UNAVAILABLE", timeout=30, interval=0.2), res
+    print(f"\n{'damaged journal' if damaged else 'no state dir'}: the old client sees {res}")
+    for op in ("Allocate", "Free", "GetStats") if not damaged else ("Allocate", "GetStats"):  # a Free while resuming succeeds
+        code, msg = res[op]
+        assert code == "FAILED_PRECONDITION", (op, res)
+        assert f"session {info['session']}" in msg and ("ended" in msg or "could not be resumed" in msg), (op, msg)
+    assert res["intact"]
+    with d2.client() as c:
+        dev = _device(c)
+        print(f"budget {dev.budget_bytes / MiB:.0f} MiB of a {limit / MiB:.0f} MiB limit, unavailable {dev.unavailable_bytes / MiB:.0f} MiB")
+        assert dev.budget_bytes <= GiB - 192 * MiB, dev  # never lends the orphaned 192 MiB again
+        assert dev.budget_bytes + dev.unavailable_bytes == limit
+        assert dev.unavailable_bytes >= limit - (GiB - 192 * MiB)
+        assert_books(c.stats())
+        p.stdin.close()
+        assert p.wait(30) == 0, p.stderr.read()
+        assert wait_until(lambda: _device(c).budget_bytes == limit, timeout=10), _device(c)
+        assert _device(c).unavailable_bytes == 0
+    log = d2.log_text()
+    assert "the device has only" in log and "budget back to the configured" in log, log
+
+
+def _meminfo(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(key)
+
+
+def test_restart_without_state_dir_host_memory_of_old_clients_is_unavailable(daemon_factory):
+    """Host backend: the budget follows MemAvailable, the kernel's own
+    device-wide number, which does not count memfd pages anyone has written
+    (they are Shmem). A client of a killed daemon keeps 1.5 GiB of written
+    pages; the restarted daemon (no state dir, limit 100%) ends its session
+    and lends no more than the host has available besides them. Checked
+    against the kernel's numbers read beside each GetStats (bound: 256 MiB,
+    the daemon reads them every 0.2 s and other processes move them), and
+    Shmem falls by the client's 1.5 GiB when it exits."""
+    d = daemon_factory("host", memory_limit="100%", memory_poll_seconds="0.2")
+    p, info = _orphan(d, 768)  # 1.5 GiB, every byte written
+    _kill(d)
+    d2 = daemon_factory("host", socket=d.socket, memory_limit="100%", memory_poll_seconds="0.2")
+    res = _poke(p)
+    assert res["Allocate"][0] == "FAILED_PRECONDITION" and "ended" in res["Allocate"][1], res
+    slack = 256 * MiB
+
+    def budget_vs_kernel(c):
+        m1 = _meminfo("MemAvailable")
+        dev = _device(c)
+        m2 = _meminfo("MemAvailable")
+        assert dev.budget_bytes <= max(m1, m2) + dev.pooled_bytes + dev.in_use_bytes + slack, (dev, m1, m2)
+        return dev.budget_bytes, max(m1, m2)
+
+    with d2.client() as c:
+        import time
+
+        time.sleep(0.5)
+        shmem_held = _meminfo("Shmem")
+        b1, m1 = budget_vs_kernel(c)
+        p.stdin.close()
+        assert p.wait(30) == 0, p.stderr.read()
+        time.sleep(0.5)
+        shmem_freed = _meminfo("Shmem")
+        b2, m2 = budget_vs_kernel(c)
+        print(f"\nhost: budget {b1 / GiB:.2f} GiB (MemAvailable {m1 / GiB:.2f}) while the old client holds 1.5 GiB, "
+              f"{b2 / GiB:.2f} GiB (MemAvailable {m2 / GiB:.2f}) after it exits; Shmem fell by {(shmem_held - shmem_freed) / GiB:.2f} GiB")
+        assert shmem_held - shmem_freed >= 1.4 * GiB  # the kernel counted the orphaned pages as used all along
+        assert_books(c.stats())
