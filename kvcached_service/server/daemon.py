@@ -791,6 +791,8 @@ class Daemon:
         """Tell every session, wait out the grace period (or until every
         session has gone). The adapters stop taking new work first."""
         self.shutting_down = True
+        for pool in self.pools.values():
+            pool.stop_refilling()
         loop = asyncio.get_running_loop()
         grace = self.settings.shutdown_grace
         ev = Event("SHUTDOWN", time.time(), {"reason": reason, "grace_seconds": grace})

@@ -206,6 +206,7 @@ class DevicePool:
         self.counters = PoolCounters()
         self._changed = asyncio.Event()
         self._refilling = False
+        self._no_refill = False  # set at shutdown: no more warm pages
         # Called with (device uuid, pages) whenever pages return to the pool.
         self.on_pages_returned: Callable[[str, int], None] | None = None
 
@@ -489,17 +490,24 @@ class DevicePool:
 
     # ---- warm pages and idle trimming -----------------------------------
     async def prefill(self) -> None:
-        """Create the warm pages (start-up)."""
+        """Create the warm pages (start-up). Returns when the warm target is
+        met, creation failed (logged), or stop_refilling() was called."""
         await self._refill()
 
+    def stop_refilling(self) -> None:
+        """No more warm pages: a prefill or refill in progress ends after
+        the batch the worker is creating (at most 64 pages)."""
+        self._no_refill = True
+
     def _maybe_refill(self) -> None:
-        if not self._refilling and self.n_ready_total() < self.warm_pages and self.n_free > 0:
+        if not self._no_refill and not self._refilling and self.n_ready_total() < self.warm_pages and self.n_free > 0:
             self._refilling = True
             asyncio.get_running_loop().create_task(self._refill())
 
     async def _refill(self) -> None:
+        self._refilling = True
         try:
-            while True:
+            while not self._no_refill:
                 want = min(self.warm_pages - self.n_ready_total(), self.n_free, 64)
                 if want <= 0:
                     return
