@@ -688,11 +688,6 @@ def test_profiles_and_report_name_the_mode(sim):
 # what the strict driver finds in the project (part B of issue 17)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 17 part B: CudaMapper.write (cuMemcpyHtoD_v2 from pageable memory) does not synchronize, so another "
-    "process may read the page before the bytes land (KVCACHED_TESTDRV_ASYNC=all models that)",
-)
 def test_cuda_mapper_write_is_visible_to_another_process_when_it_returns(sim):
     a_sock, b_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     env = knobs(ASYNC="all")
