@@ -450,6 +450,24 @@ static bool parse_costs(const char *s) {
     return true;
 }
 
+#ifdef KVCACHED_TESTDRV_PUBLIC_ONLY
+/* Built without its private features (scripts/build-testdriver.sh
+ * --public-only): no KVCACHED_TESTDRV_* variable is read (knobs, state
+ * directory, leak report, fault injection), as with NVIDIA's driver; only
+ * CUDA_VISIBLE_DEVICES. The suites pointed at it (KVCACHED_TEST_LIBCUDA)
+ * must skip what needs those features and pass the rest. One machine per
+ * uid with 4 GiB per device, strict defaults. */
+static char *td_getenv(const char *name) {
+    return strncmp(name, "KVCACHED_TESTDRV_", 17) == 0 ? NULL : getenv(name);
+}
+#define getenv td_getenv
+#undef TD_DEFAULT_MEMORY
+#define TD_DEFAULT_MEMORY (4ull << 30)
+#define TD_STATE_FMT "/dev/shm/kvcached-testdrv-public-%u"
+#else
+#define TD_STATE_FMT "/dev/shm/kvcached-testdrv-%u"
+#endif
+
 static void load_config(void) {
     const char *s;
     g_pagesize = sysconf(_SC_PAGESIZE);
@@ -573,7 +591,7 @@ static void load_config(void) {
     }
 
     if ((s = getenv("KVCACHED_TESTDRV_STATE")) && *s) snprintf(cfg.state, sizeof cfg.state, "%s", s);
-    else snprintf(cfg.state, sizeof cfg.state, "/dev/shm/kvcached-testdrv-%u", (unsigned)getuid());
+    else snprintf(cfg.state, sizeof cfg.state, TD_STATE_FMT, (unsigned)getuid());
     if (strlen(cfg.state) > PATH_MAX - 160) config_fail("KVCACHED_TESTDRV_STATE is too long");
 
     if ((s = getenv("KVCACHED_TESTDRV_REPORT")) && *s) snprintf(cfg.report, sizeof cfg.report, "%s", s);
