@@ -7,6 +7,8 @@ lenient driver). Each run gets its own simulated machine."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import pathlib
@@ -15,6 +17,9 @@ import subprocess
 import uuid
 
 from tdkit import ROOT
+
+# gpu-check.sh in each of the test driver's strictness modes: skipped, with the reason, when KVCACHED_TEST_LIBCUDA names another libcuda
+pytestmark = pytest.mark.usefixtures("needs_testdriver")
 
 SCRIPT = ROOT / "scripts" / "gpu-check.sh"
 

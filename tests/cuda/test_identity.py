@@ -44,7 +44,7 @@ def _resume(d, sid, token, ids, fds):
 
 def _swapped_claim(daemon_factory, tmp_path, mode):
     state = str(tmp_path / "state")
-    env = {"KVCACHED_TESTDRV_FD_IDENTITY": mode}
+    env = {"KVCACHED_TESTDRV_FD_IDENTITY": mode} if mode else {}
     d = daemon_factory("cuda", env=env, state_dir=state)
     c = d.client()
     s = c.open_session("a")
@@ -129,3 +129,14 @@ def test_honest_resume_per_identity_mode(daemon_factory, tmp_path, mode, preallo
     finally:
         fdchannel.close_fds(fds)
         c.close()
+
+
+def test_swapped_claim_is_refused_on_this_driver(daemon_factory, tmp_path):
+    """No knob: whatever the driver's exports are (the real driver's are
+    unknown), a claim with another page's fd is never adopted: refused as
+    not the journal's page where fds identify pages, refused outright where
+    they do not."""
+    err = _swapped_claim(daemon_factory, tmp_path, None)
+    assert err.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION), err.details()
+    assert ("is not the page the journal recorded" in err.details()
+            or "every exported page fd has the same identity" in err.details()), err.details()

@@ -18,6 +18,9 @@ import pytest
 
 from tdkit import GRAN
 
+# the test driver's strictness knobs: skipped, with the reason, when KVCACHED_TEST_LIBCUDA names another libcuda
+pytestmark = pytest.mark.usefixtures("needs_testdriver")
+
 MiB = 1 << 20
 
 DEFAULTS = {

@@ -3,10 +3,15 @@ project calls it). Each scenario runs in its own child process."""
 
 from __future__ import annotations
 
+import pytest
+
 import ctypes
 import signal
 
 from tdkit import GRAN
+
+# tests of the test driver itself: skipped, with the reason, when KVCACHED_TEST_LIBCUDA names another libcuda
+pytestmark = pytest.mark.usefixtures("needs_testdriver")
 
 
 def test_cuinit_first_and_context_required(sim, cuda_include):
