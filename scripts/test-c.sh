@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # C client (clients/c): build, ctest (plain and ASan+UBSan), valgrind leak
 # check (ctest entry valgrind_host), install to a temporary prefix and build
-# consumers with pkg-config and with find_package.
+# plain-C consumers (gcc) with pkg-config and with find_package.
 #
-# Needs: cmake, g++, libgrpc++-dev, protobuf-compiler-grpc, libprotobuf-dev,
+# Needs: cmake, gcc, g++, readelf (binutils), libgrpc++-dev, protobuf-compiler-grpc, libprotobuf-dev,
 # libgtest-dev, valgrind, pkg-config (scripts/setup.sh); the daemon in .venv
 # (scripts/setup.sh) and the CUDA test driver (scripts/build-testdriver.sh).
 # Exits non-zero on any failure.
@@ -39,7 +39,7 @@ export LSAN_OPTIONS="${LSAN_OPTIONS:-suppressions=$SRC/tests/lsan.supp:print_sup
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 ctest --test-dir "$REPO/build/c-asan" --output-on-failure || status=1
 
-step "install to a temporary prefix; consumers via pkg-config and find_package"
+step "install to a temporary prefix; plain-C consumers (gcc) via pkg-config and find_package"
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 cmake --install "$REPO/build/c" --prefix "$TMP/prefix" >/dev/null
@@ -47,22 +47,49 @@ LIBDIR="$(cd "$TMP/prefix" && ls -d lib*/ | head -1)"
 LIBDIR="$TMP/prefix/${LIBDIR%/}"
 test -f "$TMP/prefix/include/kvcached.h"
 test -f "$LIBDIR/pkgconfig/kvcached.pc"
+test -f "$LIBDIR/pkgconfig/kvcached-static.pc"
 test -f "$LIBDIR/cmake/kvcached/kvcachedConfig.cmake"
-# pkg-config, shared
-PKG_CONFIG_PATH="$LIBDIR/pkgconfig" cc -Wall -Werror -o "$TMP/consumer_pc" \
-  "$SRC/tests/install/consumer.c" $(PKG_CONFIG_PATH="$LIBDIR/pkgconfig" pkg-config --cflags --libs kvcached) \
-  -Wl,-rpath,"$LIBDIR"
+CONSUMER="$SRC/tests/install/consumer.c"
+# The consumer is C: gcc compiles and links it (never g++), so nothing C++
+# comes in unless the package says so. It checks the API version and that
+# the library answers a missing daemon with a status.
+needed() { readelf -d "$1" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p'; }
+shared_client() {  # the program needs libkvcached.so.1
+  needed "$1" | grep -qx 'libkvcached.so.1' || { echo "test-c: $1 does not need libkvcached.so.1" >&2; exit 1; }
+}
+static_client() {  # the program carries the client: no libkvcached NEEDED
+  if needed "$1" | grep -q '^libkvcached'; then echo "test-c: $1 needs libkvcached at run time" >&2; exit 1; fi
+}
+# pkg-config, shared; resolvable from our .pc alone (no grpc++/protobuf .pc
+# needed: PKG_CONFIG_LIBDIR hides the system's)
+PC="$LIBDIR/pkgconfig"
+PKG_CONFIG_LIBDIR="$PC" pkg-config --exists --print-errors kvcached
+gcc -Wall -Werror -o "$TMP/consumer_pc" "$CONSUMER" \
+  $(PKG_CONFIG_LIBDIR="$PC" pkg-config --cflags --libs kvcached) -Wl,-rpath,"$LIBDIR"
 "$TMP/consumer_pc"
-# pkg-config, static
-PKG_CONFIG_PATH="$LIBDIR/pkgconfig" c++ -o "$TMP/consumer_pc_static" -x c "$SRC/tests/install/consumer.c" -x none \
-  $(PKG_CONFIG_PATH="$LIBDIR/pkgconfig" pkg-config --static --cflags kvcached) \
-  "$LIBDIR/libkvcached.a" $(PKG_CONFIG_PATH="$LIBDIR/pkgconfig" pkg-config --static --libs-only-l --libs-only-L kvcached | sed 's/-lkvcached//')
+shared_client "$TMP/consumer_pc"
+# pkg-config, static, the archive beside the shared library: module kvcached-static
+gcc -Wall -Werror -o "$TMP/consumer_pc_static" "$CONSUMER" \
+  $(PKG_CONFIG_LIBDIR="$PC" pkg-config --cflags --libs kvcached-static)
 "$TMP/consumer_pc_static"
-# find_package
-cmake -S "$SRC/tests/install" -B "$TMP/consumer" -DCMAKE_PREFIX_PATH="$TMP/prefix" >/dev/null
+static_client "$TMP/consumer_pc_static"
+# pkg-config --static, a prefix holding only the archive (as a static-only
+# install): Libs.private lists everything libkvcached.a needs
+mkdir -p "$TMP/static-only"
+cp -a "$TMP/prefix/." "$TMP/static-only/"
+rm -f "$TMP/static-only/${LIBDIR#$TMP/prefix/}"/libkvcached.so*
+SPC="$TMP/static-only/${LIBDIR#$TMP/prefix/}/pkgconfig"
+gcc -Wall -Werror -o "$TMP/consumer_pc_static2" "$CONSUMER" \
+  $(PKG_CONFIG_LIBDIR="$SPC" pkg-config --static --cflags --libs kvcached)
+"$TMP/consumer_pc_static2"
+static_client "$TMP/consumer_pc_static2"
+# find_package, from a C-only CMake project (tests/install/CMakeLists.txt)
+cmake -S "$SRC/tests/install" -B "$TMP/consumer" -DCMAKE_PREFIX_PATH="$TMP/prefix" -DCMAKE_C_COMPILER=gcc >/dev/null
 cmake --build "$TMP/consumer" -j"$JOBS" >/dev/null
 "$TMP/consumer/consumer_shared"
+shared_client "$TMP/consumer/consumer_shared"
 "$TMP/consumer/consumer_static"
+static_client "$TMP/consumer/consumer_static"
 # find_package, the embeddable archive (kvcached::kvcached_embed): runs, needs no gRPC/protobuf/abseil
 sh "$SRC/tests/check_embed.sh" "$TMP/consumer/consumer_embed"
 echo "install test: ok"

@@ -179,17 +179,6 @@ func TestChannelOpsOnly(t *testing.T) {
 				t.Fatal("the counter saw no rpc at all")
 			}
 
-			// A client held to gRPC is refused: the fallback is real gRPC.
-			g, _ := dialCounted(t, d)
-			g.grpcOnly = true
-			gs, err := g.OpenSession(ctx, "go-grpc-only")
-			if err != nil {
-				t.Fatal(err)
-			}
-			if _, err := gs.Allocate(ctx, 1); !errors.Is(err, ErrFailedPrecondition) {
-				t.Fatalf("gRPC Allocate through the client on a --channel-ops-only daemon: %v", err)
-			}
-			gs.Close(ctx)
 		})
 	}
 }
@@ -282,23 +271,38 @@ func TestChannelOpsOnlyResume(t *testing.T) {
 	}
 }
 
-// The gRPC fallback (a daemon without channel requests, here a client
-// held to gRPC) still works, and a normal client on a normal daemon uses
-// the fd channel.
-func TestGRPCFallback(t *testing.T) {
+// On a daemon that also serves the gRPC page rpcs (--grpc-page-ops, for
+// tools), the client still makes its page operations on the fd channel
+// only (it has no gRPC page path since issue 16), while a tool holding the
+// session's reference may Allocate and Free over gRPC there.
+func TestGRPCPageOpsDaemon(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, backend string) {
-		// the gRPC page rpcs are served only with --grpc-page-ops (daemons
-		// before issue 16 served them by default)
 		d := sharedDaemonWith(t, backend+"-grpc-page-ops", backend, "--grpc-page-ops")
 		checkGoroutines(t)
-		g, gcalls := dialCounted(t, d)
-		g.grpcOnly = true
-		regionScenario(t, g, backend)
-		if gcalls.count("Allocate") == 0 || gcalls.count("Free") == 0 || gcalls.count("CloseSession") == 0 {
-			t.Fatalf("a client held to gRPC made these calls: %v", gcalls.calls)
-		}
 		c, calls := dialCounted(t, d)
 		regionScenario(t, c, backend)
+		calls.assertNoSessionRPCs(t)
+
+		ctx := testCtx(t)
+		s, err := c.OpenSession(ctx, "go-grpc-page-ops")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close(ctx)
+		s.mu.Lock()
+		ref := s.ref
+		s.mu.Unlock()
+		tool, _ := dialCounted(t, d)
+		a, err := tool.rpc.Allocate(ctx, &pb.AllocateRequest{Session: ref, NumPages: 2})
+		if err != nil {
+			t.Fatalf("a tool's gRPC Allocate on a --grpc-page-ops daemon: %v", err)
+		}
+		// Its pages reach the session's channel unasked: the client gives
+		// them back at once (the stash rule), so the session ends up empty.
+		waitFor(t, 10*time.Second, "the unasked pages given back", func() (bool, string) {
+			own, err := s.Own(ctx)
+			return err == nil && own.HeldBytes == 0, fmt.Sprintf("%+v %v (allocation %d)", own, err, a.GetAllocationId())
+		})
 		calls.assertNoSessionRPCs(t)
 	})
 }

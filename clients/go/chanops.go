@@ -43,8 +43,9 @@ type chanCall struct {
 }
 
 // ChannelRequests reports whether the session's Allocate, Free and Close
-// go over its fd channel (the daemon offers it) rather than gRPC.
-func (s *Session) ChannelRequests() bool { return s.chanOps }
+// go over its fd channel: always, since this client dropped its gRPC page
+// path (OpenSession refuses a daemon that does not offer the channel).
+func (s *Session) ChannelRequests() bool { return true }
 
 // startRequest registers a request on the current fd channel. setup runs
 // under s.mu with the request id. closing allows the CLOSE of Close.
@@ -152,8 +153,15 @@ func (s *Session) replied(r fdchan.Reply) {
 		return
 	}
 	delete(s.waiters, r.ReqID)
-	if pa := s.allocs[allocKey{s.gen, r.ReqID | fdchan.AllocBit}]; pa != nil {
+	key := allocKey{s.gen, r.ReqID | fdchan.AllocBit}
+	if pa := s.allocs[key]; pa != nil {
 		pa.replied = true
+		if r.Code == 0 && w.late == nil {
+			// Once the REPLY is read the pages are the caller's, even if
+			// an ERROR or a hang-up follows at once (finish and resume do
+			// not touch them; their kept duplicates stay in s.keep).
+			delete(s.allocs, key)
+		}
 	}
 	w.reply = r
 	close(w.done)
@@ -229,18 +237,14 @@ func (s *Session) allocateOnChannel(ctx context.Context, req *pb.AllocateRequest
 		s.mu.Unlock()
 		return nil, err
 	}
-	if s.allocs[key] != pa {
-		// finish closed it (the session ended just after the REPLY).
-		err := s.closedErrLocked(op)
+	complete := pa.total == int(rec.NumPages) && pa.received == pa.total
+	if !complete {
+		// A REPLY OK before all the pages: the daemon broke the protocol.
+		s.discardAllocLocked(key, pa)
+		err := newError(ErrProtocol, op, "request %d: %d of %d pages arrived before the answer", c.req, pa.received, rec.NumPages)
+		s.protocolFailureLocked(c.ch, err)
 		s.mu.Unlock()
 		return nil, err
-	}
-	complete := pa.total == int(rec.NumPages) && pa.received == pa.total
-	delete(s.allocs, key)
-	if !complete {
-		s.discardAllocLocked(key, pa)
-		s.mu.Unlock()
-		return nil, newError(ErrProtocol, op, "request %d: %d of %d pages arrived before the answer", c.req, pa.received, rec.NumPages)
 	}
 	s.mu.Unlock()
 	a := &Allocation{ID: key.id, Device: rec.Device, HeldBytes: rep.Value}
@@ -254,6 +258,16 @@ func (s *Session) allocateOnChannel(ctx context.Context, req *pb.AllocateRequest
 		a.Pages = append(a.Pages, Page{ID: pa.ids[i], File: os.NewFile(uintptr(fd), fmt.Sprintf("kvcached-page-%d", pa.ids[i]))})
 	}
 	return a, nil
+}
+
+// protocolFailureLocked ends the session after a protocol error a caller
+// found: calls fail with err from now on, and the channel is closed (the
+// daemon ends the session; the reader sees the close and does not resume).
+func (s *Session) protocolFailureLocked(ch *fdchan.Conn, err error) {
+	if s.endErr == nil {
+		s.endErr = err
+	}
+	ch.Close()
 }
 
 // freeOnChannel sends FREE records of at most fdchan.MaxFreeIDs ids. All
@@ -302,12 +316,39 @@ func (s *Session) freeChunk(ctx context.Context, ids []uint64) (uint64, error) {
 				return rep.Value, nil
 			}
 		}
-		if !s.resumable || !errors.Is(err, ErrUnavailable) || s.deferFree(gen, seqs) {
+		if !s.resumable || !errors.Is(err, ErrUnavailable) {
 			return 0, err
+		}
+		// The daemon is away (resuming, or the channel hung up after the
+		// FREE went out): the Free succeeds, checked as the daemon would,
+		// and the pages are not claimed at the next resume, which frees
+		// them (docs/protocol.md, "Free while the daemon is away").
+		if bad := checkAwayFree(ids, seqs); bad != nil {
+			return 0, bad
+		}
+		if s.deferFree(gen, seqs) {
+			return uint64(len(ids)), nil
 		}
 		// A resume completed during the call and claimed these pages:
 		// free them at the daemon that has them now.
 	}
+}
+
+// checkAwayFree is the daemon's check of a Free, made by the client while
+// the daemon is away: all or nothing, every page held (seqs names the
+// held ones), no id twice.
+func checkAwayFree(ids []uint64, seqs map[uint64]uint64) error {
+	seen := make(map[uint64]bool, len(ids))
+	for _, id := range ids {
+		if seen[id] {
+			return newError(ErrInvalidArgument, "Free", "page %d is named twice", id)
+		}
+		seen[id] = true
+		if _, ok := seqs[id]; !ok {
+			return newError(ErrNotFound, "Free", "page %d is not held by this session (checked by the client: the daemon is away)", id)
+		}
+	}
+	return nil
 }
 
 // closeOnChannel sends CLOSE and waits for its REPLY (the daemon then
@@ -329,4 +370,33 @@ func (s *Session) closeOnChannel(ctx context.Context) error {
 		return nil
 	}
 	return err
+}
+
+// AnswerReclaim answers the reclaim request id (Reclaim.ID) at once with
+// what the session could do: bytesGiven it gave back for it (already
+// freed), bytesKept it keeps on that device, and why (at most 1024 bytes).
+// It is an ANSWER record on the session's fd channel (docs/protocol.md,
+// "The reclaim answer"): the request is settled, nobody waits for the
+// rest, and the session is not asked again before the request's deadline.
+// It returns the bytes the daemon's books show the session holding on the
+// reclaim's device; ErrNotFound for an id this session was never sent (or
+// one settled more than 10 minutes ago).
+func (s *Session) AnswerReclaim(ctx context.Context, id, bytesGiven, bytesKept uint64, reason string) (heldBytes uint64, err error) {
+	const op = "AnswerReclaim"
+	if len(reason) > fdchan.MaxReason {
+		return 0, newError(ErrInvalidArgument, op, "the reason is %d bytes, at most %d", len(reason), fdchan.MaxReason)
+	}
+	c, _, err := s.startRequest(op, false, nil)
+	if err != nil {
+		return 0, err
+	}
+	rec := fdchan.AnswerReq{ReqID: c.req, ReclaimID: id, BytesGiven: bytesGiven, BytesKept: bytesKept, Reason: reason}
+	if err := s.send(ctx, op, c, rec, nil); err != nil {
+		return 0, err
+	}
+	rep, err := s.await(ctx, op, c, nil, nil)
+	if err != nil {
+		return 0, err
+	}
+	return rep.Value, nil
 }

@@ -39,7 +39,7 @@ func newFakeChannelSession(t *testing.T) (*Session, *fakeChannel) {
 	ch := fdchan.NewConn(nc.(*net.UnixConn))
 	s := &Session{
 		id: 7, info: &Info{Devices: []Device{{UUID: "HOST-0", Kind: "host", PageSize: 4096}}, FDChannelRequests: true},
-		ch: ch, chanOps: true, log: slog.New(slog.DiscardHandler), readerDone: make(chan struct{}),
+		ch: ch, log: slog.New(slog.DiscardHandler), readerDone: make(chan struct{}),
 		allocs: map[allocKey]*pendingAlloc{}, waiters: map[uint64]*waiter{}, regions: map[*Region]struct{}{},
 		mappers: map[string]mapper{}, keep: map[uint64]kept{}, deferred: map[uint64]uint64{},
 		lost: make(chan struct{}), resumed: make(chan struct{}),

@@ -42,9 +42,6 @@ type Client struct {
 	health healthpb.HealthClient
 	socket string
 	log    *slog.Logger
-	// grpcOnly makes sessions use the gRPC Allocate/Free/CloseSession even
-	// when the daemon serves them on the fd channel (tests of the fallback).
-	grpcOnly bool
 }
 
 // Option configures Dial and FromEnv.

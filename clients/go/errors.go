@@ -4,13 +4,17 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 )
 
-// Sentinel errors. Every error this package returns matches exactly one of
-// them with errors.Is. The first group corresponds one to one to the gRPC
+// Sentinel errors. Every error this package returns matches one of them
+// with errors.Is (two client-side conditions match a second one: a
+// protocol error, ErrProtocol, is also ErrInternal, the status it has in
+// docs/protocol.md; a session the daemon ended without a way back is
+// ErrFailedPrecondition and also ErrClosed). The first group corresponds one to one to the gRPC
 // status codes the daemon uses (docs/protocol.md, "Status codes"); the
 // mapping lives in statusToError / errorToCode below and nowhere else.
 var (
@@ -70,6 +74,7 @@ type Error struct {
 	Code    codes.Code // the gRPC status code
 	Message string     // the daemon's message: what was wrong
 	kind    error      // the sentinel
+	also    error      // a second sentinel it matches, or nil
 }
 
 func (e *Error) Error() string {
@@ -82,6 +87,9 @@ func (e *Error) Unwrap() error { return e.kind }
 // Is makes a DeadlineExceeded or Canceled error also match the context
 // package's errors, as Go callers expect.
 func (e *Error) Is(target error) bool {
+	if e.also != nil && target == e.also {
+		return true
+	}
 	switch e.Code {
 	case codes.DeadlineExceeded:
 		return target == context.DeadlineExceeded
@@ -131,7 +139,27 @@ func errorToCode(err error) codes.Code {
 	return codes.Unknown
 }
 
-// newError makes an *Error for a client-side condition.
+// protocolPrefix starts the message of every protocol error, as in the
+// other clients ("fd channel protocol error: ...").
+const protocolPrefix = "fd channel protocol error: "
+
+// newError makes an *Error for a client-side condition. A protocol error
+// (ErrProtocol) travels as INTERNAL and matches ErrInternal too.
 func newError(kind error, op, format string, a ...any) error {
-	return &Error{Op: op, Code: errorToCode(kind), Message: fmt.Sprintf(format, a...), kind: kind}
+	msg := fmt.Sprintf(format, a...)
+	if kind == ErrProtocol {
+		if !strings.HasPrefix(msg, protocolPrefix) {
+			msg = protocolPrefix + msg
+		}
+		return &Error{Op: op, Code: codes.Internal, Message: msg, kind: kind, also: ErrInternal}
+	}
+	return &Error{Op: op, Code: errorToCode(kind), Message: msg, kind: kind}
+}
+
+// endedError is the end of a session the daemon ended and nothing can
+// bring back (a hang-up without a resume token, an unasked GOODBYE):
+// FAILED_PRECONDITION, as the daemon answers calls on a closed session,
+// and ErrClosed too.
+func endedError(op, format string, a ...any) error {
+	return &Error{Op: op, Code: codes.FailedPrecondition, Message: fmt.Sprintf(format, a...), kind: ErrFailedPrecondition, also: ErrClosed}
 }

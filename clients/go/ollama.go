@@ -184,18 +184,101 @@ func (s *Session) RunnerUsage(ctx context.Context, digest string) (RunnerUsage, 
 // stream. Allowed for a session of the same uid as the target, and for an
 // admin session. It returns
 // the pages asked for (0 if already small enough). The pages come back
-// when the runner frees them; poll RunnerUsage to see it happen.
-func (s *Session) RequestShrink(ctx context.Context, id, targetBytes uint64, timeout time.Duration) (uint64, error) {
+// when the runner frees them; poll RunnerUsage to see it happen, or use
+// Shrink with ShrinkWait to wait for the outcome.
+func (s *Session) RequestShrink(ctx context.Context, id, targetBytes uint64, timeout time.Duration, opts ...ShrinkOption) (uint64, error) {
+	r, err := s.Shrink(ctx, id, targetBytes, timeout, opts...)
+	return r.PagesRequested, err
+}
+
+// ShrinkOption configures Shrink and RequestShrink.
+type ShrinkOption func(*pb.RequestShrinkRequest)
+
+// ShrinkWait makes the call wait (up to its timeout) until every reclaim
+// request it sent is settled: answered (Session.AnswerReclaim), met by
+// Frees, expired, or the session ended. The call returns before the
+// caller's own ctx deadline in any case, with the requests as they stand.
+func ShrinkWait() ShrinkOption { return func(r *pb.RequestShrinkRequest) { r.Wait = true } }
+
+// ReclaimState is where a reclaim request stands.
+type ReclaimState int
+
+// Reclaim states, as kvcached.v1.ReclaimOutcome.State.
+const (
+	ReclaimUnknown  ReclaimState = iota
+	ReclaimOpen                  // not settled yet
+	ReclaimMet                   // the session holds no more than it was asked to keep
+	ReclaimAnswered              // the session answered (BytesGiven, BytesKept, Reason)
+	ReclaimExpired               // the deadline passed without the pages or an answer
+	ReclaimEnded                 // the session ended
+)
+
+func (r ReclaimState) String() string {
+	switch r {
+	case ReclaimOpen:
+		return "open"
+	case ReclaimMet:
+		return "met"
+	case ReclaimAnswered:
+		return "answered"
+	case ReclaimExpired:
+		return "expired"
+	case ReclaimEnded:
+		return "ended"
+	}
+	return "unknown"
+}
+
+// ReclaimOutcome is one reclaim request a shrink sent (one per device the
+// session holds more on), as it stands when the call returns.
+type ReclaimOutcome struct {
+	ReclaimID      uint64 // Reclaim.ID of the event the session got
+	Device         string
+	PagesRequested uint64
+	State          ReclaimState
+	// The session's answer (Answered is true when it sent one, whatever
+	// the state).
+	Answered   bool
+	BytesGiven uint64
+	BytesKept  uint64
+	Reason     string
+	// The daemon's own books: bytes the session holds on the device now.
+	HeldBytes uint64
+}
+
+// ShrinkOutcome is the answer to Shrink.
+type ShrinkOutcome struct {
+	PagesRequested uint64
+	Reclaims       []ReclaimOutcome
+}
+
+// Shrink is RequestShrink with the outcome of every reclaim request it
+// sent; with ShrinkWait it waits until they are settled.
+func (s *Session) Shrink(ctx context.Context, id, targetBytes uint64, timeout time.Duration, opts ...ShrinkOption) (ShrinkOutcome, error) {
 	ref, gen, err := s.call("RequestShrink")
 	if err != nil {
-		return 0, err
+		return ShrinkOutcome{}, err
 	}
-	r, err := s.c.rpc.RequestShrink(ctx, &pb.RequestShrinkRequest{Admin: ref, SessionId: id, TargetBytes: targetBytes,
-		TimeoutMs: uint32(timeout / time.Millisecond)})
+	req := &pb.RequestShrinkRequest{Admin: ref, SessionId: id, TargetBytes: targetBytes,
+		TimeoutMs: uint32(timeout / time.Millisecond)}
+	for _, opt := range opts {
+		opt(req)
+	}
+	r, err := s.c.rpc.RequestShrink(ctx, req)
 	if err != nil {
-		return 0, s.rpcErr("RequestShrink", gen, err)
+		return ShrinkOutcome{}, s.rpcErr("RequestShrink", gen, err)
 	}
-	return r.GetPagesRequested(), nil
+	out := ShrinkOutcome{PagesRequested: r.GetPagesRequested()}
+	for _, o := range r.GetReclaims() {
+		st := ReclaimState(o.GetState())
+		if st < ReclaimUnknown || st > ReclaimEnded {
+			st = ReclaimUnknown
+		}
+		out.Reclaims = append(out.Reclaims, ReclaimOutcome{ReclaimID: o.GetReclaimId(), Device: o.GetDevice(),
+			PagesRequested: o.GetPagesRequested(), State: st, Answered: o.GetAnswered(), BytesGiven: o.GetBytesGiven(),
+			BytesKept: o.GetBytesKept(), Reason: o.GetReason(), HeldBytes: o.GetHeldBytes()})
+	}
+	return out, nil
 }
 
 // ShrinkRunner asks every session of a model to shrink to

@@ -341,11 +341,9 @@ func (s *Session) finishResume(ch *fdchan.Conn, resp *pb.ResumeSessionResponse, 
 	// Pages freed (and failed with UNAVAILABLE) while this attempt was in
 	// flight were claimed: give them back now.
 	var late []uint64
-	lateSeqs := map[uint64]uint64{}
 	for _, id := range claimed {
-		if seq, ok := s.deferred[id]; ok {
+		if _, ok := s.deferred[id]; ok {
 			late = append(late, id)
-			lateSeqs[id] = seq
 		}
 	}
 	s.ch = ch
@@ -356,11 +354,10 @@ func (s *Session) finishResume(ch *fdchan.Conn, resp *pb.ResumeSessionResponse, 
 	s.resumes++
 	s.resuming = false
 	close(s.resumed)
-	ref := s.ref
 	s.mu.Unlock()
 	s.log.Warn("kvcached session resumed", "pages_adopted", resp.GetPagesAdopted(),
 		"pages_forgotten", resp.GetPagesForgotten(), "attempts", attempts, "took", took)
-	if len(late) > 0 && s.chanOps {
+	if len(late) > 0 {
 		// Over the new channel, whose REPLY this (reader) goroutine reads:
 		// from another goroutine.
 		s.wg.Add(1)
@@ -372,15 +369,6 @@ func (s *Session) finishResume(ch *fdchan.Conn, resp *pb.ResumeSessionResponse, 
 				s.log.Warn("kvcached: freeing pages released during the resume failed", "pages", len(late), "err", err)
 			}
 		}()
-	} else if len(late) > 0 {
-		ctx, cancel := context.WithTimeout(s.stopCtx, resumeAttempt)
-		_, err := s.c.rpc.Free(ctx, &pb.FreeRequest{Session: ref, PageIds: late})
-		cancel()
-		if err == nil {
-			s.unkeep(lateSeqs)
-		} else {
-			s.log.Warn("kvcached: freeing pages released during the resume failed", "pages", len(late), "err", err)
-		}
 	}
 	return ch, nil
 }

@@ -3,7 +3,6 @@ package kvcached
 import (
 	"context"
 	"errors"
-	"fmt"
 	"io"
 	"log/slog"
 	"os"
@@ -21,6 +20,9 @@ import (
 // at least Pages pages of Device, by Free, before Deadline. Reason is
 // "allocate" (another session is waiting), "idle" or "admin".
 type Reclaim struct {
+	// ID names the request (unique for the daemon's life; 0 from a daemon
+	// before the reclaim answer): Session.AnswerReclaim answers it.
+	ID       uint64
 	Device   string
 	Pages    uint64
 	Deadline time.Time
@@ -103,7 +105,7 @@ func eventFromPB(e *pb.WatchEvent) Event {
 	switch ev.Kind {
 	case EventReclaim:
 		r := e.GetReclaim()
-		ev.Reclaim = &Reclaim{Device: r.GetDevice(), Pages: r.GetPages(), Deadline: unixTime(r.GetDeadlineUnix()), Reason: r.GetReason()}
+		ev.Reclaim = &Reclaim{ID: r.GetId(), Device: r.GetDevice(), Pages: r.GetPages(), Deadline: unixTime(r.GetDeadlineUnix()), Reason: r.GetReason()}
 	case EventBudgetChanged:
 		b := e.GetBudget()
 		ev.Budget = &BudgetChange{Device: b.GetDevice(), BudgetBytes: b.GetBudgetBytes(), GuaranteedBytes: b.GetGuaranteedBytes(),
@@ -199,7 +201,6 @@ type Session struct {
 	ch       *fdchan.Conn   // changes at each resume
 	allocs   map[allocKey]*pendingAlloc
 	inflight int
-	chanOps  bool               // Allocate/Free/Close as request records on the fd channel (chanops.go)
 	reqSeq   uint64             // the last request id
 	waiters  map[uint64]*waiter // request id -> the call waiting for its REPLY
 	endErr   error              // why the fd channel ended (set before readerDone closes)
@@ -248,6 +249,10 @@ func (c *Client) OpenSession(ctx context.Context, name string, opts ...SessionOp
 	if info.FDProtocolVersion != 0 && info.FDProtocolVersion != fdchan.Version {
 		return nil, newError(ErrProtocol, "OpenSession", "daemon speaks fd protocol %d, this client %d", info.FDProtocolVersion, fdchan.Version)
 	}
+	if !info.FDChannelRequests {
+		return nil, newError(ErrFailedPrecondition, "OpenSession", "the daemon (version %q) takes no page requests on the fd channel "+
+			"(GetInfo().fd_channel_requests is false); this client sends Allocate, Free and Close only there: upgrade kvcached-serve", info.Version)
+	}
 	ch, err := fdchan.Dial(info.FDSocket)
 	if err != nil {
 		return nil, newError(ErrUnavailable, "OpenSession", "connecting the fd channel %s: %v", info.FDSocket, err)
@@ -272,7 +277,6 @@ func (c *Client) OpenSession(ctx context.Context, name string, opts ...SessionOp
 		resumeTimeout: o.resumeTimeout,
 		readerDone:    make(chan struct{}),
 		allocs:        map[allocKey]*pendingAlloc{},
-		chanOps:       info.FDChannelRequests && !c.grpcOnly,
 		waiters:       map[uint64]*waiter{},
 		regions:       map[*Region]struct{}{},
 		mappers:       map[string]mapper{},
@@ -406,17 +410,23 @@ func (s *Session) readChannel(ch *fdchan.Conn) (end error, hangup bool) {
 		case fdchan.Error:
 			end = statusToError("fd channel", status.Error(codes.Code(r.Code), r.Message))
 		case fdchan.Goodbye:
-			end = newError(ErrClosed, "fd channel", "the daemon ended the session")
+			end = endedError("fd channel", "session %d ended: the daemon ended it (GOODBYE: CloseSession or shutdown)", s.id)
 		case fdchan.Hello:
 			end = newError(ErrProtocol, "fd channel", "second HELLO on one channel")
 		case nil:
+			s.mu.Lock()
+			ended := s.endErr // a protocol error found by a caller, which closed the channel
+			s.mu.Unlock()
 			switch {
+			case ended != nil:
+				end = ended
 			case errors.Is(err, fdchan.ErrProtocol):
 				end = newError(ErrProtocol, "fd channel", "%v", err)
-			case errors.Is(err, io.EOF):
-				end, hangup = newError(ErrClosed, "fd channel", "the daemon closed the fd channel"), true
+			case !s.resumable:
+				end, hangup = endedError("fd channel", "session %d ended: the daemon went away, and without a state dir "+
+					"(kvcached-serve --state-dir) a daemon that restarts cannot resume it; open a new session (%v)", s.id, err), true
 			default:
-				end, hangup = newError(ErrClosed, "fd channel", "%v", err), true
+				end, hangup = newError(ErrUnavailable, "fd channel", "the daemon closed the fd channel: %v", err), true
 			}
 		default:
 			end = newError(ErrProtocol, "fd channel", "unexpected record %T", r)
@@ -490,7 +500,9 @@ func (s *Session) deliver(r fdchan.Pages) error {
 	}
 	if pa.received == pa.total {
 		close(pa.done)
-		if !pa.claimed && s.inflight == 0 {
+		// Pages nobody waits for are given back as soon as they are
+		// complete (the stash rule).
+		if !pa.claimed {
 			s.dropOrphanLocked(key, pa)
 		}
 	}
@@ -509,16 +521,53 @@ func (s *Session) dropOrphanLocked(key allocKey, pa *pendingAlloc) {
 		return
 	}
 	ids := pa.ids
-	s.log.Info("kvcached: freeing pages of an allocation whose Allocate call was abandoned", "allocation_id", id, "pages", len(ids))
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		if _, err := s.Free(ctx, ids); err != nil {
-			s.log.Warn("kvcached: freeing abandoned pages failed", "allocation_id", id, "err", err)
+	s.log.Info("kvcached: freeing pages of an allocation nobody waits for", "allocation_id", id, "pages", len(ids))
+	s.giveBackLocked(ids)
+}
+
+// giveBackLocked sends FREE records for pages nobody waits for, at once
+// and without waiting for their REPLY (which forgets the pages' kept
+// descriptors when it comes). It runs under s.mu, on the reader goroutine
+// or a caller's: the send is bounded by one second. While the session is
+// resuming the pages are simply not claimed, which frees them.
+func (s *Session) giveBackLocked(ids []uint64) {
+	if s.ch == nil || s.resuming || s.endErr != nil || s.resumeErr != nil {
+		s.deferLocked(ids)
+		return
+	}
+	for i := 0; i < len(ids); i += fdchan.MaxFreeIDs {
+		chunk := ids[i:min(i+fdchan.MaxFreeIDs, len(ids))]
+		seqs := make(map[uint64]uint64, len(chunk))
+		for _, id := range chunk {
+			if k, ok := s.keep[id]; ok {
+				seqs[id] = k.seq
+			}
 		}
-	}()
+		s.reqSeq++
+		req := s.reqSeq
+		s.waiters[req] = &waiter{gen: s.gen, done: make(chan struct{}), late: func(r fdchan.Reply) {
+			if r.Code == 0 {
+				s.unkeepSeqsLocked(seqs)
+			} else {
+				s.log.Warn("kvcached: giving back pages nobody waits for failed", "pages", len(chunk), "code", r.Code, "message", r.Message)
+			}
+		}}
+		if err := s.ch.Send(fdchan.FreeReq{ReqID: req, PageIDs: chunk}, nil, time.Now().Add(time.Second)); err != nil {
+			delete(s.waiters, req)
+			s.deferLocked(chunk)
+			s.log.Warn("kvcached: giving back pages nobody waits for failed", "pages", len(chunk), "err", err)
+		}
+	}
+}
+
+// deferLocked: pages the session gave up while it could not tell the
+// daemon; the next resume does not claim them.
+func (s *Session) deferLocked(ids []uint64) {
+	for _, id := range ids {
+		if k, ok := s.keep[id]; ok {
+			s.deferred[id] = k.seq
+		}
+	}
 }
 
 func closeFD(fd int) {
@@ -588,83 +637,7 @@ func (s *Session) Allocate(ctx context.Context, n int, opts ...AllocOption) (*Al
 	for _, opt := range opts {
 		opt(req)
 	}
-	if s.chanOps {
-		return s.allocateOnChannel(ctx, req)
-	}
-	s.mu.Lock()
-	if s.closed || s.endErr != nil {
-		err := s.closedErrLocked("Allocate")
-		s.mu.Unlock()
-		return nil, err
-	}
-	if s.resuming {
-		err := s.unavailableLocked("Allocate", "")
-		s.mu.Unlock()
-		return nil, err
-	}
-	req.Session = s.ref
-	gen, lost := s.gen, s.lost
-	s.inflight++
-	s.mu.Unlock()
-	defer s.allocateDone()
-
-	resp, err := s.c.rpc.Allocate(ctx, req)
-	if err != nil {
-		return nil, s.rpcErr("Allocate", gen, err)
-	}
-	id := resp.GetAllocationId()
-	key := allocKey{gen, id}
-	s.mu.Lock()
-	pa := s.allocs[key]
-	if pa == nil {
-		pa = &pendingAlloc{done: make(chan struct{})}
-		s.allocs[key] = pa
-	}
-	pa.claimed = true
-	s.mu.Unlock()
-
-	select {
-	case <-pa.done:
-	case <-s.readerDone:
-		return nil, s.closedErr("Allocate")
-	case <-lost:
-		select {
-		case <-pa.done: // every page arrived before the channel hung up
-		default:
-			// The daemon went away before sending every page: they are not
-			// claimed at resume, which gives them back.
-			s.mu.Lock()
-			if s.allocs[key] == pa {
-				delete(s.allocs, key)
-			}
-			err := s.unavailableLocked("Allocate", "the pages of allocation %d did not all arrive", id)
-			s.mu.Unlock()
-			return nil, err
-		}
-	case <-ctx.Done():
-		// The pages are the session's now; give them back once they arrive.
-		s.mu.Lock()
-		pa.claimed = false
-		s.mu.Unlock()
-		return nil, statusToError("Allocate", ctx.Err())
-	}
-	s.mu.Lock()
-	delete(s.allocs, key)
-	s.mu.Unlock()
-	a := &Allocation{ID: id, Device: resp.GetDevice(), PageSize: resp.GetPageSize(), HeldBytes: resp.GetHeldBytes()}
-	want := resp.GetPageIds()
-	mismatch := len(want) != len(pa.ids)
-	for i := 0; !mismatch && i < len(want); i++ {
-		mismatch = want[i] != pa.ids[i]
-	}
-	for i, fd := range pa.fds {
-		a.Pages = append(a.Pages, Page{ID: pa.ids[i], File: os.NewFile(uintptr(fd), fmt.Sprintf("kvcached-page-%d", pa.ids[i]))})
-	}
-	if mismatch {
-		a.Close()
-		return nil, newError(ErrProtocol, "Allocate", "allocation %d: page ids on the fd channel %v differ from the answer %v", id, pa.ids, want)
-	}
-	return a, nil
+	return s.allocateOnChannel(ctx, req)
 }
 
 func (s *Session) allocateDone() {
@@ -679,12 +652,6 @@ func (s *Session) allocateDone() {
 			s.dropOrphanLocked(key, pa)
 		}
 	}
-}
-
-func (s *Session) closedErr(op string) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.closedErrLocked(op)
 }
 
 func (s *Session) closedErrLocked(op string) error {
@@ -712,27 +679,7 @@ type FreeResult struct {
 // resumes, which frees them. Over the fd channel a Free of more than
 // 16384 pages is sent as several requests, all or nothing each.
 func (s *Session) Free(ctx context.Context, ids []uint64) (FreeResult, error) {
-	if s.chanOps {
-		return s.freeOnChannel(ctx, ids)
-	}
-	for {
-		seqs := s.keptSeqs(ids)
-		ref, gen, err := s.call("Free")
-		if err == nil {
-			var resp *pb.FreeResponse
-			resp, err = s.c.rpc.Free(ctx, &pb.FreeRequest{Session: ref, PageIds: ids})
-			if err == nil {
-				s.unkeep(seqs)
-				return FreeResult{PagesFreed: resp.GetPagesFreed(), HeldBytes: resp.GetHeldBytes()}, nil
-			}
-			err = s.rpcErr("Free", gen, err)
-		}
-		if !s.resumable || !errors.Is(err, ErrUnavailable) || s.deferFree(gen, seqs) {
-			return FreeResult{}, err
-		}
-		// A resume completed during the call and claimed these pages:
-		// free them at the daemon that has them now.
-	}
+	return s.freeOnChannel(ctx, ids)
 }
 
 // Stats returns global and device numbers plus this session's (every
@@ -893,12 +840,8 @@ func (s *Session) Close(ctx context.Context) error {
 	ended := s.Err() != nil
 	// (Not while resuming: the daemon is away, and the session's pages
 	// are forgotten when nobody resumes it.)
-	if ref, _, err := s.call("CloseSession"); !ended && err == nil {
-		if s.chanOps {
-			err = s.closeOnChannel(ctx)
-		} else if _, err = s.c.rpc.CloseSession(ctx, &pb.CloseSessionRequest{Session: ref}); err != nil {
-			err = statusToError("CloseSession", err)
-		}
+	if _, _, err := s.call("CloseSession"); !ended && err == nil {
+		err = s.closeOnChannel(ctx)
 		if err != nil && !errors.Is(err, ErrFailedPrecondition) && !errors.Is(err, ErrNotFound) {
 			errs = append(errs, err)
 		}

@@ -78,6 +78,8 @@ struct client_api {
 #define LLAMA_KVCACHED_FIELD(name) decltype(&::name) name = nullptr;
     LLAMA_KVCACHED_CLIENT_FUNCS(LLAMA_KVCACHED_FIELD)
 #undef LLAMA_KVCACHED_FIELD
+    // optional (API 1.3): without it a reclaim's answer is only logged
+    decltype(&::kvc_session_answer_reclaim) kvc_session_answer_reclaim = nullptr;
 };
 
 constexpr int NEED_API = 10200;  // 1.2: kvc_session_set_wait, kvc_region_rebind
@@ -171,6 +173,7 @@ struct state {
     // hook's thread or the server's main loop
     std::atomic<bool>     reclaim_pending{ false };
     std::atomic<uint64_t> reclaim_bytes{ 0 };
+    std::atomic<uint64_t> reclaim_id{ 0 };  // the latest request's id (API 1.3; answering one settles the device's)
     std::atomic<bool>     trim_pending{ false };  // no server lock: trim at the next batch
     void (*idle_release)(void *, uint64_t) = nullptr;
     void * idle_user                        = nullptr;
@@ -342,6 +345,10 @@ bool load_api(state & g) {
     }
     LLAMA_KVCACHED_CLIENT_FUNCS(LLAMA_KVCACHED_RESOLVE)
 #undef LLAMA_KVCACHED_RESOLVE
+    if (ok && g.api.kvc_api_version() >= 10300) {  // kvc_reclaim.id exists from 1.3 on
+        g.api.kvc_session_answer_reclaim =
+            reinterpret_cast<decltype(&::kvc_session_answer_reclaim)>(dlsym(h, "kvc_session_answer_reclaim"));
+    }
     if (ok && (g.api.kvc_api_version() / 10000 != NEED_API / 10000 || g.api.kvc_api_version() < NEED_API)) {
         LLAMA_LOG_WARN("kvcached: the C client (%s) has API %d; the hook needs %d.x >= %d; KV cache in ordinary memory\n",
                        g.api_from.c_str(), g.api.kvc_api_version(), NEED_API / 10000, NEED_API);
@@ -961,12 +968,31 @@ void trim_all_locked() {
 // ---- reclaim -----------------------------------------------------------------
 
 // The answer to a reclaim request: what went back at once and what is kept.
-// The daemon's protocol has no answer message yet (a reclaim is settled by
-// the pages freed; docs/llama-cpp.md "Reclaim"), so the answer is logged;
-// this is the one place that would send it.
-void answer_reclaim(const std::string & reason, uint64_t asked, uint64_t given, uint64_t kept, const char * why) {
+// Logged, and sent to the daemon (an ANSWER record through
+// kvc_session_answer_reclaim, C API 1.3) so the request is settled at once:
+// `kvcachedctl shrink` prints it and a waiting Allocate asks the next
+// session instead of waiting for pages that will not come.
+void answer_reclaim(const std::string & reason, uint64_t id, uint64_t asked, uint64_t given, uint64_t kept,
+                    const char * why) {
+    state & g = S();
     LLAMA_LOG_INFO("kvcached: reclaim (%s): asked %.2f MiB, gave back %.2f MiB at once, keeping %.2f MiB%s%s\n",
                    reason.c_str(), asked / MiB, given / MiB, kept / MiB, why && *why ? ": " : "", why ? why : "");
+    if (!id || !g.api.kvc_session_answer_reclaim) {
+        return;  // a client before API 1.3: the daemon sees the Frees only
+    }
+    kvc_session * s;
+    {
+        std::lock_guard<std::mutex> lk(g.reg);
+        s = g.lost ? nullptr : g.session;  // sessions are never freed while the process runs
+    }
+    if (!s) {
+        return;
+    }
+    kvc_status st = g.api.kvc_session_answer_reclaim(s, id, given, kept, why ? why : "");
+    if (st != KVC_OK) {
+        LLAMA_LOG_WARN("kvcached: could not send the reclaim answer to the daemon (%s: %s)\n", status_name(st),
+                       last_err());
+    }
 }
 
 // Answer the pending reclaim request. The server lock is held (the main loop
@@ -977,6 +1003,7 @@ void serve_reclaim_server_locked() {
         return;
     }
     const uint64_t asked = g.reclaim_bytes.exchange(0);
+    const uint64_t id    = g.reclaim_id.exchange(0);
     std::string    reason;
     {
         std::lock_guard<std::mutex> t(g.tmu);
@@ -996,7 +1023,7 @@ void serve_reclaim_server_locked() {
         now = held_locked();
     }
     const uint64_t given = before - std::min(before, now);
-    answer_reclaim(reason, asked, given, now,
+    answer_reclaim(reason, id, asked, given, now,
                    given >= asked ? "" : "the rest is in use by busy slots (or is not elastic: V without flash attention)");
 }
 
@@ -1007,6 +1034,9 @@ void on_reclaim(void * /*user*/, const kvc_reclaim * rq) {
     {
         std::lock_guard<std::mutex> t(g.tmu);
         g.reclaim_reason = rq->reason ? rq->reason : "";
+    }
+    if (g.api.kvc_session_answer_reclaim) {  // API 1.3: rq->id exists
+        g.reclaim_id = rq->id;
     }
     uint64_t cur = g.reclaim_bytes.load();
     while (cur < rq->bytes && !g.reclaim_bytes.compare_exchange_weak(cur, rq->bytes)) {
@@ -1039,6 +1069,7 @@ void thread_main() {
                 // thread; the next batch or seq_rm on the cache's own thread trims
                 g.reclaim_pending = false;
                 const uint64_t asked = g.reclaim_bytes.exchange(0);
+                g.reclaim_id         = 0;  // not answered: the Frees at the next batch settle it
                 g.trim_pending       = true;
                 std::string reason;
                 {

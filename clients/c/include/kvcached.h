@@ -38,7 +38,7 @@
 /* API version: KVC_API_VERSION = major * 10000 + minor * 100 + patch.
  * kvc_api_version() returns the version of the library actually loaded. */
 #define KVC_API_VERSION_MAJOR 1
-#define KVC_API_VERSION_MINOR 2
+#define KVC_API_VERSION_MINOR 3
 #define KVC_API_VERSION_PATCH 0
 #define KVC_API_VERSION \
     (KVC_API_VERSION_MAJOR * 10000 + KVC_API_VERSION_MINOR * 100 + KVC_API_VERSION_PATCH)
@@ -276,6 +276,11 @@ typedef struct kvc_reclaim {
     uint64_t bytes;         /* pages * page size                           */
     double deadline_unix;   /* Unix time by which they are needed          */
     const char *reason;     /* "allocate", "idle", "admin"                 */
+    /* Since 1.3: the request's id (Reclaim.id, unique for the daemon's
+     * life), for kvc_session_answer_reclaim. A callback built against 1.3
+     * that may run with an older library checks kvc_api_version() >= 10300
+     * before reading it. */
+    uint64_t id;
 } kvc_reclaim;
 
 /* Called on the session's background Watch thread when the daemon asks the
@@ -291,6 +296,26 @@ typedef void (*kvc_reclaim_fn)(void *user_data, const kvc_reclaim *request);
  * once the stream is established (the daemon's READY event). Thread-safe. */
 KVC_API kvc_status kvc_session_set_reclaim_callback(kvc_session *session, kvc_reclaim_fn fn,
                                                     void *user_data);
+
+/* Answer the reclaim request `reclaim_id` (kvc_reclaim.id) at once: the
+ * bytes this session gave back for it (already unmapped and freed), the
+ * bytes it keeps on the request's device, and why (`reason`: UTF-8, at most
+ * 1024 bytes, may be NULL or ""), e.g. "the rest is in use by busy slots".
+ * Sent as an ANSWER record on the session's fd channel (docs/protocol.md
+ * "The reclaim answer"); returns when the daemon's REPLY arrives. The
+ * request is then settled: the daemon waits no longer for the rest, does not
+ * count it as ignored nor ask this session again before the request's
+ * deadline, and a `RequestShrink` with wait (`kvcachedctl shrink`) returns
+ * the answer. Answering any id of a device's open request settles it.
+ * May be called from the reclaim callback. Errors: KVC_ERR_NOT_FOUND for
+ * an id this session was never sent (or settled more than 10 minutes ago);
+ * KVC_ERR_INVALID_ARGUMENT for a reason over 1024 bytes; KVC_ERR_UNAVAILABLE
+ * while the session is being resumed; KVC_ERR_FAILED_PRECONDITION when the
+ * session ended or the daemon takes no requests on the fd channel (daemons
+ * before the ANSWER record). Since 1.3. Thread-safe. */
+KVC_API kvc_status kvc_session_answer_reclaim(kvc_session *session, uint64_t reclaim_id,
+                                              uint64_t bytes_given, uint64_t bytes_kept,
+                                              const char *reason);
 
 /* Wait until the daemon reports memory available on the session's device
  * (a MEMORY_AVAILABLE event) or timeout_ms passes (KVC_ERR_DEADLINE_EXCEEDED).

@@ -1291,6 +1291,7 @@ grpc::Status watch_stream(kvc_session *s, grpc::ClientContext *ctx)
                 rq.bytes = rq.pages * s->page_size;
                 rq.deadline_unix = ev.reclaim().deadline_unix();
                 rq.reason = ev.reclaim().reason().c_str();
+                rq.id = ev.reclaim().id();
                 try {
                     s->reclaim_fn(s->reclaim_user, &rq);
                 } catch (...) {
@@ -2111,6 +2112,54 @@ KVC_API kvc_status kvc_session_set_reclaim_callback(kvc_session *s, kvc_reclaim_
             s->reclaim_user = user_data;
         }
         return watch_start(s);
+    });
+}
+
+KVC_API kvc_status kvc_session_answer_reclaim(kvc_session *s, uint64_t reclaim_id,
+                                              uint64_t bytes_given, uint64_t bytes_kept,
+                                              const char *reason)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(s, "session is NULL");
+        const size_t rlen = reason ? std::strlen(reason) : 0;
+        if (rlen > KVC_FD_MAX_REASON)
+            return kvc_fail(KVC_ERR_INVALID_ARGUMENT,
+                            "reclaim answer: reason is %zu bytes, at most %u allowed", rlen,
+                            KVC_FD_MAX_REASON);
+        kvc_status live = s->check_live();
+        if (live != KVC_OK)
+            return live;
+        // The ANSWER record exists only on daemons that take requests on the
+        // fd channel. Without channel requests (KVCACHED_CHANNEL_REQUESTS=0)
+        // an Allocate reads the channel itself under alloc_mu: holding it
+        // makes this call the channel's only reader meanwhile.
+        const bool chan_ops = s->chan_ops.load();
+        if (!chan_ops && !s->conn->info.fd_channel_requests())
+            return kvc_fail(KVC_ERR_FAILED_PRECONDITION,
+                            "reclaim answer: the daemon (%s) takes no requests on the fd channel "
+                            "(no ANSWER record); give pages back with Free only",
+                            s->conn->info.version().c_str());
+        std::unique_lock<std::mutex> serial(s->alloc_mu, std::defer_lock);
+        if (!chan_ops)
+            serial.lock();
+        std::shared_ptr<Chan> ch = s->chan_copy();
+        uint8_t buf[KVC_FD_HEADER_SIZE + KVC_FD_ANSWER_FIXED + KVC_FD_MAX_REASON];
+        uint64_t req = chan_next_req(ch.get());
+        size_t len = kvc_fd_encode_answer(buf, sizeof buf, req, reclaim_id, bytes_given,
+                                          bytes_kept, reason);
+        if (!len)
+            return kvc_fail(KVC_ERR_INTERNAL, "reclaim answer: cannot encode the ANSWER record");
+        Chan::Reply rep;
+        kvc_status st = chan_request(s, ch.get(), req, buf, len, s->conn->timeout_ms.load(),
+                                     "reclaim answer", &rep, nullptr);
+        if (st != KVC_OK)
+            return st;
+        if (rep.code != 0) {
+            kvc_status k = kvc_status_from_grpc_code(static_cast<int>(rep.code));
+            return kvc_fail(k == KVC_OK ? KVC_ERR_PROTOCOL : k, "reclaim answer (id %llu): %s",
+                            (unsigned long long)reclaim_id, rep.message.c_str());
+        }
+        return KVC_OK;
     });
 }
 

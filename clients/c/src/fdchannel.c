@@ -191,6 +191,26 @@ size_t kvc_fd_encode_close(uint8_t *buf, size_t cap, uint64_t req_id)
     return len;
 }
 
+size_t kvc_fd_encode_answer(uint8_t *buf, size_t cap, uint64_t req_id, uint64_t reclaim_id,
+                            uint64_t bytes_given, uint64_t bytes_kept, const char *reason)
+{
+    size_t rlen = reason ? strlen(reason) : 0;
+    if (!buf || rlen > KVC_FD_MAX_REASON)
+        return 0;
+    uint32_t payload = (uint32_t)(KVC_FD_ANSWER_FIXED + rlen);
+    size_t len = KVC_FD_HEADER_SIZE + payload;
+    if (cap < len)
+        return 0;
+    uint8_t *p = buf + put_header(buf, KVC_FD_ANSWER, payload);
+    put64(p, req_id);
+    put64(p + 8, reclaim_id);
+    put64(p + 16, bytes_given);
+    put64(p + 24, bytes_kept);
+    if (rlen)
+        memcpy(p + KVC_FD_ANSWER_FIXED, reason, rlen);
+    return len;
+}
+
 kvc_status kvc_fd_decode(const uint8_t *buf, size_t len, const int *fds, size_t num_fds,
                          kvc_fd_record *out, char *err, size_t err_len)
 {

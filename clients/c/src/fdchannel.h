@@ -29,6 +29,9 @@ extern "C" {
 #define KVC_FD_REPLY_FIXED 24u
 #define KVC_FD_ALLOCATE_FIXED 24u
 #define KVC_FD_FREE_FIXED 16u
+#define KVC_FD_ANSWER_FIXED 32u
+/* Bytes of an ANSWER's reason (the spec's max_reason). */
+#define KVC_FD_MAX_REASON 1024u
 /* Page ids in one FREE record, and the largest record a client sends. */
 #define KVC_FD_MAX_FREE_IDS 16384u
 #define KVC_FD_MAX_CLIENT_RECORD (KVC_FD_HEADER_SIZE + KVC_FD_FREE_FIXED + 8u * KVC_FD_MAX_FREE_IDS)
@@ -48,7 +51,8 @@ enum {
     KVC_FD_ALLOCATE = 6,
     KVC_FD_FREE = 7,
     KVC_FD_CLOSE = 8,
-    KVC_FD_REPLY = 9
+    KVC_FD_REPLY = 9,
+    KVC_FD_ANSWER = 10 /* client to daemon: the answer to a reclaim request */
 };
 
 typedef struct kvc_fd_record {
@@ -105,6 +109,12 @@ size_t kvc_fd_encode_allocate(uint8_t *buf, size_t cap, uint64_t req_id, uint32_
 size_t kvc_fd_encode_free(uint8_t *buf, size_t cap, uint64_t req_id, const uint64_t *page_ids,
                           uint32_t count);
 size_t kvc_fd_encode_close(uint8_t *buf, size_t cap, uint64_t req_id);
+/* ANSWER: the session's answer to the RECLAIM event `reclaim_id` (the
+ * bytes it gave back for it, the bytes it keeps, why). `reason` may be NULL;
+ * longer than KVC_FD_MAX_REASON bytes is invalid (0 returned). Buffer of
+ * KVC_FD_HEADER_SIZE + KVC_FD_ANSWER_FIXED + KVC_FD_MAX_REASON bytes fits any. */
+size_t kvc_fd_encode_answer(uint8_t *buf, size_t cap, uint64_t req_id, uint64_t reclaim_id,
+                            uint64_t bytes_given, uint64_t bytes_kept, const char *reason);
 
 /* Connect a SOCK_SEQPACKET|SOCK_CLOEXEC socket to `path`. */
 kvc_status kvc_fd_connect(const char *path, int *fd_out, char *err, size_t err_len);

@@ -769,6 +769,139 @@ TEST_F(Kvc, ReclaimCallbackOnAdminShrink)
     destroy(ra);
 }
 
+// ---- the reclaim answer (API 1.3) ------------------------------------------
+
+// A session that gives back part of what is asked and answers at once.
+struct Answerer {
+    kvc_session *s = nullptr;
+    kvc_region *region = nullptr;
+    uint64_t give_pages = 0;  // unmapped from the region's end before answering
+    std::mutex mu;
+    std::vector<uint64_t> ids;
+    std::vector<kvc_status> answers;
+    std::atomic<int> calls{0};
+};
+
+void answer_in_callback(void *user, const kvc_reclaim *rq)
+{
+    auto *a = static_cast<Answerer *>(user);
+    const uint64_t P = kvc_region_page_size(a->region);
+    const uint64_t size = kvc_region_size(a->region);
+    kvc_status un = kvc_region_unmap(a->region, size - a->give_pages * P, a->give_pages * P);
+    kvc_status st = un != KVC_OK ? un
+                                 : kvc_session_answer_reclaim(a->s, rq->id, a->give_pages * P,
+                                                              kvc_region_mapped_bytes(a->region),
+                                                              "the rest is in use by busy slots");
+    {
+        std::lock_guard<std::mutex> g(a->mu);
+        a->ids.push_back(rq->id);
+        a->answers.push_back(st);
+    }
+    a->calls++;
+}
+
+// The daemon's RequestShrink(wait) (called from Python: this test does not
+// link gRPC) prints every outcome as one line:
+// "outcome <reclaim_id> <STATE> <answered> <given> <kept> <held> <seconds>|<reason>".
+std::string shrink_wait_outcomes(const std::string &sock, uint64_t target, uint64_t bytes,
+                                 uint32_t timeout_ms)
+{
+    const char *script =
+        "import sys, time\n"
+        "from kvcached_service.client import Client\n"
+        "with Client.connect(sys.argv[1]) as c:\n"
+        "    s = c.open_session('shrinker')\n"
+        "    t0 = time.monotonic()\n"
+        "    r = s.shrink(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), wait=True)\n"
+        "    dt = time.monotonic() - t0\n"
+        "    print('asked', r.pages_requested)\n"
+        "    for o in r.reclaims:\n"
+        "        print('outcome', o.reclaim_id, o.state, int(o.answered), o.bytes_given, "
+        "o.bytes_kept, o.held_bytes, '%.3f|%s' % (dt, o.reason))\n"
+        "    s.close()\n";
+    int code = 0;
+    std::string out = run({g_python, "-c", script, sock, std::to_string(target),
+                           std::to_string(bytes), std::to_string(timeout_ms)},
+                          {"PYTHONPATH=" + g_repo}, &code);
+    EXPECT_EQ(code, 0) << out;
+    return out;
+}
+
+TEST_F(Kvc, ReclaimAnswerReachesRequestShrinkWait)
+{
+    EXPECT_GE(kvc_api_version(), 10300);
+    kvc_session *a = open("answers");
+    const uint64_t P = kvc_session_page_size(a);
+    Answerer ans;
+    ans.s = a;
+    ans.region = mkregion(a, 20 * P);
+    ASSERT_NE(ans.region, nullptr);
+    KVC_OK_OR_FAIL(kvc_region_map(ans.region, 0, 20 * P));
+    ans.give_pages = 2;  // asked for 16, gives 2, keeps 18
+    KVC_OK_OR_FAIL(kvc_session_set_reclaim_callback(a, answer_in_callback, &ans));
+
+    // A 60 s deadline: an answer that did not arrive would leave the request
+    // OPEN or EXPIRED far later; the answered one returns at once (the
+    // bound below is generous for a loaded CI machine).
+    std::string out = shrink_wait_outcomes(daemon_->sock, kvc_session_id(a), 4 * P, 60000);
+    for (int i = 0; i < 200 && ans.calls.load() < 1; i++)  // the callback returns after its answer
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ASSERT_EQ(ans.calls.load(), 1) << out;
+    uint64_t id;
+    {
+        std::lock_guard<std::mutex> g(ans.mu);
+        id = ans.ids[0];
+        EXPECT_EQ(ans.answers[0], KVC_OK) << kvc_last_error();
+    }
+    EXPECT_NE(id, 0u);
+    std::istringstream lines(out);
+    std::string line;
+    int outcomes = 0;
+    while (std::getline(lines, line)) {
+        if (line.rfind("asked ", 0) == 0)
+            EXPECT_EQ(line, "asked 16");
+        if (line.rfind("outcome ", 0) != 0)
+            continue;
+        outcomes++;
+        std::istringstream f(line.substr(8));
+        uint64_t rid = 0, given = 0, kept = 0, held = 0;
+        int answered = 0;
+        std::string state, rest;
+        f >> rid >> state >> answered >> given >> kept >> held >> rest;
+        std::string seconds = rest.substr(0, rest.find('|'));
+        std::string reason = line.substr(line.find('|') + 1);
+        EXPECT_EQ(rid, id) << line;
+        EXPECT_EQ(state, "ANSWERED") << line;
+        EXPECT_EQ(answered, 1) << line;
+        EXPECT_EQ(given, 2 * P) << line;
+        EXPECT_EQ(kept, 18 * P) << line;
+        EXPECT_EQ(held, 18 * P) << line;  // the daemon's books agree with the answer
+        EXPECT_EQ(reason, "the rest is in use by busy slots") << line;
+        EXPECT_LT(std::stod(seconds), 30.0) << "the wait did not end at the answer: " << line;
+    }
+    EXPECT_EQ(outcomes, 1) << out;
+    EXPECT_EQ(stats(a).pages_held, 18u);
+    EXPECT_EQ(stats(a).reclaim_ignored, 0u);
+
+    // Answering again (an id this session was sent) is accepted; an id it
+    // was never sent is NOT_FOUND; a reason over 1024 bytes is refused here.
+    KVC_OK_OR_FAIL(kvc_session_answer_reclaim(a, id, 0, 18 * P, nullptr));
+    EXPECT_STATUS(KVC_ERR_NOT_FOUND, kvc_session_answer_reclaim(a, id + 1000000, 0, 0, ""));
+    EXPECT_NE(std::string(kvc_last_error()).find("reclaim"), std::string::npos) << kvc_last_error();
+    std::string long_reason(1025, 'x');
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT,
+                  kvc_session_answer_reclaim(a, id, 0, 0, long_reason.c_str()));
+    EXPECT_NE(std::string(kvc_last_error()).find("1025"), std::string::npos) << kvc_last_error();
+    long_reason.resize(1024);
+    KVC_OK_OR_FAIL(kvc_session_answer_reclaim(a, id, 0, 18 * P, long_reason.c_str()));
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_session_answer_reclaim(nullptr, id, 0, 0, ""));
+    // The session goes on after every refusal.
+    KVC_OK_OR_FAIL(kvc_region_map(ans.region, 0, 20 * P));
+    EXPECT_EQ(stats(a).pages_held, 20u);
+    KVC_OK_OR_FAIL(kvc_session_set_reclaim_callback(a, nullptr, nullptr));
+    destroy(ans.region);
+}
+
 // Needs the daemon's waiting Allocate (issue 4: wait=true asks other
 // sessions to give pages back through Watch).
 TEST_F(Kvc, WaitingAllocateReclaimsFromAnIdleSession)

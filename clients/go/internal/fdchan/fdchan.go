@@ -15,6 +15,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -41,6 +42,7 @@ const (
 	TypeFree     = 7
 	TypeClose    = 8
 	TypeReply    = 9
+	TypeAnswer   = 10 // a session's answer to a reclaim request
 
 	// AllocBit is set in the allocation id of the PAGES records that answer
 	// an ALLOCATE record: allocation_id = req_id | AllocBit, so they never
@@ -52,12 +54,15 @@ const (
 	AllocWait   = 1
 	AllocNotify = 2
 
-	helloSize  = 56
-	pagesFixed = 24
-	allocFixed = 24
-	freeFixed  = 16
-	closeSize  = 8
-	replyFixed = 24
+	helloSize   = 56
+	pagesFixed  = 24
+	allocFixed  = 24
+	freeFixed   = 16
+	closeSize   = 8
+	replyFixed  = 24
+	answerFixed = 32
+	// MaxReason is the most bytes of an ANSWER's reason.
+	MaxReason = 1024
 	// MaxRecord is the largest record the daemon sends (a REPLY or ERROR
 	// with its message, or a full PAGES record); as in fdchannel.py.
 	MaxRecord = HeaderSize + 4096 + 64
@@ -71,7 +76,7 @@ func protoErr(format string, a ...any) error {
 }
 
 // Record is one of Hello, Pages, Error, Goodbye, Reply (daemon to client)
-// or Adopt, AllocateReq, FreeReq, CloseReq (client to daemon).
+// or Adopt, AllocateReq, FreeReq, CloseReq, AnswerReq (client to daemon).
 type Record interface{ recordType() uint16 }
 
 // Hello is the first record on a channel.
@@ -136,6 +141,19 @@ type CloseReq struct {
 	ReqID uint64
 }
 
+// AnswerReq answers a reclaim request (a RECLAIM Watch event's id) on the
+// session's own channel: the bytes given back for it (already freed), the
+// bytes kept on that device, and why (at most MaxReason bytes). The
+// daemon's Reply carries the bytes its books show the session holding on
+// the reclaim's device.
+type AnswerReq struct {
+	ReqID      uint64
+	ReclaimID  uint64
+	BytesGiven uint64
+	BytesKept  uint64
+	Reason     string
+}
+
 // Reply answers a request record.
 type Reply struct {
 	ReqID   uint64
@@ -153,6 +171,7 @@ func (Adopt) recordType() uint16   { return TypeAdopt }
 func (AllocateReq) recordType() uint16 { return TypeAllocate }
 func (FreeReq) recordType() uint16     { return TypeFree }
 func (CloseReq) recordType() uint16    { return TypeClose }
+func (AnswerReq) recordType() uint16   { return TypeAnswer }
 func (Reply) recordType() uint16       { return TypeReply }
 
 func frame(typ uint16, payload []byte) []byte {
@@ -222,6 +241,14 @@ func Encode(r Record) []byte {
 		p := make([]byte, closeSize)
 		binary.LittleEndian.PutUint64(p, r.ReqID)
 		return frame(TypeClose, p)
+	case AnswerReq:
+		p := make([]byte, answerFixed+len(r.Reason))
+		binary.LittleEndian.PutUint64(p[0:], r.ReqID)
+		binary.LittleEndian.PutUint64(p[8:], r.ReclaimID)
+		binary.LittleEndian.PutUint64(p[16:], r.BytesGiven)
+		binary.LittleEndian.PutUint64(p[24:], r.BytesKept)
+		copy(p[answerFixed:], r.Reason)
+		return frame(TypeAnswer, p)
 	case Reply:
 		p := make([]byte, replyFixed+len(r.Message))
 		binary.LittleEndian.PutUint64(p[0:], r.ReqID)
@@ -245,9 +272,42 @@ func encodePages(first uint64, index, total uint32, ids []uint64) []byte {
 	return p
 }
 
+// MalformedRequest is the error for a request record (ALLOCATE, FREE,
+// CLOSE, ANSWER) whose framing is sound and whose ReqID can be read but
+// which breaks its type's own rules (the spec's on_malformed_request: the
+// daemon answers it with REPLY INVALID_ARGUMENT and Error() as the
+// message). It matches ErrProtocol with errors.Is: a client never receives
+// requests, so for a client it is a protocol error like any other.
+type MalformedRequest struct {
+	Kind  string // "ALLOCATE", "FREE", "CLOSE", "ANSWER"
+	ReqID uint64
+	Fault string
+}
+
+func (e *MalformedRequest) Error() string { return "malformed " + e.Kind + " record: " + e.Fault }
+
+// Is makes errors.Is(err, ErrProtocol) true.
+func (e *MalformedRequest) Is(target error) bool { return target == ErrProtocol }
+
+func malformed(kind string, req uint64, format string, a ...any) error {
+	return &MalformedRequest{Kind: kind, ReqID: req, Fault: fmt.Sprintf(format, a...)}
+}
+
+var typeNames = map[uint16]string{
+	TypeHello: "HELLO", TypePages: "PAGES", TypeError: "ERROR", TypeGoodbye: "GOODBYE", TypeAdopt: "ADOPT",
+	TypeAllocate: "ALLOCATE", TypeFree: "FREE", TypeClose: "CLOSE", TypeReply: "REPLY", TypeAnswer: "ANSWER",
+}
+
+// text decodes a message or reason: invalid UTF-8 is replaced, not an error.
+func text(b []byte) string { return strings.ToValidUTF8(string(b), "\uFFFD") }
+
 // Decode parses one record. nfds is the number of descriptors that arrived
 // with it (the caller keeps ownership of them, also on error); a Pages
 // record's FDs field is left for the caller to fill.
+//
+// Errors match ErrProtocol; a request record whose req_id could be read
+// but which breaks its own rules is a *MalformedRequest (errors.As), as
+// the spec classifies it (fdchannel.spec.json, on_malformed_request).
 func Decode(data []byte, nfds int) (Record, error) {
 	if len(data) < HeaderSize {
 		return nil, protoErr("record of %d bytes is shorter than the %d-byte header", len(data), HeaderSize)
@@ -266,7 +326,13 @@ func Decode(data []byte, nfds int) (Record, error) {
 	if uint64(len(p)) != uint64(length) {
 		return nil, protoErr("payload is %d bytes, header says %d", len(p), length)
 	}
+	name, known := typeNames[typ]
+	if !known {
+		return nil, protoErr("unknown record type %d", typ)
+	}
 	switch typ {
+	case TypeAllocate, TypeFree, TypeClose, TypeAnswer:
+		return decodeRequest(typ, name, p, nfds)
 	case TypeHello:
 		if len(p) != helloSize || nfds != 0 {
 			return nil, protoErr("malformed HELLO (%d bytes, %d fds)", len(p), nfds)
@@ -282,11 +348,11 @@ func Decode(data []byte, nfds int) (Record, error) {
 		return h, nil
 	case TypePages, TypeAdopt:
 		if len(p) < pagesFixed {
-			return nil, protoErr("PAGES record too short (%d bytes)", len(p))
+			return nil, protoErr("%s record too short (%d bytes)", name, len(p))
 		}
 		count := binary.LittleEndian.Uint32(p[12:])
 		if count == 0 || count > MaxFDs || uint64(len(p)) != pagesFixed+8*uint64(count) || int(count) != nfds {
-			return nil, protoErr("PAGES record says %d pages, carries %d fds and %d bytes", count, nfds, len(p))
+			return nil, protoErr("%s record says %d pages, carries %d fds and %d bytes", name, count, nfds, len(p))
 		}
 		r := Pages{
 			AllocationID: binary.LittleEndian.Uint64(p[0:]),
@@ -294,8 +360,8 @@ func Decode(data []byte, nfds int) (Record, error) {
 			Total:        binary.LittleEndian.Uint32(p[16:]),
 			PageIDs:      make([]uint64, count),
 		}
-		if r.FirstIndex+count > r.Total || r.FirstIndex > r.Total {
-			return nil, protoErr("PAGES record covers pages %d..%d of %d", r.FirstIndex, r.FirstIndex+count, r.Total)
+		if uint64(r.FirstIndex)+uint64(count) > uint64(r.Total) {
+			return nil, protoErr("%s record covers pages %d..%d of an allocation of %d", name, r.FirstIndex, uint64(r.FirstIndex)+uint64(count), r.Total)
 		}
 		for i := range r.PageIDs {
 			r.PageIDs[i] = binary.LittleEndian.Uint64(p[pagesFixed+8*i:])
@@ -304,65 +370,85 @@ func Decode(data []byte, nfds int) (Record, error) {
 			return Adopt{SessionID: r.AllocationID, FirstIndex: r.FirstIndex, Total: r.Total, PageIDs: r.PageIDs}, nil
 		}
 		return r, nil
+	case TypeReply:
+		if len(p) < replyFixed || nfds != 0 {
+			return nil, protoErr("malformed REPLY (%d bytes, %d fds)", len(p), nfds)
+		}
+		return Reply{
+			ReqID: binary.LittleEndian.Uint64(p[0:]), Code: binary.LittleEndian.Uint32(p[8:]),
+			Value: binary.LittleEndian.Uint64(p[16:]), Message: text(p[replyFixed:]),
+		}, nil
 	case TypeError:
 		if len(p) < 4 || nfds != 0 {
 			return nil, protoErr("malformed ERROR (%d bytes, %d fds)", len(p), nfds)
 		}
-		return Error{Code: binary.LittleEndian.Uint32(p), Message: string(p[4:])}, nil
-	case TypeGoodbye:
-		if len(p) != 0 || nfds != 0 {
-			return nil, protoErr("malformed GOODBYE (%d bytes, %d fds)", len(p), nfds)
-		}
-		return Goodbye{}, nil
-	case TypeAllocate, TypeFree, TypeClose, TypeReply:
-		if nfds != 0 {
-			return nil, protoErr("record type %d carries no descriptors (got %d)", typ, nfds)
-		}
-		return decodeRequest(typ, p)
+		return Error{Code: binary.LittleEndian.Uint32(p), Message: text(p[4:])}, nil
 	}
-	return nil, protoErr("unknown record type %d", typ)
+	// TypeGoodbye
+	if len(p) != 0 || nfds != 0 {
+		return nil, protoErr("malformed GOODBYE (%d bytes, %d fds)", len(p), nfds)
+	}
+	return Goodbye{}, nil
 }
 
-func decodeRequest(typ uint16, p []byte) (Record, error) {
+// decodeRequest: no req_id is a protocol error; after that every fault is
+// a *MalformedRequest naming it (the same words as the daemon's REPLY).
+func decodeRequest(typ uint16, name string, p []byte, nfds int) (Record, error) {
+	if len(p) < 8 {
+		return nil, protoErr("%s record of %d payload bytes has no req_id", name, len(p))
+	}
+	req := binary.LittleEndian.Uint64(p)
+	if nfds != 0 {
+		return nil, malformed(name, req, "carries descriptors (%d); requests carry none", nfds)
+	}
 	switch typ {
 	case TypeAllocate:
 		if len(p) < allocFixed {
-			return nil, protoErr("ALLOCATE record too short (%d bytes)", len(p))
+			return nil, malformed(name, req, "%d payload bytes, fewer than its fixed %d", len(p), allocFixed)
 		}
 		flags := binary.LittleEndian.Uint32(p[12:])
-		if uint64(len(p)) != allocFixed+uint64(binary.LittleEndian.Uint32(p[20:])) {
-			return nil, protoErr("ALLOCATE record's device length does not match")
+		devLen := binary.LittleEndian.Uint32(p[20:])
+		if uint64(len(p)) != allocFixed+uint64(devLen) {
+			return nil, malformed(name, req, "device_len %d but %d bytes of device", devLen, len(p)-allocFixed)
 		}
 		return AllocateReq{
-			ReqID: binary.LittleEndian.Uint64(p[0:]), NumPages: binary.LittleEndian.Uint32(p[8:]),
+			ReqID: req, NumPages: binary.LittleEndian.Uint32(p[8:]),
 			Wait: flags&AllocWait != 0, Notify: flags&AllocNotify != 0,
-			WaitTimeoutMs: binary.LittleEndian.Uint32(p[16:]), Device: string(p[allocFixed:]),
+			WaitTimeoutMs: binary.LittleEndian.Uint32(p[16:]), Device: text(p[allocFixed:]),
 		}, nil
 	case TypeFree:
 		if len(p) < freeFixed {
-			return nil, protoErr("FREE record too short (%d bytes)", len(p))
+			return nil, malformed(name, req, "%d payload bytes, fewer than its fixed %d", len(p), freeFixed)
 		}
 		count := binary.LittleEndian.Uint32(p[8:])
-		if uint64(len(p)) != freeFixed+8*uint64(count) {
-			return nil, protoErr("FREE record says %d page ids in %d bytes", count, len(p))
+		if count > MaxFreeIDs {
+			return nil, malformed(name, req, "%d page ids, more than %d", count, MaxFreeIDs)
 		}
-		r := FreeReq{ReqID: binary.LittleEndian.Uint64(p[0:]), PageIDs: make([]uint64, count)}
+		if uint64(len(p)) != freeFixed+8*uint64(count) {
+			return nil, malformed(name, req, "count %d but %d bytes of page ids", count, len(p)-freeFixed)
+		}
+		r := FreeReq{ReqID: req, PageIDs: make([]uint64, count)}
 		for i := range r.PageIDs {
 			r.PageIDs[i] = binary.LittleEndian.Uint64(p[freeFixed+8*i:])
 		}
 		return r, nil
 	case TypeClose:
 		if len(p) != closeSize {
-			return nil, protoErr("malformed CLOSE (%d bytes)", len(p))
+			return nil, malformed(name, req, "%d payload bytes, not %d", len(p), closeSize)
 		}
-		return CloseReq{ReqID: binary.LittleEndian.Uint64(p)}, nil
+		return CloseReq{ReqID: req}, nil
 	}
-	if len(p) < replyFixed {
-		return nil, protoErr("REPLY record too short (%d bytes)", len(p))
+	// TypeAnswer
+	if len(p) < answerFixed {
+		return nil, malformed(name, req, "%d payload bytes, fewer than its fixed %d", len(p), answerFixed)
 	}
-	return Reply{
-		ReqID: binary.LittleEndian.Uint64(p[0:]), Code: binary.LittleEndian.Uint32(p[8:]),
-		Value: binary.LittleEndian.Uint64(p[16:]), Message: string(p[replyFixed:]),
+	if len(p)-answerFixed > MaxReason {
+		return nil, malformed(name, req, "a reason of %d bytes, more than %d", len(p)-answerFixed, MaxReason)
+	}
+	return AnswerReq{
+		ReqID: req, ReclaimID: binary.LittleEndian.Uint64(p[8:]),
+		BytesGiven: binary.LittleEndian.Uint64(p[16:]), BytesKept: binary.LittleEndian.Uint64(p[24:]),
+		Reason: text(p[answerFixed:]),
 	}, nil
 }
 
@@ -422,7 +508,7 @@ func (c *Conn) Recv() (Record, error) {
 	case Pages:
 		p.FDs = fds
 		return p, nil
-	case Adopt, AllocateReq, FreeReq, CloseReq:
+	case Adopt, AllocateReq, FreeReq, CloseReq, AnswerReq:
 		closeAll(fds)
 		return nil, protoErr("%T record from the daemon (only clients send it)", r)
 	}
@@ -432,7 +518,7 @@ func (c *Conn) Recv() (Record, error) {
 // Send writes one record with its descriptors (at most MaxFDs), blocking
 // until deadline at most (zero: no deadline). The caller keeps the fds.
 func (c *Conn) Send(r Record, fds []int, deadline time.Time) error {
-	return c.send(nil, r, fds, deadline)
+	return c.send(context.Background(), r, fds, deadline)
 }
 
 // SendContext writes one record (no descriptors), blocking until ctx ends
@@ -457,12 +543,15 @@ func (c *Conn) send(ctx context.Context, r Record, fds []int, deadline time.Time
 	if f, ok := r.(FreeReq); ok && (len(f.PageIDs) == 0 || len(f.PageIDs) > MaxFreeIDs) {
 		return fmt.Errorf("fdchan: a FREE record carries 1..%d page ids, not %d", MaxFreeIDs, len(f.PageIDs))
 	}
+	if a, ok := r.(AnswerReq); ok && len(a.Reason) > MaxReason {
+		return fmt.Errorf("fdchan: an ANSWER's reason is at most %d bytes, not %d", MaxReason, len(a.Reason))
+	}
 	c.sendMu.Lock()
 	defer c.sendMu.Unlock()
 	if err := c.c.SetWriteDeadline(deadline); err != nil {
 		return err
 	}
-	if ctx != nil && ctx.Done() != nil {
+	if ctx.Done() != nil {
 		// A cancellation (not only a deadline) interrupts a blocked send.
 		// The deadline it sets must not outlive this send: wait for it.
 		fired := make(chan struct{})
