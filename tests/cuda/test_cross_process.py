@@ -24,7 +24,7 @@ def test_export_import_data_and_lifetime_across_processes(sim):
         sock = {a_sock.fileno()}
         h = create()
         base = reserve(GRAN); map_rw(base, h)
-        write(base, b"written by the exporter")
+        write(base, b"written by the exporter"); d.cuCtxSynchronize()   # landed before the fd goes
         fd = export(h)
         send_fds(sock, [fd])
         os.close(fd)
@@ -46,7 +46,7 @@ def test_export_import_data_and_lifetime_across_processes(sim):
         map_rw(base + GRAN, h)                 # anywhere in our own reservation
         d.cuMemRelease(h)
         seen = read(base + GRAN, 23)
-        write(base + GRAN, b"WRITTEN BY THE IMPORTER!")
+        write(base + GRAN, b"WRITTEN BY THE IMPORTER!"); d.cuCtxSynchronize()
         out(seen=seen.decode())
         wait_line()                            # exporter let go
         out(used_while_only_we_hold_it=used())
