@@ -21,7 +21,8 @@ import (
 // REPLY to the goroutine waiting for it. An ALLOCATE's pages arrive as
 // PAGES records with allocation id req_id|AllocBit, all before its REPLY,
 // so they are complete when the REPLY is read. After a resume the requests
-// go on the new channel. Daemons without the feature get the gRPC calls.
+// go on the new channel. There is no gRPC page path: OpenSession refuses a
+// daemon that does not offer the channel.
 
 // waiter is a request waiting for its REPLY.
 type waiter struct {
@@ -200,6 +201,8 @@ func (s *Session) discardAllocLocked(key allocKey, pa *pendingAlloc) {
 
 func (s *Session) allocateOnChannel(ctx context.Context, req *pb.AllocateRequest) (*Allocation, error) {
 	const op = "Allocate"
+	s.pageOpBegin()
+	defer s.pageOpEnd()
 	var key allocKey
 	var pa *pendingAlloc
 	c, _, err := s.startRequest(op, false, func(id uint64) {
@@ -242,7 +245,9 @@ func (s *Session) allocateOnChannel(ctx context.Context, req *pb.AllocateRequest
 		// A REPLY OK before all the pages: the daemon broke the protocol.
 		s.discardAllocLocked(key, pa)
 		err := newError(ErrProtocol, op, "request %d: %d of %d pages arrived before the answer", c.req, pa.received, rec.NumPages)
-		s.protocolFailureLocked(c.ch, err)
+		if c.gen == s.gen { // (a REPLY of a channel since replaced ends nothing now)
+			s.protocolFailureLocked(c.ch, err)
+		}
 		s.mu.Unlock()
 		return nil, err
 	}
@@ -298,6 +303,8 @@ func (s *Session) freeOnChannel(ctx context.Context, ids []uint64) (FreeResult, 
 // freeChunk is Free's loop (session.go) for one FREE record.
 func (s *Session) freeChunk(ctx context.Context, ids []uint64) (uint64, error) {
 	const op = "Free"
+	s.pageOpBegin()
+	defer s.pageOpEnd()
 	for {
 		seqs := s.keptSeqs(ids)
 		c, gen, err := s.startRequest(op, false, nil)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -240,6 +241,15 @@ func (s *Session) resume(old *fdchan.Conn, cause error) (*fdchan.Conn, error) {
 	held := len(s.keep)
 	s.mu.Unlock()
 	old.Close()
+	// Before it claims anything, the resume waits for the page requests in
+	// flight to settle (docs/protocol.md, "Hang-up and resume"): each wakes
+	// at once (the channel is lost), and a Free among them defers its pages
+	// so that they are not claimed.
+	s.mu.Lock()
+	for s.pageOps > 0 {
+		s.opsIdleLocked().Wait()
+	}
+	s.mu.Unlock()
 	s.log.Warn("kvcached: the daemon went away; resuming the session", "pages_held", held, "cause", cause)
 
 	start := time.Now()
@@ -380,4 +390,28 @@ func (s *Session) resumeFailed(err error) error {
 	s.mu.Unlock()
 	s.log.Error("kvcached session could not be resumed", "err", err)
 	return err
+}
+
+// pageOpBegin and pageOpEnd bracket an Allocate or one FREE record's
+// request, so that a resume can wait for them to settle.
+func (s *Session) pageOpBegin() {
+	s.mu.Lock()
+	s.pageOps++
+	s.mu.Unlock()
+}
+
+func (s *Session) pageOpEnd() {
+	s.mu.Lock()
+	s.pageOps--
+	if s.pageOps == 0 {
+		s.opsIdleLocked().Broadcast()
+	}
+	s.mu.Unlock()
+}
+
+func (s *Session) opsIdleLocked() *sync.Cond {
+	if s.opsIdle == nil {
+		s.opsIdle = sync.NewCond(&s.mu)
+	}
+	return s.opsIdle
 }

@@ -197,6 +197,8 @@ type Session struct {
 	resumeTimeout time.Duration
 
 	mu       sync.Mutex
+	pageOps  int            // Allocate/Free calls in progress (resume waits for them to settle)
+	opsIdle  *sync.Cond     // on mu: pageOps reached 0 (made on first use)
 	ref      *pb.SessionRef // changes (new token) at each resume
 	ch       *fdchan.Conn   // changes at each resume
 	allocs   map[allocKey]*pendingAlloc
@@ -667,17 +669,18 @@ func (s *Session) closedErrLocked(op string) error {
 // FreeResult is the answer to Free.
 type FreeResult struct {
 	PagesFreed uint64
-	// HeldBytes is the bytes the session holds (all devices) afterwards,
-	// as the gRPC Free reports it; 0 when the Free went over the fd channel
-	// (Session.ChannelRequests: its REPLY counts only the pages freed).
+	// HeldBytes is always 0: a FREE's REPLY counts only the pages freed
+	// (Session.Own has the books). Kept for source compatibility.
 	HeldBytes uint64
 }
 
 // Free gives pages back (all or nothing). Unmap them first. On a
-// resumable session, a Free that fails with ErrUnavailable (the daemon is
-// away) still gives the pages back: they are not claimed when the session
-// resumes, which frees them. Over the fd channel a Free of more than
-// 16384 pages is sent as several requests, all or nothing each.
+// resumable session whose daemon is away (resuming, or the channel hung
+// up after the FREE went out) it succeeds, checked as the daemon would
+// (ErrNotFound for a page not held, ErrInvalidArgument for an id named
+// twice): the pages are not claimed when the session resumes, which frees
+// them. A Free of more than 16384 pages is sent as several FREE records,
+// all or nothing each.
 func (s *Session) Free(ctx context.Context, ids []uint64) (FreeResult, error) {
 	return s.freeOnChannel(ctx, ids)
 }
