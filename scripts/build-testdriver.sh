@@ -10,12 +10,23 @@
 # Idempotent: rebuilds only when a source, the header or this script changed.
 # Never installs anything system-wide. Prints the library path last.
 # `--include-dir` prints the directory holding cuda.h instead of building.
+# `--public-only` builds build/testdriver-public/libcuda.so.1 instead: the
+# same driver without its private features (no KVCACHED_TESTDRV_* knob,
+# state directory, leak report or fault injection is read), a stand-in for
+# "another libcuda" to point the suites at (KVCACHED_TEST_LIBCUDA).
 set -euo pipefail
+
+PUBLIC_ONLY=0
+if [[ "${1:-}" == "--public-only" ]]; then
+    PUBLIC_ONLY=1
+    shift
+fi
 
 CUDA_RUNTIME_VERSION="13.2.86"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SRC="$REPO/tests/cudadriver"
 OUT="$REPO/build/testdriver"
+[[ $PUBLIC_ONLY == 1 ]] && OUT="$REPO/build/testdriver-public"
 CC="${CC:-cc}"
 mkdir -p "$OUT"
 
@@ -82,7 +93,7 @@ fi
 
 LIB="$OUT/libcuda.so.1"
 STAMP="$OUT/.stamp"
-want_stamp="$(cat "$SRC/testdriver.c" "$SRC/exports.txt" "$HDR" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1) $CC"
+want_stamp="$(cat "$SRC/testdriver.c" "$SRC/exports.txt" "$HDR" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1) $CC public=$PUBLIC_ONLY"
 if [[ -f "$LIB" && -f "$STAMP" && "$(cat "$STAMP")" == "$want_stamp" ]]; then
     echo "$LIB"
     exit 0
@@ -120,6 +131,7 @@ CFLAGS=(-std=gnu11 -O2 -g -fPIC -fvisibility=hidden
         -Wno-format-truncation
         -D__CUDA_API_PUSH_VISIBILITY_DEFAULT
         -I"$INC" -I"$OUT")
+if [[ $PUBLIC_ONLY == 1 ]]; then CFLAGS+=(-DKVCACHED_TESTDRV_PUBLIC_ONLY); fi
 "$CC" "${CFLAGS[@]}" -shared -o "$LIB.tmp" "$SRC/testdriver.c" \
     -Wl,-soname,libcuda.so.1 -Wl,-z,defs -Wl,--no-undefined -lpthread
 

@@ -29,6 +29,56 @@ TESTDRIVER = ROOT / "build" / "testdriver" / "libcuda.so.1"
 HELPERS = pathlib.Path(__file__).resolve().parent / "helpers"
 
 
+def libcuda() -> pathlib.Path:
+    """The libcuda every CUDA test runs on: $KVCACHED_TEST_LIBCUDA (a path,
+    e.g. the real /usr/lib/x86_64-linux-gnu/libcuda.so.1 on a GPU host),
+    else the project's test driver (scripts/build-testdriver.sh)."""
+    other = os.environ.get("KVCACHED_TEST_LIBCUDA")
+    return pathlib.Path(other) if other else TESTDRIVER
+
+
+_features: bool | None = None
+
+_PROBE = r"""
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+dev, total = ctypes.c_int(), ctypes.c_size_t()
+ok = lib.cuInit(0) == 0 and lib.cuDeviceGet(ctypes.byref(dev), 0) == 0
+ok = ok and lib.cuDeviceTotalMem_v2(ctypes.byref(total), dev) == 0
+print(total.value if ok else -1)
+"""
+
+
+def testdriver_features() -> bool:
+    """Whether libcuda() has the test driver's private features (knobs,
+    fault injection, leak report): a child process loads it with a leak
+    report path and an unusual device size, and both must show. Cached for
+    the pytest session. The project's test driver has them; NVIDIA's driver
+    and the test driver built with -DKVCACHED_TESTDRV_PUBLIC_ONLY do not."""
+    global _features
+    if _features is None:
+        lib = libcuda()
+        with tempfile.TemporaryDirectory(prefix="kvc-probe-") as tmp:
+            report = pathlib.Path(tmp) / "report.json"
+            size = 1234 << 21
+            env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_TESTDRV_")}
+            env.update(KVCACHED_TESTDRV_STATE=str(pathlib.Path(tmp) / "state"), KVCACHED_TESTDRV_MEMORY=str(size),
+                       KVCACHED_TESTDRV_REPORT=str(report))
+            proc = subprocess.run([PY, "-c", _PROBE, str(lib)], env=env, capture_output=True, text=True, timeout=60)
+            if proc.returncode != 0:
+                pytest.fail(f"cannot load {lib} (KVCACHED_TEST_LIBCUDA): {proc.stderr.strip()}")
+            _features = proc.stdout.strip() == str(size) and report.exists()
+    return _features
+
+
+def require_testdriver_features(*what: str) -> None:
+    """Skip, naming the reason, when libcuda() is not the test driver with
+    its private features (`what`: the knobs or reports the test needs)."""
+    if not testdriver_features():
+        pytest.skip(f"needs the CUDA test driver's private features ({', '.join(what) or 'knobs'}); "
+                    f"KVCACHED_TEST_LIBCUDA={libcuda()} does not have them")
+
+
 def backends() -> list[str]:
     """Backends the conformance tests run on. The CUDA test driver must be
     built (scripts/build-testdriver.sh, run by `make test`): if it is
@@ -54,10 +104,14 @@ def gpu_state() -> pathlib.Path:
 
 
 def testdriver_env(**extra: str) -> dict[str, str]:
-    if not TESTDRIVER.exists():
-        pytest.fail(f"CUDA test driver not built: {TESTDRIVER} is missing (run scripts/build-testdriver.sh)")
+    """The environment of a CUDA daemon or client: libcuda() and, for the
+    test driver, its simulated machine (the knobs are ignored elsewhere)."""
+    lib = libcuda()
+    if not lib.exists():
+        hint = "(KVCACHED_TEST_LIBCUDA)" if lib != TESTDRIVER else "(run scripts/build-testdriver.sh)"
+        pytest.fail(f"CUDA driver library {lib} is missing {hint}")
     env = {
-        "KVCACHED_LIBCUDA": str(TESTDRIVER),
+        "KVCACHED_LIBCUDA": str(lib),
         "KVCACHED_TESTDRV_STATE": str(gpu_state()),
         "KVCACHED_TESTDRV_MEMORY": str(1 << 30),
     }

@@ -39,7 +39,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvtest import PY, ROOT, SERVE, TESTDRIVER, assert_books, gpu_state, leak_problems, testdriver_env
+from kvtest import require_testdriver_features, PY, ROOT, SERVE, TESTDRIVER, assert_books, gpu_state, leak_problems, testdriver_env
+
+
+@pytest.fixture(autouse=True)
+def _needs_testdriver():
+    """Fault injection and leak reports are the test driver's private
+    features: skipped, naming them, on another libcuda (KVCACHED_TEST_LIBCUDA)."""
+    require_testdriver_features("KVCACHED_TESTDRV_FAIL", "leak report")
 from kvcached_service import errors
 
 MiB = 1 << 20

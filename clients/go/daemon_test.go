@@ -73,7 +73,15 @@ func serveBinary() (string, error) {
 	return p, nil
 }
 
+// testDriver is the libcuda of the CUDA tests: $KVCACHED_TEST_LIBCUDA (another
+// driver, e.g. the real one on a GPU host), else the project's test driver.
 func testDriver() (string, error) {
+	if p := os.Getenv("KVCACHED_TEST_LIBCUDA"); p != "" {
+		if _, err := os.Stat(p); err != nil {
+			return "", fmt.Errorf("KVCACHED_TEST_LIBCUDA=%s: %v", p, err)
+		}
+		return p, nil
+	}
 	p := filepath.Join(repoRoot, "build", "testdriver", "libcuda.so.1")
 	if _, err := os.Stat(p); err != nil {
 		return "", fmt.Errorf("%s not found: run scripts/build-testdriver.sh", p)

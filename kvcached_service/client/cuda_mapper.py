@@ -146,9 +146,13 @@ class CudaMapper(Mapper):
             self._mappings.pop(addr, None)
 
     def write(self, addr: int, data: bytes) -> None:
+        """Copy `data` to a mapped address. Complete when it returns: from
+        pageable host memory cuMemcpyHtoD may return before the DMA lands,
+        so it synchronizes (another process may read the page next)."""
         buf = ctypes.create_string_buffer(bytes(data), len(data))
         with self._current():
             self._drv.cuMemcpyHtoD_v2(addr, buf, len(data))
+            self._drv.cuCtxSynchronize()
 
     def read(self, addr: int, size: int) -> bytes:
         buf = ctypes.create_string_buffer(size)

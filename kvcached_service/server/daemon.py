@@ -438,12 +438,23 @@ class Daemon:
                 raise errors.PermissionDenied(f"page {pid} was not held by session {sid}; nothing was adopted")
             if pid not in adoption.fds:
                 raise errors.InvalidArgument(f"page {pid} is claimed but its fd was not sent as ADOPT; nothing was adopted")
-        for pid in page_ids:
-            if self.backend.identity(adoption.fds[pid]) != js.pages[pid][1]:
-                raise errors.PermissionDenied(f"the fd sent for page {pid} is not the page the journal recorded; nothing was adopted")
         by_dev: dict[str, list[int]] = {}
         for pid in page_ids:
             by_dev.setdefault(js.pages[pid][0], []).append(pid)
+        # A re-sent fd proves a page only where fds identify pages: on a
+        # driver whose exports all share one fstat identity any page's fd
+        # would pass for any other's, so nothing is adopted there.
+        for dev in by_dev:
+            if dev in self.pools and not await self.pools[dev].identities_distinct():
+                if sid in self.orphans:
+                    self._forget_orphan(sid, "not resumable: the driver's exported fds do not identify their pages")
+                raise errors.FailedPrecondition(
+                    f"session {sid} cannot be resumed with its pages: on device {dev} every exported page fd has the "
+                    "same identity, so the daemon cannot tell which page a re-sent fd is; open a new session "
+                    "(its old mappings keep their memory until unmapped)")
+        for pid in page_ids:
+            if self.backend.identity(adoption.fds[pid]) != js.pages[pid][1]:
+                raise errors.PermissionDenied(f"the fd sent for page {pid} is not the page the journal recorded; nothing was adopted")
         imported: dict[str, tuple[list[int], list]] = {}
         try:
             for dev, pids in by_dev.items():
@@ -816,6 +827,8 @@ class Daemon:
         """Tell every session, wait out the grace period (or until every
         session has gone). The adapters stop taking new work first."""
         self.shutting_down = True
+        for pool in self.pools.values():
+            pool.stop_refilling()
         loop = asyncio.get_running_loop()
         grace = self.settings.shutdown_grace
         ev = Event("SHUTDOWN", time.time(), {"reason": reason, "grace_seconds": grace})

@@ -17,6 +17,7 @@ import os
 import resource
 import signal
 import sys
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -152,7 +153,11 @@ async def serve(settings: Settings, ready_hook=None) -> int:
         ]
     )
     add_to_server(KVCachedService(daemon, peers=front.peer), server)
+    # grpc's servicer starts with "" SERVING: not ready until the devices are
+    # set up and the warm pool is filled (a slow cuMemCreate takes seconds).
     health_servicer = health.aio.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
@@ -163,32 +168,54 @@ async def serve(settings: Settings, ready_hook=None) -> int:
         await server.start()
     finally:
         os.umask(old_umask)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     try:
         await front.start()
         channels.start()
-        await daemon.prefill()
         if metrics:
             metrics.start_http(settings.metrics_address)
+        # Health stays NOT_SERVING while the warm pool fills; a signal now
+        # stops the filling after the batch in progress and shuts down.
+        t0 = time.monotonic()
+        filling = asyncio.ensure_future(daemon.prefill())
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait((filling, stopped), return_when=asyncio.FIRST_COMPLETED)
+            if not filling.done():
+                log.info("stop requested while the warm pool was filling")
+                for pool in daemon.pools.values():
+                    pool.stop_refilling()
+            await filling
+        finally:
+            stopped.cancel()
+        warm = {p.uuid: (p.n_ready_total(), p.warm_pages) for p in daemon.pools.values() if p.warm_pages}
+        if warm:
+            log.info("warm pool after %.2f s: %s", time.monotonic() - t0,
+                     ", ".join(f"{uuid} {have}/{want} pages" for uuid, (have, want) in warm.items()))
     except Exception:
         await server.stop(None)
         front.close()
         raise
     daemon.start_background()
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving on %s (fd channel %s), pid %d", settings.socket, settings.fd_socket, os.getpid())
+    # Ready: health SERVING and systemd's READY=1 together (devices ready,
+    # warm pool filled, both sockets accepting), unless a signal came first.
+    if stop.is_set():
+        notifier = sdnotify.Notifier(None)
+    else:
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        notifier = sdnotify.start_for(daemon)
+        log.info("serving on %s (fd channel %s), pid %d", settings.socket, settings.fd_socket, os.getpid())
     pages = sum(p.budget.pages for p in daemon.pools.values())
     if backend.fds_per_page and pages * backend.fds_per_page + 256 > nofile:
         log.warning("the budget is %d pages but the open-file limit is %d: every %s page is one fd in the daemon; "
                     "raise LimitNOFILE (systemd) or ulimit -n, or use larger pages", pages, nofile, backend.kind)
     if ready_hook is not None:
         ready_hook(daemon)
-    notifier = sdnotify.start_for(daemon)
     await stop.wait()
     notifier.stopping("stopping: telling sessions")
 

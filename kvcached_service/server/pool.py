@@ -207,6 +207,8 @@ class DevicePool:
         self.counters = PoolCounters()
         self._changed: asyncio.Event | None = None  # made by the first waiter, set and dropped by _notify
         self._refilling = False
+        self._no_refill = False  # set at shutdown: no more warm pages
+        self._ident_distinct: bool | None = None  # identities_distinct(), once decided
         # Called with (device uuid, pages) whenever pages return to the pool.
         self.on_pages_returned: Callable[[str, int], None] | None = None
 
@@ -285,6 +287,43 @@ class DevicePool:
         still maps it."""
         assert 0 <= n <= self.n_held
         self.n_held -= n
+
+    async def identities_distinct(self) -> bool:
+        """Whether Backend.identity tells this device's pages apart: two
+        pages this daemon made (pooled or lent now; else two made for the
+        question and released) must have different identities. A driver
+        whose exported fds are all fds of one device node (the same fstat
+        for every export) fails, and then nothing a client re-sends can be
+        matched to the journal (docs/cuda.md, "Page identity"). Decided once
+        per daemon, before any page of this device is adopted, so every page
+        compared was created here. False when it cannot be decided (the
+        driver refused to create the pages)."""
+        if self._ident_distinct is not None:
+            return self._ident_distinct
+        own = [p.handle for p in self.pages.values()][:2]
+        made: list[PageHandle] = []
+        try:
+            if len(own) < 2:
+                made = await self.worker.call(self.backend.create_pages, self.spec.ordinal, 2 - len(own), self.page_size, False)
+                own += made
+            a, b = (self.backend.identity(h.fd) for h in own)
+        except Exception as exc:  # noqa: BLE001 - undecided means unsafe
+            log.warning("device %s: cannot tell whether exported fds identify their pages (%s); resumes will not adopt pages",
+                        self.uuid, exc)
+            return False
+        finally:
+            if made:
+                try:
+                    await self.worker.call(self.backend.release_pages, self.spec.ordinal, made)
+                except Exception as exc:  # noqa: BLE001
+                    log.error("device %s: releasing the identity probe's pages failed: %s", self.uuid, exc)
+        self._ident_distinct = a != b
+        if self._ident_distinct:
+            log.info("device %s: exported fds identify their pages (fstat differs per page): resumes adopt pages", self.uuid)
+        else:
+            log.warning("device %s: every exported fd has the same fstat identity (%s): a resumed session's pages cannot be "
+                        "told apart, so resumes with pages are refused (docs/cuda.md, \"Page identity\")", self.uuid, a)
+        return self._ident_distinct
 
     async def import_pages(self, fds: list[int]) -> list[PageHandle]:
         """Handles for pages a resuming client sent back (the backend takes
@@ -525,17 +564,24 @@ class DevicePool:
 
     # ---- warm pages and idle trimming -----------------------------------
     async def prefill(self) -> None:
-        """Create the warm pages (start-up)."""
+        """Create the warm pages (start-up). Returns when the warm target is
+        met, creation failed (logged), or stop_refilling() was called."""
         await self._refill()
 
+    def stop_refilling(self) -> None:
+        """No more warm pages: a prefill or refill in progress ends after
+        the batch the worker is creating (at most 64 pages)."""
+        self._no_refill = True
+
     def _maybe_refill(self) -> None:
-        if not self._refilling and self.n_ready_total() < self.warm_pages and self.n_free > 0:
+        if not self._no_refill and not self._refilling and self.n_ready_total() < self.warm_pages and self.n_free > 0:
             self._refilling = True
             asyncio.get_running_loop().create_task(self._refill())
 
     async def _refill(self) -> None:
+        self._refilling = True
         try:
-            while True:
+            while not self._no_refill:
                 want = min(self.warm_pages - self.n_ready_total(), self.n_free, 64)
                 if want <= 0:
                     return

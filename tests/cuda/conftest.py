@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 
+from kvtest import libcuda, require_testdriver_features, testdriver_features
 from tdkit import ROOT, Sim
 
 BUILD = ROOT / "scripts" / "build-testdriver.sh"
@@ -18,8 +19,15 @@ BUILD = ROOT / "scripts" / "build-testdriver.sh"
 
 @pytest.fixture(scope="session")
 def testdriver() -> pathlib.Path:
-    """Build (or find up to date) build/testdriver/libcuda.so.1. A build
-    failure fails the tests: nothing here is skipped."""
+    """The libcuda the CUDA tests run on: $KVCACHED_TEST_LIBCUDA when set
+    (another driver: tests that need the test driver's private features
+    skip, naming them), else build (or find up to date)
+    build/testdriver/libcuda.so.1. A build failure fails the tests."""
+    if os.environ.get("KVCACHED_TEST_LIBCUDA"):
+        lib = libcuda()
+        if not lib.exists():
+            pytest.fail(f"KVCACHED_TEST_LIBCUDA={lib}: no such file")
+        return lib
     proc = subprocess.run([str(BUILD)], capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         pytest.fail(f"scripts/build-testdriver.sh failed:\n{proc.stdout}\n{proc.stderr}")
@@ -44,5 +52,12 @@ def sim(testdriver, tmp_path) -> Sim:
     state = base / f"kvcached-pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     reports = tmp_path / "reports"
     reports.mkdir()
-    yield Sim(testdriver, state, reports)
+    yield Sim(testdriver, state, reports, private=testdriver_features())
     shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture
+def needs_testdriver():
+    """For tests of the test driver itself or that need its knobs, fault
+    injection or leak report: skipped, with the reason, on another libcuda."""
+    require_testdriver_features()

@@ -24,6 +24,10 @@ from kvcached_service.client.cuda_mapper import CudaMapper  # noqa: F401
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HERE = pathlib.Path(__file__).resolve().parent
 GRAN = 2 << 20
+STRICTNESS_KNOBS = frozenset(
+    "KVCACHED_TESTDRV_" + k
+    for k in ("STRICT", "FD_IDENTITY", "ASYNC", "POISON", "FORK", "PEERS", "CONTEXT_BYTES", "OTHER_BYTES", "COST", "CREATE_US")
+)
 
 
 # ---------------------------------------------------------------------------
@@ -33,10 +37,14 @@ GRAN = 2 << 20
 class Sim:
     """One simulated machine: a state directory and the env of its processes."""
 
-    def __init__(self, lib: pathlib.Path, state: pathlib.Path, reports: pathlib.Path):
+    def __init__(self, lib: pathlib.Path, state: pathlib.Path, reports: pathlib.Path, private: bool = True):
         self.lib = lib
         self.state = state
         self.reports = reports
+        # whether `lib` has the test driver's private features (knobs, leak
+        # report, fault injection); False for another libcuda
+        # (KVCACHED_TEST_LIBCUDA), where the knobs below are ignored
+        self.private = private
         self.env = {
             "KVCACHED_LIBCUDA": str(lib),
             "KVCACHED_TESTDRV_STATE": str(state),
@@ -45,8 +53,28 @@ class Sim:
             "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)]),
         }
 
+    def need_knobs(self, extra: dict[str, str]) -> None:
+        """A test that sets a knob of the test driver needs it: on another
+        libcuda it is skipped, naming the knob."""
+        knobs = sorted(k for k in extra if k.startswith("KVCACHED_TESTDRV_"))
+        if knobs and not self.private:
+            import pytest
+
+            pytest.skip(f"needs the CUDA test driver's {', '.join(knobs)}; {self.lib} is another libcuda")
+
+    def leaks_ok(self, pid: int) -> bool:
+        """The process's leak report is clean; vacuous on another libcuda,
+        which writes none (the test's other checks still run)."""
+        if not self.private:
+            return True
+        rep = self.report_of(pid)
+        return rep is not None and rep["leaks"] == 0
+
     def proc_env(self, **extra: str) -> dict[str, str]:
+        self.need_knobs(extra)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "CUDA_VISIBLE"))}
+        # the driver's strictness knobs (tests/cudadriver/README.md) pass through, so the suite runs in each mode
+        env.update({k: v for k, v in os.environ.items() if k in STRICTNESS_KNOBS})
         env.update(self.env)
         env.update(extra)
         return env

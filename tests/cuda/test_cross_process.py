@@ -24,7 +24,7 @@ def test_export_import_data_and_lifetime_across_processes(sim):
         sock = {a_sock.fileno()}
         h = create()
         base = reserve(GRAN); map_rw(base, h)
-        write(base, b"written by the exporter")
+        write(base, b"written by the exporter"); d.cuCtxSynchronize()   # landed before the fd goes
         fd = export(h)
         send_fds(sock, [fd])
         os.close(fd)
@@ -46,7 +46,7 @@ def test_export_import_data_and_lifetime_across_processes(sim):
         map_rw(base + GRAN, h)                 # anywhere in our own reservation
         d.cuMemRelease(h)
         seen = read(base + GRAN, 23)
-        write(base + GRAN, b"WRITTEN BY THE IMPORTER!")
+        write(base + GRAN, b"WRITTEN BY THE IMPORTER!"); d.cuCtxSynchronize()
         out(seen=seen.decode())
         wait_line()                            # exporter let go
         out(used_while_only_we_hold_it=used())
@@ -61,14 +61,19 @@ def test_export_import_data_and_lifetime_across_processes(sim):
         exporter.stdin.flush()
         got = _line(exporter)
         assert got["got"] == "WRITTEN BY THE IMPORTER!"
-        assert got["used_after_unmap"] == GRAN  # the importer still maps it
+        if sim.private:
+            assert got["used_after_unmap"] == GRAN  # the importer still maps it
         exporter.stdin.write("go\n")
         exporter.stdin.close()
         assert exporter.wait(10) == 0, exporter.stderr.read()
         importer.stdin.write("go\n")
         importer.stdin.flush()
-        assert _line(importer) == {"used_while_only_we_hold_it": GRAN}
-        assert _line(importer) == {"used_after_we_unmap": 0}
+        held = _line(importer)["used_while_only_we_hold_it"]
+        after = _line(importer)["used_after_we_unmap"]
+        if sim.private:
+            assert (held, after) == (GRAN, 0)
+        else:  # other processes and contexts use memory too: the page's share
+            assert held - after >= GRAN, (held, after)
         importer.stdin.close()
         assert importer.wait(10) == 0, importer.stderr.read()
     finally:
@@ -78,13 +83,13 @@ def test_export_import_data_and_lifetime_across_processes(sim):
         a_sock.close()
         b_sock.close()
     for p in (exporter, importer):
-        rep = sim.report_of(p.pid)
-        assert rep is not None and rep["leaks"] == 0, rep
+        assert sim.leaks_ok(p.pid), sim.report_of(p.pid)
 
 
 def test_killed_holder_gives_the_page_back(sim):
     """A process that dies holding a page (SIGKILL: no cleanup code runs)
     releases it: the kernel drops its references."""
+    base = sim.run("init(); out(used=used())")["used"]  # 0 on the test driver; contexts elsewhere
     holder = sim.spawn("""
         init()
         h = create(); base = reserve(GRAN); map_rw(base, h)
@@ -93,11 +98,12 @@ def test_killed_holder_gives_the_page_back(sim):
         wait_line()
     """)
     try:
-        assert _line(holder) == {"used": 2 * GRAN}
+        held = _line(holder)["used"]
+        assert held - base >= 2 * GRAN and (held == 2 * GRAN or not sim.private), (base, held)
         holder.kill()
         holder.wait(10)
     finally:
         if holder.poll() is None:
             holder.kill()
     r = sim.run("init(); out(used=used())")
-    assert r["used"] == 0
+    assert r["used"] == base

@@ -38,13 +38,18 @@ def test_create_zero_release(sim):
         out(spec=[spec.uuid, spec.kind, spec.granularity, spec.total_bytes], free_total=free_total,
             fresh=fresh_bytes, zero_ok=zero_ok, after_zero=after_zero, fds=fds, end=end)
     """)
-    assert r["spec"] == ["GPU-7e57d71e-0000-4000-8000-000000000000", "cuda", GRAN, 64 << 20]
-    assert r["free_total"] == [(64 << 20) - 7 * GRAN, 64 << 20]
-    assert r["fresh"] == "dbdbdbdb"  # not zeroed: the driver's fresh memory shows
     assert r["zero_ok"] and r["after_zero"]
     assert r["fds"] == [-1] * 5
-    assert r["end"] == [64 << 20, 64 << 20]
-    assert r.report["leaks"] == 0, r.report
+    if sim.private:  # the test driver's configured machine
+        assert r["spec"] == ["GPU-7e57d71e-0000-4000-8000-000000000000", "cuda", GRAN, 64 << 20]
+        assert r["free_total"] == [(64 << 20) - 7 * GRAN, 64 << 20]
+        assert r["fresh"] == "dbdbdbdb"  # not zeroed: the driver's fresh memory shows
+        assert r["end"] == [64 << 20, 64 << 20]
+    else:  # another driver: its own names and sizes; 7 pages came back
+        assert r["spec"][0].startswith("GPU-") and r["spec"][1] == "cuda" and r["spec"][2] <= GRAN
+        assert r["free_total"][1] == r["end"][1] == r["spec"][3]
+        assert r["end"][0] - r["free_total"][0] >= 7 * GRAN, (r["free_total"], r["end"])
+    assert sim.leaks_ok(r.pid), r.report
 
 
 def test_out_of_memory_is_resource_exhausted_and_rolls_back(sim):
@@ -63,7 +68,7 @@ def test_out_of_memory_is_resource_exhausted_and_rolls_back(sim):
     assert r["err"]["exhausted"] and not r["err"]["internal"]
     assert "CUDA_ERROR_OUT_OF_MEMORY" in r["err"]["message"] and "cuMemCreate" in r["err"]["message"]
     assert r["info"] == [2 * GRAN, 4 * GRAN]  # the 2 created before the failure are gone
-    assert r.report["leaks"] == 0, r.report
+    assert sim.leaks_ok(r.pid), r.report
 
 
 CREATE = """
@@ -192,7 +197,7 @@ def test_release_keeps_going_and_close_retries(sim):
     assert r["err"]["internal"] and "cuMemRelease" in r["err"]["message"]
     assert r["fds"] == [-1, -1, -1]
     assert r["info"][0] == r["info"][1] - GRAN  # only the failed one is still held
-    assert r.report["leaks"] == 0, r.report
+    assert sim.leaks_ok(r.pid), r.report
 
 
 def test_close_releases_pages_the_pool_did_not(sim):
@@ -204,7 +209,7 @@ def test_close_releases_pages_the_pool_did_not(sim):
         out(fds=[p.fd for p in pages])
     """)
     assert r["fds"] == [-1, -1]
-    assert r.report["leaks"] == 0, r.report
+    assert sim.leaks_ok(r.pid), r.report
 
 
 def test_bad_page_size_is_invalid_argument(sim):

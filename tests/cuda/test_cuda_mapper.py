@@ -113,8 +113,7 @@ def test_mapper_map_write_read_across_processes_by_uuid(sim):
         d_a.close()
         d_b.close()
     for p in procs:
-        rep = sim.report_of(p.pid)
-        assert rep is not None and rep["leaks"] == 0, rep
+        assert sim.leaks_ok(p.pid), sim.report_of(p.pid)
 
 
 def test_client_keeping_a_page_pins_it_device_wide(sim):
@@ -145,11 +144,15 @@ def test_client_keeping_a_page_pins_it_device_wide(sim):
     try:
         assert _line(client) == {"mapped": True}
         _tell(daemon)
-        assert _line(daemon) == {"free": (64 << 20) - GRAN}
+        pinned = _line(daemon)["free"]
         _tell(client)
         assert _line(client) == {"closed": True}
         _tell(daemon)
-        assert _line(daemon) == {"free": 64 << 20}
+        back = _line(daemon)["free"]
+        if sim.private:
+            assert (pinned, back) == ((64 << 20) - GRAN, 64 << 20)
+        else:  # the client's context memory comes back too
+            assert back - pinned >= GRAN, (pinned, back)
         for p in (client, daemon):
             p.stdin.close()
             assert p.wait(10) == 0, p.stderr.read()
@@ -159,8 +162,8 @@ def test_client_keeping_a_page_pins_it_device_wide(sim):
                 p.kill()
         d_a.close()
         d_b.close()
-    assert sim.report_of(client.pid)["leaks"] == 0
-    assert sim.report_of(daemon.pid)["leaks"] == 0
+    assert sim.leaks_ok(client.pid), sim.report_of(client.pid)
+    assert sim.leaks_ok(daemon.pid), sim.report_of(daemon.pid)
 
 
 def test_mapper_unknown_uuid_is_not_found(sim):
@@ -169,9 +172,11 @@ def test_mapper_unknown_uuid_is_not_found(sim):
             CudaMapper("GPU-00000000-0000-0000-0000-000000000000"); err = None
         except errors.NotFound as exc:
             err = str(exc)
-        out(err=err)
+        b = open_backend(); visible = [d.uuid for d in b.devices()]; b.close()
+        out(err=err, visible=visible)
     """, CUDA_VISIBLE_DEVICES="0")
-    assert "not visible" in r["err"] and "GPU-7e57d71e-0000" in r["err"] and "CUDA_VISIBLE_DEVICES=0" in r["err"]
+    assert r["visible"] and "not visible" in r["err"] and "CUDA_VISIBLE_DEVICES=0" in r["err"]
+    assert all(u in r["err"] for u in r["visible"]), r  # names what is visible (the driver's own UUIDs)
 
 
 def test_mapper_map_failure_closes_fd_and_leaks_nothing(sim):
@@ -198,4 +203,4 @@ def test_mapper_map_failure_closes_fd_and_leaks_nothing(sim):
     """, KVCACHED_TESTDRV_FAIL="cuMemSetAccess:2:CUDA_ERROR_UNKNOWN")
     # call 1 of cuMemSetAccess is the daemon's zeroing; call 2 is the mapper's first map
     assert r["results"] == ["CUDA_ERROR_UNKNOWN", "fd closed", "ok", "fd closed"]
-    assert r.report["leaks"] == 0, r.report
+    assert sim.leaks_ok(r.pid), r.report

@@ -3,10 +3,15 @@ project calls it). Each scenario runs in its own child process."""
 
 from __future__ import annotations
 
+import pytest
+
 import ctypes
 import signal
 
 from tdkit import GRAN
+
+# tests of the test driver itself: skipped, with the reason, when KVCACHED_TEST_LIBCUDA names another libcuda
+pytestmark = pytest.mark.usefixtures("needs_testdriver")
 
 
 def test_cuinit_first_and_context_required(sim, cuda_include):
@@ -309,15 +314,17 @@ def test_fresh_pages_are_not_zero_and_memset_zero_clears(sim):
         h = create(); base = reserve(GRAN); map_rw(base, h)
         fresh = read(base, 4).hex()
         fresh_tail = read(base + GRAN - 4, 4).hex()
+        fresh_middle = read(base + GRAN // 2, 4).hex()
         write(base, b"x" * 10000)
         d.cuMemsetD8_v2(base + 1, 0, GRAN - 2)
         edges = read(base, 2) + read(base + GRAN - 1, 1)
         zeros = read(base + 1, GRAN - 2) == bytes(GRAN - 2)
         d.cuMemsetD8_v2(base, 7, 5)
         sevens = read(base, 6).hex()
-        out(fresh=fresh, fresh_tail=fresh_tail, edges=edges.hex(), zeros=zeros, sevens=sevens)
-    """)
-    assert r["fresh"] == "dbdbdbdb" and r["fresh_tail"] == "dbdbdbdb"
+        d.cuCtxSynchronize()
+        out(fresh=fresh, fresh_tail=fresh_tail, fresh_middle=fresh_middle, edges=edges.hex(), zeros=zeros, sevens=sevens)
+    """, KVCACHED_TESTDRV_POISON="full")
+    assert r["fresh"] == r["fresh_tail"] == r["fresh_middle"] == "dbdbdbdb"  # the whole page, not just its edges
     assert r["edges"] == "7800db" and r["zeros"]
     assert r["sevens"] == "070707070700"
 

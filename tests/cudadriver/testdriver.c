@@ -3,23 +3,38 @@
  *
  * It implements the subset of the CUDA driver API the project calls, with
  * the prototypes of NVIDIA's own cuda.h (a mismatch does not compile), and
- * enforces the rules the real driver documents. See README.md next to this
- * file for the model, the configuration and the deviations.
+ * enforces the rules the real driver documents. Where the real driver is
+ * strict, or where nobody here knows what it does, this driver is strict,
+ * each strictness behind a knob (README.md next to this file lists them).
  *
- * Model in one paragraph. "Device memory" is one directory per physical
- * device under a state directory shared by every process of one simulated
- * machine. A page (one cuMemCreate allocation) is a file there: `size` bytes
- * of content followed by one 4 KiB trailer that identifies it. Every
- * reference to a page (a handle, a mapping, an exported fd, in any process)
- * holds the file's one open file description, on which a LOCK_SH flock was
- * taken at creation. Exported fds are dup()s of it, SCM_RIGHTS passes it,
- * imports dup() it, and the host-side view is an mmap of it (which keeps it
- * referenced), so the lock lives exactly as long as any reference anywhere.
- * A page is in use device-wide iff a fresh open of its file cannot take
- * LOCK_EX|LOCK_NB; files that can are garbage and get unlinked. Device
- * virtual addresses are PROT_NONE host reservations (the CPU faults on
- * them, as on a GPU); cuMemcpy and cuMemsetD8 reach the bytes through the
- * page's own host view.
+ * Model. "Device memory" is one directory per physical device under a state
+ * directory shared by every process of one simulated machine. A page (one
+ * cuMemCreate allocation) is a directory `devN/pXXXXXXXX` (XXXXXXXX: the
+ * page's key L, unique on the machine) holding one file `data`: the page
+ * bytes, then a fixed trailer (magic, device, size, key, a hash of the
+ * page's secret, the "still poisoned" bitmap). Every reference a process
+ * holds (its handles and mappings) is one open file description of the
+ * page directory carrying flock(LOCK_SH); the host view of the bytes is an
+ * mmap of `data`. A page is in use device-wide while a fresh open of its
+ * directory cannot take LOCK_EX|LOCK_NB, or (KVCACHED_TESTDRV_FD_IDENTITY=
+ * same) while some description holds an OFD lock on byte L of the machine's
+ * `nvidiactl` directory; otherwise it is garbage and is removed. The kernel
+ * does the reference counting, for processes killed with SIGKILL too.
+ *
+ * Exported fds are never the page bytes: they are directory descriptions
+ * (read/pread fail with EISDIR, mmap with ENODEV, nothing can be written)
+ * whose file offset holds S = L << 32 | secret. In the default "distinct"
+ * identity mode an export is a dup of the page directory description (fstat
+ * gives one inode per page); in "same" mode it is a fresh description of the
+ * one `nvidiactl` directory with an OFD read lock on byte L (fstat gives the
+ * same inode for every export, as an fd of the real driver's device node
+ * would). An import checks the offset against the hash in the trailer, so a
+ * page directory opened by path (offset 0) cannot be imported.
+ *
+ * Device virtual addresses are PROT_NONE host reservations (the CPU faults
+ * on them, as on a GPU); cuMemcpy and cuMemsetD8 reach the bytes through
+ * the page's own host view, and memsets (copies too, with ASYNC=all) land
+ * only when the context synchronises.
  */
 #define _GNU_SOURCE
 #include <cuda.h>
@@ -39,8 +54,10 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#include <time.h>
 #include <unistd.h>
 
 /* cuda.h maps cuDeviceGetUuid to cuDeviceGetUuid_v2. The unversioned symbol
@@ -51,13 +68,17 @@
 __attribute__((visibility("default"))) CUresult CUDAAPI cuDeviceGetUuid(CUuuid *uuid, CUdevice dev);
 
 #define TD_MAX_DEVICES 16
-#define TD_TRAILER 4096u
-#define TD_MAGIC "KVCTDPG1"
+#define TD_HDR 4096u                     /* trailer header (struct td_trailer), one host page */
+#define TD_BITMAP 65536u                 /* poison bitmap: one bit per block */
+#define TD_TRAILER (TD_HDR + TD_BITMAP)  /* fixed: data's size is page size + TD_TRAILER */
+#define TD_BLOCK 4096u                   /* poison block (bigger for pages > 2 GiB) */
+#define TD_MAGIC "KVCTDPG2"
 #define TD_HANDLE_BASE 0x4b5600000000ull /* handles are BASE + index + 1 */
 #define TD_DEFAULT_MEMORY (1ull << 30)
 #define TD_DEFAULT_GRANULARITY (2ull << 20)
 #define TD_POISON_BYTE 0xdb
-#define TD_POISON_SPAN 4096u
+#define TD_KEY_DEV_SHIFT 27 /* key L = physical device << 27 | 27 random bits */
+#define TD_CTL "nvidiactl"
 
 /* --------------------------------------------------------------------- */
 /* error names, generated from cuda.h by scripts/build-testdriver.sh      */
@@ -86,7 +107,7 @@ static const char *td_err_name(CUresult code) {
 }
 
 /* --------------------------------------------------------------------- */
-/* the functions, for call counting and failure injection                 */
+/* the functions, for call counting, failure injection and costs          */
 
 #define TD_FUNCS(X)                                                                                            \
     X(cuInit, CUDA_ERROR_NO_DEVICE)                                                                            \
@@ -147,15 +168,21 @@ struct td_injected {
 /* --------------------------------------------------------------------- */
 /* process state (all of it under g_lock)                                 */
 
+enum td_fdmode { FD_DISTINCT, FD_SAME, FD_FILE };
+enum td_async { ASYNC_OFF, ASYNC_MEMSET, ASYNC_ALL };
+enum td_poison { POISON_OFF, POISON_EDGES, POISON_FULL };
+
 struct td_alloc {
-    int fd;                   /* the page's open file description (holds LOCK_SH) */
+    int dirfd;                /* the page directory: LOCK_SH, file offset S */
     int phys;                 /* physical device index */
-    size_t size;              /* page bytes (file is size + TD_TRAILER) */
-    unsigned char *host;      /* MAP_SHARED host view of the page bytes */
-    char name[64];            /* file name inside devN/ */
+    size_t size;              /* page bytes */
+    unsigned char *host;      /* MAP_SHARED view of data: page bytes + trailer */
+    uint32_t key;             /* L */
+    uint64_t secret;          /* S = L << 32 | secret bits: what exports carry */
+    size_t block;             /* poison block size */
     bool exportable;          /* created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
     int refs;                 /* handles + mappings in this process */
-    dev_t st_dev;
+    dev_t st_dev;             /* of the page directory */
     ino_t st_ino;
 };
 
@@ -182,9 +209,20 @@ struct td_export {
     int fd;
     dev_t st_dev;
     ino_t st_ino;
+    uint64_t secret; /* the offset the description must still have (directory modes) */
     CUmemGenericAllocationHandle handle;
     size_t size;
     int phys;
+};
+
+enum td_opkind { OP_READ, OP_WRITE, OP_SET };
+
+struct td_op { /* a memset or copy issued but not landed yet */
+    enum td_opkind kind;
+    uintptr_t va;
+    size_t n;
+    unsigned char val;
+    unsigned char *data; /* OP_WRITE: the bytes, copied at issue time */
 };
 
 struct CUctx_st {
@@ -193,6 +231,10 @@ struct CUctx_st {
     int phys;
     int refcount;
     bool active;
+    int overhead_fd;         /* the context's hidden device memory (KVCACHED_TESTDRV_CONTEXT_BYTES) */
+    uint32_t overhead_key;
+    struct td_op *ops;       /* pending work, in issue order (one stream) */
+    size_t nops, capops;
 };
 #define TD_CTX_MAGIC 0x6b766378u
 
@@ -201,7 +243,10 @@ struct td_trailer {
     uint32_t phys;
     uint32_t version;
     uint64_t size;
-    char name[64];
+    uint32_t key;
+    uint32_t reserved;
+    uint64_t block;       /* poison block size; bit i of the bitmap covers block i */
+    uint64_t secret_hash; /* td_hash(S): an import's offset must hash to it */
     unsigned char uuid[16];
 };
 
@@ -216,9 +261,16 @@ static struct {
     unsigned char uuid[TD_MAX_DEVICES][16];
     bool no_vmm[TD_MAX_DEVICES];
     bool no_posix_fd[TD_MAX_DEVICES];
-    bool poison;
+    enum td_poison poison;
+    enum td_fdmode fdmode;
+    enum td_async async;
+    bool fork_refuse;
+    bool peer[TD_MAX_DEVICES][TD_MAX_DEVICES]; /* peer[a][b]: a may access b's memory */
+    size_t ctx_bytes;
+    size_t other[TD_MAX_DEVICES];
+    uint64_t cost_ns[FN__COUNT]; /* per granule for create/map/unmap/set-access, else per call */
     char state[PATH_MAX];
-    char report[PATH_MAX];
+    char report[PATH_MAX]; /* KVCACHED_TESTDRV_REPORT as given; %p becomes the pid when written */
     int nvis;
     int vis[TD_MAX_DEVICES]; /* ordinal -> physical index */
     struct td_fail_rule rules[64];
@@ -226,6 +278,7 @@ static struct {
 } cfg;
 
 static bool g_inited;
+static bool g_forked; /* this process is a fork() child of one that had called cuInit */
 static unsigned long g_calls[FN__COUNT];
 static struct td_injected g_injected[256];
 static int g_ninjected;
@@ -240,7 +293,9 @@ static size_t g_livemaps;
 static struct td_export *g_exports;
 static size_t g_nexports, g_capexports, g_exports_pruned_at;
 static int g_lockfd[TD_MAX_DEVICES] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
-static unsigned long g_page_counter;
+static int g_devfd[TD_MAX_DEVICES] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+static unsigned long g_lost_ops; /* memsets/copies dropped: unmapped or context destroyed before a sync */
+static long g_pagesize;
 
 #define LOCK() pthread_mutex_lock(&g_lock)
 #define UNLOCK() pthread_mutex_unlock(&g_lock)
@@ -344,8 +399,78 @@ static void config_fail(const char *fmt, ...) {
     va_end(ap);
 }
 
+/* One of `names` (the index), or -1. */
+static int parse_choice(const char *s, const char *const *names, int n) {
+    for (int i = 0; i < n; i++)
+        if (strcmp(s, names[i]) == 0) return i;
+    return -1;
+}
+
+/* "none", "all", or pairs "0-1,2-3" (symmetric; a device is always its own peer). */
+static bool parse_peers(const char *s) {
+    memset(cfg.peer, 0, sizeof cfg.peer);
+    for (int i = 0; i < TD_MAX_DEVICES; i++) cfg.peer[i][i] = true;
+    if (!s || !*s || strcmp(s, "none") == 0 || strcmp(s, "0") == 0) return true;
+    if (strcmp(s, "all") == 0 || strcmp(s, "1") == 0) {
+        memset(cfg.peer, 1, sizeof cfg.peer);
+        return true;
+    }
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", s);
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        char *end;
+        long a = strtol(tok, &end, 10);
+        if (end == tok || *end != '-') return false;
+        char *b0 = end + 1;
+        long b = strtol(b0, &end, 10);
+        if (end == b0 || *end || a < 0 || b < 0 || a >= TD_MAX_DEVICES || b >= TD_MAX_DEVICES) return false;
+        cfg.peer[a][b] = cfg.peer[b][a] = true;
+    }
+    return true;
+}
+
+/* "cuMemCreate=193,cuMemMap=1.5,..." (microseconds) or "a100": kvcached's
+ * per-2-MiB-page numbers measured on an A100 (bench_vmm). */
+static bool parse_costs(const char *s) {
+    if (strcmp(s, "a100") == 0) s = "cuMemCreate=193,cuMemMap=1.5,cuMemSetAccess=36,cuMemUnmap=26";
+    char buf[1024];
+    snprintf(buf, sizeof buf, "%s", s);
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        char *eq = strchr(tok, '=');
+        if (!eq) return false;
+        *eq = 0;
+        int fn = -1;
+        for (int f = 0; f < FN__COUNT; f++)
+            if (strcmp(td_fn_names[f], tok) == 0) fn = f;
+        char *end;
+        double us = strtod(eq + 1, &end);
+        if (fn < 0 || end == eq + 1 || *end || us < 0 || us > 10e6) return false;
+        cfg.cost_ns[fn] = (uint64_t)(us * 1000.0);
+    }
+    return true;
+}
+
+#ifdef KVCACHED_TESTDRV_PUBLIC_ONLY
+/* Built without its private features (scripts/build-testdriver.sh
+ * --public-only): no KVCACHED_TESTDRV_* variable is read (knobs, state
+ * directory, leak report, fault injection), as with NVIDIA's driver; only
+ * CUDA_VISIBLE_DEVICES. The suites pointed at it (KVCACHED_TEST_LIBCUDA)
+ * must skip what needs those features and pass the rest. One machine per
+ * uid with 4 GiB per device, strict defaults. */
+static char *td_getenv(const char *name) {
+    return strncmp(name, "KVCACHED_TESTDRV_", 17) == 0 ? NULL : getenv(name);
+}
+#define getenv td_getenv
+#undef TD_DEFAULT_MEMORY
+#define TD_DEFAULT_MEMORY (4ull << 30)
+#define TD_STATE_FMT "/dev/shm/kvcached-testdrv-public-%u"
+#else
+#define TD_STATE_FMT "/dev/shm/kvcached-testdrv-%u"
+#endif
+
 static void load_config(void) {
     const char *s;
+    g_pagesize = sysconf(_SC_PAGESIZE);
     cfg.nphys = 1;
     if ((s = getenv("KVCACHED_TESTDRV_DEVICES")) && *s) {
         char *end;
@@ -359,8 +484,7 @@ static void load_config(void) {
     cfg.gran = TD_DEFAULT_GRANULARITY;
     if ((s = getenv("KVCACHED_TESTDRV_GRANULARITY")) && *s && !parse_size(s, &cfg.gran))
         config_fail("KVCACHED_TESTDRV_GRANULARITY=%s: want bytes", s);
-    long pg = sysconf(_SC_PAGESIZE);
-    if (cfg.gran == 0 || (cfg.gran & (cfg.gran - 1)) || cfg.gran % (size_t)pg)
+    if (cfg.gran == 0 || (cfg.gran & (cfg.gran - 1)) || cfg.gran % (size_t)g_pagesize)
         config_fail("KVCACHED_TESTDRV_GRANULARITY=%zu: want a power of two multiple of the host page size", cfg.gran);
 
     for (int i = 0; i < TD_MAX_DEVICES; i++) {
@@ -383,24 +507,94 @@ static void load_config(void) {
     if (!parse_devset(getenv("KVCACHED_TESTDRV_NO_POSIX_FD"), cfg.no_posix_fd))
         config_fail("KVCACHED_TESTDRV_NO_POSIX_FD=%s: want 1, all or dev0,dev1,...",
                     getenv("KVCACHED_TESTDRV_NO_POSIX_FD"));
-    s = getenv("KVCACHED_TESTDRV_POISON");
-    cfg.poison = !(s && strcmp(s, "0") == 0);
+
+    /* Strictness. A profile sets every knob at once; a knob set on its own wins. */
+    cfg.poison = POISON_FULL;
+    cfg.fdmode = FD_DISTINCT;
+    cfg.async = ASYNC_MEMSET;
+    cfg.fork_refuse = true;
+    const char *peers = "none";
+    if ((s = getenv("KVCACHED_TESTDRV_STRICT")) && *s) {
+        if (strcmp(s, "lenient") == 0) { /* the driver before issue 17: for comparisons */
+            cfg.poison = POISON_EDGES;
+            cfg.fdmode = FD_FILE;
+            cfg.async = ASYNC_OFF;
+            cfg.fork_refuse = false;
+            peers = "all";
+        } else if (strcmp(s, "max") == 0) {
+            cfg.fdmode = FD_SAME;
+            cfg.async = ASYNC_ALL;
+        } else if (strcmp(s, "default") != 0) {
+            config_fail("KVCACHED_TESTDRV_STRICT=%s: want default, max or lenient", s);
+        }
+    }
+    static const char *const poison_names[] = {"0", "edges", "full", "1"};
+    if ((s = getenv("KVCACHED_TESTDRV_POISON")) && *s) {
+        int v = parse_choice(s, poison_names, 4);
+        if (v < 0) config_fail("KVCACHED_TESTDRV_POISON=%s: want full (or 1), edges or 0", s);
+        else cfg.poison = v == 3 ? POISON_FULL : (enum td_poison)v;
+    }
+    static const char *const fd_names[] = {"distinct", "same", "file"};
+    if ((s = getenv("KVCACHED_TESTDRV_FD_IDENTITY")) && *s) {
+        int v = parse_choice(s, fd_names, 3);
+        if (v < 0) config_fail("KVCACHED_TESTDRV_FD_IDENTITY=%s: want distinct, same or file", s);
+        else cfg.fdmode = (enum td_fdmode)v;
+    }
+    static const char *const async_names[] = {"0", "memset", "all"};
+    if ((s = getenv("KVCACHED_TESTDRV_ASYNC")) && *s) {
+        int v = parse_choice(s, async_names, 3);
+        if (v < 0) config_fail("KVCACHED_TESTDRV_ASYNC=%s: want memset, all or 0", s);
+        else cfg.async = (enum td_async)v;
+    }
+    static const char *const fork_names[] = {"refuse", "allow"};
+    if ((s = getenv("KVCACHED_TESTDRV_FORK")) && *s) {
+        int v = parse_choice(s, fork_names, 2);
+        if (v < 0) config_fail("KVCACHED_TESTDRV_FORK=%s: want refuse or allow", s);
+        else cfg.fork_refuse = v == 0;
+    }
+    if ((s = getenv("KVCACHED_TESTDRV_PEERS")) && *s) peers = s;
+    if (!parse_peers(peers)) config_fail("KVCACHED_TESTDRV_PEERS=%s: want none, all or pairs like 0-1,2-3", peers);
+    if ((s = getenv("KVCACHED_TESTDRV_CONTEXT_BYTES")) && *s && !parse_size(s, &cfg.ctx_bytes))
+        config_fail("KVCACHED_TESTDRV_CONTEXT_BYTES=%s: want bytes", s);
+    if (cfg.ctx_bytes % (size_t)g_pagesize) cfg.ctx_bytes += (size_t)g_pagesize - cfg.ctx_bytes % (size_t)g_pagesize;
+    if ((s = getenv("KVCACHED_TESTDRV_OTHER_BYTES")) && *s) {
+        /* "512M" (every device) or "dev0:512M,dev2:1G" */
+        size_t v;
+        if (!strchr(s, ':')) {
+            if (!parse_size(s, &v)) config_fail("KVCACHED_TESTDRV_OTHER_BYTES=%s: want bytes or devN:bytes,...", s);
+            else
+                for (int i = 0; i < TD_MAX_DEVICES; i++) cfg.other[i] = v;
+        } else {
+            char buf[512];
+            snprintf(buf, sizeof buf, "%s", s);
+            for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+                char *c = strchr(tok, ':');
+                if (c) *c = 0;
+                const char *d = strncmp(tok, "dev", 3) == 0 ? tok + 3 : tok;
+                char *end;
+                long dev = strtol(d, &end, 10);
+                if (!c || end == d || *end || dev < 0 || dev >= TD_MAX_DEVICES || !parse_size(c + 1, &v)) {
+                    config_fail("KVCACHED_TESTDRV_OTHER_BYTES=%s: want bytes or devN:bytes,...", s);
+                    break;
+                }
+                cfg.other[dev] = v;
+            }
+        }
+    }
+    if ((s = getenv("KVCACHED_TESTDRV_COST")) && *s && !parse_costs(s))
+        config_fail("KVCACHED_TESTDRV_COST=%s: want a100 or function=microseconds,...", s);
+    if ((s = getenv("KVCACHED_TESTDRV_CREATE_US")) && *s) {
+        char *end;
+        double us = strtod(s, &end);
+        if (end == s || *end || us < 0 || us > 10e6) config_fail("KVCACHED_TESTDRV_CREATE_US=%s: want microseconds", s);
+        else cfg.cost_ns[FN_cuMemCreate] = (uint64_t)(us * 1000.0);
+    }
 
     if ((s = getenv("KVCACHED_TESTDRV_STATE")) && *s) snprintf(cfg.state, sizeof cfg.state, "%s", s);
-    else snprintf(cfg.state, sizeof cfg.state, "/dev/shm/kvcached-testdrv-%u", (unsigned)getuid());
+    else snprintf(cfg.state, sizeof cfg.state, TD_STATE_FMT, (unsigned)getuid());
     if (strlen(cfg.state) > PATH_MAX - 160) config_fail("KVCACHED_TESTDRV_STATE is too long");
 
-    if ((s = getenv("KVCACHED_TESTDRV_REPORT")) && *s) {
-        /* %p -> pid, so several processes sharing one environment do not overwrite each other */
-        size_t o = 0;
-        for (; *s && o + 24 < sizeof cfg.report; s++) {
-            if (s[0] == '%' && s[1] == 'p') {
-                o += (size_t)snprintf(cfg.report + o, sizeof cfg.report - o, "%d", (int)getpid());
-                s++;
-            } else cfg.report[o++] = *s;
-        }
-        cfg.report[o] = 0;
-    }
+    if ((s = getenv("KVCACHED_TESTDRV_REPORT")) && *s) snprintf(cfg.report, sizeof cfg.report, "%s", s);
 
     if ((s = getenv("KVCACHED_TESTDRV_FAIL")) && *s) {
         char buf[2048];
@@ -477,6 +671,7 @@ static void load_config(void) {
         g_ctx[o].magic = TD_CTX_MAGIC;
         g_ctx[o].ordinal = o;
         g_ctx[o].phys = o < cfg.nvis ? cfg.vis[o] : -1;
+        g_ctx[o].overhead_fd = -1;
     }
     cfg.loaded = true;
 }
@@ -497,6 +692,9 @@ static CUresult td_enter(int fn) {
     return CUDA_SUCCESS;
 }
 
+/* A forked child of a process that initialised the driver gets nothing: the
+ * real driver's state does not survive fork() (its CUDA runtime reports an
+ * initialization error there). */
 #define ENTER(fn)                                          \
     LOCK();                                                \
     CUresult _inj = td_enter(FN_##fn);                     \
@@ -504,7 +702,7 @@ static CUresult td_enter(int fn) {
         UNLOCK();                                          \
         return _inj;                                       \
     }                                                      \
-    if (!g_inited) {                                       \
+    if (!g_inited || g_forked) {                           \
         UNLOCK();                                          \
         return CUDA_ERROR_NOT_INITIALIZED;                 \
     }
@@ -514,6 +712,26 @@ static CUresult td_enter(int fn) {
         UNLOCK();       \
         return _r;      \
     } while (0)
+
+/* The configured cost of a call: slept (or, below 50 us, spun) before the
+ * call takes the driver's lock, so threads of one process overlap as they
+ * would on a real driver. */
+static void td_cost(int fn, size_t bytes) {
+    uint64_t ns = cfg.cost_ns[fn];
+    if (!ns) return;
+    if (bytes) ns *= (bytes + cfg.gran - 1) / cfg.gran;
+    struct timespec t0, now;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    if (ns >= 50000) {
+        struct timespec d = {(time_t)(ns / 1000000000u), (long)(ns % 1000000000u)};
+        while (clock_nanosleep(CLOCK_MONOTONIC, 0, &d, &d) == EINTR) {
+        }
+        return;
+    }
+    do {
+        clock_gettime(CLOCK_MONOTONIC, &now);
+    } while ((uint64_t)(now.tv_sec - t0.tv_sec) * 1000000000u + (uint64_t)(now.tv_nsec - t0.tv_nsec) < ns);
+}
 
 static bool valid_ordinal(CUdevice dev) { return dev >= 0 && dev < cfg.nvis; }
 
@@ -546,15 +764,83 @@ static int mkdir_p(const char *path, mode_t mode) {
     return 0;
 }
 
+static uint64_t td_random(void) {
+    uint64_t v = 0;
+    if (getrandom(&v, sizeof v, 0) != (ssize_t)sizeof v) {
+        struct timespec t;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        v = ((uint64_t)t.tv_nsec << 20) ^ (uint64_t)getpid() ^ ((uint64_t)t.tv_sec << 40);
+    }
+    return v;
+}
+
+/* What the trailer stores about a page's secret S: a one-way-ish mix (the
+ * Davies-Meyer shape over a 64-bit finaliser). Not cryptography: it keeps
+ * code that opens a page directory by path from importing it, nothing more. */
+static uint64_t td_hash(uint64_t s) {
+    uint64_t x = s ^ 0x6b76636163686564ull;
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ull;
+    x ^= x >> 33;
+    return x ^ s;
+}
+
+static void page_name(uint32_t key, char out[16]) { snprintf(out, 16, "p%08x", key); }
+
+static int dev_dirfd(int phys) {
+    if (g_devfd[phys] < 0) {
+        char dir[PATH_MAX];
+        devdir(phys, dir, sizeof dir);
+        g_devfd[phys] = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    }
+    return g_devfd[phys];
+}
+
+static size_t capacity(int phys) { return cfg.other[phys] >= cfg.memory ? 0 : cfg.memory - cfg.other[phys]; }
+
 /* --------------------------------------------------------------------- */
 /* device-wide accounting                                                 */
 
-/* Bytes of pages still referenced by any process on physical device `phys`;
- * unreferenced page files are unlinked on the way. */
+static int g_ctlfd = -1; /* $STATE/nvidiactl: what "same" identity exports are descriptions of */
+static dev_t g_ctl_dev;
+static ino_t g_ctl_ino;
+
+/* Does some description hold the OFD lock of page `key` on nvidiactl (an
+ * export in "same" identity mode is alive)? `ctl`: that machine's nvidiactl. */
+static bool ctl_locked(int ctl, uint32_t key) {
+    if (ctl < 0) return false;
+    struct flock q = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = (off_t)key, .l_len = 1};
+    return fcntl(ctl, F_OFD_GETLK, &q) == 0 && q.l_type != F_UNLCK;
+}
+
+/* Page directory `fd` (LOCK_EX held): still referenced by an export that
+ * holds no flock on it? */
+static bool held_by_export(int fd, uint32_t key, int ctl) {
+    if (ctl_locked(ctl, key)) return true;
+    if (cfg.fdmode == FD_FILE) { /* lenient exports are descriptions of the data file */
+        int dfd = openat(fd, "data", O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+        if (dfd >= 0) {
+            bool busy = flock(dfd, LOCK_EX | LOCK_NB) != 0;
+            close(dfd);
+            return busy;
+        }
+    }
+    return false;
+}
+
+static void remove_page_dir(int dfd, const char *name, int fd) {
+    unlinkat(fd, "data", 0);
+    unlinkat(dfd, name, AT_REMOVEDIR);
+}
+
+/* Bytes in use on physical device `phys` by pages and contexts of every
+ * process; garbage (nothing references it) is removed on the way. */
 static size_t scan_used(int phys) {
-    char dir[PATH_MAX];
-    devdir(phys, dir, sizeof dir);
-    int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int dfd0 = dev_dirfd(phys);
+    if (dfd0 < 0) return 0;
+    int dfd = openat(dfd0, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC); /* a description of its own */
     if (dfd < 0) return 0;
     DIR *d = fdopendir(dfd);
     if (!d) {
@@ -564,13 +850,28 @@ static size_t scan_used(int phys) {
     size_t used = 0;
     struct dirent *e;
     while ((e = readdir(d))) {
-        if (e->d_name[0] == '.') continue;
-        int fd = openat(dfd, e->d_name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+        const char *n = e->d_name;
+        if (n[0] != 'p' && n[0] != 'c') continue;
+        char *end;
+        unsigned long key = strtoul(n + 1, &end, 16);
+        size_t ctx_size = 0;
+        if (n[0] == 'c') {
+            if (*end != '.') continue;
+            ctx_size = (size_t)strtoull(end + 1, &end, 16);
+        }
+        if (*end) continue;
+        int fd = openat(dfd, n, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
         if (fd < 0) continue;
-        struct stat st;
-        if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
-            if (flock(fd, LOCK_EX | LOCK_NB) == 0) unlinkat(dfd, e->d_name, 0);
-            else if (st.st_size >= (off_t)TD_TRAILER) used += (size_t)st.st_size - TD_TRAILER;
+        bool busy = flock(fd, LOCK_EX | LOCK_NB) != 0;
+        if (n[0] == 'c') {
+            if (busy) used += ctx_size;
+            else unlinkat(dfd, n, AT_REMOVEDIR);
+        } else if (busy || held_by_export(fd, (uint32_t)key, g_ctlfd)) {
+            struct stat st;
+            if (fstatat(fd, "data", &st, AT_SYMLINK_NOFOLLOW) == 0 && st.st_size >= (off_t)TD_TRAILER)
+                used += (size_t)st.st_size - TD_TRAILER;
+        } else {
+            remove_page_dir(dfd, n, fd);
         }
         close(fd);
     }
@@ -578,11 +879,19 @@ static size_t scan_used(int phys) {
     return used;
 }
 
+static bool g_lock_ro[TD_MAX_DEVICES]; /* another uid's lock file: no bound kept here */
+
 static int device_lock(int phys) {
     if (g_lockfd[phys] < 0) {
         char path[PATH_MAX];
         snprintf(path, sizeof path, "%s/dev%d/.lock", cfg.state, phys);
         g_lockfd[phys] = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+        if (g_lockfd[phys] >= 0) {
+            fchmod(g_lockfd[phys], 0666); /* whatever the creator's umask; fails harmlessly if not ours */
+        } else if (errno == EACCES) {
+            g_lockfd[phys] = open(path, O_RDONLY | O_CLOEXEC); /* flock needs no write access */
+            g_lock_ro[phys] = g_lockfd[phys] >= 0;
+        }
         if (g_lockfd[phys] < 0) return -1;
     }
     while (flock(g_lockfd[phys], LOCK_EX) != 0)
@@ -592,27 +901,211 @@ static int device_lock(int phys) {
 
 static void device_unlock(int phys) { flock(g_lockfd[phys], LOCK_UN); }
 
-/* Try to unlink a page file that no one references any more. */
-static void try_collect(int phys, const char *name, dev_t sdev, ino_t sino) {
-    char path[PATH_MAX];
-    snprintf(path, sizeof path, "%s/dev%d/%s", cfg.state, phys, name);
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+/* Under the device lock: room for `size` more bytes? The lock file holds an
+ * upper bound of the device's used bytes; only when it says "full" is the
+ * directory scanned for the exact number. On success the bound grows. */
+static bool device_reserve(int phys, int lfd, size_t size) {
+    uint64_t bound = 0;
+    size_t cap = capacity(phys);
+    if (g_lock_ro[phys] || pread(lfd, &bound, sizeof bound, 0) != (ssize_t)sizeof bound) bound = cap;
+    if (bound + size > cap) bound = scan_used(phys);
+    bool ok = bound + size <= cap;
+    if (ok) bound += size;
+    if (!g_lock_ro[phys] && pwrite(lfd, &bound, sizeof bound, 0) != (ssize_t)sizeof bound) td_warn("cannot update the device bound");
+    return ok;
+}
+
+/* Remove page `key` (a child of `dfd`, a device directory of whichever
+ * machine the page belongs to) if nothing references it any more. */
+static void try_collect(int dfd, uint32_t key, dev_t sdev, ino_t sino) {
+    char name[16];
+    page_name(key, name);
+    int fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0) return;
     struct stat st;
-    if (fstat(fd, &st) == 0 && st.st_dev == sdev && st.st_ino == sino && flock(fd, LOCK_EX | LOCK_NB) == 0)
-        unlink(path);
+    if (fstat(fd, &st) == 0 && st.st_dev == sdev && st.st_ino == sino && flock(fd, LOCK_EX | LOCK_NB) == 0) {
+        int ctl = openat(dfd, "../" TD_CTL, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (!held_by_export(fd, key, ctl)) remove_page_dir(dfd, name, fd);
+        if (ctl >= 0) close(ctl);
+    }
     close(fd);
 }
 
 /* --------------------------------------------------------------------- */
-/* allocations and handles                                                */
+/* pages                                                                  */
+
+static volatile uint8_t *bitmap_of(struct td_alloc *a) { return (volatile uint8_t *)(a->host + a->size + TD_HDR); }
+
+static bool poisoned(struct td_alloc *a, size_t blk) {
+    return (__atomic_load_n(&bitmap_of(a)[blk / 8], __ATOMIC_ACQUIRE) >> (blk % 8)) & 1;
+}
+
+static void unpoison(struct td_alloc *a, size_t blk) {
+    __atomic_fetch_and(&bitmap_of(a)[blk / 8], (uint8_t) ~(1u << (blk % 8)), __ATOMIC_RELEASE);
+}
+
+static size_t block_for(size_t size) {
+    size_t nmax = (size_t)TD_BITMAP * 8;
+    size_t b = TD_BLOCK;
+    if (size / b > nmax) b = ((size + nmax - 1) / nmax + TD_BLOCK - 1) / TD_BLOCK * TD_BLOCK;
+    return b;
+}
+
+/* Map the page's data file and check its trailer (fd: the page directory). */
+static CUresult alloc_map(struct td_alloc *a) {
+    int fd = openat(a->dirfd, "data", O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) return CUDA_ERROR_INVALID_VALUE;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < (off_t)(TD_TRAILER + cfg.gran) ||
+        (size_t)st.st_size - TD_TRAILER != a->size) {
+        close(fd);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    void *p = mmap(NULL, a->size + TD_TRAILER, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (cfg.fork_refuse) madvise(p, a->size + TD_TRAILER, MADV_DONTFORK); /* a forked child has no device memory */
+    a->host = p;
+    return CUDA_SUCCESS;
+}
+
+static void alloc_free(struct td_alloc *a) {
+    if (a->host) munmap(a->host, a->size + TD_TRAILER);
+    if (a->dirfd >= 0) close(a->dirfd);
+    free(a);
+}
 
 static void alloc_unref(struct td_alloc *a) {
     if (--a->refs > 0) return;
-    munmap(a->host, a->size);
-    close(a->fd);
-    try_collect(a->phys, a->name, a->st_dev, a->st_ino);
-    free(a);
+    uint32_t key = a->key;
+    dev_t sdev = a->st_dev;
+    ino_t sino = a->st_ino;
+    int parent = openat(a->dirfd, "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC); /* the page's device directory */
+    alloc_free(a);
+    if (parent >= 0) {
+        try_collect(parent, key, sdev, sino);
+        close(parent);
+    }
+}
+
+/* Create one page on `phys` (caller holds the device lock and reserved the bytes). */
+static CUresult create_page(int phys, size_t size, struct td_alloc **out) {
+    int dfd = dev_dirfd(phys);
+    if (dfd < 0) return CUDA_ERROR_OPERATING_SYSTEM;
+    struct td_alloc *a = calloc(1, sizeof *a);
+    if (!a) return CUDA_ERROR_OUT_OF_MEMORY;
+    a->dirfd = -1;
+    a->phys = phys;
+    a->size = size;
+    a->block = block_for(size);
+    char name[16];
+    for (int attempt = 0;; attempt++) {
+        a->key = ((uint32_t)phys << TD_KEY_DEV_SHIFT) | (uint32_t)(td_random() & ((1u << TD_KEY_DEV_SHIFT) - 1));
+        page_name(a->key, name);
+        if (a->key && mkdirat(dfd, name, 0777) == 0) break;
+        if ((a->key && errno != EEXIST) || attempt > 1000) {
+            td_warn("mkdir %s/dev%d/%s: %s", cfg.state, phys, name, strerror(errno));
+            free(a);
+            return errno == ENOSPC ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_OPERATING_SYSTEM;
+        }
+    }
+    CUresult r = CUDA_ERROR_OPERATING_SYSTEM;
+    int datafd = -1;
+    a->dirfd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
+    /* the lock first: from now on the page is in use */
+    if (a->dirfd < 0 || flock(a->dirfd, LOCK_SH) != 0) goto fail;
+    /* whatever the creator's umask: another uid's process imports the page
+     * (opens data read-write) and may collect it (unlinks data) */
+    if (fchmod(a->dirfd, 0777) != 0) goto fail;
+    a->secret = ((uint64_t)a->key << 32) | (uint32_t)(td_random() | 1);
+    if (lseek(a->dirfd, (off_t)a->secret, SEEK_SET) != (off_t)a->secret) goto fail;
+    struct stat st;
+    if (fstat(a->dirfd, &st) != 0) goto fail;
+    a->st_dev = st.st_dev;
+    a->st_ino = st.st_ino;
+    datafd = openat(a->dirfd, "data", O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (datafd < 0 || fchmod(datafd, 0666) != 0 || ftruncate(datafd, (off_t)(size + TD_TRAILER)) != 0) {
+        if (errno == ENOSPC || errno == EFBIG || errno == ENOMEM) r = CUDA_ERROR_OUT_OF_MEMORY;
+        goto fail;
+    }
+    struct td_trailer t;
+    memset(&t, 0, sizeof t);
+    memcpy(t.magic, TD_MAGIC, 8);
+    t.phys = (uint32_t)phys;
+    t.version = 2;
+    t.size = size;
+    t.key = a->key;
+    t.block = a->block;
+    t.secret_hash = td_hash(a->secret);
+    memcpy(t.uuid, cfg.uuid[phys], 16);
+    if (pwrite(datafd, &t, sizeof t, (off_t)size) != (ssize_t)sizeof t) {
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+        goto fail;
+    }
+    close(datafd);
+    datafd = -1;
+    r = alloc_map(a);
+    if (r) goto fail;
+    /* Fresh device memory is not zero on a real GPU: every block reads 0xdb
+     * until written (kept as a bitmap, so it costs no host memory). */
+    size_t nblocks = (size + a->block - 1) / a->block;
+    volatile uint8_t *bm = bitmap_of(a);
+    if (cfg.poison == POISON_FULL) {
+        memset((void *)bm, 0xff, nblocks / 8);
+        if (nblocks % 8) bm[nblocks / 8] = (uint8_t)((1u << (nblocks % 8)) - 1);
+    } else if (cfg.poison == POISON_EDGES) { /* the driver before issue 17: first and last block only */
+        bm[0] |= 1;
+        bm[(nblocks - 1) / 8] |= (uint8_t)(1u << ((nblocks - 1) % 8));
+    }
+    a->refs = 1;
+    *out = a;
+    return CUDA_SUCCESS;
+fail:
+    if (datafd >= 0) close(datafd);
+    if (a->dirfd >= 0) unlinkat(a->dirfd, "data", 0);
+    unlinkat(dfd, name, AT_REMOVEDIR);
+    alloc_free(a);
+    return r;
+}
+
+/* An import's own reference to a page: `dirfd` is a fresh description of
+ * the page directory (taken over); LOCK_SH on it, offset S, the host view. */
+static CUresult open_page(int dirfd, int phys, uint32_t key, uint64_t secret, struct td_alloc **out) {
+    struct td_alloc *a = calloc(1, sizeof *a);
+    if (!a) {
+        close(dirfd);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    a->phys = phys;
+    a->key = key;
+    a->secret = secret;
+    a->dirfd = dirfd;
+    struct stat st;
+    struct td_trailer t;
+    CUresult r = CUDA_ERROR_INVALID_VALUE;
+    if (flock(a->dirfd, LOCK_SH) != 0 || fstat(a->dirfd, &st) != 0) goto fail;
+    a->st_dev = st.st_dev;
+    a->st_ino = st.st_ino;
+    if (secret && lseek(a->dirfd, (off_t)secret, SEEK_SET) != (off_t)secret) goto fail;
+    int fd = openat(a->dirfd, "data", O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) goto fail;
+    bool ok = fstat(fd, &st) == 0 && st.st_size >= (off_t)(TD_TRAILER + cfg.gran) &&
+              pread(fd, &t, sizeof t, st.st_size - (off_t)TD_TRAILER) == (ssize_t)sizeof t;
+    close(fd);
+    if (!ok || memcmp(t.magic, TD_MAGIC, 8) != 0 || t.key != key || t.phys != (uint32_t)phys ||
+        t.size != (uint64_t)st.st_size - TD_TRAILER)
+        goto fail;
+    if (secret && td_hash(secret) != t.secret_hash) goto fail; /* not an export of this page */
+    a->size = (size_t)t.size;
+    a->block = (size_t)t.block;
+    r = alloc_map(a);
+    if (r) goto fail;
+    a->refs = 1;
+    *out = a;
+    return CUDA_SUCCESS;
+fail:
+    alloc_free(a);
+    return r;
 }
 
 static CUresult handle_new(struct td_alloc *a, bool imported, CUmemGenericAllocationHandle *out) {
@@ -634,19 +1127,6 @@ static struct td_handle *handle_get(CUmemGenericAllocationHandle h) {
     if (h <= TD_HANDLE_BASE || h > TD_HANDLE_BASE + g_nhandles) return NULL;
     struct td_handle *e = &g_handles[h - TD_HANDLE_BASE - 1];
     return e->alloc ? e : NULL;
-}
-
-/* Map the page's host view and fill in the alloc (fd already set). */
-static CUresult alloc_finish(struct td_alloc *a) {
-    struct stat st;
-    if (fstat(a->fd, &st) != 0) return CUDA_ERROR_OPERATING_SYSTEM;
-    a->st_dev = st.st_dev;
-    a->st_ino = st.st_ino;
-    void *p = mmap(NULL, a->size, PROT_READ | PROT_WRITE, MAP_SHARED, a->fd, 0);
-    if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
-    a->host = p;
-    a->refs = 1;
-    return CUDA_SUCCESS;
 }
 
 /* --------------------------------------------------------------------- */
@@ -675,6 +1155,18 @@ static bool whole_mappings(struct td_resv *r, uintptr_t addr, size_t size) {
     return cur == end && size > 0;
 }
 
+/* [addr, addr+n) wholly mapped (no access check)? */
+static struct td_resv *range_mapped(uintptr_t addr, size_t n) {
+    struct td_resv *r = resv_find(addr, n);
+    if (!r) return NULL;
+    for (uintptr_t cur = addr, end = addr + n; cur < end;) {
+        struct td_map *m = slot_at(r, cur);
+        if (!m) return NULL;
+        cur = m->va + m->size;
+    }
+    return r;
+}
+
 /* Check that [addr, addr+n) is mapped and accessible with `need` from the
  * current context's device; on success the copy loop may run. */
 static CUresult range_check(uintptr_t addr, size_t n, unsigned need, struct CUctx_st *ctx, struct td_resv **out) {
@@ -691,36 +1183,118 @@ static CUresult range_check(uintptr_t addr, size_t n, unsigned need, struct CUct
     return CUDA_SUCCESS;
 }
 
-enum td_op { OP_READ, OP_WRITE, OP_SET };
+/* Bytes [off, off+len) of one page: read, write or set, honouring the
+ * poison bitmap (a block still poisoned reads 0xdb; a partial write first
+ * gives it its 0xdb bytes for real). */
+static void page_do(struct td_alloc *a, size_t off, size_t len, enum td_opkind op, unsigned char *buf, unsigned char val) {
+    size_t end = off + len;
+    for (size_t cur = off; cur < end;) {
+        size_t blk = cur / a->block;
+        size_t b0 = blk * a->block, b1 = b0 + a->block;
+        if (b1 > a->size) b1 = a->size;
+        size_t stop = end < b1 ? end : b1;
+        size_t n = stop - cur;
+        bool pois = poisoned(a, blk);
+        unsigned char *host = a->host + cur;
+        if (op == OP_READ) {
+            if (pois) memset(buf, TD_POISON_BYTE, n);
+            else memcpy(buf, host, n);
+        } else {
+            bool whole = cur == b0 && stop == b1;
+            if (pois && !whole) memset(a->host + b0, TD_POISON_BYTE, b1 - b0);
+            if (op == OP_WRITE) memcpy(host, buf, n);
+            else if (val != 0 || n < (size_t)g_pagesize) memset(host, val, n);
+            else {
+                /* zeros: punch the whole host pages (frees the tmpfs memory,
+                 * every view reads zeros), memset the edges */
+                size_t p0 = (cur + (size_t)g_pagesize - 1) / (size_t)g_pagesize * (size_t)g_pagesize;
+                size_t p1 = stop / (size_t)g_pagesize * (size_t)g_pagesize;
+                if (p1 > p0 && madvise(a->host + p0, p1 - p0, MADV_REMOVE) == 0) {
+                    memset(host, 0, p0 - cur);
+                    memset(a->host + p1, 0, stop - p1);
+                } else {
+                    memset(host, 0, n);
+                }
+            }
+            if (pois) unpoison(a, blk);
+        }
+        if (buf) buf += n;
+        cur = stop;
+    }
+}
 
-static void range_do(struct td_resv *r, uintptr_t addr, size_t n, enum td_op op, unsigned char *buf, unsigned char val) {
+static void range_do(struct td_resv *r, uintptr_t addr, size_t n, enum td_opkind op, unsigned char *buf, unsigned char val) {
     uintptr_t cur = addr, end = addr + n;
-    long pg = sysconf(_SC_PAGESIZE);
     while (cur < end) {
         struct td_map *m = slot_at(r, cur);
         size_t off = cur - m->va;
         size_t len = m->va + m->size - cur;
         if (len > end - cur) len = end - cur;
-        unsigned char *host = m->alloc->host + off;
-        if (op == OP_READ) memcpy(buf, host, len);
-        else if (op == OP_WRITE) memcpy(host, buf, len);
-        else if (val != 0) memset(host, val, len);
-        else {
-            /* zeros: punch the page-aligned interior (frees the tmpfs memory,
-             * every view reads zeros), memset the edges */
-            size_t a0 = (off + (size_t)pg - 1) / (size_t)pg * (size_t)pg;
-            size_t a1 = (off + len) / (size_t)pg * (size_t)pg;
-            if (a1 > a0 &&
-                fallocate(m->alloc->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)a0, (off_t)(a1 - a0)) == 0) {
-                memset(host, 0, a0 - off);
-                memset(m->alloc->host + a1, 0, off + len - a1);
-            } else {
-                memset(host, 0, len);
-            }
-        }
+        page_do(m->alloc, off, len, op, buf, val);
         if (buf) buf += len;
         cur += len;
     }
+}
+
+/* --------------------------------------------------------------------- */
+/* work issued on a context's stream                                      */
+
+static CUresult op_push(struct CUctx_st *c, struct td_op op) {
+    if (c->nops == c->capops) {
+        size_t cap = c->capops ? c->capops * 2 : 16;
+        struct td_op *n = realloc(c->ops, cap * sizeof *n);
+        if (!n) return CUDA_ERROR_OUT_OF_MEMORY;
+        c->ops = n;
+        c->capops = cap;
+    }
+    c->ops[c->nops++] = op;
+    return CUDA_SUCCESS;
+}
+
+/* Let everything issued on the context land, in order. Work whose range is
+ * no longer mapped is lost (it was purged at cuMemUnmap already). */
+static void ctx_flush(struct CUctx_st *c) {
+    for (size_t i = 0; i < c->nops; i++) {
+        struct td_op *op = &c->ops[i];
+        struct td_resv *r = range_mapped(op->va, op->n);
+        if (r) range_do(r, op->va, op->n, op->kind, op->data, op->val);
+        else g_lost_ops++;
+        free(op->data);
+    }
+    c->nops = 0;
+}
+
+static void ctx_drop(struct CUctx_st *c) {
+    for (size_t i = 0; i < c->nops; i++) free(c->ops[i].data);
+    g_lost_ops += c->nops;
+    c->nops = 0;
+}
+
+/* cuMemUnmap of [va, va+n): pending work on it (in any context of this
+ * process) never lands. Whether a real driver waits for it first is not
+ * documented; here it is lost, so code that unmaps before synchronising
+ * loses its memset and the leak report counts it. */
+static void ops_purge(uintptr_t va, size_t n) {
+    for (int o = 0; o < cfg.nvis; o++) {
+        struct CUctx_st *c = &g_ctx[o];
+        size_t w = 0;
+        for (size_t i = 0; i < c->nops; i++) {
+            struct td_op *op = &c->ops[i];
+            if (op->va < va + n && va < op->va + op->n) {
+                free(op->data);
+                g_lost_ops++;
+            } else {
+                c->ops[w++] = *op;
+            }
+        }
+        c->nops = w;
+    }
+}
+
+static size_t ops_pending(void) {
+    size_t n = 0;
+    for (int o = 0; o < TD_MAX_DEVICES; o++) n += g_ctx[o].nops;
+    return n;
 }
 
 /* --------------------------------------------------------------------- */
@@ -728,7 +1302,8 @@ static void range_do(struct td_resv *r, uintptr_t addr, size_t n, enum td_op op,
 
 static bool export_still_open(const struct td_export *e) {
     struct stat st;
-    return fstat(e->fd, &st) == 0 && st.st_dev == e->st_dev && st.st_ino == e->st_ino;
+    if (fstat(e->fd, &st) != 0 || st.st_dev != e->st_dev || st.st_ino != e->st_ino) return false;
+    return !e->secret || lseek(e->fd, 0, SEEK_CUR) == (off_t)e->secret;
 }
 
 static void exports_prune(void) {
@@ -778,6 +1353,7 @@ CUresult CUDAAPI cuInit(unsigned int Flags) {
     LOCK();
     CUresult inj = td_enter(FN_cuInit);
     if (inj) RETURN(inj);
+    if (g_forked) RETURN(CUDA_ERROR_NOT_INITIALIZED); /* the parent's driver state is not ours */
     if (Flags != 0) RETURN(CUDA_ERROR_INVALID_VALUE);
     if (cfg.config_error[0]) {
         td_warn("%s", cfg.config_error);
@@ -786,9 +1362,10 @@ CUresult CUDAAPI cuInit(unsigned int Flags) {
     if (g_inited) RETURN(CUDA_SUCCESS);
     if (cfg.nphys == 0 || cfg.nvis == 0) RETURN(CUDA_ERROR_NO_DEVICE);
     mode_t old = umask(0);
-    for (int i = 0; i < cfg.nphys; i++) {
-        char dir[PATH_MAX];
-        devdir(i, dir, sizeof dir);
+    char dir[PATH_MAX];
+    for (int i = 0; i <= cfg.nphys; i++) {
+        if (i < cfg.nphys) devdir(i, dir, sizeof dir);
+        else snprintf(dir, sizeof dir, "%s/%s", cfg.state, TD_CTL);
         if (mkdir_p(dir, 0777) != 0) {
             umask(old);
             td_warn("cannot create state directory %s: %s", dir, strerror(errno));
@@ -796,6 +1373,16 @@ CUresult CUDAAPI cuInit(unsigned int Flags) {
         }
     }
     umask(old);
+    g_ctlfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    struct stat st;
+    if (g_ctlfd < 0 || fstat(g_ctlfd, &st) != 0) {
+        td_warn("cannot open %s: %s", dir, strerror(errno));
+        RETURN(CUDA_ERROR_OPERATING_SYSTEM);
+    }
+    g_ctl_dev = st.st_dev;
+    g_ctl_ino = st.st_ino;
+    for (int i = 0; i < cfg.nphys; i++)
+        if (dev_dirfd(i) < 0) RETURN(CUDA_ERROR_OPERATING_SYSTEM);
     g_inited = true;
     RETURN(CUDA_SUCCESS);
 }
@@ -871,10 +1458,58 @@ CUresult CUDAAPI cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     RETURN(CUDA_SUCCESS);
 }
 
+/* A context's hidden device memory (KVCACHED_TESTDRV_CONTEXT_BYTES): an
+ * entry of the device directory this process holds LOCK_SH on while the
+ * context lives, counted like a page by every process. */
+static CUresult ctx_overhead_take(struct CUctx_st *c) {
+    if (!cfg.ctx_bytes) return CUDA_SUCCESS;
+    int phys = c->phys;
+    int dfd = dev_dirfd(phys);
+    int lfd = device_lock(phys);
+    if (dfd < 0 || lfd < 0) return CUDA_ERROR_OPERATING_SYSTEM;
+    if (!device_reserve(phys, lfd, cfg.ctx_bytes)) {
+        device_unlock(phys);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    CUresult r = CUDA_ERROR_OPERATING_SYSTEM;
+    char name[48];
+    for (int attempt = 0; attempt < 1000; attempt++) {
+        c->overhead_key = (uint32_t)td_random();
+        snprintf(name, sizeof name, "c%08x.%zx", c->overhead_key, cfg.ctx_bytes);
+        if (mkdirat(dfd, name, 0777) == 0) {
+            c->overhead_fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
+            if (c->overhead_fd >= 0 && flock(c->overhead_fd, LOCK_SH) == 0) r = CUDA_SUCCESS;
+            else unlinkat(dfd, name, AT_REMOVEDIR);
+            break;
+        }
+        if (errno != EEXIST) break;
+    }
+    device_unlock(phys);
+    return r;
+}
+
+static void ctx_overhead_drop(struct CUctx_st *c) {
+    if (c->overhead_fd < 0) return;
+    close(c->overhead_fd);
+    c->overhead_fd = -1;
+    int dfd = dev_dirfd(c->phys);
+    char name[48];
+    snprintf(name, sizeof name, "c%08x.%zx", c->overhead_key, cfg.ctx_bytes);
+    int fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd >= 0) {
+        if (flock(fd, LOCK_EX | LOCK_NB) == 0) unlinkat(dfd, name, AT_REMOVEDIR);
+        close(fd);
+    }
+}
+
 CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     ENTER(cuDevicePrimaryCtxRetain);
     if (!pctx) RETURN(CUDA_ERROR_INVALID_VALUE);
     if (!valid_ordinal(dev)) RETURN(CUDA_ERROR_INVALID_DEVICE);
+    if (g_ctx[dev].refcount == 0) {
+        CUresult r = ctx_overhead_take(&g_ctx[dev]);
+        if (r) RETURN(r);
+    }
     g_ctx[dev].refcount++;
     g_ctx[dev].active = true;
     *pctx = &g_ctx[dev];
@@ -885,7 +1520,11 @@ CUresult CUDAAPI cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
     ENTER(cuDevicePrimaryCtxRelease_v2);
     if (!valid_ordinal(dev)) RETURN(CUDA_ERROR_INVALID_DEVICE);
     if (g_ctx[dev].refcount <= 0) RETURN(CUDA_ERROR_INVALID_CONTEXT);
-    if (--g_ctx[dev].refcount == 0) g_ctx[dev].active = false; /* destroyed; still "current" where it was */
+    if (--g_ctx[dev].refcount == 0) {
+        g_ctx[dev].active = false; /* destroyed; still "current" where it was */
+        ctx_drop(&g_ctx[dev]);     /* work never synchronised is lost with it */
+        ctx_overhead_drop(&g_ctx[dev]);
+    }
     RETURN(CUDA_SUCCESS);
 }
 
@@ -919,7 +1558,10 @@ CUresult CUDAAPI cuCtxGetDevice(CUdevice *device) {
 CUresult CUDAAPI cuCtxSynchronize(void) {
     ENTER(cuCtxSynchronize);
     struct CUctx_st *c;
-    RETURN(need_ctx(&c)); /* every operation here is synchronous */
+    CUresult r = need_ctx(&c);
+    if (r) RETURN(r);
+    ctx_flush(c);
+    RETURN(CUDA_SUCCESS);
 }
 
 CUresult CUDAAPI cuMemGetInfo_v2(size_t *free_, size_t *total) {
@@ -928,13 +1570,16 @@ CUresult CUDAAPI cuMemGetInfo_v2(size_t *free_, size_t *total) {
     struct CUctx_st *c;
     CUresult r = need_ctx(&c);
     if (r) RETURN(r);
-    if (device_lock(c->phys) < 0) RETURN(CUDA_ERROR_OPERATING_SYSTEM);
+    int lfd = device_lock(c->phys);
+    if (lfd < 0) RETURN(CUDA_ERROR_OPERATING_SYSTEM);
     size_t used = scan_used(c->phys);
     uint64_t bound = used;
-    pwrite(g_lockfd[c->phys], &bound, sizeof bound, 0);
+    if (!g_lock_ro[c->phys] && pwrite(lfd, &bound, sizeof bound, 0) != (ssize_t)sizeof bound)
+        td_warn("cannot update the device bound");
     device_unlock(c->phys);
+    size_t cap = capacity(c->phys);
     *total = cfg.memory;
-    *free_ = used >= cfg.memory ? 0 : cfg.memory - used;
+    *free_ = used >= cap ? 0 : cap - used;
     RETURN(CUDA_SUCCESS);
 }
 
@@ -966,100 +1611,27 @@ CUresult CUDAAPI cuMemGetAllocationGranularity(size_t *granularity, const CUmemA
     RETURN(CUDA_SUCCESS);
 }
 
-/* Create one page file on `phys` (caller holds the device lock). */
-static CUresult create_page_file(int phys, size_t size, struct td_alloc *a) {
-    char dir[PATH_MAX];
-    devdir(phys, dir, sizeof dir);
-    int fd = open(dir, O_TMPFILE | O_RDWR | O_CLOEXEC, 0666);
-    if (fd < 0) {
-        td_warn("O_TMPFILE in %s: %s", dir, strerror(errno));
-        return errno == ENOSPC || errno == ENOMEM ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_OPERATING_SYSTEM;
-    }
-    /* the lock first: from the moment the file has a name it is in use */
-    if (flock(fd, LOCK_SH) != 0 || ftruncate(fd, (off_t)(size + TD_TRAILER)) != 0) {
-        int e = errno;
-        close(fd);
-        return e == ENOSPC || e == ENOMEM || e == EFBIG ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_OPERATING_SYSTEM;
-    }
-    struct td_trailer t;
-    memset(&t, 0, sizeof t);
-    memcpy(t.magic, TD_MAGIC, 8);
-    t.phys = (uint32_t)phys;
-    t.version = 1;
-    t.size = size;
-    memcpy(t.uuid, cfg.uuid[phys], 16);
-    char proc[64];
-    snprintf(proc, sizeof proc, "/proc/self/fd/%d", fd);
-    for (int attempt = 0;; attempt++) {
-        snprintf(t.name, sizeof t.name, "pg-%d-%lu", (int)getpid(), ++g_page_counter);
-        char path[PATH_MAX];
-        snprintf(path, sizeof path, "%s/%s", dir, t.name);
-        if (linkat(AT_FDCWD, proc, AT_FDCWD, path, AT_SYMLINK_FOLLOW) == 0) break;
-        if (errno == EEXIST && attempt < 1000) continue; /* a leftover of an earlier process with our pid */
-        int e = errno;
-        td_warn("linkat %s: %s", path, strerror(e));
-        close(fd);
-        return e == ENOSPC ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_OPERATING_SYSTEM;
-    }
-    if (pwrite(fd, &t, sizeof t, (off_t)size) != (ssize_t)sizeof t) {
-        close(fd);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    a->fd = fd;
-    a->phys = phys;
-    a->size = size;
-    snprintf(a->name, sizeof a->name, "%s", t.name);
-    CUresult r = alloc_finish(a);
-    if (r) {
-        close(fd);
-        return r;
-    }
-    if (cfg.poison) {
-        /* Fresh device memory is not zero on a real GPU: make that visible */
-        size_t span = size < TD_POISON_SPAN ? size : TD_POISON_SPAN;
-        memset(a->host, TD_POISON_BYTE, span);
-        memset(a->host + size - span, TD_POISON_BYTE, span);
-    }
-    return CUDA_SUCCESS;
-}
-
 CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                              unsigned long long flags) {
+    td_cost(FN_cuMemCreate, size);
     ENTER(cuMemCreate);
     if (!handle || flags != 0) RETURN(CUDA_ERROR_INVALID_VALUE);
     int phys;
     CUresult r = check_prop(prop, &phys);
     if (r) RETURN(r);
     if (size == 0 || size % cfg.gran) RETURN(CUDA_ERROR_INVALID_VALUE);
-    if (size > cfg.memory) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+    if (size > capacity(phys)) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
 
     int lfd = device_lock(phys);
     if (lfd < 0) RETURN(CUDA_ERROR_OPERATING_SYSTEM);
-    /* The lock file holds an upper bound of the device's used bytes; only
-     * when it says "full" is the directory scanned for the exact number. */
-    uint64_t bound = 0;
-    if (pread(lfd, &bound, sizeof bound, 0) != (ssize_t)sizeof bound) bound = cfg.memory;
-    if (bound + size > cfg.memory) bound = scan_used(phys);
-    if (bound + size > cfg.memory) {
-        pwrite(lfd, &bound, sizeof bound, 0);
+    if (!device_reserve(phys, lfd, size)) {
         device_unlock(phys);
         RETURN(CUDA_ERROR_OUT_OF_MEMORY);
     }
-    struct td_alloc *a = calloc(1, sizeof *a);
-    if (!a) {
-        device_unlock(phys);
-        RETURN(CUDA_ERROR_OUT_OF_MEMORY);
-    }
-    r = create_page_file(phys, size, a);
-    if (r == CUDA_SUCCESS) {
-        bound += size;
-        pwrite(lfd, &bound, sizeof bound, 0);
-    }
+    struct td_alloc *a = NULL;
+    r = create_page(phys, size, &a);
     device_unlock(phys);
-    if (r) {
-        free(a);
-        RETURN(r);
-    }
+    if (r) RETURN(r);
     a->exportable = (prop->requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) != 0;
     r = handle_new(a, false, handle);
     if (r) alloc_unref(a);
@@ -1077,6 +1649,32 @@ CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) {
     RETURN(CUDA_SUCCESS);
 }
 
+/* A new exported fd for `a` (see the model at the top), or -1 with errno. */
+static int export_fd(struct td_alloc *a, uint64_t *secret_out) {
+    int fd = -1;
+    *secret_out = a->secret;
+    if (cfg.fdmode == FD_DISTINCT) {
+        fd = fcntl(a->dirfd, F_DUPFD_CLOEXEC, 0);
+    } else if (cfg.fdmode == FD_SAME) {
+        fd = openat(g_ctlfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        struct flock l = {.l_type = F_RDLCK, .l_whence = SEEK_SET, .l_start = (off_t)a->key, .l_len = 1};
+        if (fd >= 0 && (lseek(fd, (off_t)a->secret, SEEK_SET) != (off_t)a->secret || fcntl(fd, F_OFD_SETLK, &l) != 0)) {
+            int e = errno;
+            close(fd);
+            errno = e;
+            fd = -1;
+        }
+    } else {
+        fd = openat(a->dirfd, "data", O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+        if (fd >= 0 && flock(fd, LOCK_SH) != 0) {
+            close(fd);
+            fd = -1;
+        }
+        *secret_out = 0;
+    }
+    return fd;
+}
+
 CUresult CUDAAPI cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
                                               CUmemAllocationHandleType handleType, unsigned long long flags) {
     ENTER(cuMemExportToShareableHandle);
@@ -1086,8 +1684,14 @@ CUresult CUDAAPI cuMemExportToShareableHandle(void *shareableHandle, CUmemGeneri
     struct td_handle *h = handle_get(handle);
     if (!h) RETURN(CUDA_ERROR_INVALID_VALUE);
     if (!h->alloc->exportable) RETURN(CUDA_ERROR_INVALID_VALUE);
-    int fd = fcntl(h->alloc->fd, F_DUPFD_CLOEXEC, 0);
+    uint64_t secret;
+    int fd = export_fd(h->alloc, &secret);
     if (fd < 0) RETURN(errno == EMFILE || errno == ENFILE ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_OPERATING_SYSTEM);
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        close(fd);
+        RETURN(CUDA_ERROR_OPERATING_SYSTEM);
+    }
     if (g_nexports == g_capexports) {
         if (g_nexports > 2 * g_exports_pruned_at + 64) exports_prune();
         if (g_nexports == g_capexports) {
@@ -1101,8 +1705,7 @@ CUresult CUDAAPI cuMemExportToShareableHandle(void *shareableHandle, CUmemGeneri
             g_capexports = cap;
         }
     }
-    g_exports[g_nexports++] =
-        (struct td_export){fd, h->alloc->st_dev, h->alloc->st_ino, handle, h->alloc->size, h->alloc->phys};
+    g_exports[g_nexports++] = (struct td_export){fd, st.st_dev, st.st_ino, secret, handle, h->alloc->size, h->alloc->phys};
     *(int *)shareableHandle = fd;
     RETURN(CUDA_SUCCESS);
 }
@@ -1117,33 +1720,67 @@ CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *ha
     if (v < 0 || v > INT_MAX) RETURN(CUDA_ERROR_INVALID_VALUE);
     int fd = (int)v;
     struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < (off_t)(TD_TRAILER + cfg.gran))
-        RETURN(CUDA_ERROR_INVALID_VALUE);
-    struct td_trailer t;
-    size_t size = (size_t)st.st_size - TD_TRAILER;
-    if (pread(fd, &t, sizeof t, (off_t)size) != (ssize_t)sizeof t || memcmp(t.magic, TD_MAGIC, 8) != 0 ||
-        t.size != size || t.phys >= (uint32_t)cfg.nphys)
+    if (fstat(fd, &st) != 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+    uint32_t key;
+    uint64_t secret = 0;
+    int pagefd = -1; /* a fresh description of the page directory */
+    if (S_ISDIR(st.st_mode)) {
+        /* an export: its offset is S = L << 32 | secret (a page directory
+         * opened by path has offset 0 and is refused). Everything is found
+         * relative to the fd, so any process holding it can import. */
+        off_t pos = lseek(fd, 0, SEEK_CUR);
+        if (pos <= 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+        secret = (uint64_t)pos;
+        key = (uint32_t)(secret >> 32);
+        int phys = (int)(key >> TD_KEY_DEV_SHIFT);
+        if (phys >= cfg.nphys) RETURN(CUDA_ERROR_INVALID_VALUE);
+        char name[48];
+        struct stat ps;
+        int parent = openat(fd, "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (parent < 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+        if (fstatat(parent, TD_CTL, &ps, AT_SYMLINK_NOFOLLOW) == 0 && ps.st_dev == st.st_dev && ps.st_ino == st.st_ino) {
+            /* "same" identity: a description of nvidiactl whose OFD lock on
+             * byte L keeps the page; taking it on this description is a
+             * no-op for a real export */
+            struct flock l = {.l_type = F_RDLCK, .l_whence = SEEK_SET, .l_start = (off_t)key, .l_len = 1};
+            snprintf(name, sizeof name, "dev%d/p%08x", phys, key);
+            if (fcntl(fd, F_OFD_SETLK, &l) == 0) pagefd = openat(parent, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
+        } else {
+            /* "distinct": the fd must be the page directory itself */
+            page_name(key, name);
+            if (fstatat(parent, name, &ps, AT_SYMLINK_NOFOLLOW) == 0 && ps.st_dev == st.st_dev && ps.st_ino == st.st_ino)
+                pagefd = openat(fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        }
+        close(parent);
+        if (pagefd < 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+    } else if (S_ISREG(st.st_mode) && cfg.fdmode == FD_FILE) {
+        /* lenient: the page's data file (any description of it, even one opened by path) */
+        struct td_trailer t;
+        if (st.st_size < (off_t)(TD_TRAILER + cfg.gran) ||
+            pread(fd, &t, sizeof t, st.st_size - (off_t)TD_TRAILER) != (ssize_t)sizeof t ||
+            memcmp(t.magic, TD_MAGIC, 8) != 0 || t.phys >= (uint32_t)cfg.nphys)
+            RETURN(CUDA_ERROR_INVALID_VALUE);
+        key = t.key;
+        char link[64], path[PATH_MAX];
+        snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+        ssize_t n = readlink(link, path, sizeof path - 1);
+        char *slash = n > 0 ? memrchr(path, '/', (size_t)n) : NULL;
+        if (!slash) RETURN(CUDA_ERROR_INVALID_VALUE);
+        *slash = 0; /* the page directory the file is in */
+        pagefd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (pagefd < 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+    } else {
         RETURN(CUDA_ERROR_INVALID_VALUE); /* not an fd this driver exported */
-    if (ordinal_of_phys((int)t.phys) < 0) RETURN(CUDA_ERROR_NOT_SUPPORTED); /* device not visible here */
-    struct td_alloc *a = calloc(1, sizeof *a);
-    if (!a) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
-    a->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0); /* same open file description: same lock */
-    if (a->fd < 0) {
-        free(a);
-        RETURN(CUDA_ERROR_OUT_OF_MEMORY);
     }
-    flock(a->fd, LOCK_SH | LOCK_NB); /* a no-op on the exported description, which holds it already */
-    a->phys = (int)t.phys;
-    a->size = size;
+    int phys = (int)(key >> TD_KEY_DEV_SHIFT);
+    if (ordinal_of_phys(phys) < 0) {
+        close(pagefd);
+        RETURN(CUDA_ERROR_NOT_SUPPORTED); /* device not visible here */
+    }
+    struct td_alloc *a = NULL;
+    CUresult r = open_page(pagefd, phys, key, secret, &a);
+    if (r) RETURN(r);
     a->exportable = true;
-    memcpy(a->name, t.name, sizeof a->name);
-    a->name[sizeof a->name - 1] = 0;
-    CUresult r = alloc_finish(a);
-    if (r) {
-        close(a->fd);
-        free(a);
-        RETURN(r);
-    }
     r = handle_new(a, true, handle);
     if (r) alloc_unref(a);
     RETURN(r);
@@ -1152,8 +1789,8 @@ CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *ha
 CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
                                      unsigned long long flags) {
     ENTER(cuMemAddressReserve);
-    long pg = sysconf(_SC_PAGESIZE);
-    if (!ptr || flags != 0 || size == 0 || size % (size_t)pg || addr % (size_t)pg) RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (!ptr || flags != 0 || size == 0 || size % (size_t)g_pagesize || addr % (size_t)g_pagesize)
+        RETURN(CUDA_ERROR_INVALID_VALUE);
     if (alignment & (alignment - 1)) RETURN(CUDA_ERROR_INVALID_VALUE);
     if (alignment < cfg.gran) alignment = cfg.gran;
     size_t span = size + alignment;
@@ -1205,6 +1842,7 @@ CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size) {
 
 CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                           unsigned long long flags) {
+    td_cost(FN_cuMemMap, size);
     ENTER(cuMemMap);
     if (flags != 0 || offset != 0) RETURN(CUDA_ERROR_INVALID_VALUE);
     struct td_handle *h = handle_get(handle);
@@ -1229,9 +1867,11 @@ CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGene
 }
 
 CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    td_cost(FN_cuMemUnmap, size);
     ENTER(cuMemUnmap);
     struct td_resv *r = resv_find((uintptr_t)ptr, size);
     if (!r || !whole_mappings(r, (uintptr_t)ptr, size)) RETURN(CUDA_ERROR_INVALID_VALUE);
+    ops_purge((uintptr_t)ptr, size);
     uintptr_t cur = (uintptr_t)ptr, end = cur + size;
     while (cur < end) {
         struct td_map *m = slot_at(r, cur);
@@ -1246,6 +1886,7 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
 }
 
 CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
+    td_cost(FN_cuMemSetAccess, size);
     ENTER(cuMemSetAccess);
     if (!desc || count == 0) RETURN(CUDA_ERROR_INVALID_VALUE);
     for (size_t i = 0; i < count; i++) {
@@ -1259,7 +1900,16 @@ CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessD
     /* "a fully mapped address range containing all allocations" */
     if (!r || !whole_mappings(r, (uintptr_t)ptr, size)) RETURN(CUDA_ERROR_INVALID_VALUE);
     uintptr_t cur = (uintptr_t)ptr, end = cur + size;
+    /* access for a device other than the memory's own only between peers
+     * (KVCACHED_TESTDRV_PEERS; none by default) */
     while (cur < end) {
+        struct td_map *m = slot_at(r, cur);
+        for (size_t i = 0; i < count; i++)
+            if (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE && !cfg.peer[cfg.vis[desc[i].location.id]][m->alloc->phys])
+                RETURN(CUDA_ERROR_INVALID_DEVICE);
+        cur += m->size;
+    }
+    for (cur = (uintptr_t)ptr; cur < end;) {
         struct td_map *m = slot_at(r, cur);
         for (size_t i = 0; i < count; i++) m->access[cfg.vis[desc[i].location.id]] = (unsigned char)desc[i].flags;
         cur += m->size;
@@ -1276,6 +1926,10 @@ CUresult CUDAAPI cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N
     struct td_resv *rv;
     r = range_check((uintptr_t)dstDevice, N, CU_MEM_ACCESS_FLAGS_PROT_READWRITE, c, &rv);
     if (r) RETURN(r);
+    /* asynchronous with respect to the host: lands at the next synchronise
+     * (or before the next synchronous copy of this context's stream) */
+    if (cfg.async != ASYNC_OFF)
+        RETURN(op_push(c, (struct td_op){OP_SET, (uintptr_t)dstDevice, N, uc, NULL}));
     range_do(rv, (uintptr_t)dstDevice, N, OP_SET, NULL, uc);
     RETURN(CUDA_SUCCESS);
 }
@@ -1290,6 +1944,17 @@ CUresult CUDAAPI cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, siz
     struct td_resv *rv;
     r = range_check((uintptr_t)dstDevice, ByteCount, CU_MEM_ACCESS_FLAGS_PROT_READWRITE, c, &rv);
     if (r) RETURN(r);
+    if (cfg.async == ASYNC_ALL) {
+        /* from pageable memory the call may return before the DMA lands:
+         * the bytes are staged now and land at the next synchronise */
+        unsigned char *copy = malloc(ByteCount);
+        if (!copy) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+        memcpy(copy, srcHost, ByteCount);
+        r = op_push(c, (struct td_op){OP_WRITE, (uintptr_t)dstDevice, ByteCount, 0, copy});
+        if (r) free(copy);
+        RETURN(r);
+    }
+    ctx_flush(c); /* stream order: earlier memsets first */
     range_do(rv, (uintptr_t)dstDevice, ByteCount, OP_WRITE, (unsigned char *)(uintptr_t)srcHost, 0);
     RETURN(CUDA_SUCCESS);
 }
@@ -1304,14 +1969,26 @@ CUresult CUDAAPI cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t By
     struct td_resv *rv;
     r = range_check((uintptr_t)srcDevice, ByteCount, CU_MEM_ACCESS_FLAGS_PROT_READ, c, &rv);
     if (r) RETURN(r);
+    /* synchronous, and ordered after the work issued before it on the
+     * context's stream: that work lands first */
+    ctx_flush(c);
     range_do(rv, (uintptr_t)srcDevice, ByteCount, OP_READ, dstHost, 0);
     RETURN(CUDA_SUCCESS);
 }
 
 /* ===================================================================== */
-/* load and exit                                                          */
+/* load, fork and exit                                                    */
 
-__attribute__((constructor)) static void td_load(void) { load_config(); }
+static void td_atfork_child(void) {
+    /* another thread may have held the lock at fork(): it is not here */
+    pthread_mutex_init(&g_lock, NULL);
+    if (g_inited && cfg.fork_refuse) g_forked = true;
+}
+
+__attribute__((constructor)) static void td_load(void) {
+    load_config();
+    pthread_atfork(NULL, NULL, td_atfork_child);
+}
 
 static void json_str(FILE *f, const char *s) {
     fputc('"', f);
@@ -1325,23 +2002,41 @@ static void json_str(FILE *f, const char *s) {
 
 static void write_report(void) {
     if (!cfg.report[0]) return;
+    /* %p -> pid, so several processes sharing one environment do not overwrite each other */
+    char path[PATH_MAX];
+    size_t len = 0;
+    for (const char *s = cfg.report; *s && len + 24 < sizeof path; s++) {
+        if (s[0] == '%' && s[1] == 'p') {
+            len += (size_t)snprintf(path + len, sizeof path - len, "%d", (int)getpid());
+            s++;
+        } else path[len++] = *s;
+    }
+    path[len] = 0;
     char tmp[PATH_MAX + 16];
-    snprintf(tmp, sizeof tmp, "%s.tmp%d", cfg.report, (int)getpid());
+    snprintf(tmp, sizeof tmp, "%s.tmp%d", path, (int)getpid());
     FILE *f = fopen(tmp, "w");
     if (!f) {
         td_warn("cannot write report %s: %s", tmp, strerror(errno));
         return;
     }
     exports_prune();
-    size_t nres = g_nresv, nctx = 0;
+    size_t nres = g_nresv, nctx = 0, pending = ops_pending();
     for (int o = 0; o < cfg.nvis; o++) nctx += g_ctx[o].refcount > 0;
-    char u[41];
+    char u[41], name[16];
+    static const char *const fdmodes[] = {"distinct", "same", "file"};
+    static const char *const asyncs[] = {"0", "memset", "all"};
+    static const char *const poisons[] = {"0", "edges", "full"};
 
     fprintf(f, "{\n  \"pid\": %d,\n  \"initialized\": %s,\n", (int)getpid(), g_inited ? "true" : "false");
     fprintf(f, "  \"leaks\": %zu,\n", g_livehandles + g_nexports + g_livemaps + nres + nctx);
     fprintf(f, "  \"counts\": {\"handles\": %zu, \"exported_fds\": %zu, \"mappings\": %zu, \"reservations\": %zu, "
                "\"primary_contexts\": %zu},\n",
             g_livehandles, g_nexports, g_livemaps, nres, nctx);
+    fprintf(f, "  \"unsynchronized\": {\"pending\": %zu, \"lost\": %lu},\n", pending, g_lost_ops);
+    fprintf(f, "  \"mode\": {\"fd_identity\": \"%s\", \"async\": \"%s\", \"poison\": \"%s\", \"fork\": \"%s\", "
+               "\"context_bytes\": %zu},\n",
+            fdmodes[cfg.fdmode], asyncs[cfg.async], poisons[cfg.poison], cfg.fork_refuse ? "refuse" : "allow",
+            cfg.ctx_bytes);
 
     fprintf(f, "  \"handles\": [");
     bool first = true;
@@ -1349,9 +2044,10 @@ static void write_report(void) {
         struct td_handle *h = &g_handles[i];
         if (!h->alloc) continue;
         format_uuid(cfg.uuid[h->alloc->phys], u);
+        page_name(h->alloc->key, name);
         fprintf(f, "%s\n    {\"handle\": %llu, \"device\": \"%s\", \"size\": %zu, \"origin\": \"%s\", \"page\": ",
                 first ? "" : ",", TD_HANDLE_BASE + i + 1, u, h->alloc->size, h->imported ? "imported" : "created");
-        json_str(f, h->alloc->name);
+        json_str(f, name);
         fputc('}', f);
         first = false;
     }
@@ -1373,9 +2069,10 @@ static void write_report(void) {
             struct td_map *m = r->slots[s];
             if (!m || m->va != r->base + s * cfg.gran) continue;
             format_uuid(cfg.uuid[m->alloc->phys], u);
+            page_name(m->alloc->key, name);
             fprintf(f, "%s\n    {\"va\": %" PRIuPTR ", \"size\": %zu, \"device\": \"%s\", \"page\": ", first ? "" : ",",
                     m->va, m->size, u);
-            json_str(f, m->alloc->name);
+            json_str(f, name);
             fputc('}', f);
             first = false;
         }
@@ -1410,11 +2107,13 @@ static void write_report(void) {
         fprintf(f, "%s{\"function\": \"%s\", \"call\": %lu, \"error\": \"%s\"}", i ? ", " : "",
                 td_fn_names[g_injected[i].fn], g_injected[i].call, td_err_name(g_injected[i].code));
     fprintf(f, "]\n}\n");
-    if (fclose(f) != 0 || rename(tmp, cfg.report) != 0) td_warn("cannot write report %s: %s", cfg.report, strerror(errno));
+    if (fclose(f) != 0 || rename(tmp, path) != 0) td_warn("cannot write report %s: %s", path, strerror(errno));
 }
 
 __attribute__((destructor)) static void td_unload(void) {
     LOCK();
-    write_report();
+    /* A forked child's objects are its parent's (it cannot use them): it
+     * writes no report of its own. */
+    if (!g_forked) write_report();
     UNLOCK();
 }

@@ -1,0 +1,271 @@
+#!/usr/bin/env bash
+# The llama.cpp hook in llama.cpp's CUDA configuration (issue 17 item 6),
+# compiled (not run: there is no GPU) with NVIDIA's CUDA wheels from PyPI.
+#
+#   scripts/build-hook-cuda.sh        # prints what it compiled and the time it took
+#
+# What is compiled:
+#   1. a CUDA toolkit from PyPI wheels in build/hook-cuda/toolkit: nvcc, its
+#      crt headers and cicc (nvidia-cuda-nvcc, nvidia-cuda-crt, nvidia-nvvm,
+#      pinned below) over the venv's nvidia/cu13 tree (nvidia-cuda-runtime,
+#      -cccl, -cublas: headers and libraries; the venv has them through
+#      pyproject's pin and torch), else those wheels downloaded;
+#   2. the pinned llama.cpp (the llama-cpp-python sdist scripts/test-llama.sh
+#      uses) with the hook applied (integrations/llama.cpp/apply.py),
+#      configured as Ollama builds it for NVIDIA GPUs: GGML_CUDA=ON,
+#      GGML_BACKEND_DL=ON, shared libraries, CMAKE_CUDA_ARCHITECTURES=80
+#      (HOOK_CUDA_ARCH), the C client found (so the hook compiles its real
+#      path, LLAMA_KVCACHED, not the pass-throughs): CMake must accept nvcc
+#      and find the toolkit;
+#   3. libllama (the hook's code, device-buffer path included) with
+#      libggml-base and libggml in that configuration, and with
+#      HOOK_CUDA_SERVER=1 llama-server too (common, mtmd, the server: about
+#      three times the work; scripts/test-llama.sh builds and runs the hooked
+#      llama-server in the CPU configuration), without the backend modules
+#      (libggml-cuda, libggml-cpu: loaded at run time, not linked);
+#   4. with nvcc, ggml-cuda.cu (the CUDA backend's host side: buffer types,
+#      device registry, the buffer functions the hook replaces; device code
+#      for the kernels in that file, one architecture) and the hook's source
+#      in ONE translation unit, with compile-time checks that the hook's
+#      device buffer context mirrors ggml-cuda's (device at offset 0, dev_ptr
+#      next) and that ggml-cuda still names its buffer types "CUDA<n>" (the
+#      hook reads the device number from the name).
+# What is not compiled: the other ggml-cuda sources (about 110 kernels and
+# template instances in this configuration: far too long for 2 cores) and so
+# no libggml-cuda.so, nor the CPU backend module; nothing runs.
+#
+# Cached by input hash (build/hook-cuda/.stamp): sdist, hook, apply.py, C
+# client, toolkit versions, flags, this script. Needs what scripts/setup.sh
+# installs (cmake, ninja, g++, the C client's dependencies) and the venv.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+PY="$REPO/.venv/bin/python"
+PIP="$REPO/.venv/bin/pip"
+JOBS="${JOBS:-2}"
+CUDA_WHEELS_VERSION="13.2.86"        # nvcc, crt, nvvm; nvidia-cuda-runtime is pinned to the same in pyproject
+LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"   # as scripts/test-llama.sh
+ARCH="${HOOK_CUDA_ARCH:-80}"
+TARGET=bin/libllama.so                              # HOOK_CUDA_SERVER=1: llama-server too
+[[ "${HOOK_CUDA_SERVER:-0}" == 1 ]] && TARGET=bin/llama-server
+B="$REPO/build/llama"
+SDIST="$B/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
+ORIG="$B/src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
+OUT="$REPO/build/hook-cuda"
+TK="$OUT/toolkit"
+SRC="$OUT/llama.cpp-kvc"
+BLD="$OUT/build"
+WHEELS="$REPO/build/wheels"
+T0=$SECONDS
+step() { printf '\n==== build-hook-cuda [%ds]: %s ====\n' "$((SECONDS - T0))" "$*"; }
+mkdir -p "$OUT" "$B" "$WHEELS"
+
+step "llama.cpp source (llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION sdist)"
+if [[ ! -f "$SDIST" ]]; then
+  "$PIP" download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$B"
+fi
+if [[ ! -f "$ORIG/src/llama-kv-cache.cpp" ]]; then
+  rm -rf "$B/src" && mkdir -p "$B/src"
+  tar xzf "$SDIST" -C "$B/src"
+fi
+
+step "C client prefix"
+PREFIX="$B/kvcached-prefix"   # scripts/test-llama.sh installs it there
+if [[ ! -f "$PREFIX/include/kvcached.h" ]]; then
+  PREFIX="$OUT/kvcached-prefix"
+  if [[ ! -f "$REPO/build/c/CMakeCache.txt" ]]; then
+    cmake -S clients/c -B build/c -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  fi
+  cmake --build build/c -j"$JOBS" --target kvcached >/dev/null
+  cmake --install build/c --prefix "$PREFIX" >/dev/null
+fi
+echo "$PREFIX"
+
+step "CUDA wheels"
+VENV_CU="$("$PY" -c 'import nvidia, pathlib; print(next(pathlib.Path(p) / "cu13" for p in nvidia.__path__ if (pathlib.Path(p) / "cu13/include/cublas_v2.h").exists()))' 2>/dev/null || true)"
+need=(nvidia-cuda-nvcc nvidia-cuda-crt nvidia-nvvm)
+if [[ -z "$VENV_CU" || ! -f "$VENV_CU/include/cuda_runtime.h" || ! -d "$VENV_CU/include/cccl" ]]; then
+  VENV_CU=""
+  need+=(nvidia-cuda-runtime nvidia-cuda-cccl nvidia-cublas)   # not in the venv: download them too
+fi
+wheel_of() { ls "$WHEELS"/"${1//-/_}"-"$2"-*.whl 2>/dev/null | head -1; }
+versions=()
+for p in "${need[@]}"; do
+  v="$CUDA_WHEELS_VERSION"
+  [[ "$p" == nvidia-cublas ]] && v="13.4.1.3"   # the version torch's cu13 build pulls in
+  [[ "$p" == nvidia-cuda-cccl ]] && v="13.2.86"
+  if [[ -z "$(wheel_of "$p" "$v")" ]]; then
+    "$PIP" download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 --python-version 3.11 \
+      -d "$WHEELS" "$p==$v"
+  fi
+  versions+=("$p==$v")
+done
+[[ -n "$VENV_CU" ]] && versions+=("venv:$("$PY" -c 'import importlib.metadata as m; print(",".join(f"{d}={m.version(d)}" for d in ("nvidia-cuda-runtime","nvidia-cuda-cccl","nvidia-cublas")))')")
+printf '  %s\n' "${versions[@]}"
+
+hash_of() { { for x in "$@"; do if [[ -f "$x" ]]; then sha256sum "$x"; else echo "$x"; fi; done; } | sha256sum | cut -d' ' -f1; }
+CMAKE_FLAGS=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF
+             -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DBUILD_SHARED_LIBS=ON -DGGML_BACKEND_DL=ON
+             -DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$ARCH" -DCMAKE_EXPORT_COMPILE_COMMANDS=ON)
+KEY=$(hash_of "$SDIST" "$TARGET" "${CMAKE_FLAGS[*]}" "${versions[*]}" "${BASH_SOURCE[0]}" integrations/llama.cpp/apply.py \
+  integrations/llama.cpp/kvcached_kv.h integrations/llama.cpp/kvcached_kv.cpp clients/c/include/kvcached.h \
+  $(ls clients/c/src/* | sort))
+if [[ -f "$OUT/.stamp" && "$(cat "$OUT/.stamp")" == "$KEY" && -e "$BLD/$TARGET" && -f "$OUT/hook_cuda_check.o" ]]; then
+  step "up to date (stamp $KEY): nothing to do"
+  exit 0
+fi
+rm -f "$OUT/.stamp"
+
+step "toolkit -> $TK"
+TK_KEY="$(hash_of "${versions[*]}" "$VENV_CU")"
+if [[ -f "$TK/.stamp" && "$(cat "$TK/.stamp")" == "$TK_KEY" ]]; then
+  echo "up to date"
+else
+rm -rf "$TK" && mkdir -p "$TK"
+[[ -n "$VENV_CU" ]] && cp -rs "$VENV_CU/." "$TK/"
+XT="$(mktemp -d)"
+for p in "${need[@]}"; do
+  w=""
+  for v in "$CUDA_WHEELS_VERSION" 13.4.1.3 13.2.86; do w="$(wheel_of "$p" "$v")"; [[ -n "$w" ]] && break; done
+  "$PY" - "$w" "$XT" <<'EOF'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for n in z.namelist():
+        if n.startswith("nvidia/cu13/"):
+            z.extract(n, sys.argv[2])
+EOF
+done
+cp -r "$XT/nvidia/cu13/." "$TK/"   # real files over the symlinks
+rm -rf "$XT"
+chmod +x "$TK"/bin/* "$TK"/nvvm/bin/*
+for l in cudart cublas cublasLt; do   # the wheels ship only the versioned names
+  so="$(ls "$TK/lib/lib$l.so."* 2>/dev/null | grep -E "lib$l\.so\.[0-9]+$" | head -1)"
+  [[ -n "$so" ]] && ln -sf "$(basename "$so")" "$TK/lib/lib$l.so"
+done
+# CMake's CUDA::cuda_driver needs a libcuda.so to name; nothing links against it here (no libggml-cuda.so).
+mkdir -p "$TK/lib/stubs"
+echo 'void kvcached_hook_cuda_stub(void);' | cc -x c -shared -o "$TK/lib/stubs/libcuda.so" -Wl,-soname,libcuda.so.1 -
+echo "$TK_KEY" >"$TK/.stamp"
+fi
+"$TK/bin/nvcc" --version | tail -2
+
+step "hooked tree -> $SRC"
+if [[ ! -d "$SRC" ]]; then
+  cp -a "$ORIG" "$SRC"
+else
+  # back to pristine for the files the hook touches (mtimes kept: ninja rebuilds little)
+  for f in $("$PY" integrations/llama.cpp/apply.py "$ORIG" --list); do
+    rm -f "$SRC/$f"
+    if [[ -f "$ORIG/$f" ]]; then cp -p "$ORIG/$f" "$SRC/$f"; fi
+  done
+fi
+"$PY" integrations/llama.cpp/apply.py "$SRC"
+
+step "configure (GGML_CUDA=ON, GGML_BACKEND_DL=ON, shared, sm_$ARCH)"
+t=$SECONDS
+CUDACXX="$TK/bin/nvcc" cmake -S "$SRC" -B "$BLD" "${CMAKE_FLAGS[@]}" "-DCMAKE_CUDA_COMPILER=$TK/bin/nvcc" \
+  "-DCUDAToolkit_ROOT=$TK" "-DCMAKE_PREFIX_PATH=$PREFIX" >"$OUT/configure.log" 2>&1 \
+  || { tail -40 "$OUT/configure.log"; exit 1; }
+grep -q "CUDA Toolkit found" "$OUT/configure.log" || { echo "build-hook-cuda: CMake did not find the CUDA toolkit" >&2; tail -20 "$OUT/configure.log"; exit 1; }
+echo "configured in $((SECONDS - t)) s (nvcc $("$TK/bin/nvcc" --version | grep -o 'V[0-9.]*'))"
+# the hook must compile its real path (the C client found), not the pass-throughs
+"$PY" - "$BLD/compile_commands.json" <<'EOF'
+import json, sys
+cmds = [c for c in json.load(open(sys.argv[1])) if c["file"].endswith("kvcached_kv.cpp")]
+if not cmds:
+    sys.exit("build-hook-cuda: kvcached_kv.cpp is not in the build (apply.py?)")
+if not any("-DLLAMA_KVCACHED" in c["command"] for c in cmds):
+    sys.exit("build-hook-cuda: kvcached_kv.cpp compiles without LLAMA_KVCACHED (the C client was not found): only pass-throughs")
+print(f"kvcached_kv.cpp: {len(cmds)} compile command(s) with -DLLAMA_KVCACHED")
+EOF
+
+step "$TARGET with the hook ($JOBS jobs; backend modules excluded)"
+# In this configuration libggml depends on every backend module (GGML_BACKEND_DL
+# loads them at run time, CMake builds them first): building llama-server with
+# ninja would compile all of ggml-cuda. So ninja builds the target's objects
+# except the backend modules' (ggml-cuda, ggml-cpu), then its link steps run in
+# ninja's order; the modules are neither compiled nor linked.
+t=$SECONDS
+ninja -C "$BLD" -t commands "$TARGET" >"$OUT/commands.txt"
+"$PY" - "$OUT/commands.txt" "$OUT" <<'EOF'
+import re, shlex, sys
+lines = open(sys.argv[1]).read().splitlines()
+module = re.compile(r"ggml-cuda|ggml-cpu|/nvcc ")
+objs, links = [], []
+for line in lines:
+    if module.search(line):
+        continue
+    if " -c " in line:
+        args = shlex.split(line.split(" && ", 1)[-1])
+        if "-o" in args:
+            objs.append(args[args.index("-o") + 1])
+    elif line.startswith(": && ") or "cmake_symlink_library" in line:
+        links.append(line)
+open(f"{sys.argv[2]}/objects.txt", "w").write("\n".join(objs) + "\n")
+open(f"{sys.argv[2]}/links.sh", "w").write("set -e\n" + "\n".join(links) + "\n")
+print(f"{len(objs)} objects, {len(links)} link steps (backend modules excluded: "
+      f"{sum(1 for l in lines if module.search(l))} commands)")
+EOF
+xargs -a "$OUT/objects.txt" ninja -C "$BLD" -j"$JOBS" >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+(cd "$BLD" && bash "$OUT/links.sh") >>"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+test -e "$BLD/$TARGET" || { echo "build-hook-cuda: no $TARGET" >&2; exit 1; }
+echo "built in $((SECONDS - t)) s"
+LIBLLAMA="$BLD/bin/libllama.so"
+NSYM="$(nm -D --defined-only "$LIBLLAMA" | grep -c ' llama_kvcached_' || true)"
+[[ "$NSYM" -gt 0 ]] || { echo "build-hook-cuda: $LIBLLAMA has no llama_kvcached_ symbols" >&2; exit 1; }
+echo "libllama.so: $NSYM llama_kvcached_ symbols$([[ $TARGET == bin/llama-server ]] && echo '; llama-server linked')"
+
+step "nvcc: ggml-cuda.cu and the hook in one translation unit, with the layout checks"
+t=$SECONDS
+cat >"$OUT/hook_cuda_check.cu" <<'EOF'
+// Generated by scripts/build-hook-cuda.sh: ggml-cuda's backend (host side)
+// and the kvcached hook in one translation unit, so the hook's assumptions
+// about ggml-cuda are checked by the compiler, not by a comment.
+#include "ggml-cuda.cu"
+#include "kvcached_kv.cpp"
+#include <cstddef>
+#include <cstring>
+
+#pragma GCC diagnostic ignored "-Winvalid-offsetof"
+// ggml-cuda's buffer functions cast buffer->context to this struct; the hook's
+// kv_buffer keeps the same first two members so that nothing read through
+// that cast is wrong.
+static_assert(offsetof(ggml_backend_cuda_buffer_context, device) == 0, "ggml-cuda's buffer context: device moved");
+static_assert(offsetof(llama_kvcached_impl::kv_buffer, device) == offsetof(ggml_backend_cuda_buffer_context, device),
+              "the hook's kv_buffer.device no longer mirrors ggml-cuda's buffer context");
+static_assert(offsetof(llama_kvcached_impl::kv_buffer, dev_ptr) == offsetof(ggml_backend_cuda_buffer_context, dev_ptr),
+              "the hook's kv_buffer.dev_ptr no longer mirrors ggml-cuda's buffer context");
+// The hook reads the device number from the buffer type's name: "CUDA0".
+static_assert(sizeof(GGML_CUDA_NAME) == 5 && GGML_CUDA_NAME[0] == 'C' && GGML_CUDA_NAME[3] == 'A',
+              "ggml-cuda no longer names its buffer types CUDA<n>");
+EOF
+"$PY" - "$BLD/compile_commands.json" "$OUT" "$SRC" "$PREFIX" <<'EOF'
+import json, shlex, subprocess, sys
+db, out, src, prefix = sys.argv[1:5]
+cmds = json.load(open(db))
+cu = next(c for c in cmds if c["file"].endswith("ggml-cuda/ggml-cuda.cu"))
+hook = next(c for c in cmds if c["file"].endswith("kvcached_kv.cpp"))
+args = shlex.split(cu["command"])
+# the hook's include directories and definitions (llama's src/, the C client) join ggml-cuda's
+extra = [a for a in shlex.split(hook["command"]) if a.startswith(("-I", "-D")) and a not in args]
+i = args.index("-c")
+args[i + 1] = f"{out}/hook_cuda_check.cu"
+o = args.index("-o")
+args[o + 1] = f"{out}/hook_cuda_check.o"
+import os
+dirs = [f"-I{os.path.dirname(cu['file'])}", f"-I{os.path.dirname(hook['file'])}"]  # where the two sources are
+args = args[:i] + extra + dirs + ["-Xcompiler=-Wno-missing-declarations"] + args[i:]
+print("nvcc", " ".join(a for a in args[1:] if a.startswith("-arch") or a.startswith("--generate-code") or a.startswith("-gencode")))
+r = subprocess.run(args, cwd=cu["directory"], capture_output=True, text=True)
+open(f"{out}/hook_cuda_check.log", "w").write(r.stdout + r.stderr)
+if r.returncode:
+    print(r.stdout[-4000:], r.stderr[-4000:])
+    sys.exit(f"build-hook-cuda: the ggml-cuda + hook translation unit does not compile (exit {r.returncode})")
+EOF
+[[ "$(nm "$OUT/hook_cuda_check.o" | grep -c ' T ggml_backend_cuda_buffer_type$' || true)" == 1 ]] \
+  || { echo "build-hook-cuda: hook_cuda_check.o does not define ggml_backend_cuda_buffer_type" >&2; exit 1; }
+echo "compiled in $((SECONDS - t)) s: $(du -h "$OUT/hook_cuda_check.o" | cut -f1) object, layout checks hold"
+
+echo "$KEY" >"$OUT/.stamp"
+step "done in $((SECONDS - T0)) s"

@@ -1,0 +1,106 @@
+"""scripts/gpu-check.sh, the one-run verdict, against the CUDA test driver in
+each of its strictness modes (tests/cudadriver/README.md): green where the
+project's assumptions hold, red exactly where they do not (the `same`
+identity mode defeats today's resume check: issue 17 part B), DIFF rows
+where the driver's behaviour differs from the test driver's own model (the
+lenient driver). Each run gets its own simulated machine."""
+
+from __future__ import annotations
+
+import pytest
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import uuid
+
+from tdkit import ROOT
+
+# gpu-check.sh in each of the test driver's strictness modes: skipped, with the reason, when KVCACHED_TEST_LIBCUDA names another libcuda
+pytestmark = pytest.mark.usefixtures("needs_testdriver")
+
+SCRIPT = ROOT / "scripts" / "gpu-check.sh"
+
+
+def run_check(testdriver, tmp_path, **extra: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    base = pathlib.Path("/dev/shm") if os.path.isdir("/dev/shm") else tmp_path
+    state = base / f"kvc-gpucheck-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "CUDA_VISIBLE", "GPU_CHECK_"))}
+    env.update(KVCACHED_LIBCUDA=str(testdriver), KVCACHED_TESTDRV_STATE=str(state), KVCACHED_TESTDRV_MEMORY="1G",
+               TMPDIR=str(tmp_path), GPU_CHECK_PAGES="8", GPU_CHECK_KEEP="1")
+    env.update(extra)
+    try:
+        p = subprocess.run([str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+    rows_files = list(tmp_path.glob("kvcached-gpu-check.*/rows.jsonl"))
+    assert len(rows_files) == 1, (rows_files, p.stdout, p.stderr)
+    rows = [json.loads(line) for line in rows_files[0].read_text().splitlines() if line.strip()]
+    return p, rows
+
+
+def verdicts(rows: list[dict], verdict: str) -> list[str]:
+    return [r["check"] for r in rows if r["verdict"] == verdict]
+
+
+def seen(rows: list[dict], prefix: str) -> str:
+    return next(r["seen"] for r in rows if r["check"].startswith(prefix))
+
+
+IDENTITY = "fstat identity of exported fds (daemon resume check)"
+
+
+def test_default_mode_passes_with_tests_and_bench(testdriver, tmp_path):
+    """Every stage runs: the probe, the daemon end to end, a behaviour test
+    (stage 3 on the test driver only when asked) and the bench."""
+    p, rows = run_check(testdriver, tmp_path, GPU_CHECK_BENCH="allocate64",
+                        GPU_CHECK_TESTS="tests/cuda/test_testdriver.py::test_granularity_alignment_and_offset_zero")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert any(line.startswith("PASS: kvcached CUDA path") for line in p.stdout.splitlines()), p.stdout
+    assert "FAIL" not in p.stdout and verdicts(rows, "DIFF") == [], p.stdout
+    assert seen(rows, IDENTITY).startswith("distinct per page; directory")
+    assert "1 passed" in seen(rows, "CUDA behaviour tests"), rows
+    assert seen(rows, "bench: Allocate(64").startswith("daemon warm ")
+    # the table: one markdown row per check, and the same checks the rows file has
+    table = [line for line in p.stdout.splitlines() if line.startswith("| ") and not line.startswith("| #")]
+    assert len(table) == len(rows) > 40
+
+
+def test_same_identity_fails_exactly_the_resume_assumption(testdriver, tmp_path):
+    p, rows = run_check(testdriver, tmp_path, KVCACHED_TESTDRV_FD_IDENTITY="same")
+    assert p.returncode == 1, p.stdout
+    assert verdicts(rows, "FAIL") == [IDENTITY], p.stdout
+    assert seen(rows, IDENTITY).startswith("the same for every export; directory")
+    assert any(line.startswith("FAIL: see the FAIL lines") for line in p.stdout.splitlines()), p.stdout
+
+
+def test_every_other_strictness_at_once_passes(testdriver, tmp_path):
+    """Copies that land at synchronize, two devices that are not peers,
+    hidden per-context memory with another process's memory taken, and
+    kvcached's A100 costs, all at once: every check still holds, the probe
+    measures the context, sees the other process's memory, refuses the peer
+    access and shows the costs."""
+    p, rows = run_check(testdriver, tmp_path, KVCACHED_TESTDRV_ASYNC="all", KVCACHED_TESTDRV_DEVICES="2",
+                        KVCACHED_TESTDRV_CONTEXT_BYTES="64M", KVCACHED_TESTDRV_OTHER_BYTES="128M",
+                        KVCACHED_TESTDRV_COST="a100")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert verdicts(rows, "FAIL") == [] and verdicts(rows, "DIFF") == [], p.stdout
+    assert seen(rows, "a context's own device memory") == "64 MiB for another process's primary context"
+    assert seen(rows, "device memory in use before").startswith("192 MiB of 1024 MiB")  # our context + the other process
+    assert seen(rows, "access for device 1").startswith("cuMemSetAccess: CUDA_ERROR_INVALID_DEVICE")
+    costs = dict(part.rsplit(" ", 1) for part in seen(rows, "cost per 2 MiB page").split(", "))
+    assert float(costs["Create"]) >= 193 and float(costs["SetAccess"]) >= 36 and float(costs["Unmap"]) >= 26, costs
+
+
+def test_lenient_driver_shows_as_model_differences(testdriver, tmp_path):
+    """On the driver before issue 17 the project's assumptions still hold
+    (exit 0), but gpu-check names where that driver differs from the model
+    a strict driver follows: that is how a real GPU's differences show."""
+    p, rows = run_check(testdriver, tmp_path, KVCACHED_TESTDRV_STRICT="lenient", KVCACHED_TESTDRV_DEVICES="2")
+    assert p.returncode == 0, p.stdout
+    assert verdicts(rows, "FAIL") == []
+    assert seen(rows, "access for device 1").startswith("cuMemSetAccess: CUDA_SUCCESS")  # all devices peers
+    assert sorted(verdicts(rows, "DIFF")) == ["driver calls in a fork()ed child", "exported fd gives no page bytes (read/mmap)"], rows
+    assert "the CUDA test driver's model differs from this driver" in p.stdout

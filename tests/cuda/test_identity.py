@@ -1,0 +1,142 @@
+"""Page identity for resume under both identity modes of the test driver
+(issue 17 item 3; docs/cuda.md, "Page identity").
+
+A restarted daemon adopts the pages a returning client re-sends; it checks
+each fd against the identity its journal recorded (today: the fd's fstat
+(st_dev, st_ino)). With KVCACHED_TESTDRV_FD_IDENTITY=distinct (one inode
+per page) a client that sends the wrong fd for a page is refused. With
+`same` (every export one inode, as an fd of the real driver's device node
+would be) the check cannot tell pages apart: the daemon adopts whatever
+page the fd names under the id the client claims. Since part B of issue 17
+the daemon first asks whether fds identify pages at all (two of its own
+pages, compared) and, where they do not, refuses a resume with pages
+instead of being fooled (docs/cuda.md, "Page identity").
+"""
+
+from __future__ import annotations
+
+import signal
+
+import grpc
+import pytest
+
+from kvcached_service import fdchannel
+from kvtest import assert_books
+from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
+from kvcached_service._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
+
+
+def _resume(d, sid, token, ids, fds):
+    import socket
+
+    ch = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ch.connect(d.fd_socket)
+    try:
+        hello = fdchannel.recv_record(ch)
+        fdchannel.send_record(ch, fdchannel.encode_adopt(sid, 0, len(ids), ids), fds)
+        stub = pb_grpc.KVCachedStub(grpc.insecure_channel(f"unix:{d.socket}"))
+        return stub.ResumeSession(
+            pb.ResumeSessionRequest(channel_secret=hello.secret, session_id=sid, resume_token=token, page_ids=ids), timeout=10
+        )
+    finally:
+        ch.close()
+
+
+def _swapped_claim(daemon_factory, tmp_path, mode):
+    state = str(tmp_path / "state")
+    env = {"KVCACHED_TESTDRV_FD_IDENTITY": mode} if mode else {}
+    d = daemon_factory("cuda", env=env, state_dir=state)
+    c = d.client()
+    s = c.open_session("a")
+    resp, fds = s.allocate_fds(2)
+    sid, token, ids = s.id, s.resume_token, list(resp.page_ids)
+    s._closed = True  # we play the client: no automatic resume
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    d2 = daemon_factory("cuda", env=env, socket=d.socket, state_dir=state)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            _resume(d2, sid, token, ids, [fds[1], fds[0]])  # each page claimed with the other's fd
+        return info.value
+    finally:
+        fdchannel.close_fds(fds)
+        c.close()
+
+
+def test_resume_refuses_another_pages_fd_with_distinct_identity(daemon_factory, tmp_path):
+    err = _swapped_claim(daemon_factory, tmp_path, "distinct")
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED, err.details()
+    assert "is not the page the journal recorded" in err.details()
+
+
+def test_resume_with_same_identity_is_refused_not_fooled(daemon_factory, tmp_path):
+    """`same`: the daemon sees that its own two pages have one identity,
+    so it cannot match a re-sent fd to a page: the swapped claim is refused
+    (FAILED_PRECONDITION naming why), nothing is adopted, and the session is
+    forgotten, so a retry is told so instead of trying again."""
+    err = _swapped_claim(daemon_factory, tmp_path, "same")
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err.details()
+    assert "every exported page fd has the same identity" in err.details(), err.details()
+
+
+@pytest.mark.parametrize("mode,prealloc", [("distinct", "0"), ("same", "0"), ("same", "8MiB"), ("file", "0")])
+def test_honest_resume_per_identity_mode(daemon_factory, tmp_path, mode, prealloc):
+    """The client's own fds in the right order: adopted where fds identify
+    pages (distinct, file), refused in `same` (the daemon cannot tell an
+    honest claim from a swapped one). The identity question is answered
+    with the daemon's own warm pages when it has two, else with two pages
+    made and released for it (the fixture's leak report must stay clean);
+    the daemon keeps serving new sessions either way."""
+    state = str(tmp_path / "state")
+    env = {"KVCACHED_TESTDRV_FD_IDENTITY": mode}
+    d = daemon_factory("cuda", env=env, state_dir=state)
+    c = d.client()
+    s = c.open_session("a")
+    resp, fds = s.allocate_fds(2)
+    sid, token, ids = s.id, s.resume_token, list(resp.page_ids)
+    s._closed = True
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    d2 = daemon_factory("cuda", env=env, socket=d.socket, state_dir=state, prealloc=prealloc)
+    try:
+        if mode == "same":
+            with pytest.raises(grpc.RpcError) as info:
+                _resume(d2, sid, token, ids, fds)
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value.details()
+            assert "same identity" in info.value.details()
+            assert "resumes with pages are refused" in d2.log_text()
+            # forgotten: a retry is told the session is gone, and why
+            with pytest.raises(grpc.RpcError) as again:
+                _resume(d2, sid, token, ids, fds)
+            assert again.value.code() == grpc.StatusCode.NOT_FOUND, again.value.details()
+            assert "do not identify their pages" in again.value.details()
+        else:
+            r = _resume(d2, sid, token, ids, fds)
+            assert r.pages_adopted == 2 and r.pages_forgotten == 0, r
+            assert "exported fds identify their pages" in d2.log_text()
+        with d2.client() as c2:
+            with c2.open_session("b") as s2:  # fds only: this process's driver is in the default mode
+                _, bfds = s2.allocate_fds(2)
+                assert len(bfds) == 2
+                fdchannel.close_fds(bfds)
+            st = c2.stats()
+        # the resumed session ended with _resume's channel: adopted pages went
+        # back to the pool and served "b"; refused ones were never booked
+        assert st.total.pages_in_use == 0, st.total
+        if mode != "same":
+            assert (st.total.pages_pooled, st.total.pages_created_total) == (2, 0), st.total
+        assert_books(st)
+    finally:
+        fdchannel.close_fds(fds)
+        c.close()
+
+
+def test_swapped_claim_is_refused_on_this_driver(daemon_factory, tmp_path):
+    """No knob: whatever the driver's exports are (the real driver's are
+    unknown), a claim with another page's fd is never adopted: refused as
+    not the journal's page where fds identify pages, refused outright where
+    they do not."""
+    err = _swapped_claim(daemon_factory, tmp_path, None)
+    assert err.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION), err.details()
+    assert ("is not the page the journal recorded" in err.details()
+            or "every exported page fd has the same identity" in err.details()), err.details()
