@@ -15,6 +15,7 @@
 #   6. the patched sources compiled without the C client (pass-throughs), also
 #      cached by hash
 #   7. pytest tests/llama
+#   8. scripts/build-hook-cuda.sh: the hook compiled with GGML_CUDA=ON (NVIDIA's PyPI wheels)
 # Exits non-zero on any failure. Nothing from llama.cpp lands in the repository.
 set -euo pipefail
 
@@ -154,5 +155,11 @@ export LLAMA_QUANTIZE_KVC="$B/build-kvc/bin/llama-quantize"
 export LLAMA_CPP_ORIG="$ORIG"
 status=0
 "$PY" -m pytest -v -p no:cacheprovider tests/llama "$@" || status=$?
+
+# 8. the hook compiled in llama.cpp's CUDA configuration with NVIDIA's wheels
+#    from PyPI (issue 17 item 6; compiled, not run: no GPU here). Cached by
+#    input hash: about 10 min cold on 2 cores, under a second warm.
+step "the hook in llama.cpp's CUDA configuration (scripts/build-hook-cuda.sh)"
+scripts/build-hook-cuda.sh || status=$?
 step "done (exit $status)"
 exit $status
