@@ -167,7 +167,7 @@ size_t kvc_fd_encode_allocate(uint8_t *buf, size_t cap, uint64_t req_id, uint32_
 size_t kvc_fd_encode_free(uint8_t *buf, size_t cap, uint64_t req_id, const uint64_t *page_ids,
                           uint32_t count)
 {
-    if (!buf || !page_ids || count == 0 || count > KVC_FD_MAX_FREE_IDS)
+    if (!buf || (!page_ids && count) || count > KVC_FD_MAX_FREE_IDS) /* count 0: well formed (the daemon refuses it) */
         return 0;
     uint32_t payload = KVC_FD_FREE_FIXED + 8u * count;
     size_t len = KVC_FD_HEADER_SIZE + payload;
@@ -211,8 +211,114 @@ size_t kvc_fd_encode_answer(uint8_t *buf, size_t cap, uint64_t req_id, uint64_t 
     return len;
 }
 
+static const char *type_name(uint16_t type)
+{
+    switch (type) {
+    case KVC_FD_ADOPT: return "ADOPT";
+    case KVC_FD_ALLOCATE: return "ALLOCATE";
+    case KVC_FD_FREE: return "FREE";
+    case KVC_FD_CLOSE: return "CLOSE";
+    case KVC_FD_ANSWER: return "ANSWER";
+    default: return "?";
+    }
+}
+
+static int is_request(uint16_t type)
+{
+    return type == KVC_FD_ALLOCATE || type == KVC_FD_FREE || type == KVC_FD_CLOSE ||
+           type == KVC_FD_ANSWER;
+}
+
+/* A request record (header sound, payload p of plen bytes): no req_id is a
+ * protocol error, every later fault a malformed request (the daemon's
+ * messages, kvcached_service/fdchannel.py _decode_request). */
+static kvc_status decode_request(uint16_t type, const uint8_t *p, uint32_t plen, size_t num_fds,
+                                 kvc_fd_record *out, uint64_t *req_id, char *err, size_t err_len)
+{
+    const char *name = type_name(type);
+    if (plen < 8) {
+        set_err(err, err_len, "%s record of %u payload bytes has no req_id", name, plen);
+        return KVC_ERR_PROTOCOL;
+    }
+    uint64_t req = get64(p);
+    out->req_id = req;
+    if (req_id)
+        *req_id = req;
+#define MALFORMED(...)                                                              \
+    do {                                                                            \
+        char fault_[256];                                                           \
+        snprintf(fault_, sizeof fault_, __VA_ARGS__);                               \
+        set_err(err, err_len, "malformed %s record: %s", name, fault_);             \
+        return KVC_ERR_INVALID_ARGUMENT;                                            \
+    } while (0)
+    if (num_fds)
+        MALFORMED("carries descriptors (%zu); requests carry none", num_fds);
+    switch (type) {
+    case KVC_FD_ALLOCATE: {
+        if (plen < KVC_FD_ALLOCATE_FIXED)
+            MALFORMED("%u payload bytes, fewer than its fixed %u", plen, KVC_FD_ALLOCATE_FIXED);
+        uint32_t dev_len = get32(p + 20);
+        if ((uint64_t)plen != (uint64_t)KVC_FD_ALLOCATE_FIXED + dev_len)
+            MALFORMED("device_len %u but %u bytes of device", dev_len, plen - KVC_FD_ALLOCATE_FIXED);
+        out->num_pages = get32(p + 8);
+        out->flags = get32(p + 12);
+        out->wait_timeout_ms = get32(p + 16);
+        size_t n = dev_len > KVC_FD_MAX_MESSAGE ? KVC_FD_MAX_MESSAGE : dev_len;
+        memcpy(out->device, p + KVC_FD_ALLOCATE_FIXED, n);
+        out->device[n] = 0;
+        return KVC_OK;
+    }
+    case KVC_FD_FREE: {
+        if (plen < KVC_FD_FREE_FIXED)
+            MALFORMED("%u payload bytes, fewer than its fixed %u", plen, KVC_FD_FREE_FIXED);
+        uint32_t count = get32(p + 8);
+        if (count > KVC_FD_MAX_FREE_IDS)
+            MALFORMED("%u page ids, more than %u", count, KVC_FD_MAX_FREE_IDS);
+        if ((uint64_t)plen != (uint64_t)KVC_FD_FREE_FIXED + 8ull * count)
+            MALFORMED("count %u but %u bytes of page ids", count, plen - KVC_FD_FREE_FIXED);
+        out->count = count;
+        out->free_ids = p + KVC_FD_FREE_FIXED;
+        return KVC_OK;
+    }
+    case KVC_FD_CLOSE:
+        if (plen != 8)
+            MALFORMED("%u payload bytes, not 8", plen);
+        return KVC_OK;
+    default: { /* ANSWER */
+        if (plen < KVC_FD_ANSWER_FIXED)
+            MALFORMED("%u payload bytes, fewer than its fixed %u", plen, KVC_FD_ANSWER_FIXED);
+        uint32_t rlen = plen - KVC_FD_ANSWER_FIXED;
+        if (rlen > KVC_FD_MAX_REASON)
+            MALFORMED("a reason of %u bytes, more than %u", rlen, KVC_FD_MAX_REASON);
+        out->reclaim_id = get64(p + 8);
+        out->bytes_given = get64(p + 16);
+        out->bytes_kept = get64(p + 24);
+        memcpy(out->reason, p + KVC_FD_ANSWER_FIXED, rlen);
+        out->reason[rlen] = 0;
+        return KVC_OK;
+    }
+    }
+#undef MALFORMED
+}
+
 kvc_status kvc_fd_decode(const uint8_t *buf, size_t len, const int *fds, size_t num_fds,
                          kvc_fd_record *out, char *err, size_t err_len)
+{
+    uint64_t req = 0;
+    kvc_status st = kvc_fd_decode_any(buf, len, fds, num_fds, out, &req, err, err_len);
+    if (st == KVC_ERR_INVALID_ARGUMENT)
+        return KVC_ERR_PROTOCOL; /* err already names the fault */
+    if (st == KVC_OK && out->type >= KVC_FD_ADOPT && out->type <= KVC_FD_ANSWER &&
+        out->type != KVC_FD_REPLY) {
+        out->num_fds = 0; /* the caller still owns (and closes) the fds */
+        set_err(err, err_len, "a %s record, which only clients send", type_name(out->type));
+        return KVC_ERR_PROTOCOL;
+    }
+    return st;
+}
+
+kvc_status kvc_fd_decode_any(const uint8_t *buf, size_t len, const int *fds, size_t num_fds,
+                             kvc_fd_record *out, uint64_t *req_id, char *err, size_t err_len)
 {
     if (!buf || !out) {
         set_err(err, err_len, "null record");
@@ -242,6 +348,8 @@ kvc_status kvc_fd_decode(const uint8_t *buf, size_t len, const int *fds, size_t 
     const uint8_t *p = buf + KVC_FD_HEADER_SIZE;
     out->type = type;
     out->num_fds = 0;
+    if (is_request(type))
+        return decode_request(type, p, plen, num_fds, out, req_id, err, err_len);
     switch (type) {
     case KVC_FD_HELLO:
         if (plen != KVC_FD_HELLO_SIZE || num_fds) {
@@ -255,16 +363,18 @@ kvc_status kvc_fd_decode(const uint8_t *buf, size_t len, const int *fds, size_t 
         out->max_fds = get32(p + 20);
         memcpy(out->secret, p + 24, KVC_FD_SECRET_SIZE);
         return KVC_OK;
-    case KVC_FD_PAGES: {
+    case KVC_FD_PAGES:
+    case KVC_FD_ADOPT: {
+        const char *name = type == KVC_FD_PAGES ? "PAGES" : "ADOPT";
         if (plen < KVC_FD_PAGES_FIXED) {
-            set_err(err, err_len, "PAGES record too short (%u bytes)", plen);
+            set_err(err, err_len, "%s record too short (%u bytes)", name, plen);
             return KVC_ERR_PROTOCOL;
         }
         uint32_t count = get32(p + 12);
         if (count == 0 || count > KVC_FD_MAX_FDS || count != num_fds ||
             (uint64_t)plen != KVC_FD_PAGES_FIXED + 8ull * count) {
-            set_err(err, err_len, "PAGES record says %u pages, carries %zu fds and %u bytes", count,
-                    num_fds, plen);
+            set_err(err, err_len, "%s record says %u pages, carries %zu fds and %u bytes", name,
+                    count, num_fds, plen);
             return KVC_ERR_PROTOCOL;
         }
         out->allocation_id = get64(p);
@@ -272,8 +382,8 @@ kvc_status kvc_fd_decode(const uint8_t *buf, size_t len, const int *fds, size_t 
         out->count = count;
         out->total = get32(p + 16);
         if ((uint64_t)out->first_index + count > out->total) {
-            set_err(err, err_len, "PAGES record [%u, %u) lies past its allocation's %u pages",
-                    out->first_index, out->first_index + count, out->total);
+            set_err(err, err_len, "%s record [%u, %llu) lies past its allocation's %u pages", name,
+                    out->first_index, (unsigned long long)out->first_index + count, out->total);
             return KVC_ERR_PROTOCOL;
         }
         for (uint32_t i = 0; i < count; i++) {

@@ -73,14 +73,37 @@ typedef struct kvc_fd_record {
     uint64_t req_id;
     uint64_t value;
     char message[KVC_FD_MAX_MESSAGE + 1];
+    /* Requests (client to daemon; kvc_fd_decode_any only). ADOPT uses the
+     * PAGES fields (allocation_id = the session id). ALLOCATE: num_pages,
+     * flags (raw), wait_timeout_ms, device. FREE: count and the ids' bytes
+     * (free_ids: 8 * count little-endian bytes inside the decoded buffer,
+     * valid while it is). ANSWER: reclaim_id, bytes_given, bytes_kept,
+     * reason (as sent, NUL-terminated). */
+    uint32_t num_pages, flags, wait_timeout_ms;
+    char device[KVC_FD_MAX_MESSAGE + 1];
+    const uint8_t *free_ids;
+    uint64_t reclaim_id, bytes_given, bytes_kept;
+    char reason[KVC_FD_MAX_REASON + 1];
 } kvc_fd_record;
 
-/* Parse one record from `buf`. `fds` are the descriptors that came with it
- * (copied into the record on success; on failure the caller still owns
- * and must close them). Returns KVC_OK or KVC_ERR_PROTOCOL with `err`
- * saying why. */
+/* Parse one record from `buf` as a client receives it (docs/protocol.md
+ * "Framing"). `fds` are the descriptors that came with it (copied into the
+ * record on success; on failure the caller still owns and must close
+ * them). Returns KVC_OK or KVC_ERR_PROTOCOL with `err` saying why: every
+ * malformed record is a protocol error for a client, and so is any record
+ * of a type only clients send (ADOPT, ALLOCATE, FREE, CLOSE, ANSWER), well
+ * formed or not (clients never receive requests). */
 kvc_status kvc_fd_decode(const uint8_t *buf, size_t len, const int *fds, size_t num_fds,
                          kvc_fd_record *out, char *err, size_t err_len);
+
+/* Parse any record, of either direction, and classify a malformed one as
+ * the spec does (fdchannel.spec.json on_malformed_request /
+ * on_protocol_error): KVC_OK; KVC_ERR_INVALID_ARGUMENT for a malformed
+ * request whose req_id can be read (*req_id set; `err` is the daemon's
+ * REPLY message, "malformed FREE record: ..."); KVC_ERR_PROTOCOL for the
+ * rest. For the codec tests (the shared vectors) and fake daemons. */
+kvc_status kvc_fd_decode_any(const uint8_t *buf, size_t len, const int *fds, size_t num_fds,
+                             kvc_fd_record *out, uint64_t *req_id, char *err, size_t err_len);
 
 /* Encoders (the daemon's side; used by tests and the fake peers in them).
  * Return the record length written to `buf` (capacity `cap`), 0 if it does

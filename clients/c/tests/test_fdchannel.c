@@ -250,7 +250,9 @@ static void test_request_vectors(void)
     uint64_t ids[2] = {7, 0x1122334455667788ull};
     n = kvc_fd_encode_free(buf, sizeof buf, 9, ids, 2);
     CHECK(n == sizeof fr && memcmp(buf, fr, sizeof fr) == 0);
-    CHECK(kvc_fd_encode_free(buf, sizeof buf, 9, ids, 0) == 0);
+    /* count 0 is well formed (the daemon answers it INVALID_ARGUMENT) */
+    CHECK(kvc_fd_encode_free(buf, sizeof buf, 9, NULL, 0) == 16 + 16);
+    CHECK(kvc_fd_encode_free(buf, sizeof buf, 9, NULL, 1) == 0);
     /* the largest FREE: 16384 ids, 131104 bytes (as Python's), no more */
     static uint64_t many[KVC_FD_MAX_FREE_IDS + 1];
     static uint8_t big[KVC_FD_MAX_CLIENT_RECORD + 8];
@@ -323,7 +325,506 @@ static void test_request_vectors(void)
     close(sv[1]);
 }
 
-int main(void)
+/* ---- the shared vectors: protos/kvcached/v1/fdchannel.vectors.json ----
+ * A tiny JSON reader (objects, arrays, strings with escapes, numbers,
+ * true/false/null): enough for the vectors file, no dependency. */
+
+typedef struct jv {
+    enum { J_NULL, J_BOOL, J_NUM, J_STR, J_ARR, J_OBJ } t;
+    double num;
+    int b;
+    char *str;          /* J_STR (UTF-8, NUL-terminated; len below) */
+    size_t len;
+    struct jv **items;  /* J_ARR / J_OBJ values */
+    char **keys;        /* J_OBJ */
+    size_t n;
+} jv;
+
+static const char *jp;
+static int jerr;
+
+static void jws(void)
+{
+    while (*jp == ' ' || *jp == '\n' || *jp == '\r' || *jp == '\t')
+        jp++;
+}
+
+static void jput(char **b, size_t *len, size_t *cap, unsigned c)
+{
+    if (*len + 5 > *cap) {
+        *cap = *cap * 2 + 16;
+        *b = realloc(*b, *cap);
+    }
+    (*b)[(*len)++] = (char)c;
+}
+
+static void jput_utf8(char **b, size_t *len, size_t *cap, unsigned cp)
+{
+    if (cp < 0x80) {
+        jput(b, len, cap, cp);
+    } else if (cp < 0x800) {
+        jput(b, len, cap, 0xC0 | (cp >> 6));
+        jput(b, len, cap, 0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+        jput(b, len, cap, 0xE0 | (cp >> 12));
+        jput(b, len, cap, 0x80 | ((cp >> 6) & 0x3F));
+        jput(b, len, cap, 0x80 | (cp & 0x3F));
+    } else {
+        jput(b, len, cap, 0xF0 | (cp >> 18));
+        jput(b, len, cap, 0x80 | ((cp >> 12) & 0x3F));
+        jput(b, len, cap, 0x80 | ((cp >> 6) & 0x3F));
+        jput(b, len, cap, 0x80 | (cp & 0x3F));
+    }
+}
+
+static unsigned jhex4(void)
+{
+    unsigned v = 0;
+    for (int i = 0; i < 4; i++, jp++) {
+        char c = *jp;
+        v <<= 4;
+        if (c >= '0' && c <= '9') v |= (unsigned)(c - '0');
+        else if (c >= 'a' && c <= 'f') v |= (unsigned)(c - 'a' + 10);
+        else if (c >= 'A' && c <= 'F') v |= (unsigned)(c - 'A' + 10);
+        else jerr = 1;
+    }
+    return v;
+}
+
+static char *jstring(size_t *out_len)
+{
+    size_t len = 0, cap = 16;
+    char *b = malloc(cap);
+    jp++; /* opening quote */
+    while (*jp && *jp != '"') {
+        if (*jp != '\\') {
+            jput(&b, &len, &cap, (unsigned char)*jp++);
+            continue;
+        }
+        jp++;
+        char e = *jp++;
+        switch (e) {
+        case '"': jput(&b, &len, &cap, '"'); break;
+        case '\\': jput(&b, &len, &cap, '\\'); break;
+        case '/': jput(&b, &len, &cap, '/'); break;
+        case 'b': jput(&b, &len, &cap, '\b'); break;
+        case 'f': jput(&b, &len, &cap, '\f'); break;
+        case 'n': jput(&b, &len, &cap, '\n'); break;
+        case 'r': jput(&b, &len, &cap, '\r'); break;
+        case 't': jput(&b, &len, &cap, '\t'); break;
+        case 'u': {
+            unsigned cp = jhex4();
+            if (cp >= 0xD800 && cp < 0xDC00 && jp[0] == '\\' && jp[1] == 'u') {
+                jp += 2;
+                unsigned lo = jhex4();
+                cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+            }
+            jput_utf8(&b, &len, &cap, cp);
+            break;
+        }
+        default: jerr = 1;
+        }
+    }
+    if (*jp != '"')
+        jerr = 1;
+    else
+        jp++;
+    b[len] = 0;
+    *out_len = len;
+    return b;
+}
+
+static jv *jvalue(void);
+
+static jv *jnew(int t)
+{
+    jv *v = calloc(1, sizeof *v);
+    v->t = t;
+    return v;
+}
+
+static jv *jvalue(void)
+{
+    jws();
+    jv *v;
+    if (*jp == '{' || *jp == '[') {
+        int obj = *jp == '{';
+        v = jnew(obj ? J_OBJ : J_ARR);
+        jp++;
+        jws();
+        if (*jp == (obj ? '}' : ']')) {
+            jp++;
+            return v;
+        }
+        for (;;) {
+            char *key = NULL;
+            if (obj) {
+                jws();
+                size_t kl;
+                if (*jp != '"') { jerr = 1; return v; }
+                key = jstring(&kl);
+                jws();
+                if (*jp++ != ':') { jerr = 1; free(key); return v; }
+            }
+            jv *item = jvalue();
+            v->items = realloc(v->items, (v->n + 1) * sizeof *v->items);
+            v->keys = realloc(v->keys, (v->n + 1) * sizeof *v->keys);
+            v->items[v->n] = item;
+            v->keys[v->n] = key;
+            v->n++;
+            jws();
+            if (*jp == ',') { jp++; continue; }
+            if (*jp == (obj ? '}' : ']')) { jp++; return v; }
+            jerr = 1;
+            return v;
+        }
+    }
+    if (*jp == '"') {
+        v = jnew(J_STR);
+        v->str = jstring(&v->len);
+        return v;
+    }
+    if (!strncmp(jp, "true", 4) || !strncmp(jp, "false", 5)) {
+        v = jnew(J_BOOL);
+        v->b = *jp == 't';
+        jp += v->b ? 4 : 5;
+        return v;
+    }
+    if (!strncmp(jp, "null", 4)) {
+        jp += 4;
+        return jnew(J_NULL);
+    }
+    char *end;
+    v = jnew(J_NUM);
+    v->num = strtod(jp, &end);
+    if (end == jp)
+        jerr = 1;
+    jp = end;
+    return v;
+}
+
+static void jfree(jv *v)
+{
+    if (!v)
+        return;
+    for (size_t i = 0; i < v->n; i++) {
+        jfree(v->items[i]);
+        if (v->keys)
+            free(v->keys[i]);
+    }
+    free(v->items);
+    free(v->keys);
+    free(v->str);
+    free(v);
+}
+
+static jv *jget(const jv *o, const char *key)
+{
+    if (!o || o->t != J_OBJ)
+        return NULL;
+    for (size_t i = 0; i < o->n; i++)
+        if (!strcmp(o->keys[i], key))
+            return o->items[i];
+    return NULL;
+}
+
+static const char *jstr(const jv *o, const char *key)
+{
+    const jv *v = jget(o, key);
+    return v && v->t == J_STR ? v->str : "";
+}
+
+static uint64_t ju64(const jv *v) /* u64 values are decimal strings; small ones numbers */
+{
+    if (!v)
+        return ~0ull;
+    if (v->t == J_STR)
+        return strtoull(v->str, NULL, 10);
+    return (uint64_t)v->num;
+}
+
+static size_t unhex(const char *h, uint8_t *out, size_t cap)
+{
+    size_t n = strlen(h) / 2;
+    if (n > cap)
+        return (size_t)-1;
+    for (size_t i = 0; i < n; i++) {
+        unsigned x;
+        sscanf(h + 2 * i, "%2x", &x);
+        out[i] = (uint8_t)x;
+    }
+    return n;
+}
+
+/* The C client keeps message bytes as the daemon sent them; the vectors
+ * give Python's reading (invalid UTF-8 replaced by U+FFFD). Compare the
+ * same way: each byte that does not begin a valid sequence reads as U+FFFD. */
+static void utf8_replace(const char *in, char *out, size_t cap)
+{
+    const unsigned char *p = (const unsigned char *)in;
+    size_t o = 0;
+    while (*p && o + 4 < cap) {
+        int n = *p < 0x80 ? 1 : (*p >> 5) == 6 ? 2 : (*p >> 4) == 14 ? 3 : (*p >> 3) == 30 ? 4 : 0;
+        int ok = n > 0;
+        for (int i = 1; ok && i < n; i++)
+            ok = (p[i] & 0xC0) == 0x80;
+        if (ok) {
+            memcpy(out + o, p, (size_t)n);
+            o += (size_t)n;
+            p += n;
+        } else {
+            memcpy(out + o, "\xEF\xBF\xBD", 3);
+            o += 3;
+            p++;
+        }
+    }
+    out[o] = 0;
+}
+
+static const char *rec_type_name(uint16_t t)
+{
+    static const char *names[] = {"?",    "HELLO", "PAGES", "ERROR", "GOODBYE", "ADOPT",
+                                  "ALLOCATE", "FREE", "CLOSE", "REPLY", "ANSWER"};
+    return t <= 10 ? names[t] : "?";
+}
+
+static int vec_failures;
+#define VCHECK(name, cond)                                                              \
+    do {                                                                                \
+        if (!(cond)) {                                                                  \
+            fprintf(stderr, "vector %s: CHECK failed: %s (line %d)\n", name, #cond, __LINE__); \
+            failures++;                                                                 \
+            vec_failures++;                                                             \
+        }                                                                               \
+    } while (0)
+
+/* Every field the vector's record names must be what the C decoder read. */
+static void check_record_fields(const char *name, const jv *want, const kvc_fd_record *r)
+{
+    for (size_t i = 0; i < want->n; i++) {
+        const char *k = want->keys[i];
+        const jv *v = want->items[i];
+        if (!strcmp(k, "type")) {
+            VCHECK(name, !strcmp(v->str, rec_type_name(r->type)));
+        } else if (!strcmp(k, "channel_id")) {
+            VCHECK(name, r->channel_id == ju64(v));
+        } else if (!strcmp(k, "allocation_id") || !strcmp(k, "session_id")) {
+            VCHECK(name, r->allocation_id == ju64(v));
+        } else if (!strcmp(k, "req_id")) {
+            VCHECK(name, r->req_id == ju64(v));
+        } else if (!strcmp(k, "value")) {
+            VCHECK(name, r->value == ju64(v));
+        } else if (!strcmp(k, "reclaim_id")) {
+            VCHECK(name, r->reclaim_id == ju64(v));
+        } else if (!strcmp(k, "bytes_given")) {
+            VCHECK(name, r->bytes_given == ju64(v));
+        } else if (!strcmp(k, "bytes_kept")) {
+            VCHECK(name, r->bytes_kept == ju64(v));
+        } else if (!strcmp(k, "pid")) {
+            VCHECK(name, r->pid == ju64(v));
+        } else if (!strcmp(k, "uid")) {
+            VCHECK(name, r->uid == ju64(v));
+        } else if (!strcmp(k, "gid")) {
+            VCHECK(name, r->gid == ju64(v));
+        } else if (!strcmp(k, "max_fds")) {
+            VCHECK(name, r->max_fds == ju64(v));
+        } else if (!strcmp(k, "first_index")) {
+            VCHECK(name, r->first_index == ju64(v));
+        } else if (!strcmp(k, "count")) {
+            VCHECK(name, r->count == ju64(v));
+        } else if (!strcmp(k, "total")) {
+            VCHECK(name, r->total == ju64(v));
+        } else if (!strcmp(k, "num_pages")) {
+            VCHECK(name, r->num_pages == ju64(v));
+        } else if (!strcmp(k, "flags")) {
+            VCHECK(name, r->flags == ju64(v));
+        } else if (!strcmp(k, "wait")) {
+            VCHECK(name, !!(r->flags & KVC_FD_ALLOC_WAIT) == v->b);
+        } else if (!strcmp(k, "notify")) {
+            VCHECK(name, !!(r->flags & KVC_FD_ALLOC_NOTIFY) == v->b);
+        } else if (!strcmp(k, "wait_timeout_ms")) {
+            VCHECK(name, r->wait_timeout_ms == ju64(v));
+        } else if (!strcmp(k, "code")) {
+            VCHECK(name, r->error_code == ju64(v));
+        } else if (!strcmp(k, "secret")) {
+            uint8_t sec[KVC_FD_SECRET_SIZE];
+            VCHECK(name, unhex(v->str, sec, sizeof sec) == KVC_FD_SECRET_SIZE &&
+                             !memcmp(sec, r->secret, KVC_FD_SECRET_SIZE));
+        } else if (!strcmp(k, "page_ids")) {
+            VCHECK(name, v->t == J_ARR);
+            for (size_t j = 0; j < v->n; j++) {
+                uint64_t id = r->type == KVC_FD_FREE ? 0 : r->page_ids[j];
+                if (r->type == KVC_FD_FREE)
+                    for (int b = 7; b >= 0; b--)
+                        id = (id << 8) | r->free_ids[8 * j + (size_t)b];
+                VCHECK(name, id == ju64(v->items[j]));
+            }
+        } else if (!strcmp(k, "message") || !strcmp(k, "device") || !strcmp(k, "reason")) {
+            const char *got = !strcmp(k, "message") ? r->message
+                              : !strcmp(k, "device") ? r->device : r->reason;
+            static char norm[2 * KVC_FD_MAX_MESSAGE + 8];
+            utf8_replace(got, norm, sizeof norm);
+            VCHECK(name, !strcmp(norm, v->str));
+        } else {
+            fprintf(stderr, "vector %s: field %s is not checked by this test\n", name, k);
+            failures++;
+            vec_failures++;
+        }
+    }
+}
+
+/* Re-encode a canonical record with the C encoders: the same bytes. */
+static size_t reencode(const kvc_fd_record *r, uint8_t *buf, size_t cap)
+{
+    switch (r->type) {
+    case KVC_FD_HELLO:
+        return kvc_fd_encode_hello(buf, cap, r->channel_id, r->pid, r->uid, r->gid, r->max_fds,
+                                   r->secret);
+    case KVC_FD_PAGES:
+        return kvc_fd_encode_pages(buf, cap, r->allocation_id, r->first_index, r->total,
+                                   r->page_ids, r->count);
+    case KVC_FD_ADOPT:
+        return kvc_fd_encode_adopt(buf, cap, r->allocation_id, r->first_index, r->total,
+                                   r->page_ids, r->count);
+    case KVC_FD_ERROR:
+        return kvc_fd_encode_error(buf, cap, r->error_code, r->message);
+    case KVC_FD_GOODBYE:
+        return kvc_fd_encode_goodbye(buf, cap);
+    case KVC_FD_REPLY:
+        return kvc_fd_encode_reply(buf, cap, r->req_id, r->error_code, r->value, r->message);
+    case KVC_FD_ALLOCATE:
+        return kvc_fd_encode_allocate(buf, cap, r->req_id, r->num_pages, r->flags,
+                                      r->wait_timeout_ms, r->device);
+    case KVC_FD_FREE: {
+        static uint64_t ids[KVC_FD_MAX_FREE_IDS];
+        for (uint32_t j = 0; j < r->count; j++) {
+            uint64_t id = 0;
+            for (int b = 7; b >= 0; b--)
+                id = (id << 8) | r->free_ids[8 * j + (size_t)b];
+            ids[j] = id;
+        }
+        return kvc_fd_encode_free(buf, cap, r->req_id, r->count ? ids : NULL, r->count);
+    }
+    case KVC_FD_CLOSE:
+        return kvc_fd_encode_close(buf, cap, r->req_id);
+    case KVC_FD_ANSWER:
+        return kvc_fd_encode_answer(buf, cap, r->req_id, r->reclaim_id, r->bytes_given,
+                                    r->bytes_kept, r->reason);
+    }
+    return 0;
+}
+
+static int fake_fds[300];
+
+static void test_shared_vectors(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "cannot open the shared vectors %s\n", path);
+        failures++;
+        return;
+    }
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *text = malloc((size_t)size + 1);
+    CHECK(fread(text, 1, (size_t)size, f) == (size_t)size);
+    text[size] = 0;
+    fclose(f);
+    jp = text;
+    jerr = 0;
+    jv *root = jvalue();
+    CHECK(!jerr && root->t == J_OBJ);
+    CHECK(ju64(jget(root, "version")) == 1);
+    for (int i = 0; i < 300; i++)
+        fake_fds[i] = 1000 + i;
+    static uint8_t bytes[KVC_FD_MAX_CLIENT_RECORD + 64], again[KVC_FD_MAX_CLIENT_RECORD + 64];
+    static kvc_fd_record r, rc;
+    static char e[512];
+    int positive = 0, protocol = 0, malformed = 0, unexpected = 0;
+    const jv *vecs = jget(root, "vectors");
+    CHECK(vecs && vecs->t == J_ARR && vecs->n > 0);
+    for (size_t i = 0; vecs && i < vecs->n; i++) {
+        const jv *vec = vecs->items[i];
+        const char *name = jstr(vec, "name");
+        size_t n = unhex(jstr(vec, "hex"), bytes, sizeof bytes);
+        size_t nfds = (size_t)ju64(jget(vec, "fds"));
+        VCHECK(name, n != (size_t)-1 && nfds <= 300);
+        const char *sent_by = jstr(vec, "sent_by");
+        const jv *want = jget(vec, "record");
+        uint64_t req = 0;
+        memset(&r, 0, sizeof r);
+        kvc_status st = kvc_fd_decode_any(bytes, n, fake_fds, nfds, &r, &req, e, sizeof e);
+        /* what a client does with it: only daemon records decode */
+        kvc_status cst = kvc_fd_decode(bytes, n, fake_fds, nfds, &rc, e + 256, 256);
+        if (want) {
+            positive++;
+            VCHECK(name, st == KVC_OK);
+            if (st != KVC_OK) {
+                fprintf(stderr, "vector %s: %s\n", name, e);
+                continue;
+            }
+            check_record_fields(name, want, &r);
+            if (!strcmp(sent_by, "daemon"))
+                VCHECK(name, cst == KVC_OK && rc.type == r.type);
+            else
+                VCHECK(name, cst == KVC_ERR_PROTOCOL && rc.num_fds == 0);
+            const jv *canon = jget(vec, "canonical");
+            if (canon && canon->b) {
+                size_t m = reencode(&r, again, sizeof again);
+                VCHECK(name, m == n && !memcmp(again, bytes, n));
+            }
+            continue;
+        }
+        const char *error = jstr(vec, "error");
+        VCHECK(name, !strcmp(jstr(vec, "client"), "close"));
+        VCHECK(name, cst == KVC_ERR_PROTOCOL); /* a client closes the channel on every one */
+        if (!strcmp(error, "protocol")) {
+            protocol++;
+            VCHECK(name, st == KVC_ERR_PROTOCOL);
+            VCHECK(name, !strcmp(jstr(vec, "daemon"), "close"));
+        } else {
+            malformed++;
+            VCHECK(name, !strcmp(error, "malformed_request"));
+            VCHECK(name, st == KVC_ERR_INVALID_ARGUMENT);
+            VCHECK(name, req == ju64(jget(vec, "req_id")));
+            const jv *reply = jget(vec, "reply");
+            VCHECK(name, ju64(jget(reply, "code")) == 3); /* INVALID_ARGUMENT */
+            VCHECK(name, !strcmp(e, jstr(reply, "message")));
+            if (strcmp(e, jstr(reply, "message")))
+                fprintf(stderr, "  C: \"%s\"\n  daemon: \"%s\"\n", e, jstr(reply, "message"));
+            VCHECK(name, !strcmp(jstr(vec, "daemon"), "reply"));
+        }
+    }
+    /* Well-formed records at the wrong end: a daemon drops them (they
+     * decode), a client's decoder refuses requests; a second HELLO decodes
+     * and the client's channel treats it as a protocol error (client.cc). */
+    const jv *unexp = jget(root, "unexpected");
+    CHECK(unexp && unexp->t == J_ARR && unexp->n > 0);
+    for (size_t i = 0; unexp && i < unexp->n; i++) {
+        const jv *u = unexp->items[i];
+        const char *name = jstr(u, "name");
+        size_t n = unhex(jstr(u, "hex"), bytes, sizeof bytes);
+        size_t nfds = (size_t)ju64(jget(u, "fds"));
+        unexpected++;
+        VCHECK(name, kvc_fd_decode_any(bytes, n, fake_fds, nfds, &r, NULL, e, sizeof e) == KVC_OK);
+        kvc_status cst = kvc_fd_decode(bytes, n, fake_fds, nfds, &rc, e, sizeof e);
+        if (!strcmp(jstr(u, "receiver"), "daemon")) {
+            VCHECK(name, !strcmp(jstr(u, "outcome"), "drop"));
+        } else {
+            VCHECK(name, !strcmp(jstr(u, "outcome"), "protocol_error"));
+            VCHECK(name, cst == KVC_ERR_PROTOCOL || (cst == KVC_OK && rc.type == KVC_FD_HELLO));
+        }
+    }
+    printf("shared vectors: %d positive, %d protocol errors, %d malformed requests, %d unexpected; "
+           "%d failed checks\n",
+           positive, protocol, malformed, unexpected, vec_failures);
+    CHECK(positive > 0 && protocol > 0 && malformed > 0 && unexpected > 0);
+    jfree(root);
+    free(text);
+}
+
+int main(int argc, char **argv)
 {
     test_hello_vector();
     test_pages_vector();
@@ -332,6 +833,7 @@ int main(void)
     test_request_vectors();
     test_malformed();
     test_transport();
+    test_shared_vectors(argc > 1 ? argv[1] : "protos/kvcached/v1/fdchannel.vectors.json");
     if (failures) {
         printf("0 passed, %d failed\n", failures);
         return 1;
