@@ -64,6 +64,9 @@ class PageIds:
         self._next = max(self._next, start)
 
 
+_COMING_WAIT_S = 5.0  # how long an Allocate waits for pages being zeroed/made, without progress
+
+
 class PageState(enum.Enum):
     POOLED = "pooled"
     ZEROING = "zeroing"
@@ -352,12 +355,24 @@ class DevicePool:
         state DELIVERING; the caller marks them HELD once their fds are sent.
         Raises Shortage when the budget cannot cover it right now."""
         uid = session.uid
-        ready = self.n_ready_for(uid)
-        take = min(count, ready)
-        create = count - take
-        evict = max(0, create - self.n_free)
-        if evict > self.n_ready_total() - ready:
-            raise Shortage(self._shortage_message(session, count), create - self.n_free - (self.n_ready_total() - ready))
+        while True:
+            ready = self.n_ready_for(uid)
+            take = min(count, ready)
+            create = count - take
+            evict = max(0, create - self.n_free)
+            if evict <= self.n_ready_total() - ready:
+                break
+            # Short only by pages on their way into the pool (being zeroed, or
+            # made for the warm pool): wait for them instead of refusing; a
+            # slow device (zeroing lands at synchronize) would otherwise fail
+            # an Allocate the budget covers.
+            coming = self.n_pooled - self.n_ready_total()
+            if coming <= 0 or evict > self.n_ready_total() - ready + coming:
+                raise Shortage(self._shortage_message(session, count), create - self.n_free - (self.n_ready_total() - ready))
+            before = (self.n_ready_total(), coming)
+            await self.wait_changed(_COMING_WAIT_S)
+            if (self.n_ready_total(), self.n_pooled - self.n_ready_total()) == before:  # nothing moved: stuck
+                raise Shortage(self._shortage_message(session, count), create - self.n_free - (self.n_ready_total() - ready))
         got: list[Page] = self._take_ready(uid, take)
         victims = self._take_foreign(uid, evict)
         # The pages taken count as in use from now on (not as free budget

@@ -44,12 +44,26 @@ def drop_privileges() -> None:
     spec = os.environ.get("KVCACHED_TEST_AS_UID")
     if spec:
         import mmap  # noqa: F401 - imported while still privileged
+        import kvcached_service.client.cuda_mapper  # noqa: F401
+        import kvcached_service.client.mapping  # noqa: F401
         import kvcached_service.client.region  # noqa: F401
 
         uid, gid = (int(x) for x in spec.split(":"))
         os.setgroups([])
         os.setgid(gid)
         os.setuid(uid)
+
+
+def page_mapper(client):
+    """The mapper the client library would use for the daemon's first device."""
+    dev = client.info.devices[0]
+    if dev.kind == "cuda":
+        from kvcached_service.client.cuda_mapper import CudaMapper
+
+        return CudaMapper(dev.uuid)
+    from kvcached_service.client.mapping import HostMapper
+
+    return HostMapper()
 
 
 def main() -> int:
@@ -104,17 +118,21 @@ def main() -> int:
     elif mode == "keep-after-free":
         n, byte = int(args[0]), int(args[1])
         resp, fds = s.allocate_fds(n)
-        import mmap
-
-        maps = [mmap.mmap(fd, resp.page_size) for fd in fds]
-        for m in maps:
-            m[:] = bytes([byte]) * resp.page_size
+        # mapped as the client library maps pages (mmap on the host backend,
+        # import + cuMemMap on CUDA: an exported CUDA fd is no mappable file)
+        mapper = page_mapper(client)
+        size = resp.page_size
+        base = mapper.reserve(n * size)
+        addrs = [base + i * size for i in range(n)]
+        for addr, fd in zip(addrs, fds):
+            mapper.map(addr, fd, size)
+            mapper.write(addr, bytes([byte]) * size)
         s.free_ids(resp.page_ids)  # misbehave: keep the mappings and fds
         out(session=s.id, pages=list(resp.page_ids))
         sys.stdin.readline()
-        for m in maps:  # write again into pages we no longer own
-            m[:16] = bytes([byte]) * 16
-        out(still=[m[0] for m in maps])
+        for addr in addrs:  # write again into pages we no longer own
+            mapper.write(addr, bytes([byte]) * 16)
+        out(still=[mapper.read(addr, 1)[0] for addr in addrs])
         sys.stdin.readline()
     elif mode == "raw-allocate":
         # A client that never reads its fd channel: its own raw channel (the
