@@ -137,12 +137,15 @@ def test_kv_line_follows_held_bytes_as_ollama_reads_it(daemon_factory, servers, 
         c.request_shrink(session_of(c, srv.pid).id, 0, timeout_ms=5000)
         assert wait_until(lambda: agrees(c) and held(c, srv.pid) == 0, timeout=WAIT), (ollama_sees(), held(c, srv.pid))
 
-        # rate: a burst of changes gives at most one line per second (plus the last one)
+        # rate: a burst of changes gives at most one line per second (plus the last one).
+        # The burst ends holding pages: the line before it said 0, so at least one
+        # line must follow even when the whole burst fits in one window (it ended
+        # with an erase once, in 0.78 s: no change to log, 0 lines, a false failure).
         n0 = len(kv_line_values(srv.log_text()))
         t0 = time.monotonic()
         for i in range(12):
             srv.complete(text(200 + 400 * (i % 4), 300 + i), 4, id_slot=0)
-            if i % 4 == 3:
+            if i % 4 == 3 and i != 11:
                 srv.erase_slot(0)
         elapsed = time.monotonic() - t0
         assert wait_until(lambda: agrees(c), timeout=WAIT)
