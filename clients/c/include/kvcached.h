@@ -38,7 +38,7 @@
 /* API version: KVC_API_VERSION = major * 10000 + minor * 100 + patch.
  * kvc_api_version() returns the version of the library actually loaded. */
 #define KVC_API_VERSION_MAJOR 1
-#define KVC_API_VERSION_MINOR 3
+#define KVC_API_VERSION_MINOR 4
 #define KVC_API_VERSION_PATCH 0
 #define KVC_API_VERSION \
     (KVC_API_VERSION_MAJOR * 10000 + KVC_API_VERSION_MINOR * 100 + KVC_API_VERSION_PATCH)
@@ -369,6 +369,35 @@ KVC_API uint64_t kvc_session_limit(const kvc_session *session);
  * path (a llama.cpp decode) that must fail fast after a refusal. Since 1.2.
  * Thread-safe. */
 KVC_API kvc_status kvc_session_set_wait(kvc_session *session, int wait, uint32_t wait_timeout_ms);
+
+/* ---- pages as descriptors (since 1.4) ----------------------------------
+ *
+ * The daemon's pages themselves, unmapped: for a program that maps them its
+ * own way or hands a page to another process (the descriptor is a memfd on
+ * "host", a CUDA POSIX handle on "cuda"; docs/protocol.md "PAGES"). Regions
+ * and blocks are built on the same two operations. */
+
+/* Borrow `num_pages` pages (1..2^32-1) in one Allocate (split only past the
+ * daemon's max_pages_per_request); all or nothing. page_ids[i] and fds[i]
+ * (arrays of num_pages, filled in the daemon's order) are the i-th page and
+ * its descriptor: the caller owns the descriptors (close them; the pages
+ * stay the session's until kvc_session_free_pages). On a resumable session
+ * the library keeps a duplicate of each for a resume. Errors as
+ * kvc_region_map. Thread-safe. */
+KVC_API kvc_status kvc_session_alloc_pages(kvc_session *session, uint32_t num_pages,
+                                           uint64_t *page_ids, int *fds);
+
+/* Give pages back by id (all or nothing; unmap them first), in FREE records
+ * of at most 16384 ids each. *pages_freed (may be NULL) gets how many were
+ * freed. KVC_ERR_NOT_FOUND for a page this session does not hold,
+ * KVC_ERR_INVALID_ARGUMENT for none or an id named twice,
+ * KVC_ERR_FAILED_PRECONDITION (or the status it ended with) once the
+ * session ended. While a resumable session is being resumed, or when the
+ * daemon goes away before it answers, the Free succeeds at once, checked as
+ * the daemon would: the pages are not claimed at the resume, which gives
+ * them back. Thread-safe. */
+KVC_API kvc_status kvc_session_free_pages(kvc_session *session, const uint64_t *page_ids,
+                                          size_t num_pages, uint64_t *pages_freed);
 
 /* ------------------------------------------------------------------------ */
 /* Regions                                                                  */

@@ -2263,6 +2263,40 @@ KVC_API kvc_status kvc_session_free(kvc_session *s, void *ptr)
     });
 }
 
+KVC_API kvc_status kvc_session_alloc_pages(kvc_session *s, uint32_t num_pages, uint64_t *page_ids,
+                                           int *fds)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(s && page_ids && fds, "session, page_ids or fds is NULL");
+        NEED(num_pages > 0, "num_pages is 0");
+        std::vector<uint64_t> ids;
+        std::vector<int> got;
+        kvc_status st = session_allocate(s, num_pages, ids, got);
+        if (st != KVC_OK)
+            return st;
+        std::copy(ids.begin(), ids.end(), page_ids);
+        std::copy(got.begin(), got.end(), fds);
+        return KVC_OK;
+    });
+}
+
+KVC_API kvc_status kvc_session_free_pages(kvc_session *s, const uint64_t *page_ids,
+                                          size_t num_pages, uint64_t *pages_freed)
+{
+    return guarded([&]() -> kvc_status {
+        if (pages_freed)
+            *pages_freed = 0;
+        NEED(s, "session is NULL");
+        NEED(num_pages > 0, "Free: page_ids is empty: name the pages to free");
+        NEED(page_ids, "page_ids is NULL");
+        std::vector<uint64_t> ids(page_ids, page_ids + num_pages);
+        kvc_status st = session_free_ids(s, ids);
+        if (st == KVC_OK && pages_freed)
+            *pages_freed = num_pages;
+        return st;
+    });
+}
+
 KVC_API kvc_status kvc_session_available(kvc_session *s, uint64_t *bytes)
 {
     return guarded([&]() -> kvc_status {
