@@ -172,6 +172,10 @@ KVC_API void kvc_session_options_init(kvc_session_options *options);
  * OpenSession called with its secret. For a "cuda" device the CUDA driver
  * is loaded (dlopen of $KVCACHED_LIBCUDA, default libcuda.so.1), the local
  * ordinal with the device's UUID found, and its primary context retained.
+ * Page operations (Allocate, Free, Close) go on the fd channel only: a
+ * daemon that does not take them there (GetInfo().fd_channel_requests
+ * false, daemons before the feature) is KVC_ERR_FAILED_PRECONDITION, said
+ * before any channel is connected (since 1.4; before, they went over gRPC).
  * Thread-safe. */
 KVC_API kvc_status kvc_session_open(kvc_client *client, const kvc_session_options *options,
                                     kvc_session **out);
@@ -311,8 +315,7 @@ KVC_API kvc_status kvc_session_set_reclaim_callback(kvc_session *session, kvc_re
  * an id this session was never sent (or settled more than 10 minutes ago);
  * KVC_ERR_INVALID_ARGUMENT for a reason over 1024 bytes; KVC_ERR_UNAVAILABLE
  * while the session is being resumed; KVC_ERR_FAILED_PRECONDITION when the
- * session ended or the daemon takes no requests on the fd channel (daemons
- * before the ANSWER record). Since 1.3. Thread-safe. */
+ * session ended. Since 1.3. Thread-safe. */
 KVC_API kvc_status kvc_session_answer_reclaim(kvc_session *session, uint64_t reclaim_id,
                                               uint64_t bytes_given, uint64_t bytes_kept,
                                               const char *reason);
@@ -340,8 +343,8 @@ KVC_API int kvc_session_is_admin(const kvc_session *session);
 
 /* Allocate `size` bytes (rounded up to whole pages), mapped and zeroed, at a
  * page-aligned address: a host pointer for "host" sessions, a device pointer
- * for "cuda" sessions. One Allocate (an fd channel request, or an rpc for
- * daemons without them). Thread-safe. */
+ * for "cuda" sessions. One Allocate (an ALLOCATE request on the fd
+ * channel). Thread-safe. */
 KVC_API kvc_status kvc_session_alloc(kvc_session *session, size_t size, void **ptr);
 
 /* Give a block from kvc_session_alloc back (unmapped, then Free). NULL is a

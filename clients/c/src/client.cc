@@ -69,18 +69,6 @@ kvc_status from_grpc(const grpc::Status &st, const char *what)
     return kvc_fail(k, "%s: %s", what, st.error_message().c_str());
 }
 
-// Allocate, Free and CloseSession go on the fd channel when the daemon
-// offers it; KVCACHED_CHANNEL_REQUESTS=0 keeps them on gRPC (the fallback
-// for older daemons, and its tests) unless the daemon takes them only on
-// the channel.
-bool use_channel_requests(const pb::GetInfoResponse &info)
-{
-    if (!info.fd_channel_requests())
-        return false;
-    const char *v = std::getenv("KVCACHED_CHANNEL_REQUESTS");
-    return info.fd_channel_requests_only() || !(v && std::strcmp(v, "0") == 0);
-}
-
 struct Conn {
     std::string socket_path;
     std::shared_ptr<grpc::Channel> channel;
@@ -167,16 +155,12 @@ struct kvc_session {
     std::atomic<bool> wait{false};
     std::atomic<uint32_t> wait_timeout_ms{0};
     kvc_mapper *mapper = nullptr;
-    int fd = -1;  // the fd channel (chan->fd); replaced by a resume (under alloc_mu and mu)
+    int fd = -1;  // the fd channel (chan->fd); replaced by a resume (under chan_rw and mu)
     std::shared_ptr<Chan> chan;  // owns fd (mu)
-    // Allocate, Free and CloseSession as request records on the fd channel
-    // (GetInfo().fd_channel_requests); else gRPC. Set again by a resume.
-    std::atomic<bool> chan_ops{false};
     // Channel allocations hold it shared from request to keeping their fds;
     // a resume holds it exclusively (its ADOPT lists every page held).
     std::shared_mutex chan_rw;
 
-    std::mutex alloc_mu;  // one Allocate + its fd records at a time
     std::mutex mu;        // the books below
     std::atomic<uint64_t> held_pages{0};
     std::atomic<uint64_t> limit{0};
@@ -665,7 +649,7 @@ kvc_status session_free_ids(kvc_session *s, const std::vector<uint64_t> &ids)
     if (s->resuming())
         return defer();
     uint64_t gen = s->resumes.load();
-    if (s->chan_ops.load()) {
+    {
         std::shared_ptr<Chan> ch = s->chan_copy();
         size_t done = 0;
         kvc_status st = chan_free(s, ch.get(), ids, &done);
@@ -693,25 +677,6 @@ kvc_status session_free_ids(kvc_session *s, const std::vector<uint64_t> &ids)
         }
         return st;
     }
-    pb::FreeRequest req;
-    *req.mutable_session() = s->ref_copy();
-    for (uint64_t id : ids)
-        req.add_page_ids(id);
-    pb::FreeResponse resp;
-    grpc::ClientContext ctx;
-    s->conn->prepare(ctx);
-    grpc::Status st = s->conn->stub->Free(&ctx, req, &resp);
-    if (!st.ok()) {
-        if (s->resumable && !s->closing.load() && !s->ended.load() &&
-            (st.error_code() == grpc::StatusCode::UNAVAILABLE || s->resuming() ||
-             s->resumes.load() != gen))
-            return defer();
-        return s->rpc_error(st, "Free");
-    }
-    std::lock_guard<std::mutex> g(s->mu);
-    s->drop_kept_locked(ids);
-    drop_held(s, ids.size());
-    return KVC_OK;
 }
 
 // Keep a duplicate of each page fd (resumable sessions): ADOPT re-sends them.
@@ -749,121 +714,6 @@ kvc_status keep_fds(kvc_session *s, const std::vector<uint64_t> &ids, const std:
         s->keep[ids[i]] = dups[i];
     }
     return KVC_OK;
-}
-
-// Read the PAGES records of one allocation. Records of other allocations
-// (left over from an Allocate whose answer never reached us) are given back.
-kvc_status receive_pages(kvc_session *s, uint64_t allocation_id,
-                         const std::vector<uint64_t> &ids, std::vector<int> &fds)
-{
-    const uint32_t total = static_cast<uint32_t>(ids.size());
-    fds.assign(total, -1);
-    uint32_t got = 0;
-    auto rec = std::make_unique<kvc_fd_record>();
-    char err[512];
-    int timeout = static_cast<int>(s->conn->timeout_ms.load());
-    if (timeout == 0)
-        timeout = -1;
-    while (got < total) {
-        int eof = 0;
-        kvc_status st = kvc_fd_recv(s->fd, timeout, rec.get(), &eof, err, sizeof err);
-        if (st == KVC_ERR_DEADLINE_EXCEEDED)
-            return kvc_fail(KVC_ERR_PROTOCOL,
-                            "allocation %llu: the daemon answered but sent %u of %u page fds",
-                            (unsigned long long)allocation_id, got, total);
-        if ((eof || st == KVC_ERR_SYSTEM) && s->resumable) {
-            s->note_gone();
-            return s->resuming_error();
-        }
-        if (st != KVC_OK)
-            return kvc_fail(st, "fd channel: %s", err);
-        if (eof) {
-            s->mark_ended("the fd channel was closed by the daemon");
-            return s->ended_error();
-        }
-        switch (rec->type) {
-        case KVC_FD_GOODBYE:
-            s->mark_ended("GOODBYE on the fd channel");
-            return s->ended_error();
-        case KVC_FD_ERROR: {
-            kvc_status k = kvc_status_from_grpc_code(static_cast<int>(rec->error_code));
-            std::string why = std::string("ERROR on the fd channel: ") + rec->message;
-            s->mark_ended(why);
-            return kvc_fail(k == KVC_OK ? KVC_ERR_PROTOCOL : k, "session %llu: %s",
-                            (unsigned long long)s->id, why.c_str());
-        }
-        case KVC_FD_HELLO:
-            return kvc_fail(KVC_ERR_PROTOCOL, "a second HELLO on the fd channel");
-        case KVC_FD_PAGES:
-            break;
-        }
-        if (rec->allocation_id != allocation_id) {
-            std::vector<uint64_t> stray(rec->page_ids, rec->page_ids + rec->count);
-            kvc_fd_record_close_fds(rec.get());
-            session_free_ids(s, stray);
-            continue;
-        }
-        if (rec->total != total) {
-            kvc_fd_record_close_fds(rec.get());
-            return kvc_fail(KVC_ERR_PROTOCOL, "allocation %llu: PAGES says %u pages, Allocate %u",
-                            (unsigned long long)allocation_id, rec->total, total);
-        }
-        for (uint32_t i = 0; i < rec->count; i++) {
-            uint32_t k = rec->first_index + i;
-            if (ids[k] != rec->page_ids[i] || fds[k] >= 0) {
-                kvc_fd_record_close_fds(rec.get());
-                return kvc_fail(KVC_ERR_PROTOCOL,
-                                "allocation %llu: page %u is id %llu on the fd channel, "
-                                "%llu in the answer",
-                                (unsigned long long)allocation_id, k,
-                                (unsigned long long)rec->page_ids[i], (unsigned long long)ids[k]);
-            }
-        }
-        for (uint32_t i = 0; i < rec->count; i++) {
-            fds[rec->first_index + i] = rec->fds[i];
-            rec->fds[i] = -1;
-        }
-        rec->num_fds = 0;
-        got += rec->count;
-    }
-    return KVC_OK;
-}
-
-// Read what the daemon sent while no Allocate was waiting: GOODBYE/ERROR
-// (the session ended) or stray PAGES (given back). Never blocks.
-kvc_status drain_channel(kvc_session *s)
-{
-    auto rec = std::make_unique<kvc_fd_record>();
-    char err[512];
-    for (;;) {
-        int eof = 0;
-        kvc_status st = kvc_fd_recv(s->fd, 0, rec.get(), &eof, err, sizeof err);
-        if (st == KVC_ERR_DEADLINE_EXCEEDED)
-            return KVC_OK;  // nothing pending
-        if ((eof || st == KVC_ERR_SYSTEM) && s->resumable) {
-            s->note_gone();
-            return s->resuming_error();
-        }
-        if (st != KVC_OK)
-            return kvc_fail(st, "fd channel: %s", err);
-        if (eof) {
-            s->mark_ended("the fd channel was closed by the daemon");
-            return s->ended_error();
-        }
-        if (rec->type == KVC_FD_GOODBYE) {
-            s->mark_ended("GOODBYE on the fd channel");
-            return s->ended_error();
-        }
-        if (rec->type == KVC_FD_ERROR) {
-            s->mark_ended(std::string("ERROR on the fd channel: ") + rec->message);
-            return s->ended_error();
-        }
-        if (rec->type == KVC_FD_PAGES) {
-            std::vector<uint64_t> stray(rec->page_ids, rec->page_ids + rec->count);
-            kvc_fd_record_close_fds(rec.get());
-            session_free_ids(s, stray);
-        }
-    }
 }
 
 // One ALLOCATE of `chunk` pages on the fd channel: its pages (PAGES with
@@ -985,76 +835,7 @@ kvc_status session_allocate(kvc_session *s, uint64_t n, std::vector<uint64_t> &i
                         "(kvc_session_set_limit)",
                         (unsigned long long)(s->held_pages.load() * s->page_size),
                         (unsigned long long)(n * s->page_size), (unsigned long long)limit);
-    if (s->chan_ops.load())
-        return chan_session_allocate(s, n, ids, fds);
-    std::lock_guard<std::mutex> g(s->alloc_mu);
-    live = s->check_live();  // a resume may have ended while we waited
-    if (live != KVC_OK)
-        return live;
-    const pb::SessionRef ref = s->ref_copy();
-    kvc_status drained = drain_channel(s);
-    if (drained != KVC_OK)
-        return drained;
-    {
-        std::lock_guard<std::mutex> w(s->watch_mu);
-        s->available_pending = false;
-    }
-    uint64_t done = 0;
-    const bool wait = s->wait.load();
-    const uint32_t wait_ms = s->wait_timeout_ms.load();
-    while (done < n) {
-        uint32_t chunk = static_cast<uint32_t>(std::min<uint64_t>(n - done, s->max_pages));
-        pb::AllocateRequest req;
-        *req.mutable_session() = ref;
-        req.set_device(s->device);
-        req.set_num_pages(chunk);
-        req.set_wait(wait);
-        req.set_wait_timeout_ms(wait_ms);
-        pb::AllocateResponse resp;
-        grpc::ClientContext ctx;
-        uint32_t t = s->conn->timeout_ms.load();
-        if (t) {
-            // A waiting Allocate may take the daemon's wait on top of the rpc
-            // itself (wait_timeout_ms 0 = the daemon's default: allow 30 s).
-            uint64_t ms = t + (wait ? (wait_ms ? wait_ms : 30000) : 0);
-            ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms));
-        }
-        grpc::Status st = s->conn->stub->Allocate(&ctx, req, &resp);
-        kvc_status k = KVC_OK;
-        std::vector<uint64_t> got_ids;
-        std::vector<int> got_fds;
-        if (!st.ok()) {
-            k = s->rpc_error(st, "Allocate");
-        } else if (static_cast<uint32_t>(resp.page_ids_size()) != chunk ||
-                   resp.page_size() != s->page_size) {
-            k = kvc_fail(KVC_ERR_PROTOCOL, "Allocate of %u pages of %llu bytes answered %d of %llu",
-                         chunk, (unsigned long long)s->page_size, resp.page_ids_size(),
-                         (unsigned long long)resp.page_size());
-        } else {
-            got_ids.assign(resp.page_ids().begin(), resp.page_ids().end());
-            s->held_pages += chunk;
-            k = receive_pages(s, resp.allocation_id(), got_ids, got_fds);
-            if (k == KVC_OK)
-                k = keep_fds(s, got_ids, got_fds);
-            if (k != KVC_OK) {
-                std::string msg = kvc_last_error();
-                close_fds(got_fds);
-                session_free_ids(s, got_ids);
-                kvc_fail(k, "%s", msg.c_str());
-            }
-        }
-        if (k != KVC_OK) {
-            std::string msg = kvc_last_error();
-            close_fds(fds);
-            session_free_ids(s, ids);
-            ids.clear();
-            return kvc_fail(k, "%s", msg.c_str());
-        }
-        ids.insert(ids.end(), got_ids.begin(), got_ids.end());
-        fds.insert(fds.end(), got_fds.begin(), got_fds.end());
-        done += chunk;
-    }
-    return KVC_OK;
+    return chan_session_allocate(s, n, ids, fds);
 }
 
 // ---- regions ----------------------------------------------------------
@@ -1432,35 +1213,11 @@ void watch_stop(kvc_session *s)
 // (page fds of an allocation nobody waits for: not claimed, so forgotten).
 bool channel_gone(kvc_session *s)
 {
-    if (s->chan_ops.load()) {
-        // Requests may be waiting on it: read as one of them would.
-        std::shared_ptr<Chan> ch = s->chan_copy();
-        chan_pump_pending(s, ch.get());
-        std::lock_guard<std::mutex> g(ch->mu);
-        return ch->end == Chan::kGone && !s->ended.load();
-    }
-    std::lock_guard<std::mutex> g(s->alloc_mu);
-    auto rec = std::make_unique<kvc_fd_record>();
-    char err[512];
-    for (;;) {
-        if (s->ended.load())
-            return false;
-        int eof = 0;
-        kvc_status st = kvc_fd_recv(s->fd, 0, rec.get(), &eof, err, sizeof err);
-        if (st != KVC_OK || eof)
-            return true;
-        switch (rec->type) {
-        case KVC_FD_GOODBYE:
-            s->mark_ended("GOODBYE on the fd channel");
-            return false;
-        case KVC_FD_ERROR:
-            s->mark_ended(std::string("ERROR on the fd channel: ") + rec->message);
-            return false;
-        default:
-            kvc_fd_record_close_fds(rec.get());
-            break;
-        }
-    }
+    // Requests may be waiting on it: read as one of them would.
+    std::shared_ptr<Chan> ch = s->chan_copy();
+    chan_pump_pending(s, ch.get());
+    std::lock_guard<std::mutex> g(ch->mu);
+    return ch->end == Chan::kGone && !s->ended.load();
 }
 
 // Sleep up to ms, or until the session closes. False if it is closing.
@@ -1510,6 +1267,12 @@ bool session_resume(kvc_session *s)
                 continue;
             }
         }
+        if (!info.fd_channel_requests()) {
+            resume_failed(s, "it could not be resumed after the daemon restarted: the restarted daemon (version " + info.version() +
+                              ") takes no page requests on the fd channel "
+                              "(GetInfo().fd_channel_requests is false)");
+            return false;
+        }
         int nfd = -1;
         kvc_status st = kvc_fd_connect(info.fd_socket().c_str(), &nfd, err, sizeof err);
         auto hello = std::make_unique<kvc_fd_record>();
@@ -1532,7 +1295,6 @@ bool session_resume(kvc_session *s)
             continue;
         }
 
-        std::unique_lock<std::mutex> alloc(s->alloc_mu);  // nobody reads the old channel
         // No channel allocation between its answer and keeping its fds.
         std::unique_lock<std::shared_mutex> rw(s->chan_rw);
         std::vector<uint64_t> ids;
@@ -1561,7 +1323,6 @@ bool session_resume(kvc_session *s)
         if (!sent) {
             close(nfd);
             rw.unlock();
-            alloc.unlock();
             last = std::string("ADOPT: ") + err;
             if (!backoff())
                 return false;
@@ -1580,7 +1341,6 @@ bool session_resume(kvc_session *s)
         if (!gs.ok()) {
             close(nfd);
             rw.unlock();
-            alloc.unlock();
             if (gs.error_code() == grpc::StatusCode::UNAVAILABLE ||
                 gs.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
                 last = "ResumeSession: " + gs.error_message();
@@ -1599,7 +1359,6 @@ bool session_resume(kvc_session *s)
             std::lock_guard<std::mutex> g(s->mu);
             s->chan = std::make_shared<Chan>(nfd);  // the old one closes with its last user
             s->fd = nfd;
-            s->chan_ops = use_channel_requests(info);
             s->ref = resp.session();
             s->admin = resp.admin();
             for (uint64_t i : s->deferred)
@@ -1611,9 +1370,10 @@ bool session_resume(kvc_session *s)
             s->state = kLive;
         }
         rw.unlock();
-        alloc.unlock();
         s->notify();
-        if (!late.empty() && s->chan_ops.load()) {
+        if (!late.empty()) {
+            // Claimed, but the caller gave them back meanwhile: Free them now
+            // (held_pages already counts them as gone).
             std::shared_ptr<Chan> ch = s->chan_copy();
             size_t done = 0;
             chan_free(s, ch.get(), late, &done);
@@ -1621,22 +1381,6 @@ bool session_resume(kvc_session *s)
             std::vector<uint64_t> freed(late.begin(), late.begin() + done);
             s->drop_kept_locked(freed);
             s->deferred.insert(late.begin() + done, late.end());
-        } else if (!late.empty()) {
-            // Claimed, but the caller gave them back meanwhile: Free them now
-            // (held_pages already counts them as gone).
-            pb::FreeRequest freq;
-            *freq.mutable_session() = s->ref_copy();
-            for (uint64_t i : late)
-                freq.add_page_ids(i);
-            pb::FreeResponse fresp;
-            grpc::ClientContext fctx;
-            s->conn->prepare(fctx);
-            grpc::Status fs = s->conn->stub->Free(&fctx, freq, &fresp);
-            std::lock_guard<std::mutex> g(s->mu);
-            if (fs.ok())
-                s->drop_kept_locked(late);
-            else
-                s->deferred.insert(late.begin(), late.end());
         }
         return true;
     }
@@ -1892,6 +1636,13 @@ KVC_API kvc_status kvc_session_open(kvc_client *client, const kvc_session_option
         if (!dev)
             return kvc_fail(KVC_ERR_NOT_FOUND, "the daemon serves no device %s (first: %s)",
                             o->device, info.devices(0).uuid().c_str());
+        // Page operations go on the fd channel only (docs/protocol.md).
+        if (!info.fd_channel_requests())
+            return kvc_fail(KVC_ERR_FAILED_PRECONDITION,
+                            "the daemon (version \"%s\") takes no page requests on the fd channel "
+                            "(GetInfo().fd_channel_requests is false); this library sends "
+                            "Allocate, Free and Close only there: upgrade kvcached-serve",
+                            info.version().c_str());
 
         auto s = std::make_unique<kvc_session>();
         s->conn = client->conn;
@@ -1978,7 +1729,6 @@ KVC_API kvc_status kvc_session_open(kvc_client *client, const kvc_session_option
             return from_grpc(gs, "OpenSession");
         }
         s->chan = std::make_shared<Chan>(s->fd);
-        s->chan_ops = use_channel_requests(info);
         s->ref = resp.session();
         s->id = resp.session().id();
         s->admin = resp.admin();
@@ -2019,7 +1769,7 @@ KVC_API kvc_status kvc_session_close(kvc_session *s)
         // First the resume monitor (a CloseSession hangs up the channel; a
         // resume in progress is abandoned).
         monitor_stop(s);
-        if (!s->ended.load() && s->state.load() == kLive && s->chan_ops.load()) {
+        if (!s->ended.load() && s->state.load() == kLive) {
             // CLOSE on the channel; the daemon then closes it.
             std::shared_ptr<Chan> ch = s->chan_copy();
             uint64_t req = chan_next_req(ch.get());
@@ -2028,13 +1778,6 @@ KVC_API kvc_status kvc_session_close(kvc_session *s)
             Chan::Reply rep;
             chan_request(s, ch.get(), req, buf, len, s->conn->timeout_ms.load(), "CloseSession",
                          &rep, nullptr);  // closing the channel ends it anyway
-        } else if (!s->ended.load() && s->state.load() == kLive) {
-            pb::CloseSessionRequest req;
-            *req.mutable_session() = s->ref_copy();
-            pb::CloseSessionResponse resp;
-            grpc::ClientContext ctx;
-            s->conn->prepare(ctx);
-            s->conn->stub->CloseSession(&ctx, req, &resp);  // closing the channel ends it anyway
         }
         watch_stop(s);
         s->chan.reset();  // closes the fd channel
@@ -2129,19 +1872,6 @@ KVC_API kvc_status kvc_session_answer_reclaim(kvc_session *s, uint64_t reclaim_i
         kvc_status live = s->check_live();
         if (live != KVC_OK)
             return live;
-        // The ANSWER record exists only on daemons that take requests on the
-        // fd channel. Without channel requests (KVCACHED_CHANNEL_REQUESTS=0)
-        // an Allocate reads the channel itself under alloc_mu: holding it
-        // makes this call the channel's only reader meanwhile.
-        const bool chan_ops = s->chan_ops.load();
-        if (!chan_ops && !s->conn->info.fd_channel_requests())
-            return kvc_fail(KVC_ERR_FAILED_PRECONDITION,
-                            "reclaim answer: the daemon (%s) takes no requests on the fd channel "
-                            "(no ANSWER record); give pages back with Free only",
-                            s->conn->info.version().c_str());
-        std::unique_lock<std::mutex> serial(s->alloc_mu, std::defer_lock);
-        if (!chan_ops)
-            serial.lock();
         std::shared_ptr<Chan> ch = s->chan_copy();
         uint8_t buf[KVC_FD_HEADER_SIZE + KVC_FD_ANSWER_FIXED + KVC_FD_MAX_REASON];
         uint64_t req = chan_next_req(ch.get());
