@@ -196,9 +196,13 @@ KVC_API const char *kvc_session_kind(const kvc_session *session);   /* "cuda" / 
 KVC_API uint64_t kvc_session_held_bytes(const kvc_session *session);
 /* Nonzero once the session is over: the daemon ended it (GOODBYE/ERROR on
  * the fd channel, SHUTDOWN on Watch, or the channel closed on a session
- * that cannot be resumed), or a resume failed (see below). Every call that
- * needs the daemon then fails with KVC_ERR_FAILED_PRECONDITION and
- * kvc_last_error() says why. Thread-safe. */
+ * that cannot be resumed), the daemon broke the fd channel protocol, or a
+ * resume failed (see below). Every call that needs the daemon then fails
+ * with the end's status and kvc_last_error() says why:
+ * KVC_ERR_FAILED_PRECONDITION ("session N ended: ..." for GOODBYE,
+ * SHUTDOWN and a hang-up without resume token), an ERROR record's own code
+ * and message, KVC_ERR_INTERNAL ("fd channel protocol error: ...").
+ * Thread-safe. */
 KVC_API int kvc_session_ended(const kvc_session *session);
 
 /* ---- resume after a daemon restart (since 1.1) -----------------------

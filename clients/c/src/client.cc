@@ -24,6 +24,7 @@
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "fdchannel.h"
@@ -89,12 +90,13 @@ struct Conn {
 //
 // Requests on the channel (ALLOCATE, FREE, CLOSE; docs/protocol.md) are
 // answered by REPLY records, with an allocation's PAGES before its REPLY.
-// Nobody reads the socket in the background: a thread waiting for a REPLY
-// reads it (one at a time, the "reader"), filing every record it takes
-// off (REPLY by request id, PAGES by allocation id), and hands the job to
-// another waiter when its own answer is in. So records are consumed while
-// anyone waits (an allocation larger than the socket buffer does not
-// stall), and several threads may have requests in flight.
+// A thread waiting for a REPLY reads the socket (one at a time, the
+// "reader"), filing every record it takes off (REPLY by request id, PAGES
+// by allocation id), and hands the job to another waiter when its own
+// answer is in; while nobody waits, the session's monitor thread reads. So
+// records are consumed as they come (an allocation larger than the socket
+// buffer does not stall, pages nobody waits for go back at once), and
+// several threads may have requests in flight.
 struct Chan {
     struct Reply {
         uint32_t code = 0;
@@ -105,7 +107,7 @@ struct Chan {
         uint32_t total = 0;
         std::map<uint32_t, std::pair<uint64_t, int>> pages;  // index -> (page id, fd)
     };
-    enum End { kOpen = 0, kGone, kGoodbye, kError };
+    enum End { kOpen = 0, kGone, kGoodbye, kError, kProtocol };
 
     explicit Chan(int fd_) : fd(fd_), rec(new kvc_fd_record) {}
     ~Chan()
@@ -130,7 +132,7 @@ struct Chan {
     std::map<uint64_t, Stash> stash;         // allocation id -> its pages so far
     End end = kOpen;
     uint32_t end_code = 0;                   // ERROR's code
-    std::string end_message;
+    std::string end_message;                 // ERROR's message; a protocol error's fault
 };
 
 }  // namespace
@@ -165,19 +167,28 @@ struct kvc_session {
     std::atomic<uint64_t> held_pages{0};
     std::atomic<uint64_t> limit{0};
     std::atomic<bool> ended{false};
-    std::string end_reason;
+    kvc_status end_status = KVC_ERR_FAILED_PRECONDITION;  // what calls fail with once ended (mu)
+    std::string end_reason;                               // and the message (mu)
     size_t regions = 0;
     std::map<uintptr_t, kvc_region *> blocks;
 
     // Resume after a daemon restart (OpenSession gave a resume token).
     bool resumable = false;
     std::string resume_token;
-    std::map<uint64_t, int> keep;   // page id -> dup of its fd (mu)
+    // page id -> dup of its fd and the entry's sequence number (mu): the
+    // daemon may lend an id again after a Free, so a Free forgets only the
+    // entry it saw.
+    struct Kept {
+        int fd;
+        uint64_t seq;
+    };
+    std::map<uint64_t, Kept> keep;
+    uint64_t keep_seq = 0;
     std::set<uint64_t> deferred;    // pages whose Free could not reach the daemon (mu)
     std::atomic<int> state{kLive};
     std::atomic<uint64_t> resumes{0};
     std::atomic<bool> closing{false};
-    std::thread monitor;            // polls the fd channel for the daemon's hang-up
+    std::thread monitor;            // reads the fd channel while nobody waits; resumes
     int wake_fd = -1;               // eventfd: wakes the monitor at close
 
     // Watch stream
@@ -199,12 +210,16 @@ struct kvc_session {
         watch_cv.notify_all();
     }
 
-    void mark_ended(const std::string &why)
+    // The session is over; calls that need the daemon fail with `code` and
+    // `why` from now on (the first end wins).
+    void mark_ended(kvc_status code, const std::string &why)
     {
         {
             std::lock_guard<std::mutex> g(mu);
-            if (!ended.load())
+            if (!ended.load()) {
+                end_status = code;
                 end_reason = why;
+            }
             ended = true;
         }
         notify();
@@ -213,8 +228,16 @@ struct kvc_session {
     kvc_status ended_error()
     {
         std::lock_guard<std::mutex> g(mu);
-        return kvc_fail(KVC_ERR_FAILED_PRECONDITION, "session %llu has ended: %s",
-                        (unsigned long long)id, end_reason.c_str());
+        return kvc_fail(end_status, "%s", end_reason.c_str());
+    }
+
+    // docs/protocol.md "Hang-up and resume": a session without a resume
+    // token is over when its channel hangs up.
+    std::string hangup_message() const
+    {
+        return "session " + std::to_string(id) +
+               " ended: the daemon went away, and without a state dir (kvcached-serve "
+               "--state-dir) a daemon that restarts cannot resume it; open a new session";
     }
 
     // The fd channel is gone (daemon crash or restart): a resumable session
@@ -276,7 +299,33 @@ struct kvc_session {
         for (uint64_t i : ids) {
             auto it = keep.find(i);
             if (it != keep.end()) {
-                close(it->second);
+                close(it->second.fd);
+                keep.erase(it);
+            }
+        }
+    }
+
+    // The kept entries' sequence numbers of these pages (mu held; 0: none).
+    std::vector<uint64_t> kept_seqs_locked(const std::vector<uint64_t> &ids) const
+    {
+        std::vector<uint64_t> seqs(ids.size(), 0);
+        for (size_t i = 0; i < ids.size(); i++) {
+            auto it = keep.find(ids[i]);
+            if (it != keep.end())
+                seqs[i] = it->second.seq;
+        }
+        return seqs;
+    }
+
+    // Forget the kept entries a Free saw (mu held): an entry with another
+    // sequence number is the same id lent again meanwhile, and stays.
+    void unkeep_seqs_locked(const std::vector<uint64_t> &ids, const std::vector<uint64_t> &seqs,
+                            size_t n)
+    {
+        for (size_t i = 0; i < n; i++) {
+            auto it = keep.find(ids[i]);
+            if (it != keep.end() && it->second.seq == seqs[i]) {
+                close(it->second.fd);
                 keep.erase(it);
             }
         }
@@ -286,7 +335,7 @@ struct kvc_session {
     {
         std::lock_guard<std::mutex> g(mu);
         for (auto &kv : keep)
-            close(kv.second);
+            close(kv.second.fd);
         keep.clear();
         deferred.clear();
     }
@@ -353,120 +402,191 @@ void chan_free_nowait(Chan *ch, const std::vector<uint64_t> &ids)
     }
 }
 
+// Why a channel that ended this way ends its session: the status calls
+// fail with and the message (ch->mu held; s->id only).
+void chan_end_status_locked(kvc_session *s, Chan *ch, kvc_status *code, std::string *msg)
+{
+    const std::string sid = "session " + std::to_string(s->id);
+    switch (ch->end) {
+    case Chan::kError: {
+        kvc_status k = kvc_status_from_grpc_code(static_cast<int>(ch->end_code));
+        *code = k == KVC_OK ? KVC_ERR_INTERNAL : k;
+        *msg = sid + " ended by the daemon: " + ch->end_message;
+        break;
+    }
+    case Chan::kGoodbye:
+        *code = KVC_ERR_FAILED_PRECONDITION;
+        *msg = sid + " ended: the daemon closed it (GOODBYE)";
+        break;
+    case Chan::kProtocol:
+        *code = KVC_ERR_INTERNAL;
+        *msg = sid + ": fd channel protocol error: " + ch->end_message +
+               "; the channel was closed and the session is over";
+        break;
+    default:
+        *code = KVC_ERR_FAILED_PRECONDITION;
+        *msg = s->hangup_message();
+        break;
+    }
+}
+
+// End the channel (ch->mu held; the first end wins): a resumable session
+// whose daemon went away resumes (the monitor does it), any other end is
+// the session's end. A protocol error closes our side (shutdown: the fd
+// stays ours until the last user lets go), so the daemon ends the session.
+void chan_end_locked(kvc_session *s, Chan *ch, Chan::End end)
+{
+    if (ch->end != Chan::kOpen)
+        return;
+    ch->end = end;
+    if (end == Chan::kProtocol)
+        shutdown(ch->fd, SHUT_RDWR);
+    if (end == Chan::kGone && s->resumable) {
+        s->note_gone();
+    } else {
+        kvc_status code;
+        std::string msg;
+        chan_end_status_locked(s, ch, &code, &msg);
+        s->mark_ended(code, msg);
+    }
+    ch->cv.notify_all();
+}
+
+// A protocol error found by a caller (a REPLY OK before all its pages).
+kvc_status chan_protocol_error(kvc_session *s, Chan *ch, const std::string &fault)
+{
+    {
+        std::lock_guard<std::mutex> g(ch->mu);
+        if (ch->end == Chan::kOpen)
+            ch->end_message = fault;
+        chan_end_locked(s, ch, Chan::kProtocol);
+    }
+    return kvc_fail(KVC_ERR_INTERNAL,
+                    "session %llu: fd channel protocol error: %s; the channel was closed and "
+                    "the session is over",
+                    (unsigned long long)s->id, fault.c_str());
+}
+
+// Someone waits for this allocation's REPLY (ch->mu held).
+bool chan_wanted_locked(Chan *ch, uint64_t allocation_id)
+{
+    return (allocation_id & KVC_FD_CHANNEL_ALLOC_BIT) &&
+           ch->waiting.count(allocation_id & ~KVC_FD_CHANNEL_ALLOC_BIT);
+}
+
+// Take a complete allocation nobody waits for out of the stash: its fds
+// closed, its ids appended to `unwanted` (to be given back with FREE).
+// ch->mu held.
+void chan_take_unwanted_locked(Chan *ch, uint64_t allocation_id, std::vector<uint64_t> &unwanted)
+{
+    auto it = ch->stash.find(allocation_id);
+    if (it == ch->stash.end() || it->second.pages.size() != it->second.total ||
+        chan_wanted_locked(ch, allocation_id))
+        return;
+    for (auto &p : it->second.pages) {
+        unwanted.push_back(p.second.first);
+        close(p.second.second);
+    }
+    ch->stash.erase(it);
+}
+
 // File one record taken off the channel (the caller is the reader; ch->mu
-// not held). st/eof are what kvc_fd_recv said.
-void chan_file(kvc_session *s, Chan *ch, kvc_status st, int eof)
+// not held). st/eof/err are what kvc_fd_recv said.
+void chan_file(kvc_session *s, Chan *ch, kvc_status st, int eof, const char *err)
 {
     kvc_fd_record *rec = ch->rec.get();
-    if (st == KVC_ERR_DEADLINE_EXCEEDED || st == KVC_ERR_PROTOCOL)
-        return;  // nothing yet; or a malformed record (its fds closed): the stream goes on
-    Chan::End end = Chan::kOpen;
+    if (st == KVC_ERR_DEADLINE_EXCEEDED)
+        return;  // nothing yet
     std::vector<uint64_t> unwanted;  // pages to give back
     {
         std::lock_guard<std::mutex> g(ch->mu);
-        if (st != KVC_OK || eof) {
-            end = Chan::kGone;
-        } else {
-            switch (rec->type) {
-            case KVC_FD_REPLY:
-                if (ch->waiting.count(rec->req_id)) {
-                    Chan::Reply &r = ch->replies[rec->req_id];
-                    r.code = rec->error_code;
-                    r.value = rec->value;
-                    r.message = rec->message;
-                } else {
-                    // Its requester gave up: give back what it was lent.
-                    auto it = ch->stash.find(rec->req_id | KVC_FD_CHANNEL_ALLOC_BIT);
-                    if (it != ch->stash.end()) {
-                        for (auto &p : it->second.pages) {
-                            unwanted.push_back(p.second.first);
-                            close(p.second.second);
-                        }
-                        ch->stash.erase(it);
-                    }
-                }
-                break;
-            case KVC_FD_PAGES:
-                if ((rec->allocation_id & KVC_FD_CHANNEL_ALLOC_BIT) &&
-                    ch->waiting.count(rec->allocation_id & ~KVC_FD_CHANNEL_ALLOC_BIT)) {
-                    Chan::Stash &a = ch->stash[rec->allocation_id];
-                    a.total = rec->total;
-                    for (uint32_t i = 0; i < rec->count; i++) {
-                        auto ins = a.pages.emplace(rec->first_index + i,
-                                                   std::make_pair(rec->page_ids[i], rec->fds[i]));
-                        if (!ins.second) {  // the same index twice: keep the last
-                            close(ins.first->second.second);
-                            ins.first->second = {rec->page_ids[i], rec->fds[i]};
-                        }
-                    }
-                    rec->num_fds = 0;
-                } else {
-                    // Nobody waits for these (a gRPC Allocate whose answer was
-                    // lost, or a request given up): give them back.
-                    unwanted.assign(rec->page_ids, rec->page_ids + rec->count);
-                    kvc_fd_record_close_fds(rec);
-                }
-                break;
-            case KVC_FD_GOODBYE:
-                end = Chan::kGoodbye;
-                break;
-            case KVC_FD_ERROR:
-                end = Chan::kError;
-                ch->end_code = rec->error_code;
-                ch->end_message = rec->message;
-                break;
-            default:
+        if (ch->end != Chan::kOpen) {
+            if (st == KVC_OK && !eof)
                 kvc_fd_record_close_fds(rec);
-                break;
-            }
+            return;
         }
-        if (end != Chan::kOpen && ch->end == Chan::kOpen)
-            ch->end = end;
+        if (st == KVC_ERR_PROTOCOL) {  // a malformed record (its fds closed)
+            ch->end_message = err;
+            chan_end_locked(s, ch, Chan::kProtocol);
+            return;
+        }
+        if (st != KVC_OK || eof) {
+            chan_end_locked(s, ch, Chan::kGone);
+            return;
+        }
+        switch (rec->type) {
+        case KVC_FD_REPLY:
+            // A REPLY no request waits for (it gave up, or never existed) is dropped.
+            if (ch->waiting.count(rec->req_id)) {
+                Chan::Reply &r = ch->replies[rec->req_id];
+                r.code = rec->error_code;
+                r.value = rec->value;
+                r.message = rec->message;
+            }
+            break;
+        case KVC_FD_PAGES: {
+            // Kept by allocation id until its request is answered; a complete
+            // allocation nobody waits for is given back at once.
+            Chan::Stash &a = ch->stash[rec->allocation_id];
+            std::string fault;
+            if (!a.pages.empty() && a.total != rec->total)
+                fault = "allocation " + std::to_string(rec->allocation_id) + ": a PAGES record says " +
+                        std::to_string(rec->total) + " pages in all, an earlier one " +
+                        std::to_string(a.total);
+            for (uint32_t i = 0; fault.empty() && i < rec->count; i++)
+                if (a.pages.count(rec->first_index + i))
+                    fault = "allocation " + std::to_string(rec->allocation_id) + ": page index " +
+                            std::to_string(rec->first_index + i) + " sent twice";
+            if (!fault.empty()) {
+                kvc_fd_record_close_fds(rec);
+                ch->end_message = fault;
+                chan_end_locked(s, ch, Chan::kProtocol);
+                return;
+            }
+            a.total = rec->total;
+            for (uint32_t i = 0; i < rec->count; i++)
+                a.pages.emplace(rec->first_index + i, std::make_pair(rec->page_ids[i], rec->fds[i]));
+            rec->num_fds = 0;
+            chan_take_unwanted_locked(ch, rec->allocation_id, unwanted);
+            break;
+        }
+        case KVC_FD_GOODBYE:
+            chan_end_locked(s, ch, Chan::kGoodbye);
+            break;
+        case KVC_FD_ERROR:
+            ch->end_code = rec->error_code;
+            ch->end_message = rec->message;
+            chan_end_locked(s, ch, Chan::kError);
+            break;
+        default:  // HELLO again (kvc_fd_decode refuses records only clients send)
+            kvc_fd_record_close_fds(rec);
+            ch->end_message = "the daemon sent a record of type " + std::to_string(rec->type) +
+                              " (a second HELLO)";
+            chan_end_locked(s, ch, Chan::kProtocol);
+            break;
+        }
         ch->cv.notify_all();
     }
-    if (!unwanted.empty() && end == Chan::kOpen)
+    if (!unwanted.empty())
         chan_free_nowait(ch, unwanted);
-    switch (end) {
-    case Chan::kGone:
-        if (s->resumable)
-            s->note_gone();  // the monitor resumes the session
-        else
-            s->mark_ended("the fd channel was closed by the daemon");
-        break;
-    case Chan::kGoodbye:
-        s->mark_ended("GOODBYE on the fd channel");
-        break;
-    case Chan::kError:
-        s->mark_ended(std::string("ERROR on the fd channel: ") + rec->message);
-        break;
-    default:
-        break;
-    }
 }
 
 // Why the channel ended, as the status a request on it fails with.
 kvc_status chan_end_error(kvc_session *s, Chan *ch)
 {
     Chan::End end;
-    uint32_t code;
+    kvc_status code;
     std::string msg;
     {
         std::lock_guard<std::mutex> g(ch->mu);
         end = ch->end;
-        code = ch->end_code;
-        msg = ch->end_message;
-    }
-    if (end == Chan::kError) {
-        kvc_status k = kvc_status_from_grpc_code(static_cast<int>(code));
-        return kvc_fail(k == KVC_OK ? KVC_ERR_PROTOCOL : k, "session %llu: ERROR on the fd channel: %s",
-                        (unsigned long long)s->id, msg.c_str());
+        chan_end_status_locked(s, ch, &code, &msg);
     }
     if (end == Chan::kGone && s->resumable && !s->closing.load() && !s->ended.load())
         return s->resuming_error();
     if (s->ended.load())
         return s->ended_error();
-    return kvc_fail(KVC_ERR_UNAVAILABLE, "session %llu: the fd channel was closed",
-                    (unsigned long long)s->id);
+    return kvc_fail(code, "%s", msg.c_str());
 }
 
 // Read and file every record already queued on the channel (never blocks
@@ -485,7 +605,7 @@ void chan_pump_pending(kvc_session *s, Chan *ch)
         kvc_status st = kvc_fd_recv(ch->fd, 0, ch->rec.get(), &eof, err, sizeof err);
         if (st == KVC_ERR_DEADLINE_EXCEEDED)
             break;
-        chan_file(s, ch, st, eof);
+        chan_file(s, ch, st, eof, err);
         std::lock_guard<std::mutex> l(ch->mu);
         if (ch->end != Chan::kOpen)
             break;
@@ -528,6 +648,7 @@ kvc_status chan_request(kvc_session *s, Chan *ch, uint64_t req, const uint8_t *b
     const auto deadline = clock::now() + std::chrono::milliseconds(sent ? timeout_ms : 1000);
     const uint64_t alloc_id = req | KVC_FD_CHANNEL_ALLOC_BIT;
     std::unique_lock<std::mutex> g(ch->mu);
+    std::vector<uint64_t> unwanted;
     auto give_up = [&] {
         ch->waiting.erase(req);
         ch->replies.erase(req);
@@ -537,8 +658,10 @@ kvc_status chan_request(kvc_session *s, Chan *ch, uint64_t req, const uint8_t *b
                 close(p.second.second);
             ch->stash.erase(it);
         }
-        // Sent and unanswered: pages that arrive later are given back when
-        // their REPLY comes (nobody waits for it any more).
+        // Sent and unanswered: its pages go back as soon as they are all
+        // there (now, or when the reader files the last of them).
+        if (sent && ch->end == Chan::kOpen)
+            chan_take_unwanted_locked(ch, alloc_id, unwanted);
     };
     for (;;) {
         auto it = ch->replies.find(req);
@@ -566,6 +689,8 @@ kvc_status chan_request(kvc_session *s, Chan *ch, uint64_t req, const uint8_t *b
         if (!forever && now >= deadline) {
             give_up();
             g.unlock();
+            if (!unwanted.empty())
+                chan_free_nowait(ch, unwanted);
             if (!sent)
                 return kvc_fail(KVC_ERR_UNAVAILABLE, "%s: fd channel: %s", what, send_err.c_str());
             return kvc_fail(KVC_ERR_DEADLINE_EXCEEDED,
@@ -589,7 +714,7 @@ kvc_status chan_request(kvc_session *s, Chan *ch, uint64_t req, const uint8_t *b
         }
         int eof = 0;
         kvc_status st = kvc_fd_recv(ch->fd, wait_ms, ch->rec.get(), &eof, err, sizeof err);
-        chan_file(s, ch, st, eof);
+        chan_file(s, ch, st, eof, err);
         g.lock();
         ch->reading = false;
         ch->cv.notify_all();
@@ -621,62 +746,100 @@ kvc_status chan_free(kvc_session *s, Chan *ch, const std::vector<uint64_t> &ids,
     return KVC_OK;
 }
 
-// Give pages back (they must be unmapped already).
+// A Free the daemon cannot be asked now, checked as it would check it (all
+// or nothing): an id named twice is INVALID_ARGUMENT, a page the session
+// does not hold (not kept, or given back already) NOT_FOUND. s->mu held.
+kvc_status check_free_locked(kvc_session *s, const std::vector<uint64_t> &ids)
+{
+    std::set<uint64_t> seen;
+    for (uint64_t id : ids)
+        if (!seen.insert(id).second)
+            return kvc_fail(KVC_ERR_INVALID_ARGUMENT, "Free: page %llu is named twice",
+                            (unsigned long long)id);
+    for (uint64_t id : ids)
+        if (!s->keep.count(id) || s->deferred.count(id))
+            return kvc_fail(KVC_ERR_NOT_FOUND, "Free: session %llu holds no page %llu",
+                            (unsigned long long)s->id, (unsigned long long)id);
+    return KVC_OK;
+}
+
+// Give pages back (they must be unmapped already); *freed (may be NULL)
+// gets how many are given back.
 //
 // On a resumable session whose daemon is away (the session is resuming, or
-// the Free fails with UNAVAILABLE), the pages are left out of the claim
-// when the session resumes, which gives them back (the old daemon may or
-// may not have processed the Free; the new one forgets what is not
-// claimed, and a session that cannot be resumed gives back everything).
-// That is a completed give-back from the caller's point of view: KVC_OK.
-kvc_status session_free_ids(kvc_session *s, const std::vector<uint64_t> &ids)
+// the Free fails with UNAVAILABLE: the channel hung up before the REPLY),
+// the Free is checked here as the daemon would (check_free_locked) and the
+// pages are deferred: left out of the claim when the session resumes, which
+// gives them back (the old daemon may or may not have processed the Free;
+// the new one forgets what is not claimed, and a session that cannot be
+// resumed gives back everything). That is a completed give-back from the
+// caller's point of view: KVC_OK. Once the session ended, the daemon took
+// everything back: the books here forget the pages and the call fails with
+// the session's end (FAILED_PRECONDITION, or what ended it).
+kvc_status session_free_ids(kvc_session *s, const std::vector<uint64_t> &ids, size_t *freed = nullptr)
 {
+    if (freed)
+        *freed = 0;
     if (ids.empty())
         return KVC_OK;
-    auto defer = [&] {
+    auto defer = [&](size_t from) -> kvc_status {
+        std::vector<uint64_t> rest(ids.begin() + from, ids.end());
         std::lock_guard<std::mutex> g(s->mu);
-        s->deferred.insert(ids.begin(), ids.end());
-        drop_held(s, ids.size());
+        kvc_status st = check_free_locked(s, rest);
+        if (st != KVC_OK)
+            return st;
+        s->deferred.insert(rest.begin(), rest.end());
+        drop_held(s, rest.size());
+        if (freed)
+            *freed = ids.size();
         return KVC_OK;
     };
-    if (s->ended.load()) {
-        // The daemon took everything back when it ended the session.
-        std::lock_guard<std::mutex> g(s->mu);
-        s->drop_kept_locked(ids);
-        drop_held(s, ids.size());
-        return KVC_OK;
-    }
-    if (s->resuming())
-        return defer();
-    uint64_t gen = s->resumes.load();
-    {
-        std::shared_ptr<Chan> ch = s->chan_copy();
-        size_t done = 0;
-        kvc_status st = chan_free(s, ch.get(), ids, &done);
+    auto ended = [&](size_t from) -> kvc_status {
         {
             std::lock_guard<std::mutex> g(s->mu);
-            std::vector<uint64_t> freed(ids.begin(), ids.begin() + done);
-            s->drop_kept_locked(freed);
-            drop_held(s, done);
-        }
-        if (st == KVC_OK)
-            return KVC_OK;
-        if (s->ended.load()) {  // ended meanwhile: the daemon took everything back
-            std::lock_guard<std::mutex> g(s->mu);
-            std::vector<uint64_t> rest(ids.begin() + done, ids.end());
+            std::vector<uint64_t> rest(ids.begin() + from, ids.end());
             s->drop_kept_locked(rest);
             drop_held(s, rest.size());
-            return KVC_OK;
         }
-        if (s->resumable && !s->closing.load() && !s->ended.load() &&
-            (st == KVC_ERR_UNAVAILABLE || s->resuming() || s->resumes.load() != gen)) {
-            std::lock_guard<std::mutex> g(s->mu);
-            s->deferred.insert(ids.begin() + done, ids.end());
-            drop_held(s, ids.size() - done);
-            return KVC_OK;
-        }
-        return st;
+        return s->ended_error();
+    };
+    if (s->ended.load())
+        return ended(0);
+    if (s->resuming())
+        return defer(0);
+    // A resume waits for Frees in flight (it claims what they leave kept).
+    std::shared_lock<std::shared_mutex> rw(s->chan_rw);
+    if (s->ended.load())
+        return ended(0);
+    if (s->resuming())
+        return defer(0);
+    const uint64_t gen = s->resumes.load();
+    std::shared_ptr<Chan> ch = s->chan_copy();
+    std::vector<uint64_t> seqs;
+    {
+        std::lock_guard<std::mutex> g(s->mu);
+        seqs = s->kept_seqs_locked(ids);
     }
+    size_t done = 0;
+    kvc_status st = chan_free(s, ch.get(), ids, &done);
+    {
+        std::lock_guard<std::mutex> g(s->mu);
+        s->unkeep_seqs_locked(ids, seqs, done);
+        drop_held(s, done);
+    }
+    if (freed)
+        *freed = done;
+    if (st == KVC_OK)
+        return KVC_OK;
+    if (s->ended.load()) {  // ended meanwhile: the daemon took everything back
+        std::string msg = kvc_last_error();
+        ended(done);
+        return kvc_fail(st, "%s", msg.c_str());
+    }
+    if (s->resumable && !s->closing.load() &&
+        (st == KVC_ERR_UNAVAILABLE || s->resuming() || s->resumes.load() != gen))
+        return defer(done);
+    return st;
 }
 
 // Keep a duplicate of each page fd (resumable sessions): ADOPT re-sends them.
@@ -708,10 +871,12 @@ kvc_status keep_fds(kvc_session *s, const std::vector<uint64_t> &ids, const std:
     }
     std::lock_guard<std::mutex> g(s->mu);
     for (size_t i = 0; i < ids.size(); i++) {
+        // An entry still there is the same id lent before, whose Free's
+        // REPLY is on its way: that Free forgets only its own entry (seq).
         auto it = s->keep.find(ids[i]);
         if (it != s->keep.end())
-            close(it->second);  // cannot happen: the daemon never lends a page twice
-        s->keep[ids[i]] = dups[i];
+            close(it->second.fd);
+        s->keep[ids[i]] = kvc_session::Kept{dups[i], ++s->keep_seq};
     }
     return KVC_OK;
 }
@@ -752,12 +917,14 @@ kvc_status chan_allocate_chunk(kvc_session *s, Chan *ch, uint32_t chunk, std::ve
     bool whole = got.total == chunk && got.pages.size() == chunk &&
                  got.pages.begin()->first == 0 && got.pages.rbegin()->first == chunk - 1;
     if (!whole) {
+        // The daemon broke the protocol: the channel closes (the daemon
+        // then ends the session and takes its pages back).
         close_fds(fds);
-        chan_free_nowait(ch, ids);
-        return kvc_fail(KVC_ERR_PROTOCOL,
-                        "Allocate of %u pages on the fd channel: %zu page fds arrived before "
-                        "the answer (total %u)",
-                        chunk, got.pages.size(), got.total);
+        return chan_protocol_error(
+            s, ch,
+            "a REPLY OK to an ALLOCATE of " + std::to_string(chunk) + " pages came after " +
+                std::to_string(got.pages.size()) + " of them (PAGES total " +
+                std::to_string(got.total) + ")");
     }
     return KVC_OK;
 }
@@ -932,6 +1099,11 @@ kvc_status region_unmap_slots(kvc_region *r, const std::vector<uint64_t> &slots)
             ids.push_back(r->ids[k]);
     }
     kvc_status st = session_free_ids(s, ids);
+    // After the session ended the daemon took its pages back: unmapping is
+    // local only (regions of an ended session can still be unmapped and
+    // destroyed).
+    if (st != KVC_OK && s->ended.load())
+        st = KVC_OK;
     if (first != KVC_OK)
         return kvc_fail(first, "%s", msg.c_str());
     return st;
@@ -1088,7 +1260,9 @@ grpc::Status watch_stream(kvc_session *s, grpc::ClientContext *ctx)
             break;
         }
         case pb::WatchEvent::SHUTDOWN:
-            s->mark_ended("the daemon is shutting down: " + ev.shutdown().reason());
+            s->mark_ended(KVC_ERR_FAILED_PRECONDITION, "session " + std::to_string(s->id) +
+                                                           " ended: the daemon is shutting down: " +
+                                                           ev.shutdown().reason());
             break;
         default:
             break;
@@ -1125,8 +1299,7 @@ void watch_loop(kvc_session *s)
                 stopping = s->watch_stopping;
             }
             if (!stopping && channel_gone(s))
-                s->mark_ended("the daemon went away (its fd channel closed; Watch: " + st.error_message() +
-                              ")");
+                s->mark_ended(KVC_ERR_FAILED_PRECONDITION, s->hangup_message());
         }
         if (!s->resumable || st.ok() || s->ended.load())
             break;
@@ -1231,7 +1404,7 @@ bool resume_sleep(kvc_session *s, uint32_t ms)
 // The session is dead: the daemon refused the claim or did not come back.
 void resume_failed(kvc_session *s, const std::string &why)
 {
-    s->mark_ended(why);
+    s->mark_ended(KVC_ERR_FAILED_PRECONDITION, why);
     s->drop_all_kept();
 }
 
@@ -1268,7 +1441,9 @@ bool session_resume(kvc_session *s)
             }
         }
         if (!info.fd_channel_requests()) {
-            resume_failed(s, "it could not be resumed after the daemon restarted: the restarted daemon (version " + info.version() +
+            resume_failed(s, "session " + std::to_string(s->id) +
+                                 " could not be resumed after the daemon restarted: the restarted "
+                                 "daemon (version " + info.version() +
                               ") takes no page requests on the fd channel "
                               "(GetInfo().fd_channel_requests is false)");
             return false;
@@ -1308,7 +1483,7 @@ bool session_resume(kvc_session *s)
             std::vector<int> fds;
             for (auto &kv : s->keep) {
                 ids.push_back(kv.first);
-                fds.push_back(kv.second);
+                fds.push_back(kv.second.fd);
             }
             std::vector<uint8_t> buf(KVC_FD_MAX_RECORD);
             for (size_t i = 0; sent && i < ids.size(); i += KVC_FD_MAX_FDS) {
@@ -1348,9 +1523,8 @@ bool session_resume(kvc_session *s)
                     return false;
                 continue;
             }
-            kvc_status k = kvc_status_from_grpc_code(static_cast<int>(gs.error_code()));
-            resume_failed(s, std::string("it could not be resumed after the daemon restarted: ") +
-                                 "ResumeSession refused (" + kvc_status_to_string(k) + "): " +
+            resume_failed(s, "session " + std::to_string(s->id) +
+                                 " could not be resumed after the daemon restarted: " +
                                  gs.error_message());
             return false;
         }
@@ -1386,25 +1560,35 @@ bool session_resume(kvc_session *s)
     }
     if (s->closing.load())
         return false;
-    resume_failed(s, "it could not be resumed: the daemon did not come back within " +
+    resume_failed(s, "session " + std::to_string(s->id) +
+                         " could not be resumed: the daemon did not come back within " +
                          std::to_string(kResumeTimeoutMs / 1000) + " s (last: " + last + ")");
     return false;
 }
 
-// The monitor thread of a resumable session: waits for the daemon's end of
-// the fd channel to hang up (POLLRDHUP; it reads nothing while the channel
-// is up) and then resumes the session.
+// The monitor thread of every session: reads the fd channel while no
+// request waits (so a GOODBYE, an ERROR, a hang-up or a complete allocation
+// nobody waits for is handled at once, not at the next call: the waiters
+// read while they wait), and resumes a resumable session when its daemon
+// went away. Runs until the session closes.
 void monitor_loop(kvc_session *s)
 {
-    while (!s->closing.load() && !s->ended.load()) {
+    while (!s->closing.load()) {
+        std::shared_ptr<Chan> ch = s->chan_copy();  // only this thread replaces it
+        bool open;
+        {
+            std::lock_guard<std::mutex> g(ch->mu);
+            open = ch->end == Chan::kOpen;
+        }
         struct pollfd p[2];
-        p[0].fd = s->fd;  // only this thread replaces it
-        p[0].events = POLLRDHUP;
+        p[0].fd = s->wake_fd;
+        p[0].events = POLLIN;
         p[0].revents = 0;
-        p[1].fd = s->wake_fd;
-        p[1].events = POLLIN;
+        p[1].fd = ch->fd;
+        p[1].events = POLLIN | POLLRDHUP;
         p[1].revents = 0;
-        int n = poll(p, 2, -1);
+        // An ended channel is not polled (it stays readable at its end).
+        int n = poll(p, open ? 2 : 1, -1);
         if (n < 0) {
             if (errno == EINTR)
                 continue;
@@ -1412,12 +1596,15 @@ void monitor_loop(kvc_session *s)
         }
         if (s->closing.load())
             return;
-        if (!(p[0].revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)))
-            continue;
-        if (!channel_gone(s))
-            continue;  // ended by the daemon (loop condition), or a spurious wake
-        if (!session_resume(s))
-            return;
+        if (open && p[1].revents)
+            chan_pump_pending(s, ch.get());
+        bool gone;
+        {
+            std::lock_guard<std::mutex> g(ch->mu);
+            gone = ch->end == Chan::kGone;
+        }
+        if (gone && s->resumable && !s->ended.load())
+            session_resume(s);  // false: ended or closing (the loop then waits for close)
     }
 }
 
@@ -1733,16 +1920,14 @@ KVC_API kvc_status kvc_session_open(kvc_client *client, const kvc_session_option
         s->id = resp.session().id();
         s->admin = resp.admin();
         s->resume_token = resp.resume_token();
-        if (!s->resume_token.empty()) {
-            s->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-            if (s->wake_fd < 0) {
-                int e = errno;
-                cleanup();
-                return kvc_fail(KVC_ERR_SYSTEM, "eventfd: %s", std::strerror(e));
-            }
-            s->resumable = true;
-            s->monitor = std::thread(monitor_loop, s.get());
+        s->resumable = !s->resume_token.empty();
+        s->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+        if (s->wake_fd < 0) {
+            int e = errno;
+            cleanup();
+            return kvc_fail(KVC_ERR_SYSTEM, "eventfd: %s", std::strerror(e));
         }
+        s->monitor = std::thread(monitor_loop, s.get());
         *out = s.release();
         return KVC_OK;
     });
