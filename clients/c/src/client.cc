@@ -1575,10 +1575,17 @@ void monitor_loop(kvc_session *s)
 {
     while (!s->closing.load()) {
         std::shared_ptr<Chan> ch = s->chan_copy();  // only this thread replaces it
-        bool open;
+        bool open, gone;
         {
             std::lock_guard<std::mutex> g(ch->mu);
             open = ch->end == Chan::kOpen;
+            gone = ch->end == Chan::kGone;
+        }
+        if (gone && s->resumable && !s->ended.load()) {
+            // The daemon went away (whoever read the end of the stream).
+            // False: ended or closing (the loop then waits for close).
+            session_resume(s);
+            continue;
         }
         struct pollfd p[2];
         p[0].fd = s->wake_fd;
@@ -1598,13 +1605,6 @@ void monitor_loop(kvc_session *s)
             return;
         if (open && p[1].revents)
             chan_pump_pending(s, ch.get());
-        bool gone;
-        {
-            std::lock_guard<std::mutex> g(ch->mu);
-            gone = ch->end == Chan::kGone;
-        }
-        if (gone && s->resumable && !s->ended.load())
-            session_resume(s);  // false: ended or closing (the loop then waits for close)
     }
 }
 
