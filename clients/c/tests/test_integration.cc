@@ -506,6 +506,54 @@ TEST_F(Kvc, AllocFreeAvailableLimit)
     EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_session_alloc(s, 0, &p));
 }
 
+// Pages as descriptors (API 1.4): borrowed unmapped with their fds, given
+// back by id, all or nothing, with the daemon's own checks.
+TEST_F(Kvc, PagesAsDescriptors)
+{
+    kvc_session *s = open("fds");
+    const uint64_t P = kvc_session_page_size(s);
+    uint64_t ids[3] = {0, 0, 0};
+    int fds[3] = {-1, -1, -1};
+    KVC_OK_OR_FAIL(kvc_session_alloc_pages(s, 3, ids, fds));
+    EXPECT_NE(ids[0], ids[1]);
+    EXPECT_NE(ids[1], ids[2]);
+    EXPECT_NE(ids[0], ids[2]);
+    for (int fd : fds)
+        EXPECT_GE(fcntl(fd, F_GETFD), 0) << "not an open descriptor";
+    if (g_backend == "host") {  // a memfd of one page, fresh: zeros
+        for (int fd : fds) {
+            struct stat sb;
+            ASSERT_EQ(fstat(fd, &sb), 0);
+            EXPECT_EQ(static_cast<uint64_t>(sb.st_size), P);
+            unsigned char b = 0xff;
+            EXPECT_EQ(pread(fd, &b, 1, static_cast<off_t>(P / 2)), 1);
+            EXPECT_EQ(b, 0);
+        }
+    }
+    for (int fd : fds)
+        ::close(fd);  // the pages stay the session's
+    EXPECT_EQ(kvc_session_held_bytes(s), 3 * P);
+    EXPECT_EQ(stats(s).held_bytes, 3 * P);
+    uint64_t freed = 99;
+    // All or nothing: one id the session does not hold refuses the whole Free.
+    uint64_t bad[2] = {ids[0], 987654321};
+    EXPECT_STATUS(KVC_ERR_NOT_FOUND, kvc_session_free_pages(s, bad, 2, &freed));
+    EXPECT_EQ(freed, 0u);
+    uint64_t twice[2] = {ids[0], ids[0]};
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_session_free_pages(s, twice, 2, &freed));
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_session_free_pages(s, ids, 0, &freed));
+    EXPECT_EQ(stats(s).held_bytes, 3 * P);
+    KVC_OK_OR_FAIL(kvc_session_free_pages(s, ids, 3, &freed));
+    EXPECT_EQ(freed, 3u);
+    EXPECT_EQ(kvc_session_held_bytes(s), 0u);
+    kvc_stats st = stats(s);
+    EXPECT_EQ(st.held_bytes, 0u);
+    check_books(st);
+    EXPECT_STATUS(KVC_ERR_NOT_FOUND, kvc_session_free_pages(s, ids, 1, nullptr));  // freed already
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_session_alloc_pages(s, 0, ids, fds));
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_session_alloc_pages(s, 1, nullptr, fds));
+}
+
 TEST_F(Kvc, DaemonLimitsAreResourceExhausted)
 {
     kvc_session *s = open("max", 4 * 2 * MiB);
