@@ -1451,8 +1451,12 @@ TEST(KvcOwnDaemon, SessionResumesAfterDaemonSigkill)
     KVC_OK_OR_FAIL(kvc_region_write(r, 0, data.data(), data.size()));
     void *blk = nullptr;
     KVC_OK_OR_FAIL(kvc_session_alloc(s, 2 * P, &blk));
+    uint64_t loose = 0;  // a page as a descriptor (API 1.4), freed during the outage
+    int loose_fd = -1;
+    KVC_OK_OR_FAIL(kvc_session_alloc_pages(s, 1, &loose, &loose_fd));
+    ::close(loose_fd);
     kvc_stats before = own_stats(s);
-    EXPECT_EQ(before.pages_held, 8u);
+    EXPECT_EQ(before.pages_held, 9u);
 
     d.proc.kill_and_wait(SIGKILL);
     ASSERT_TRUE(wait_until([&] { return kvc_session_is_resuming(s) == 1; }, 5000));
@@ -1473,7 +1477,17 @@ TEST(KvcOwnDaemon, SessionResumesAfterDaemonSigkill)
     KVC_OK_OR_FAIL(kvc_region_read(r, 0, got.data(), got.size()));
     EXPECT_TRUE(got == data);
     KVC_OK_OR_FAIL(kvc_region_write(r, 0, data.data(), P));
-    // A free while the daemon is away: unmapped here, not claimed at resume.
+    // A free while the daemon is away: checked as the daemon would, then
+    // unmapped here and not claimed at resume.
+    uint64_t freed = 0;
+    uint64_t unknown = 987654321;
+    EXPECT_STATUS(KVC_ERR_NOT_FOUND, kvc_session_free_pages(s, &unknown, 1, &freed));
+    uint64_t twice[2] = {loose, loose};
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_session_free_pages(s, twice, 2, &freed));
+    EXPECT_STATUS(KVC_OK, kvc_session_free_pages(s, &loose, 1, &freed));
+    EXPECT_EQ(freed, 1u);
+    EXPECT_STATUS(KVC_ERR_NOT_FOUND, kvc_session_free_pages(s, &loose, 1, &freed));  // given back already
+    EXPECT_STATUS(KVC_ERR_UNAVAILABLE, kvc_session_alloc_pages(s, 1, &loose, &loose_fd));
     EXPECT_STATUS(KVC_OK, kvc_region_unmap(r, 4 * P, 2 * P));
     EXPECT_EQ(kvc_region_is_mapped(r, 4 * P, 1), 0);
     EXPECT_EQ(kvc_region_mapped_bytes(r), 4 * P);
