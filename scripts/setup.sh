@@ -18,7 +18,7 @@ if [ "$DEV" = 1 ]; then
   APT_PACKAGES+=(
     build-essential cmake pkg-config
     libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-    libgtest-dev valgrind util-linux
+    libgtest-dev valgrind util-linux nlohmann-json3-dev
   )
 fi
 

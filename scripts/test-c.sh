@@ -4,7 +4,7 @@
 # plain-C consumers (gcc) with pkg-config and with find_package.
 #
 # Needs: cmake, gcc, g++, readelf (binutils), libgrpc++-dev, protobuf-compiler-grpc, libprotobuf-dev,
-# libgtest-dev, valgrind, pkg-config (scripts/setup.sh); the daemon in .venv
+# libgtest-dev, nlohmann-json3-dev, valgrind, pkg-config (scripts/setup.sh); the daemon in .venv
 # (scripts/setup.sh) and the CUDA test driver (scripts/build-testdriver.sh).
 # Exits non-zero on any failure.
 set -euo pipefail

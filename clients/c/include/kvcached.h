@@ -38,7 +38,7 @@
 /* API version: KVC_API_VERSION = major * 10000 + minor * 100 + patch.
  * kvc_api_version() returns the version of the library actually loaded. */
 #define KVC_API_VERSION_MAJOR 1
-#define KVC_API_VERSION_MINOR 3
+#define KVC_API_VERSION_MINOR 4
 #define KVC_API_VERSION_PATCH 0
 #define KVC_API_VERSION \
     (KVC_API_VERSION_MAJOR * 10000 + KVC_API_VERSION_MINOR * 100 + KVC_API_VERSION_PATCH)
@@ -172,6 +172,10 @@ KVC_API void kvc_session_options_init(kvc_session_options *options);
  * OpenSession called with its secret. For a "cuda" device the CUDA driver
  * is loaded (dlopen of $KVCACHED_LIBCUDA, default libcuda.so.1), the local
  * ordinal with the device's UUID found, and its primary context retained.
+ * Page operations (Allocate, Free, Close) go on the fd channel only: a
+ * daemon that does not take them there (GetInfo().fd_channel_requests
+ * false, daemons before the feature) is KVC_ERR_FAILED_PRECONDITION, said
+ * before any channel is connected (since 1.4; before, they went over gRPC).
  * Thread-safe. */
 KVC_API kvc_status kvc_session_open(kvc_client *client, const kvc_session_options *options,
                                     kvc_session **out);
@@ -192,9 +196,13 @@ KVC_API const char *kvc_session_kind(const kvc_session *session);   /* "cuda" / 
 KVC_API uint64_t kvc_session_held_bytes(const kvc_session *session);
 /* Nonzero once the session is over: the daemon ended it (GOODBYE/ERROR on
  * the fd channel, SHUTDOWN on Watch, or the channel closed on a session
- * that cannot be resumed), or a resume failed (see below). Every call that
- * needs the daemon then fails with KVC_ERR_FAILED_PRECONDITION and
- * kvc_last_error() says why. Thread-safe. */
+ * that cannot be resumed), the daemon broke the fd channel protocol, or a
+ * resume failed (see below). Every call that needs the daemon then fails
+ * with the end's status and kvc_last_error() says why:
+ * KVC_ERR_FAILED_PRECONDITION ("session N ended: ..." for GOODBYE,
+ * SHUTDOWN and a hang-up without resume token), an ERROR record's own code
+ * and message, KVC_ERR_INTERNAL ("fd channel protocol error: ...").
+ * Thread-safe. */
 KVC_API int kvc_session_ended(const kvc_session *session);
 
 /* ---- resume after a daemon restart (since 1.1) -----------------------
@@ -311,8 +319,7 @@ KVC_API kvc_status kvc_session_set_reclaim_callback(kvc_session *session, kvc_re
  * an id this session was never sent (or settled more than 10 minutes ago);
  * KVC_ERR_INVALID_ARGUMENT for a reason over 1024 bytes; KVC_ERR_UNAVAILABLE
  * while the session is being resumed; KVC_ERR_FAILED_PRECONDITION when the
- * session ended or the daemon takes no requests on the fd channel (daemons
- * before the ANSWER record). Since 1.3. Thread-safe. */
+ * session ended. Since 1.3. Thread-safe. */
 KVC_API kvc_status kvc_session_answer_reclaim(kvc_session *session, uint64_t reclaim_id,
                                               uint64_t bytes_given, uint64_t bytes_kept,
                                               const char *reason);
@@ -340,8 +347,8 @@ KVC_API int kvc_session_is_admin(const kvc_session *session);
 
 /* Allocate `size` bytes (rounded up to whole pages), mapped and zeroed, at a
  * page-aligned address: a host pointer for "host" sessions, a device pointer
- * for "cuda" sessions. One Allocate (an fd channel request, or an rpc for
- * daemons without them). Thread-safe. */
+ * for "cuda" sessions. One Allocate (an ALLOCATE request on the fd
+ * channel). Thread-safe. */
 KVC_API kvc_status kvc_session_alloc(kvc_session *session, size_t size, void **ptr);
 
 /* Give a block from kvc_session_alloc back (unmapped, then Free). NULL is a
@@ -369,6 +376,35 @@ KVC_API uint64_t kvc_session_limit(const kvc_session *session);
  * path (a llama.cpp decode) that must fail fast after a refusal. Since 1.2.
  * Thread-safe. */
 KVC_API kvc_status kvc_session_set_wait(kvc_session *session, int wait, uint32_t wait_timeout_ms);
+
+/* ---- pages as descriptors (since 1.4) ----------------------------------
+ *
+ * The daemon's pages themselves, unmapped: for a program that maps them its
+ * own way or hands a page to another process (the descriptor is a memfd on
+ * "host", a CUDA POSIX handle on "cuda"; docs/protocol.md "PAGES"). Regions
+ * and blocks are built on the same two operations. */
+
+/* Borrow `num_pages` pages (1..2^32-1) in one Allocate (split only past the
+ * daemon's max_pages_per_request); all or nothing. page_ids[i] and fds[i]
+ * (arrays of num_pages, filled in the daemon's order) are the i-th page and
+ * its descriptor: the caller owns the descriptors (close them; the pages
+ * stay the session's until kvc_session_free_pages). On a resumable session
+ * the library keeps a duplicate of each for a resume. Errors as
+ * kvc_region_map. Thread-safe. */
+KVC_API kvc_status kvc_session_alloc_pages(kvc_session *session, uint32_t num_pages,
+                                           uint64_t *page_ids, int *fds);
+
+/* Give pages back by id (all or nothing; unmap them first), in FREE records
+ * of at most 16384 ids each. *pages_freed (may be NULL) gets how many were
+ * freed. KVC_ERR_NOT_FOUND for a page this session does not hold,
+ * KVC_ERR_INVALID_ARGUMENT for none or an id named twice,
+ * KVC_ERR_FAILED_PRECONDITION (or the status it ended with) once the
+ * session ended. While a resumable session is being resumed, or when the
+ * daemon goes away before it answers, the Free succeeds at once, checked as
+ * the daemon would: the pages are not claimed at the resume, which gives
+ * them back. Thread-safe. */
+KVC_API kvc_status kvc_session_free_pages(kvc_session *session, const uint64_t *page_ids,
+                                          size_t num_pages, uint64_t *pages_freed);
 
 /* ------------------------------------------------------------------------ */
 /* Regions                                                                  */

@@ -798,7 +798,7 @@ static void test_shared_vectors(const char *path)
     }
     /* Well-formed records at the wrong end: a daemon drops them (they
      * decode), a client's decoder refuses requests; a second HELLO decodes
-     * and the client's channel treats it as a protocol error (client.cc). */
+     * and the client's channel treats it as a protocol error (channel.cc). */
     const jv *unexp = jget(root, "unexpected");
     CHECK(unexp && unexp->t == J_ARR && unexp->n > 0);
     for (size_t i = 0; unexp && i < unexp->n; i++) {

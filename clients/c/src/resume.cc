@@ -1,0 +1,252 @@
+// libkvcached: Resume after a daemon restart, and the session's monitor thread (it reads the fd
+// channel while no call waits, and resumes a resumable session whose daemon went away).
+#include "internal.h"
+
+namespace kvc_impl {
+
+// ---- resume after a daemon restart ---------------------------------------
+
+// After the fd channel hung up: did the daemon end the session (GOODBYE or
+// ERROR still queued) or did it go away? Records left unread are dropped
+// (page fds of an allocation nobody waits for: not claimed, so forgotten).
+bool channel_gone(kvc_session *s)
+{
+    // Requests may be waiting on it: read as one of them would.
+    std::shared_ptr<Chan> ch = s->chan_copy();
+    chan_pump_pending(s, ch.get());
+    std::lock_guard<std::mutex> g(ch->mu);
+    return ch->end == Chan::kGone && !s->ended.load();
+}
+
+// Sleep up to ms, or until the session closes. False if it is closing.
+bool resume_sleep(kvc_session *s, uint32_t ms)
+{
+    std::unique_lock<std::mutex> g(s->watch_mu);
+    s->watch_cv.wait_for(g, std::chrono::milliseconds(ms), [s] { return s->closing.load(); });
+    return !s->closing.load();
+}
+
+// The session is dead: the daemon refused the claim or did not come back.
+void resume_failed(kvc_session *s, const std::string &why)
+{
+    s->mark_ended(KVC_ERR_FAILED_PRECONDITION, why);
+    s->drop_all_kept();
+}
+
+// Reconnect with backoff, new fd channel + HELLO, ADOPT every page still
+// held (not the ones whose Free could not reach the daemon), ResumeSession,
+// swap in the new channel and SessionRef. True once resumed.
+bool session_resume(kvc_session *s)
+{
+    s->note_gone();
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(kResumeTimeoutMs);
+    uint32_t delay = kResumeFirstDelayMs;
+    std::string last = "no answer";
+    auto backoff = [&] {
+        bool go = resume_sleep(s, delay);
+        delay = std::min(delay * 2, kResumeMaxDelayMs);
+        return go;
+    };
+    char err[512];
+    while (!s->closing.load() && std::chrono::steady_clock::now() < deadline) {
+        uint32_t t = s->conn->timeout_ms.load();
+        if (t == 0)
+            t = kDefaultTimeoutMs;
+        pb::GetInfoResponse info;
+        {
+            grpc::ClientContext ctx;
+            ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(1000));
+            grpc::Status gs = s->conn->stub->GetInfo(&ctx, pb::GetInfoRequest(), &info);
+            if (!gs.ok()) {
+                last = "GetInfo: " + gs.error_message();
+                if (!backoff())
+                    return false;
+                continue;
+            }
+        }
+        if (!info.fd_channel_requests()) {
+            resume_failed(s, "session " + std::to_string(s->id) +
+                                 " could not be resumed after the daemon restarted: the restarted "
+                                 "daemon (version " + info.version() +
+                              ") takes no page requests on the fd channel "
+                              "(GetInfo().fd_channel_requests is false)");
+            return false;
+        }
+        int nfd = -1;
+        kvc_status st = kvc_fd_connect(info.fd_socket().c_str(), &nfd, err, sizeof err);
+        auto hello = std::make_unique<kvc_fd_record>();
+        if (st == KVC_OK) {
+            int eof = 0;
+            st = kvc_fd_recv(nfd, static_cast<int>(t), hello.get(), &eof, err, sizeof err);
+            if (st == KVC_OK && (eof || hello->type != KVC_FD_HELLO)) {
+                if (!eof)
+                    kvc_fd_record_close_fds(hello.get());
+                std::snprintf(err, sizeof err, "no HELLO on the new fd channel");
+                st = KVC_ERR_UNAVAILABLE;
+            }
+        }
+        if (st != KVC_OK) {
+            if (nfd >= 0)
+                close(nfd);
+            last = std::string("fd channel: ") + err;
+            if (!backoff())
+                return false;
+            continue;
+        }
+
+        // No channel allocation between its answer and keeping its fds.
+        std::unique_lock<std::shared_mutex> rw(s->chan_rw);
+        std::vector<uint64_t> ids;
+        bool sent = true;
+        {
+            std::lock_guard<std::mutex> g(s->mu);
+            // Not claiming a page whose Free failed gives it back.
+            std::vector<uint64_t> gone(s->deferred.begin(), s->deferred.end());
+            s->drop_kept_locked(gone);
+            s->deferred.clear();
+            std::vector<int> fds;
+            for (auto &kv : s->keep) {
+                ids.push_back(kv.first);
+                fds.push_back(kv.second.fd);
+            }
+            std::vector<uint8_t> buf(KVC_FD_MAX_RECORD);
+            for (size_t i = 0; sent && i < ids.size(); i += KVC_FD_MAX_FDS) {
+                uint32_t n = static_cast<uint32_t>(std::min<size_t>(KVC_FD_MAX_FDS, ids.size() - i));
+                size_t len = kvc_fd_encode_adopt(buf.data(), buf.size(), s->id,
+                                                 static_cast<uint32_t>(i),
+                                                 static_cast<uint32_t>(ids.size()), &ids[i], n);
+                sent = len > 0 && kvc_fd_send(nfd, buf.data(), len, &fds[i], n, err,
+                                              sizeof err) == KVC_OK;
+            }
+        }
+        if (!sent) {
+            close(nfd);
+            rw.unlock();
+            last = std::string("ADOPT: ") + err;
+            if (!backoff())
+                return false;
+            continue;
+        }
+        pb::ResumeSessionRequest req;
+        req.set_channel_secret(hello->secret, KVC_FD_SECRET_SIZE);
+        req.set_session_id(s->id);
+        req.set_resume_token(s->resume_token);
+        for (uint64_t i : ids)
+            req.add_page_ids(i);
+        pb::ResumeSessionResponse resp;
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(t));
+        grpc::Status gs = s->conn->stub->ResumeSession(&ctx, req, &resp);
+        if (!gs.ok()) {
+            close(nfd);
+            rw.unlock();
+            if (gs.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                gs.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+                last = "ResumeSession: " + gs.error_message();
+                if (!backoff())
+                    return false;
+                continue;
+            }
+            resume_failed(s, "session " + std::to_string(s->id) +
+                                 " could not be resumed after the daemon restarted: " +
+                                 gs.error_message());
+            return false;
+        }
+        std::vector<uint64_t> late;  // Frees deferred while the claim was in flight
+        {
+            std::lock_guard<std::mutex> g(s->mu);
+            s->chan = std::make_shared<Chan>(nfd);  // the old one closes with its last user
+            s->fd = nfd;
+            s->ref = resp.session();
+            s->admin = resp.admin();
+            for (uint64_t i : s->deferred)
+                if (s->keep.count(i))
+                    late.push_back(i);
+            for (uint64_t i : late)
+                s->deferred.erase(i);
+            s->resumes++;
+            s->state = kLive;
+        }
+        rw.unlock();
+        s->notify();
+        if (!late.empty()) {
+            // Claimed, but the caller gave them back meanwhile: Free them now
+            // (held_pages already counts them as gone).
+            std::shared_ptr<Chan> ch = s->chan_copy();
+            size_t done = 0;
+            chan_free(s, ch.get(), late, &done);
+            std::lock_guard<std::mutex> g(s->mu);
+            std::vector<uint64_t> freed(late.begin(), late.begin() + done);
+            s->drop_kept_locked(freed);
+            s->deferred.insert(late.begin() + done, late.end());
+        }
+        return true;
+    }
+    if (s->closing.load())
+        return false;
+    resume_failed(s, "session " + std::to_string(s->id) +
+                         " could not be resumed: the daemon did not come back within " +
+                         std::to_string(kResumeTimeoutMs / 1000) + " s (last: " + last + ")");
+    return false;
+}
+
+// The monitor thread of every session: reads the fd channel while no
+// request waits (so a GOODBYE, an ERROR, a hang-up or a complete allocation
+// nobody waits for is handled at once, not at the next call: the waiters
+// read while they wait), and resumes a resumable session when its daemon
+// went away. Runs until the session closes.
+void monitor_loop(kvc_session *s)
+{
+    while (!s->closing.load()) {
+        std::shared_ptr<Chan> ch = s->chan_copy();  // only this thread replaces it
+        bool open, gone;
+        {
+            std::lock_guard<std::mutex> g(ch->mu);
+            open = ch->end == Chan::kOpen;
+            gone = ch->end == Chan::kGone;
+        }
+        if (gone && s->resumable && !s->ended.load()) {
+            // The daemon went away (whoever read the end of the stream).
+            // False: ended or closing (the loop then waits for close).
+            session_resume(s);
+            continue;
+        }
+        struct pollfd p[2];
+        p[0].fd = s->wake_fd;
+        p[0].events = POLLIN;
+        p[0].revents = 0;
+        p[1].fd = ch->fd;
+        p[1].events = POLLIN | POLLRDHUP;
+        p[1].revents = 0;
+        // An ended channel is not polled (it stays readable at its end).
+        int n = poll(p, open ? 2 : 1, -1);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return;
+        }
+        if (s->closing.load())
+            return;
+        if (open && p[1].revents)
+            chan_pump_pending(s, ch.get());
+    }
+}
+
+void monitor_stop(kvc_session *s)
+{
+    s->closing = true;
+    if (s->wake_fd >= 0) {
+        uint64_t one = 1;
+        ssize_t n = write(s->wake_fd, &one, sizeof one);
+        (void)n;
+    }
+    s->notify();
+    if (s->monitor.joinable())
+        s->monitor.join();
+    if (s->wake_fd >= 0)
+        close(s->wake_fd);
+    s->wake_fd = -1;
+}
+
+}  // namespace kvc_impl
