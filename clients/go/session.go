@@ -685,34 +685,6 @@ func (s *Session) Free(ctx context.Context, ids []uint64) (FreeResult, error) {
 	return s.freeOnChannel(ctx, ids)
 }
 
-// Stats returns global and device numbers plus this session's (every
-// session's for an admin session).
-func (s *Session) Stats(ctx context.Context) (*Stats, error) {
-	ref, gen, err := s.call("GetStats")
-	if err != nil {
-		return nil, err
-	}
-	r, err := s.c.rpc.GetStats(ctx, &pb.GetStatsRequest{Session: ref})
-	if err != nil {
-		return nil, s.rpcErr("GetStats", gen, err)
-	}
-	return statsFromPB(r), nil
-}
-
-// Own returns this session's line of the daemon's books.
-func (s *Session) Own(ctx context.Context) (SessionStats, error) {
-	st, err := s.Stats(ctx)
-	if err != nil {
-		return SessionStats{}, err
-	}
-	for _, ss := range st.Sessions {
-		if ss.ID == s.ID() {
-			return ss, nil
-		}
-	}
-	return SessionStats{}, newError(ErrNotFound, "GetStats", "session %d is not in the daemon's stats", s.ID())
-}
-
 // Watch streams the session's events to fn until ctx ends (returns nil) or
 // the stream fails (returns the error; ErrClosed-like errors when the
 // session ended). The first event is always EventReady. Sessions opened
