@@ -65,7 +65,7 @@ func dialCounted(t *testing.T, d *daemon) (*Client, *rpcCounter) {
 	calls := &rpcCounter{calls: map[string]int{}}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	c, err := Dial(ctx, d.socket, calls.option())
+	c, err := Dial(ctx, d.Socket, calls.option())
 	if err != nil {
 		t.Fatal(err)
 	}

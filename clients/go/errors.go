@@ -156,6 +156,23 @@ func newError(kind error, op, format string, a ...any) error {
 	return &Error{Op: op, Code: errorToCode(kind), Message: msg, kind: kind}
 }
 
+// NewError makes an error of sentinel kind (one of the Err variables
+// above) for a condition found on the client's side, with op and a message
+// saying what was wrong: for packages built on this one (the ollama
+// package), so that their errors match the same sentinels. A kind that is
+// not one of the sentinels is ErrUnknown.
+func NewError(kind error, op, format string, a ...any) error {
+	known := kind == ErrNoSocket || kind == ErrClosed || kind == ErrProtocol || kind == ErrNotMapped ||
+		kind == ErrMapping || kind == ErrNoCUDA
+	for _, row := range codeTable {
+		known = known || kind == row.err
+	}
+	if !known {
+		kind = ErrUnknown
+	}
+	return newError(kind, op, format, a...)
+}
+
 // endedError is the end of a session the daemon ended and nothing can
 // bring back (a hang-up without a resume token, an unasked GOODBYE):
 // FAILED_PRECONDITION, as the daemon answers calls on a closed session,

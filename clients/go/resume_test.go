@@ -27,7 +27,7 @@ func startStateDaemon(t *testing.T, backend string, args ...string) (d *daemon, 
 	var cur *daemon
 	t.Cleanup(func() {
 		if cur != nil {
-			cur.stop()
+			cur.Stop()
 		}
 		os.RemoveAll(dir)
 	})
@@ -70,7 +70,7 @@ func TestResumeAfterDaemonSIGKILL(t *testing.T) {
 func resumeScenario(t *testing.T, backend string, args ...string) {
 	d, restart := startStateDaemon(t, backend, args...)
 	ctx := testCtx(t)
-	c, err := Dial(ctx, d.socket)
+	c, err := Dial(ctx, d.Socket)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -110,7 +110,7 @@ func resumeScenario(t *testing.T, backend string, args ...string) {
 		t.Fatalf("%d page descriptors kept for resume, want 8 (6 region + 2 loose)", got)
 	}
 
-	d.kill()
+	d.Kill()
 	waitFor(t, 5*time.Second, "the session notices the daemon went away", func() (bool, string) {
 		return s.resumingNow(), ""
 	})
@@ -145,11 +145,11 @@ func resumeScenario(t *testing.T, backend string, args ...string) {
 		t.Fatalf("WaitResumed while the daemon is down: %v", err)
 	}
 
-	d = restart(filepath.Join(filepath.Dir(d.socket), "state"))
+	d = restart(filepath.Join(filepath.Dir(d.Socket), "state"))
 	wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
 	if err := s.WaitResumed(wctx); err != nil {
-		t.Fatalf("WaitResumed: %v\n%s", err, d.log.String())
+		t.Fatalf("WaitResumed: %v\n%s", err, d.Log.String())
 	}
 	if s.Resumes() != 1 {
 		t.Fatalf("resumed %d times", s.Resumes())
@@ -172,8 +172,8 @@ func resumeScenario(t *testing.T, backend string, args ...string) {
 			t.Fatalf("page %d lost its bytes across the resume: %v", i, err)
 		}
 	}
-	if !strings.Contains(d.log.String(), "resumed by pid") {
-		t.Errorf("the daemon's log does not say it resumed the session:\n%s", d.log.String())
+	if !strings.Contains(d.Log.String(), "resumed by pid") {
+		t.Errorf("the daemon's log does not say it resumed the session:\n%s", d.Log.String())
 	}
 	// The Watch stream runs again: an admin shrink reaches the handler.
 	if _, err := s.RequestShrink(ctx, s.ID(), 0, 2*time.Second); err != nil {
@@ -228,7 +228,7 @@ func TestResumeRefused(t *testing.T) {
 	checkGoroutines(t)
 	d, restart := startStateDaemon(t, "host")
 	ctx := testCtx(t)
-	c, err := Dial(ctx, d.socket)
+	c, err := Dial(ctx, d.Socket)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -247,8 +247,8 @@ func TestResumeRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	r.WriteAt([]byte("still here"), 0)
-	d.kill()
-	restart(filepath.Join(filepath.Dir(d.socket), "other-state")) // its cleanup stops it
+	d.Kill()
+	restart(filepath.Join(filepath.Dir(d.Socket), "other-state")) // its cleanup stops it
 	wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
 	if err := s.WaitResumed(wctx); !errors.Is(err, ErrFailedPrecondition) {
@@ -286,9 +286,9 @@ func TestNoResumeWithoutStateDir(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer d.stop()
+	defer d.Stop()
 	ctx := testCtx(t)
-	c, err := Dial(ctx, d.socket)
+	c, err := Dial(ctx, d.Socket)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -309,7 +309,7 @@ func TestNoResumeWithoutStateDir(t *testing.T) {
 	if got := keptFDs(s); got != 0 {
 		t.Fatalf("%d descriptors kept by a session that cannot resume", got)
 	}
-	d.kill()
+	d.Kill()
 	select {
 	case <-s.Done():
 	case <-time.After(5 * time.Second):
@@ -331,7 +331,7 @@ func TestBusyClientsSurviveDaemonKill(t *testing.T) {
 	checkGoroutines(t)
 	d, restart := startStateDaemon(t, "host")
 	ctx := testCtx(t)
-	c, err := Dial(ctx, d.socket)
+	c, err := Dial(ctx, d.Socket)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -423,15 +423,15 @@ func TestBusyClientsSurviveDaemonKill(t *testing.T) {
 		}()
 	}
 	time.Sleep(300 * time.Millisecond)
-	d.kill()
+	d.Kill()
 	time.Sleep(300 * time.Millisecond)
-	d = restart(filepath.Join(filepath.Dir(d.socket), "state"))
+	d = restart(filepath.Join(filepath.Dir(d.Socket), "state"))
 	for _, s := range sessions {
 		wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 		err := s.WaitResumed(wctx)
 		cancel()
 		if err != nil || s.Resumes() != 1 {
-			t.Fatalf("session %d: WaitResumed %v, resumes %d\n%s", s.ID(), err, s.Resumes(), d.log.String())
+			t.Fatalf("session %d: WaitResumed %v, resumes %d\n%s", s.ID(), err, s.Resumes(), d.Log.String())
 		}
 	}
 	time.Sleep(300 * time.Millisecond)
@@ -491,7 +491,7 @@ func TestCloseWhileResuming(t *testing.T) {
 	checkGoroutines(t)
 	d, _ := startStateDaemon(t, "host")
 	ctx := testCtx(t)
-	c, err := Dial(ctx, d.socket)
+	c, err := Dial(ctx, d.Socket)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -507,7 +507,7 @@ func TestCloseWhileResuming(t *testing.T) {
 	if err := r.Grow(ctx, 1); err != nil {
 		t.Fatal(err)
 	}
-	d.kill()
+	d.Kill()
 	waitFor(t, 5*time.Second, "resuming", func() (bool, string) { return s.resumingNow(), "" })
 	start := time.Now()
 	if err := s.Close(ctx); err != nil {
