@@ -11,6 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvcached/kvcached-service/clients/go/internal/errs"
 	"github.com/kvcached/kvcached-service/clients/go/internal/fdchan"
 )
 
@@ -186,18 +187,18 @@ func TestChannelAllocateFreeClose(t *testing.T) {
 func TestChannelReplyCodes(t *testing.T) {
 	s, fc := newFakeChannelSession(t)
 	ctx := testCtx(t)
-	for _, row := range codeTable {
+	for _, row := range errs.Table() {
 		done := make(chan error, 1)
 		go func() {
 			_, err := s.Free(ctx, []uint64{1})
 			done <- err
 		}()
 		f := fc.next().(fdchan.FreeReq)
-		fc.send(fdchan.Reply{ReqID: f.ReqID, Code: uint32(row.code), Message: "because " + row.code.String()})
+		fc.send(fdchan.Reply{ReqID: f.ReqID, Code: uint32(row.Code), Message: "because " + row.Code.String()})
 		err := <-done
 		var e *Error
-		if !errors.Is(err, row.err) || !errors.As(err, &e) || e.Code != row.code || e.Message != "because "+row.code.String() || e.Op != "Free" {
-			t.Errorf("REPLY code %v: %v", row.code, err)
+		if !errors.Is(err, row.Err) || !errors.As(err, &e) || e.Code != row.Code || e.Message != "because "+row.Code.String() || e.Op != "Free" {
+			t.Errorf("REPLY code %v: %v", row.Code, err)
 		}
 	}
 	// An ALLOCATE answered with an error carries no pages.
