@@ -62,5 +62,4 @@ func NewError(kind error, op, format string, a ...any) error {
 
 func statusToError(op string, err error) error          { return errs.FromStatus(op, err) }
 func newError(kind error, op, f string, a ...any) error { return errs.New(kind, op, f, a...) }
-func endedError(op, format string, a ...any) error      { return errs.Ended(op, format, a...) }
 func errorsIsAny(err error, targets ...error) bool      { return errs.IsAny(err, targets...) }

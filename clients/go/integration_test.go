@@ -537,14 +537,14 @@ func TestErrorPaths(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	forged := &Session{c: c, ref: &pb.SessionRef{Id: s.ID(), Token: make([]byte, 32)}}
+	forged := &pb.SessionRef{Id: s.ID(), Token: make([]byte, 32)}
 	// A default daemon serves page operations on the fd channel only: the
 	// gRPC Free (which this client never makes: a raw call, as a tool
 	// would) is refused before any SessionRef is looked at.
-	_, err = c.rpc.Free(ctx, &pb.FreeRequest{Session: forged.ref, PageIds: []uint64{1}})
+	_, err = c.rpc.Free(ctx, &pb.FreeRequest{Session: forged, PageIds: []uint64{1}})
 	check("Free with a forged token (gRPC page ops off)", statusToError("Free", err), ErrFailedPrecondition)
-	_, err = forged.Stats(ctx)
-	check("GetStats with a forged token", err, ErrPermissionDenied)
+	_, err = c.rpc.GetStats(ctx, &pb.GetStatsRequest{Session: forged})
+	check("GetStats with a forged token", statusToError("GetStats", err), ErrPermissionDenied)
 	other, err := c.OpenSession(ctx, "not-admin-target")
 	if err != nil {
 		t.Fatal(err)

@@ -48,11 +48,7 @@ func isResumeUnavailable(err error) bool {
 		strings.Contains(err.Error(), "pages you hold stay usable")
 }
 
-func keptFDs(s *Session) int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return len(s.keep)
-}
+func keptFDs(s *Session) int { return s.m.Kept() }
 
 // SIGKILL the daemon while a session holds region pages with data: the
 // data stays readable, calls fail with ErrUnavailable, a Free made while
@@ -112,7 +108,7 @@ func resumeScenario(t *testing.T, backend string, args ...string) {
 
 	d.Kill()
 	waitFor(t, 5*time.Second, "the session notices the daemon went away", func() (bool, string) {
-		return s.resumingNow(), ""
+		return s.m.Resuming(), ""
 	})
 	// The memory is still there and the region still readable.
 	for i := 0; i < 6; i++ {
@@ -465,9 +461,7 @@ func TestBusyClientsSurviveDaemonKill(t *testing.T) {
 					}
 				}
 			}
-			s.mu.Lock()
-			t.Errorf("session %d: the daemon says %d pages, %d descriptors kept, %d mapped: ids %v keep %v deferred %v", s.ID(), own.PagesHeld, len(s.keep), mapped, ids, s.keep, s.deferred)
-			s.mu.Unlock()
+			t.Errorf("session %d: the daemon says %d pages, %d descriptors kept, %d mapped: ids %v %s", s.ID(), own.PagesHeld, s.m.Kept(), mapped, ids, s.m.KeptState())
 		}
 	}
 	t.Logf("%d calls failed with ErrUnavailable during the outage", unavailable)
@@ -508,7 +502,7 @@ func TestCloseWhileResuming(t *testing.T) {
 		t.Fatal(err)
 	}
 	d.Kill()
-	waitFor(t, 5*time.Second, "resuming", func() (bool, string) { return s.resumingNow(), "" })
+	waitFor(t, 5*time.Second, "resuming", func() (bool, string) { return s.m.Resuming(), "" })
 	start := time.Now()
 	if err := s.Close(ctx); err != nil {
 		t.Fatal(err)

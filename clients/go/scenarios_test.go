@@ -154,7 +154,7 @@ func (h *scenarioRun) run(i int, op scenarioOp) {
 		}
 	case "wait_resuming":
 		deadline := time.Now().Add(10 * time.Second)
-		for !h.session.resumingNow() {
+		for !h.session.m.Resuming() {
 			if time.Now().After(deadline) {
 				fail("the client did not notice the hang-up within 10 s")
 			}
