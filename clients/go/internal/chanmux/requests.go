@@ -93,7 +93,7 @@ func (m *Mux) send(ctx context.Context, op string, c *chanCall, r fdchan.Record,
 }
 
 // await waits for the request's REPLY. A REPLY with a non-zero code is
-// mapped like a gRPC status (rpcErr, statusToError). When ctx ends first
+// mapped like a gRPC status (RPCErr, errs.FromStatus). When ctx ends first
 // the request is abandoned: abandon runs under m.mu, and late (if not nil)
 // runs under m.mu when the REPLY comes.
 func (m *Mux) await(ctx context.Context, op string, c *chanCall, abandon func(), late func(fdchan.Reply)) (fdchan.Reply, error) {

@@ -42,9 +42,9 @@ func (m *Mux) Resumes() uint64 {
 
 // WaitResumed blocks while the session is being resumed after the daemon
 // went away. It returns nil when the session is usable (at once if it is
-// not resuming), the reason the session ended (errs.ErrFailedPrecondition when
-// the restarted daemon refused the resume, errs.ErrUnavailable when it did not
-// come back in time, errs.ErrClosed after Close), or ctx's error.
+// not resuming), the reason the session ended (ErrFailedPrecondition when
+// the restarted daemon refused the resume, ErrUnavailable when it did not
+// come back in time, ErrClosed after Close), or ctx's error.
 func (m *Mux) WaitResumed(ctx context.Context) error {
 	m.mu.Lock()
 	resumed := m.resumed
@@ -226,7 +226,7 @@ func (m *Mux) resume(old *fdchan.Conn, cause error) (*fdchan.Conn, error) {
 	// Allocations not fully delivered are lost: close what arrived and do
 	// not claim it (complete ones are taken by their Allocate call). So
 	// are ALLOCATE requests not answered yet: their callers get
-	// errs.ErrUnavailable.
+	// ErrUnavailable.
 	for k, pa := range m.allocs {
 		if pa.total > 0 && pa.received == pa.total && (k.id&fdchan.AllocBit == 0 || pa.replied) {
 			continue
