@@ -199,6 +199,3 @@ func IsAny(err error, targets ...error) bool {
 	}
 	return false
 }
-
-// Kind is the sentinel of an *Error (for tests of the table).
-func (e *Error) Kind() error { return e.kind }
