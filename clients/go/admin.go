@@ -11,7 +11,7 @@ import (
 // books (GetStats), asking a session to shrink (RequestShrink: same uid or
 // admin) and changing its limits (SetSessionLimits: admin). They are gRPC
 // calls with the session's reference; page operations go on the fd
-// channel (chanops.go). Ollama's use of them is in the ollama package.
+// channel (internal/chanmux). Ollama's use of them is in the ollama package.
 
 // Stats returns global and device numbers plus this session's (every
 // session's for an admin session).
