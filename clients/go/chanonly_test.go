@@ -65,7 +65,7 @@ func dialCounted(t *testing.T, d *daemon) (*Client, *rpcCounter) {
 	calls := &rpcCounter{calls: map[string]int{}}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	c, err := Dial(ctx, d.socket, calls.option())
+	c, err := Dial(ctx, d.Socket, calls.option())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -111,9 +111,7 @@ func TestChannelOpsOnly(t *testing.T) {
 			// A stolen SessionRef is of no use: the gRPC calls (from another
 			// connection) are refused for this very session, while the
 			// channel serves it.
-			s.mu.Lock()
-			ref := s.ref
-			s.mu.Unlock()
+			ref, _, _ := s.m.Call("test")
 			thief, _ := dialCounted(t, d)
 			_, err = thief.rpc.Allocate(ctx, &pb.AllocateRequest{Session: ref, NumPages: 1})
 			if err = statusToError("Allocate", err); !errors.Is(err, ErrFailedPrecondition) || !strings.Contains(err.Error(), "channel_ops_only") {
@@ -252,9 +250,8 @@ func abandonedAllocateScenario(t *testing.T, c *Client) {
 			return false, err.Error()
 		}
 		own, err := busy.Own(ctx)
-		busy.mu.Lock()
-		left := len(busy.allocs) + len(busy.waiters)
-		busy.mu.Unlock()
+		allocs, waiters := busy.m.Pending()
+		left := allocs + waiters
 		return err == nil && own.AllocationsTotal >= 1 && own.PagesHeld == 0 && left == 0 && st.Total.PagesInUse == 0,
 			fmt.Sprintf("%+v, %d left, %d pages in use", own, left, st.Total.PagesInUse)
 	})
@@ -289,9 +286,7 @@ func TestGRPCPageOpsDaemon(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer s.Close(ctx)
-		s.mu.Lock()
-		ref := s.ref
-		s.mu.Unlock()
+		ref, _, _ := s.m.Call("test")
 		tool, _ := dialCounted(t, d)
 		a, err := tool.rpc.Allocate(ctx, &pb.AllocateRequest{Session: ref, NumPages: 2})
 		if err != nil {

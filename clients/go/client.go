@@ -10,7 +10,6 @@ package kvcached
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -297,16 +296,6 @@ func (c *Client) Stats(ctx context.Context) (*Stats, error) {
 		return nil, statusToError("GetStats", err)
 	}
 	return statsFromPB(r), nil
-}
-
-// errorsIsAny reports whether err matches any of the targets.
-func errorsIsAny(err error, targets ...error) bool {
-	for _, t := range targets {
-		if errors.Is(err, t) {
-			return true
-		}
-	}
-	return false
 }
 
 var _ = fmt.Sprintf

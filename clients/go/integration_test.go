@@ -134,10 +134,10 @@ func TestLargeAllocation(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer d.stop()
+	defer d.Stop()
 	checkGoroutines(t)
 	ctx := testCtx(t)
-	c, err := Dial(ctx, d.socket)
+	c, err := Dial(ctx, d.Socket)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -237,9 +237,9 @@ sys.stdout.flush()
 s.close()
 `
 		cmd := exec.CommandContext(ctx, filepath.Join(repoRoot, ".venv", "bin", "python"), "-c", script,
-			d.socket, dev.UUID, strconv.FormatUint(ps, 10), strconv.Itoa(n))
+			d.Socket, dev.UUID, strconv.FormatUint(ps, 10), strconv.Itoa(n))
 		cmd.Dir = repoRoot
-		cmd.Env = d.env
+		cmd.Env = d.Env
 		cmd.ExtraFiles = dups
 		out, err := cmd.Output()
 		for _, f := range dups {
@@ -326,8 +326,8 @@ func sigkillScenario(t *testing.T, d *daemon, c *Client, backend string) {
 	}
 	const pages = 20
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(append([]string{}, d.env...), helperEnv+"="+strconv.Itoa(pages),
-		EnvOllamaSocket+"="+d.socket, "KVCACHED_SESSION_NAME=sha256:doomed")
+	cmd.Env = append(append([]string{}, d.Env...), helperEnv+"="+strconv.Itoa(pages),
+		EnvOllamaSocket+"="+d.Socket, "KVCACHED_SESSION_NAME=sha256:doomed")
 	stdout, _ := cmd.StdoutPipe()
 	cmd.Stderr = os.Stderr
 	if err := cmd.Start(); err != nil {
@@ -429,7 +429,7 @@ func reclaimCallbackScenario(t *testing.T, c *Client, backend string) {
 		t.Fatal("no reclaim callback after RequestShrink")
 	}
 	waitFor(t, 3*time.Second, "idle session shrunk to 20 pages", func() (bool, string) {
-		u, err := admin.RunnerUsage(ctx, "sha256:idle-runner")
+		u, err := idle.Own(ctx)
 		return err == nil && u.HeldBytes == 20*ps, fmt.Sprintf("%+v %v", u, err)
 	})
 }
@@ -537,14 +537,14 @@ func TestErrorPaths(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	forged := &Session{c: c, ref: &pb.SessionRef{Id: s.ID(), Token: make([]byte, 32)}}
+	forged := &pb.SessionRef{Id: s.ID(), Token: make([]byte, 32)}
 	// A default daemon serves page operations on the fd channel only: the
 	// gRPC Free (which this client never makes: a raw call, as a tool
 	// would) is refused before any SessionRef is looked at.
-	_, err = c.rpc.Free(ctx, &pb.FreeRequest{Session: forged.ref, PageIds: []uint64{1}})
+	_, err = c.rpc.Free(ctx, &pb.FreeRequest{Session: forged, PageIds: []uint64{1}})
 	check("Free with a forged token (gRPC page ops off)", statusToError("Free", err), ErrFailedPrecondition)
-	_, err = forged.Stats(ctx)
-	check("GetStats with a forged token", err, ErrPermissionDenied)
+	_, err = c.rpc.GetStats(ctx, &pb.GetStatsRequest{Session: forged})
+	check("GetStats with a forged token", statusToError("GetStats", err), ErrPermissionDenied)
 	other, err := c.OpenSession(ctx, "not-admin-target")
 	if err != nil {
 		t.Fatal(err)

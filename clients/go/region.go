@@ -70,8 +70,8 @@ func (s *Session) NewRegion(ctx context.Context, size uint64, opts ...RegionOpti
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.closed || s.endErr != nil {
-		return nil, s.closedErrLocked("NewRegion")
+	if err := s.m.ClosedErr("NewRegion"); err != nil {
+		return nil, err
 	}
 	m, err := s.mapperLocked(dev)
 	if err != nil {

@@ -27,7 +27,7 @@ func startStateDaemon(t *testing.T, backend string, args ...string) (d *daemon, 
 	var cur *daemon
 	t.Cleanup(func() {
 		if cur != nil {
-			cur.stop()
+			cur.Stop()
 		}
 		os.RemoveAll(dir)
 	})
@@ -48,11 +48,7 @@ func isResumeUnavailable(err error) bool {
 		strings.Contains(err.Error(), "pages you hold stay usable")
 }
 
-func keptFDs(s *Session) int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return len(s.keep)
-}
+func keptFDs(s *Session) int { return s.m.Kept() }
 
 // SIGKILL the daemon while a session holds region pages with data: the
 // data stays readable, calls fail with ErrUnavailable, a Free made while
@@ -70,7 +66,7 @@ func TestResumeAfterDaemonSIGKILL(t *testing.T) {
 func resumeScenario(t *testing.T, backend string, args ...string) {
 	d, restart := startStateDaemon(t, backend, args...)
 	ctx := testCtx(t)
-	c, err := Dial(ctx, d.socket)
+	c, err := Dial(ctx, d.Socket)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -110,9 +106,9 @@ func resumeScenario(t *testing.T, backend string, args ...string) {
 		t.Fatalf("%d page descriptors kept for resume, want 8 (6 region + 2 loose)", got)
 	}
 
-	d.kill()
+	d.Kill()
 	waitFor(t, 5*time.Second, "the session notices the daemon went away", func() (bool, string) {
-		return s.resumingNow(), ""
+		return s.m.Resuming(), ""
 	})
 	// The memory is still there and the region still readable.
 	for i := 0; i < 6; i++ {
@@ -145,11 +141,11 @@ func resumeScenario(t *testing.T, backend string, args ...string) {
 		t.Fatalf("WaitResumed while the daemon is down: %v", err)
 	}
 
-	d = restart(filepath.Join(filepath.Dir(d.socket), "state"))
+	d = restart(filepath.Join(filepath.Dir(d.Socket), "state"))
 	wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
 	if err := s.WaitResumed(wctx); err != nil {
-		t.Fatalf("WaitResumed: %v\n%s", err, d.log.String())
+		t.Fatalf("WaitResumed: %v\n%s", err, d.Log.String())
 	}
 	if s.Resumes() != 1 {
 		t.Fatalf("resumed %d times", s.Resumes())
@@ -172,8 +168,8 @@ func resumeScenario(t *testing.T, backend string, args ...string) {
 			t.Fatalf("page %d lost its bytes across the resume: %v", i, err)
 		}
 	}
-	if !strings.Contains(d.log.String(), "resumed by pid") {
-		t.Errorf("the daemon's log does not say it resumed the session:\n%s", d.log.String())
+	if !strings.Contains(d.Log.String(), "resumed by pid") {
+		t.Errorf("the daemon's log does not say it resumed the session:\n%s", d.Log.String())
 	}
 	// The Watch stream runs again: an admin shrink reaches the handler.
 	if _, err := s.RequestShrink(ctx, s.ID(), 0, 2*time.Second); err != nil {
@@ -228,7 +224,7 @@ func TestResumeRefused(t *testing.T) {
 	checkGoroutines(t)
 	d, restart := startStateDaemon(t, "host")
 	ctx := testCtx(t)
-	c, err := Dial(ctx, d.socket)
+	c, err := Dial(ctx, d.Socket)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -247,8 +243,8 @@ func TestResumeRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	r.WriteAt([]byte("still here"), 0)
-	d.kill()
-	restart(filepath.Join(filepath.Dir(d.socket), "other-state")) // its cleanup stops it
+	d.Kill()
+	restart(filepath.Join(filepath.Dir(d.Socket), "other-state")) // its cleanup stops it
 	wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
 	if err := s.WaitResumed(wctx); !errors.Is(err, ErrFailedPrecondition) {
@@ -286,9 +282,9 @@ func TestNoResumeWithoutStateDir(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer d.stop()
+	defer d.Stop()
 	ctx := testCtx(t)
-	c, err := Dial(ctx, d.socket)
+	c, err := Dial(ctx, d.Socket)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -309,7 +305,7 @@ func TestNoResumeWithoutStateDir(t *testing.T) {
 	if got := keptFDs(s); got != 0 {
 		t.Fatalf("%d descriptors kept by a session that cannot resume", got)
 	}
-	d.kill()
+	d.Kill()
 	select {
 	case <-s.Done():
 	case <-time.After(5 * time.Second):
@@ -331,7 +327,7 @@ func TestBusyClientsSurviveDaemonKill(t *testing.T) {
 	checkGoroutines(t)
 	d, restart := startStateDaemon(t, "host")
 	ctx := testCtx(t)
-	c, err := Dial(ctx, d.socket)
+	c, err := Dial(ctx, d.Socket)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -423,15 +419,15 @@ func TestBusyClientsSurviveDaemonKill(t *testing.T) {
 		}()
 	}
 	time.Sleep(300 * time.Millisecond)
-	d.kill()
+	d.Kill()
 	time.Sleep(300 * time.Millisecond)
-	d = restart(filepath.Join(filepath.Dir(d.socket), "state"))
+	d = restart(filepath.Join(filepath.Dir(d.Socket), "state"))
 	for _, s := range sessions {
 		wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 		err := s.WaitResumed(wctx)
 		cancel()
 		if err != nil || s.Resumes() != 1 {
-			t.Fatalf("session %d: WaitResumed %v, resumes %d\n%s", s.ID(), err, s.Resumes(), d.log.String())
+			t.Fatalf("session %d: WaitResumed %v, resumes %d\n%s", s.ID(), err, s.Resumes(), d.Log.String())
 		}
 	}
 	time.Sleep(300 * time.Millisecond)
@@ -465,9 +461,7 @@ func TestBusyClientsSurviveDaemonKill(t *testing.T) {
 					}
 				}
 			}
-			s.mu.Lock()
-			t.Errorf("session %d: the daemon says %d pages, %d descriptors kept, %d mapped: ids %v keep %v deferred %v", s.ID(), own.PagesHeld, len(s.keep), mapped, ids, s.keep, s.deferred)
-			s.mu.Unlock()
+			t.Errorf("session %d: the daemon says %d pages, %d descriptors kept, %d mapped: ids %v %s", s.ID(), own.PagesHeld, s.m.Kept(), mapped, ids, s.m.KeptState())
 		}
 	}
 	t.Logf("%d calls failed with ErrUnavailable during the outage", unavailable)
@@ -491,7 +485,7 @@ func TestCloseWhileResuming(t *testing.T) {
 	checkGoroutines(t)
 	d, _ := startStateDaemon(t, "host")
 	ctx := testCtx(t)
-	c, err := Dial(ctx, d.socket)
+	c, err := Dial(ctx, d.Socket)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -507,8 +501,8 @@ func TestCloseWhileResuming(t *testing.T) {
 	if err := r.Grow(ctx, 1); err != nil {
 		t.Fatal(err)
 	}
-	d.kill()
-	waitFor(t, 5*time.Second, "resuming", func() (bool, string) { return s.resumingNow(), "" })
+	d.Kill()
+	waitFor(t, 5*time.Second, "resuming", func() (bool, string) { return s.m.Resuming(), "" })
 	start := time.Now()
 	if err := s.Close(ctx); err != nil {
 		t.Fatal(err)

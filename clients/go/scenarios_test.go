@@ -13,6 +13,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvcached/kvcached-service/clients/go/internal/testdaemon"
 )
 
 // The client semantics of docs/protocol.md ("Client semantics"), as the
@@ -152,7 +154,7 @@ func (h *scenarioRun) run(i int, op scenarioOp) {
 		}
 	case "wait_resuming":
 		deadline := time.Now().Add(10 * time.Second)
-		for !h.session.resumingNow() {
+		for !h.session.m.Resuming() {
 			if time.Now().After(deadline) {
 				fail("the client did not notice the hang-up within 10 s")
 			}
@@ -227,7 +229,7 @@ func TestScenarios(t *testing.T) {
 			sock := filepath.Join(t.TempDir(), "fake.sock")
 			cmd := exec.Command(python, filepath.Join(repoRoot, "tests", "helpers", "fakedaemon.py"), "--socket", sock, "--scenario", file)
 			cmd.Env = append(os.Environ(), "PYTHONPATH="+repoRoot)
-			var stderr lockedBuffer
+			var stderr testdaemon.LockedBuffer
 			cmd.Stderr = &stderr
 			stdin, err := cmd.StdinPipe()
 			if err != nil {

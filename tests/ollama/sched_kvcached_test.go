@@ -29,6 +29,7 @@ import (
 	"time"
 
 	kvcached "github.com/kvcached/kvcached-service/clients/go"
+	"github.com/kvcached/kvcached-service/clients/go/ollama"
 	"github.com/stretchr/testify/require"
 
 	"github.com/ollama/ollama/api"
@@ -130,7 +131,7 @@ func kvcLoaded(s *Scheduler) int {
 
 // kvcDaemon starts kvcached-serve (KVCACHED_SERVE) with a budget; the handle
 // replaces llm.Kvcached for the test.
-func kvcDaemon(t *testing.T, budget string) *kvcached.Ollama {
+func kvcDaemon(t *testing.T, budget string) *ollama.Handle {
 	t.Helper()
 	serve := os.Getenv("KVCACHED_SERVE")
 	if serve == "" {
@@ -145,7 +146,7 @@ func kvcDaemon(t *testing.T, budget string) *kvcached.Ollama {
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
 	require.NoError(t, cmd.Start())
 	t.Cleanup(func() { cmd.Process.Signal(syscall.SIGTERM); cmd.Wait() })
-	o := kvcached.NewOllama(sock, nil)
+	o := ollama.New(sock, nil)
 	o.RetryInterval = 50 * time.Millisecond
 	deadline := time.Now().Add(30 * time.Second)
 	for {
@@ -158,7 +159,7 @@ func kvcDaemon(t *testing.T, budget string) *kvcached.Ollama {
 	}
 	t.Cleanup(o.Close)
 	saved := llm.Kvcached
-	llm.Kvcached = func() *kvcached.Ollama { return o }
+	llm.Kvcached = func() *ollama.Handle { return o }
 	t.Cleanup(func() { llm.Kvcached = saved })
 	return o
 }
@@ -183,7 +184,7 @@ func TestKvcachedStockSchedulerEvicts(t *testing.T) {
 	ctx, done := context.WithTimeout(t.Context(), 10*time.Second)
 	defer done()
 	saved := llm.Kvcached
-	llm.Kvcached = func() *kvcached.Ollama { return nil } // no daemon: Ollama as published
+	llm.Kvcached = func() *ollama.Handle { return nil } // no daemon: Ollama as published
 	t.Cleanup(func() { llm.Kvcached = saved })
 	s := kvcScheduler(ctx, kvcTestGPU)
 	// Without the daemon a loaded runner holds its whole KV cache.
@@ -239,11 +240,11 @@ func TestKvcachedSchedulerShrinksIdleRunnerBeforeUnloading(t *testing.T) {
 	c, err := kvcached.Dial(ctx, o.Socket())
 	require.NoError(t, err)
 	defer c.Close()
-	digestA := kvcached.DigestFromBlobPath(a.req.model.ModelPath)
+	digestA := ollama.DigestFromBlobPath(a.req.model.ModelPath)
 	var region atomic.Pointer[kvcached.Region]
 	var reclaims atomic.Int32
 	sess, err := c.OpenSession(ctx, digestA, kvcached.WithGuaranteedBytes(guarantee),
-		kvcached.WithLabels(map[string]string{kvcached.LabelModelDigest: digestA}),
+		kvcached.WithLabels(map[string]string{ollama.LabelModelDigest: digestA}),
 		kvcached.WithReclaimHandler(func(ctx context.Context, r kvcached.Reclaim) {
 			reclaims.Add(1)
 			reg := region.Load()

@@ -1,7 +1,17 @@
-package kvcached
+// Package ollama is what Ollama's server (Go) needs from kvcached-serve:
+// the environment of a llama-server child (ChildEnv, Handle.RunnerEnv),
+// what a runner really holds (Handle.Usage, DigestUsage), whether a new
+// runner's guarantee fits (Handle.Fits), and asking idle runners to shrink
+// before the scheduler unloads a model (Handle.ShrinkIdle, ShrinkRunner).
+// A runner's session is named by the model blob's sha256 digest and
+// labelled model_digest=<digest> (ChildEnv arranges it). It is built on the
+// kvcached package's public API only; the patch to Ollama
+// (integrations/ollama) calls it from a handful of call sites.
+package ollama
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -11,13 +21,8 @@ import (
 	"sync"
 	"time"
 
-	pb "github.com/kvcached/kvcached-service/clients/go/internal/kvcachedpb"
+	kvcached "github.com/kvcached/kvcached-service/clients/go"
 )
-
-// What Ollama's scheduler needs: what a runner really holds, asking an idle
-// runner to shrink before unloading a model, and the environment of a
-// llama-server child. A runner's session is named by the model blob's
-// sha256 digest and labelled model_digest=<digest> (ChildEnv arranges it).
 
 // Environment a runner (llama-server child) reads; see ChildEnv.
 const (
@@ -26,7 +31,7 @@ const (
 	EnvGuaranteed    = "KVCACHED_GUARANTEED_BYTES"
 	EnvMaxBytes      = "KVCACHED_MAX_BYTES"
 	EnvPriority      = "KVCACHED_PRIORITY"
-	// LabelModelDigest is the label RunnerUsage matches besides the name.
+	// LabelModelDigest is the label DigestUsage and Handle.Usage match besides the name.
 	LabelModelDigest = "model_digest"
 )
 
@@ -47,15 +52,15 @@ type RunnerConfig struct {
 // rest says whose pages they are.
 func ChildEnv(cfg RunnerConfig) ([]string, error) {
 	if cfg.Socket == "" {
-		return nil, newError(ErrNoSocket, "ChildEnv", "no socket path")
+		return nil, kvcached.NewError(kvcached.ErrNoSocket, "ChildEnv", "no socket path")
 	}
 	if !strings.HasPrefix(cfg.ModelDigest, "sha256:") || len(cfg.ModelDigest) != len("sha256:")+64 {
-		return nil, newError(ErrInvalidArgument, "ChildEnv", "model digest %q is not sha256:<64 hex digits>", cfg.ModelDigest)
+		return nil, kvcached.NewError(kvcached.ErrInvalidArgument, "ChildEnv", "model digest %q is not sha256:<64 hex digits>", cfg.ModelDigest)
 	}
 	labels := map[string]string{LabelModelDigest: cfg.ModelDigest}
 	for k, v := range cfg.Labels {
 		if strings.ContainsAny(k, ",=") || strings.ContainsAny(v, ",") {
-			return nil, newError(ErrInvalidArgument, "ChildEnv", "label %q=%q contains ',' or '='", k, v)
+			return nil, kvcached.NewError(kvcached.ErrInvalidArgument, "ChildEnv", "label %q=%q contains ',' or '='", k, v)
 		}
 		labels[k] = v
 	}
@@ -69,7 +74,7 @@ func ChildEnv(cfg RunnerConfig) ([]string, error) {
 		parts = append(parts, k+"="+labels[k])
 	}
 	env := []string{
-		EnvOllamaSocket + "=" + cfg.Socket,
+		kvcached.EnvOllamaSocket + "=" + cfg.Socket,
 		EnvSessionName + "=" + cfg.ModelDigest,
 		EnvSessionLabels + "=" + strings.Join(parts, ","),
 	}
@@ -87,31 +92,31 @@ func ChildEnv(cfg RunnerConfig) ([]string, error) {
 
 // SessionFromEnv reads what ChildEnv set (in a runner written in Go): the
 // session name and the options to pass to OpenSession.
-func SessionFromEnv() (string, []SessionOption, error) {
+func SessionFromEnv() (string, []kvcached.SessionOption, error) {
 	name := os.Getenv(EnvSessionName)
 	if name == "" {
-		return "", nil, newError(ErrInvalidArgument, "SessionFromEnv", "%s is not set", EnvSessionName)
+		return "", nil, kvcached.NewError(kvcached.ErrInvalidArgument, "SessionFromEnv", "%s is not set", EnvSessionName)
 	}
-	var opts []SessionOption
+	var opts []kvcached.SessionOption
 	if v := os.Getenv(EnvSessionLabels); v != "" {
 		labels := map[string]string{}
 		for _, kv := range strings.Split(v, ",") {
 			k, val, ok := strings.Cut(kv, "=")
 			if !ok || k == "" {
-				return "", nil, newError(ErrInvalidArgument, "SessionFromEnv", "%s: %q is not k=v", EnvSessionLabels, kv)
+				return "", nil, kvcached.NewError(kvcached.ErrInvalidArgument, "SessionFromEnv", "%s: %q is not k=v", EnvSessionLabels, kv)
 			}
 			labels[k] = val
 		}
-		opts = append(opts, WithLabels(labels))
+		opts = append(opts, kvcached.WithLabels(labels))
 	}
 	for _, e := range []struct {
 		name string
-		set  func(uint64) SessionOption
-	}{{EnvGuaranteed, WithGuaranteedBytes}, {EnvMaxBytes, WithMaxBytes}} {
+		set  func(uint64) kvcached.SessionOption
+	}{{EnvGuaranteed, kvcached.WithGuaranteedBytes}, {EnvMaxBytes, kvcached.WithMaxBytes}} {
 		if v := os.Getenv(e.name); v != "" {
 			n, err := strconv.ParseUint(v, 10, 64)
 			if err != nil {
-				return "", nil, newError(ErrInvalidArgument, "SessionFromEnv", "%s=%q: %v", e.name, v, err)
+				return "", nil, kvcached.NewError(kvcached.ErrInvalidArgument, "SessionFromEnv", "%s=%q: %v", e.name, v, err)
 			}
 			opts = append(opts, e.set(n))
 		}
@@ -119,9 +124,9 @@ func SessionFromEnv() (string, []SessionOption, error) {
 	if v := os.Getenv(EnvPriority); v != "" {
 		n, err := strconv.ParseInt(v, 10, 32)
 		if err != nil {
-			return "", nil, newError(ErrInvalidArgument, "SessionFromEnv", "%s=%q: %v", EnvPriority, v, err)
+			return "", nil, kvcached.NewError(kvcached.ErrInvalidArgument, "SessionFromEnv", "%s=%q: %v", EnvPriority, v, err)
 		}
-		opts = append(opts, WithPriority(int32(n)))
+		opts = append(opts, kvcached.WithPriority(int32(n)))
 	}
 	return name, opts, nil
 }
@@ -129,8 +134,8 @@ func SessionFromEnv() (string, []SessionOption, error) {
 // RunnerUsage is what the daemon's books say one runner (model) holds.
 type RunnerUsage struct {
 	ModelDigest string
-	Sessions    []SessionStats // every open session of the model
-	HeldBytes   uint64         // summed over sessions and devices
+	Sessions    []kvcached.SessionStats // every open session of the model
+	HeldBytes   uint64                  // summed over sessions and devices
 	// HeldBytesByDevice: HeldBytes per device uuid (a CUDA runner's GPU,
 	// "HOST-0" on the host backend).
 	HeldBytesByDevice map[string]uint64
@@ -139,7 +144,7 @@ type RunnerUsage struct {
 	LastActive        time.Time
 }
 
-func (u *RunnerUsage) add(ss SessionStats) {
+func (u *RunnerUsage) add(ss kvcached.SessionStats) {
 	u.Sessions = append(u.Sessions, ss)
 	u.HeldBytes += ss.HeldBytes
 	u.PagesHeld += ss.PagesHeld
@@ -156,7 +161,7 @@ func (u *RunnerUsage) add(ss SessionStats) {
 }
 
 // runnerUsage picks digest's sessions out of a snapshot.
-func runnerUsage(st *Stats, digest string) RunnerUsage {
+func runnerUsage(st *kvcached.Stats, digest string) RunnerUsage {
 	u := RunnerUsage{ModelDigest: digest, HeldBytesByDevice: map[string]uint64{}}
 	for _, ss := range st.Sessions {
 		if ss.Name == digest || ss.Labels[LabelModelDigest] == digest {
@@ -166,12 +171,12 @@ func runnerUsage(st *Stats, digest string) RunnerUsage {
 	return u
 }
 
-// RunnerUsage sums the sessions named digest or labelled
-// model_digest=digest. No admin rights are needed for a runner of the
-// caller's own uid: the daemon shows a session the other sessions of its
-// uid (Ollama and the llama-server children it starts share one), and an
-// admin session sees every uid's.
-func (s *Session) RunnerUsage(ctx context.Context, digest string) (RunnerUsage, error) {
+// DigestUsage sums the sessions named digest or labelled
+// model_digest=digest, as session s sees them. No admin rights are needed
+// for a runner of the caller's own uid: the daemon shows a session the
+// other sessions of its uid (Ollama and the llama-server children it
+// starts share one), and an admin session sees every uid's.
+func DigestUsage(ctx context.Context, s *kvcached.Session, digest string) (RunnerUsage, error) {
 	st, err := s.Stats(ctx)
 	if err != nil {
 		return RunnerUsage{}, err
@@ -179,113 +184,12 @@ func (s *Session) RunnerUsage(ctx context.Context, digest string) (RunnerUsage, 
 	return runnerUsage(st, digest), nil
 }
 
-// RequestShrink asks session id to shrink to targetBytes (never below its
-// guarantee) within timeout (0 = the daemon's default), through its Watch
-// stream. Allowed for a session of the same uid as the target, and for an
-// admin session. It returns
-// the pages asked for (0 if already small enough). The pages come back
-// when the runner frees them; poll RunnerUsage to see it happen, or use
-// Shrink with ShrinkWait to wait for the outcome.
-func (s *Session) RequestShrink(ctx context.Context, id, targetBytes uint64, timeout time.Duration, opts ...ShrinkOption) (uint64, error) {
-	r, err := s.Shrink(ctx, id, targetBytes, timeout, opts...)
-	return r.PagesRequested, err
-}
-
-// ShrinkOption configures Shrink and RequestShrink.
-type ShrinkOption func(*pb.RequestShrinkRequest)
-
-// ShrinkWait makes the call wait (up to its timeout) until every reclaim
-// request it sent is settled: answered (Session.AnswerReclaim), met by
-// Frees, expired, or the session ended. The call returns before the
-// caller's own ctx deadline in any case, with the requests as they stand.
-func ShrinkWait() ShrinkOption { return func(r *pb.RequestShrinkRequest) { r.Wait = true } }
-
-// ReclaimState is where a reclaim request stands.
-type ReclaimState int
-
-// Reclaim states, as kvcached.v1.ReclaimOutcome.State.
-const (
-	ReclaimUnknown  ReclaimState = iota
-	ReclaimOpen                  // not settled yet
-	ReclaimMet                   // the session holds no more than it was asked to keep
-	ReclaimAnswered              // the session answered (BytesGiven, BytesKept, Reason)
-	ReclaimExpired               // the deadline passed without the pages or an answer
-	ReclaimEnded                 // the session ended
-)
-
-func (r ReclaimState) String() string {
-	switch r {
-	case ReclaimOpen:
-		return "open"
-	case ReclaimMet:
-		return "met"
-	case ReclaimAnswered:
-		return "answered"
-	case ReclaimExpired:
-		return "expired"
-	case ReclaimEnded:
-		return "ended"
-	}
-	return "unknown"
-}
-
-// ReclaimOutcome is one reclaim request a shrink sent (one per device the
-// session holds more on), as it stands when the call returns.
-type ReclaimOutcome struct {
-	ReclaimID      uint64 // Reclaim.ID of the event the session got
-	Device         string
-	PagesRequested uint64
-	State          ReclaimState
-	// The session's answer (Answered is true when it sent one, whatever
-	// the state).
-	Answered   bool
-	BytesGiven uint64
-	BytesKept  uint64
-	Reason     string
-	// The daemon's own books: bytes the session holds on the device now.
-	HeldBytes uint64
-}
-
-// ShrinkOutcome is the answer to Shrink.
-type ShrinkOutcome struct {
-	PagesRequested uint64
-	Reclaims       []ReclaimOutcome
-}
-
-// Shrink is RequestShrink with the outcome of every reclaim request it
-// sent; with ShrinkWait it waits until they are settled.
-func (s *Session) Shrink(ctx context.Context, id, targetBytes uint64, timeout time.Duration, opts ...ShrinkOption) (ShrinkOutcome, error) {
-	ref, gen, err := s.call("RequestShrink")
-	if err != nil {
-		return ShrinkOutcome{}, err
-	}
-	req := &pb.RequestShrinkRequest{Admin: ref, SessionId: id, TargetBytes: targetBytes,
-		TimeoutMs: uint32(timeout / time.Millisecond)}
-	for _, opt := range opts {
-		opt(req)
-	}
-	r, err := s.c.rpc.RequestShrink(ctx, req)
-	if err != nil {
-		return ShrinkOutcome{}, s.rpcErr("RequestShrink", gen, err)
-	}
-	out := ShrinkOutcome{PagesRequested: r.GetPagesRequested()}
-	for _, o := range r.GetReclaims() {
-		st := ReclaimState(o.GetState())
-		if st < ReclaimUnknown || st > ReclaimEnded {
-			st = ReclaimUnknown
-		}
-		out.Reclaims = append(out.Reclaims, ReclaimOutcome{ReclaimID: o.GetReclaimId(), Device: o.GetDevice(),
-			PagesRequested: o.GetPagesRequested(), State: st, Answered: o.GetAnswered(), BytesGiven: o.GetBytesGiven(),
-			BytesKept: o.GetBytesKept(), Reason: o.GetReason(), HeldBytes: o.GetHeldBytes()})
-	}
-	return out, nil
-}
-
-// ShrinkRunner asks every session of a model to shrink to
+// ShrinkRunner asks, through session s (same uid or admin), every session
+// of a model to shrink to
 // targetBytes each and returns the pages asked for in total. Ollama's
 // scheduler calls it for an idle runner before deciding to unload a model.
-func (s *Session) ShrinkRunner(ctx context.Context, digest string, targetBytes uint64, timeout time.Duration) (uint64, error) {
-	u, err := s.RunnerUsage(ctx, digest)
+func ShrinkRunner(ctx context.Context, s *kvcached.Session, digest string, targetBytes uint64, timeout time.Duration) (uint64, error) {
+	u, err := DigestUsage(ctx, s, digest)
 	if err != nil {
 		return 0, err
 	}
@@ -299,44 +203,6 @@ func (s *Session) ShrinkRunner(ctx context.Context, digest string, targetBytes u
 	}
 	return total, nil
 }
-
-// Limits are a session's reclaim limits; nil fields stay as they are.
-type Limits struct {
-	GuaranteedBytes *uint64
-	MaxBytes        *uint64
-	Priority        *int32
-}
-
-// SetLimits (admin) changes another session's limits.
-func (s *Session) SetLimits(ctx context.Context, id uint64, l Limits) (SessionStats, error) {
-	ref, gen, err := s.call("SetSessionLimits")
-	if err != nil {
-		return SessionStats{}, err
-	}
-	req := &pb.SetSessionLimitsRequest{Admin: ref, SessionId: id}
-	if l.GuaranteedBytes != nil {
-		req.GuaranteedBytes = *l.GuaranteedBytes
-		req.SetFields = append(req.SetFields, "guaranteed_bytes")
-	}
-	if l.MaxBytes != nil {
-		req.MaxBytes = *l.MaxBytes
-		req.SetFields = append(req.SetFields, "max_bytes")
-	}
-	if l.Priority != nil {
-		req.Priority = *l.Priority
-		req.SetFields = append(req.SetFields, "priority")
-	}
-	r, err := s.c.rpc.SetSessionLimits(ctx, req)
-	if err != nil {
-		return SessionStats{}, s.rpcErr("SetSessionLimits", gen, err)
-	}
-	return sessionStatsFromPB(r.GetSession()), nil
-}
-
-// ---------------------------------------------------------------------------
-// The Ollama server's side: what ollama serve (Go) calls. The logic lives
-// here so that the patch to Ollama (integrations/ollama) stays a handful of
-// call sites.
 
 // DigestFromBlobPath returns "sha256:<hex>" for an Ollama model blob path
 // (".../models/blobs/sha256-<64 hex digits>"), or "" when path is not one.
@@ -415,15 +281,15 @@ func (r RunnerSpec) GuaranteedKVBytes(page uint64) uint64 {
 	return r.kvBytes(padCells(cells), 1, page)
 }
 
-// OllamaRunner names one loaded runner for the scheduler's calls: its
+// Runner names one loaded runner for the scheduler's calls: its
 // model digest and, when known, its llama-server pid (what the daemon
 // reads from the fd channel; it tells two runners of one model apart).
-type OllamaRunner struct {
+type Runner struct {
 	ModelDigest string
 	PID         int
 }
 
-// Ollama is the Ollama server's handle on the daemon, one per ollama serve
+// Handle is the Ollama server's handle on the daemon, one per ollama serve
 // process (OLLAMA_KVCACHED_SOCKET). It gives each llama-server child its
 // environment, reads what each runner really holds per device, says
 // whether a new runner's guarantee fits, and asks idle runners to shrink
@@ -435,9 +301,9 @@ type OllamaRunner struct {
 // every RetryInterval). While the daemon cannot be reached, reads return
 // ok=false and Ollama keeps its own numbers (the children fall back to
 // ordinary memory by themselves); one warning is logged per outage. All
-// methods are safe for concurrent use and on a nil *Ollama (no daemon
+// methods are safe for concurrent use and on a nil *Handle (no daemon
 // configured): they then do nothing.
-type Ollama struct {
+type Handle struct {
 	socket string
 	log    *slog.Logger
 	// MaxAge: how old a stats snapshot may be before a read refreshes it.
@@ -448,33 +314,33 @@ type Ollama struct {
 	CallTimeout time.Duration
 
 	mu       sync.Mutex // serialises connecting and refreshing
-	c        *Client
-	s        *Session
+	c        *kvcached.Client
+	s        *kvcached.Session
 	lastTry  time.Time
 	down     bool // an outage was logged
-	snap     *Stats
+	snap     *kvcached.Stats
 	snapAt   time.Time
 	pageSize uint64
 }
 
-// NewOllama returns the handle for socket, or nil when socket is empty
+// New returns the handle for socket, or nil when socket is empty
 // (the daemon is not in use). Nothing is dialled until first use.
-func NewOllama(socket string, log *slog.Logger) *Ollama {
+func New(socket string, log *slog.Logger) *Handle {
 	if socket == "" {
 		return nil
 	}
 	if log == nil {
 		log = slog.Default()
 	}
-	return &Ollama{socket: socket, log: log.With("kvcached_socket", socket), MaxAge: 250 * time.Millisecond,
+	return &Handle{socket: socket, log: log.With("kvcached_socket", socket), MaxAge: 250 * time.Millisecond,
 		RetryInterval: 2 * time.Second, CallTimeout: 2 * time.Second}
 }
 
-// OllamaFromEnv is NewOllama(OLLAMA_KVCACHED_SOCKET).
-func OllamaFromEnv(log *slog.Logger) *Ollama { return NewOllama(os.Getenv(EnvOllamaSocket), log) }
+// FromEnv is New(OLLAMA_KVCACHED_SOCKET).
+func FromEnv(log *slog.Logger) *Handle { return New(os.Getenv(kvcached.EnvOllamaSocket), log) }
 
 // Socket is the daemon's socket ("" for a nil handle).
-func (o *Ollama) Socket() string {
+func (o *Handle) Socket() string {
 	if o == nil {
 		return ""
 	}
@@ -482,7 +348,7 @@ func (o *Ollama) Socket() string {
 }
 
 // Close ends the handle's session and connection.
-func (o *Ollama) Close() {
+func (o *Handle) Close() {
 	if o == nil {
 		return
 	}
@@ -491,7 +357,7 @@ func (o *Ollama) Close() {
 	o.dropLocked()
 }
 
-func (o *Ollama) dropLocked() {
+func (o *Handle) dropLocked() {
 	if o.s != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), o.CallTimeout)
 		_ = o.s.Close(ctx)
@@ -506,7 +372,7 @@ func (o *Ollama) dropLocked() {
 }
 
 // sessionLocked returns a live session, connecting if needed.
-func (o *Ollama) sessionLocked(ctx context.Context) (*Session, error) {
+func (o *Handle) sessionLocked(ctx context.Context) (*kvcached.Session, error) {
 	if o.s != nil {
 		select {
 		case <-o.s.Done():
@@ -518,15 +384,15 @@ func (o *Ollama) sessionLocked(ctx context.Context) (*Session, error) {
 		}
 	}
 	if !o.lastTry.IsZero() && time.Since(o.lastTry) < o.RetryInterval {
-		return nil, newError(ErrUnavailable, "Ollama", "kvcached-serve at %s unreachable (retrying every %v)", o.socket, o.RetryInterval)
+		return nil, kvcached.NewError(kvcached.ErrUnavailable, "Ollama", "kvcached-serve at %s unreachable (retrying every %v)", o.socket, o.RetryInterval)
 	}
 	o.lastTry = time.Now()
 	ctx, cancel := context.WithTimeout(ctx, o.CallTimeout)
 	defer cancel()
-	c, err := Dial(ctx, o.socket, WithLogger(o.log))
+	c, err := kvcached.Dial(ctx, o.socket, kvcached.WithLogger(o.log))
 	if err == nil {
-		var s *Session
-		s, err = c.OpenSession(ctx, "ollama-scheduler", WithLabels(map[string]string{"role": "ollama"}))
+		var s *kvcached.Session
+		s, err = c.OpenSession(ctx, "ollama-scheduler", kvcached.WithLabels(map[string]string{"role": "ollama"}))
 		if err == nil {
 			o.c, o.s = c, s
 			if devs := s.Info().Devices; len(devs) > 0 {
@@ -551,9 +417,9 @@ func (o *Ollama) sessionLocked(ctx context.Context) (*Session, error) {
 
 // Stats is a snapshot of the daemon's books as Ollama's session sees them
 // (its uid's sessions), at most MaxAge old; fresh forces a new one.
-func (o *Ollama) Stats(ctx context.Context, fresh bool) (*Stats, error) {
+func (o *Handle) Stats(ctx context.Context, fresh bool) (*kvcached.Stats, error) {
 	if o == nil {
-		return nil, newError(ErrNoSocket, "Ollama", "no daemon configured")
+		return nil, kvcached.NewError(kvcached.ErrNoSocket, "Ollama", "no daemon configured")
 	}
 	o.mu.Lock()
 	defer o.mu.Unlock()
@@ -568,7 +434,7 @@ func (o *Ollama) Stats(ctx context.Context, fresh bool) (*Stats, error) {
 	defer cancel()
 	st, err := s.Stats(ctx)
 	if err != nil {
-		if errorsIsAny(err, ErrUnavailable, ErrClosed, ErrFailedPrecondition, ErrNotFound, ErrDeadlineExceeded) {
+		if isAny(err, kvcached.ErrUnavailable, kvcached.ErrClosed, kvcached.ErrFailedPrecondition, kvcached.ErrNotFound, kvcached.ErrDeadlineExceeded) {
 			o.log.Warn("kvcached: stats failed; reconnecting on next use", "error", err)
 			o.dropLocked()
 			o.down = true
@@ -580,7 +446,7 @@ func (o *Ollama) Stats(ctx context.Context, fresh bool) (*Stats, error) {
 }
 
 // PageSize is the daemon's page size (0 until connected once).
-func (o *Ollama) PageSize(ctx context.Context) uint64 {
+func (o *Handle) PageSize(ctx context.Context) uint64 {
 	if o == nil {
 		return 0
 	}
@@ -599,7 +465,7 @@ func (o *Ollama) PageSize(ctx context.Context) uint64 {
 // never exceed anyway. If the daemon cannot be reached now, the maximum is
 // left out (the child then falls back to ordinary memory unless the daemon
 // is back by then).
-func (o *Ollama) RunnerEnv(ctx context.Context, spec RunnerSpec) ([]string, error) {
+func (o *Handle) RunnerEnv(ctx context.Context, spec RunnerSpec) ([]string, error) {
 	if o == nil {
 		return nil, nil
 	}
@@ -617,7 +483,7 @@ func (o *Ollama) RunnerEnv(ctx context.Context, spec RunnerSpec) ([]string, erro
 // ok is false when the daemon cannot be asked or has no session of r (the
 // runner fell back to ordinary memory, or has not opened it yet): the
 // caller then keeps its own numbers.
-func (o *Ollama) Usage(ctx context.Context, r OllamaRunner) (u RunnerUsage, ok bool) {
+func (o *Handle) Usage(ctx context.Context, r Runner) (u RunnerUsage, ok bool) {
 	if o == nil {
 		return RunnerUsage{}, false
 	}
@@ -628,7 +494,7 @@ func (o *Ollama) Usage(ctx context.Context, r OllamaRunner) (u RunnerUsage, ok b
 	return usageOf(st, r)
 }
 
-func usageOf(st *Stats, r OllamaRunner) (RunnerUsage, bool) {
+func usageOf(st *kvcached.Stats, r Runner) (RunnerUsage, bool) {
 	if r.PID > 0 {
 		u := RunnerUsage{ModelDigest: r.ModelDigest, HeldBytesByDevice: map[string]uint64{}}
 		for _, ss := range st.Sessions {
@@ -663,9 +529,9 @@ type Fit struct {
 // Fits says whether a runner guaranteed need bytes fits on the daemon's
 // device (uuid; "" = the first device, where the hook opens its session
 // unless KVCACHED_DEVICE says otherwise) without anyone giving pages back.
-func (o *Ollama) Fits(ctx context.Context, need uint64, device string) (Fit, error) {
+func (o *Handle) Fits(ctx context.Context, need uint64, device string) (Fit, error) {
 	if o == nil {
-		return Fit{}, newError(ErrNoSocket, "Ollama", "no daemon configured")
+		return Fit{}, kvcached.NewError(kvcached.ErrNoSocket, "Ollama", "no daemon configured")
 	}
 	st, err := o.Stats(ctx, true)
 	if err != nil {
@@ -674,9 +540,9 @@ func (o *Ollama) Fits(ctx context.Context, need uint64, device string) (Fit, err
 	return fitOf(st, need, device)
 }
 
-func fitOf(st *Stats, need uint64, device string) (Fit, error) {
+func fitOf(st *kvcached.Stats, need uint64, device string) (Fit, error) {
 	if len(st.Devices) == 0 {
-		return Fit{}, newError(ErrNotFound, "Ollama", "the daemon reports no device")
+		return Fit{}, kvcached.NewError(kvcached.ErrNotFound, "Ollama", "the daemon reports no device")
 	}
 	d := st.Devices[0]
 	if device != "" {
@@ -687,7 +553,7 @@ func fitOf(st *Stats, need uint64, device string) (Fit, error) {
 			}
 		}
 		if !found {
-			return Fit{}, newError(ErrNotFound, "Ollama", "the daemon has no device %q", device)
+			return Fit{}, kvcached.NewError(kvcached.ErrNotFound, "Ollama", "the daemon has no device %q", device)
 		}
 	}
 	f := Fit{Device: d.Device.UUID, Need: need, Budget: d.Pool.BudgetBytes, Unheld: d.Pool.PooledBytes + d.Pool.FreeBytes}
@@ -712,10 +578,10 @@ type ShrinkResult struct {
 // a runner guaranteed need bytes fits on device or the runners have given
 // back what they were asked for. The scheduler calls it before unloading
 // an idle runner to make room, and unloads only if res.Fit.Fits is false.
-func (o *Ollama) ShrinkIdle(ctx context.Context, idle []OllamaRunner, need uint64, device string, wait time.Duration) (ShrinkResult, error) {
+func (o *Handle) ShrinkIdle(ctx context.Context, idle []Runner, need uint64, device string, wait time.Duration) (ShrinkResult, error) {
 	var res ShrinkResult
 	if o == nil {
-		return res, newError(ErrNoSocket, "Ollama", "no daemon configured")
+		return res, kvcached.NewError(kvcached.ErrNoSocket, "Ollama", "no daemon configured")
 	}
 	start := time.Now()
 	st, err := o.Stats(ctx, true)
@@ -736,13 +602,13 @@ func (o *Ollama) ShrinkIdle(ctx context.Context, idle []OllamaRunner, need uint6
 			s := o.s
 			o.mu.Unlock()
 			if s == nil {
-				return res, newError(ErrUnavailable, "Ollama", "the session to the daemon ended")
+				return res, kvcached.NewError(kvcached.ErrUnavailable, "Ollama", "the session to the daemon ended")
 			}
 			cctx, cancel := context.WithTimeout(ctx, o.CallTimeout)
 			n, err := s.RequestShrink(cctx, ss.ID, 0, wait)
 			cancel()
 			if err != nil {
-				if errorsIsAny(err, ErrNotFound) { // the runner just went away
+				if isAny(err, kvcached.ErrNotFound) { // the runner just went away
 					continue
 				}
 				return res, err
@@ -799,8 +665,18 @@ func (o *Ollama) ShrinkIdle(ctx context.Context, idle []OllamaRunner, need uint6
 		lastUnheld, polls = res.Fit.Unheld, polls+1
 		select {
 		case <-ctx.Done():
-			return res, newError(ErrCanceled, "Ollama", "%v", ctx.Err())
+			return res, kvcached.NewError(kvcached.ErrCanceled, "Ollama", "%v", ctx.Err())
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
+}
+
+// isAny reports whether err matches any of the targets.
+func isAny(err error, targets ...error) bool {
+	for _, t := range targets {
+		if errors.Is(err, t) {
+			return true
+		}
+	}
+	return false
 }

@@ -1,4 +1,4 @@
-package kvcached
+package ollama
 
 import (
 	"bufio"
@@ -15,12 +15,28 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	kvcached "github.com/kvcached/kvcached-service/clients/go"
+	"github.com/kvcached/kvcached-service/clients/go/internal/testdaemon"
 )
 
-// The Ollama server's side (ollama.go): geometry, lookups and the Ollama
+// The Ollama server's side (this package): geometry, lookups and the Ollama
 // handle against a real daemon that runs as another uid, so that this
 // process, like an Ollama that was not made an admin, sees and shrinks its
 // own runners only through the same-uid rule.
+
+func TestMain(m *testing.M) {
+	if os.Getenv(runnerHelperEnv) != "" {
+		os.Exit(runnerHelperMain())
+	}
+	if os.Getenv(asNobodyEnv) != "" {
+		if err := dropPrivileges(); err != nil {
+			fmt.Fprintln(os.Stderr, "dropping privileges:", err)
+			os.Exit(2)
+		}
+	}
+	os.Exit(m.Run())
+}
 
 func TestDigestFromBlobPath(t *testing.T) {
 	hex := strings.Repeat("0123456789abcdef", 4)
@@ -82,27 +98,27 @@ func TestRunnerSpecKVBytes(t *testing.T) {
 
 func TestUsageAndFitFromSnapshot(t *testing.T) {
 	d := "sha256:" + strings.Repeat("a", 64)
-	st := &Stats{
-		Devices: []DeviceStats{
-			{Device: Device{UUID: "GPU-0"}, Pool: PoolStats{BudgetBytes: 100, PooledBytes: 10, InUseBytes: 60, FreeBytes: 30}},
-			{Device: Device{UUID: "GPU-1"}, Pool: PoolStats{BudgetBytes: 100, FreeBytes: 100}},
+	st := &kvcached.Stats{
+		Devices: []kvcached.DeviceStats{
+			{Device: kvcached.Device{UUID: "GPU-0"}, Pool: kvcached.PoolStats{BudgetBytes: 100, PooledBytes: 10, InUseBytes: 60, FreeBytes: 30}},
+			{Device: kvcached.Device{UUID: "GPU-1"}, Pool: kvcached.PoolStats{BudgetBytes: 100, FreeBytes: 100}},
 		},
-		Sessions: []SessionStats{
+		Sessions: []kvcached.SessionStats{
 			{ID: 1, Name: "ollama-scheduler", PID: 10},
 			{ID: 2, Name: d, PID: 20, HeldBytes: 40, GuaranteedBytes: 8, HeldBytesByDevice: map[string]uint64{"GPU-0": 40}},
 			{ID: 3, Name: "other", PID: 21, HeldBytes: 20, GuaranteedBytes: 4, Labels: map[string]string{LabelModelDigest: d},
 				HeldBytesByDevice: map[string]uint64{"GPU-0": 15, "GPU-1": 5}},
 		},
 	}
-	u, ok := usageOf(st, OllamaRunner{ModelDigest: d, PID: 21})
+	u, ok := usageOf(st, Runner{ModelDigest: d, PID: 21})
 	if !ok || len(u.Sessions) != 1 || u.HeldBytes != 20 || u.HeldBytesByDevice["GPU-1"] != 5 {
 		t.Fatalf("by pid: %+v %v", u, ok)
 	}
-	u, ok = usageOf(st, OllamaRunner{ModelDigest: d, PID: 99}) // pid unknown: every session of the digest
+	u, ok = usageOf(st, Runner{ModelDigest: d, PID: 99}) // pid unknown: every session of the digest
 	if !ok || u.HeldBytes != 60 || u.GuaranteedBytes != 12 || u.HeldBytesByDevice["GPU-0"] != 55 {
 		t.Fatalf("by digest: %+v %v", u, ok)
 	}
-	if _, ok := usageOf(st, OllamaRunner{ModelDigest: "sha256:" + strings.Repeat("b", 64)}); ok {
+	if _, ok := usageOf(st, Runner{ModelDigest: "sha256:" + strings.Repeat("b", 64)}); ok {
 		t.Fatal("a runner without a session must not be found")
 	}
 	f, err := fitOf(st, 40, "")
@@ -115,27 +131,27 @@ func TestUsageAndFitFromSnapshot(t *testing.T) {
 	if f, _ := fitOf(st, 89, "GPU-1"); f.Fits { // unheld 100, but guarantees 12+89 > budget
 		t.Fatalf("guarantees over budget must not fit: %+v", f)
 	}
-	if _, err := fitOf(st, 1, "GPU-9"); !errors.Is(err, ErrNotFound) {
+	if _, err := fitOf(st, 1, "GPU-9"); !errors.Is(err, kvcached.ErrNotFound) {
 		t.Fatalf("unknown device: %v", err)
 	}
 }
 
-func TestNilOllamaIsOff(t *testing.T) {
-	var o *Ollama
-	if NewOllama("", nil) != nil {
+func TestNilHandleIsOff(t *testing.T) {
+	var o *Handle
+	if New("", nil) != nil {
 		t.Fatal("no socket: nil handle")
 	}
 	ctx := context.Background()
 	if env, err := o.RunnerEnv(ctx, RunnerSpec{}); env != nil || err != nil {
 		t.Fatal(env, err)
 	}
-	if _, ok := o.Usage(ctx, OllamaRunner{PID: 1}); ok {
+	if _, ok := o.Usage(ctx, Runner{PID: 1}); ok {
 		t.Fatal("usage from nil")
 	}
-	if _, err := o.Fits(ctx, 1, ""); !errors.Is(err, ErrNoSocket) {
+	if _, err := o.Fits(ctx, 1, ""); !errors.Is(err, kvcached.ErrNoSocket) {
 		t.Fatal(err)
 	}
-	if _, err := o.ShrinkIdle(ctx, nil, 1, "", time.Second); !errors.Is(err, ErrNoSocket) {
+	if _, err := o.ShrinkIdle(ctx, nil, 1, "", time.Second); !errors.Is(err, kvcached.ErrNoSocket) {
 		t.Fatal(err)
 	}
 	o.Close()
@@ -186,7 +202,7 @@ func runAsNobody(t *testing.T, name, socket string) {
 	}
 	defer os.RemoveAll(dir)
 	os.Chmod(dir, 0o755)
-	bin := filepath.Join(dir, "kvcached.test")
+	bin := filepath.Join(dir, "ollama.test")
 	data, err := os.ReadFile(os.Args[0])
 	if err == nil {
 		err = os.WriteFile(bin, data, 0o755)
@@ -206,14 +222,14 @@ func runAsNobody(t *testing.T, name, socket string) {
 
 // rootDaemonForNobody starts a daemon (as root) whose sockets any uid can
 // open; the daemon's own uid is its only admin.
-func rootDaemonForNobody(t *testing.T, dir string, args ...string) *daemon {
+func rootDaemonForNobody(t *testing.T, dir string, args ...string) *testdaemon.Daemon {
 	t.Helper()
 	os.Chmod(dir, 0o777)
-	d, err := startDaemonIn(dir, "host", nil, append([]string{"--socket-mode", "0666"}, args...)...)
+	d, err := testdaemon.StartIn(dir, "host", nil, append([]string{"--socket-mode", "0666"}, args...)...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(d.stop)
+	t.Cleanup(d.Stop)
 	return d
 }
 
@@ -226,7 +242,7 @@ const runnerHelperEnv = "KVCACHED_GO_TEST_RUNNER"
 func runnerHelperMain() int {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	c, err := FromEnv(ctx)
+	c, err := kvcached.FromEnv(ctx)
 	if err != nil {
 		fmt.Println("ERROR", err)
 		return 1
@@ -236,8 +252,8 @@ func runnerHelperMain() int {
 		fmt.Println("ERROR", err)
 		return 1
 	}
-	var region atomic.Pointer[Region]
-	opts = append(opts, WithReclaimHandler(func(ctx context.Context, r Reclaim) {
+	var region atomic.Pointer[kvcached.Region]
+	opts = append(opts, kvcached.WithReclaimHandler(func(ctx context.Context, r kvcached.Reclaim) {
 		if reg := region.Load(); reg != nil {
 			keep := uint64(0)
 			if want := r.Pages * reg.PageSize(); reg.MappedBytes() > want {
@@ -303,14 +319,14 @@ func TestOllamaHandleWithoutAdmin(t *testing.T) {
 			t.Fatal(err)
 		}
 		d := rootDaemonForNobody(t, dir, "--memory-limit", "4MiB", "--page-size", "64KiB", "--reclaim-timeout-ms", "3000")
-		runAsNobody(t, "TestOllamaHandleWithoutAdmin", d.socket)
+		runAsNobody(t, "TestOllamaHandleWithoutAdmin", d.Socket)
 		return
 	}
-	checkGoroutines(t)
+	testdaemon.CheckGoroutines(t)
 	const page = 64 << 10
-	o := NewOllama(socket, nil)
+	o := New(socket, nil)
 	defer o.Close()
-	ctx := testCtx(t)
+	ctx := testdaemon.Ctx(t)
 	st, err := o.Stats(ctx, true)
 	if err != nil {
 		t.Fatal(err)
@@ -334,11 +350,11 @@ func TestOllamaHandleWithoutAdmin(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := map[string]string{
-		EnvOllamaSocket:  socket,
-		EnvSessionName:   digestA,
-		EnvSessionLabels: LabelModelDigest + "=" + digestA,
-		EnvGuaranteed:    strconv.Itoa(2 * 256 * 1024), // 256 cells x 1 KiB x K,V = 512 KiB
-		EnvMaxBytes:      strconv.Itoa(2 * 2 * 2048 * 1024),
+		kvcached.EnvOllamaSocket: socket,
+		EnvSessionName:           digestA,
+		EnvSessionLabels:         LabelModelDigest + "=" + digestA,
+		EnvGuaranteed:            strconv.Itoa(2 * 256 * 1024), // 256 cells x 1 KiB x K,V = 512 KiB
+		EnvMaxBytes:              strconv.Itoa(2 * 2 * 2048 * 1024),
 	}
 	for _, kv := range envA {
 		k, v, _ := strings.Cut(kv, "=")
@@ -358,18 +374,18 @@ func TestOllamaHandleWithoutAdmin(t *testing.T) {
 	if len(st.Sessions) != 3 || st.Sessions[0].Name != "ollama-scheduler" {
 		t.Fatalf("a non-admin session sees itself first, then its uid's sessions: %+v", st.Sessions)
 	}
-	uA, ok := o.Usage(ctx, OllamaRunner{ModelDigest: digestA, PID: a.pid})
+	uA, ok := o.Usage(ctx, Runner{ModelDigest: digestA, PID: a.pid})
 	if !ok || uA.HeldBytes != 40*page || uA.HeldBytesByDevice["HOST-0"] != 40*page || uA.GuaranteedBytes != 512<<10 ||
 		len(uA.Sessions) != 1 || uA.Sessions[0].ID != a.id || uA.Sessions[0].Labels[LabelModelDigest] != digestA {
 		t.Fatalf("usage A: %+v %v", uA, ok)
 	}
-	uB, ok := o.Usage(ctx, OllamaRunner{ModelDigest: digestB}) // by digest alone
+	uB, ok := o.Usage(ctx, Runner{ModelDigest: digestB}) // by digest alone
 	if !ok || uB.HeldBytes != 12*page {
 		t.Fatalf("usage B: %+v %v", uB, ok)
 	}
 	// Limits stay admin-only.
 	g := uint64(0)
-	if _, err := o.s.SetLimits(ctx, a.id, Limits{GuaranteedBytes: &g}); !errors.Is(err, ErrPermissionDenied) {
+	if _, err := o.s.SetLimits(ctx, a.id, kvcached.Limits{GuaranteedBytes: &g}); !errors.Is(err, kvcached.ErrPermissionDenied) {
 		t.Fatalf("SetLimits without admin: %v", err)
 	}
 	// A third runner guaranteed 1 MiB does not fit in the 0.75 MiB left...
@@ -379,7 +395,7 @@ func TestOllamaHandleWithoutAdmin(t *testing.T) {
 		t.Fatalf("fit before shrinking: %+v %v", f, err)
 	}
 	// ...until the idle runner A gives back what it holds above its guarantee.
-	res, err := o.ShrinkIdle(ctx, []OllamaRunner{{ModelDigest: digestA, PID: a.pid}}, need, "", 5*time.Second)
+	res, err := o.ShrinkIdle(ctx, []Runner{{ModelDigest: digestA, PID: a.pid}}, need, "", 5*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -388,20 +404,20 @@ func TestOllamaHandleWithoutAdmin(t *testing.T) {
 		t.Fatalf("shrink: %+v\n%+v\n%+v", res, st.Devices, st.Sessions)
 	}
 	t.Logf("idle runner shrank in %v", res.Elapsed)
-	uA, _ = o.Usage(ctx, OllamaRunner{ModelDigest: digestA, PID: a.pid})
+	uA, _ = o.Usage(ctx, Runner{ModelDigest: digestA, PID: a.pid})
 	if uA.HeldBytes != 512<<10 {
 		t.Fatalf("A after shrinking holds %d, want its guarantee", uA.HeldBytes)
 	}
 	// A runner at its guarantee is not asked again.
-	res, err = o.ShrinkIdle(ctx, []OllamaRunner{{ModelDigest: digestA, PID: a.pid}}, 100<<20, "", time.Second)
+	res, err = o.ShrinkIdle(ctx, []Runner{{ModelDigest: digestA, PID: a.pid}}, 100<<20, "", time.Second)
 	if err != nil || res.Asked != 0 || res.Fit.Fits {
 		t.Fatalf("second shrink: %+v %v", res, err)
 	}
 	// A runner that exits gives everything back; the handle's next read shows it.
 	b.cmd.Process.Kill()
 	b.cmd.Wait()
-	waitFor(t, 2*time.Second, "B's pages back after SIGKILL", func() (bool, string) {
-		u, ok := o.Usage(ctx, OllamaRunner{ModelDigest: digestB, PID: b.pid})
+	testdaemon.WaitFor(t, 2*time.Second, "B's pages back after SIGKILL", func() (bool, string) {
+		u, ok := o.Usage(ctx, Runner{ModelDigest: digestB, PID: b.pid})
 		return !ok, fmt.Sprintf("%+v", u)
 	})
 }
@@ -414,26 +430,81 @@ func TestOllamaHandleSurvivesDaemonRestart(t *testing.T) {
 		t.Fatal(err)
 	}
 	d := rootDaemonForNobody(t, dir, "--memory-limit", "4MiB", "--page-size", "64KiB")
-	o := NewOllama(d.socket, nil)
+	o := New(d.Socket, nil)
 	o.RetryInterval = 100 * time.Millisecond
 	o.MaxAge = 0 // every read asks the daemon
 	defer o.Close()
-	ctx := testCtx(t)
+	ctx := testdaemon.Ctx(t)
 	if _, err := o.Stats(ctx, true); err != nil {
 		t.Fatal(err)
 	}
-	d.kill()
-	os.Remove(d.socket)
-	os.Remove(d.socket + ".fd")
-	if _, ok := o.Usage(ctx, OllamaRunner{PID: os.Getpid()}); ok {
+	d.Kill()
+	os.Remove(d.Socket)
+	os.Remove(d.Socket + ".fd")
+	if _, ok := o.Usage(ctx, Runner{PID: os.Getpid()}); ok {
 		t.Fatal("usage while the daemon is down")
 	}
 	if _, err := o.Fits(ctx, 1, ""); err == nil {
 		t.Fatal("fit while the daemon is down")
 	}
-	rootDaemonForNobody(t, d.dir, "--memory-limit", "4MiB", "--page-size", "64KiB")
-	waitFor(t, 5*time.Second, "handle reconnected", func() (bool, string) {
+	rootDaemonForNobody(t, d.Dir, "--memory-limit", "4MiB", "--page-size", "64KiB")
+	testdaemon.WaitFor(t, 5*time.Second, "handle reconnected", func() (bool, string) {
 		f, err := o.Fits(ctx, 1, "")
 		return err == nil && f.Fits, fmt.Sprint(f, err)
 	})
+}
+
+// DigestUsage and ShrinkRunner through an admin session (this process runs
+// as the daemon's uid): two runners of one model found by their digest
+// (name or label), both asked to shrink to their guarantee, their pages
+// back in the books.
+func TestDigestUsageAndShrinkRunner(t *testing.T) {
+	d, err := testdaemon.Start("host", nil, "--memory-limit", "4MiB", "--page-size", "64KiB", "--reclaim-timeout-ms", "3000")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(d.Stop)
+	const page = 64 << 10
+	ctx := testdaemon.Ctx(t)
+	c, err := kvcached.Dial(ctx, d.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	s, err := c.OpenSession(ctx, "ollama-scheduler")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close(ctx)
+	digest := "sha256:" + strings.Repeat("c", 64)
+	env, err := ChildEnv(RunnerConfig{Socket: d.Socket, ModelDigest: digest, GuaranteedBytes: 4 * page})
+	if err != nil {
+		t.Fatal(err)
+	}
+	startFakeRunner(t, env, 10)
+	startFakeRunner(t, env, 6)
+	other, err := ChildEnv(RunnerConfig{Socket: d.Socket, ModelDigest: "sha256:" + strings.Repeat("d", 64)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	startFakeRunner(t, other, 3)
+	u, err := DigestUsage(ctx, s, digest)
+	if err != nil || len(u.Sessions) != 2 || u.HeldBytes != 16*page || u.PagesHeld != 16 || u.GuaranteedBytes != 8*page ||
+		u.HeldBytesByDevice["HOST-0"] != 16*page {
+		t.Fatalf("usage: %+v %v", u, err)
+	}
+	pages, err := ShrinkRunner(ctx, s, digest, 0, 3*time.Second)
+	if err != nil || pages != (10-4)+(6-4) {
+		t.Fatalf("ShrinkRunner asked for %d pages (%v), want 8 (down to the guarantees)", pages, err)
+	}
+	testdaemon.WaitFor(t, 5*time.Second, "both runners at their guarantee", func() (bool, string) {
+		u, err := DigestUsage(ctx, s, digest)
+		return err == nil && u.HeldBytes == 8*page, fmt.Sprintf("%+v %v", u, err)
+	})
+	if u, err := DigestUsage(ctx, s, "sha256:"+strings.Repeat("d", 64)); err != nil || u.HeldBytes != 3*page {
+		t.Fatalf("the other model must not be asked: %+v %v", u, err)
+	}
+	if pages, err := ShrinkRunner(ctx, s, "sha256:"+strings.Repeat("e", 64), 0, time.Second); err != nil || pages != 0 {
+		t.Fatalf("ShrinkRunner of a model without runners: %d %v", pages, err)
+	}
 }

@@ -1,4 +1,4 @@
-package kvcached
+package chanmux
 
 import (
 	"context"
@@ -11,7 +11,9 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvcached/kvcached-service/clients/go/internal/errs"
 	"github.com/kvcached/kvcached-service/clients/go/internal/fdchan"
+	"github.com/kvcached/kvcached-service/clients/go/internal/testdaemon"
 )
 
 // fakeChannel is the daemon's end of a session's fd channel, for tests of
@@ -22,9 +24,9 @@ type fakeChannel struct {
 	recs chan fdchan.Record
 }
 
-// newFakeChannelSession returns a session (requests on the channel) whose
-// fd channel is a socket pair with the fake at the other end.
-func newFakeChannelSession(t *testing.T) (*Session, *fakeChannel) {
+// newFakeChannelMux returns a session's multiplexer whose fd channel is a
+// socket pair with the fake at the other end.
+func newFakeChannelMux(t *testing.T) (*Mux, *fakeChannel) {
 	t.Helper()
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -37,17 +39,7 @@ func newFakeChannelSession(t *testing.T) (*Session, *fakeChannel) {
 		t.Fatal(err)
 	}
 	ch := fdchan.NewConn(nc.(*net.UnixConn))
-	s := &Session{
-		id: 7, info: &Info{Devices: []Device{{UUID: "HOST-0", Kind: "host", PageSize: 4096}}, FDChannelRequests: true},
-		ch: ch, log: slog.New(slog.DiscardHandler), readerDone: make(chan struct{}),
-		allocs: map[allocKey]*pendingAlloc{}, waiters: map[uint64]*waiter{}, regions: map[*Region]struct{}{},
-		mappers: map[string]mapper{}, keep: map[uint64]kept{}, deferred: map[uint64]uint64{},
-		lost: make(chan struct{}), resumed: make(chan struct{}),
-	}
-	close(s.resumed)
-	s.stopCtx, s.stop = context.WithCancel(context.Background())
-	s.wg.Add(1)
-	go s.readLoop(ch)
+	s := New(ch, nil, Config{ID: 7, Log: slog.New(slog.DiscardHandler)})
 	fc := &fakeChannel{t: t, fd: fds[1], recs: make(chan fdchan.Record, 64)}
 	go func() {
 		buf := make([]byte, fdchan.HeaderSize+16+8*fdchan.MaxFreeIDs)
@@ -66,9 +58,7 @@ func newFakeChannelSession(t *testing.T) (*Session, *fakeChannel) {
 		}
 	}()
 	t.Cleanup(func() {
-		s.stop()
-		ch.Close()
-		s.wg.Wait()
+		s.Shutdown()
 		unix.Close(fc.fd)
 	})
 	return s, fc
@@ -111,13 +101,13 @@ func (fc *fakeChannel) sendPages(req uint64, ids []uint64) {
 }
 
 func TestChannelAllocateFreeClose(t *testing.T) {
-	checkGoroutines(t)
-	s, fc := newFakeChannelSession(t)
-	ctx := testCtx(t)
+	testdaemon.CheckGoroutines(t)
+	s, fc := newFakeChannelMux(t)
+	ctx := testdaemon.Ctx(t)
 
 	got := make(chan *Allocation, 1)
 	go func() {
-		a, err := s.Allocate(ctx, 2, WaitUpTo(1500*time.Millisecond))
+		a, err := s.Allocate(ctx, fdchan.AllocateReq{NumPages: 2, Wait: true, WaitTimeoutMs: 1500})
 		if err != nil {
 			t.Error(err)
 		}
@@ -130,18 +120,18 @@ func TestChannelAllocateFreeClose(t *testing.T) {
 	fc.sendPages(req.ReqID, []uint64{40, 41})
 	fc.send(fdchan.Reply{ReqID: req.ReqID, Value: 8192})
 	a := <-got
-	if a == nil || a.ID != req.ReqID|fdchan.AllocBit || a.Device != "HOST-0" || a.PageSize != 4096 || a.HeldBytes != 8192 ||
-		len(a.Pages) != 2 || a.Pages[0].ID != 40 || a.Pages[1].ID != 41 || a.Pages[0].File == nil {
+	if a == nil || a.ID != req.ReqID|fdchan.AllocBit || a.HeldBytes != 8192 ||
+		len(a.IDs) != 2 || a.IDs[0] != 40 || a.IDs[1] != 41 || len(a.FDs) != 2 || a.FDs[0] < 0 || a.FDs[1] < 0 {
 		t.Fatalf("allocation %+v", a)
 	}
-	a.Close()
+	fdchan.CloseFDs(a.FDs)
 
 	// A Free of more than MaxFreeIDs pages goes as several FREE records.
 	ids := make([]uint64, 2*fdchan.MaxFreeIDs+5)
 	for i := range ids {
 		ids[i] = uint64(i + 1)
 	}
-	freed := make(chan FreeResult, 1)
+	freed := make(chan uint64, 1)
 	go func() {
 		r, err := s.Free(ctx, ids)
 		if err != nil {
@@ -158,16 +148,17 @@ func TestChannelAllocateFreeClose(t *testing.T) {
 		next += uint64(want)
 		fc.send(fdchan.Reply{ReqID: f.ReqID, Value: uint64(len(f.PageIDs))})
 	}
-	if r := <-freed; r.PagesFreed != uint64(len(ids)) {
-		t.Fatalf("freed %d", r.PagesFreed)
+	if n := <-freed; n != uint64(len(ids)) {
+		t.Fatalf("freed %d", n)
 	}
-	if _, err := s.Free(ctx, nil); !errors.Is(err, ErrInvalidArgument) {
+	if _, err := s.Free(ctx, nil); !errors.Is(err, errs.ErrInvalidArgument) {
 		t.Fatalf("Free(nil): %v", err)
 	}
 
 	// CLOSE: the REPLY, then the daemon says GOODBYE and closes.
 	closed := make(chan error, 1)
-	go func() { closed <- s.Close(ctx) }()
+	s.MarkClosed()
+	go func() { closed <- s.CloseRequest(ctx) }()
 	c, ok := fc.next().(fdchan.CloseReq)
 	if !ok {
 		t.Fatalf("CLOSE: %#v", c)
@@ -177,55 +168,53 @@ func TestChannelAllocateFreeClose(t *testing.T) {
 	if err := <-closed; err != nil {
 		t.Fatal(err)
 	}
-	if _, err := s.Allocate(ctx, 1); !errors.Is(err, ErrClosed) {
+	if _, err := s.Allocate(ctx, fdchan.AllocateReq{NumPages: 1}); !errors.Is(err, errs.ErrClosed) {
 		t.Fatalf("Allocate after Close: %v", err)
 	}
 }
 
 // A REPLY's code becomes the same error as that gRPC status (one mapping).
 func TestChannelReplyCodes(t *testing.T) {
-	s, fc := newFakeChannelSession(t)
-	ctx := testCtx(t)
-	for _, row := range codeTable {
+	s, fc := newFakeChannelMux(t)
+	ctx := testdaemon.Ctx(t)
+	for _, row := range errs.Table() {
 		done := make(chan error, 1)
 		go func() {
 			_, err := s.Free(ctx, []uint64{1})
 			done <- err
 		}()
 		f := fc.next().(fdchan.FreeReq)
-		fc.send(fdchan.Reply{ReqID: f.ReqID, Code: uint32(row.code), Message: "because " + row.code.String()})
+		fc.send(fdchan.Reply{ReqID: f.ReqID, Code: uint32(row.Code), Message: "because " + row.Code.String()})
 		err := <-done
-		var e *Error
-		if !errors.Is(err, row.err) || !errors.As(err, &e) || e.Code != row.code || e.Message != "because "+row.code.String() || e.Op != "Free" {
-			t.Errorf("REPLY code %v: %v", row.code, err)
+		var e *errs.Error
+		if !errors.Is(err, row.Err) || !errors.As(err, &e) || e.Code != row.Code || e.Message != "because "+row.Code.String() || e.Op != "Free" {
+			t.Errorf("REPLY code %v: %v", row.Code, err)
 		}
 	}
 	// An ALLOCATE answered with an error carries no pages.
 	done := make(chan error, 1)
 	go func() {
-		_, err := s.Allocate(ctx, 3)
+		_, err := s.Allocate(ctx, fdchan.AllocateReq{NumPages: 3})
 		done <- err
 	}()
 	req := fc.next().(fdchan.AllocateReq)
 	fc.send(fdchan.Reply{ReqID: req.ReqID, Code: 8, Message: "budget exhausted"})
-	if err := <-done; !errors.Is(err, ErrResourceExhausted) {
+	if err := <-done; !errors.Is(err, errs.ErrResourceExhausted) {
 		t.Fatalf("ALLOCATE refused: %v", err)
 	}
 	// An answer without its pages breaks the protocol.
 	go func() {
-		_, err := s.Allocate(ctx, 2)
+		_, err := s.Allocate(ctx, fdchan.AllocateReq{NumPages: 2})
 		done <- err
 	}()
 	req = fc.next().(fdchan.AllocateReq)
 	fc.sendPages(req.ReqID, []uint64{9})
 	fc.send(fdchan.Reply{ReqID: req.ReqID})
-	if err := <-done; !errors.Is(err, ErrProtocol) {
+	if err := <-done; !errors.Is(err, errs.ErrProtocol) {
 		t.Fatalf("ALLOCATE answered with 1 of 2 pages: %v", err)
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if len(s.allocs) != 0 || len(s.waiters) != 0 {
-		t.Fatalf("left behind: %d allocations, %d waiters", len(s.allocs), len(s.waiters))
+	if allocs, waiters := s.Pending(); allocs != 0 || waiters != 0 {
+		t.Fatalf("left behind: %d allocations, %d waiters", allocs, waiters)
 	}
 }
 
@@ -233,19 +222,19 @@ func TestChannelReplyCodes(t *testing.T) {
 // daemon sends later are given back with a FREE, and nothing is left
 // behind. A Free abandoned the same way is answered quietly.
 func TestChannelAbandonedRequests(t *testing.T) {
-	s, fc := newFakeChannelSession(t)
-	ctx := testCtx(t)
+	s, fc := newFakeChannelMux(t)
+	ctx := testdaemon.Ctx(t)
 	short, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
 	defer cancel()
 	start := time.Now()
 	done := make(chan error, 1)
 	go func() {
-		_, err := s.Allocate(short, 2, WaitUpTo(time.Minute))
+		_, err := s.Allocate(short, fdchan.AllocateReq{NumPages: 2, Wait: true, WaitTimeoutMs: 60000})
 		done <- err
 	}()
 	req := fc.next().(fdchan.AllocateReq)
 	err := <-done
-	if !errors.Is(err, ErrDeadlineExceeded) || !errors.Is(err, context.DeadlineExceeded) || time.Since(start) > 2*time.Second {
+	if !errors.Is(err, errs.ErrDeadlineExceeded) || !errors.Is(err, context.DeadlineExceeded) || time.Since(start) > 2*time.Second {
 		t.Fatalf("abandoned Allocate: %v after %v", err, time.Since(start))
 	}
 	fc.sendPages(req.ReqID, []uint64{70, 71})
@@ -263,14 +252,13 @@ func TestChannelAbandonedRequests(t *testing.T) {
 	}()
 	f = fc.next().(fdchan.FreeReq)
 	cancel2()
-	if err := <-done; !errors.Is(err, ErrCanceled) || !errors.Is(err, context.Canceled) {
+	if err := <-done; !errors.Is(err, errs.ErrCanceled) || !errors.Is(err, context.Canceled) {
 		t.Fatalf("canceled Free: %v", err)
 	}
 	fc.send(fdchan.Reply{ReqID: f.ReqID, Value: 1})
-	waitFor(t, 2*time.Second, "nothing left behind", func() (bool, string) {
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		return len(s.allocs) == 0 && len(s.waiters) == 0, ""
+	testdaemon.WaitFor(t, 2*time.Second, "nothing left behind", func() (bool, string) {
+		allocs, waiters := s.Pending()
+		return allocs == 0 && waiters == 0, ""
 	})
 	// The channel ends: a waiting request fails at once.
 	go func() {
@@ -279,7 +267,7 @@ func TestChannelAbandonedRequests(t *testing.T) {
 	}()
 	fc.next()
 	unix.Shutdown(fc.fd, unix.SHUT_RDWR)
-	if err := <-done; !errors.Is(err, ErrClosed) {
+	if err := <-done; !errors.Is(err, errs.ErrClosed) {
 		t.Fatalf("Free when the channel ended: %v", err)
 	}
 }

@@ -1,0 +1,223 @@
+package kvcached
+
+import (
+	"context"
+	"errors"
+	"io"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	pb "github.com/kvcached/kvcached-service/clients/go/internal/kvcachedpb"
+)
+
+// A session's events: the Watch stream (gRPC) and the goroutine that runs
+// it for WithReclaimHandler / WithEventHandler, restarting it after a
+// resume.
+
+// Reclaim is the daemon asking a session to give pages back (issue 4):
+// at least Pages pages of Device, by Free, before Deadline. Reason is
+// "allocate" (another session is waiting), "idle" or "admin".
+type Reclaim struct {
+	// ID names the request (unique for the daemon's life; 0 from a daemon
+	// before the reclaim answer): Session.AnswerReclaim answers it.
+	ID       uint64
+	Device   string
+	Pages    uint64
+	Deadline time.Time
+	Reason   string
+}
+
+// ReclaimHandler is called (one call at a time, on the session's watch
+// goroutine) for every reclaim request. ctx ends at the deadline or when
+// the session closes. The handler gives pages back with Region.Unmap /
+// Region.Trim (or Session.Free); what it cannot give back it simply keeps
+// (the daemon cannot take mapped pages by force, it reports the session).
+type ReclaimHandler func(ctx context.Context, r Reclaim)
+
+// EventKind is the kind of a Watch event.
+type EventKind int
+
+// Event kinds, as in kvcached.v1.WatchEvent.Kind.
+const (
+	EventUnknown EventKind = iota
+	EventReady
+	EventReclaim
+	EventBudgetChanged
+	EventMemoryAvailable
+	EventShutdown
+)
+
+func (k EventKind) String() string {
+	switch k {
+	case EventReady:
+		return "ready"
+	case EventReclaim:
+		return "reclaim"
+	case EventBudgetChanged:
+		return "budget_changed"
+	case EventMemoryAvailable:
+		return "memory_available"
+	case EventShutdown:
+		return "shutdown"
+	}
+	return "unknown"
+}
+
+// Event is one event of a session's Watch stream. Exactly the field that
+// matches Kind is set.
+type Event struct {
+	Kind      EventKind
+	Time      time.Time
+	Reclaim   *Reclaim
+	Budget    *BudgetChange
+	Available *MemoryAvailable
+	Shutdown  *Shutdown
+}
+
+// BudgetChange: the session's limits or a device budget changed.
+type BudgetChange struct {
+	Device          string
+	BudgetBytes     uint64
+	GuaranteedBytes uint64
+	MaxBytes        uint64
+	Priority        int32
+}
+
+// MemoryAvailable: pages became available on a device.
+type MemoryAvailable struct {
+	Device string
+	Pages  uint64
+}
+
+// Shutdown: the daemon is going away; sessions close after Grace.
+type Shutdown struct {
+	Reason string
+	Grace  time.Duration
+}
+
+func eventFromPB(e *pb.WatchEvent) Event {
+	ev := Event{Kind: EventKind(e.GetKind()), Time: unixTime(e.GetTimeUnix())}
+	if ev.Kind > EventShutdown || ev.Kind < 0 {
+		ev.Kind = EventUnknown
+	}
+	switch ev.Kind {
+	case EventReclaim:
+		r := e.GetReclaim()
+		ev.Reclaim = &Reclaim{ID: r.GetId(), Device: r.GetDevice(), Pages: r.GetPages(), Deadline: unixTime(r.GetDeadlineUnix()), Reason: r.GetReason()}
+	case EventBudgetChanged:
+		b := e.GetBudget()
+		ev.Budget = &BudgetChange{Device: b.GetDevice(), BudgetBytes: b.GetBudgetBytes(), GuaranteedBytes: b.GetGuaranteedBytes(),
+			MaxBytes: b.GetMaxBytes(), Priority: b.GetPriority()}
+	case EventMemoryAvailable:
+		a := e.GetAvailable()
+		ev.Available = &MemoryAvailable{Device: a.GetDevice(), Pages: a.GetPages()}
+	case EventShutdown:
+		s := e.GetShutdown()
+		ev.Shutdown = &Shutdown{Reason: s.GetReason(), Grace: time.Duration(s.GetGraceSeconds() * float64(time.Second))}
+	}
+	return ev
+}
+
+// Watch streams the session's events to fn until ctx ends (returns nil) or
+// the stream fails (returns the error; ErrClosed-like errors when the
+// session ended). The first event is always EventReady. Sessions opened
+// with WithReclaimHandler already run a Watch of their own.
+func (s *Session) Watch(ctx context.Context, fn func(Event)) error {
+	ref, gen, err := s.call("Watch")
+	if err != nil {
+		return err
+	}
+	stream, err := s.c.rpc.Watch(ctx, &pb.WatchRequest{Session: ref})
+	if err != nil {
+		return s.watchErr(ctx, gen, err)
+	}
+	for {
+		e, err := stream.Recv()
+		if err != nil {
+			if err == io.EOF {
+				return newError(ErrClosed, "Watch", "the daemon ended the watch stream")
+			}
+			return s.watchErr(ctx, gen, err)
+		}
+		fn(eventFromPB(e))
+	}
+}
+
+func (s *Session) watchErr(ctx context.Context, gen uint64, err error) error {
+	if ctx.Err() != nil {
+		return nil
+	}
+	return s.rpcErr("Watch", gen, err)
+}
+
+func (s *Session) watchLoop(ctx context.Context, o sessionOptions, ready chan struct{}) {
+	defer s.wg.Done()
+	signalled := false
+	signal := func() {
+		if !signalled {
+			signalled = true
+			close(ready)
+		}
+	}
+	defer signal()
+	backoff := 100 * time.Millisecond
+	for ctx.Err() == nil {
+		err := s.Watch(ctx, func(ev Event) {
+			backoff = 100 * time.Millisecond
+			if ev.Kind == EventReady {
+				signal()
+			}
+			if o.onEvent != nil {
+				o.onEvent(ev)
+			}
+			if ev.Kind == EventReclaim && o.onReclaim != nil {
+				s.log.Info("kvcached reclaim request", "device", ev.Reclaim.Device, "pages", ev.Reclaim.Pages,
+					"reason", ev.Reclaim.Reason, "deadline", ev.Reclaim.Deadline)
+				rctx, cancel := context.WithDeadline(ctx, ev.Reclaim.Deadline)
+				if ev.Reclaim.Deadline.IsZero() {
+					rctx, cancel = context.WithCancel(ctx)
+				}
+				o.onReclaim(rctx, *ev.Reclaim)
+				cancel()
+			}
+		})
+		if ctx.Err() != nil {
+			return
+		}
+		select {
+		case <-s.m.Done():
+			return
+		default:
+		}
+		if s.m.Resumable() && errors.Is(err, ErrUnavailable) {
+			// The daemon went away: wait until the session is resumed (or
+			// the fd channel's hang-up is noticed, then resumed), then
+			// watch again with the new session token.
+			if s.m.Resuming() {
+				if s.WaitResumed(ctx) != nil {
+					return
+				}
+				backoff = 100 * time.Millisecond
+				continue
+			}
+		}
+		if errorsIsAny(err, ErrFailedPrecondition, ErrNotFound, ErrPermissionDenied, ErrInvalidArgument) ||
+			status.Code(err) == codes.Unimplemented {
+			s.log.Error("kvcached watch stream ended", "err", err)
+			return
+		}
+		s.log.Warn("kvcached watch stream interrupted; retrying", "err", err, "backoff", backoff)
+		select {
+		case <-time.After(backoff):
+		case <-ctx.Done():
+			return
+		case <-s.m.Done():
+			return
+		}
+		if backoff < 2*time.Second {
+			backoff *= 2
+		}
+	}
+}
