@@ -155,7 +155,7 @@ def test_ps_rises_with_a_long_prompt_and_falls_after_the_trim(daemon_factory, ol
         assert held(obs, pid) <= GUARANTEE
         h0 = held(obs, pid)
         # the patched Go side reads the daemon through a stats snapshot at most
-        # 250 ms old (kvcached.Ollama.MaxAge): let the one taken during the
+        # 250 ms old (ollama.Handle.MaxAge in clients/go/ollama): let the one taken during the
         # first request age out before reading the base line
         time.sleep(0.5)
         s0 = ps_size(o, "tiny0")
