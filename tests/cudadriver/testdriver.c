@@ -923,6 +923,9 @@ static void kmap_clear(struct td_kmap *m) {
 
 /* A simulated machine (a state directory) this process holds pages of: its
  * own, or another one whose exports it imported. */
+#define TD_HINT_BITS 20
+#define TD_HINT_BYTES ((size_t)4 << TD_HINT_BITS)
+
 struct td_machine {
     struct td_machine *next;
     dev_t sdev;
@@ -932,6 +935,8 @@ struct td_machine {
     int refsfd; /* $STATE/refs */
     int devfd[TD_MAX_DEVICES];
     int tabfd; /* this process's table (LOCK_SH), -1 until the first reference */
+    ino_t tabino;
+    uint32_t *hint; /* refs/.hint, mapped: how many tables may name a key (by hash); NULL: unknown */
     struct td_kmap refs; /* key -> references held here, slot */
     uint32_t *freeslots;
     size_t nfree, capfree;
@@ -966,9 +971,33 @@ static struct td_machine *machine_new(int statefd) {
         free(m);
         return NULL;
     }
+    /* The hint: one counter per hash bucket of keys, raised before a table
+     * names a key and lowered after it stops. Zero means no live table
+     * names any key of the bucket, so dropping a last reference need not
+     * read the tables; a process killed with references leaves its counts
+     * up (the tables are read then, which is always right). */
+    int hfd = openat(m->refsfd, ".hint", O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    struct stat hs;
+    if (hfd >= 0) {
+        fchmod(hfd, 0666);
+        if (fstat(hfd, &hs) == 0 && (hs.st_size == (off_t)TD_HINT_BYTES || ftruncate(hfd, TD_HINT_BYTES) == 0)) {
+            void *p = mmap(NULL, TD_HINT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, hfd, 0);
+            if (p != MAP_FAILED) m->hint = p;
+        }
+        close(hfd);
+    }
     m->next = g_machines;
     g_machines = m;
     return m;
+}
+
+static uint32_t *hint_of(struct td_machine *m, uint32_t key) {
+    return m->hint ? &m->hint[((uint64_t)key * 0x9e3779b97f4a7c15ull) >> (64 - TD_HINT_BITS)] : NULL;
+}
+
+static void hint_add(struct td_machine *m, uint32_t key, int delta) {
+    uint32_t *h = hint_of(m, key);
+    if (h) __atomic_fetch_add(h, (uint32_t)delta, __ATOMIC_SEQ_CST);
 }
 
 /* The machine of a page directory (found from it alone: `../..`). */
@@ -1028,6 +1057,8 @@ static int table_create(struct td_machine *m) {
     } else if (ok) {
         ok = renameat(m->refsfd, tmp, m->refsfd, name) == 0;
     }
+    struct stat st;
+    if (ok && fstat(fd, &st) == 0) m->tabino = st.st_ino;
     if (!ok) {
         int e = errno;
         if (!tmpfile) unlinkat(m->refsfd, tmp, 0);
@@ -1059,7 +1090,9 @@ static CUresult ref_take(struct td_machine *m, uint32_t key, int phys, size_t si
     uint32_t slot = m->nfree ? m->freeslots[--m->nfree] : m->nslots++;
     struct td_slot sl = {key, (uint32_t)phys, size};
     e = kmap_put(&m->refs, key);
+    hint_add(m, key, 1); /* before the slot names it */
     if (!e || pwrite(m->tabfd, &sl, sizeof sl, (off_t)slot * (off_t)sizeof sl) != (ssize_t)sizeof sl) {
+        hint_add(m, key, -1);
         if (e) kmap_del(&m->refs, e);
         m->freeslots[m->nfree++] = slot;
         return e ? CUDA_ERROR_OPERATING_SYSTEM : CUDA_ERROR_OUT_OF_MEMORY;
@@ -1074,6 +1107,7 @@ static void ref_drop(struct td_machine *m, uint32_t key) {
     struct td_slot sl = {0, 0, 0};
     if (pwrite(m->tabfd, &sl, sizeof sl, (off_t)e->slot * (off_t)sizeof sl) != (ssize_t)sizeof sl)
         td_warn("cannot update the reference table: %s", strerror(errno));
+    else hint_add(m, key, -1); /* after the slot stopped naming it */
     if (m->nfree < m->capfree) m->freeslots[m->nfree++] = e->slot; /* capfree >= nslots always */
     kmap_del(&m->refs, e);
 }
@@ -1081,7 +1115,7 @@ static void ref_drop(struct td_machine *m, uint32_t key) {
 /* Read every live table of a machine (`refsfd`: its refs/; removing dead processes' tables):
  * with `want` != 0, stop and return true at the first slot of that key;
  * else add every referenced page to `out` (key, device, size). */
-static bool tables_read(int refsfd, uint32_t want, struct td_kmap *out) {
+static bool tables_read(int refsfd, uint32_t want, struct td_kmap *out, ino_t skip) {
     int dfd = openat(refsfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC); /* a description of its own */
     if (dfd < 0) return false;
     DIR *d = fdopendir(dfd);
@@ -1094,6 +1128,7 @@ static bool tables_read(int refsfd, uint32_t want, struct td_kmap *out) {
     struct dirent *de;
     while (!found && (de = readdir(d))) {
         if (de->d_name[0] != 'r') continue;
+        if (skip && de->d_ino == skip) continue; /* the caller's own: known from memory */
         int fd = openat(dfd, de->d_name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
         if (fd < 0) continue;
         if (flock(fd, LOCK_EX | LOCK_NB) == 0) { /* its process is gone */
@@ -1126,7 +1161,9 @@ static bool tables_read(int refsfd, uint32_t want, struct td_kmap *out) {
 static bool table_referenced(struct td_machine *m, uint32_t key) {
     struct td_kent *e = kmap_find(&m->refs, key);
     if (e && e->count > 0) return true;
-    return tables_read(m->refsfd, key, NULL);
+    uint32_t *h = hint_of(m, key);
+    if (h && __atomic_load_n(h, __ATOMIC_SEQ_CST) == 0) return false; /* no live table names it */
+    return tables_read(m->refsfd, key, NULL, m->tabfd >= 0 ? m->tabino : 0);
 }
 
 /* After fork() in the parent: the child keeps the table it inherited (its
@@ -1143,6 +1180,8 @@ static void tables_after_fork(void) {
         }
         close(m->tabfd);
         m->tabfd = fd;
+        for (size_t i = 0; i < m->refs.cap; i++) /* the copy names them too */
+            if (m->refs.e[i].key && m->refs.e[i].key != TD_KEY_TOMB) hint_add(m, m->refs.e[i].key, 1);
     }
 }
 
@@ -1190,7 +1229,16 @@ static size_t scan_used(int phys) {
     /* the pages some process's reference table names (REFS=table): in use,
      * and their size is in the table (no need to open them) */
     struct td_kmap live = {0};
-    if (g_local) tables_read(g_local->refsfd, 0, &live);
+    if (g_local) {
+        struct td_machine *m = g_local;
+        tables_read(m->refsfd, 0, &live, m->tabfd >= 0 ? m->tabino : 0);
+        for (size_t i = 0; i < m->refs.cap; i++) { /* this process's own, from memory */
+            struct td_kent *o = &m->refs.e[i];
+            if (!o->key || o->key == TD_KEY_TOMB) continue;
+            struct td_kent *k = kmap_put(&live, o->key);
+            if (k) *k = *o;
+        }
+    }
     struct dirent *e;
     while ((e = readdir(d))) {
         const char *n = e->d_name;
@@ -1284,7 +1332,7 @@ static void try_collect(struct td_machine *m, int dfd, uint32_t key, dev_t sdev,
         } else { /* a REFS=fds process: other processes may keep tables */
             int rf = openat(dfd, "../refs", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
             if (rf >= 0) {
-                referenced = tables_read(rf, key, NULL);
+                referenced = tables_read(rf, key, NULL, 0);
                 close(rf);
             }
         }
