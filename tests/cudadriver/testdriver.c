@@ -180,21 +180,20 @@ enum td_refs { REFS_TABLE, REFS_FDS };
 
 struct td_machine;
 
-struct td_alloc {
+struct td_alloc { /* 56 bytes (a 64-byte malloc chunk): a process may hold 100k of them */
     struct td_machine *m;     /* the simulated machine the page belongs to */
-    int dirfd;                /* REFS=fds: the page directory: LOCK_SH, file offset S (-1 with REFS=table) */
-    int phys;                 /* physical device index */
-    size_t size;              /* page bytes */
+    size_t size;              /* page bytes (the poison block is block_for(size)) */
     unsigned char *host;      /* REFS=fds: MAP_SHARED view of data (page bytes + trailer); NULL with REFS=table */
-    uint32_t key;             /* L */
     uint64_t secret;          /* S = L << 32 | secret bits: what exports carry */
-    size_t block;             /* poison block size */
+    ino_t st_ino;             /* of the page directory (on the machine's file system) */
+    uint32_t key;             /* L */
+    int refs;                 /* handles + mappings in this process */
+    int dirfd;                /* REFS=fds: the page directory: LOCK_SH, file offset S (-1 with REFS=table) */
+    uint8_t phys;             /* physical device index */
     bool exportable;          /* created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
     bool refd;                /* REFS=table: holds a reference in its machine's table */
-    int refs;                 /* handles + mappings in this process */
-    dev_t st_dev;             /* of the page directory */
-    ino_t st_ino;
 };
+_Static_assert(sizeof(struct td_alloc) <= 56, "td_alloc: keep it in a 64-byte malloc chunk");
 
 struct td_handle {
     struct td_alloc *alloc; /* NULL once released */
@@ -855,13 +854,13 @@ struct td_slot { /* one entry of a reference table file */
     uint64_t size;
 };
 
-struct td_kent {
+struct td_kent { /* 16 bytes: a process may hold 100k of them */
     uint32_t key; /* 0: empty; TD_KEY_TOMB: deleted */
     uint32_t count;
     uint32_t slot;
-    uint32_t phys;
-    uint64_t size;
+    uint32_t pages; /* size in 4 KiB units (the device is key >> TD_KEY_DEV_SHIFT) */
 };
+#define TD_UNIT 4096u
 #define TD_KEY_TOMB 0xffffffffu /* keys are < 2^31 (device << 27 | 27 bits) and never 0 */
 
 struct td_kmap { /* open addressing, linear probing */
@@ -881,7 +880,7 @@ static struct td_kent *kmap_find(struct td_kmap *m, uint32_t key) {
 
 static bool kmap_rehash(struct td_kmap *m) {
     size_t cap = 64;
-    while (cap < (m->n + 1) * 4) cap *= 2;
+    while (cap < (m->n + 1) * 4 / 3) cap *= 2; /* load <= 3/4 after */
     struct td_kent *e = calloc(cap, sizeof *e);
     if (!e) return false;
     for (size_t i = 0; i < m->cap; i++) {
@@ -902,7 +901,7 @@ static bool kmap_rehash(struct td_kmap *m) {
 static struct td_kent *kmap_put(struct td_kmap *m, uint32_t key) {
     struct td_kent *f = kmap_find(m, key);
     if (f) return f;
-    if ((m->used + 1) * 2 > m->cap && !kmap_rehash(m)) return NULL;
+    if ((m->used + 1) * 10 > m->cap * 9 && !kmap_rehash(m)) return NULL; /* load <= 0.9 */
     size_t i = kmap_slot(key, m->cap);
     while (m->e[i].key && m->e[i].key != TD_KEY_TOMB) i = (i + 1) & (m->cap - 1);
     if (m->e[i].key == 0) m->used++;
@@ -916,14 +915,9 @@ static void kmap_del(struct td_kmap *m, struct td_kent *e) {
     m->n--;
 }
 
-static void kmap_clear(struct td_kmap *m) {
-    free(m->e);
-    *m = (struct td_kmap){0};
-}
-
 /* A simulated machine (a state directory) this process holds pages of: its
  * own, or another one whose exports it imported. */
-#define TD_HINT_BITS 20
+#define TD_HINT_BITS 18
 #define TD_HINT_BYTES ((size_t)4 << TD_HINT_BITS)
 
 struct td_machine {
@@ -1047,7 +1041,7 @@ static int table_create(struct td_machine *m) {
     for (size_t i = 0; ok && i < m->refs.cap; i++) {
         struct td_kent *e = &m->refs.e[i];
         if (e->key == 0 || e->key == TD_KEY_TOMB) continue;
-        struct td_slot sl = {e->key, e->phys, e->size};
+        struct td_slot sl = {e->key, e->key >> TD_KEY_DEV_SHIFT, (uint64_t)e->pages * TD_UNIT};
         ok = pwrite(fd, &sl, sizeof sl, (off_t)e->slot * (off_t)sizeof sl) == (ssize_t)sizeof sl;
     }
     if (ok && tmpfile) {
@@ -1097,7 +1091,7 @@ static CUresult ref_take(struct td_machine *m, uint32_t key, int phys, size_t si
         m->freeslots[m->nfree++] = slot;
         return e ? CUDA_ERROR_OPERATING_SYSTEM : CUDA_ERROR_OUT_OF_MEMORY;
     }
-    *e = (struct td_kent){key, 1, slot, (uint32_t)phys, size};
+    *e = (struct td_kent){key, 1, slot, (uint32_t)(size / TD_UNIT)};
     return CUDA_SUCCESS;
 }
 
@@ -1115,7 +1109,29 @@ static void ref_drop(struct td_machine *m, uint32_t key) {
 /* Read every live table of a machine (`refsfd`: its refs/; removing dead processes' tables):
  * with `want` != 0, stop and return true at the first slot of that key;
  * else add every referenced page to `out` (key, device, size). */
-static bool tables_read(int refsfd, uint32_t want, struct td_kmap *out, ino_t skip) {
+struct td_slots { /* slots read from tables, sorted by key for lookups */
+    struct td_slot *v;
+    size_t n, cap;
+};
+
+static bool slots_add(struct td_slots *s, struct td_slot sl) {
+    if (s->n == s->cap) {
+        size_t cap = s->cap ? s->cap * 2 : 1024;
+        struct td_slot *v = realloc(s->v, cap * sizeof *v);
+        if (!v) return false;
+        s->v = v;
+        s->cap = cap;
+    }
+    s->v[s->n++] = sl;
+    return true;
+}
+
+static int slot_cmp(const void *a, const void *b) {
+    uint32_t x = ((const struct td_slot *)a)->key, y = ((const struct td_slot *)b)->key;
+    return x < y ? -1 : x > y;
+}
+
+static bool tables_read(int refsfd, uint32_t want, struct td_slots *out, ino_t skip) {
     int dfd = openat(refsfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC); /* a description of its own */
     if (dfd < 0) return false;
     DIR *d = fdopendir(dfd);
@@ -1145,8 +1161,7 @@ static bool tables_read(int refsfd, uint32_t want, struct td_kmap *out, ino_t sk
                 if (want) {
                     if (sl->key == want) found = true;
                 } else {
-                    struct td_kent *e = kmap_put(out, sl->key);
-                    if (e) *e = (struct td_kent){sl->key, 1, 0, sl->phys, sl->size};
+                    slots_add(out, *sl);
                 }
             }
             off += n;
@@ -1228,16 +1243,16 @@ static size_t scan_used(int phys) {
     size_t used = 0;
     /* the pages some process's reference table names (REFS=table): in use,
      * and their size is in the table (no need to open them) */
-    struct td_kmap live = {0};
+    struct td_slots live = {0};
     if (g_local) {
         struct td_machine *m = g_local;
         tables_read(m->refsfd, 0, &live, m->tabfd >= 0 ? m->tabino : 0);
         for (size_t i = 0; i < m->refs.cap; i++) { /* this process's own, from memory */
             struct td_kent *o = &m->refs.e[i];
             if (!o->key || o->key == TD_KEY_TOMB) continue;
-            struct td_kent *k = kmap_put(&live, o->key);
-            if (k) *k = *o;
+            slots_add(&live, (struct td_slot){o->key, o->key >> TD_KEY_DEV_SHIFT, (uint64_t)o->pages * TD_UNIT});
         }
+        if (live.n) qsort(live.v, live.n, sizeof live.v[0], slot_cmp);
     }
     struct dirent *e;
     while ((e = readdir(d))) {
@@ -1252,7 +1267,8 @@ static size_t scan_used(int phys) {
         }
         if (*end) continue;
         if (n[0] == 'p') {
-            struct td_kent *k = kmap_find(&live, (uint32_t)key);
+            struct td_slot probe = {(uint32_t)key, 0, 0};
+            struct td_slot *k = live.n ? bsearch(&probe, live.v, live.n, sizeof live.v[0], slot_cmp) : NULL;
             if (k) {
                 used += k->size;
                 continue;
@@ -1274,7 +1290,7 @@ static size_t scan_used(int phys) {
         close(fd);
     }
     closedir(d);
-    kmap_clear(&live);
+    free(live.v);
     return used;
 }
 
@@ -1318,13 +1334,13 @@ static bool device_reserve(int phys, int lfd, size_t size) {
  * whichever the page belongs to) if nothing references it any more: no
  * description pins it (REFS=fds references, exports) and no process's
  * reference table names it. */
-static void try_collect(struct td_machine *m, int dfd, uint32_t key, dev_t sdev, ino_t sino) {
+static void try_collect(struct td_machine *m, int dfd, uint32_t key, ino_t sino) {
     char name[16];
     page_name(key, name);
     int fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0) return;
     struct stat st;
-    if (fstat(fd, &st) == 0 && st.st_dev == sdev && st.st_ino == sino && flock(fd, LOCK_EX | LOCK_NB) == 0) {
+    if (fstat(fd, &st) == 0 && st.st_ino == sino && flock(fd, LOCK_EX | LOCK_NB) == 0) {
         int ctl = openat(dfd, "../" TD_CTL, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
         bool referenced = false;
         if (m) {
@@ -1416,7 +1432,6 @@ static void alloc_free(struct td_alloc *a) {
 static void alloc_unref(struct td_alloc *a) {
     if (--a->refs > 0) return;
     uint32_t key = a->key;
-    dev_t sdev = a->st_dev;
     ino_t sino = a->st_ino;
     struct td_machine *m = a->m;
     int parent; /* the page's device directory */
@@ -1424,7 +1439,7 @@ static void alloc_unref(struct td_alloc *a) {
     else parent = fcntl(machine_devfd(m, a->phys), F_DUPFD_CLOEXEC, 0);
     alloc_free(a);
     if (parent >= 0) {
-        try_collect(m, parent, key, sdev, sino);
+        try_collect(m, parent, key, sino);
         close(parent);
     }
 }
@@ -1444,12 +1459,12 @@ static CUresult page_init(struct td_alloc *a, int pagefd) {
     t.version = 2;
     t.size = a->size;
     t.key = a->key;
-    t.block = a->block;
+    t.block = block_for(a->size);
     t.secret_hash = td_hash(a->secret);
     memcpy(t.uuid, cfg.uuid[a->phys], 16);
     /* Fresh device memory is not zero on a real GPU: every block reads 0xdb
      * until written (kept as a bitmap, so it costs no host memory). */
-    size_t nblocks = (a->size + a->block - 1) / a->block;
+    size_t block = block_for(a->size), nblocks = (a->size + block - 1) / block;
     static uint8_t bm[TD_BITMAP];
     size_t bmlen = (nblocks + 7) / 8;
     memset(bm, 0, bmlen);
@@ -1476,7 +1491,6 @@ static CUresult create_page(int phys, size_t size, struct td_alloc **out) {
     a->dirfd = -1;
     a->phys = phys;
     a->size = size;
-    a->block = block_for(size);
     char name[16];
     for (int attempt = 0;; attempt++) {
         a->key = ((uint32_t)phys << TD_KEY_DEV_SHIFT) | (uint32_t)(td_random() & ((1u << TD_KEY_DEV_SHIFT) - 1));
@@ -1507,7 +1521,6 @@ static CUresult create_page(int phys, size_t size, struct td_alloc **out) {
     if (lseek(pfd, (off_t)a->secret, SEEK_SET) != (off_t)a->secret) goto fail;
     struct stat st;
     if (fstat(pfd, &st) != 0) goto fail;
-    a->st_dev = st.st_dev;
     a->st_ino = st.st_ino;
     r = page_init(a, pfd);
     if (r) goto fail;
@@ -1553,7 +1566,6 @@ static CUresult open_page(int dirfd, int phys, uint32_t key, uint64_t secret, st
     CUresult r = CUDA_ERROR_INVALID_VALUE;
     if (cfg.refs == REFS_FDS && flock(a->dirfd, LOCK_SH) != 0) goto fail;
     if (fstat(a->dirfd, &st) != 0) goto fail;
-    a->st_dev = st.st_dev;
     a->st_ino = st.st_ino;
     if (secret && lseek(a->dirfd, (off_t)secret, SEEK_SET) != (off_t)secret) goto fail;
     int fd = openat(a->dirfd, "data", O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
@@ -1566,7 +1578,7 @@ static CUresult open_page(int dirfd, int phys, uint32_t key, uint64_t secret, st
         goto fail;
     if (secret && td_hash(secret) != t.secret_hash) goto fail; /* not an export of this page */
     a->size = (size_t)t.size;
-    a->block = (size_t)t.block;
+    if (t.block != block_for(a->size)) goto fail;
     a->m = machine_of_page(a->dirfd);
     if (!a->m) {
         r = CUDA_ERROR_OPERATING_SYSTEM;
@@ -1678,10 +1690,10 @@ static void page_do(struct td_alloc *a, size_t off, size_t len, enum td_opkind o
         g_lost_ops++;
         return;
     }
-    size_t end = off + len;
+    size_t end = off + len, block = block_for(a->size);
     for (size_t cur = off; cur < end;) {
-        size_t blk = cur / a->block;
-        size_t b0 = blk * a->block, b1 = b0 + a->block;
+        size_t blk = cur / block;
+        size_t b0 = blk * block, b1 = b0 + block;
         if (b1 > a->size) b1 = a->size;
         size_t stop = end < b1 ? end : b1;
         size_t n = stop - cur;
