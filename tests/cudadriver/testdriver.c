@@ -192,12 +192,12 @@ struct td_alloc { /* 56 bytes (a 64-byte malloc chunk): a process may hold 100k 
     uint8_t phys;             /* physical device index */
     bool exportable;          /* created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
     bool refd;                /* REFS=table: holds a reference in its machine's table */
+    bool imported;            /* its handle came from cuMemImportFromShareableHandle */
 };
 _Static_assert(sizeof(struct td_alloc) <= 56, "td_alloc: keep it in a 64-byte malloc chunk");
 
-struct td_handle {
-    struct td_alloc *alloc; /* NULL once released */
-    bool imported;
+struct td_handle { /* 8 bytes: one per handle ever made */
+    struct td_alloc *alloc; /* NULL once released (each handle has an alloc of its own) */
 };
 
 struct td_map {
@@ -1612,7 +1612,8 @@ static CUresult handle_new(struct td_alloc *a, bool imported, CUmemGenericAlloca
         g_handles = n;
         g_caphandles = cap;
     }
-    g_handles[g_nhandles] = (struct td_handle){a, imported};
+    a->imported = imported;
+    g_handles[g_nhandles] = (struct td_handle){a};
     *out = TD_HANDLE_BASE + g_nhandles + 1;
     g_nhandles++;
     g_livehandles++;
@@ -2577,7 +2578,7 @@ static void write_report(void) {
         format_uuid(cfg.uuid[h->alloc->phys], u);
         page_name(h->alloc->key, name);
         fprintf(f, "%s\n    {\"handle\": %llu, \"device\": \"%s\", \"size\": %zu, \"origin\": \"%s\", \"page\": ",
-                first ? "" : ",", TD_HANDLE_BASE + i + 1, u, h->alloc->size, h->imported ? "imported" : "created");
+                first ? "" : ",", TD_HANDLE_BASE + i + 1, u, h->alloc->size, h->alloc->imported ? "imported" : "created");
         json_str(f, name);
         fputc('}', f);
         first = false;
