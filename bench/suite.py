@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -291,6 +292,29 @@ def s3_reclaim(c: Ctx) -> dict:
 
 
 # ---- 4. scale: cost vs pages tracked ------------------------------------------------------------------------
+def _s4_page_fds(pid: int) -> int:
+    """The daemon's fds that refer to one page: a host page's memfd, or on
+    the CUDA test driver a page directory (a ready export, or a reference
+    with KVCACHED_TESTDRV_REFS=fds) or its data file."""
+    n = 0
+    d = f"/proc/{pid}/fd"
+    for name in os.listdir(d):
+        try:
+            target = os.readlink(f"{d}/{name}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:kvcached-page") or re.search(r"/dev\d+/p[0-9a-f]{8}(/data)?$", target):
+            n += 1
+    return n
+
+
+def _s4_maps(pid: int) -> int:
+    """Mappings in the daemon's address space (the test driver's host views
+    were one per page before KVCACHED_TESTDRV_REFS=table)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(1 for _ in f)
+
+
 def s4_scale(c: Ctx) -> dict:
     # small pages so 100k fit in memory; a real GPU's granularity is 2 MiB
     page = 2 * MiB if c.backend == "cuda-gpu" else 64 * 1024
@@ -309,13 +333,17 @@ def s4_scale(c: Ctx) -> dict:
         start_fds = common.open_fds(d.pid)
         out["daemon_nofile"] = {"soft": soft, "hard": hard, "fds_at_start": start_fds}
         # One fd per page tracked lives in the daemon's process on the host
-        # backend (the page's memfd) and on the CUDA test driver (the driver's
-        # own page file; the daemon's CUDA backend keeps none per page, a real
-        # driver keeps its allocations in the kernel). There the largest count
-        # that fits the fd limit (less the CUDA pool's ready exports, at most
-        # ready_export_cap per device, and some room) is measured as its own
-        # level before the 100k target is tried.
-        if c.backend != "cuda-gpu":
+        # backend (the page's memfd). There the largest count that fits the
+        # fd limit (less some room) is measured as its own level before the
+        # 100k target is tried. The CUDA backend keeps none per page (it
+        # exports an fd when a page is delivered; at most ready_export_cap
+        # ready exports per device), and neither does the test driver with
+        # its default reference model (KVCACHED_TESTDRV_REFS=table,
+        # tests/cudadriver/README.md), as a real driver keeps its allocations
+        # in the kernel, so 100k is tried directly.
+        if c.testdriver:
+            out["testdriver_refs"] = os.environ.get("KVCACHED_TESTDRV_REFS") or "table"
+        if c.kind == "host" or (c.testdriver and out["testdriver_refs"] == "fds"):
             fit = (soft - start_fds - 1024 - 500) // 1000 * 1000
             if 10000 < fit < 100000:
                 targets = [1000, 10000, fit, 100000]
@@ -341,10 +369,11 @@ def s4_scale(c: Ctx) -> dict:
                     probe.stats()
                     lat_s.append(time.perf_counter() - t0)
                 fds = common.open_fds(d.pid)
-                page_fds = common.page_file_fds(d.pid)
+                page_fds = _s4_page_fds(d.pid)
                 out["levels"][label] = {"pages_held": pages, "pages_tracked": tracked, "daemon_rss_kib": d.rss_kib(),
                                         "daemon_rss_parts_kib": common.rss_parts_kib(d.pid),
                                         "daemon_fds": fds, "daemon_page_fds": page_fds, "daemon_other_fds": fds - page_fds,
+                                        "daemon_maps": _s4_maps(d.pid),
                                         "allocate": summary_us(lat_a), "getstats": summary_us(lat_s)}
 
             measure("0", 0)

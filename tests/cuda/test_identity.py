@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from kvcached_service import fdchannel
-from kvtest import assert_books
+from kvtest import assert_books, wait_until
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 
@@ -115,6 +115,13 @@ def test_honest_resume_per_identity_mode(daemon_factory, tmp_path, mode, preallo
             assert r.pages_adopted == 2 and r.pages_forgotten == 0, r
             assert "exported fds identify their pages" in d2.log_text()
         with d2.client() as c2:
+            if mode != "same":
+                # the resumed session ended with _resume's channel; its pages come back to the
+                # pool (zeroed on the device worker) asynchronously: "b" must find them there
+                def back():
+                    t = c2.stats().total
+                    return (t.pages_pooled, t.pages_in_use) == (2, 0)
+                assert wait_until(back, timeout=10), c2.stats().total
             with c2.open_session("b") as s2:  # fds only: this process's driver is in the default mode
                 _, bfds = s2.allocate_fds(2)
                 assert len(bfds) == 2

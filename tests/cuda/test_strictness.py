@@ -677,14 +677,14 @@ def test_profiles_and_report_name_the_mode(sim):
     for k in ("FD_IDENTITY", "ASYNC", "POISON", "FORK", "PEERS"):
         env[f"KVCACHED_TESTDRV_{k}"] = ""
     r = sim.run("init(); fini(); out(ok=True)", **env)
-    assert r.report["mode"] == {"fd_identity": "same", "async": "all", "poison": "full", "fork": "refuse", "context_bytes": 0}
+    assert r.report["mode"] == {"fd_identity": "same", "async": "all", "poison": "full", "fork": "refuse", "context_bytes": 0, "refs": "table"}
     env["KVCACHED_TESTDRV_STRICT"] = "lenient"
     r = sim.run("init(); fini(); out(ok=True)", **env)
-    assert r.report["mode"] == {"fd_identity": "file", "async": "0", "poison": "edges", "fork": "allow", "context_bytes": 0}
+    assert r.report["mode"] == {"fd_identity": "file", "async": "0", "poison": "edges", "fork": "allow", "context_bytes": 0, "refs": "table"}
     env["KVCACHED_TESTDRV_STRICT"] = ""
     r = sim.run("init(); fini(); out(ok=True)", **env)
     assert r.report["mode"] == {"fd_identity": "distinct", "async": "memset", "poison": "full", "fork": "refuse",
-                                "context_bytes": 0}
+                                "context_bytes": 0, "refs": "table"}
 
 
 # ---------------------------------------------------------------------------

@@ -12,14 +12,19 @@
  * cuMemCreate allocation) is a directory `devN/pXXXXXXXX` (XXXXXXXX: the
  * page's key L, unique on the machine) holding one file `data`: the page
  * bytes, then a fixed trailer (magic, device, size, key, a hash of the
- * page's secret, the "still poisoned" bitmap). Every reference a process
- * holds (its handles and mappings) is one open file description of the
- * page directory carrying flock(LOCK_SH); the host view of the bytes is an
- * mmap of `data`. A page is in use device-wide while a fresh open of its
+ * page's secret, the "still poisoned" bitmap). The references a process
+ * holds (its handles and mappings) are slots of its reference table
+ * `refs/r<pid>-<random>`, a file it holds flock(LOCK_SH) on while it lives
+ * (KVCACHED_TESTDRV_REFS=table, the default: no fd and no mapping per page;
+ * the host view of a page is mapped for one memset or copy), or
+ * (REFS=fds) one open description of the page directory carrying
+ * flock(LOCK_SH) each, with a permanent mmap of `data`. A page is in use
+ * device-wide while a live table names it, or a fresh open of its
  * directory cannot take LOCK_EX|LOCK_NB, or (KVCACHED_TESTDRV_FD_IDENTITY=
- * same) while some description holds an OFD lock on byte L of the machine's
+ * same) some description holds an OFD lock on byte L of the machine's
  * `nvidiactl` directory; otherwise it is garbage and is removed. The kernel
- * does the reference counting, for processes killed with SIGKILL too.
+ * drops a dead process's locks, SIGKILL included, so its table reads as
+ * dead and its exports stop pinning.
  *
  * Exported fds are never the page bytes: they are directory descriptions
  * (read/pread fail with EISDIR, mmap with ENODEV, nothing can be written)
@@ -171,24 +176,28 @@ struct td_injected {
 enum td_fdmode { FD_DISTINCT, FD_SAME, FD_FILE };
 enum td_async { ASYNC_OFF, ASYNC_MEMSET, ASYNC_ALL };
 enum td_poison { POISON_OFF, POISON_EDGES, POISON_FULL };
+enum td_refs { REFS_TABLE, REFS_FDS };
 
-struct td_alloc {
-    int dirfd;                /* the page directory: LOCK_SH, file offset S */
-    int phys;                 /* physical device index */
-    size_t size;              /* page bytes */
-    unsigned char *host;      /* MAP_SHARED view of data: page bytes + trailer */
-    uint32_t key;             /* L */
+struct td_machine;
+
+struct td_alloc { /* 56 bytes (a 64-byte malloc chunk): a process may hold 100k of them */
+    struct td_machine *m;     /* the simulated machine the page belongs to */
+    size_t size;              /* page bytes (the poison block is block_for(size)) */
+    unsigned char *host;      /* REFS=fds: MAP_SHARED view of data (page bytes + trailer); NULL with REFS=table */
     uint64_t secret;          /* S = L << 32 | secret bits: what exports carry */
-    size_t block;             /* poison block size */
-    bool exportable;          /* created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
+    ino_t st_ino;             /* of the page directory (on the machine's file system) */
+    uint32_t key;             /* L */
     int refs;                 /* handles + mappings in this process */
-    dev_t st_dev;             /* of the page directory */
-    ino_t st_ino;
+    int dirfd;                /* REFS=fds: the page directory: LOCK_SH, file offset S (-1 with REFS=table) */
+    uint8_t phys;             /* physical device index */
+    bool exportable;          /* created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
+    bool refd;                /* REFS=table: holds a reference in its machine's table */
+    bool imported;            /* its handle came from cuMemImportFromShareableHandle */
 };
+_Static_assert(sizeof(struct td_alloc) <= 56, "td_alloc: keep it in a 64-byte malloc chunk");
 
-struct td_handle {
-    struct td_alloc *alloc; /* NULL once released */
-    bool imported;
+struct td_handle { /* 8 bytes: one per handle ever made */
+    struct td_alloc *alloc; /* NULL once released (each handle has an alloc of its own) */
 };
 
 struct td_map {
@@ -264,6 +273,7 @@ static struct {
     enum td_poison poison;
     enum td_fdmode fdmode;
     enum td_async async;
+    enum td_refs refs;
     bool fork_refuse;
     bool peer[TD_MAX_DEVICES][TD_MAX_DEVICES]; /* peer[a][b]: a may access b's memory */
     size_t ctx_bytes;
@@ -552,6 +562,15 @@ static void load_config(void) {
         if (v < 0) config_fail("KVCACHED_TESTDRV_FORK=%s: want refuse or allow", s);
         else cfg.fork_refuse = v == 0;
     }
+    /* How a process's references to pages are kept (not a strictness: both
+     * models have the same semantics; README.md, "The model"). */
+    cfg.refs = REFS_TABLE;
+    static const char *const refs_names[] = {"table", "fds"};
+    if ((s = getenv("KVCACHED_TESTDRV_REFS")) && *s) {
+        int v = parse_choice(s, refs_names, 2);
+        if (v < 0) config_fail("KVCACHED_TESTDRV_REFS=%s: want table or fds", s);
+        else cfg.refs = (enum td_refs)v;
+    }
     if ((s = getenv("KVCACHED_TESTDRV_PEERS")) && *s) peers = s;
     if (!parse_peers(peers)) config_fail("KVCACHED_TESTDRV_PEERS=%s: want none, all or pairs like 0-1,2-3", peers);
     if ((s = getenv("KVCACHED_TESTDRV_CONTEXT_BYTES")) && *s && !parse_size(s, &cfg.ctx_bytes))
@@ -807,6 +826,380 @@ static int g_ctlfd = -1; /* $STATE/nvidiactl: what "same" identity exports are d
 static dev_t g_ctl_dev;
 static ino_t g_ctl_ino;
 
+/* --------------------------------------------------------------------- */
+/* reference tables (KVCACHED_TESTDRV_REFS=table, the default)            */
+/*
+ * A process's references to pages (its handles and mappings) are not one
+ * open description per page: they are one table per process and machine,
+ * the file `$STATE/refs/r<pid>-<random>`, which the process holds
+ * flock(LOCK_SH) on for as long as it lives (the kernel drops the lock when
+ * the process dies, SIGKILL included). The table is an array of slots
+ * {key L, device, size}; slot 0-key is free. A process keeps the count of
+ * its references to each page in memory and writes the page's slot when the
+ * count goes 0 -> 1 and clears it at 1 -> 0. Whoever needs to know whether
+ * a page is referenced reads the live tables (a fresh open of a dead
+ * process's table takes LOCK_EX|LOCK_NB: the table is removed instead).
+ * Exported fds stay open descriptions that pin the page themselves (page
+ * directory with LOCK_SH, or nvidiactl with an OFD lock on byte L), and the
+ * host view of a page is mapped only for the memset or copy that needs it,
+ * so a process holding 100k pages has no fd and no mapping per page.
+ * (An OFD byte-range lock per page on one file would need no table, but the
+ * kernel keeps one file's locks in a list: with 100k locks a single
+ * F_OFD_SETLK or F_OFD_GETLK walks all of them, about 10 ms here.)
+ */
+
+struct td_slot { /* one entry of a reference table file */
+    uint32_t key;  /* L; 0: free */
+    uint32_t phys;
+    uint64_t size;
+};
+
+struct td_kent { /* 16 bytes: a process may hold 100k of them */
+    uint32_t key; /* 0: empty; TD_KEY_TOMB: deleted */
+    uint32_t count;
+    uint32_t slot;
+    uint32_t pages; /* size in 4 KiB units (the device is key >> TD_KEY_DEV_SHIFT) */
+};
+#define TD_UNIT 4096u
+#define TD_KEY_TOMB 0xffffffffu /* keys are < 2^31 (device << 27 | 27 bits) and never 0 */
+
+struct td_kmap { /* open addressing, linear probing */
+    struct td_kent *e;
+    size_t cap, n, used; /* used: n + tombstones */
+};
+
+static size_t kmap_slot(uint32_t key, size_t cap) { return (size_t)(((uint64_t)key * 0x9e3779b97f4a7c15ull) >> 32) & (cap - 1); }
+
+static struct td_kent *kmap_find(struct td_kmap *m, uint32_t key) {
+    if (!m->cap) return NULL;
+    for (size_t i = kmap_slot(key, m->cap);; i = (i + 1) & (m->cap - 1)) {
+        if (m->e[i].key == key) return &m->e[i];
+        if (m->e[i].key == 0) return NULL;
+    }
+}
+
+static bool kmap_rehash(struct td_kmap *m) {
+    size_t cap = 64;
+    while (cap < (m->n + 1) * 4 / 3) cap *= 2; /* load <= 3/4 after */
+    struct td_kent *e = calloc(cap, sizeof *e);
+    if (!e) return false;
+    for (size_t i = 0; i < m->cap; i++) {
+        struct td_kent *o = &m->e[i];
+        if (o->key == 0 || o->key == TD_KEY_TOMB) continue;
+        size_t j = kmap_slot(o->key, cap);
+        while (e[j].key) j = (j + 1) & (cap - 1);
+        e[j] = *o;
+    }
+    free(m->e);
+    m->e = e;
+    m->cap = cap;
+    m->used = m->n;
+    return true;
+}
+
+/* The entry of `key`, a new zeroed one if absent (NULL: out of memory). */
+static struct td_kent *kmap_put(struct td_kmap *m, uint32_t key) {
+    struct td_kent *f = kmap_find(m, key);
+    if (f) return f;
+    if ((m->used + 1) * 10 > m->cap * 9 && !kmap_rehash(m)) return NULL; /* load <= 0.9 */
+    size_t i = kmap_slot(key, m->cap);
+    while (m->e[i].key && m->e[i].key != TD_KEY_TOMB) i = (i + 1) & (m->cap - 1);
+    if (m->e[i].key == 0) m->used++;
+    m->e[i] = (struct td_kent){.key = key};
+    m->n++;
+    return &m->e[i];
+}
+
+static void kmap_del(struct td_kmap *m, struct td_kent *e) {
+    e->key = TD_KEY_TOMB;
+    m->n--;
+}
+
+/* A simulated machine (a state directory) this process holds pages of: its
+ * own, or another one whose exports it imported. */
+#define TD_HINT_BITS 18
+#define TD_HINT_BYTES ((size_t)4 << TD_HINT_BITS)
+
+struct td_machine {
+    struct td_machine *next;
+    dev_t sdev;
+    ino_t sino;
+    int statefd;
+    int ctlfd;  /* a description of nvidiactl holding no lock: for F_OFD_GETLK */
+    int refsfd; /* $STATE/refs */
+    int devfd[TD_MAX_DEVICES];
+    int tabfd; /* this process's table (LOCK_SH), -1 until the first reference */
+    ino_t tabino;
+    uint32_t *hint; /* refs/.hint, mapped: how many tables may name a key (by hash); NULL: unknown */
+    struct td_kmap refs; /* key -> references held here, slot */
+    uint32_t *freeslots;
+    size_t nfree, capfree;
+    uint32_t nslots;
+};
+
+static struct td_machine *g_machines, *g_local;
+
+/* Takes `statefd` over. */
+static struct td_machine *machine_new(int statefd) {
+    struct stat st;
+    struct td_machine *m = calloc(1, sizeof *m);
+    if (!m || fstat(statefd, &st) != 0) {
+        free(m);
+        close(statefd);
+        return NULL;
+    }
+    m->sdev = st.st_dev;
+    m->sino = st.st_ino;
+    m->statefd = statefd;
+    m->tabfd = -1;
+    for (int i = 0; i < TD_MAX_DEVICES; i++) m->devfd[i] = -1;
+    m->ctlfd = openat(statefd, TD_CTL, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    mode_t old = umask(0);
+    mkdirat(statefd, "refs", 0777);
+    umask(old);
+    m->refsfd = openat(statefd, "refs", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (m->refsfd < 0) {
+        td_warn("cannot open the reference tables' directory: %s", strerror(errno));
+        if (m->ctlfd >= 0) close(m->ctlfd);
+        close(statefd);
+        free(m);
+        return NULL;
+    }
+    /* The hint: one counter per hash bucket of keys, raised before a table
+     * names a key and lowered after it stops. Zero means no live table
+     * names any key of the bucket, so dropping a last reference need not
+     * read the tables; a process killed with references leaves its counts
+     * up (the tables are read then, which is always right). */
+    int hfd = openat(m->refsfd, ".hint", O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    struct stat hs;
+    if (hfd >= 0) {
+        fchmod(hfd, 0666);
+        if (fstat(hfd, &hs) == 0 && (hs.st_size == (off_t)TD_HINT_BYTES || ftruncate(hfd, TD_HINT_BYTES) == 0)) {
+            void *p = mmap(NULL, TD_HINT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, hfd, 0);
+            if (p != MAP_FAILED) m->hint = p;
+        }
+        close(hfd);
+    }
+    m->next = g_machines;
+    g_machines = m;
+    return m;
+}
+
+static uint32_t *hint_of(struct td_machine *m, uint32_t key) {
+    return m->hint ? &m->hint[((uint64_t)key * 0x9e3779b97f4a7c15ull) >> (64 - TD_HINT_BITS)] : NULL;
+}
+
+static void hint_add(struct td_machine *m, uint32_t key, int delta) {
+    uint32_t *h = hint_of(m, key);
+    if (h) __atomic_fetch_add(h, (uint32_t)delta, __ATOMIC_SEQ_CST);
+}
+
+/* The machine of a page directory (found from it alone: `../..`). */
+static struct td_machine *machine_of_page(int pagefd) {
+    int sfd = openat(pagefd, "../..", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    struct stat st;
+    if (sfd < 0) return NULL;
+    if (fstat(sfd, &st) != 0) {
+        close(sfd);
+        return NULL;
+    }
+    for (struct td_machine *m = g_machines; m; m = m->next)
+        if (m->sdev == st.st_dev && m->sino == st.st_ino) {
+            close(sfd);
+            return m;
+        }
+    return machine_new(sfd);
+}
+
+static int dev_dirfd(int phys);
+
+static int machine_devfd(struct td_machine *m, int phys) {
+    if (m == g_local) return dev_dirfd(phys);
+    if (m->devfd[phys] < 0) {
+        char name[16];
+        snprintf(name, sizeof name, "dev%d", phys);
+        m->devfd[phys] = openat(m->statefd, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    }
+    return m->devfd[phys];
+}
+
+/* A new table file, LOCK_SH held, holding `m`'s current slots, linked into
+ * refs/ only once complete (O_TMPFILE; a rename where that is missing). */
+static int table_create(struct td_machine *m) {
+    char name[64], tmp[64];
+    uint32_t tag = (uint32_t)td_random();
+    snprintf(name, sizeof name, "r%d-%08x", (int)getpid(), tag);
+    snprintf(tmp, sizeof tmp, ".t%d-%08x", (int)getpid(), tag);
+    bool tmpfile = true;
+    int fd = openat(m->refsfd, ".", O_TMPFILE | O_RDWR | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        tmpfile = false;
+        fd = openat(m->refsfd, tmp, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    }
+    if (fd < 0) return -1;
+    bool ok = fchmod(fd, 0644) == 0 && flock(fd, LOCK_SH) == 0;
+    for (size_t i = 0; ok && i < m->refs.cap; i++) {
+        struct td_kent *e = &m->refs.e[i];
+        if (e->key == 0 || e->key == TD_KEY_TOMB) continue;
+        struct td_slot sl = {e->key, e->key >> TD_KEY_DEV_SHIFT, (uint64_t)e->pages * TD_UNIT};
+        ok = pwrite(fd, &sl, sizeof sl, (off_t)e->slot * (off_t)sizeof sl) == (ssize_t)sizeof sl;
+    }
+    if (ok && tmpfile) {
+        char link[64];
+        snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+        ok = linkat(AT_FDCWD, link, m->refsfd, name, AT_SYMLINK_FOLLOW) == 0;
+    } else if (ok) {
+        ok = renameat(m->refsfd, tmp, m->refsfd, name) == 0;
+    }
+    struct stat st;
+    if (ok && fstat(fd, &st) == 0) m->tabino = st.st_ino;
+    if (!ok) {
+        int e = errno;
+        if (!tmpfile) unlinkat(m->refsfd, tmp, 0);
+        close(fd);
+        errno = e;
+        return -1;
+    }
+    return fd;
+}
+
+/* One more reference of this process to page `key` of machine `m`. */
+static CUresult ref_take(struct td_machine *m, uint32_t key, int phys, size_t size) {
+    struct td_kent *e = kmap_find(&m->refs, key);
+    if (e) {
+        e->count++;
+        return CUDA_SUCCESS;
+    }
+    if (m->tabfd < 0 && (m->tabfd = table_create(m)) < 0) {
+        td_warn("cannot create a reference table: %s", strerror(errno));
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    if (m->capfree < (size_t)m->nslots + 1) { /* room for every slot: ref_drop always has a place */
+        size_t cap = m->capfree ? m->capfree * 2 : 256;
+        uint32_t *n = realloc(m->freeslots, cap * sizeof *n);
+        if (!n) return CUDA_ERROR_OUT_OF_MEMORY;
+        m->freeslots = n;
+        m->capfree = cap;
+    }
+    uint32_t slot = m->nfree ? m->freeslots[--m->nfree] : m->nslots++;
+    struct td_slot sl = {key, (uint32_t)phys, size};
+    e = kmap_put(&m->refs, key);
+    hint_add(m, key, 1); /* before the slot names it */
+    if (!e || pwrite(m->tabfd, &sl, sizeof sl, (off_t)slot * (off_t)sizeof sl) != (ssize_t)sizeof sl) {
+        hint_add(m, key, -1);
+        if (e) kmap_del(&m->refs, e);
+        m->freeslots[m->nfree++] = slot;
+        return e ? CUDA_ERROR_OPERATING_SYSTEM : CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *e = (struct td_kent){key, 1, slot, (uint32_t)(size / TD_UNIT)};
+    return CUDA_SUCCESS;
+}
+
+static void ref_drop(struct td_machine *m, uint32_t key) {
+    struct td_kent *e = kmap_find(&m->refs, key);
+    if (!e || --e->count > 0) return;
+    struct td_slot sl = {0, 0, 0};
+    if (pwrite(m->tabfd, &sl, sizeof sl, (off_t)e->slot * (off_t)sizeof sl) != (ssize_t)sizeof sl)
+        td_warn("cannot update the reference table: %s", strerror(errno));
+    else hint_add(m, key, -1); /* after the slot stopped naming it */
+    if (m->nfree < m->capfree) m->freeslots[m->nfree++] = e->slot; /* capfree >= nslots always */
+    kmap_del(&m->refs, e);
+}
+
+/* Read every live table of a machine (`refsfd`: its refs/; removing dead processes' tables):
+ * with `want` != 0, stop and return true at the first slot of that key;
+ * else add every referenced page to `out` (key, device, size). */
+struct td_slots { /* slots read from tables, sorted by key for lookups */
+    struct td_slot *v;
+    size_t n, cap;
+};
+
+static bool slots_add(struct td_slots *s, struct td_slot sl) {
+    if (s->n == s->cap) {
+        size_t cap = s->cap ? s->cap * 2 : 1024;
+        struct td_slot *v = realloc(s->v, cap * sizeof *v);
+        if (!v) return false;
+        s->v = v;
+        s->cap = cap;
+    }
+    s->v[s->n++] = sl;
+    return true;
+}
+
+static int slot_cmp(const void *a, const void *b) {
+    uint32_t x = ((const struct td_slot *)a)->key, y = ((const struct td_slot *)b)->key;
+    return x < y ? -1 : x > y;
+}
+
+static bool tables_read(int refsfd, uint32_t want, struct td_slots *out, ino_t skip) {
+    int dfd = openat(refsfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC); /* a description of its own */
+    if (dfd < 0) return false;
+    DIR *d = fdopendir(dfd);
+    if (!d) {
+        close(dfd);
+        return false;
+    }
+    bool found = false;
+    static struct td_slot buf[4096];
+    struct dirent *de;
+    while (!found && (de = readdir(d))) {
+        if (de->d_name[0] != 'r') continue;
+        if (skip && de->d_ino == skip) continue; /* the caller's own: known from memory */
+        int fd = openat(dfd, de->d_name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+        if (fd < 0) continue;
+        if (flock(fd, LOCK_EX | LOCK_NB) == 0) { /* its process is gone */
+            unlinkat(dfd, de->d_name, 0);
+            close(fd);
+            continue;
+        }
+        off_t off = 0;
+        ssize_t n;
+        while (!found && (n = pread(fd, buf, sizeof buf, off)) > 0) {
+            for (size_t i = 0; i < (size_t)n / sizeof buf[0]; i++) {
+                struct td_slot *sl = &buf[i];
+                if (!sl->key || sl->key == TD_KEY_TOMB) continue;
+                if (want) {
+                    if (sl->key == want) found = true;
+                } else {
+                    slots_add(out, *sl);
+                }
+            }
+            off += n;
+        }
+        close(fd);
+    }
+    closedir(d);
+    return found;
+}
+
+/* Is page `key` of `m` referenced by a handle or mapping of any process? */
+static bool table_referenced(struct td_machine *m, uint32_t key) {
+    struct td_kent *e = kmap_find(&m->refs, key);
+    if (e && e->count > 0) return true;
+    uint32_t *h = hint_of(m, key);
+    if (h && __atomic_load_n(h, __ATOMIC_SEQ_CST) == 0) return false; /* no live table names it */
+    return tables_read(m->refsfd, key, NULL, m->tabfd >= 0 ? m->tabino : 0);
+}
+
+/* After fork() in the parent: the child keeps the table it inherited (its
+ * references are those of the parent at fork time, until it execs or
+ * exits, as inherited device-node fds would keep them); the parent goes on
+ * with a copy of its own. */
+static void tables_after_fork(void) {
+    for (struct td_machine *m = g_machines; m; m = m->next) {
+        if (m->tabfd < 0) continue;
+        int fd = table_create(m);
+        if (fd < 0) {
+            td_warn("cannot copy the reference table after fork(): %s", strerror(errno));
+            continue;
+        }
+        close(m->tabfd);
+        m->tabfd = fd;
+        for (size_t i = 0; i < m->refs.cap; i++) /* the copy names them too */
+            if (m->refs.e[i].key && m->refs.e[i].key != TD_KEY_TOMB) hint_add(m, m->refs.e[i].key, 1);
+    }
+}
+
 /* Does some description hold the OFD lock of page `key` on nvidiactl (an
  * export in "same" identity mode is alive)? `ctl`: that machine's nvidiactl. */
 static bool ctl_locked(int ctl, uint32_t key) {
@@ -848,6 +1241,19 @@ static size_t scan_used(int phys) {
         return 0;
     }
     size_t used = 0;
+    /* the pages some process's reference table names (REFS=table): in use,
+     * and their size is in the table (no need to open them) */
+    struct td_slots live = {0};
+    if (g_local) {
+        struct td_machine *m = g_local;
+        tables_read(m->refsfd, 0, &live, m->tabfd >= 0 ? m->tabino : 0);
+        for (size_t i = 0; i < m->refs.cap; i++) { /* this process's own, from memory */
+            struct td_kent *o = &m->refs.e[i];
+            if (!o->key || o->key == TD_KEY_TOMB) continue;
+            slots_add(&live, (struct td_slot){o->key, o->key >> TD_KEY_DEV_SHIFT, (uint64_t)o->pages * TD_UNIT});
+        }
+        if (live.n) qsort(live.v, live.n, sizeof live.v[0], slot_cmp);
+    }
     struct dirent *e;
     while ((e = readdir(d))) {
         const char *n = e->d_name;
@@ -860,6 +1266,14 @@ static size_t scan_used(int phys) {
             ctx_size = (size_t)strtoull(end + 1, &end, 16);
         }
         if (*end) continue;
+        if (n[0] == 'p') {
+            struct td_slot probe = {(uint32_t)key, 0, 0};
+            struct td_slot *k = live.n ? bsearch(&probe, live.v, live.n, sizeof live.v[0], slot_cmp) : NULL;
+            if (k) {
+                used += k->size;
+                continue;
+            }
+        }
         int fd = openat(dfd, n, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
         if (fd < 0) continue;
         bool busy = flock(fd, LOCK_EX | LOCK_NB) != 0;
@@ -876,6 +1290,7 @@ static size_t scan_used(int phys) {
         close(fd);
     }
     closedir(d);
+    free(live.v);
     return used;
 }
 
@@ -915,17 +1330,29 @@ static bool device_reserve(int phys, int lfd, size_t size) {
     return ok;
 }
 
-/* Remove page `key` (a child of `dfd`, a device directory of whichever
- * machine the page belongs to) if nothing references it any more. */
-static void try_collect(int dfd, uint32_t key, dev_t sdev, ino_t sino) {
+/* Remove page `key` (a child of `dfd`, a device directory of machine `m`,
+ * whichever the page belongs to) if nothing references it any more: no
+ * description pins it (REFS=fds references, exports) and no process's
+ * reference table names it. */
+static void try_collect(struct td_machine *m, int dfd, uint32_t key, ino_t sino) {
     char name[16];
     page_name(key, name);
     int fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0) return;
     struct stat st;
-    if (fstat(fd, &st) == 0 && st.st_dev == sdev && st.st_ino == sino && flock(fd, LOCK_EX | LOCK_NB) == 0) {
+    if (fstat(fd, &st) == 0 && st.st_ino == sino && flock(fd, LOCK_EX | LOCK_NB) == 0) {
         int ctl = openat(dfd, "../" TD_CTL, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        if (!held_by_export(fd, key, ctl)) remove_page_dir(dfd, name, fd);
+        bool referenced = false;
+        if (m) {
+            referenced = table_referenced(m, key);
+        } else { /* a REFS=fds process: other processes may keep tables */
+            int rf = openat(dfd, "../refs", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+            if (rf >= 0) {
+                referenced = tables_read(rf, key, NULL, 0);
+                close(rf);
+            }
+        }
+        if (!held_by_export(fd, key, ctl) && !referenced) remove_page_dir(dfd, name, fd);
         if (ctl >= 0) close(ctl);
     }
     close(fd);
@@ -934,14 +1361,16 @@ static void try_collect(int dfd, uint32_t key, dev_t sdev, ino_t sino) {
 /* --------------------------------------------------------------------- */
 /* pages                                                                  */
 
-static volatile uint8_t *bitmap_of(struct td_alloc *a) { return (volatile uint8_t *)(a->host + a->size + TD_HDR); }
-
-static bool poisoned(struct td_alloc *a, size_t blk) {
-    return (__atomic_load_n(&bitmap_of(a)[blk / 8], __ATOMIC_ACQUIRE) >> (blk % 8)) & 1;
+static volatile uint8_t *bitmap_of(struct td_alloc *a, unsigned char *host) {
+    return (volatile uint8_t *)(host + a->size + TD_HDR);
 }
 
-static void unpoison(struct td_alloc *a, size_t blk) {
-    __atomic_fetch_and(&bitmap_of(a)[blk / 8], (uint8_t) ~(1u << (blk % 8)), __ATOMIC_RELEASE);
+static bool poisoned(struct td_alloc *a, unsigned char *host, size_t blk) {
+    return (__atomic_load_n(&bitmap_of(a, host)[blk / 8], __ATOMIC_ACQUIRE) >> (blk % 8)) & 1;
+}
+
+static void unpoison(struct td_alloc *a, unsigned char *host, size_t blk) {
+    __atomic_fetch_and(&bitmap_of(a, host)[blk / 8], (uint8_t) ~(1u << (blk % 8)), __ATOMIC_RELEASE);
 }
 
 static size_t block_for(size_t size) {
@@ -951,41 +1380,105 @@ static size_t block_for(size_t size) {
     return b;
 }
 
-/* Map the page's data file and check its trailer (fd: the page directory). */
-static CUresult alloc_map(struct td_alloc *a) {
-    int fd = openat(a->dirfd, "data", O_RDWR | O_CLOEXEC | O_NOFOLLOW);
-    if (fd < 0) return CUDA_ERROR_INVALID_VALUE;
+/* Map the page's data file (`dirfd`: the page directory) and check its size. */
+static unsigned char *map_data(int dirfd, size_t size) {
+    int fd = openat(dirfd, "data", O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) return NULL;
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < (off_t)(TD_TRAILER + cfg.gran) ||
-        (size_t)st.st_size - TD_TRAILER != a->size) {
+        (size_t)st.st_size - TD_TRAILER != size) {
         close(fd);
-        return CUDA_ERROR_INVALID_VALUE;
+        return NULL;
     }
-    void *p = mmap(NULL, a->size + TD_TRAILER, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    void *p = mmap(NULL, size + TD_TRAILER, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
-    if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
-    if (cfg.fork_refuse) madvise(p, a->size + TD_TRAILER, MADV_DONTFORK); /* a forked child has no device memory */
-    a->host = p;
-    return CUDA_SUCCESS;
+    if (p == MAP_FAILED) return NULL;
+    if (cfg.fork_refuse) madvise(p, size + TD_TRAILER, MADV_DONTFORK); /* a forked child has no device memory */
+    return p;
+}
+
+/* REFS=fds: the permanent host view of the page. */
+static CUresult alloc_map(struct td_alloc *a) {
+    a->host = map_data(a->dirfd, a->size);
+    return a->host ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* The host view of the page's bytes and trailer for one memset or copy:
+ * REFS=fds keeps one per page; REFS=table maps it for the operation only
+ * (view_close). NULL if the page's file cannot be mapped. */
+static unsigned char *view_open(struct td_alloc *a) {
+    if (a->host) return a->host;
+    char name[16];
+    page_name(a->key, name);
+    int dfd = machine_devfd(a->m, a->phys);
+    int pfd = dfd < 0 ? -1 : openat(dfd, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
+    if (pfd < 0) return NULL;
+    unsigned char *p = map_data(pfd, a->size);
+    close(pfd);
+    return p;
+}
+
+static void view_close(struct td_alloc *a, unsigned char *v) {
+    if (v && v != a->host) munmap(v, a->size + TD_TRAILER);
 }
 
 static void alloc_free(struct td_alloc *a) {
     if (a->host) munmap(a->host, a->size + TD_TRAILER);
     if (a->dirfd >= 0) close(a->dirfd);
+    if (cfg.refs == REFS_TABLE && a->m && a->refd) ref_drop(a->m, a->key);
     free(a);
 }
 
 static void alloc_unref(struct td_alloc *a) {
     if (--a->refs > 0) return;
     uint32_t key = a->key;
-    dev_t sdev = a->st_dev;
     ino_t sino = a->st_ino;
-    int parent = openat(a->dirfd, "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC); /* the page's device directory */
+    struct td_machine *m = a->m;
+    int parent; /* the page's device directory */
+    if (a->dirfd >= 0) parent = openat(a->dirfd, "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    else parent = fcntl(machine_devfd(m, a->phys), F_DUPFD_CLOEXEC, 0);
     alloc_free(a);
     if (parent >= 0) {
-        try_collect(parent, key, sdev, sino);
+        try_collect(m, parent, key, sino);
         close(parent);
     }
+}
+
+/* Write page `a`'s trailer and poison (a new page: nobody else sees it yet). */
+static CUresult page_init(struct td_alloc *a, int pagefd) {
+    int datafd = openat(pagefd, "data", O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (datafd < 0 || fchmod(datafd, 0666) != 0 || ftruncate(datafd, (off_t)(a->size + TD_TRAILER)) != 0) {
+        CUresult r = errno == ENOSPC || errno == EFBIG || errno == ENOMEM ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_OPERATING_SYSTEM;
+        if (datafd >= 0) close(datafd);
+        return r;
+    }
+    struct td_trailer t;
+    memset(&t, 0, sizeof t);
+    memcpy(t.magic, TD_MAGIC, 8);
+    t.phys = (uint32_t)a->phys;
+    t.version = 2;
+    t.size = a->size;
+    t.key = a->key;
+    t.block = block_for(a->size);
+    t.secret_hash = td_hash(a->secret);
+    memcpy(t.uuid, cfg.uuid[a->phys], 16);
+    /* Fresh device memory is not zero on a real GPU: every block reads 0xdb
+     * until written (kept as a bitmap, so it costs no host memory). */
+    size_t block = block_for(a->size), nblocks = (a->size + block - 1) / block;
+    static uint8_t bm[TD_BITMAP];
+    size_t bmlen = (nblocks + 7) / 8;
+    memset(bm, 0, bmlen);
+    if (cfg.poison == POISON_FULL) {
+        memset(bm, 0xff, nblocks / 8);
+        if (nblocks % 8) bm[nblocks / 8] = (uint8_t)((1u << (nblocks % 8)) - 1);
+    } else if (cfg.poison == POISON_EDGES) { /* the driver before issue 17: first and last block only */
+        bm[0] |= 1;
+        bm[(nblocks - 1) / 8] |= (uint8_t)(1u << ((nblocks - 1) % 8));
+    }
+    bool ok = pwrite(datafd, &t, sizeof t, (off_t)a->size) == (ssize_t)sizeof t &&
+              (cfg.poison == POISON_OFF || pwrite(datafd, bm, bmlen, (off_t)(a->size + TD_HDR)) == (ssize_t)bmlen);
+    close(datafd);
+    return ok ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }
 
 /* Create one page on `phys` (caller holds the device lock and reserved the bytes). */
@@ -994,10 +1487,10 @@ static CUresult create_page(int phys, size_t size, struct td_alloc **out) {
     if (dfd < 0) return CUDA_ERROR_OPERATING_SYSTEM;
     struct td_alloc *a = calloc(1, sizeof *a);
     if (!a) return CUDA_ERROR_OUT_OF_MEMORY;
+    a->m = g_local;
     a->dirfd = -1;
     a->phys = phys;
     a->size = size;
-    a->block = block_for(size);
     char name[16];
     for (int attempt = 0;; attempt++) {
         a->key = ((uint32_t)phys << TD_KEY_DEV_SHIFT) | (uint32_t)(td_random() & ((1u << TD_KEY_DEV_SHIFT) - 1));
@@ -1010,58 +1503,44 @@ static CUresult create_page(int phys, size_t size, struct td_alloc **out) {
         }
     }
     CUresult r = CUDA_ERROR_OPERATING_SYSTEM;
-    int datafd = -1;
-    a->dirfd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
-    /* the lock first: from now on the page is in use */
-    if (a->dirfd < 0 || flock(a->dirfd, LOCK_SH) != 0) goto fail;
+    int pfd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
+    if (pfd < 0) goto fail;
+    /* the reference first: from now on the page is in use */
+    if (cfg.refs == REFS_FDS) {
+        if (flock(pfd, LOCK_SH) != 0) goto fail;
+    } else {
+        r = ref_take(a->m, a->key, phys, size);
+        if (r) goto fail;
+        a->refd = true;
+        r = CUDA_ERROR_OPERATING_SYSTEM;
+    }
     /* whatever the creator's umask: another uid's process imports the page
      * (opens data read-write) and may collect it (unlinks data) */
-    if (fchmod(a->dirfd, 0777) != 0) goto fail;
+    if (fchmod(pfd, 0777) != 0) goto fail;
     a->secret = ((uint64_t)a->key << 32) | (uint32_t)(td_random() | 1);
-    if (lseek(a->dirfd, (off_t)a->secret, SEEK_SET) != (off_t)a->secret) goto fail;
+    if (lseek(pfd, (off_t)a->secret, SEEK_SET) != (off_t)a->secret) goto fail;
     struct stat st;
-    if (fstat(a->dirfd, &st) != 0) goto fail;
-    a->st_dev = st.st_dev;
+    if (fstat(pfd, &st) != 0) goto fail;
     a->st_ino = st.st_ino;
-    datafd = openat(a->dirfd, "data", O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (datafd < 0 || fchmod(datafd, 0666) != 0 || ftruncate(datafd, (off_t)(size + TD_TRAILER)) != 0) {
-        if (errno == ENOSPC || errno == EFBIG || errno == ENOMEM) r = CUDA_ERROR_OUT_OF_MEMORY;
-        goto fail;
-    }
-    struct td_trailer t;
-    memset(&t, 0, sizeof t);
-    memcpy(t.magic, TD_MAGIC, 8);
-    t.phys = (uint32_t)phys;
-    t.version = 2;
-    t.size = size;
-    t.key = a->key;
-    t.block = a->block;
-    t.secret_hash = td_hash(a->secret);
-    memcpy(t.uuid, cfg.uuid[phys], 16);
-    if (pwrite(datafd, &t, sizeof t, (off_t)size) != (ssize_t)sizeof t) {
-        r = CUDA_ERROR_OUT_OF_MEMORY;
-        goto fail;
-    }
-    close(datafd);
-    datafd = -1;
-    r = alloc_map(a);
+    r = page_init(a, pfd);
     if (r) goto fail;
-    /* Fresh device memory is not zero on a real GPU: every block reads 0xdb
-     * until written (kept as a bitmap, so it costs no host memory). */
-    size_t nblocks = (size + a->block - 1) / a->block;
-    volatile uint8_t *bm = bitmap_of(a);
-    if (cfg.poison == POISON_FULL) {
-        memset((void *)bm, 0xff, nblocks / 8);
-        if (nblocks % 8) bm[nblocks / 8] = (uint8_t)((1u << (nblocks % 8)) - 1);
-    } else if (cfg.poison == POISON_EDGES) { /* the driver before issue 17: first and last block only */
-        bm[0] |= 1;
-        bm[(nblocks - 1) / 8] |= (uint8_t)(1u << ((nblocks - 1) % 8));
+    if (cfg.refs == REFS_FDS) {
+        a->dirfd = pfd;
+        pfd = -1;
+        r = alloc_map(a);
+        if (r) goto fail;
+    } else {
+        close(pfd);
+        pfd = -1;
     }
     a->refs = 1;
     *out = a;
     return CUDA_SUCCESS;
 fail:
-    if (datafd >= 0) close(datafd);
+    if (pfd >= 0) {
+        unlinkat(pfd, "data", 0);
+        close(pfd);
+    }
     if (a->dirfd >= 0) unlinkat(a->dirfd, "data", 0);
     unlinkat(dfd, name, AT_REMOVEDIR);
     alloc_free(a);
@@ -1069,7 +1548,9 @@ fail:
 }
 
 /* An import's own reference to a page: `dirfd` is a fresh description of
- * the page directory (taken over); LOCK_SH on it, offset S, the host view. */
+ * the page directory (taken over). REFS=fds: LOCK_SH on it, offset S, the
+ * host view; REFS=table: a reference in this process's table of the
+ * page's machine, and the description is closed. */
 static CUresult open_page(int dirfd, int phys, uint32_t key, uint64_t secret, struct td_alloc **out) {
     struct td_alloc *a = calloc(1, sizeof *a);
     if (!a) {
@@ -1083,8 +1564,8 @@ static CUresult open_page(int dirfd, int phys, uint32_t key, uint64_t secret, st
     struct stat st;
     struct td_trailer t;
     CUresult r = CUDA_ERROR_INVALID_VALUE;
-    if (flock(a->dirfd, LOCK_SH) != 0 || fstat(a->dirfd, &st) != 0) goto fail;
-    a->st_dev = st.st_dev;
+    if (cfg.refs == REFS_FDS && flock(a->dirfd, LOCK_SH) != 0) goto fail;
+    if (fstat(a->dirfd, &st) != 0) goto fail;
     a->st_ino = st.st_ino;
     if (secret && lseek(a->dirfd, (off_t)secret, SEEK_SET) != (off_t)secret) goto fail;
     int fd = openat(a->dirfd, "data", O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
@@ -1097,9 +1578,24 @@ static CUresult open_page(int dirfd, int phys, uint32_t key, uint64_t secret, st
         goto fail;
     if (secret && td_hash(secret) != t.secret_hash) goto fail; /* not an export of this page */
     a->size = (size_t)t.size;
-    a->block = (size_t)t.block;
-    r = alloc_map(a);
-    if (r) goto fail;
+    if (t.block != block_for(a->size)) goto fail;
+    a->m = machine_of_page(a->dirfd);
+    if (!a->m) {
+        r = CUDA_ERROR_OPERATING_SYSTEM;
+        goto fail;
+    }
+    if (cfg.refs == REFS_FDS) {
+        r = alloc_map(a);
+        if (r) goto fail;
+    } else {
+        /* the caller still holds the export, which pins the page until
+         * the table says it is referenced */
+        r = ref_take(a->m, key, phys, a->size);
+        if (r) goto fail;
+        a->refd = true;
+        close(a->dirfd);
+        a->dirfd = -1;
+    }
     a->refs = 1;
     *out = a;
     return CUDA_SUCCESS;
@@ -1116,7 +1612,8 @@ static CUresult handle_new(struct td_alloc *a, bool imported, CUmemGenericAlloca
         g_handles = n;
         g_caphandles = cap;
     }
-    g_handles[g_nhandles] = (struct td_handle){a, imported};
+    a->imported = imported;
+    g_handles[g_nhandles] = (struct td_handle){a};
     *out = TD_HANDLE_BASE + g_nhandles + 1;
     g_nhandles++;
     g_livehandles++;
@@ -1187,21 +1684,28 @@ static CUresult range_check(uintptr_t addr, size_t n, unsigned need, struct CUct
  * poison bitmap (a block still poisoned reads 0xdb; a partial write first
  * gives it its 0xdb bytes for real). */
 static void page_do(struct td_alloc *a, size_t off, size_t len, enum td_opkind op, unsigned char *buf, unsigned char val) {
-    size_t end = off + len;
+    unsigned char *view = view_open(a);
+    if (!view) { /* the page's file is gone or cannot be mapped: nothing lands (reads give poison) */
+        td_warn("cannot map page p%08x: %s", a->key, strerror(errno));
+        if (op == OP_READ) memset(buf, TD_POISON_BYTE, len);
+        g_lost_ops++;
+        return;
+    }
+    size_t end = off + len, block = block_for(a->size);
     for (size_t cur = off; cur < end;) {
-        size_t blk = cur / a->block;
-        size_t b0 = blk * a->block, b1 = b0 + a->block;
+        size_t blk = cur / block;
+        size_t b0 = blk * block, b1 = b0 + block;
         if (b1 > a->size) b1 = a->size;
         size_t stop = end < b1 ? end : b1;
         size_t n = stop - cur;
-        bool pois = poisoned(a, blk);
-        unsigned char *host = a->host + cur;
+        bool pois = poisoned(a, view, blk);
+        unsigned char *host = view + cur;
         if (op == OP_READ) {
             if (pois) memset(buf, TD_POISON_BYTE, n);
             else memcpy(buf, host, n);
         } else {
             bool whole = cur == b0 && stop == b1;
-            if (pois && !whole) memset(a->host + b0, TD_POISON_BYTE, b1 - b0);
+            if (pois && !whole) memset(view + b0, TD_POISON_BYTE, b1 - b0);
             if (op == OP_WRITE) memcpy(host, buf, n);
             else if (val != 0 || n < (size_t)g_pagesize) memset(host, val, n);
             else {
@@ -1209,18 +1713,19 @@ static void page_do(struct td_alloc *a, size_t off, size_t len, enum td_opkind o
                  * every view reads zeros), memset the edges */
                 size_t p0 = (cur + (size_t)g_pagesize - 1) / (size_t)g_pagesize * (size_t)g_pagesize;
                 size_t p1 = stop / (size_t)g_pagesize * (size_t)g_pagesize;
-                if (p1 > p0 && madvise(a->host + p0, p1 - p0, MADV_REMOVE) == 0) {
+                if (p1 > p0 && madvise(view + p0, p1 - p0, MADV_REMOVE) == 0) {
                     memset(host, 0, p0 - cur);
-                    memset(a->host + p1, 0, stop - p1);
+                    memset(view + p1, 0, stop - p1);
                 } else {
                     memset(host, 0, n);
                 }
             }
-            if (pois) unpoison(a, blk);
+            if (pois) unpoison(a, view, blk);
         }
         if (buf) buf += n;
         cur = stop;
     }
+    view_close(a, view);
 }
 
 static void range_do(struct td_resv *r, uintptr_t addr, size_t n, enum td_opkind op, unsigned char *buf, unsigned char val) {
@@ -1383,6 +1888,11 @@ CUresult CUDAAPI cuInit(unsigned int Flags) {
     g_ctl_ino = st.st_ino;
     for (int i = 0; i < cfg.nphys; i++)
         if (dev_dirfd(i) < 0) RETURN(CUDA_ERROR_OPERATING_SYSTEM);
+    int sfd = open(cfg.state, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (sfd < 0 || !(g_local = machine_new(sfd))) {
+        td_warn("cannot open state directory %s: %s", cfg.state, strerror(errno));
+        RETURN(CUDA_ERROR_OPERATING_SYSTEM);
+    }
     g_inited = true;
     RETURN(CUDA_SUCCESS);
 }
@@ -1653,10 +2163,23 @@ CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) {
 static int export_fd(struct td_alloc *a, uint64_t *secret_out) {
     int fd = -1;
     *secret_out = a->secret;
+    char name[32];
+    page_name(a->key, name);
+    int dfd = machine_devfd(a->m, a->phys);
     if (cfg.fdmode == FD_DISTINCT) {
-        fd = fcntl(a->dirfd, F_DUPFD_CLOEXEC, 0);
+        if (a->dirfd >= 0) {
+            fd = fcntl(a->dirfd, F_DUPFD_CLOEXEC, 0);
+        } else { /* REFS=table: a description of the page directory of its own, pinning the page */
+            fd = dfd < 0 ? -1 : openat(dfd, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
+            if (fd >= 0 && (flock(fd, LOCK_SH) != 0 || lseek(fd, (off_t)a->secret, SEEK_SET) != (off_t)a->secret)) {
+                int e = errno;
+                close(fd);
+                errno = e;
+                fd = -1;
+            }
+        }
     } else if (cfg.fdmode == FD_SAME) {
-        fd = openat(g_ctlfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        fd = openat(a->m->ctlfd >= 0 ? a->m->ctlfd : g_ctlfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
         struct flock l = {.l_type = F_RDLCK, .l_whence = SEEK_SET, .l_start = (off_t)a->key, .l_len = 1};
         if (fd >= 0 && (lseek(fd, (off_t)a->secret, SEEK_SET) != (off_t)a->secret || fcntl(fd, F_OFD_SETLK, &l) != 0)) {
             int e = errno;
@@ -1665,7 +2188,8 @@ static int export_fd(struct td_alloc *a, uint64_t *secret_out) {
             fd = -1;
         }
     } else {
-        fd = openat(a->dirfd, "data", O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+        strcat(name, "/data");
+        fd = dfd < 0 ? -1 : openat(dfd, name, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
         if (fd >= 0 && flock(fd, LOCK_SH) != 0) {
             close(fd);
             fd = -1;
@@ -1979,15 +2503,22 @@ CUresult CUDAAPI cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t By
 /* ===================================================================== */
 /* load, fork and exit                                                    */
 
+static void td_atfork_prepare(void) { LOCK(); }
+
+static void td_atfork_parent(void) {
+    tables_after_fork(); /* the child keeps the references it inherited */
+    UNLOCK();
+}
+
 static void td_atfork_child(void) {
-    /* another thread may have held the lock at fork(): it is not here */
+    /* the lock was held across fork() by td_atfork_prepare */
     pthread_mutex_init(&g_lock, NULL);
     if (g_inited && cfg.fork_refuse) g_forked = true;
 }
 
 __attribute__((constructor)) static void td_load(void) {
     load_config();
-    pthread_atfork(NULL, NULL, td_atfork_child);
+    pthread_atfork(td_atfork_prepare, td_atfork_parent, td_atfork_child);
 }
 
 static void json_str(FILE *f, const char *s) {
@@ -2026,6 +2557,7 @@ static void write_report(void) {
     static const char *const fdmodes[] = {"distinct", "same", "file"};
     static const char *const asyncs[] = {"0", "memset", "all"};
     static const char *const poisons[] = {"0", "edges", "full"};
+    static const char *const refss[] = {"table", "fds"};
 
     fprintf(f, "{\n  \"pid\": %d,\n  \"initialized\": %s,\n", (int)getpid(), g_inited ? "true" : "false");
     fprintf(f, "  \"leaks\": %zu,\n", g_livehandles + g_nexports + g_livemaps + nres + nctx);
@@ -2034,9 +2566,9 @@ static void write_report(void) {
             g_livehandles, g_nexports, g_livemaps, nres, nctx);
     fprintf(f, "  \"unsynchronized\": {\"pending\": %zu, \"lost\": %lu},\n", pending, g_lost_ops);
     fprintf(f, "  \"mode\": {\"fd_identity\": \"%s\", \"async\": \"%s\", \"poison\": \"%s\", \"fork\": \"%s\", "
-               "\"context_bytes\": %zu},\n",
+               "\"context_bytes\": %zu, \"refs\": \"%s\"},\n",
             fdmodes[cfg.fdmode], asyncs[cfg.async], poisons[cfg.poison], cfg.fork_refuse ? "refuse" : "allow",
-            cfg.ctx_bytes);
+            cfg.ctx_bytes, refss[cfg.refs]);
 
     fprintf(f, "  \"handles\": [");
     bool first = true;
@@ -2046,7 +2578,7 @@ static void write_report(void) {
         format_uuid(cfg.uuid[h->alloc->phys], u);
         page_name(h->alloc->key, name);
         fprintf(f, "%s\n    {\"handle\": %llu, \"device\": \"%s\", \"size\": %zu, \"origin\": \"%s\", \"page\": ",
-                first ? "" : ",", TD_HANDLE_BASE + i + 1, u, h->alloc->size, h->imported ? "imported" : "created");
+                first ? "" : ",", TD_HANDLE_BASE + i + 1, u, h->alloc->size, h->alloc->imported ? "imported" : "created");
         json_str(f, name);
         fputc('}', f);
         first = false;
