@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -29,17 +29,18 @@ class DeviceSpec:
     granularity: int  # page sizes must be a multiple of this
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class PageHandle:
     """One physical page. `fd` is a descriptor the backend keeps for it and
     closes in release_pages: the host backend's memfd (what clients get), or
     -1 when the backend keeps none (CUDA exports one per delivery:
-    export_fds)."""
+    export_fds). Slotted: the daemon holds one per page (100k pages:
+    docs/benchmarks.md, "Scale")."""
 
     fd: int
     size: int
     native: object = None  # backend-private: the CUDA allocation handle, ...
-    extra: dict = field(default_factory=dict)
+    ready: bool = False  # CUDA: `fd` is an export made ahead of delivery (CudaBackend._make_ready)
 
 
 class Backend(abc.ABC):

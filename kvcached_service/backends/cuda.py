@@ -282,7 +282,7 @@ class CudaBackend(Backend):
             for page in want:
                 self._drv.cuMemExportToShareableHandle(ctypes.byref(fd), page.native, cu.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
                 page.fd = fd.value
-                page.extra["ready"] = True
+                page.ready = True
                 made += 1
         except (cu.CudaDriverError, OSError) as exc:
             log.debug("ready export on %s failed (%s); the delivery exports instead", d.spec.uuid, exc)
@@ -335,8 +335,8 @@ class CudaBackend(Backend):
         drv = self._drv
         fd = ctypes.c_int(-1)
         for page in pages[len(out):]:
-            if page.extra.pop("ready", False):  # handed over: the page keeps none
-                ready_fd, page.fd = page.fd, -1
+            if page.ready:  # handed over: the page keeps none
+                ready_fd, page.fd, page.ready = page.fd, -1, False
                 with self._lock:
                     d.ready -= 1
                 out.append(ready_fd)
@@ -363,7 +363,8 @@ class CudaBackend(Backend):
         first: BaseException | None = None
         with self._context(d):
             for page in pages:
-                if page.extra.pop("ready", False):
+                if page.ready:
+                    page.ready = False
                     with self._lock:
                         d.ready -= 1
                 try:

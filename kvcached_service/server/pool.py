@@ -74,7 +74,7 @@ class PageState(enum.Enum):
     HELD = "held"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Page:
     id: int
     device: str  # uuid of the device (pool) it belongs to
