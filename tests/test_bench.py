@@ -13,7 +13,10 @@ from kvtest import ROOT, TESTDRIVER
 # scenario prefix -> figures each backend must report
 EXPECTED = {
     "1 Allocate 64 pages": ["warm pool p50", "warm pool p99", "cold (pages created) p50", "cold (pages created) p99"],
-    "2 Allocate+Free 1 page": ["1 client p50", "1 client p99", "16 clients p50", "16 clients p99", "64 clients pairs/s", "fd channel requests vs gRPC calls"],
+    "2 Allocate+Free 1 page": ["1 client p50", "1 client p99", "16 clients p50", "16 clients p99", "64 clients pairs/s", "fd channel requests vs gRPC calls",
+                               "C client (bench/loadc.c), 1 client p50", "C client (bench/loadc.c), 16 clients p99",
+                               "C client, 64 clients pairs/s", "C client, daemon CPU per pair, 1 client",
+                               "C client, daemon CPU per pair, 64 clients", "C client vs transport floor"],
     "3 Reclaim": ["move "],
     "4 Scale": ["daemon RSS", "Allocate+map 1 page p50", "Allocate+map 1 page p99", "GetStats p50", "GetStats p99"],
     "5 Ollama-shaped load (Go)": ["ops/s", "grow p50", "grow p99", "trim p50", "trim p99"],
