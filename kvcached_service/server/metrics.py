@@ -34,7 +34,6 @@ import concurrent.futures
 import logging
 import threading
 import time
-import types
 from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
@@ -375,14 +374,22 @@ class RpcMetrics:
         # Make the common series exist from the start (0 is better than absent).
         for rpc in ("Allocate", "Free"):
             self.requests.labels(rpc, "OK")
-        for w in ("false", "true"):
-            self.allocate_seconds.labels(w)
+        # The labelled children, looked up once: labels() takes the metric's
+        # lock and builds a key on every call, and the core observes every
+        # Allocate and Free (the request path).
+        self._requests_by: dict[tuple[str, Any], Any] = {}
+        self._allocate_by_wait = {w: self.allocate_seconds.labels("true" if w else "false") for w in (False, True)}
 
     def observe(self, rpc: str, code: Any, seconds: float, request: Any = None) -> None:
-        self.requests.labels(rpc, code_name(code)).inc()
+        self.observe_op(rpc, code, seconds, _waits(request) if rpc == "Allocate" else False)
+
+    def observe_op(self, rpc: str, code: Any, seconds: float, waited: bool) -> None:
+        child = self._requests_by.get((rpc, code))
+        if child is None:
+            child = self._requests_by[(rpc, code)] = self.requests.labels(rpc, code_name(code))
+        child.inc()
         if rpc == "Allocate":
-            wait = "true" if _waits(request) else "false"
-            self.allocate_seconds.labels(wait).observe(seconds)
+            self._allocate_by_wait[bool(waited)].observe(seconds)
 
 
 def _waits(request: Any) -> bool:
@@ -499,7 +506,7 @@ class Metrics:
             observers.append(self._core_op)
 
     def _core_op(self, rpc: str, code: errors.Code, seconds: float, waited: bool) -> None:
-        self.rpc.observe(rpc, code, seconds, types.SimpleNamespace(wait=waited))
+        self.rpc.observe_op(rpc, code, seconds, waited)
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         return [MetricsInterceptor(self.rpc)]
