@@ -8,7 +8,7 @@ import json
 import math
 import subprocess
 
-from kvtest import ROOT, TESTDRIVER
+from kvtest import PY, ROOT, TESTDRIVER
 
 # scenario prefix -> figures each backend must report
 EXPECTED = {
@@ -65,3 +65,14 @@ def test_quick_bench_produces_every_figure(tmp_path):
         assert cap["elastic"]["reclaim_callbacks"] > 0, cap["elastic"]
         lg = res["scenarios"]["loadgen"]["loadgen"]
         assert lg["pages_bad"] == 0 and lg["errors"] == 0, lg
+
+
+def test_request_path_harness_runs_with_and_without_metrics():
+    """bench/requestpath.py (the daemon's request path in one process): it
+    serves real pairs (it checks every answer) and prints its figure."""
+    for extra in ([], ["--metrics"]):
+        proc = subprocess.run([str(PY), "-m", "bench.requestpath", "--pairs", "300", *extra],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "us CPU per one-page Allocate+Free pair" in proc.stdout, proc.stdout
+        assert ("metrics on" in proc.stdout) == bool(extra), proc.stdout
