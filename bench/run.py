@@ -91,6 +91,25 @@ def figures(res: dict) -> list[dict]:
                                  fl["rtt_16"][f"{p}_us"], "us", "lower", fw))
             rows.append(_row("2 Allocate+Free 1 page", "vs transport floor, 64 clients pairs/s", s["tput_64_daemon"]["pairs_per_s"],
                              fl["tput_64"]["per_s"], "/s", "higher", fw + ", round trips/s"))
+        if "cclient" in s:
+            cc = s["cclient"]
+            bw = "the same pairs from the Python client (Region.map/unmap), same daemon"
+            for conc in (1, 16):
+                for p in ("p50", "p99"):
+                    rows.append(_row("2 Allocate+Free 1 page", f"C client (bench/loadc.c), {conc} client{'s' if conc > 1 else ''} {p}",
+                                     cc[f"rtt_{conc}"][f"{p}_us"], s[f"rtt_{conc}_daemon"][f"{p}_us"], "us", "lower", bw))
+            rows.append(_row("2 Allocate+Free 1 page", "C client, 64 clients pairs/s", cc["tput_64"]["pairs_per_s"],
+                             s["tput_64_daemon"]["pairs_per_s"], "/s", "higher", bw))
+            for key, pkey, label in (("rtt_1", "rtt_1_daemon", "1 client"), ("rtt_16", "rtt_16_daemon", "16 clients"),
+                                     ("tput_64", "tput_64_daemon", "64 clients")):
+                if "daemon_cpu_us_per_pair" in s[pkey]:
+                    rows.append(_row("2 Allocate+Free 1 page", f"C client, daemon CPU per pair, {label}", cc[key]["daemon_cpu_us_per_pair"],
+                                     s[pkey]["daemon_cpu_us_per_pair"], "us", "lower", bw))
+            if "floor" in s:
+                fl = s["floor"]
+                fw = "transport floor: C ping-pong, one SCM_RIGHTS record each way (bench/floor.c)"
+                rows.append(_row("2 Allocate+Free 1 page", "C client vs transport floor, 1 client p50", cc["rtt_1"]["p50_us"],
+                                 fl["rtt_1"]["p50_us"], "us", "lower", fw))
         for ref, old in s.get("compare", {}).items():
             bw = f"the same, daemon and client of {ref} (same run)"
             for conc in (1, 16):
@@ -103,6 +122,17 @@ def figures(res: dict) -> list[dict]:
                 if "daemon_cpu_us_per_pair" in s[key] and "daemon_cpu_us_per_pair" in old[key]:
                     rows.append(_row("2 Allocate+Free 1 page", f"this tree vs {ref}, daemon CPU per pair, {label}",
                                      s[key]["daemon_cpu_us_per_pair"], old[key]["daemon_cpu_us_per_pair"], "us", "lower", bw))
+            if "cclient" in s and "cclient" in old:
+                cc, occ = s["cclient"], old["cclient"]
+                bw = f"the same C client against the daemon of {ref} (same run)"
+                for key, label in (("rtt_1", "1 client"), ("rtt_16", "16 clients"), ("tput_64", "64 clients")):
+                    rows.append(_row("2 Allocate+Free 1 page", f"C client: this tree vs {ref}, daemon CPU per pair, {label}",
+                                     cc[key]["daemon_cpu_us_per_pair"], occ[key]["daemon_cpu_us_per_pair"], "us", "lower", bw))
+                for key, p, label in (("rtt_1", "p50", "1 client p50"), ("rtt_16", "p99", "16 clients p99")):
+                    rows.append(_row("2 Allocate+Free 1 page", f"C client: this tree vs {ref}, {label}",
+                                     cc[key][f"{p}_us"], occ[key][f"{p}_us"], "us", "lower", bw))
+                rows.append(_row("2 Allocate+Free 1 page", f"C client: this tree vs {ref}, 64 clients pairs/s",
+                                 cc["tput_64"]["pairs_per_s"], occ["tput_64"]["pairs_per_s"], "/s", "higher", bw))
     if "reclaim" in sc:
         s = sc["reclaim"]
         gib = s["moved_bytes"] / (1 << 30)
@@ -180,6 +210,17 @@ def targets(res: dict) -> list[dict]:
         add("16 clients p99 <= 2 ms", p99, 2000, "us", p99 <= 2000)
         t = s["tput_64_daemon"]["pairs_per_s"]
         add("64 clients >= 10,000 pairs/s", t, 10000, "/s", t >= 10000)
+        if "cclient" in s:  # the same targets with the compiled client: what the daemon allows
+            cc = s["cclient"]
+            p50 = cc["rtt_1"]["p50_us"]
+            add("C client: 1 client Allocate+Free p50 <= 150 us", p50, 150, "us", p50 <= 150)
+            if "floor" in s:
+                fl = s["floor"]["rtt_1"]["p50_us"]
+                add("C client: 1 client p50 <= 5x the transport floor p50", p50 / fl, 5, "x", p50 <= 5 * fl)
+            p99 = cc["rtt_16"]["p99_us"]
+            add("C client: 16 clients p99 <= 2 ms", p99, 2000, "us", p99 <= 2000)
+            t = cc["tput_64"]["pairs_per_s"]
+            add("C client: 64 clients >= 10,000 pairs/s", t, 10000, "/s", t >= 10000)
     if "reclaim" in sc:
         ms = sc["reclaim"]["daemon_reclaim"]["p50_us"] / 1e3
         gib = sc["reclaim"]["moved_bytes"] / (1 << 30)

@@ -120,19 +120,84 @@ def common_wait_pool_empty(session, timeout: float = 5.0) -> None:
 
 
 # ---- 2. one-page Allocate+Free round trips; pairs/s with 64 clients -------------------------------
-def floor_binary() -> str:
-    """bench/floor.c built into build/bench/ (rebuilt when its source changes)."""
-    src = common.ROOT / "bench" / "floor.c"
+def c_binary(name: str) -> str:
+    """bench/NAME.c built into build/bench/ (rebuilt when its source changes)."""
+    src = common.ROOT / "bench" / f"{name}.c"
     digest = hashlib.sha256(src.read_bytes()).hexdigest()[:16]
-    out = common.ROOT / "build" / "bench" / f"floor-{digest}"
+    out = common.ROOT / "build" / "bench" / f"{name}-{digest}"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
+        tmp = out.with_suffix(f".tmp{os.getpid()}")
         r = subprocess.run(["cc", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(tmp), str(src)], capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
-            raise RuntimeError(f"cannot build the transport floor (cc bench/floor.c):\n{r.stderr}")
+            raise RuntimeError(f"cannot build bench/{name}.c (cc):\n{r.stderr}")
         tmp.rename(out)
     return str(out)
+
+
+def floor_binary() -> str:
+    """bench/floor.c, the transport floor."""
+    return c_binary("floor")
+
+
+def c_client_run(c: Ctx, d: Daemon, clients: int, mode: str, arg: float) -> dict:
+    """One run of the compiled load client (bench/loadc.c): `clients`
+    sessions doing one-page Allocate+Free pairs as fd channel records, no
+    Python on the client side. The harness opens each session over gRPC
+    with the secret of its channel's HELLO (the C program has no gRPC).
+    Adds the daemon's CPU time per pair over the measured loop."""
+    import grpc
+
+    from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
+    from kvcached_service._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"unix:{d.socket}") as ch:
+        stub = pb_grpc.KVCachedStub(ch)
+        info = stub.GetInfo(pb.GetInfoRequest(), timeout=60)
+        p = subprocess.Popen([c_binary("loadc"), info.fd_socket, str(clients), mode, str(arg), str(PAGE),
+                              "map" if c.kind == "host" else "nomap"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            for i in range(clients):
+                line = p.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"loadc exited {p.wait()} before its HELLOs: {p.stderr.read()}")
+                secret = bytes.fromhex(json.loads(line)["secret"])
+                stub.OpenSession(pb.OpenSessionRequest(channel_secret=secret, name=f"bench-loadc-{i}"), timeout=60)
+            cpu0 = common.cpu_seconds(d.pid)
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            line = p.stdout.readline()
+            cpu = common.cpu_seconds(d.pid) - cpu0
+            rc = p.wait(60)
+            if rc != 0 or not line:
+                raise RuntimeError(f"loadc {clients} {mode} exited {rc}: {p.stderr.read()}")
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = json.loads(line)
+    out["daemon_cpu_us_per_pair"] = cpu / max(1, out["pairs"]) * 1e6
+    return out
+
+
+def c_client_rows(c: Ctx, d: Daemon, nproc: int, profile_dir: "pathlib.Path | None") -> dict:
+    """Scenario 2 with the compiled client: 1 and 16 clients (latency), nproc (pairs/s)."""
+    out = {}
+    for conc, n in ((1, c.q(2000, 10000)), (16, c.q(100, 500))):
+        spy = profile.start(d.pid, profile_dir, "rtt1-cclient") if profile_dir and conc == 1 else None
+        r = c_client_run(c, d, conc, "rtt", n)
+        if spy:
+            out["profile_rtt1_cclient"] = spy.finish()
+        out[f"rtt_{conc}"] = {"n": r["n"], "p50_us": r["p50_us"], "p99_us": r["p99_us"], "mean_us": r["mean_us"],
+                              "daemon_cpu_us_per_pair": r["daemon_cpu_us_per_pair"]}
+    spy = profile.start(d.pid, profile_dir, f"tput{nproc}-cclient") if profile_dir else None
+    r = c_client_run(c, d, nproc, "tput", c.q(1.0, 5.0))
+    if spy:
+        out[f"profile_tput{nproc}_cclient"] = spy.finish()
+    out[f"tput_{nproc}"] = {"pairs": r["pairs"], "secs": r["secs"], "pairs_per_s": r["per_s"], "clients": nproc,
+                            "daemon_cpu_us_per_pair": r["daemon_cpu_us_per_pair"]}
+    return out
 
 
 def transport_floor(c: Ctx, nproc: int) -> dict:
@@ -210,6 +275,12 @@ def roundtrip_scenario(c: Ctx, tree: "pathlib.Path | None" = None, profile_dir: 
             for p in procs:
                 p.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 p.stdin.flush()
+            for p in procs:
+                p.wait(30)
+            # the same pairs from the compiled client (bench/loadc.c): the daemon's cost without Python clients
+            cc = c_client_rows(c, d, nproc, profile_dir)
+            out.update({k: cc.pop(k) for k in list(cc) if k.startswith("profile_")})  # listed under the table with the others
+            out["cclient"] = cc
         finally:
             for p in procs:
                 try:

@@ -8,12 +8,15 @@ import json
 import math
 import subprocess
 
-from kvtest import ROOT, TESTDRIVER
+from kvtest import PY, ROOT, TESTDRIVER
 
 # scenario prefix -> figures each backend must report
 EXPECTED = {
     "1 Allocate 64 pages": ["warm pool p50", "warm pool p99", "cold (pages created) p50", "cold (pages created) p99"],
-    "2 Allocate+Free 1 page": ["1 client p50", "1 client p99", "16 clients p50", "16 clients p99", "64 clients pairs/s", "fd channel requests vs gRPC calls"],
+    "2 Allocate+Free 1 page": ["1 client p50", "1 client p99", "16 clients p50", "16 clients p99", "64 clients pairs/s", "fd channel requests vs gRPC calls",
+                               "C client (bench/loadc.c), 1 client p50", "C client (bench/loadc.c), 16 clients p99",
+                               "C client, 64 clients pairs/s", "C client, daemon CPU per pair, 1 client",
+                               "C client, daemon CPU per pair, 64 clients", "C client vs transport floor"],
     "3 Reclaim": ["move "],
     "4 Scale": ["daemon RSS", "Allocate+map 1 page p50", "Allocate+map 1 page p99", "GetStats p50", "GetStats p99"],
     "5 Ollama-shaped load (Go)": ["ops/s", "grow p50", "grow p99", "trim p50", "trim p99"],
@@ -67,3 +70,14 @@ def test_quick_bench_produces_every_figure(tmp_path):
         assert cap["elastic"]["reclaim_callbacks"] > 0, cap["elastic"]
         lg = res["scenarios"]["loadgen"]["loadgen"]
         assert lg["pages_bad"] == 0 and lg["errors"] == 0, lg
+
+
+def test_request_path_harness_runs_with_and_without_metrics():
+    """bench/requestpath.py (the daemon's request path in one process): it
+    serves real pairs (it checks every answer) and prints its figure."""
+    for extra in ([], ["--metrics"]):
+        proc = subprocess.run([str(PY), "-m", "bench.requestpath", "--pairs", "300", *extra],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "us CPU per one-page Allocate+Free pair" in proc.stdout, proc.stdout
+        assert ("metrics on" in proc.stdout) == bool(extra), proc.stdout

@@ -441,3 +441,85 @@ def test_client_treats_the_vector_as_a_protocol_error(v, tmp_path):
         fake.close()
     # the socket and every descriptor that arrived are closed
     assert wait_until(lambda: len(os.listdir("/proc/self/fd")) <= before, timeout=5)
+
+
+# ---- the daemon's hot path (fdchannel.decode_hot / recv_request) ----------------------------
+def _as_hot(rec) -> tuple | None:
+    """What decode_hot must return for a record decode() read (None: not a hot one)."""
+    if isinstance(rec, fdchannel.AllocateReq) and not rec.device:
+        flags = (fdchannel.ALLOC_WAIT if rec.wait else 0) | (fdchannel.ALLOC_NOTIFY if rec.notify else 0)
+        return (fdchannel.REQ_ALLOCATE, rec.req_id, rec.num_pages, flags, rec.wait_timeout_ms)
+    if isinstance(rec, fdchannel.FreeReq) and len(rec.page_ids) == 1:
+        return (fdchannel.REQ_FREE, rec.req_id, rec.page_ids[0])
+    return None
+
+
+def _agree(data: bytes) -> bool:
+    """decode_hot(data) is None, or decode(data) reads the same request. True if hot."""
+    hot = fdchannel.decode_hot(data)
+    if hot is None:
+        return False
+    rec = fdchannel.decode(data, [])  # must not raise: the hot path accepted it
+    assert _as_hot(rec) is not None and hot[:2] == _as_hot(rec)[:2], (data.hex(), hot, rec)
+    if hot[0] == fdchannel.REQ_ALLOCATE:  # flags: decode keeps wait/notify only (other bits are ignored)
+        assert (hot[2], hot[3] & 3, hot[4]) == (rec.num_pages, _as_hot(rec)[3], rec.wait_timeout_ms), (hot, rec)
+    else:
+        assert hot == _as_hot(rec), (hot, rec)
+    return True
+
+
+def test_hot_decode_agrees_with_decode_on_every_vector():
+    hits = set()
+    for v in VECTORS["vectors"]:
+        if v["fds"]:
+            continue
+        if _agree(bytes.fromhex(v["hex"])):
+            assert "record" in v, f"decode_hot accepted the malformed vector {v['name']}"
+            hits.add(v["record"]["type"])
+    for data in (fdchannel.encode_allocate(7, 3, wait=True, notify=True, wait_timeout_ms=250), fdchannel.encode_free(8, [1 << 40])):
+        assert _agree(data)
+    assert not _agree(fdchannel.encode_allocate(9, 1, device="GPU-0"))  # a device name: decode() reads it
+    assert not _agree(fdchannel.encode_free(10, [1, 2]))  # more than one id
+    assert hits <= {"ALLOCATE", "FREE"}, hits
+
+
+def test_hot_decode_never_accepts_what_decode_refuses():
+    """Every single-byte change of a hot ALLOCATE and FREE: decode_hot
+    either declines it or reads exactly what decode() reads."""
+    for base in (fdchannel.encode_allocate(5, 1, wait_timeout_ms=10), fdchannel.encode_free(6, [42])):
+        assert _agree(base)
+        for i in range(len(base)):
+            for val in (0x00, 0x01, 0x02, 0x07, 0x80, 0xFF):
+                data = base[:i] + bytes([val]) + base[i + 1 :]
+                try:
+                    fdchannel.decode(data, [])
+                except fdchannel.ProtocolError:
+                    assert fdchannel.decode_hot(data) is None, (i, val, data.hex())
+                    continue
+                _agree(data)
+        assert fdchannel.decode_hot(base[:-1]) is None and fdchannel.decode_hot(base + b"\0") is None
+
+
+def test_recv_request_reads_hot_requests_as_tuples_and_the_rest_as_records():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b:
+        a.send(fdchannel.encode_allocate(1, 1, wait=True))
+        assert fdchannel.recv_request(b) == (fdchannel.REQ_ALLOCATE, 1, 1, fdchannel.ALLOC_WAIT, 0)
+        a.send(fdchannel.encode_free(2, [77]))
+        assert fdchannel.recv_request(b) == (fdchannel.REQ_FREE, 2, 77)
+        a.send(fdchannel.encode_free(3, [77, 78]))
+        assert fdchannel.recv_request(b) == fdchannel.FreeReq(3, (77, 78))
+        a.send(fdchannel.encode_allocate(4, 2, device="HOST-0"))
+        assert fdchannel.recv_request(b) == fdchannel.AllocateReq(4, 2, False, False, 0, "HOST-0")
+        # a hot-shaped request with a descriptor attached is a malformed request, as decode() says
+        r, w = os.pipe()
+        try:
+            fdchannel.send_record(a, fdchannel.encode_free(5, [9]), [r])
+            with pytest.raises(fdchannel.MalformedRequest) as info:
+                fdchannel.recv_request(b)
+            assert info.value.req_id == 5
+        finally:
+            os.close(r)
+            os.close(w)
+        a.close()
+        assert fdchannel.recv_request(b) is None

@@ -439,3 +439,33 @@ def test_real_prometheus_scrapes_the_daemon(daemon_factory, tmp_path):
             prom.kill()
             prom.wait()
         log.close()
+
+
+def test_rpc_metrics_counts_and_buckets_kept_as_plain_numbers():
+    """The rpc counter and the Allocate histogram are kept by RpcMetrics
+    itself (no prometheus-client lock per observation) and exposed at
+    scrape time: the series exist at 0 from the start, codes are named, a
+    latency equal to a bucket's bound counts in that bucket (`le`), buckets
+    are cumulative, and waited / not waited are apart."""
+    m = Metrics(fake_daemon(), nvml=Nvml(loader=FakeNvml), process=False)
+    text = m.text().decode()
+    assert value(text, "kvcached_rpc_requests_total", rpc="Allocate", code="OK") == 0
+    assert value(text, "kvcached_rpc_requests_total", rpc="Free", code="OK") == 0
+    for w in ("false", "true"):
+        assert value(text, "kvcached_allocate_duration_seconds_count", wait=w) == 0
+    m.rpc.observe_op("Allocate", None, 0.001, False)        # exactly on the 0.001 bound
+    m.rpc.observe_op("Allocate", errors.Code.OK, 0.0011, False)
+    m.rpc.observe_op("Allocate", errors.Code.RESOURCE_EXHAUSTED, 7.0, True)
+    m.rpc.observe_op("Free", errors.Code.NOT_FOUND, 0.5, False)
+    m.rpc.observe("GetStats", None, 0.2)
+    text = m.text().decode()
+    assert value(text, "kvcached_rpc_requests_total", rpc="Allocate", code="OK") == 2
+    assert value(text, "kvcached_rpc_requests_total", rpc="Allocate", code="RESOURCE_EXHAUSTED") == 1
+    assert value(text, "kvcached_rpc_requests_total", rpc="Free", code="NOT_FOUND") == 1
+    assert value(text, "kvcached_rpc_requests_total", rpc="GetStats", code="OK") == 1
+    b = lambda le, w="false": value(text, "kvcached_allocate_duration_seconds_bucket", wait=w, le=le)  # noqa: E731
+    assert (b("0.0005"), b("0.001"), b("0.0025"), b("+Inf")) == (0, 1, 2, 2)
+    assert (b("5.0", "true"), b("10.0", "true"), b("+Inf", "true")) == (0, 1, 1)
+    assert value(text, "kvcached_allocate_duration_seconds_count", wait="false") == 2
+    assert value(text, "kvcached_allocate_duration_seconds_sum", wait="false") == pytest.approx(0.0021)
+    assert value(text, "kvcached_allocate_duration_seconds_sum", wait="true") == pytest.approx(7.0)

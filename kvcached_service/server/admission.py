@@ -24,10 +24,16 @@ from .. import errors
 from .pool import Budget
 
 
+def _label(session) -> str:
+    """A session for messages: a label as given, or a Session as `ID 'name'`
+    (formatted only when a message is made: admit runs on every Allocate)."""
+    return session if isinstance(session, str) else f"{session.id} '{session.name}'"
+
+
 def admit(
     budgets: list[Budget],
     *,
-    session: str,
+    session,
     guaranteed_bytes: int,
     max_bytes: int,
     others_guaranteed: int | None = None,
@@ -35,7 +41,7 @@ def admit(
     held_pages: int = 0,
     more_pages: int = 0,
 ) -> None:
-    """Raise the client's error if `session` (a label for messages) may not
+    """Raise the client's error if `session` (a label for messages, or the Session) may not
     have these limits, or may not hold `held_pages + more_pages` pages on
     `device`. `others_guaranteed`: the guarantees of every other open
     session, given when the limits are set or changed (OpenSession,
@@ -55,6 +61,6 @@ def admit(
     cap = b.pages if not max_bytes else min(b.pages, max_bytes // b.page_size)
     if held_pages + more_pages > cap:
         raise errors.ResourceExhausted(
-            f"session {session} holds {held_pages} pages on {b.device}; {more_pages} more would exceed its maximum of {cap} pages"
+            f"session {_label(session)} holds {held_pages} pages on {b.device}; {more_pages} more would exceed its maximum of {cap} pages"
             + (f" (max_bytes {format_size(max_bytes)})" if max_bytes else " (the device budget)")
         )

@@ -84,6 +84,8 @@ class Conn:
     async def deliver(self, allocation_id: int, page_ids: list[int], fds: list[int]) -> None:
         total = len(page_ids)
         step = fdchannel.MAX_FDS
+        if total <= step and self.send_now(fdchannel.encode_pages(allocation_id, 0, total, page_ids), fds):
+            return  # one record, straight into the socket
         timeout = self._server.settings.fd_send_timeout
         for first in range(0, total, step):
             rec = fdchannel.encode_pages(allocation_id, first, total, page_ids[first : first + step])
@@ -101,6 +103,18 @@ class Conn:
         self.close()
 
     # ---- sending --------------------------------------------------------
+    def send_now(self, data: bytes, fds: list[int] | tuple = ()) -> bool:
+        """Send one record if that needs no waiting: nobody else is waiting
+        to send here and the socket has room. False when it must go through
+        `send` (which also says why it failed)."""
+        if self._closed or self._send_lock.locked():
+            return False
+        try:
+            fdchannel.send_record(self.sock, data, fds)
+            return True
+        except OSError:
+            return False
+
     async def send(self, data: bytes, fds: list[int], timeout: float) -> None:
         """Send one record without blocking the loop; waits for room up to
         `timeout` seconds. Raises DeliveryFailed when it cannot deliver."""
@@ -327,7 +341,7 @@ class ChannelServer:
         """Read and handle one record; False when nothing was waiting (or
         the channel is gone)."""
         try:
-            rec = fdchannel.recv_record(conn.sock, fdchannel.MAX_CLIENT_RECORD)
+            rec = fdchannel.recv_request(conn.sock, fdchannel.MAX_CLIENT_RECORD)
         except (BlockingIOError, InterruptedError):
             return False
         except fdchannel.MalformedRequest as exc:
@@ -343,6 +357,18 @@ class ChannelServer:
             return False
         except OSError:
             rec = None
+        if type(rec) is tuple:  # a one-page FREE or a plain ALLOCATE (fdchannel.decode_hot)
+            s = conn.session
+            if s is None:
+                conn.send_nowait(fdchannel.encode_reply(rec[1], errors.Code.FAILED_PRECONDITION, 0,
+                                                        "no session on this fd channel yet: call OpenSession first"))
+            elif rec[0] == fdchannel.REQ_ALLOCATE:
+                _, req, n, flags, wait_ms = rec
+                eager.start(self._serve_allocate(conn, s, req, n, bool(flags & fdchannel.ALLOC_WAIT), wait_ms,
+                                                 bool(flags & fdchannel.ALLOC_NOTIFY), ""), self._spawn)
+            else:
+                eager.start(self._serve_free(conn, s, rec[1], [rec[2]]), self._spawn)
+            return True
         if rec is None:
             self._lost(conn, crashed=conn.session is not None)
             return False
@@ -350,8 +376,13 @@ class ChannelServer:
             if conn.session is None:
                 conn.send_nowait(fdchannel.encode_reply(rec.req_id, errors.Code.FAILED_PRECONDITION, 0,
                                                         "no session on this fd channel yet: call OpenSession first"))
-            else:
+            elif isinstance(rec, fdchannel.AllocateReq):
                 # Served at once; a Task only if it has to wait (eager.py).
+                eager.start(self._serve_allocate(conn, conn.session, rec.req_id, rec.num_pages, rec.wait, rec.wait_timeout_ms,
+                                                 rec.notify, rec.device), self._spawn)
+            elif isinstance(rec, fdchannel.FreeReq):
+                eager.start(self._serve_free(conn, conn.session, rec.req_id, list(rec.page_ids)), self._spawn)
+            else:
                 eager.start(self._serve_request(conn, conn.session, rec), self._spawn)
             return True
         if isinstance(rec, fdchannel.Adopt) and conn.session is None:
@@ -378,33 +409,58 @@ class ChannelServer:
                 fdchannel.close_fds([old])
             a.fds[pid] = fd
 
-    async def _serve_request(self, conn: Conn, s: Session, rec) -> None:
-        """A request record from a session's own fd channel: the kernel
-        vouches for the sender, so no token is needed. Answered with REPLY
-        (for ALLOCATE after its PAGES records; for CLOSE just before the
-        GOODBYE, by Conn.hang_up)."""
-        d = self.daemon
-        code, value, message = errors.Code.OK, 0, ""
+    # A request record from a session's own fd channel: the kernel vouches
+    # for the sender, so no token is needed. Each is answered with REPLY
+    # (for ALLOCATE after its PAGES records; for CLOSE just before the
+    # GOODBYE, by Conn.hang_up). ALLOCATE and FREE, the requests of every
+    # grow and trim, have their own coroutines taking plain values (the
+    # common ones arrive as fdchannel.decode_hot tuples, no record object).
+    async def _serve_allocate(self, conn: Conn, s: Session, req_id: int, n: int, wait: bool, wait_ms: int, notify: bool,
+                              device: str) -> None:
         try:
-            if isinstance(rec, fdchannel.AllocateReq):
-                a = await d.allocate(s, rec.device, rec.num_pages, rec.wait, rec.wait_timeout_ms, rec.notify,
-                                     alloc_id=rec.req_id | fdchannel.CHANNEL_ALLOC_BIT)
-                value = a.held_bytes
-            elif isinstance(rec, fdchannel.FreeReq):
-                value, _ = await d.free(s, list(rec.page_ids))
-            elif isinstance(rec, fdchannel.AnswerReq):
+            a = await self.daemon.allocate(s, device, n, wait, wait_ms, notify, alloc_id=req_id | fdchannel.CHANNEL_ALLOC_BIT)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a REPLY code
+            await self._reply_failure(conn, req_id, exc, "ALLOCATE")
+            return
+        await self._reply(conn, fdchannel.encode_reply(req_id, 0, a.held_bytes))
+
+    async def _serve_free(self, conn: Conn, s: Session, req_id: int, page_ids: list[int]) -> None:
+        try:
+            freed, _ = await self.daemon.free(s, page_ids)
+        except Exception as exc:  # noqa: BLE001
+            await self._reply_failure(conn, req_id, exc, "FREE")
+            return
+        await self._reply(conn, fdchannel.encode_reply(req_id, 0, freed))
+
+    async def _serve_request(self, conn: Conn, s: Session, rec) -> None:
+        """CLOSE and ANSWER."""
+        d = self.daemon
+        try:
+            if isinstance(rec, fdchannel.AnswerReq):
                 value = d.answer_reclaim(s, rec.reclaim_id, rec.bytes_given, rec.bytes_kept, rec.reason)
             else:
                 conn.closing_req = rec.req_id
                 await d.close_session(s)
                 return
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a REPLY code
+        except Exception as exc:  # noqa: BLE001
             conn.closing_req = None
-            code, message = errors.status_of(exc)
-            if code == errors.Code.INTERNAL:
-                log.exception("fd channel request %s failed", type(rec).__name__)
+            await self._reply_failure(conn, rec.req_id, exc, "ANSWER" if isinstance(rec, fdchannel.AnswerReq) else "CLOSE")
+            return
+        await self._reply(conn, fdchannel.encode_reply(rec.req_id, 0, value))
+
+    async def _reply_failure(self, conn: Conn, req_id: int, exc: Exception, what: str) -> None:
+        code, message = errors.status_of(exc)
+        if code == errors.Code.INTERNAL:
+            log.error("fd channel request %s failed", what, exc_info=exc)
+        await self._reply(conn, fdchannel.encode_reply(req_id, code, 0, message))
+
+    async def _reply(self, conn: Conn, data: bytes) -> None:
+        """Send a REPLY: straight into the socket when it has room (no
+        coroutine, no lock), else through Conn.send's wait for room."""
+        if conn.send_now(data):
+            return
         try:
-            await conn.send(fdchannel.encode_reply(rec.req_id, code, value, message), [], self.settings.fd_send_timeout)
+            await conn.send(data, [], self.settings.fd_send_timeout)
         except DeliveryFailed:
             pass  # nobody to answer
 

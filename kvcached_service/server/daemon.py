@@ -30,7 +30,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable, NamedTuple, Union
 
 from .. import errors
 from ..backends.base import Backend
@@ -77,9 +77,9 @@ class Bearer:
 Who = Union[Session, Bearer]
 
 
-@dataclass(frozen=True)
-class Allocated:
-    """The answer to an Allocate, before an adapter encodes it."""
+class Allocated(NamedTuple):
+    """The answer to an Allocate, before an adapter encodes it (a NamedTuple:
+    made on every Allocate, and a frozen dataclass costs more to build)."""
 
     allocation_id: int
     device: str
@@ -599,7 +599,7 @@ class Daemon:
             if count <= 0 or count > limit:
                 raise errors.InvalidArgument(f"num_pages must be 1..{limit}, got {count}")
             pool = self.pool(device)
-            admit([pool.budget], session=f"{s.id} '{s.name}'", guaranteed_bytes=s.guaranteed_bytes, max_bytes=s.max_bytes,
+            admit([pool.budget], session=s, guaranteed_bytes=s.guaranteed_bytes, max_bytes=s.max_bytes,
                   device=pool.uuid, held_pages=s.held_pages(pool.uuid), more_pages=count)
             pages = await self._acquire(s, pool, count, wait, wait_ms, notify)
             if s.closed:
@@ -607,7 +607,9 @@ class Daemon:
                 await pool.give_back(pages)
                 raise errors.FailedPrecondition(f"session {s.id} closed while allocating")
             try:
-                fds = await pool.export_fds(pages)
+                fds = pool.export_fds_now(pages)
+                if fds is None:
+                    fds = await pool.export_fds(pages)
             except BaseException:
                 eager.start(pool.give_back(pages), self._spawn)  # never the session's
                 raise
@@ -738,14 +740,20 @@ class Daemon:
                 by_pool.setdefault(page.device, []).append(page)
             for uuid, group in by_pool.items():
                 s.remove_pages(self.pools[uuid], group)
-                self.reclaimer.settle(s, uuid, len(group))
+                if s.asks:
+                    self.reclaimer.settle(s, uuid, len(group))
             s.frees_total += 1
             s.touch()
-            self._journal({"op": "free", "sid": s.id, "pages": [p.id for p in pages]})
+            if self.journal is not None:
+                self._journal({"op": "free", "sid": s.id, "pages": [p.id for p in pages]})
             # Pages nothing needs to zero are pooled at once; zeroing runs in
             # tasks of their own: a cancelled Free (its client died) still
             # returns the pages.
-            zeroing = [t for t in (eager.start(self.pools[u].give_back(g), self._spawn) for u, g in by_pool.items()) if t]
+            zeroing = None
+            for u, g in by_pool.items():
+                t = eager.start(self.pools[u].give_back(g), self._spawn)
+                if t is not None:
+                    zeroing = (zeroing or []) + [t]
             if zeroing:
                 await asyncio.wait(zeroing)
             return len(pages), s

@@ -29,19 +29,21 @@ methods of kvcached.v1.KVCached), `code` (gRPC status names).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import concurrent.futures
 import logging
+import math
 import threading
 import time
-import types
 from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client import CollectorRegistry, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.utils import floatToGoString
 
 from .. import __version__, errors
 from ..errors import Code
@@ -356,33 +358,62 @@ def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
 # ---------------------------------------------------------------------------
 # rpc outcomes and latency: a grpc.aio server interceptor
 class RpcMetrics:
-    """Counters and histograms the daemon does not keep itself."""
+    """Rpc outcomes by (rpc, code) and Allocate latency by whether it
+    waited, kept as plain numbers and turned into metric families at scrape
+    time (a collector, registered in the daemon's registry).
+
+    Every writer runs on the event loop thread (the core's observers and
+    the gRPC interceptor); a scrape reads from the HTTP thread, copying each
+    container in one step under the GIL. prometheus-client's Counter and
+    Histogram would take a lock and look up a labelled child on every
+    observation, and the core observes every Allocate and Free: the request
+    path's most frequent calls (docs/benchmarks.md, issue 18)."""
 
     def __init__(self, registry: CollectorRegistry):
-        self.requests = Counter(
-            "kvcached_rpc_requests",
-            "Control-plane rpcs handled, by method and gRPC status code",
-            ["rpc", "code"],
-            registry=registry,
-        )
-        self.allocate_seconds = Histogram(
-            "kvcached_allocate_duration_seconds",
-            "Allocate rpc latency in the daemon (including the fd transfer), by whether the caller allowed waiting",
-            ["wait"],
-            buckets=ALLOCATE_BUCKETS,
-            registry=registry,
-        )
         # Make the common series exist from the start (0 is better than absent).
-        for rpc in ("Allocate", "Free"):
-            self.requests.labels(rpc, "OK")
-        for w in ("false", "true"):
-            self.allocate_seconds.labels(w)
+        self._requests: dict[tuple[str, str], int] = {("Allocate", "OK"): 0, ("Free", "OK"): 0}
+        self._code_names: dict[Any, str] = {}
+        # per wait (False, True): [counts per bucket, the last one +Inf; sum of seconds]
+        self._allocate: dict[bool, list] = {w: [[0] * (len(ALLOCATE_BUCKETS) + 1), 0.0] for w in (False, True)}
+        registry.register(self)
 
     def observe(self, rpc: str, code: Any, seconds: float, request: Any = None) -> None:
-        self.requests.labels(rpc, code_name(code)).inc()
+        self.observe_op(rpc, code, seconds, _waits(request) if rpc == "Allocate" else False)
+
+    def observe_op(self, rpc: str, code: Any, seconds: float, waited: bool) -> None:
+        name = self._code_names.get(code)
+        if name is None:
+            name = self._code_names[code] = code_name(code)
+        key = (rpc, name)
+        self._requests[key] = self._requests.get(key, 0) + 1
         if rpc == "Allocate":
-            wait = "true" if _waits(request) else "false"
-            self.allocate_seconds.labels(wait).observe(seconds)
+            h = self._allocate[bool(waited)]
+            h[0][bisect.bisect_left(ALLOCATE_BUCKETS, seconds)] += 1  # le: a value on a bound counts in that bucket
+            h[1] += seconds
+
+    def describe(self):
+        return [CounterMetricFamily("kvcached_rpc_requests", _REQUESTS_DOC, labels=["rpc", "code"]),
+                HistogramMetricFamily("kvcached_allocate_duration_seconds", _ALLOCATE_DOC, labels=["wait"])]
+
+    def collect(self):
+        requests = CounterMetricFamily("kvcached_rpc_requests", _REQUESTS_DOC, labels=["rpc", "code"])
+        for (rpc, code), n in sorted(self._requests.copy().items()):
+            requests.add_metric([rpc, code], n)
+        yield requests
+        hist = HistogramMetricFamily("kvcached_allocate_duration_seconds", _ALLOCATE_DOC, labels=["wait"])
+        for w in (False, True):
+            h = self._allocate[w]
+            counts, total = list(h[0]), h[1]
+            cumulative, buckets = 0, []
+            for bound, n in zip(ALLOCATE_BUCKETS + (math.inf,), counts):
+                cumulative += n
+                buckets.append((floatToGoString(bound), cumulative))
+            hist.add_metric(["true" if w else "false"], buckets, total)
+        yield hist
+
+
+_REQUESTS_DOC = "Control-plane rpcs handled, by method and gRPC status code"
+_ALLOCATE_DOC = "Allocate rpc latency in the daemon (including the fd transfer), by whether the caller allowed waiting"
 
 
 def _waits(request: Any) -> bool:
@@ -499,7 +530,7 @@ class Metrics:
             observers.append(self._core_op)
 
     def _core_op(self, rpc: str, code: errors.Code, seconds: float, waited: bool) -> None:
-        self.rpc.observe(rpc, code, seconds, types.SimpleNamespace(wait=waited))
+        self.rpc.observe_op(rpc, code, seconds, waited)
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         return [MetricsInterceptor(self.rpc)]

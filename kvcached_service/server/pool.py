@@ -360,7 +360,7 @@ class DevicePool:
             take = min(count, ready)
             create = count - take
             evict = max(0, create - self.n_free)
-            if evict <= self.n_ready_total() - ready:
+            if not evict or evict <= self.n_ready_total() - ready:
                 break
             # Short only by pages on their way into the pool (being zeroed, or
             # made for the warm pool): wait for them instead of refusing; a
@@ -416,6 +416,16 @@ class DevicePool:
                     asyncio.ensure_future(self.worker.call(self.backend.release_pages, self.spec.ordinal, f.result()))
             fut.add_done_callback(release)
             raise
+
+    def export_fds_now(self, pages: list[Page]) -> list[int] | None:
+        """export_fds when it needs no driver call (host pages; pooled CUDA
+        pages with a ready export): the descriptors, made on this thread.
+        None when it must go to the worker (export_fds)."""
+        be = self.backend
+        if not be.fresh_exports:
+            return be.export_fds(self.spec.ordinal, [p.handle for p in pages])
+        handles = [p.handle for p in pages]
+        return be.export_fds(self.spec.ordinal, handles) if be.exports_ready(handles) else None
 
     async def export_fds(self, pages: list[Page]) -> list[int]:
         """The descriptors to deliver for `pages` (backend.export_fds). With
