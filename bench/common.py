@@ -14,7 +14,6 @@ import ctypes
 import ctypes.util
 import mmap
 import os
-import re
 import pathlib
 import signal
 import statistics
@@ -73,24 +72,6 @@ def cpu_seconds(pid: int) -> float:
 
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def page_file_fds(pid: int) -> int:
-    """The process's fds that refer to a page: a host page's memfd
-    ("kvcached-page") or a CUDA test driver page file (made with O_TMPFILE
-    in its devN/ directory, so the link reads devN/#INODE; the test driver
-    keeps one open per page it created, where a real driver keeps its
-    allocation in the kernel, and a ready export is a dup of it)."""
-    n = 0
-    d = f"/proc/{pid}/fd"
-    for name in os.listdir(d):
-        try:
-            target = os.readlink(f"{d}/{name}")
-        except OSError:
-            continue
-        if target.startswith("/memfd:kvcached-page") or re.search(r"/dev\d+/#\d+", target):
-            n += 1
-    return n
 
 
 def rss_parts_kib(pid: int) -> dict:

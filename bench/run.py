@@ -153,7 +153,7 @@ def figures(res: dict) -> list[dict]:
                 rows.append(_row("4 Scale", f"{fig}: daemon open fds", l["daemon_fds"], ref["daemon_fds"], "fds", "lower", bw))
             if "daemon_other_fds" in l and "daemon_other_fds" in ref:
                 rows.append(_row("4 Scale", f"{fig}: daemon fds other than page files", l["daemon_other_fds"], ref["daemon_other_fds"],
-                                 "fds", "lower", bw, note="page files: host memfds, or the test driver's own file per page"))
+                                 "fds", "lower", bw, note="page files: host memfds, or (test driver with KVCACHED_TESTDRV_REFS=fds) its file per page"))
             parts, rparts = l.get("daemon_rss_parts_kib", {}), ref.get("daemon_rss_parts_kib", {})
             if "RssAnon" in parts and "RssAnon" in rparts:
                 rows.append(_row("4 Scale", f"{fig}: daemon RssAnon", parts["RssAnon"] / 1024, rparts["RssAnon"] / 1024, "MiB", "lower", bw))
