@@ -114,3 +114,38 @@ def test_region_larger_than_budget_reserves_but_cannot_fill(daemon):
         with pytest.raises(errors.ResourceExhausted):
             r.map(0, 1 << 30)
         assert r.mapped_bytes == 64 * MiB  # the failed map left the mapped prefix alone
+
+
+def _memfd_bytes_in(lo: int, hi: int) -> int:
+    """Bytes of [lo, hi) this process maps from a memfd (/proc/self/maps)."""
+    n = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "memfd:" not in line:
+                continue
+            a, b = (int(x, 16) for x in line.split()[0].split("-"))
+            n += max(0, min(b, hi) - max(a, lo))
+    return n
+
+
+def test_release_pages_across_holes_unmaps_every_run(daemon, backend):
+    """release_pages over slots with a hole between them (two runs of
+    adjacent pages, unmapped a run at a time by the host mapper): every page
+    it gives back is unmapped in this process, no other one is, and the
+    daemon holds just the rest."""
+    ps = 2 * MiB
+    with daemon.client() as c, c.open_session("r") as s, s.region(10 * ps) as r:
+        r.map(0, 10 * ps)
+        for i in range(10):
+            r.write(i * ps, bytes([i + 1]))
+        host = backend == "host"  # CUDA pages are no memfds in this process (the test driver's views)
+        assert not host or _memfd_bytes_in(r.base, r.base + 10 * ps) == 10 * ps
+        r.unmap(5 * ps, 2 * ps)  # the hole: slots 5 and 6
+        assert r.release_pages(5) == 5  # slots 9, 8, 7, then 4, 3
+        assert r.mapped_ranges() == [(0, 3 * ps)]
+        assert s.my_stats().pages_held == 3
+        assert not host or _memfd_bytes_in(r.base, r.base + 10 * ps) == 3 * ps
+        assert [r.read(i * ps, 1) for i in range(3)] == [b"\x01", b"\x02", b"\x03"]
+        r.map(3 * ps, 7 * ps)  # the unmapped runs are reserved again and map back, zeroed
+        assert r.read(4 * ps, 1) == b"\x00" and r.read(9 * ps, 1) == b"\x00"
+        assert_books(s.stats())
