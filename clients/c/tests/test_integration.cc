@@ -193,7 +193,7 @@ struct Daemon {
                                          "256MiB",         "--max-pages-per-request", "16"};
         for (const auto &a : extra_args)
             argv.push_back(a == "@STATE@" ? dir + "/state" : a);
-        // Every daemon of a run may get more flags (ctest: --channel-ops-only).
+        // Every daemon of a run may get more flags (ctest: --grpc-page-ops).
         std::istringstream more(env_or("KVC_TEST_DAEMON_ARGS", ""));
         for (std::string a; more >> a;)
             argv.push_back(a);
