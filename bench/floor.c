@@ -37,18 +37,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "benchc.h"
+
 #define REC 40
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
-static void die(const char *what) {
-    perror(what);
-    exit(2);
-}
 
 static int send_fd(int sock, int fd) {
     char buf[REC] = {'K', 'V', 'C', 'F'};
@@ -93,11 +84,6 @@ static int recv_fd(int sock) {
     memcpy(&fd, CMSG_DATA(c), sizeof fd);
     close(fd);
     return 1;
-}
-
-static int cmp(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
 }
 
 int main(int argc, char **argv) {
@@ -145,8 +131,7 @@ int main(int argc, char **argv) {
             }
             /* hang up first (the server stops on EOF), then report: count, then the latencies */
             close(sv[1]);
-            if (write(res[i][1], &done, sizeof done) != sizeof done) die("write");
-            if (lat && write(res[i][1], lat, sizeof(double) * (size_t)done) < 0) die("write");
+            report(res[i][1], done, lat);
             _exit(0);
         }
         close(sv[1]);
@@ -186,35 +171,18 @@ int main(int argc, char **argv) {
         }
     }
     double secs = now() - t0;
-    long total = 0;
-    double *all = NULL;
-    size_t nall = 0;
+    struct results r = {0};
     for (int i = 0; i < n; i++) {
-        long done = 0;
-        if (read(res[i][0], &done, sizeof done) != sizeof done) die("read result");
-        total += done;
-        if (!tput && done > 0) {
-            all = realloc(all, sizeof(double) * (nall + (size_t)done));
-            if (!all) die("realloc");
-            size_t want = sizeof(double) * (size_t)done, got = 0;
-            while (got < want) {
-                ssize_t r = read(res[i][0], (char *)(all + nall) + got, want - got);
-                if (r <= 0) die("read latencies");
-                got += (size_t)r;
-            }
-            nall += (size_t)done;
-        }
+        if (read_report(res[i][0], !tput, &r) != 0) die("read result");
         waitpid(kids[i], NULL, 0);
     }
     if (tput) {
-        printf("{\"clients\":%d,\"round_trips\":%ld,\"secs\":%.6f,\"per_s\":%.1f}\n", n, total, arg, (double)total / arg);
+        printf("{\"clients\":%d,\"round_trips\":%ld,\"secs\":%.6f,\"per_s\":%.1f}\n", n, r.total, arg, (double)r.total / arg);
     } else {
-        qsort(all, nall, sizeof *all, cmp);
-        double sum = 0;
-        for (size_t i = 0; i < nall; i++) sum += all[i];
-        size_t i50 = (size_t)(0.50 * (double)(nall - 1) + 0.5), i99 = (size_t)(0.99 * (double)(nall - 1) + 0.5);
-        printf("{\"clients\":%d,\"n\":%zu,\"p50_us\":%.2f,\"p99_us\":%.2f,\"mean_us\":%.2f,\"server_secs\":%.6f}\n", n, nall,
-               all[i50] * 1e6, all[i99] * 1e6, sum / (double)nall * 1e6, secs);
+        double p50, p99, mean;
+        summarize(&r, &p50, &p99, &mean);
+        printf("{\"clients\":%d,\"n\":%zu,\"p50_us\":%.2f,\"p99_us\":%.2f,\"mean_us\":%.2f,\"server_secs\":%.6f}\n", n, r.n,
+               p50, p99, mean, secs);
     }
     (void)served;
     return 0;

@@ -47,6 +47,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "benchc.h"
+
 #define MAGIC 0x4643564Bu
 #define T_HELLO 1
 #define T_PAGES 2
@@ -56,17 +58,6 @@
 #define T_REPLY 9
 #define CHANNEL_ALLOC_BIT (1ull << 63)
 #define MAX_REC 8192
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
-static void die(const char *what) {
-    perror(what);
-    exit(2);
-}
 
 static void put16(unsigned char *p, uint16_t v) { memcpy(p, &v, 2); } /* x86-64 and aarch64: little-endian */
 static void put32(unsigned char *p, uint32_t v) { memcpy(p, &v, 4); }
@@ -190,11 +181,6 @@ static void pair(int s, unsigned char *buf, uint64_t *req, long page_size, int m
     }
 }
 
-static int cmp(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 int main(int argc, char **argv) {
     if (argc != 7) {
         fprintf(stderr, "usage: loadc FD_SOCKET CLIENTS rtt|tput ROUND_TRIPS|SECONDS PAGE_SIZE map|nomap\n");
@@ -257,8 +243,7 @@ int main(int argc, char **argv) {
                 if (lat) lat[done] = now() - t0;
                 done++;
             }
-            if (write(res[i][1], &done, sizeof done) != sizeof done) die("write");
-            if (lat && write(res[i][1], lat, sizeof(double) * (size_t)done) < 0) die("write");
+            report(res[i][1], done, lat);
             close(s);
             _exit(0);
         }
@@ -290,29 +275,10 @@ int main(int argc, char **argv) {
         return 1;
     }
     close(go[1]); /* EOF on the pipe: every client starts */
-    long total = 0;
-    double *all = NULL;
-    size_t nall = 0;
+    struct results r = {0};
     int failed = 0;
-    for (int i = 0; i < n; i++) {
-        long done = 0;
-        if (read(res[i][0], &done, sizeof done) != sizeof done) {
-            failed = 1;
-            continue;
-        }
-        total += done;
-        if (!tput && done > 0) {
-            all = realloc(all, sizeof(double) * (nall + (size_t)done));
-            if (!all) die("realloc");
-            size_t want = sizeof(double) * (size_t)done, got = 0;
-            while (got < want) {
-                ssize_t r = read(res[i][0], (char *)(all + nall) + got, want - got);
-                if (r <= 0) die("read latencies");
-                got += (size_t)r;
-            }
-            nall += (size_t)done;
-        }
-    }
+    for (int i = 0; i < n; i++)
+        if (read_report(res[i][0], !tput, &r) != 0) failed = 1;
     for (int i = 0; i < n; i++) {
         int st;
         waitpid(kids[i], &st, 0);
@@ -323,14 +289,12 @@ int main(int argc, char **argv) {
         return 1;
     }
     if (tput) {
-        printf("{\"clients\":%d,\"pairs\":%ld,\"secs\":%.6f,\"per_s\":%.1f}\n", n, total, arg, (double)total / arg);
+        printf("{\"clients\":%d,\"pairs\":%ld,\"secs\":%.6f,\"per_s\":%.1f}\n", n, r.total, arg, (double)r.total / arg);
     } else {
-        qsort(all, nall, sizeof *all, cmp);
-        double sum = 0;
-        for (size_t i = 0; i < nall; i++) sum += all[i];
-        size_t i50 = (size_t)(0.50 * (double)(nall - 1) + 0.5), i99 = (size_t)(0.99 * (double)(nall - 1) + 0.5);
-        printf("{\"clients\":%d,\"n\":%zu,\"pairs\":%zu,\"p50_us\":%.2f,\"p99_us\":%.2f,\"mean_us\":%.2f}\n", n, nall, nall,
-               all[i50] * 1e6, all[i99] * 1e6, sum / (double)nall * 1e6);
+        double p50, p99, mean;
+        summarize(&r, &p50, &p99, &mean);
+        printf("{\"clients\":%d,\"n\":%zu,\"pairs\":%zu,\"p50_us\":%.2f,\"p99_us\":%.2f,\"mean_us\":%.2f}\n", n, r.n, r.n,
+               p50, p99, mean);
     }
     fflush(stdout);
     return 0;

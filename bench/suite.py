@@ -121,9 +121,10 @@ def common_wait_pool_empty(session, timeout: float = 5.0) -> None:
 
 # ---- 2. one-page Allocate+Free round trips; pairs/s with 64 clients -------------------------------
 def c_binary(name: str) -> str:
-    """bench/NAME.c built into build/bench/ (rebuilt when its source changes)."""
+    """bench/NAME.c built into build/bench/ (rebuilt when its source or
+    bench/benchc.h, which it includes, changes)."""
     src = common.ROOT / "bench" / f"{name}.c"
-    digest = hashlib.sha256(src.read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256(src.read_bytes() + (common.ROOT / "bench" / "benchc.h").read_bytes()).hexdigest()[:16]
     out = common.ROOT / "build" / "bench" / f"{name}-{digest}"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
