@@ -523,3 +523,34 @@ def test_recv_request_reads_hot_requests_as_tuples_and_the_rest_as_records():
             os.close(w)
         a.close()
         assert fdchannel.recv_request(b) is None
+
+
+def test_requests_before_open_session_are_refused_and_the_channel_stays(host_daemon):
+    """A request on a channel no session is bound to yet gets REPLY
+    FAILED_PRECONDITION, whichever decoder read it: the one-page FREE and
+    the plain ALLOCATE (the daemon's fast path, fdchannel.decode_hot) and
+    an ALLOCATE naming a device or a FREE of two pages (the full decoder).
+    The channel stays: OpenSession binds it afterwards and it serves."""
+    from helpers.raw import stub
+    from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(host_daemon.fd_socket)
+    s.settimeout(5)
+    try:
+        hello = fdchannel.recv_record(s)
+        requests = [
+            fdchannel.encode_allocate(1, 1),
+            fdchannel.encode_free(2, [7]),
+            fdchannel.encode_allocate(3, 1, device="HOST-0"),
+            fdchannel.encode_free(4, [7, 8]),
+        ]
+        for i, rec in enumerate(requests, 1):
+            fdchannel.send_record(s, rec)
+            rep = fdchannel.recv_record(s)
+            assert isinstance(rep, fdchannel.Reply) and rep.req_id == i, rep
+            assert rep.code == errors.Code.FAILED_PRECONDITION and "OpenSession first" in rep.message, rep
+        stub(host_daemon).OpenSession(pb.OpenSessionRequest(channel_secret=hello.secret, name="late"), timeout=10)
+        _still_serves(s, 5)
+    finally:
+        s.close()
