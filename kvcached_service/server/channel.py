@@ -360,8 +360,7 @@ class ChannelServer:
         if type(rec) is tuple:  # a one-page FREE or a plain ALLOCATE (fdchannel.decode_hot)
             s = conn.session
             if s is None:
-                conn.send_nowait(fdchannel.encode_reply(rec[1], errors.Code.FAILED_PRECONDITION, 0,
-                                                        "no session on this fd channel yet: call OpenSession first"))
+                self._refuse_before_session(conn, rec[1])
             elif rec[0] == fdchannel.REQ_ALLOCATE:
                 _, req, n, flags, wait_ms = rec
                 eager.start(self._serve_allocate(conn, s, req, n, bool(flags & fdchannel.ALLOC_WAIT), wait_ms,
@@ -374,8 +373,7 @@ class ChannelServer:
             return False
         if isinstance(rec, (fdchannel.AllocateReq, fdchannel.FreeReq, fdchannel.CloseReq, fdchannel.AnswerReq)):
             if conn.session is None:
-                conn.send_nowait(fdchannel.encode_reply(rec.req_id, errors.Code.FAILED_PRECONDITION, 0,
-                                                        "no session on this fd channel yet: call OpenSession first"))
+                self._refuse_before_session(conn, rec.req_id)
             elif isinstance(rec, fdchannel.AllocateReq):
                 # Served at once; a Task only if it has to wait (eager.py).
                 eager.start(self._serve_allocate(conn, conn.session, rec.req_id, rec.num_pages, rec.wait, rec.wait_timeout_ms,
@@ -408,6 +406,12 @@ class ChannelServer:
             if old is not None:
                 fdchannel.close_fds([old])
             a.fds[pid] = fd
+
+    @staticmethod
+    def _refuse_before_session(conn: Conn, req_id: int) -> None:
+        """A request on a channel no session is bound to yet."""
+        conn.send_nowait(fdchannel.encode_reply(req_id, errors.Code.FAILED_PRECONDITION, 0,
+                                                "no session on this fd channel yet: call OpenSession first"))
 
     # A request record from a session's own fd channel: the kernel vouches
     # for the sender, so no token is needed. Each is answered with REPLY
