@@ -749,11 +749,11 @@ class Daemon:
             # Pages nothing needs to zero are pooled at once; zeroing runs in
             # tasks of their own: a cancelled Free (its client died) still
             # returns the pages.
-            zeroing = None
+            zeroing = []
             for u, g in by_pool.items():
                 t = eager.start(self.pools[u].give_back(g), self._spawn)
                 if t is not None:
-                    zeroing = (zeroing or []) + [t]
+                    zeroing.append(t)
             if zeroing:
                 await asyncio.wait(zeroing)
             return len(pages), s
