@@ -518,7 +518,7 @@ class Metrics:
         self.collector = DaemonCollector(daemon, None, self.nvml, control)
         self.registry.register(self.collector)
         if process:
-            # process_open_fds / process_max_fds matter here: every page is one fd.
+            # process_open_fds / process_max_fds matter here: every host page is one fd.
             ProcessCollector(registry=self.registry)
         self._server = None
         self._thread: threading.Thread | None = None
@@ -527,10 +527,7 @@ class Metrics:
         # the core reports each once, at its boundary.
         observers = getattr(daemon, "observers", None)
         if observers is not None:
-            observers.append(self._core_op)
-
-    def _core_op(self, rpc: str, code: errors.Code, seconds: float, waited: bool) -> None:
-        self.rpc.observe_op(rpc, code, seconds, waited)
+            observers.append(self.rpc.observe_op)  # (rpc, code, seconds, waited)
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         return [MetricsInterceptor(self.rpc)]
