@@ -609,7 +609,7 @@ class Daemon:
             try:
                 fds = pool.export_fds_now(pages)
                 if fds is None:
-                    fds = await pool.export_fds(pages)
+                    fds = await pool.export_fds_on_worker(pages)
             except BaseException:
                 eager.start(pool.give_back(pages), self._spawn)  # never the session's
                 raise

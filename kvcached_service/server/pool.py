@@ -418,25 +418,23 @@ class DevicePool:
             raise
 
     def export_fds_now(self, pages: list[Page]) -> list[int] | None:
-        """export_fds when it needs no driver call (host pages; pooled CUDA
-        pages with a ready export): the descriptors, made on this thread.
-        None when it must go to the worker (export_fds)."""
+        """The descriptors to deliver for `pages` (backend.export_fds), made
+        on this thread when that needs no driver call: the host pages' own
+        fds, or CUDA pages that carry a ready export (new fds the caller
+        closes once sent). None when the backend must export on the device
+        worker: then export_fds_on_worker."""
         be = self.backend
-        if not be.fresh_exports:
-            return be.export_fds(self.spec.ordinal, [p.handle for p in pages])
         handles = [p.handle for p in pages]
-        return be.export_fds(self.spec.ordinal, handles) if be.exports_ready(handles) else None
+        if be.fresh_exports and not be.exports_ready(handles):
+            return None
+        return be.export_fds(self.spec.ordinal, handles)
 
-    async def export_fds(self, pages: list[Page]) -> list[int]:
-        """The descriptors to deliver for `pages` (backend.export_fds). With
-        a backend of fresh exports they are new fds the caller closes once
-        sent; made on this thread when that needs no driver call (pooled
-        pages carry a ready export), on the worker otherwise. If the caller
-        is cancelled meanwhile, the fds made are closed."""
-        handles = [p.handle for p in pages]
+    async def export_fds_on_worker(self, pages: list[Page]) -> list[int]:
+        """export_fds on the device worker (the pages need a driver call to
+        export). If the caller is cancelled meanwhile, the fds made are
+        closed."""
         be = self.backend
-        if not be.fresh_exports or be.exports_ready(handles):
-            return be.export_fds(self.spec.ordinal, handles)
+        handles = [p.handle for p in pages]
         fut = asyncio.ensure_future(self.worker.call(be.export_fds, self.spec.ordinal, handles))
         try:
             return await asyncio.shield(fut)
