@@ -238,12 +238,6 @@ class ChannelServer:
         except FileNotFoundError:
             pass
 
-    def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
     async def _sweep(self) -> None:
         """Channels left without a session for channel_bind_timeout are closed."""
         while True:
@@ -364,9 +358,9 @@ class ChannelServer:
             elif rec[0] == fdchannel.REQ_ALLOCATE:
                 _, req, n, flags, wait_ms = rec
                 eager.start(self._serve_allocate(conn, s, req, n, bool(flags & fdchannel.ALLOC_WAIT), wait_ms,
-                                                 bool(flags & fdchannel.ALLOC_NOTIFY), ""), self._spawn)
+                                                 bool(flags & fdchannel.ALLOC_NOTIFY), ""), self._tasks)
             else:
-                eager.start(self._serve_free(conn, s, rec[1], [rec[2]]), self._spawn)
+                eager.start(self._serve_free(conn, s, rec[1], [rec[2]]), self._tasks)
             return True
         if rec is None:
             self._lost(conn, crashed=conn.session is not None)
@@ -377,11 +371,11 @@ class ChannelServer:
             elif isinstance(rec, fdchannel.AllocateReq):
                 # Served at once; a Task only if it has to wait (eager.py).
                 eager.start(self._serve_allocate(conn, conn.session, rec.req_id, rec.num_pages, rec.wait, rec.wait_timeout_ms,
-                                                 rec.notify, rec.device), self._spawn)
+                                                 rec.notify, rec.device), self._tasks)
             elif isinstance(rec, fdchannel.FreeReq):
-                eager.start(self._serve_free(conn, conn.session, rec.req_id, list(rec.page_ids)), self._spawn)
+                eager.start(self._serve_free(conn, conn.session, rec.req_id, list(rec.page_ids)), self._tasks)
             else:
-                eager.start(self._serve_request(conn, conn.session, rec), self._spawn)
+                eager.start(self._serve_request(conn, conn.session, rec), self._tasks)
             return True
         if isinstance(rec, fdchannel.Adopt) and conn.session is None:
             self._collect_adopt(conn, rec)

@@ -569,7 +569,7 @@ class Daemon:
         for uuid, pages in by_pool.items():
             pool = self.pools[uuid]
             s.remove_pages(pool, pages)
-            eager.start(pool.give_back(pages), self._spawn)
+            eager.start(pool.give_back(pages), self._tasks)
         for q in s.watchers:
             q.put_nowait(None)
         self.reclaimer.session_ended(s)
@@ -611,7 +611,7 @@ class Daemon:
                 if fds is None:
                     fds = await pool.export_fds_on_worker(pages)
             except BaseException:
-                eager.start(pool.give_back(pages), self._spawn)  # never the session's
+                eager.start(pool.give_back(pages), self._tasks)  # never the session's
                 raise
             try:
                 s.add_pages(pool, pages)
@@ -751,7 +751,7 @@ class Daemon:
             # returns the pages.
             zeroing = []
             for u, g in by_pool.items():
-                t = eager.start(self.pools[u].give_back(g), self._spawn)
+                t = eager.start(self.pools[u].give_back(g), self._tasks)
                 if t is not None:
                     zeroing.append(t)
             if zeroing:

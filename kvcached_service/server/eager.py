@@ -8,20 +8,30 @@ coroutine right away instead; only if it has to wait (a page being created
 on the device worker, a full socket, an Allocate waiting for budget) does it
 become a Task, which carries on from exactly where it stopped.
 
-This is what Python 3.12's `asyncio.eager_task_factory` does; the daemon
-runs on 3.10+, so it is done here with the coroutine protocol itself: the
-Task drives a small proxy that hands the Task the very future the coroutine
-is waiting on, and hands back whatever the Task sends or throws (as
+On Python 3.12+ this is asyncio's own eager Task (`Task(..., eager_start=True)`):
+the coroutine's first steps run inside the Task that carries it on, so
+`asyncio.current_task()`, `asyncio.timeout()` and `asyncio.wait_for()` (which
+3.12 builds on `timeout()`) work before the first wait, also when the caller
+is a plain protocol callback with no Task of its own (the fd channel's
+reader). On 3.10 and 3.11 it is done here with the coroutine protocol
+itself: the Task drives a small proxy that hands the Task the very future the
+coroutine is waiting on, and hands back whatever the Task sends or throws (as
 `yield from` would), so cancellation and exceptions behave as in any Task.
+There, until its first wait the coroutine runs in the caller's task (or
+none): it must not use `asyncio.timeout()` before it (3.11's `wait_for` does
+not need a task).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from typing import Any, Callable, Coroutine
 
 log = logging.getLogger("kvcached.eager")
+
+NATIVE = sys.version_info >= (3, 12)  # asyncio.Task(..., eager_start=True)
 
 
 class _Resume:
@@ -55,16 +65,27 @@ async def _carry_on(resume: _Resume) -> Any:
     return await resume
 
 
-def start(coro: Coroutine, spawn: Callable[[Coroutine], asyncio.Task]) -> asyncio.Task | None:
+def start(coro: Coroutine, tasks: set[asyncio.Task]) -> asyncio.Task | None:
     """Run `coro` now. Returns None when it finished without waiting;
-    otherwise the Task (made by `spawn`) that carries it on. An exception
-    it raises before waiting is logged, as an unobserved Task's would be
-    (callers give it coroutines that handle their own errors)."""
-    try:
-        first = coro.send(None)
-    except StopIteration:
-        return None
-    except Exception:  # noqa: BLE001 - mirror an unobserved Task: log, do not raise into the caller
-        log.exception("request failed")
-        return None
-    return spawn(_carry_on(_Resume(coro, first)))
+    otherwise the Task that carries it on, added to `tasks` until it is done.
+    An exception it raises before waiting is logged, as an unobserved Task's
+    would be (callers give it coroutines that handle their own errors)."""
+    loop = asyncio.get_running_loop()
+    if NATIVE:
+        task = asyncio.Task(coro, loop=loop, eager_start=True)
+        if task.done():
+            if not task.cancelled() and task.exception() is not None:
+                log.error("request failed", exc_info=task.exception())
+            return None
+    else:
+        try:
+            first = coro.send(None)
+        except StopIteration:
+            return None
+        except Exception:  # noqa: BLE001 - mirror an unobserved Task: log, do not raise into the caller
+            log.exception("request failed")
+            return None
+        task = loop.create_task(_carry_on(_Resume(coro, first)))
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    return task
