@@ -18,10 +18,18 @@ import (
 
 // fakeChannel is the daemon's end of a session's fd channel, for tests of
 // the request machinery without a daemon.
+//
+// Its reader goroutine owns fd: the descriptor is closed only after the
+// reader has returned. (It used to be closed by the test's cleanup while the
+// reader could still be between two recvmsg calls; the next test's socket
+// pair then got the same descriptor number, and the stale reader took that
+// test's requests off its socket: "fake daemon: no request within 5 s".)
 type fakeChannel struct {
 	t    *testing.T
 	fd   int
 	recs chan fdchan.Record
+	stop chan struct{} // closed by the cleanup: the reader returns
+	done chan struct{} // closed by the reader when it has returned
 }
 
 // newFakeChannelMux returns a session's multiplexer whose fd channel is a
@@ -36,32 +44,61 @@ func newFakeChannelMux(t *testing.T) (*Mux, *fakeChannel) {
 	nc, err := net.FileConn(f)
 	f.Close()
 	if err != nil {
+		unix.Close(fds[1])
 		t.Fatal(err)
 	}
 	ch := fdchan.NewConn(nc.(*net.UnixConn))
 	s := New(ch, nil, Config{ID: 7, Log: slog.New(slog.DiscardHandler)})
-	fc := &fakeChannel{t: t, fd: fds[1], recs: make(chan fdchan.Record, 64)}
-	go func() {
-		buf := make([]byte, fdchan.HeaderSize+16+8*fdchan.MaxFreeIDs)
-		for {
-			n, _, _, _, err := unix.Recvmsg(fc.fd, buf, nil, 0)
-			if err != nil || n == 0 {
-				close(fc.recs)
-				return
-			}
-			r, err := fdchan.Decode(buf[:n], 0)
-			if err != nil {
-				t.Errorf("fake daemon: %v", err)
-				continue
-			}
-			fc.recs <- r
-		}
-	}()
+	fc := &fakeChannel{t: t, fd: fds[1], recs: make(chan fdchan.Record, 64),
+		stop: make(chan struct{}), done: make(chan struct{})}
+	go fc.read()
 	t.Cleanup(func() {
 		s.Shutdown()
+		// Wake the reader (a recvmsg on a shut-down socket returns 0 at
+		// once), wait until it has returned, and only then give the
+		// descriptor number back to the process.
+		close(fc.stop)
+		unix.Shutdown(fc.fd, unix.SHUT_RDWR)
+		select {
+		case <-fc.done:
+		case <-time.After(10 * time.Second):
+			t.Error("fake daemon: reader still running 10 s after the test; its fd is left open")
+			return
+		}
 		unix.Close(fc.fd)
 	})
 	return s, fc
+}
+
+// read passes the records the client sends to recs until the socket ends or
+// the test is over.
+func (fc *fakeChannel) read() {
+	defer close(fc.done)
+	defer close(fc.recs)
+	buf := make([]byte, fdchan.HeaderSize+16+8*fdchan.MaxFreeIDs)
+	for {
+		n, _, _, _, err := unix.Recvmsg(fc.fd, buf, nil, 0)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil || n == 0 {
+			return
+		}
+		r, err := fdchan.Decode(buf[:n], 0)
+		if err != nil {
+			select {
+			case <-fc.stop:
+			default:
+				fc.t.Errorf("fake daemon: %v", err)
+			}
+			continue
+		}
+		select {
+		case fc.recs <- r:
+		case <-fc.stop:
+			return
+		}
+	}
 }
 
 func (fc *fakeChannel) next() fdchan.Record {
