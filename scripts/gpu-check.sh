@@ -19,7 +19,9 @@
 # then one table: check, expected, seen, result (pass / FAIL / DIFF / info /
 # skip). FAIL: an assumption the code relies on does not hold (exit 1). DIFF:
 # the CUDA test driver's model of a real driver is wrong there (exit 0, but
-# please report it). The last line is PASS or FAIL.
+# please report it). The last line is the verdict: `PASS` (no FAIL or DIFF
+# row, no stage that was asked for skipped), `PASS with N DIFF rows` (exit 0),
+# or `FAIL` (a FAIL row or an asked-for stage skipped; exit 1).
 #
 # Environment: KVCACHED_LIBCUDA (driver library, default libcuda.so.1),
 # PYTHON (default: the repo's .venv, else python3), GPU_CHECK_MEMORY (daemon
@@ -31,7 +33,11 @@
 # (KVCACHED_LIBCUDA=build/testdriver/libcuda.so.1, KVCACHED_TESTDRV_* set) it
 # also reads the driver's leak reports; stages 3 and 4 are skipped there
 # (make test runs those suites and the bench on it) unless GPU_CHECK_TESTS /
-# GPU_CHECK_BENCH are set.
+# GPU_CHECK_BENCH are set. GPU_CHECK_OUT=DIR: also write into DIR the rows
+# (rows.jsonl), the table (table.md), the verdict line (verdict.txt), every
+# number the probe and the bench measured with its unit (figures.json) and
+# the logs (daemon.log, probe.jsonl, probe.err, pytest.log, bench.json,
+# bench.log, the client helpers' *.out / *.err).
 set -u
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -44,6 +50,8 @@ TMP="$(mktemp -d "${TMPDIR:-/tmp}/kvcached-gpu-check.XXXXXX")"
 SOCK="$TMP/kvc.sock"
 LOG="$TMP/daemon.log"
 ROWS="$TMP/rows.jsonl"
+OUTDIR="${GPU_CHECK_OUT:-}"
+if [[ -n "$OUTDIR" ]]; then mkdir -p "$OUTDIR" && OUTDIR="$(cd "$OUTDIR" && pwd)" || { echo "gpu-check: GPU_CHECK_OUT=$OUTDIR: cannot create it" >&2; exit 2; }; fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export KVCACHED_SOCKET="$SOCK"
 export KVCACHED_TESTDRV_REPORT="$TMP/leaks-client-%p.json"  # test driver only; the real driver ignores it
@@ -52,12 +60,25 @@ TESTDRIVER=0
 [[ "$(readlink -f "$LIB" 2>/dev/null)" == "$(readlink -f "$REPO/build/testdriver/libcuda.so.1" 2>/dev/null)" ]] && TESTDRIVER=1
 FAILED=0
 DAEMON=""
+# stages 3 and 4 are asked for on another driver by default, on the test driver only when named
+TESTS_ASKED=0; [[ ( $TESTDRIVER == 0 && -z "${GPU_CHECK_TESTS+set}" ) || -n "${GPU_CHECK_TESTS:-}" ]] && TESTS_ASKED=1
+BENCH_ASKED=0; [[ ( $TESTDRIVER == 0 && -z "${GPU_CHECK_BENCH+set}" ) || -n "${GPU_CHECK_BENCH:-}" ]] && BENCH_ASKED=1
 : >"$ROWS"
 
 say() { printf '%s\n' "$*"; }
-addrow() { # check expected seen verdict kind
-    "$PYTHON" -c 'import json,sys; print(json.dumps(dict(zip(("check","expected","seen","verdict","kind"), sys.argv[1:]))))' "$@" >>"$ROWS"
+addrow() { # check expected seen verdict kind [asked]: asked=1 on a skip row of a stage that was asked for (a FAIL)
+    "$PYTHON" -c '
+import json, sys
+r = dict(zip(("check", "expected", "seen", "verdict", "kind"), sys.argv[1:6]))
+if sys.argv[6:] == ["1"]:
+    r["asked"] = True
+print(json.dumps(r))' "$@" >>"$ROWS"
 }
+figure() { # name value unit: a number measured outside the probe and the bench (figures.json)
+    "$PYTHON" -c 'import json,sys; print(json.dumps({"figures": {sys.argv[1]: {"value": float(sys.argv[2]), "unit": sys.argv[3]}}}))' "$@" >>"$TMP/figures.jsonl"
+}
+STAGE_T0=$SECONDS
+stage_time() { figure "stage.$1.wall" "$((SECONDS - STAGE_T0))" s; STAGE_T0=$SECONDS; }
 pass() { say "ok   $*"; addrow "$*" "holds" "yes" pass code; }
 fail() { say "FAIL $*"; FAILED=1; addrow "${1%%:*}" "holds" "${1#*: }" FAIL code; }
 
@@ -80,16 +101,64 @@ if diff:
 EOF
 }
 
+verdict() { # the last line: PASS, PASS with N DIFF rows, or FAIL
+    "$PYTHON" - "$ROWS" "$FAILED" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+fail = sys.argv[2] != "0" or any(r["verdict"] == "FAIL" or (r["verdict"] == "skip" and r.get("asked")) for r in rows)
+ndiff = sum(r["verdict"] == "DIFF" for r in rows)
+print("FAIL" if fail else f"PASS with {ndiff} DIFF rows" if ndiff else "PASS")
+EOF
+}
+
+figures() { # every measured number as {name: {value, unit, stage}} (figures.json)
+    "$PYTHON" - "$ROWS" "$TMP/figures.jsonl" <<'EOF'
+import json, os, sys
+out = {}
+for path, run in ((sys.argv[1], False), (sys.argv[2], True)):
+    if not os.path.exists(path):
+        continue
+    for l in open(path):
+        if not l.strip():
+            continue
+        r = json.loads(l)
+        for name, f in (r.get("figures") or {}).items():
+            key = name if run else f"{r.get('stage', 'probe')}.{name}"
+            out[key] = {"value": f["value"], "unit": f["unit"], "stage": key.split(".")[0]}
+print(json.dumps(out, indent=1, sort_keys=True))
+EOF
+}
+
+save_out() { # copy the results into GPU_CHECK_OUT
+    [[ -n "$OUTDIR" ]] || return 0
+    cp "$ROWS" "$OUTDIR/rows.jsonl"
+    table >"$OUTDIR/table.md"
+    printf '%s\n' "$1" >"$OUTDIR/verdict.txt"
+    figures >"$OUTDIR/figures.json"
+    local f
+    for f in "$LOG" "$TMP"/probe.jsonl "$TMP"/probe.err "$TMP"/pytest.log "$TMP"/bench.json "$TMP"/bench.log \
+             "$TMP"/*.out "$TMP"/*.err "$TMP"/leaks-*.json; do
+        if [[ -f "$f" ]]; then cp "$f" "$OUTDIR/"; fi
+    done
+    say "(results in $OUTDIR: rows.jsonl, table.md, verdict.txt, figures.json, logs)"
+}
+
 finish() {
     say ""
     say "== table (also in $TMP/rows.jsonl)"
     table
     say ""
+    local v
+    v="$(verdict)"
+    [[ "$v" == PASS* ]] || { v=FAIL; FAILED=1; }
+    save_out "$v"
     if [[ $FAILED == 0 ]]; then
         say "PASS: kvcached CUDA path on $LIB: driver assumptions, cross-process page data, zeroing, region grow/trim, books, clean shutdown"
+        say "$v"
         exit 0
     fi
     say "FAIL: see the FAIL lines above (daemon log: $LOG)"
+    say "FAIL"
     exit 1
 }
 
@@ -99,7 +168,7 @@ cleanup() {
         sleep 2
         kill -KILL "$DAEMON" 2>/dev/null
     fi
-    if [[ "$FAILED" == 0 && -z "${GPU_CHECK_KEEP:-}" ]]; then rm -rf "$TMP"; else say "(logs kept in $TMP)"; fi
+    if [[ "$FAILED" == 0 && -z "${GPU_CHECK_KEEP:-}" ]]; then rm -rf "$TMP"; else say "(logs kept in $TMP)" >&2; fi  # stdout ends with the verdict
 }
 trap cleanup EXIT
 
@@ -119,6 +188,7 @@ for l in open(sys.argv[1]):
         print(f"{tag} {r['check']}: {r['seen']}")
 EOF
 grep -q '"verdict": "FAIL"' "$TMP/probe.jsonl" && FAILED=1
+stage_time probe
 
 say "== daemon"
 KVCACHED_TESTDRV_REPORT="$TMP/leaks-daemon.json" "$PYTHON" -m kvcached_service.server \
@@ -130,6 +200,8 @@ if ! "$PYTHON" "$HELPER" wait "$SOCK" "$DAEMON" 2>>"$TMP/wait.err" || ! kill -0 
     sed 's/^/     /' "$LOG" | tail -20
     DAEMON=""
     say "FAIL: the daemon cannot use this driver (see above)"
+    addrow "CUDA behaviour tests" "pass on this driver" "not run: the daemon did not start" skip code "$TESTS_ASKED"
+    addrow "CUDA bench" "runs" "not run: the daemon did not start" skip info "$BENCH_ASKED"
     finish
 fi
 pass "kvcached-serve --backend cuda serving on $SOCK (pid $DAEMON)"
@@ -177,6 +249,8 @@ say "== books and device memory"
 run books
 if [[ -n "$FREE0" ]] && run devfree; then
     FREE1="$(json "$LAST" free)"
+    figure daemon.device_free_before "$((FREE0 >> 20))" MiB
+    figure daemon.device_free_after "$((FREE1 >> 20))" MiB
     PAGE=$((2 << 20))
     DIFF=$(( FREE0 - FREE1 ))
     if (( DIFF <= PAGE )); then
@@ -218,26 +292,30 @@ else
     say "     (no driver leak report: the real driver keeps no count; the release path was checked through the books and device memory)"
 fi
 
+stage_time daemon
+
 say "== CUDA behaviour tests"
-TESTS="${GPU_CHECK_TESTS-tests/cuda tests/test_cuda_faults.py}"
+TESTS="${GPU_CHECK_TESTS-tests/cuda tests/test_cuda_faults.py tests/test_gpu_check.py}"
 if [[ $TESTDRIVER == 1 && -z "${GPU_CHECK_TESTS+set}" ]]; then
     say "     skipped: this is the project's test driver, which make test runs them on"
     addrow "CUDA behaviour tests" "pass on this driver" "skipped: the test driver (make test runs them)" skip code
 elif [[ -z "$TESTS" ]]; then
     addrow "CUDA behaviour tests" "pass on this driver" "skipped (GPU_CHECK_TESTS empty)" skip code
-elif [[ $TESTDRIVER == 0 ]] && ! grep -q KVCACHED_TEST_LIBCUDA "$REPO/tests/kvtest.py" "$REPO/tests/cuda/conftest.py" 2>/dev/null; then
-    # Until the suites honour KVCACHED_TEST_LIBCUDA (issue 17 item 4) they would run on the test driver, not on $LIB.
-    say "     not run: the suites cannot yet be pointed at another libcuda (KVCACHED_TEST_LIBCUDA, issue 17 item 4)"
-    addrow "CUDA behaviour tests" "pass on this driver" "not run: the suites cannot yet be pointed at another libcuda (issue 17 item 4)" skip code
 else
     # shellcheck disable=SC2086
     KVCACHED_TEST_LIBCUDA="$LIB" "$PYTHON" -m pytest -q -p no:cacheprovider $TESTS >"$TMP/pytest.log" 2>&1; TRC=$?
     SUMMARY="$(grep -E '(passed|failed|error)' "$TMP/pytest.log" | tail -1)"
+    for k in passed failed skipped error; do
+        n="$(printf '%s' "$SUMMARY" | grep -oE "[0-9]+ ${k}" | grep -oE '^[0-9]+')"
+        figure "tests.$k" "${n:-0}" tests
+    done
     say "     pytest $TESTS: ${SUMMARY:-exit $TRC}"
     if [[ $TRC == 0 ]]; then addrow "CUDA behaviour tests (pytest $TESTS)" "pass on this driver" "$SUMMARY" pass code
     else FAILED=1; addrow "CUDA behaviour tests (pytest $TESTS)" "pass on this driver" "${SUMMARY:-exit $TRC} (log kept: $TMP/pytest.log)" FAIL code
         grep -E '^(FAILED|ERROR) ' "$TMP/pytest.log" | head -10 | sed 's/^/     /'; fi
 fi
+
+stage_time tests
 
 say "== CUDA bench"
 BENCH="${GPU_CHECK_BENCH-allocate64,roundtrip}"
@@ -267,6 +345,22 @@ except Exception as exc:  # noqa: BLE001
 for name, err in res.get("errors", {}).items():
     row(f"CUDA bench: {name}", "runs", err.strip().splitlines()[-1][:200], "FAIL", "code")
 sc = res.get("scenarios", {})
+UNITS = (("_us", "us"), ("_ms", "ms"), ("_per_s", "1/s"), ("_mib", "MiB"), ("_bytes", "B"), ("secs", "s"), ("_s", "s"))
+figs = {}
+def walk(prefix, v):
+    if isinstance(v, bool):
+        return
+    if isinstance(v, (int, float)):
+        leaf = prefix.rsplit(".", 1)[-1].lower()
+        figs[prefix] = {"value": v, "unit": next((u for suf, u in UNITS if leaf.endswith(suf)), "count")}
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            walk(f"{prefix}.{k}", x)
+for name, v in sc.items():
+    walk(name, v)
+if figs:  # every number the bench measured (figures.json, bench.*)
+    print(json.dumps({"check": "bench figures", "expected": "recorded", "seen": f"{len(figs)} numbers (figures.json)",
+                      "verdict": "info", "kind": "info", "stage": "bench", "figures": figs}))
 a = sc.get("allocate64")
 if a:
     row("bench: Allocate(64 x 2 MiB) end to end in the client, p50 (us)", "daemon warm below in-process create+map",
@@ -279,6 +373,7 @@ if r:
         f"{r['tput_64_daemon']['pairs_per_s']:.0f} pairs/s with 64 clients", "info")
 EOF
     say "     bench.suite $BENCH: exit $BRC (log $TMP/bench.log)"
+    stage_time bench
 fi
 
 finish

@@ -4,6 +4,7 @@ run gets its own simulated machine (state directory)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -29,10 +30,12 @@ def run_check(tmp_path, **extra: str) -> subprocess.CompletedProcess:
 
 
 def test_gpu_check_passes_on_the_test_driver(tmp_path):
-    p = run_check(tmp_path)
+    res = tmp_path / "results" / "here"  # GPU_CHECK_OUT: created if missing
+    p = run_check(tmp_path, GPU_CHECK_OUT=str(res))
     assert p.returncode == 0, p.stdout + p.stderr
     out = p.stdout
-    assert out.rstrip().splitlines()[-1].startswith("PASS:"), out
+    assert out.rstrip().splitlines()[-1] == "PASS", out
+    assert out.rstrip().splitlines()[-2].startswith("PASS: kvcached CUDA path"), out
     assert "FAIL" not in out, out
     for needle in [
         "another process's pages, imported from their fds, hold its bytes",
@@ -53,9 +56,64 @@ def test_gpu_check_fails_when_pages_are_not_zeroed(tmp_path):
     assert p.returncode == 1, p.stdout
     assert "FAIL reader: pages freed by another session read as zeros" in p.stdout
     assert any(line.startswith("FAIL: see the FAIL lines") for line in p.stdout.splitlines()), p.stdout
+    assert p.stdout.rstrip().splitlines()[-1] == "FAIL", p.stdout
 
 
 def test_gpu_check_fails_when_the_driver_is_unusable(tmp_path):
-    p = run_check(tmp_path, KVCACHED_TESTDRV_NO_VMM="1")
+    """The daemon cannot start: FAIL, and the stages that were asked for
+    (here the behaviour tests, named) are reported as not run."""
+    res = tmp_path / "out"
+    p = run_check(tmp_path, KVCACHED_TESTDRV_NO_VMM="1", GPU_CHECK_OUT=str(res),
+                  GPU_CHECK_TESTS="tests/cuda/test_struct_layout.py")
     assert p.returncode == 1, p.stdout
     assert "did not start" in p.stdout and "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 0" in p.stdout, p.stdout
+    assert p.stdout.rstrip().splitlines()[-1] == "FAIL", p.stdout
+    assert (res / "verdict.txt").read_text() == "FAIL\n"
+    rows = [json.loads(line) for line in (res / "rows.jsonl").read_text().splitlines() if line.strip()]
+    skipped = {r["check"]: r.get("asked", False) for r in rows if r["verdict"] == "skip" and r["kind"] != "model"}
+    assert skipped == {"CUDA behaviour tests": True, "CUDA bench": False}, rows
+
+
+def test_gpu_check_out_holds_rows_table_figures_and_logs(tmp_path):
+    """GPU_CHECK_OUT=DIR (what the GPU bundle's verify.sh reads): the rows,
+    the table with one line per row, the verdict, the logs, and every number
+    the probe measured with its unit."""
+    res = tmp_path / "out"
+    p = run_check(tmp_path, GPU_CHECK_OUT=str(res), GPU_CHECK_PAGES="4")
+    assert p.returncode == 0, p.stdout + p.stderr
+    for name in ("rows.jsonl", "table.md", "verdict.txt", "figures.json", "daemon.log", "probe.jsonl", "probe.err",
+                 "reader.out", "leaks-daemon.json"):
+        assert (res / name).is_file(), (name, sorted(x.name for x in res.iterdir()))
+    rows = [json.loads(line) for line in (res / "rows.jsonl").read_text().splitlines() if line.strip()]
+    table = (res / "table.md").read_text().splitlines()
+    assert table[0] == "| # | check | expected | seen | result |"
+    assert len([line for line in table if line.startswith("| ") and not line.startswith("| #")]) == len(rows) > 40
+    assert (res / "verdict.txt").read_text() == "PASS\n"
+    assert "stopped: every page released" in (res / "daemon.log").read_text()
+    probe = [json.loads(line) for line in (res / "probe.jsonl").read_text().splitlines() if line.strip()]
+    assert rows[:len(probe)] == probe and len(probe) > 15  # the probe's rows come first
+    figs = json.loads((res / "figures.json").read_text())
+    for name, unit in [("probe.cuMemCreate_p50", "us per 2 MiB page"), ("probe.cuMemSetAccess_p99", "us per 2 MiB page"),
+                       ("probe.granularity_minimum", "B"), ("probe.free_drop_after_pages", "MiB"),
+                       ("probe.pages_created", "count"), ("daemon.device_free_before", "MiB"), ("stage.probe.wall", "s")]:
+        assert figs[name]["unit"] == unit, (name, figs.get(name))
+        assert isinstance(figs[name]["value"], (int, float)), figs[name]
+    assert figs["probe.granularity_minimum"]["value"] == 2 << 20
+    assert figs["probe.pages_created"]["value"] == 4
+    assert figs["probe.free_drop_after_pages"]["value"] >= 8  # 4 pages of 2 MiB
+    assert figs["probe.cuMemCreate_p50"]["value"] > 0
+
+
+def test_gpu_check_probe_reports_the_export_semantics(tmp_path):
+    """Stage 1 says what an exported fd is: its file type, whether its inode
+    differs per export, and whether read and mmap of it work (the test
+    driver's default: a directory per page, neither works)."""
+    res = tmp_path / "out"
+    p = run_check(tmp_path, GPU_CHECK_OUT=str(res), GPU_CHECK_PAGES="2")
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = {r["check"]: r for r in map(json.loads, (res / "probe.jsonl").read_text().splitlines())}
+    assert rows["exported fd: file type (fstat S_IFMT)"]["seen"].startswith("directory (")
+    assert rows["exported fd: inode (st_dev, st_ino) across exports"]["seen"] == "distinct per page"
+    assert rows["exported fd: read of it"]["seen"] == "fails: Is a directory"
+    assert rows["exported fd: mmap of it"]["seen"].startswith("fails: ")
+    assert all(rows[k]["verdict"] == "pass" and rows[k]["kind"] == "model" for k in rows if k.startswith("exported fd:"))

@@ -13,6 +13,8 @@ Every row is one JSON line {"check", "expected", "seen", "verdict", "kind"}:
                 model must change; the project is not known to be wrong);
   kind "info":  a number or fact recorded for the docs (verdict "info"),
   and "skip" when a check cannot run here (one device, say).
+A row may carry "figures": {name: {"value": number, "unit": str}}, the
+numbers it measured (scripts/gpu-check.sh gathers them into figures.json).
 The process exits 0 unless the probe itself crashed. Nothing here needs the
 test driver's private features; on the test driver it runs the same way.
 """
@@ -39,16 +41,29 @@ MiB = 1 << 20
 A100 = {"cuMemCreate": 193.0, "cuMemMap": 1.5, "cuMemSetAccess": 36.0, "cuMemUnmap": 26.0}  # kvcached bench_vmm, us per 2 MiB
 
 
-def row(check: str, expected: str, seen: str, verdict: str, kind: str) -> None:
-    print(json.dumps({"check": check, "expected": expected, "seen": seen, "verdict": verdict, "kind": kind}), flush=True)
+def row(check: str, expected: str, seen: str, verdict: str, kind: str, figures: dict | None = None) -> None:
+    r = {"check": check, "expected": expected, "seen": seen, "verdict": verdict, "kind": kind}
+    if figures:
+        r["figures"] = {k: {"value": v, "unit": u} for k, (v, u) in figures.items()}
+    print(json.dumps(r), flush=True)
 
 
-def code_row(check, expected, seen, ok):
-    row(check, expected, seen, "pass" if ok else "FAIL", "code")
+def code_row(check, expected, seen, ok, figures=None):
+    row(check, expected, seen, "pass" if ok else "FAIL", "code", figures)
 
 
-def model_row(check, expected, seen, ok):
-    row(check, expected, seen, "pass" if ok else "DIFF", "model")
+def model_row(check, expected, seen, ok, figures=None):
+    row(check, expected, seen, "pass" if ok else "DIFF", "model", figures)
+
+
+# What the CUDA test driver models by default for an exported fd
+# (tests/cudadriver/README.md, KVCACHED_TESTDRV_FD_IDENTITY=distinct). The
+# export-semantics rows compare the driver under test with it: a DIFF there
+# says the test driver's default should follow this driver. Public sources
+# predict a real driver's export is an fd of its device node
+# (/dev/nvidiactl): a character device, one inode for every export, no
+# read or mmap (docs/gpu-check.md, "Export semantics").
+EXPORT_MODEL = {"type": "directory", "inode": "distinct per page", "read": "fails", "mmap": "fails"}
 
 
 class Probe:
@@ -145,23 +160,31 @@ class Probe:
         ver = ctypes.c_int()
         self.d.cuDriverGetVersion(byref(ver))
         code_row("devices with the VMM API and POSIX-fd export", ">= 1 device, attributes 102 and 103 = 1",
-                 f"driver {ver.value}; " + "; ".join(descr), ok and self.ndev > 0)
+                 f"driver {ver.value}; " + "; ".join(descr), ok and self.ndev > 0,
+                 {"driver_version": (ver.value, "cuDriverGetVersion"), "devices": (self.ndev, "count")})
 
     def granularity(self):
         rec = ctypes.c_size_t()
         self.d.cuMemGetAllocationGranularity(byref(rec), byref(cu.allocation_prop(0)), cu.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
         code_row("allocation granularity divides the 2 MiB default page", "2 MiB % minimum == 0, minimum % host page == 0",
                  f"minimum {self.gran} B, recommended {rec.value} B",
-                 (2 * MiB) % self.gran == 0 and self.gran % os.sysconf("SC_PAGE_SIZE") == 0)
+                 (2 * MiB) % self.gran == 0 and self.gran % os.sysconf("SC_PAGE_SIZE") == 0,
+                 {"granularity_minimum": (self.gran, "B"), "granularity_recommended": (rec.value, "B")})
 
     def identity(self):
+        """What an exported fd is (one row per property): its file type, its
+        inode across exports, read and mmap of it."""
+        import mmap
+
         hs = [self.create(), self.create()]
         fds = [self.export(hs[0]), self.export(hs[1]), self.export(hs[0])]
         try:
             sts = [os.fstat(fd) for fd in fds]
             ids = [(s.st_dev, s.st_ino) for s in sts]
             kind = {stat.S_IFREG: "regular file", stat.S_IFDIR: "directory", stat.S_IFCHR: "character device",
-                    stat.S_IFSOCK: "socket", stat.S_IFIFO: "pipe"}.get(stat.S_IFMT(sts[0].st_mode), "other")
+                    stat.S_IFBLK: "block device", stat.S_IFSOCK: "socket", stat.S_IFIFO: "pipe",
+                    stat.S_IFLNK: "symlink"}.get(stat.S_IFMT(sts[0].st_mode), "other")
+            kinds = {stat.S_IFMT(st.st_mode) for st in sts}
             try:
                 target = os.readlink(f"/proc/self/fd/{fds[0]}")
             except OSError:
@@ -172,19 +195,22 @@ class Probe:
                 ident = "distinct per page"
             else:
                 ident = "distinct per export"
-            code_row("fstat identity of exported fds (daemon resume check)",
-                     "different pages differ (the journal's identity)", f"{ident}; {kind} ({target})", ident != "the same for every export")
-            rd = []
+            model_row("exported fd: file type (fstat S_IFMT)", f"{EXPORT_MODEL['type']} (the test driver's default)",
+                      f"{kind}{'' if len(kinds) == 1 else ' (not the same for every export)'} ({target})",
+                      kind == EXPORT_MODEL["type"])
+            model_row("exported fd: inode (st_dev, st_ino) across exports",
+                      f"{EXPORT_MODEL['inode']} (the test driver's default; the same for every export: "
+                      "the daemon refuses resumes with pages, docs/cuda.md, \"Page identity\")",
+                      ident, ident == EXPORT_MODEL["inode"])
             for name, fn in (("read", lambda: os.pread(fds[0], 16, 0)),
-                             ("mmap", lambda: __import__("mmap").mmap(fds[0], self.page, __import__("mmap").MAP_SHARED,
-                                                                      __import__("mmap").PROT_READ))):
+                             ("mmap", lambda: mmap.mmap(fds[0], self.page, mmap.MAP_SHARED, mmap.PROT_READ).close())):
                 try:
                     fn()
-                    rd.append(f"{name} works")
-                except OSError as exc:
-                    rd.append(f"{name}: {os.strerror(exc.errno)}")
-            model_row("exported fd gives no page bytes (read/mmap)", "read and mmap fail", ", ".join(rd),
-                      not any(x.endswith("works") for x in rd))
+                    got = "works"
+                except (OSError, ValueError) as exc:  # ValueError: mmap of an empty file
+                    got = f"fails: {os.strerror(exc.errno) if getattr(exc, 'errno', None) else exc}"
+                model_row(f"exported fd: {name} of it", f"{EXPORT_MODEL[name]} (no page bytes through an export)", got,
+                          got.startswith(EXPORT_MODEL[name]))
         finally:
             for fd in fds:
                 os.close(fd)
@@ -377,7 +403,8 @@ class Probe:
         n = self.pages
         free0, total = self.free_mem()
         row("device memory in use before the probe's pages", "anything (contexts, other processes)",
-            f"{(total - free0) / MiB:.0f} MiB of {total / MiB:.0f} MiB", "info", "info")
+            f"{(total - free0) / MiB:.0f} MiB of {total / MiB:.0f} MiB", "info", "info",
+            {"device_used_before": ((total - free0) / MiB, "MiB"), "device_total": (total / MiB, "MiB")})
         hs = []
         t = {k: [] for k in ("cuMemCreate", "cuMemExportToShareableHandle", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease")}
         base = self.reserve(n * self.page)
@@ -417,16 +444,21 @@ class Probe:
         free2, _ = self.free_mem()
         want = n * self.page
         code_row(f"free memory after {n} pages of {self.page // MiB} MiB", f"drops by at least {want // MiB} MiB",
-                 f"dropped {(free0 - free1) / MiB:.1f} MiB", free0 - free1 >= want)
+                 f"dropped {(free0 - free1) / MiB:.1f} MiB", free0 - free1 >= want,
+                 {"free_drop_after_pages": ((free0 - free1) / MiB, "MiB"), "pages_created": (n, "count"),
+                  "page_size": (self.page, "B")})
         code_row("cuMemGetInfo is device-wide (another process sees our pages)", f"its free <= ours + 1 page",
                  f"other process: {other['free'] / MiB:.1f} MiB free, ours {free1 / MiB:.1f} MiB (it has its own context too)",
-                 other["free"] <= free1 + self.page)
+                 other["free"] <= free1 + self.page,
+                 {"free_seen_by_other_process": (other["free"] / MiB, "MiB"), "free_seen_by_probe": (free1 / MiB, "MiB")})
         code_row("free memory back after release", "within 1 page of the start", f"{(free0 - free2) / MiB:.1f} MiB short",
-                 free0 - free2 <= self.page)
+                 free0 - free2 <= self.page, {"free_short_after_release": ((free0 - free2) / MiB, "MiB")})
         per = {k: sorted(v)[len(v) // 2] * 1e6 / (self.page / (2 * MiB)) for k, v in t.items() if v}
         seen = ", ".join(f"{k.replace('cuMem', '').replace('ToShareableHandle', '')} {v:.1f}" for k, v in per.items())
         code_row("cost per 2 MiB page, p50 (us)", "each under 10 ms (A100: create 193, map 1.5, set-access 36, unmap 26)", seen,
-                 all(v < 10000 for v in per.values()))
+                 all(v < 10000 for v in per.values()),
+                 {f"{k}_{q}": (sorted(v)[min(len(v) - 1, int(len(v) * f))] * 1e6 / (self.page / (2 * MiB)), "us per 2 MiB page")
+                  for k, v in t.items() if v for q, f in (("p50", 0.5), ("p99", 0.99))})
         # a context's own device memory: another process's context, seen from here while it lives
         src = "import sys; sys.path.insert(0, %r)\nfrom gpu_check_probe import *\n" % os.path.dirname(os.path.abspath(__file__))
         src += "p = Probe(1)\nprint('ready', flush=True)\nsys.stdin.readline()\np.close()\n"
@@ -439,7 +471,8 @@ class Probe:
             c.communicate("\n", timeout=60)
         if ready:
             row("a context's own device memory", "anything (KVCACHED_TESTDRV_CONTEXT_BYTES models it)",
-                f"{(free2 - free3) / MiB:.0f} MiB for another process's primary context", "info", "info")
+                f"{(free2 - free3) / MiB:.0f} MiB for another process's primary context", "info", "info",
+                {"context_memory": ((free2 - free3) / MiB, "MiB")})
 
     def run(self):
         steps = [self.devices, self.granularity, self.identity, self.import_twice, self.adjacent, self.access_rules,
