@@ -52,11 +52,27 @@ DAMAGE = {
     "non_utf8_line": (lines(GOOD[:2]) + b'{"op": "close", "sid": 3, "x": "\xff\xfe"}\n' + lines(GOOD[2:]), 3, "not UTF-8 (byte 0xff at column 33)"),
     "missing_key": (lines(GOOD) + lines([{"op": "alloc", "dev": "HOST-0", "pages": [[11, "1:5"]]}]) + lines([{"op": "close", "sid": 3}]), 4, "'alloc' record lacks 'sid'"),
     "an_array": (lines(GOOD[:1]) + b'[1, 2, 3]\n' + lines(GOOD[1:]), 2, "a JSON array, not an object"),
-    "wrong_type": (lines(GOOD[:1]) + lines([{"op": "open", "sid": "3", "uid": 0, "name": "n", "rh": ""}]) + b"\n", 2, "'sid' must be a positive integer, not '3'"),
+    "wrong_type": (lines(GOOD[:1]) + lines([{"op": "open", "sid": "3", "uid": 0, "name": "n", "rh": ""}]) + b"\n", 2, "'sid' must be an integer from 1 to 2^62, not '3'"),
     "unknown_record": (lines(GOOD) + lines([{"op": "teleport", "sid": 3}]) + lines([{"op": "close", "sid": 3}]), 4, "unknown record 'teleport'"),
     "not_json": (lines(GOOD[:2]) + b'{"op": "close", "sid": 3\n' + lines(GOOD[2:]), 3, "not JSON: Expecting ',' delimiter"),
     "bad_snapshot_page": (lines([dict(GOOD[0], sessions=[dict(GOOD[0]["sessions"][0], pages={"x7": ["HOST-0", "1:2"]})])]), 1,
-                          "snapshot session #1: page id 'x7' is not a positive integer"),
+                          "snapshot session #1: page id 'x7' is not an integer from 1 to 2^62"),
+    # hostile contents (issue 28): each made `kvcached-serve --state-dir` exit 1 with a traceback, or start and then
+    # fail every OpenSession / ALLOCATE with INTERNAL
+    "nested_5000_deep": (lines(GOOD[:1]) + b"[" * 5000 + b"]" * 5000 + b"\n" + lines(GOOD[1:]), 2, "JSON nested deeper than any record"),
+    "digits_5000": (lines(GOOD[:1]) + b'{"op": "close", "sid": ' + b"9" * 5000 + b"}\n", 2, "a number of 5000 digits (at most 20)"),
+    "session_id_2_64": (lines(GOOD[:1]) + lines([{"op": "open", "sid": 1 << 64, "uid": 0, "name": "n", "rh": ""}]), 2,
+                        "'sid' must be an integer from 1 to 2^62, not 18446744073709551616"),
+    "next_page_id_2_64": (lines([dict(GOOD[0], next_page_id=1 << 64)]), 1, "'next_page_id' must be an integer from 1 to 2^62"),
+    "page_id_2_64": (lines(GOOD) + lines([{"op": "alloc", "sid": 3, "dev": "HOST-0", "pages": [[1 << 64, "1:5"]]}]), 4,
+                     "must be [page id, identity]"),
+    "snapshot_page_key_superscript": (lines([dict(GOOD[0], sessions=[dict(GOOD[0]["sessions"][0], pages={"\u00b2": ["HOST-0", "1:2"]})])]),
+                                      1, "page id '\u00b2' is not an integer"),
+    "uid_2_32": (lines(GOOD[:1]) + lines([{"op": "open", "sid": 3, "uid": 1 << 32, "name": "n", "rh": ""}]), 2, "'uid' must be a uid"),
+    "priority_beyond_int32": (lines(GOOD) + lines([{"op": "limits", "sid": 3, "g": 0, "m": 0, "p": 1 << 31}]), 4, "'p' must be an int32"),
+    "bytes_2_63": (lines(GOOD) + lines([{"op": "limits", "sid": 3, "g": 1 << 63, "m": 0, "p": 0}]), 4, "'g' must be a byte count"),
+    "huge_name": (lines(GOOD[:1]) + lines([{"op": "open", "sid": 3, "uid": 0, "name": "n" * (65 << 10), "rh": ""}]), 2,
+                  "'name' must be a string of at most 64 KiB"),
 }
 
 
@@ -102,7 +118,8 @@ def _start(tmp_path, name: str, *args: str, env: dict | None = None) -> tuple[su
     return p, log
 
 
-@pytest.mark.parametrize("kind", ["random_bytes", "non_utf8_line", "missing_key", "an_array", "wrong_type"])
+@pytest.mark.parametrize("kind", ["random_bytes", "non_utf8_line", "missing_key", "an_array", "wrong_type",
+                                  "nested_5000_deep", "digits_5000", "session_id_2_64", "next_page_id_2_64"])
 def test_damaged_journal_is_moved_aside_and_the_daemon_serves(daemon_factory, tmp_path, kind):
     """A real daemon on a damaged journal: it serves (no resumes), its log
     names the file and line and says what it did (no traceback), the file is
@@ -262,3 +279,96 @@ def test_restart_without_state_dir_host_memory_of_old_clients_is_unavailable(dae
               f"{b2 / GiB:.2f} GiB (MemAvailable {m2 / GiB:.2f}) after it exits; Shmem fell by {(shmem_held - shmem_freed) / GiB:.2f} GiB")
         assert shmem_held - shmem_freed >= 1.4 * GiB  # the kernel counted the orphaned pages as used all along
         assert_books(c.stats())
+
+
+def test_lines_and_files_past_the_bounds_are_damage_not_memory(tmp_path, monkeypatch):
+    """A line longer than MAX_LINE is refused after reading MAX_LINE + 1 bytes
+    of it (never the whole line); a file larger than MAX_FILE is refused
+    before reading. (The bounds are lowered here: the real ones are 256 MiB
+    and 1 GiB.)"""
+    from kvcached_service.server import journal
+
+    monkeypatch.setattr(journal, "MAX_LINE", 4096)
+    j = Journal(str(tmp_path))
+    j.path.write_bytes(lines(GOOD[:1]) + b'{"op": "close", "sid": 3, "pad": "' + b"x" * 8192 + b'"}\n')
+    with pytest.raises(JournalDamaged) as info:
+        j.load()
+    assert info.value.line == 2 and "a line longer than 4096 bytes" in info.value.problem
+    monkeypatch.setattr(journal, "MAX_FILE", 1000)
+    j.path.write_bytes(lines(GOOD) * 20)
+    with pytest.raises(JournalDamaged) as info:
+        Journal(str(tmp_path)).load()
+    assert "larger than any journal a daemon writes (1000)" in info.value.problem
+
+
+def _mutations(rng, base: bytes):
+    """One hostile variant of a valid journal: what damage, bugs and attackers make."""
+    kind = rng.randrange(9)
+    b = bytearray(base)
+    if kind == 0:  # flip bytes
+        for _ in range(rng.randint(1, 8)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+    elif kind == 1:  # cut anywhere
+        del b[rng.randrange(len(b)):]
+    elif kind == 2:  # splice a chunk elsewhere
+        i, j = sorted(rng.randrange(len(b)) for _ in range(2))
+        k = rng.randrange(len(b))
+        b[k:k] = b[i:j]
+    elif kind == 3:  # a number replaced by a huge, negative or odd one
+        digits = [i for i, c in enumerate(b) if 48 <= c <= 57]
+        if digits:
+            i = rng.choice(digits)
+            b[i:i + 1] = rng.choice([b"9" * rng.randint(19, 6000), b"-1", b"1e400", b"18446744073709551616",
+                                     b"4611686018427387905", b"0", b"NaN", b"true", b"1.5", b"-0"])
+    elif kind == 4:  # deep nesting, as a line of its own or inside a record
+        depth = rng.choice([3, 50, 999, 1001, 5000, 100000])
+        nest = b"[" * depth + b"]" * depth if rng.random() < 0.5 else b'{"a":' * depth + b"1" + b"}" * depth
+        k = rng.randrange(len(b))
+        b[k:k] = nest + (b"\n" if rng.random() < 0.5 else b"")
+    elif kind == 5:  # a value replaced by another JSON type
+        k = b.find(b":", rng.randrange(len(b)))
+        if k > 0:
+            b[k + 1:k + 1] = rng.choice([b'[]', b'{}', b'null', b'"x",', b'[[1,"a"]],', b'{"7":["HOST-0"]},'])
+    elif kind == 6:  # random bytes
+        b = bytearray(rng.randbytes(rng.randint(0, 300)))
+    elif kind == 7:  # a long string
+        k = b.find(b'"', rng.randrange(len(b)))
+        if k > 0:
+            b[k + 1:k + 1] = b"n" * rng.choice([100, 70000])
+    else:  # unicode oddities in keys and ids
+        k = rng.randrange(len(b))
+        b[k:k] = rng.choice(["\u00b2".encode(), "\ud800".encode("utf-8", "surrogatepass"), b"\\ud800", b"\x00", b"\\u0000"])
+    return bytes(b)
+
+
+def test_fuzz_the_reader_with_100k_hostile_journals(tmp_path):
+    """100,000 mutated journals (seeded, so a failure reproduces): reading
+    either applies them or raises JournalDamaged; never another exception.
+    What it applies stays in range (ids the wire and every client can
+    carry), so a daemon that starts on it can serve."""
+    import io
+    import random
+
+    from kvcached_service.server import journal
+
+    rng = random.Random(2811)
+    base = lines(GOOD) + lines([{"op": "limits", "sid": 3, "g": 1 << 20, "m": 1 << 30, "p": -5},
+                                {"op": "free", "sid": 3, "pages": [10]}, {"op": "close", "sid": 2}])
+    outcomes = {"applied": 0, "damaged": 0}
+    for i in range(100_000):
+        data = _mutations(rng, base)
+        j = Journal(str(tmp_path))
+        try:
+            j.read(io.BytesIO(data), len(data))
+        except JournalDamaged:
+            outcomes["damaged"] += 1
+            continue
+        except Exception as exc:  # noqa: BLE001 - the point of the test
+            raise AssertionError(f"input #{i} ({data[:200]!r}...): {type(exc).__name__}: {exc}") from exc
+        outcomes["applied"] += 1
+        assert 1 <= j.next_session_id <= journal.MAX_ID + 1 and 1 <= j.next_page_id <= journal.MAX_ID + 1
+        for sid, js in j.sessions.items():
+            assert 1 <= sid <= journal.MAX_ID and 0 <= js.uid <= journal.MAX_UID
+            assert all(1 <= pid <= journal.MAX_ID for pid in js.pages)
+    print(f"\n100k hostile journals: {outcomes}")
+    assert outcomes["applied"] > 1000 and outcomes["damaged"] > 10_000  # both paths were exercised

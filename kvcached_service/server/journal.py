@@ -14,8 +14,14 @@ and on compaction (when the log grows past twice the live state).
 Compaction writes a new file and renames it over the old one, atomically.
 Writing costs O(pages in the call), never O(pages tracked).
 
-Reading is strict: every complete line must be UTF-8, JSON, an object, a
-known record with every field present and of its type. The one exception is
+Reading is strict and bounded: every complete line must be UTF-8, JSON, an
+object, a known record with every field present and of its type, ids and
+sizes in their ranges (`MAX_ID`, `MAX_BYTES`, a uid below 2^32, a priority
+that fits int32), no number longer than `MAX_DIGITS` digits, nesting no
+deeper than a record has, no line longer than `MAX_LINE` bytes and no file
+larger than `MAX_FILE`. Hostile contents (a line nested 5,000 deep, a
+5,000-digit number, an id of 2^64) are damage like any other, never a
+traceback. The one exception is
 a torn last record (no newline at the end of the file: the daemon died
 mid-write), which is applied if it happens to be complete and dropped
 otherwise. Anything else raises JournalDamaged naming the file, the line
@@ -31,10 +37,23 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 log = logging.getLogger("kvcached.journal")
 
 NAME = "journal.jsonl"
+
+# Bounds on what is read (hostile or damaged contents). Ids only grow, one per
+# session or page: 2^62 is out of reach of any daemon (146,000 years at a
+# million a second) and below every client's integer types (uint64, int64).
+MAX_ID = 1 << 62
+MAX_BYTES = (1 << 63) - 1  # guarantee / maximum of a session
+MAX_UID = (1 << 32) - 1
+PRIORITY = (-(1 << 31), (1 << 31) - 1)  # int32 on the wire
+MAX_DIGITS = 20  # every integer a valid record holds fits in 20 digits
+MAX_STRING = 64 << 10  # names, resume hashes, labels, identities
+MAX_LINE = 256 << 20  # a snapshot: ~70 bytes a page, so ~3.8M pages
+MAX_FILE = 1 << 30
 
 
 class JournalDamaged(Exception):
@@ -45,8 +64,20 @@ class JournalDamaged(Exception):
         super().__init__(f"journal {path} line {line}: {problem}")
 
 
-def _is_int(v, lo: int = 0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+def _is_int(v, lo: int = 0, hi: int = MAX_ID) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _is_str(v) -> bool:
+    return isinstance(v, str) and len(v) <= MAX_STRING
+
+
+def _bounded_int(text: str) -> int:
+    """json's parse_int: refuse a number no valid record holds before Python
+    converts it (3.11 refuses 4,300+ digits with a ValueError of its own)."""
+    if len(text.lstrip("-")) > MAX_DIGITS:
+        raise ValueError(f"a number of {len(text)} digits (at most {MAX_DIGITS})")
+    return int(text)
 
 
 def _check(cond: bool, what: str) -> None:
@@ -55,8 +86,8 @@ def _check(cond: bool, what: str) -> None:
 
 
 def _labels(v, where: str) -> dict:
-    _check(isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()),
-           f"{where} must be an object of strings")
+    _check(isinstance(v, dict) and len(v) <= 256 and all(_is_str(k) and _is_str(x) for k, x in v.items()),
+           f"{where} must be an object of at most 256 strings")
     return dict(v)
 
 
@@ -65,21 +96,23 @@ def _session_fields(rec: dict, keys: dict[str, str], where: str) -> None:
         _check(key in rec, f"{where} lacks {key!r}")
         v = rec[key]
         if kind == "id":
-            _check(_is_int(v, 1), f"{where}: {key!r} must be a positive integer, not {v!r:.40}")
-        elif kind == "uint":
-            _check(_is_int(v), f"{where}: {key!r} must be a non-negative integer, not {v!r:.40}")
-        elif kind == "int":
-            _check(isinstance(v, int) and not isinstance(v, bool), f"{where}: {key!r} must be an integer, not {v!r:.40}")
+            _check(_is_int(v, 1), f"{where}: {key!r} must be an integer from 1 to 2^62, not {v!r:.40}")
+        elif kind == "uid":
+            _check(_is_int(v, 0, MAX_UID), f"{where}: {key!r} must be a uid (0 to 2^32-1), not {v!r:.40}")
+        elif kind == "bytes":
+            _check(_is_int(v, 0, MAX_BYTES), f"{where}: {key!r} must be a byte count (0 to 2^63-1), not {v!r:.40}")
+        elif kind == "priority":
+            _check(_is_int(v, *PRIORITY), f"{where}: {key!r} must be an int32, not {v!r:.40}")
         elif kind == "str":
-            _check(isinstance(v, str), f"{where}: {key!r} must be a string, not {v!r:.40}")
+            _check(_is_str(v), f"{where}: {key!r} must be a string of at most 64 KiB, not {v!r:.40}")
         elif kind == "labels":
             _labels(v, f"{where}: {key!r}")
 
 
-_OPEN = {"sid": "id", "uid": "uint", "name": "str", "rh": "str"}
-_OPEN_OPTIONAL = {"g": "uint", "m": "uint", "p": "int", "labels": "labels"}
-_SNAP_SESSION = {"sid": "id", "uid": "uint", "name": "str", "resume_hash": "str", "guaranteed_bytes": "uint",
-                 "max_bytes": "uint", "priority": "int", "labels": "labels"}
+_OPEN = {"sid": "id", "uid": "uid", "name": "str", "rh": "str"}
+_OPEN_OPTIONAL = {"g": "bytes", "m": "bytes", "p": "priority", "labels": "labels"}
+_SNAP_SESSION = {"sid": "id", "uid": "uid", "name": "str", "resume_hash": "str", "guaranteed_bytes": "bytes",
+                 "max_bytes": "bytes", "priority": "priority", "labels": "labels"}
 
 
 def validate(rec) -> None:
@@ -99,8 +132,9 @@ def validate(rec) -> None:
             pages = js.get("pages")
             _check(isinstance(pages, dict), f"{where}: 'pages' must be an object")
             for k, v in pages.items():
-                _check(k.isdigit() and int(k) >= 1, f"{where}: page id {k!r:.40} is not a positive integer")
-                _check(isinstance(v, list) and len(v) == 2 and all(isinstance(x, str) for x in v),
+                _check(k.isascii() and k.isdigit() and len(k) <= MAX_DIGITS and _is_int(int(k), 1),
+                       f"{where}: page id {k!r:.40} is not an integer from 1 to 2^62")
+                _check(isinstance(v, list) and len(v) == 2 and all(_is_str(x) for x in v),
                        f"{where}: page {k} must be [device, identity]")
     elif op == "open":
         _session_fields(rec, _OPEN, "'open' record")
@@ -110,7 +144,7 @@ def validate(rec) -> None:
         pages = rec.get("pages")
         _check(isinstance(pages, list), "'alloc' record: 'pages' must be an array")
         for p in pages:
-            _check(isinstance(p, list) and len(p) == 2 and _is_int(p[0], 1) and isinstance(p[1], str),
+            _check(isinstance(p, list) and len(p) == 2 and _is_int(p[0], 1) and _is_str(p[1]),
                    f"'alloc' record: page {p!r:.60} must be [page id, identity]")
     elif op == "free":
         _session_fields(rec, {"sid": "id"}, "'free' record")
@@ -119,7 +153,7 @@ def validate(rec) -> None:
     elif op == "close":
         _session_fields(rec, {"sid": "id"}, "'close' record")
     elif op == "limits":
-        _session_fields(rec, {"sid": "id", "g": "uint", "m": "uint", "p": "int"}, "'limits' record")
+        _session_fields(rec, {"sid": "id", "g": "bytes", "m": "bytes", "p": "priority"}, "'limits' record")
     else:
         raise ValueError(f"unknown record {op!r:.40}")
 
@@ -154,22 +188,35 @@ class Journal:
         `sessions`, `next_session_id`, `next_page_id`), OSError when the
         state directory or the file cannot be used at all."""
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if not self.path.exists():
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
             return
-        data = self.path.read_bytes()
-        lines = data.split(b"\n")
-        torn = lines.pop()  # after the last newline: empty, or a record cut mid-write
-        for n, raw in enumerate(lines, 1):
-            if not raw.strip():
-                continue
-            rec = self._parse(raw, n)
-            self._apply(rec)
-        if torn.strip():
+        with f:
+            self.read(f, os.fstat(f.fileno()).st_size)
+
+    def read(self, f: BinaryIO, size: int) -> None:
+        """Apply the records of an open journal file of `size` bytes (load)."""
+        if size > MAX_FILE:
+            raise JournalDamaged(self.path, 1, f"{size} bytes: larger than any journal a daemon writes ({MAX_FILE})")
+        n = 0
+        while True:
+            raw = f.readline(MAX_LINE + 1)
+            if not raw:
+                return
+            n += 1
+            if len(raw) > MAX_LINE:
+                raise JournalDamaged(self.path, n, f"a line longer than {MAX_LINE} bytes")
+            if not raw.endswith(b"\n"):  # after the last newline: a record cut mid-write
+                break
+            if raw.strip():
+                self._apply(self._parse(raw, n))
+        if raw.strip():
             try:
-                rec = self._parse(torn, len(lines) + 1)
+                rec = self._parse(raw, n)
             except JournalDamaged as exc:
                 log.warning("journal %s: ignoring a torn last record (line %d, the daemon died mid-write): %s",
-                            self.path, len(lines) + 1, exc.problem)
+                            self.path, n, exc.problem)
             else:
                 self._apply(rec)
 
@@ -179,9 +226,13 @@ class Journal:
         except UnicodeDecodeError as exc:
             raise JournalDamaged(self.path, n, f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})") from None
         try:
-            rec = json.loads(text)
+            rec = json.loads(text, parse_int=_bounded_int)
         except json.JSONDecodeError as exc:
             raise JournalDamaged(self.path, n, f"not JSON: {exc.msg} (column {exc.colno})") from None
+        except RecursionError:
+            raise JournalDamaged(self.path, n, "JSON nested deeper than any record") from None
+        except ValueError as exc:  # _bounded_int
+            raise JournalDamaged(self.path, n, str(exc)) from None
         try:
             validate(rec)
         except ValueError as exc:
