@@ -260,3 +260,58 @@ def test_threads_of_one_session_across_a_kill(daemon_factory, tmp_path):
     s.close()
     c.close()
     del d2
+
+
+def test_a_journal_that_cannot_be_written_loses_no_pages(daemon_factory, tmp_path):
+    """A full state dir (issue 28): the daemon's file-size limit is lowered
+    under it (prlimit, as a 64 KiB tmpfs that fills would), so every journal
+    write fails (EFBIG, as ENOSPC would). Close, free, allocate and open
+    keep answering and the books stay right: a closing session's pages go
+    back (they stayed counted as in use for ever when the close record's
+    write raised); the stale journal is removed and kvcached_journal_stale
+    says 1. When writes work again the journal is rewritten from the live
+    books within seconds, and a daemon SIGKILLed after that resumes the
+    sessions that are open."""
+    import resource
+
+    from test_metrics import scrape, value
+
+    state = tmp_path / "state"
+    d = daemon_factory("host", state_dir=str(state), metrics_address="127.0.0.1:0")
+    c = d.client()
+    keep = c.open_session("keep")
+    kept = keep.allocate(3)
+    kept[0].write(0, b"kept")
+    gone = c.open_session("gone")
+    gone.allocate(5)
+    journal = state / "journal.jsonl"
+    size = journal.stat().st_size
+    soft, hard = resource.prlimit(d.proc.pid, resource.RLIMIT_FSIZE)
+    resource.prlimit(d.proc.pid, resource.RLIMIT_FSIZE, (size, hard))  # not one byte more
+    try:
+        gone.close()  # its close record cannot be written
+        keep.free(kept[1:])  # nor this free
+        more = keep.allocate(2)  # nor this alloc
+        late = c.open_session("opened while stale")  # nor this open
+        late.allocate(1)
+        st = c.stats()
+        assert st.total.pages_in_use == 1 + 2 + 1, st  # kept[0], more, late's: gone's 5 came back
+        assert_books(st)
+        assert value(scrape(d), "kvcached_journal_stale") == 1
+        assert not journal.exists()  # stale: no later daemon resumes from it
+    finally:  # (the daemon's log is a file too: what it wrote meanwhile is lost, as on a full disk)
+        resource.prlimit(d.proc.pid, resource.RLIMIT_FSIZE, (soft, hard))
+    wait_until(lambda: journal.exists() and value(scrape(d), "kvcached_journal_stale") == 0, 10)
+    assert "written again (2 sessions)" in d.log_text(), d.log_text()
+    assert "it had failed: File too large" in d.log_text()
+    _kill(d)
+    d2 = _restart(daemon_factory, d, "host", state_dir=str(state))
+    assert keep.wait_resumed(20) and late.wait_resumed(20), d2.log_text()
+    assert keep.my_stats().pages_held == 3 and late.my_stats().pages_held == 1
+    assert kept[0].read(0, 4) == b"kept"
+    st = c.stats()
+    assert st.total.pages_in_use == 4
+    assert_books(st)
+    keep.close()
+    late.close()
+    c.close()

@@ -48,6 +48,7 @@ log = logging.getLogger("kvcached.daemon")
 
 API_VERSION = 1
 SECRET_SIZE = 32  # the fd channel's HELLO secret, the session token, the resume token
+JOURNAL_RETRY_SECONDS = 2.0  # a journal that could not be written is rewritten this often until it can
 # Operations observed by the core itself (both adapters reach them); the
 # gRPC interceptor observes every other rpc.
 CORE_OPS = frozenset({"Allocate", "Free", "CloseSession"})
@@ -117,6 +118,8 @@ class Daemon:
         self._next_session_id = 1
         self._supply_read = 0.0  # when the devices' free memory was last read (monotonic)
         self.journal_damage: dict | None = None  # set when recover() found the journal damaged
+        self.journal_stale: str | None = None  # why the journal could not be written (then rewritten when it can)
+        self._journal_retry = 0.0
 
     # ---- start-up -------------------------------------------------------
     def start_devices(self) -> None:
@@ -237,13 +240,45 @@ class Daemon:
             )
 
     def _journal(self, rec: dict) -> None:
+        """Journal a change the books already made. A write that fails (a
+        full or read-only state dir) never undoes or skips the change: the
+        journal is marked stale instead (stale_journal), its file removed so
+        that no later daemon resumes from what it no longer matches, and
+        rewritten whole from the live books when a write works again."""
         j = self.journal
-        if j is None:
+        if j is None or self.journal_stale is not None:
             return
-        j.append(rec)
-        live = sum(len(s.pages) + 1 for s in self.sessions.values()) + sum(len(o.pages) + 1 for o in self.orphans.values())
-        if j.wants_compaction(live):
-            j.compact(self._live_state(), self._next_session_id, self.page_ids.peek())
+        try:
+            j.append(rec)
+            live = sum(len(s.pages) + 1 for s in self.sessions.values()) + sum(len(o.pages) + 1 for o in self.orphans.values())
+            if j.wants_compaction(live):
+                j.compact(self._live_state(), self._next_session_id, self.page_ids.peek())
+        except OSError as exc:
+            self._journal_failed(exc)
+
+    def _journal_failed(self, exc: OSError) -> None:
+        self.journal_stale = f"{exc.strerror or exc} ({self.journal.path})"
+        self._journal_retry = time.monotonic() + JOURNAL_RETRY_SECONDS
+        removed = self.journal.abandon()
+        log.error("journal: writing %s failed: %s. The daemon's books stay right and it keeps serving, but sessions "
+                  "cannot be resumed after a restart until the journal is written again (%s; retried every %gs).",
+                  self.journal.path, exc.strerror or exc,
+                  "the stale file was removed" if removed else "the stale file could not be removed: " + str(self.journal.path),
+                  JOURNAL_RETRY_SECONDS)
+
+    def _rewrite_stale_journal(self, now: float) -> None:
+        if self.journal_stale is None or now < self._journal_retry:
+            return
+        try:
+            self.journal.compact(self._live_state(), self._next_session_id, self.page_ids.peek())
+        except OSError as exc:
+            self.journal.abandon()
+            self._journal_retry = now + JOURNAL_RETRY_SECONDS
+            log.debug("journal: still cannot write %s: %s", self.journal.path, exc)
+            return
+        log.warning("journal: %s written again (%d sessions); sessions are resumable after a restart again "
+                    "(it had failed: %s)", self.journal.path, len(self.sessions) + len(self.orphans), self.journal_stale)
+        self.journal_stale = None
 
     def _live_state(self) -> dict[int, JSession]:
         out = dict(self.orphans)
@@ -295,6 +330,7 @@ class Daemon:
                     await pool.trim_idle(now)
                 except Exception:  # keep the loop alive whatever happens
                     log.exception("idle trim failed on %s", pool.uuid)
+            self._rewrite_stale_journal(now)
             poll = self.settings.memory_poll_seconds
             if poll > 0 and now - self._supply_read >= poll:
                 await self.refresh_supply()

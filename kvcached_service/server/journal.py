@@ -310,12 +310,19 @@ class Journal:
             ],
         }
         tmp = self.path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(snap, separators=(",", ":")) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(snap, separators=(",", ":")) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError:
+            try:
+                tmp.unlink()  # a half-written snapshot must not take the space a retry needs
+            except OSError:
+                pass
+            raise
         if self._fh is not None:
             self._fh.close()
         self._fh = open(self.path, "a", buffering=1)
@@ -331,6 +338,24 @@ class Journal:
 
     def compact(self, sessions: dict[int, JSession], next_session_id: int, next_page_id: int) -> None:
         self._write_snapshot(sessions, next_session_id, next_page_id)
+
+    def abandon(self) -> bool:
+        """After a failed write: drop the open file and remove the journal,
+        which no longer matches the books (a later daemon must not resume
+        from it). Removing needs no space. Returns whether it is gone."""
+        if self._fh is not None:
+            try:
+                self._fh.close()  # may fail again flushing what failed
+            except OSError:
+                pass
+            self._fh = None
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return False
+        return True
 
     def close(self, remove: bool = False) -> None:
         if self._fh is not None:

@@ -186,6 +186,7 @@ def snapshot(daemon: "Daemon", control: Any = None) -> dict:
         "counters": dict(c),
         "control": control.stats() if control is not None else None,
         "journal_damaged": 1 if getattr(daemon, "journal_damage", None) else 0,
+        "journal_stale": 1 if getattr(daemon, "journal_stale", None) else 0,
         "reclaim": {
             "answers": r.answers_total,
             "requests": r.requests_total,
@@ -324,6 +325,9 @@ class DaemonCollector:
                                   value=c.get("fd_channel_malformed_requests", 0))
         yield GaugeMetricFamily("kvcached_journal_damaged", "1 when this daemon found its journal damaged at start and moved it aside (no resumes)",
                                 value=snap["journal_damaged"])
+        yield GaugeMetricFamily("kvcached_journal_stale", "1 while the journal cannot be written (state dir full or read-only): "
+                                "the books stay right, but sessions are not resumable after a restart until it is rewritten",
+                                value=snap["journal_stale"])
         ctl = snap["control"]
         if ctl is not None:
             yield GaugeMetricFamily("kvcached_control_connections", "Open connections on the control (gRPC) socket", value=ctl["open"])
