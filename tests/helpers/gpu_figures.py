@@ -1,0 +1,287 @@
+"""Stage 4 of the offline GPU bundle (issue 24): the figures for the docs, as
+rows of kind "figures" (verdict info, or skip with the reason) and one
+figures.json ({name: {"value", "unit", "driver", ...}}).
+
+    python tests/helpers/gpu_figures.py --out DIR --driver real|testdriver
+        [--deadline EPOCH] [--servers FILE] [--full]
+
+1. cuMemCreate / cuMemMap / cuMemSetAccess / cuMemUnmap per 2 MiB page,
+   p50 and p99, in this process (tests/helpers/gpu_check_probe.py's Probe);
+2. warm Allocate(64 pages) through the daemon against in-process
+   create+map (bench.suite allocate64);
+3. one-page Allocate+Free round trip with 1 and 16 clients (bench.suite
+   roundtrip);
+4. reclaim of most of a 4 GiB budget from an idle session to a new one
+   (bench.suite reclaim, full size; on the test driver its quick size,
+   256 MiB, as /dev/shm backs its "device");
+5. decode tokens/s of the patched llama-server against the unpatched one on
+   one model (tests/helpers/gpu_llama.py decode), with the builds stage 3
+   recorded in --servers (default $BUNDLE/work/llama/servers.json).
+On the test driver every figure is the test driver's (marked "driver":
+"testdriver": they say nothing about a GPU); the decode figure needs
+llama-server with ggml-cuda and is a skip row there, unless stage 3 ran
+its CPU mode (then it is a CPU figure, marked as such).
+--full: bench.suite's full sizes for 2 and 3 (longer); default quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+KIND = "figures"  # the stage's name (scripts/gpu-bundle/report.py STAGE_NAMES)
+MiB = 1 << 20
+CALLS = ("cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap")
+
+SECTIONS = [
+    "driver calls per 2 MiB page (p50/p99)",
+    "warm Allocate(64) through the daemon vs in-process create+map",
+    "one-page round trip, 1 and 16 clients",
+    "reclaim from an idle session to a new one",
+    "decode tokens/s, patched vs unpatched llama-server",
+]
+
+
+def row(check: str, expected: str, seen: str, verdict: str = "info") -> dict:
+    assert verdict in ("pass", "FAIL", "DIFF", "info", "skip"), verdict
+    return {"check": check, "expected": expected, "seen": seen, "verdict": verdict, "kind": KIND}
+
+
+def pct(v: list[float], p: float) -> float:
+    s = sorted(v)
+    return s[min(len(s) - 1, int(len(s) * p / 100))] if s else float("nan")
+
+
+def fig(value: float, unit: str, driver: str, **extra) -> dict:
+    f = {"value": round(float(value), 3), "unit": unit, "driver": driver}
+    if driver == "testdriver":
+        f["note"] = "the CUDA test driver's figure: says nothing about a GPU"
+    f.update(extra)
+    return f
+
+
+def driver_call_figures(times: dict[str, list[float]], page: int, driver: str) -> tuple[dict, dict]:
+    """Per-call latencies (seconds) -> (figures, row): p50/p99 in us per 2 MiB page."""
+    scale = 1e6 / (page / (2 * MiB))
+    figs, parts = {}, []
+    for k in CALLS:
+        v = times.get(k) or []
+        if not v:
+            continue
+        p50, p99 = pct(v, 50) * scale, pct(v, 99) * scale
+        figs[f"stage4.{k}_p50_us"] = fig(p50, "us per 2 MiB page", driver, n=len(v))
+        figs[f"stage4.{k}_p99_us"] = fig(p99, "us per 2 MiB page", driver, n=len(v))
+        parts.append(f"{k.replace('cuMem', '')} {p50:.1f}/{p99:.1f}")
+    n = len(times.get("cuMemCreate") or [])
+    return figs, row(SECTIONS[0], "recorded (A100 p50: create 193, map 1.5, set-access 36, unmap 26 us)",
+                     f"p50/p99 us over {n} pages: " + ", ".join(parts) + tag(driver))
+
+
+def tag(driver: str) -> str:
+    return " [CUDA test driver]" if driver == "testdriver" else ""
+
+
+def bench_figures(res: dict, driver: str) -> tuple[dict, list[dict]]:
+    """bench.suite's JSON -> (figures, rows) for allocate64, roundtrip and reclaim."""
+    sc = res.get("scenarios", {})
+    figs, rows = {}, []
+    for name, err in res.get("errors", {}).items():
+        rows.append(row(f"bench.suite {name}", "runs", err.strip().splitlines()[-1][:300] if err.strip() else "error", "FAIL"))
+    a = sc.get("allocate64")
+    if a:
+        w, b, c = a["daemon_warm"], a["baseline_inproc_create_map"], a["daemon_cold"]
+        for key, s in (("warm", w), ("inproc", b), ("cold", c)):
+            figs[f"stage4.allocate64_{key}_p50_us"] = fig(s["p50_us"], "us", driver, n=s["n"])
+            figs[f"stage4.allocate64_{key}_p99_us"] = fig(s["p99_us"], "us", driver, n=s["n"])
+        rows.append(row(SECTIONS[1], "recorded (the daemon's warm path below in-process create+map)",
+                        f"p50/p99 us: daemon warm {w['p50_us']:.0f}/{w['p99_us']:.0f}, in-process "
+                        f"{b['p50_us']:.0f}/{b['p99_us']:.0f}, daemon cold {c['p50_us']:.0f}/{c['p99_us']:.0f}" + tag(driver)))
+    r = sc.get("roundtrip")
+    if r:
+        parts = []
+        for n in (1, 16):
+            s = r[f"rtt_{n}_daemon"]
+            figs[f"stage4.roundtrip_{n}_clients_p50_us"] = fig(s["p50_us"], "us", driver, n=s["n"])
+            figs[f"stage4.roundtrip_{n}_clients_p99_us"] = fig(s["p99_us"], "us", driver, n=s["n"])
+            parts.append(f"{n} client{'s' if n > 1 else ''} {s['p50_us']:.0f}/{s['p99_us']:.0f}")
+        cc = r.get("cclient", {})
+        for n in (1, 16):
+            if f"rtt_{n}" in cc:
+                figs[f"stage4.roundtrip_{n}_clients_c_client_p50_us"] = fig(cc[f"rtt_{n}"]["p50_us"], "us", driver)
+                parts.append(f"C client {n}: {cc[f'rtt_{n}']['p50_us']:.0f} p50")
+        rows.append(row(SECTIONS[2], "recorded", "p50/p99 us (Python client): " + ", ".join(parts) + tag(driver)))
+    c = sc.get("reclaim")
+    if c:
+        s = c["daemon_reclaim"]
+        gib = c["moved_bytes"] / (1 << 30)
+        figs["stage4.reclaim_p50_ms"] = fig(s["p50_us"] / 1e3, "ms", driver, moved_bytes=c["moved_bytes"],
+                                            budget_bytes=c["budget_bytes"], reps=c["reps"])
+        figs["stage4.reclaim_unload_reload_p50_ms"] = fig(c["baseline_unload_reload"]["p50_us"] / 1e3, "ms", driver,
+                                                          moved_bytes=c["moved_bytes"])
+        rows.append(row(f"{SECTIONS[3]} ({gib:.2f} GiB of a {c['budget_bytes'] / (1 << 30):.2f} GiB budget)",
+                        "recorded (issue 18's target: < 50 ms)",
+                        f"p50 {s['p50_us'] / 1e3:.1f} ms over {c['reps']} runs; unload+reload in-process "
+                        f"{c['baseline_unload_reload']['p50_us'] / 1e3:.1f} ms" + tag(driver)))
+    return figs, rows
+
+
+class Stage:
+    def __init__(self, a):
+        self.a = a
+        self.out = pathlib.Path(a.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.rows = self.out / "rows.jsonl"
+        self.figs: dict = {}
+        self.deadline = a.deadline or time.time() + 3600
+        self.driver = a.driver
+
+    def emit(self, r: dict) -> None:
+        with open(self.rows, "a") as f:
+            f.write(json.dumps(r) + "\n")
+        print(f"{r['verdict']:5} {r['check']}: {r['seen']}", flush=True)
+
+    def save(self) -> None:
+        (self.out / "figures.json").write_text(json.dumps(self.figs, indent=1, sort_keys=True))
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def env(self) -> dict:
+        e = dict(os.environ)
+        e["PYTHONPATH"] = str(ROOT) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
+        return e
+
+    # 1
+    def driver_calls(self) -> None:
+        n = 256 if self.driver == "real" else 32
+        code = f"""
+import json, sys, time
+sys.path.insert(0, {str(HERE)!r})
+from gpu_check_probe import Probe
+p = Probe({n})
+t = {{k: [] for k in {CALLS!r}}}
+base = p.reserve({n} * p.page)
+hs = []
+try:
+    for i in range({n}):
+        t0 = time.perf_counter(); h = p.create(); t["cuMemCreate"].append(time.perf_counter() - t0); hs.append(h)
+        a = base + i * p.page
+        t0 = time.perf_counter(); p.d.cuMemMap(a, p.page, 0, h, 0); t["cuMemMap"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter(); p.access(a, p.page); t["cuMemSetAccess"].append(time.perf_counter() - t0)
+    for i in range({n}):
+        t0 = time.perf_counter(); p.d.cuMemUnmap(base + i * p.page, p.page); t["cuMemUnmap"].append(time.perf_counter() - t0)
+finally:
+    for h in hs:
+        p.d.cuMemRelease(h)
+    p.d.cuMemAddressFree(base, {n} * p.page)
+    p.close()
+print(json.dumps({{"page": p.page, "times": t}}))
+"""
+        r = subprocess.run([sys.executable, "-c", code], env=self.env(), capture_output=True, text=True,
+                           timeout=max(30, self.left()))
+        if r.returncode != 0:
+            self.emit(row(SECTIONS[0], "runs", f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1:]}", "FAIL"))
+            return
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+        figs, rw = driver_call_figures(res["times"], res["page"], self.driver)
+        self.figs.update(figs)
+        self.emit(rw)
+
+    # 2-4
+    def bench(self, only: str, full: bool) -> None:
+        backend = "cuda-gpu" if self.driver == "real" else "cuda-testdriver"
+        out = self.out / f"bench-{only.replace(',', '-')}.json"
+        cmd = [sys.executable, "-m", "bench.suite", "--backend", backend, "--only", only, "--out", str(out)]
+        if not full:
+            cmd.append("--quick")
+        # the bench's sockets live in its temp dir: keep the path short
+        with open(self.out / f"bench-{only.replace(',', '-')}.log", "w") as log:
+            tmp = pathlib.Path(subprocess.check_output(["mktemp", "-d", "/tmp/kvcb4.XXXXXX"], text=True).strip())
+            env = dict(self.env(), TMPDIR=str(tmp))
+            try:
+                r = subprocess.run(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                   timeout=max(30, self.left() + 30))
+            finally:
+                subprocess.run(["rm", "-rf", str(tmp)])
+        if not out.exists():
+            self.emit(row(f"bench.suite {only}", "runs", f"no results (exit {r.returncode}; log {out.with_suffix('.log').name})",
+                          "FAIL"))
+            return
+        figs, rows = bench_figures(json.loads(out.read_text()), self.driver)
+        self.figs.update(figs)
+        for rw in rows:
+            self.emit(rw)
+
+    # 5
+    def decode(self) -> None:
+        path = pathlib.Path(self.a.servers) if self.a.servers else None
+        if not path or not path.exists():
+            reason = "no CUDA runtime" if self.driver != "real" else f"stage 3 recorded no llama-server builds ({path})"
+            self.emit(row(SECTIONS[4], "recorded", f"skip: {reason}", "skip"))
+            return
+        rec = json.loads(path.read_text())
+        env = self.env()
+        if rec.get("libdir"):
+            env["LD_LIBRARY_PATH"] = rec["libdir"] + (os.pathsep + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+        if rec.get("pylib"):  # stage 3's unpacked gguf wheel (the decode run writes its test model)
+            env["PYTHONPATH"] += os.pathsep + rec["pylib"]
+        r = subprocess.run([sys.executable, str(HERE / "gpu_llama.py"), "decode", "--device", rec["device"],
+                            "--orig", rec["orig"], "--kvc", rec["kvc"], "--out", str(self.out / "decode")],
+                           env=env, capture_output=True, text=True, timeout=max(60, self.left() + 30))
+        (self.out / "decode.log").write_text(r.stdout + r.stderr)
+        if r.returncode != 0:
+            self.emit(row(SECTIONS[4], "runs", f"exit {r.returncode}: {(r.stderr.strip().splitlines() or [''])[-1][:300]}",
+                          "FAIL"))
+            return
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+        dev = rec["device"]
+        figs = {f"stage4.{k}": dict(v, driver=self.driver if dev == "cuda" else "cpu build (no GPU)")
+                for k, v in res["figures"].items()}
+        self.figs.update(figs)
+        o = res["figures"]["decode_tokens_per_s_unpatched"]["value"]
+        k = res["figures"]["decode_tokens_per_s_patched"]["value"]
+        self.emit(row(SECTIONS[4] + f" ({'CUDA' if dev == 'cuda' else 'CPU builds'})",
+                      "recorded (patched close to unpatched)",
+                      f"unpatched {o:.0f}, patched {k:.0f} tokens/s (ratio {res['figures']['decode_patched_over_unpatched']['value']:.3f}; "
+                      f"tiny model A, 256 tokens, median of 3)" + (" [CPU builds, not a GPU]" if dev != "cuda" else "")))
+
+    def run(self) -> int:
+        steps = [(SECTIONS[0], self.driver_calls),
+                 (SECTIONS[1] + "; " + SECTIONS[2], lambda: self.bench("allocate64,roundtrip", self.a.full)),
+                 (SECTIONS[3], lambda: self.bench("reclaim", self.driver == "real")),
+                 (SECTIONS[4], self.decode)]
+        for i, (name, fn) in enumerate(steps):
+            if self.left() <= 0:
+                for n, _ in steps[i:]:
+                    self.emit(row(n, "runs before the stage deadline", "skip: stage deadline reached", "skip"))
+                break
+            t = time.monotonic()
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - this figure fails, the next ones still run
+                self.emit(row(name, "runs", f"{type(e).__name__}: {str(e)[:300]}", "FAIL"))
+            print(f"      ({time.monotonic() - t:.1f} s)", flush=True)
+            self.save()
+        self.save()
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--driver", choices=["real", "testdriver"], required=True)
+    ap.add_argument("--deadline", type=float, default=0.0)
+    ap.add_argument("--servers", default="", help="stage 3's record of its llama-server builds")
+    ap.add_argument("--full", action="store_true", help="bench.suite full sizes for allocate64 and roundtrip")
+    return Stage(ap.parse_args(argv)).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

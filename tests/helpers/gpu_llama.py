@@ -1,0 +1,594 @@
+"""Stage 3 of the offline GPU bundle (issue 24): the llama.cpp hook on a
+device, checked against the unpatched llama-server, one row per check.
+
+    python tests/helpers/gpu_llama.py checks --device cuda|cpu --orig BIN --kvc BIN \
+        --out DIR [--deadline EPOCH] [--rows FILE]
+    python tests/helpers/gpu_llama.py decode --device cuda|cpu --orig BIN --kvc BIN --out DIR
+
+`checks` appends rows ({"check", "expected", "seen", "verdict", "kind"}) to
+--rows (default DIR/rows.jsonl) one at a time, so whatever finished is kept
+when the stage is stopped. Every row's verdict is pass, FAIL, info or skip.
+`decode` prints one JSON object: decode tokens/s of both servers (stage 4).
+
+--device cuda: kvcached-serve --backend cuda (KVCACHED_LIBCUDA), both
+servers with every layer offloaded (-ngl 99), so the KV cache is a CUDA0
+buffer: the hook must put it in daemon pages (its log line "kvcached: CUDA0
+KV buffer reserved ... in daemon pages"), not fall back to ordinary memory.
+--device cpu: the same checks with the daemon's host backend against CPU
+builds (scripts/test-llama.sh's build/llama/build-{orig,kvc}), so that this
+driver runs in make test; the checks that only mean something on a device
+(device memory) are skip rows there.
+
+The checks, cheapest and most telling first (the deadline may cut the
+rest, which then become skip rows):
+  1. model A, flash attention on, 1 slot: greedy tokens identical to the
+     unpatched server; the KV buffer in daemon pages; pages following the
+     context (grow with a longer prompt, back to 0 on a slot erase);
+  2. a SIGKILLed server's pages back in the pool within 1 s, books exact;
+  3. two servers over one budget too small for both: a reclaim moves pages
+     from the idle one to the busy one, tokens still identical;
+  4. the rest of the greedy matrix: models A and B, flash attention on and
+     off, 1 and 4 slots;
+  5. device memory (NVML, else cuMemGetInfo through torch) back to where it
+     was before the first server started.
+Models are the tiny random-weight GGUFs of tests/llama/tiny_model.py, made
+here with the gguf package (the bundle carries its wheel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import types
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+for p in (ROOT, ROOT / "tests", ROOT / "tests" / "llama"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+MiB = 1 << 20
+PAGE = 2 * MiB            # the daemon's page: a GPU's VMM granularity, on both devices
+KIND = "llama.cpp"  # the stage's name (scripts/gpu-bundle/report.py STAGE_NAMES)
+
+# model name: (seed, tiny_model.write shape); B has GQA and half the layers
+MODELS = {
+    "A": (0, {}),
+    "B": (5, dict(n_layer=2, n_embd=512, n_head=8, n_head_kv=4, n_ff=1024)),
+}
+CTX = 8192                # -c (all slots together)
+LONG_CHARS = 6000         # ~4800 tokens: more than one 2 MiB page per K/V tensor (512 B per cell)
+RECLAIM_BUDGET = 40 * MiB  # A holds 32 MiB after the long prompt, B needs 16 MiB: reclaim must move pages
+
+
+GREEDY = [(m, f, n) for m in ("A", "B") for f in ("on", "off") for n in (1, 4)]
+
+
+def greedy_name(model: str, fa: str, parallel: int) -> str:
+    return f"greedy tokens identical: model {model}, flash attention {fa}, {parallel} slot{'s' if parallel > 1 else ''}"
+
+
+# every check of `checks`, in the order they run (the skip rows name them too)
+PLAN_NAMES = [
+    "KV buffer in daemon pages; greedy tokens model A, fa on, 1 slot; pages follow the context",
+    "SIGKILLed server's pages back in the pool",
+    f"two servers, one {RECLAIM_BUDGET // MiB} MiB budget: reclaim moves pages",
+    *(greedy_name(*k) for k in GREEDY if k != ("A", "on", 1)),
+    "device memory back to its start at the end",
+]
+
+
+# ---------------------------------------------------------------- rows and verdicts (unit tested)
+
+def make_row(check: str, expected: str, seen: str, verdict: str, kind: str = KIND) -> dict:
+    assert verdict in ("pass", "FAIL", "DIFF", "info", "skip"), verdict
+    return {"check": check, "expected": expected, "seen": seen, "verdict": verdict, "kind": kind}
+
+
+def greedy_row(label: str, want: list[list[int]], got: list[list[int]]) -> dict:
+    """Tokens of every prompt, unpatched against patched: pass only when all
+    are identical (and there is something to compare)."""
+    n = sum(len(t) for t in want)
+    if not want or n == 0:
+        return make_row(f"greedy tokens identical: {label}", "patched == unpatched", "no tokens to compare", "FAIL")
+    if len(want) != len(got):
+        return make_row(f"greedy tokens identical: {label}", "patched == unpatched",
+                        f"{len(got)} answers for {len(want)} prompts", "FAIL")
+    bad = [i for i, (w, g) in enumerate(zip(want, got)) if w != g]
+    if bad:
+        i = bad[0]
+        first = next((k for k, (a, b) in enumerate(zip(want[i], got[i])) if a != b), min(len(want[i]), len(got[i])))
+        return make_row(f"greedy tokens identical: {label}", "patched == unpatched",
+                        f"{len(bad)} of {len(want)} prompts differ (prompt {i}: first at token {first})", "FAIL")
+    return make_row(f"greedy tokens identical: {label}", "patched == unpatched",
+                    f"{len(want)} prompts, {n} tokens identical", "pass")
+
+
+def grow_trim_row(steps: list[tuple[str, int, int, int]], erased: int) -> dict:
+    """steps: (what, cells used, held bytes, most the cache may hold) after
+    each prompt, in growing order; erased: held bytes after the slot erase.
+    Pass when held grew with the context, stayed within its bound at every
+    step, and went back to 0."""
+    seen = "; ".join(f"{w}: {c} cells, {h / MiB:.0f} MiB (bound {b / MiB:.0f})" for w, c, h, b in steps)
+    seen += f"; after erase {erased / MiB:.0f} MiB"
+    helds = [h for _, _, h, _ in steps]
+    ok = (len(steps) >= 2 and helds[0] > 0 and helds[-1] > helds[0]
+          and all(0 < h <= b for _, _, h, b in steps) and erased == 0)
+    return make_row("pages follow the context (grow, trim on slot erase)",
+                    "held grows with the cells used, within cells read + 1 page per tensor; 0 after erase",
+                    seen, "pass" if ok else "FAIL")
+
+
+def memory_back_row(before: int | None, after: int | None, source: str, page: int = PAGE) -> dict:
+    """Device memory in use before the first server and after the last one
+    (bytes, from `source`): back within one page."""
+    check = "device memory back to its start at the end"
+    if before is None or after is None:
+        return make_row(check, f"within {page // MiB} MiB of the start", f"not measured ({source})", "skip")
+    d = after - before
+    seen = f"{before / MiB:.0f} -> {after / MiB:.0f} MiB in use ({source}; {d / MiB:+.1f} MiB)"
+    return make_row(check, f"within {page // MiB} MiB of the start (other GPU processes change it too)", seen,
+                    "pass" if d <= page else "FAIL")
+
+
+def deadline_rows(pending: list[str], reason: str) -> list[dict]:
+    return [make_row(c, "runs before the stage deadline", f"skip: {reason}", "skip") for c in pending]
+
+
+def books_ok(stats) -> bool:
+    for p in [stats.total, *stats.devices.values()]:
+        if p.pooled_bytes + p.in_use_bytes + p.free_bytes != p.budget_bytes:
+            return False
+    return True
+
+
+def decode_figures(orig_tps: list[float], kvc_tps: list[float], device: str, model: str) -> dict:
+    """figures.json entries for the decode speed of both servers (medians)."""
+    def med(v):
+        s = sorted(v)
+        return s[len(s) // 2] if s else 0.0
+    o, k = med(orig_tps), med(kvc_tps)
+    note = f"llama-server decode, tiny model {model}, {device}, median of {len(orig_tps)}"
+    return {
+        "decode_tokens_per_s_unpatched": {"value": round(o, 1), "unit": "tokens/s", "device": device, "note": note},
+        "decode_tokens_per_s_patched": {"value": round(k, 1), "unit": "tokens/s", "device": device, "note": note},
+        "decode_patched_over_unpatched": {"value": round(k / o, 3) if o else 0.0, "unit": "ratio", "device": device,
+                                          "note": note},
+    }
+
+
+# ---------------------------------------------------------------- processes
+
+class Daemon:
+    def __init__(self, workdir: pathlib.Path, name: str, backend: str, memory_limit: int, env: dict[str, str]):
+        from kvtest import wait_serving
+
+        self.socket = str(workdir / f"{name}.sock")
+        self.log = workdir / f"{name}.log"
+        penv = dict(os.environ)
+        penv.update(env)
+        penv["PYTHONPATH"] = str(ROOT) + (os.pathsep + penv["PYTHONPATH"] if penv.get("PYTHONPATH") else "")
+        args = [sys.executable, "-m", "kvcached_service.server", "--socket", self.socket, "--backend", backend,
+                "--memory-limit", str(memory_limit), "--page-size", str(PAGE), "--shutdown-grace", "0.5"]
+        if backend == "host":
+            args += ["--host-memory", str(max(memory_limit * 2, 512 * MiB))]
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen(args, env=penv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        wait_serving(self.socket, self.proc, self.log, timeout=60)
+        from kvcached_service.client import Client
+
+        self.client = Client.connect(self.socket, timeout=30)
+        # an observer session: the daemon's own uid is its admin, so its
+        # GetStats lists every session (the servers' included)
+        self.obs = self.client.open_session("gpu-llama-observer")
+
+    def stats(self):
+        return self.obs.stats()
+
+    def session(self, pid: int):
+        for s in self.stats().sessions:
+            if s.pid == pid:
+                return s
+        return None
+
+    def held(self, pid: int) -> int:
+        s = self.session(pid)
+        return s.held_bytes if s else 0
+
+    def stop(self) -> int:
+        try:
+            self.obs.close()
+            self.client.close()
+        except Exception:  # noqa: BLE001 - the daemon may be gone already
+            pass
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def wait_until(pred, timeout: float, interval: float = 0.02):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    return pred()
+
+
+def device_used() -> tuple[int | None, str]:
+    """Bytes in use on device 0: NVML (nvidia-ml-py) first, else torch's
+    cuMemGetInfo (which makes a context of its own: measured in a child)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            h = pynvml.nvmlDeviceGetHandleByIndex(0)
+            return int(pynvml.nvmlDeviceGetMemoryInfo(h).used), "NVML"
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as e:  # noqa: BLE001 - fall back to torch
+        nvml_err = f"{type(e).__name__}: {e}"
+    code = "import torch; f, t = torch.cuda.mem_get_info(0); print(t - f)"
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        if r.returncode == 0:
+            return int(r.stdout.strip().splitlines()[-1]), "torch.cuda.mem_get_info in a child (its context counted both times)"
+        return None, f"NVML failed ({nvml_err}); torch: {r.stderr.strip().splitlines()[-1:] or r.returncode}"
+    except Exception as e:  # noqa: BLE001
+        return None, f"NVML failed ({nvml_err}); torch: {e}"
+
+
+class Run:
+    """One run of the checks: models, the unpatched tokens, the rows."""
+
+    def __init__(self, a):
+        import llamatest
+
+        self.lt = llamatest
+        self.a = a
+        self.device = a.device
+        self.out = pathlib.Path(a.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.rows_path = pathlib.Path(a.rows) if a.rows else self.out / "rows.jsonl"
+        self.deadline = a.deadline or (time.time() + 3600)
+        # sockets must stay short (108 bytes): a temp dir of our own
+        self.work = pathlib.Path(tempfile.mkdtemp(prefix="kvc-gl-"))
+        self.logs = self.out / "logs"
+        self.logs.mkdir(exist_ok=True)
+        self.orig = pathlib.Path(a.orig)
+        self.kvc = pathlib.Path(a.kvc)
+        self.servers: list = []
+        self.daemons: list[Daemon] = []
+        self.ref: dict = {}
+        self.models: dict[str, pathlib.Path] = {}
+        self.n_server = 0
+        self.failed = False
+
+    # -- rows
+    def emit(self, r: dict) -> None:
+        if self.device == "cpu":
+            r = dict(r, check=f"cpu build, host pages: {r['check']}")
+        if r["verdict"] == "FAIL":
+            self.failed = True
+        with open(self.rows_path, "a") as f:
+            f.write(json.dumps(r) + "\n")
+        print(f"{r['verdict']:5} {r['check']}: {r['seen']}", flush=True)
+
+    def time_left(self) -> float:
+        return self.deadline - time.time()
+
+    # -- models, servers, daemons
+    def make_models(self) -> None:
+        try:
+            import yaml  # noqa: F401
+        except ImportError:
+            # gguf imports yaml at start-up (for model cards: unused here); the
+            # GPU host may lack PyYAML, and writing a model never needs it
+            sys.modules["yaml"] = types.ModuleType("yaml")
+        import tiny_model
+
+        d = self.out / "models"
+        d.mkdir(exist_ok=True)
+        for name, (seed, shape) in MODELS.items():
+            self.models[name] = tiny_model.write(d / f"tiny-{name}.gguf", seed=seed, **shape)
+
+    def env(self) -> dict[str, str]:
+        e = {}
+        if self.device == "cuda" and os.environ.get("KVCACHED_LIBCUDA"):
+            e["KVCACHED_LIBCUDA"] = os.environ["KVCACHED_LIBCUDA"]
+        return e
+
+    def server(self, binary: pathlib.Path, model: str, *, daemon: Daemon | None, parallel: int = 1, fa: str = "on",
+               ctx: int = CTX):
+        extra = ["--slot-save-path", str(self.work)]
+        if self.device == "cuda":
+            extra += ["-ngl", "99"]
+        self.n_server += 1
+        tag = "kvc" if daemon else "orig"
+        log = self.logs / f"server{self.n_server:02d}-{tag}-{model}-fa{fa}-np{parallel}.log"
+        s = self.lt.Server(binary, self.models[model], log, kvc_socket=daemon.socket if daemon else None, ctx=ctx,
+                           parallel=parallel, fa=fa, extra=extra, env=self.env())
+        self.servers.append(s)
+        return s
+
+    def daemon(self, name: str, limit: int) -> Daemon:
+        d = Daemon(self.work, name, "cuda" if self.device == "cuda" else "host", limit, self.env())
+        self.daemons.append(d)
+        return d
+
+    def stop_all(self) -> None:
+        for s in self.servers:
+            s.stop()
+        self.servers.clear()
+        for d in self.daemons:
+            d.stop()
+            try:
+                (self.logs / pathlib.Path(d.log).name).write_text(d.log.read_text(errors="replace"))
+            except OSError:
+                pass
+        self.daemons.clear()
+
+    def close(self) -> None:
+        self.stop_all()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    @staticmethod
+    def prompts(parallel: int) -> list[str]:
+        import llamatest as lt
+
+        if parallel == 1:
+            return ["Hello", lt.text(300, 1), lt.text(LONG_CHARS, 3)]
+        return [lt.text(200 + 300 * i, 20 + i) for i in range(parallel)]
+
+    def answers(self, srv, parallel: int, n_predict: int = 16) -> list[dict]:
+        ps = self.prompts(parallel)
+        if parallel == 1:
+            return [srv.complete(p, n_predict, id_slot=0) for p in ps]
+        res = srv.complete(ps, n_predict)
+        return res if isinstance(res, list) else [res]
+
+    def reference(self, model: str, fa: str, parallel: int) -> list[list[int]]:
+        key = (model, fa, parallel)
+        if key not in self.ref:
+            s = self.server(self.orig, model, daemon=None, parallel=parallel, fa=fa)
+            try:
+                self.ref[key] = [r["tokens"] for r in self.answers(s, parallel)]
+            finally:
+                s.stop()
+                self.servers.remove(s)
+        return self.ref[key]
+
+    def kv_buffer_name(self) -> str:
+        return "CUDA0" if self.device == "cuda" else "CPU"
+
+    # -- the checks
+    def check_first(self) -> None:
+        """Model A, fa on, 1 slot: greedy identity, KV buffer in daemon pages, grow and trim."""
+        want = self.reference("A", "on", 1)
+        d = self.daemon("d1", 256 * MiB)
+        srv = self.server(self.kvc, "A", daemon=d, parallel=1, fa="on")
+        buf = self.kv_buffer_name()
+        ps = self.prompts(1)
+        got, steps = [], []
+        row = tiny_model_row_bytes("A")
+        for p, what in zip(ps, ("5 chars", "300 chars", f"{LONG_CHARS} chars")):
+            r = srv.complete(p, 16, id_slot=0)
+            got.append(r["tokens"])
+            used = self.lt.used_cells(r)
+            steps.append((what, used, d.held(srv.pid), self.lt.held_bound([used], [row] * 8, PAGE)))
+        log = srv.log_text()
+        sess = d.session(srv.pid)
+        reserved = f"kvcached: {buf} KV buffer reserved" in log
+        fallback = "in ordinary memory" in log
+        kinds = sorted({dev.kind for dev in d.client.info.devices})
+        seen = (f"hook log: {'reserved' if reserved else 'no reservation line'}"
+                f"{', FELL BACK to ordinary memory' if fallback else ''}; daemon backend {d.client.info.backend} "
+                f"({', '.join(kinds)} pages); session of pid {srv.pid}: "
+                f"{'none' if sess is None else f'{sess.held_bytes / MiB:.0f} MiB held'}")
+        ok = reserved and not fallback and sess is not None and sess.held_bytes > 0 and \
+            d.client.info.backend == ("cuda" if self.device == "cuda" else "host")
+        self.emit(make_row(f"KV buffer in daemon pages ({buf} buffer, daemon backend "
+                           f"{'cuda' if self.device == 'cuda' else 'host'})",
+                           f"hook log 'kvcached: {buf} KV buffer reserved ... in daemon pages'; the session holds pages",
+                           seen, "pass" if ok else "FAIL"))
+        self.emit(greedy_row(greedy_name("A", "on", 1).split(": ", 1)[1], want, got))
+        srv.erase_slot(0)
+        wait_until(lambda: d.held(srv.pid) == 0, 5)
+        self.emit(grow_trim_row(steps, d.held(srv.pid)))
+        self.first = (d, srv)
+
+    def check_sigkill(self) -> None:
+        d, srv = getattr(self, "first", (None, None))
+        if srv is None or srv.proc.poll() is not None:
+            d = self.daemons[0] if self.daemons else self.daemon("d1", 256 * MiB)
+            srv = self.server(self.kvc, "A", daemon=d)
+        srv.complete(self.prompts(1)[2], 8, id_slot=0)
+        pid = srv.pid
+        held = d.held(pid)
+        os.kill(pid, signal.SIGKILL)
+        srv.proc.wait()
+        t0 = time.monotonic()
+        gone = wait_until(lambda: d.session(pid) is None, 5, 0.01)
+        took = time.monotonic() - t0
+        st = d.stats()
+        # nothing of the dead session stays in use: in use is what the live sessions hold
+        live = sum(s.held_bytes for s in st.sessions)
+        ok = bool(gone) and took <= 1.0 and held > 0 and st.total.in_use_bytes == live and books_ok(st)
+        self.emit(make_row("SIGKILLed server's pages back in the pool",
+                           "session gone within 1 s; in use = what live sessions hold; books add up",
+                           f"held {held / MiB:.0f} MiB; session gone after {took:.2f} s; in use "
+                           f"{st.total.in_use_bytes / MiB:.0f} MiB (live sessions {live / MiB:.0f}), pooled "
+                           f"{st.total.pooled_bytes / MiB:.0f} MiB; books {'add up' if books_ok(st) else 'DO NOT add up'}",
+                           "pass" if ok else "FAIL"))
+        self.servers.remove(srv)
+        srv.stop()
+
+    def check_reclaim(self) -> None:
+        long_ = self.prompts(1)[2]
+        want_a = self.reference("A", "on", 1)[2]
+        want_b = self.reference("B", "on", 1)[2]
+        d = self.daemon("d2", RECLAIM_BUDGET)
+        a = self.server(self.kvc, "A", daemon=d)
+        b = self.server(self.kvc, "B", daemon=d)
+        ra = a.complete(long_, 16, id_slot=0)
+        held_a0 = d.held(a.pid)
+        rb = b.complete(long_, 16, id_slot=0)
+        held_a1, held_b1 = d.held(a.pid), d.held(b.pid)
+        st = d.stats()
+        reclaims_seen = "kvcached: reclaim" in a.log_text()
+        # and back: A serves its prompt again, taking pages from the now idle B
+        ra2 = a.complete(long_, 16, id_slot=0)
+        held_a2, held_b2 = d.held(a.pid), d.held(b.pid)
+        st2 = d.stats()
+        ok = (ra["tokens"] == want_a and rb["tokens"] == want_b and held_a0 + (16 * MiB) > RECLAIM_BUDGET
+              and held_a1 < held_a0 and held_b1 > 0 and st.total.in_use_bytes <= RECLAIM_BUDGET and books_ok(st)
+              and held_a2 > held_a1 and held_b2 < held_b1 and st2.total.in_use_bytes <= RECLAIM_BUDGET
+              and books_ok(st2) and ra2["tokens"] == want_a)
+        self.emit(make_row(f"two servers, one {RECLAIM_BUDGET // MiB} MiB budget: reclaim moves pages",
+                           "idle A gives pages to B, then B to A; tokens identical; in use <= budget; books add up",
+                           f"A {held_a0 / MiB:.0f} -> {held_a1 / MiB:.0f} -> {held_a2 / MiB:.0f} MiB, B 0 -> "
+                           f"{held_b1 / MiB:.0f} -> {held_b2 / MiB:.0f} MiB; in use {st.total.in_use_bytes / MiB:.0f} / "
+                           f"{st2.total.in_use_bytes / MiB:.0f} MiB; tokens A {'same' if ra['tokens'] == ra2['tokens'] == want_a else 'DIFFER'}, "
+                           f"B {'same' if rb['tokens'] == want_b else 'DIFFER'}; A's log "
+                           f"{'names' if reclaims_seen else 'does not name'} the reclaim",
+                           "pass" if ok else "FAIL"))
+        for s in (a, b):
+            s.stop()
+            self.servers.remove(s)
+
+    def check_greedy(self, model: str, fa: str, parallel: int) -> None:
+        label = greedy_name(model, fa, parallel).split(": ", 1)[1]
+        want = self.reference(model, fa, parallel)
+        d = self.daemons[0] if self.daemons and self.daemons[0].proc.poll() is None else self.daemon("d3", 256 * MiB)
+        srv = self.server(self.kvc, model, daemon=d, parallel=parallel, fa=fa)
+        got = [r["tokens"] for r in self.answers(srv, parallel)]
+        held = d.held(srv.pid)
+        r = greedy_row(label, want, got)
+        if r["verdict"] == "pass" and held <= 0:
+            r = make_row(r["check"], r["expected"] + " (KV in daemon pages)", r["seen"] + "; but no pages held", "FAIL")
+        else:
+            r["seen"] += f"; {held / MiB:.0f} MiB in daemon pages"
+        self.emit(r)
+        srv.stop()
+        self.servers.remove(srv)
+
+    def run(self) -> int:
+        greedy = {greedy_name(m, f, n): (m, f, n) for m, f, n in GREEDY}
+        fns = [self.check_first, self.check_sigkill, self.check_reclaim]
+        plan = list(zip(PLAN_NAMES[:3], fns))
+        plan += [(n, lambda k=k: self.check_greedy(*k)) for n, k in greedy.items() if k != ("A", "on", 1)]
+        used0, src = (None, "cpu mode: no device") if self.device != "cuda" else device_used()
+        t_models = time.monotonic()
+        try:
+            self.make_models()
+        except Exception as e:  # noqa: BLE001 - one FAIL row, nothing else can run
+            self.emit(make_row("test models made with gguf", "two tiny GGUFs", f"{type(e).__name__}: {e}", "FAIL"))
+            return 1
+        self.emit(make_row("test models (tests/llama/tiny_model.py, gguf)", "made",
+                           ", ".join(f"{n}: {p.stat().st_size / MiB:.1f} MiB" for n, p in self.models.items())
+                           + f" in {time.monotonic() - t_models:.1f} s", "info"))
+        for i, (name, fn) in enumerate(plan):
+            if self.time_left() <= 0:
+                for r in deadline_rows([n for n, _ in plan[i:]], "stage deadline reached before this check"):
+                    self.emit(r)
+                break
+            t = time.monotonic()
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - the check fails, the next ones still run
+                msg = str(e).strip().splitlines()
+                self.emit(make_row(name, "runs", f"{type(e).__name__}: {' '.join(msg[:3])[:400]}", "FAIL"))
+                keep = getattr(self, "first", (None, None))[1]
+                for s in [s for s in self.servers if s is not keep]:  # what the failed check left running
+                    s.stop()
+                    self.servers.remove(s)
+            print(f"      ({time.monotonic() - t:.1f} s)", flush=True)
+        self.stop_all()
+        if self.device == "cuda":
+            # the driver frees a dead process's memory shortly after it exits
+            after = device_used()
+            end = time.monotonic() + 5
+            while after[0] is not None and used0 is not None and after[0] - used0 > PAGE and time.monotonic() < end:
+                time.sleep(0.25)
+                after = device_used()
+            self.emit(memory_back_row(used0, after[0], after[1] if used0 is not None else f"{src}; {after[1]}"))
+        else:
+            self.emit(make_row("device memory back to its start at the end", "NVML", "skip: cpu mode (no device)", "skip"))
+        return 1 if self.failed else 0
+
+
+def tiny_model_row_bytes(model: str) -> int:
+    import tiny_model
+
+    shape = MODELS[model][1]
+    return tiny_model.kv_row_bytes(shape.get("n_embd", tiny_model.N_EMBD), shape.get("n_head", tiny_model.N_HEAD),
+                                   shape.get("n_head_kv", tiny_model.N_HEAD_KV))
+
+
+def decode(a) -> int:
+    """Decode tokens/s of both servers on model A (stage 4): 3 runs each of
+    256 tokens after a short prompt, llama-server's own timings."""
+    run = Run(a)
+    run.make_models()
+    out = {"orig": [], "kvc": []}
+    try:
+        for tag, binary in (("orig", run.orig), ("kvc", run.kvc)):
+            d = run.daemon(f"dd-{tag}", 256 * MiB) if tag == "kvc" else None
+            s = run.server(binary, "A", daemon=d, parallel=1, fa="on", ctx=4096)
+            s.complete("Hello", 8, id_slot=0)  # warm-up
+            for i in range(3):
+                r = s.complete(f"Hello {i}", 256, id_slot=0, cache_prompt=False)
+                out[tag].append(float(r["timings"]["predicted_per_second"]))
+            s.stop()
+            run.servers.remove(s)
+    finally:
+        run.close()
+    print(json.dumps({"figures": decode_figures(out["orig"], out["kvc"], a.device, "A"), "raw": out}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["checks", "decode", "skip"],
+                    help="skip: write a skip row (--reason) for every check, run nothing")
+    ap.add_argument("--reason", default="", help="skip: the reason (e.g. 'no CUDA runtime')")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--orig", default="", help="the unpatched llama-server")
+    ap.add_argument("--kvc", default="", help="the patched llama-server")
+    ap.add_argument("--out", required=True, help="directory for logs, models and (default) rows.jsonl")
+    ap.add_argument("--rows", default="", help="append rows here (default OUT/rows.jsonl)")
+    ap.add_argument("--deadline", type=float, default=0.0, help="epoch seconds: start no check after it")
+    a = ap.parse_args(argv)
+    if a.mode == "skip":
+        rows = pathlib.Path(a.rows) if a.rows else pathlib.Path(a.out) / "rows.jsonl"
+        rows.parent.mkdir(parents=True, exist_ok=True)
+        with open(rows, "a") as f:
+            for name in PLAN_NAMES:
+                f.write(json.dumps(make_row(name, "runs on a GPU", f"skip: {a.reason}", "skip")) + "\n")
+        return 0
+    if a.mode == "decode":
+        return decode(a)
+    run = Run(a)
+    try:
+        return run.run()
+    finally:
+        run.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The row and verdict logic of the GPU bundle's stages 3 and 4
+(tests/helpers/gpu_llama.py, tests/helpers/gpu_figures.py,
+scripts/gpu-bundle/stage3.sh), without builds or a GPU: fast. The checks
+themselves run against real llama-servers in tests/llama/test_gpu_bundle_stage3.py
+(CPU builds) and on a GPU host through the bundle."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvtest import HELPERS, ROOT
+
+sys.path.insert(0, str(HELPERS))
+import gpu_figures  # noqa: E402
+import gpu_llama as gl  # noqa: E402
+
+MiB = 1 << 20
+STAGE3 = ROOT / "scripts" / "gpu-bundle" / "stage3.sh"
+VERDICTS = {"pass", "FAIL", "DIFF", "info", "skip"}
+
+
+def test_greedy_row_passes_only_on_identical_tokens():
+    want = [[1, 2, 3], [4, 5]]
+    assert gl.greedy_row("m", want, [[1, 2, 3], [4, 5]])["verdict"] == "pass"
+    r = gl.greedy_row("m", want, [[1, 2, 3], [4, 6]])
+    assert r["verdict"] == "FAIL" and "prompt 1: first at token 1" in r["seen"]
+    assert gl.greedy_row("m", want, [[1, 2, 3]])["verdict"] == "FAIL"  # an answer missing
+    assert gl.greedy_row("m", want, [[1, 2], [4, 5]])["verdict"] == "FAIL"  # shorter answer
+    assert gl.greedy_row("m", [], [])["verdict"] == "FAIL"  # nothing compared is no pass
+    assert gl.greedy_row("m", [[]], [[]])["verdict"] == "FAIL"
+    assert gl.greedy_row("m", want, want)["kind"] == "llama.cpp"
+
+
+def test_grow_trim_row():
+    grow = [("short", 10, 16 * MiB, 24 * MiB), ("long", 4800, 32 * MiB, 40 * MiB)]
+    assert gl.grow_trim_row(grow, 0)["verdict"] == "pass"
+    assert gl.grow_trim_row(grow, 2 * MiB)["verdict"] == "FAIL"  # not trimmed on erase
+    flat = [("short", 10, 16 * MiB, 24 * MiB), ("long", 4800, 16 * MiB, 40 * MiB)]
+    assert gl.grow_trim_row(flat, 0)["verdict"] == "FAIL"  # did not grow
+    over = [("short", 10, 16 * MiB, 24 * MiB), ("long", 4800, 48 * MiB, 40 * MiB)]
+    assert gl.grow_trim_row(over, 0)["verdict"] == "FAIL"  # above its bound
+    assert gl.grow_trim_row([("none", 0, 0, 0), ("long", 4800, 32 * MiB, 40 * MiB)], 0)["verdict"] == "FAIL"
+    assert gl.grow_trim_row(grow[:1], 0)["verdict"] == "FAIL"
+
+
+def test_memory_back_row():
+    assert gl.memory_back_row(1000 * MiB, 1001 * MiB, "NVML")["verdict"] == "pass"
+    assert gl.memory_back_row(1000 * MiB, 900 * MiB, "NVML")["verdict"] == "pass"  # less in use: someone else left
+    r = gl.memory_back_row(1000 * MiB, 1010 * MiB, "NVML")
+    assert r["verdict"] == "FAIL" and "+10.0 MiB" in r["seen"]
+    assert gl.memory_back_row(None, 5, "NVML failed")["verdict"] == "skip"
+
+
+def test_plan_and_deadline_rows():
+    names = gl.PLAN_NAMES
+    assert len(names) == len(set(names)) == 3 + 7 + 1
+    assert sum(n.startswith("greedy tokens identical") for n in names) == 7  # the 8th is in the first check
+    rows = gl.deadline_rows(names[3:], "stage deadline")
+    assert [r["check"] for r in rows] == names[3:]
+    assert all(r["verdict"] == "skip" and r["seen"] == "skip: stage deadline" for r in rows)
+
+
+def test_skip_mode_names_every_check(tmp_path):
+    assert gl.main(["skip", "--out", str(tmp_path), "--reason", "no CUDA runtime"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [r["check"] for r in rows] == gl.PLAN_NAMES
+    assert {r["verdict"] for r in rows} == {"skip"}
+    assert {r["seen"] for r in rows} == {"skip: no CUDA runtime"}
+
+
+def test_decode_and_bench_figures_have_the_figures_json_shape():
+    figs = gl.decode_figures([100.0, 120.0, 110.0], [90.0, 108.0, 99.0], "cuda", "A")
+    assert figs["decode_tokens_per_s_unpatched"]["value"] == 110.0
+    assert figs["decode_tokens_per_s_patched"]["value"] == 99.0
+    assert figs["decode_patched_over_unpatched"]["value"] == 0.9
+    assert gl.decode_figures([], [], "cuda", "A")["decode_patched_over_unpatched"]["value"] == 0.0
+    s = lambda p50, p99: {"n": 10, "p50_us": p50, "p99_us": p99, "mean_us": p50}  # noqa: E731
+    res = {"scenarios": {
+        "allocate64": {"daemon_warm": s(300, 500), "baseline_inproc_create_map": s(9000, 12000), "daemon_cold": s(8000, 9000)},
+        "roundtrip": {"rtt_1_daemon": s(40, 90), "rtt_16_daemon": s(200, 900), "cclient": {"rtt_1": s(20, 30)}},
+        "reclaim": {"daemon_reclaim": s(25000, 26000), "baseline_unload_reload": s(400000, 410000),
+                    "moved_bytes": 3686 * MiB, "budget_bytes": 4096 * MiB, "reps": 3}},
+        "errors": {"scale": "Traceback\nRuntimeError: boom"}}
+    figs2, rows = gpu_figures.bench_figures(res, "testdriver")
+    for f in (figs, figs2):
+        assert all(isinstance(v["value"], (int, float)) and isinstance(v["unit"], str) for v in f.values())
+    assert figs2["stage4.reclaim_p50_ms"]["value"] == 25.0
+    assert all(v["driver"] == "testdriver" and "says nothing about a GPU" in v["note"] for v in figs2.values())
+    assert [r["verdict"] for r in rows] == ["FAIL", "info", "info", "info"]
+    assert "RuntimeError: boom" in rows[0]["seen"] and all(r["kind"] == "figures" for r in rows)
+    assert all("[CUDA test driver]" in r["seen"] for r in rows[1:])
+    calls, r = gpu_figures.driver_call_figures({"cuMemCreate": [1e-4] * 99 + [1e-2], "cuMemMap": [2e-6] * 100}, 2 * MiB, "real")
+    assert calls["stage4.cuMemCreate_p50_us"]["value"] == 100.0 and calls["stage4.cuMemCreate_p99_us"]["value"] == 10000.0
+    assert "stage4.cuMemUnmap_p50_us" not in calls and r["verdict"] == "info" and "[CUDA test driver]" not in r["seen"]
+
+
+def stage3(tmp_path, **env) -> tuple[int, list[dict], str]:
+    out = tmp_path / "stage3"
+    e = {k: v for k, v in os.environ.items() if not k.startswith("STAGE3_")}
+    e.update(STAGE_OUT=str(out), PYTHON=sys.executable, BUNDLE=str(tmp_path / "bundle"), REPO=str(ROOT), **env)
+    p = subprocess.run(["bash", str(STAGE3)], env=e, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()] if (out / "rows.jsonl").exists() else []
+    return p.returncode, rows, p.stdout + p.stderr
+
+
+def test_stage3_on_the_test_driver_skips_every_check_with_the_reason(tmp_path):
+    rc, rows, log = stage3(tmp_path, VERIFY_DRIVER="testdriver")
+    assert rc == 0, log
+    assert [r["check"] for r in rows][1:] == gl.PLAN_NAMES, log
+    assert all(r["verdict"] == "skip" and r["seen"] == "skip: no CUDA runtime" and r["kind"] == "llama.cpp" for r in rows)
+    assert all(set(r) == {"check", "expected", "seen", "verdict", "kind"} for r in rows)
+
+
+@pytest.mark.parametrize("build,want", [("prebuilt:/nonexistent", "missing"), ("other", "other")])
+def test_stage3_with_no_builds_fails_with_a_row(tmp_path, build, want):
+    rc, rows, log = stage3(tmp_path, VERIFY_DRIVER="testdriver", STAGE3_DEVICE="cpu", STAGE3_BUILD=build)
+    assert rc == 1, log
+    fails = [r for r in rows if r["verdict"] == "FAIL"]
+    assert len(fails) == 1 and want in fails[0]["seen"], rows
+    assert all(r["verdict"] in VERDICTS for r in rows)
+
+
+def test_stage3_host_build_without_the_part_fails_with_a_row(tmp_path):
+    rc, rows, log = stage3(tmp_path, VERIFY_DRIVER="testdriver", STAGE3_DEVICE="cpu", STAGE3_BUILD="host",
+                           STAGE3_PART=str(tmp_path / "nopart"))
+    assert rc == 1, log
+    fails = [r for r in rows if r["verdict"] == "FAIL"]
+    assert len(fails) == 1 and "the bundle's part llama" in fails[0]["seen"], rows
+    assert [r["check"] for r in rows if r["verdict"] == "skip"][-len(gl.PLAN_NAMES):] == gl.PLAN_NAMES
