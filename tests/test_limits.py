@@ -470,3 +470,107 @@ def _getinfo_ok(d, opts) -> bool:
             return True
         except grpc.RpcError:
             return False
+
+
+def test_a_client_that_never_reads_its_replies_loses_its_session(daemon_factory):
+    """Issue 28: a client sends requests on its fd channel and never reads a
+    reply. Before, the daemon queued the replies for ever (a Task each,
+    waiting for room), dropped them after fd_send_timeout without a word,
+    and the session never ended (835,882 of 880,530 replies dropped, RSS
+    208 -> 501 MiB in 60 s). Now: past MAX_WAITING_SENDS waiting records (or
+    fd_send_timeout without room) the session ends with a logged reason and
+    its pages come back. Deaf clients come back again and again for
+    KVCACHED_DEAF_SECONDS (default 15; 60 by hand): each session ends within
+    6 s, the daemon's RSS grows by less than 20 MiB, a bystander is served
+    throughout."""
+    from kvcached_service.server.channel import MAX_WAITING_SENDS
+
+    seconds = float(os.environ.get("KVCACHED_DEAF_SECONDS", "15"))
+    d = daemon_factory("host", memory_limit="256MiB", log_level="WARNING")
+    stub = pb_grpc.KVCachedStub(grpc.insecure_channel(f"unix:{d.socket}"))
+    by = Bystander(d).settled()
+    rss0 = daemon_rss(d)
+    ended, sent_total, rounds = [], 0, 0
+    t_end = time.monotonic() + seconds
+    while time.monotonic() < t_end:
+        try:
+            sock, ref = _raw_session(d, stub, f"deaf-{rounds}")
+        except OSError as exc:
+            raise AssertionError(f"round {rounds}: {exc}\n" + d.log_text()[-3000:]) from exc
+        rounds += 1
+        sock.setblocking(False)
+        fdchannel.send_record(sock, fdchannel.encode_allocate(1, 4))  # it holds pages: they must come back
+        t0 = time.monotonic()
+        req = 2
+        while True:  # FREE of a page it does not hold: a REPLY each, never read
+            try:
+                fdchannel.send_record(sock, fdchannel.encode_free(req, [1 << 40]))
+                req += 1
+            except BlockingIOError:
+                time.sleep(0.001)
+            except OSError:  # the daemon closed the channel: the session ended
+                break
+            if time.monotonic() - t0 > 10:
+                raise AssertionError(f"session {ref.session_id} still open after 10 s of unread replies")
+        ended.append(time.monotonic() - t0)
+        sent_total += req - 2
+        sock.close()
+    rss = daemon_rss(d)
+    st = stub.GetStats(pb.GetStatsRequest(), timeout=10)
+    print(f"\n{rounds} deaf sessions in {seconds:g} s: {sent_total} requests sent, each session ended after "
+          f"{min(ended):.2f}-{max(ended):.2f} s; daemon RSS {rss0 / 2**20:.0f} -> {rss / 2**20:.0f} MiB; "
+          f"bystander {by.rounds} rounds, worst {by.worst * 1000:.0f} ms")
+    assert max(ended) < 6
+    assert rss - rss0 < 20 * 2**20
+    assert wait_until(lambda: stub.GetStats(pb.GetStatsRequest(), timeout=10).sessions_open == 1, timeout=5)  # the bystander
+    assert by.failures == [] and by.worst < 1.0
+    by.stop()
+    with d.client() as c:
+        st = c.stats()
+        assert st.total.pages_in_use == 0
+        assert_books(st)
+    log = d.log_text()
+    assert f"records wait for room; ending its session" in log or "did not read its fd channel" in log, log[-2000:]
+    assert MAX_WAITING_SENDS <= 1024
+
+
+def test_a_full_channel_without_new_requests_ends_after_fd_send_timeout(daemon_factory):
+    """The other way to stop reading: the replies fill the channel with
+    fewer than MAX_WAITING_SENDS waiting, then the client sends nothing more.
+    The replies wait for room fd_send_timeout (1 s here), then the session
+    ends and its pages come back. (How many replies a socket holds depends
+    on the kernel's buffers: a first deaf session measures it, as the
+    requests sent before the bound ended it, minus the bound.)"""
+    from kvcached_service.server.channel import MAX_WAITING_SENDS
+
+    d = daemon_factory("host", fd_send_timeout="1", log_level="WARNING")
+    stub = pb_grpc.KVCachedStub(grpc.insecure_channel(f"unix:{d.socket}"))
+
+    def deaf(name, limit=None):
+        sock, ref = _raw_session(d, stub, name)
+        fdchannel.send_record(sock, fdchannel.encode_allocate(1, 2))
+        sent = 0
+        while limit is None or sent < limit:
+            try:
+                fdchannel.send_record(sock, fdchannel.encode_free(2 + sent, [1 << 40]))
+            except OSError:
+                break  # the daemon ended the session
+            sent += 1
+            time.sleep(0.002)  # served one by one: the replies wait in order
+        return sock, sent
+
+    sock, sent = deaf("measures")
+    sock.close()
+    holds = sent - MAX_WAITING_SENDS
+    assert holds > 10, sent
+    assert wait_until(lambda: stub.GetStats(pb.GetStatsRequest(), timeout=10).sessions_open == 0, timeout=5)
+    sock, sent = deaf("stops-reading", limit=holds + MAX_WAITING_SENDS // 2)
+    t0 = time.monotonic()
+    assert stub.GetStats(pb.GetStatsRequest(), timeout=10).sessions_open == 1
+    assert wait_until(lambda: stub.GetStats(pb.GetStatsRequest(), timeout=10).sessions_open == 0, timeout=6)
+    took = time.monotonic() - t0
+    print(f"\nthe socket holds ~{holds} replies; {sent} requests sent, the session ended {took:.2f} s after the last")
+    assert took < 3
+    assert stub.GetStats(pb.GetStatsRequest(), timeout=10).total.pages_in_use == 0
+    assert "did not read its fd channel for 1 s; ending its session" in d.log_text(), d.log_text()[-2000:]
+    sock.close()

@@ -58,6 +58,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvcached.channel")
 
+# Records one channel may have waiting for room in its socket (a client that
+# sends requests and reads no replies): past this its session ends at once,
+# rather than after fd_send_timeout with a queue that grew all that time.
+MAX_WAITING_SENDS = 256
+
 
 class Conn:
     """The daemon's end of one fd channel: the SessionPort of its session."""
@@ -75,6 +80,8 @@ class Conn:
         self._send_lock = asyncio.Lock()
         self.adoption = Adoption()
         self.closing_req: int | None = None  # a CLOSE being served: its REPLY precedes the GOODBYE
+        self.waiting_sends = 0  # records waiting for room in the socket (send's slow path)
+        self._writer: asyncio.Future | None = None  # _writable's, while a watcher is on the socket
 
     @property
     def closed(self) -> bool:
@@ -128,8 +135,18 @@ class Conn:
             except OSError as exc:
                 if exc.errno not in (errno.EAGAIN, errno.ENOBUFS):
                     raise DeliveryFailed(f"send failed: {exc.strerror}") from exc
+        if self.waiting_sends >= MAX_WAITING_SENDS:
+            raise DeliveryFailed(f"client does not read its fd channel: {self.waiting_sends} records wait for room")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        self.waiting_sends += 1
+        try:
+            await self._send_when_room(data, fds, timeout, deadline)
+        finally:
+            self.waiting_sends -= 1
+
+    async def _send_when_room(self, data: bytes, fds: list[int], timeout: float, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
         async with self._send_lock:
             while True:
                 if self._closed:
@@ -149,7 +166,7 @@ class Conn:
 
     async def _writable(self, timeout: float) -> None:
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        fut = self._writer = loop.create_future()
         fd = self.sock.fileno()
         loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
         try:
@@ -157,7 +174,9 @@ class Conn:
         except asyncio.TimeoutError:
             pass
         finally:
-            loop.remove_writer(fd)
+            if self._writer is fut:  # else close() removed it (the fd number may be another socket's by now)
+                self._writer = None
+                loop.remove_writer(fd)
 
     def send_nowait(self, data: bytes) -> None:
         """Best effort (REPLY to CLOSE, GOODBYE, ERROR before closing)."""
@@ -172,6 +191,10 @@ class Conn:
         self._closed = True
         self.adoption.discard()
         loop = asyncio.get_event_loop()
+        if self._writer is not None:  # a send waits for room: no watcher may outlive the fd (uvloop aborts)
+            loop.remove_writer(self.sock.fileno())
+            self._writer.done() or self._writer.set_result(None)
+            self._writer = None
         for fd in (self.sock.fileno(), self.pidfd):
             if fd is not None and fd >= 0:
                 try:
@@ -454,13 +477,21 @@ class ChannelServer:
 
     async def _reply(self, conn: Conn, data: bytes) -> None:
         """Send a REPLY: straight into the socket when it has room (no
-        coroutine, no lock), else through Conn.send's wait for room."""
+        coroutine, no lock), else through Conn.send's wait for room. A
+        client that leaves its channel full for fd_send_timeout, or lets
+        MAX_WAITING_SENDS records pile up, loses its session (docs/protocol.md,
+        "Slow readers"): its pages go back, and the daemon holds no growing
+        queue of replies for it."""
         if conn.send_now(data):
             return
         try:
             await conn.send(data, [], self.settings.fd_send_timeout)
-        except DeliveryFailed:
-            pass  # nobody to answer
+        except DeliveryFailed as exc:
+            if conn.closed:
+                return  # nobody to answer
+            self.daemon.count("fd_channel_errors")
+            log.warning("fd channel %d (pid %d uid %d): %s; ending its session", conn.id, conn.pid, conn.uid, exc)
+            self._drop(conn, errors.Unavailable(f"session ended: {exc}"))
 
     # ---- hang-up ----------------------------------------------------------
     def _peer_exited(self, conn: Conn) -> None:
