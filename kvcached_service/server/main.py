@@ -49,6 +49,45 @@ class SettingsError(Exception):
     RestartPreventExitStatus=2)."""
 
 
+# retries of a warm pool whose pages could not be created at start-up
+WARM_RETRY_FIRST_S = 1.0
+WARM_RETRY_MAX_S = 30.0
+
+
+async def _fill_warm_pools(daemon: Daemon, stop: asyncio.Event) -> None:
+    """Return once no device's warm pool has a failed creation pending
+    (DevicePool.fill_error), or on a stop; until then retry the creation,
+    backing off from WARM_RETRY_FIRST_S to WARM_RETRY_MAX_S. Health stays
+    NOT_SERVING meanwhile; clients that come are served as during the fill."""
+    delay = WARM_RETRY_FIRST_S
+    notifier: sdnotify.Notifier | None = None
+    try:
+        while not stop.is_set():
+            failed = [p for p in daemon.pools.values() if p.fill_error is not None]
+            if not failed:
+                if notifier is not None:
+                    log.info("warm pool filled after retrying: %s", ", ".join(
+                        f"{p.uuid} {p.n_ready_total()}/{p.warm_pages} pages" for p in daemon.pools.values() if p.warm_pages))
+                return
+            reason = "; ".join(f"device {p.uuid}: {p.n_ready_total()}/{p.warm_pages} pages: {p.fill_error}" for p in failed)
+            log.error("not serving (health NOT_SERVING): the warm pool (--prealloc) could not be filled: %s; "
+                      "retrying in %g s", reason, delay)
+            if notifier is None:
+                notifier = sdnotify.Notifier.from_env()
+            notifier.send("STATUS=not serving: the warm pool could not be filled: " + reason)
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+            if stop.is_set():
+                return
+            await asyncio.gather(*(p.retry_fill() for p in failed))
+            delay = min(delay * 2, WARM_RETRY_MAX_S)
+    finally:
+        if notifier is not None:
+            notifier.close()
+
+
 def _stop_devices(daemon: Daemon, backend: Backend) -> None:
     """Undo start_devices after a failed start."""
     for worker in daemon.workers:
@@ -200,6 +239,10 @@ async def serve(settings: Settings, ready_hook=None) -> int:
         front.close()
         raise
     daemon.start_background()
+    # A warm pool whose pages could not be created is not filled: health
+    # stays NOT_SERVING (the log and systemd's STATUS= say why) and the
+    # creation is retried until it works or a signal comes.
+    await _fill_warm_pools(daemon, stop)
 
     # Ready: health SERVING and systemd's READY=1 together (devices ready,
     # warm pool filled, both sockets accepting), unless a signal came first.

@@ -211,6 +211,10 @@ class DevicePool:
         self._changed: asyncio.Event | None = None  # made by the first waiter, set and dropped by _notify
         self._refilling = False
         self._no_refill = False  # set at shutdown: no more warm pages
+        # why the last warm-page creation failed; None once a refill found
+        # nothing left to create (filled, or the rest of the budget in use)
+        # (start-up keeps health NOT_SERVING while it is set: main.py)
+        self.fill_error: str | None = None
         self._ident_distinct: bool | None = None  # identities_distinct(), once decided
         # Called with (device uuid, pages) whenever pages return to the pool.
         self.on_pages_returned: Callable[[str, int], None] | None = None
@@ -591,6 +595,13 @@ class DevicePool:
         met, creation failed (logged), or stop_refilling() was called."""
         await self._refill()
 
+    async def retry_fill(self) -> None:
+        """Another try at the warm pages after fill_error was set (start-up
+        retries until the pool is filled); a refill already running is that
+        try."""
+        if not self._refilling:
+            await self._refill()
+
     def stop_refilling(self) -> None:
         """No more warm pages: a prefill or refill in progress ends after
         the batch the worker is creating (at most 64 pages)."""
@@ -606,13 +617,15 @@ class DevicePool:
         try:
             while not self._no_refill:
                 want = min(self.warm_pages - self.n_ready_total(), self.n_free, 64)
-                if want <= 0:
+                if want <= 0:  # filled, or the rest of the budget is in use: nothing failed
+                    self.fill_error = None
                     return
                 self.n_pooled += want  # warm pages in the making are pooled, not in use
                 try:
                     handles = await self.worker.call(self.backend.create_pages, self.spec.ordinal, want, self.page_size, self.zero_pages)
                 except Exception as exc:
                     log.warning("device %s: warm page creation failed: %s", self.uuid, exc)
+                    self.fill_error = str(exc) or type(exc).__name__
                     return
                 finally:
                     self.n_pooled -= want

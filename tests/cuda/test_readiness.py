@@ -156,3 +156,89 @@ def test_sigterm_while_filling_stops_cleanly_without_ready(daemon_factory, tmp_p
         assert not os.path.exists(d.socket) and not os.path.exists(d.fd_socket)
     finally:
         nl.close()
+
+
+# ---- a warm pool that cannot be filled (issue 28 item 6) -------------------------------
+# cuMemCreate fails (the test driver's KVCACHED_TESTDRV_FAIL): the warm pool
+# is not filled, so health must not say SERVING (docs/operations.md "the
+# warm pool is filled"). Before the fix it said SERVING with 0 of 4 pages.
+
+FILL_WARM = 4  # pages of --prealloc 8MiB
+FILL_FAILED = "could not be filled"
+
+
+def start_failing(daemon_factory, tmp_path, fail: str):
+    nl = NotifyListener(tmp_path / "notify")
+    d = daemon_factory("cuda", wait=False, prealloc=f"{FILL_WARM * PAGE >> 20}MiB", pool_idle_seconds=600,
+                       shutdown_grace="0", env={"KVCACHED_TESTDRV_FAIL": fail, "NOTIFY_SOCKET": nl.path})
+    return d, nl
+
+
+def wait_log(d, needle: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while needle not in d.log_text():
+        assert d.proc.poll() is None, d.log_text()
+        assert time.monotonic() < deadline, f"no {needle!r} in the log within {timeout} s\n" + d.log_text()
+        time.sleep(0.02)
+
+
+def test_warm_pool_that_cannot_be_filled_stays_not_serving_with_the_reason(daemon_factory, tmp_path):
+    """Every warm-page creation fails: health stays NOT_SERVING for both
+    names, the log and systemd's STATUS= say why (device, pages, the driver
+    error), no READY=1; the daemon still answers (GetStats) and stops
+    cleanly (the fixture checks exit 0, sockets and leaks)."""
+    d, nl = start_failing(daemon_factory, tmp_path, "cuMemCreate:1+")
+    try:
+        wait_log(d, "warm page creation failed")
+        with grpc.insecure_channel(f"unix:{d.socket}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            # past the first retries (1 s, then 2 s): still not serving
+            deadline = time.monotonic() + 3.5
+            while time.monotonic() < deadline:
+                assert {name: check(stub, name) for name in ("", SERVICE)} == {"": NOT_SERVING, SERVICE: NOT_SERVING}
+                time.sleep(0.1)
+        log = d.log_text()
+        line = next(ln for ln in log.splitlines() if FILL_FAILED in ln)
+        assert "NOT_SERVING" in line and f"0/{FILL_WARM} pages" in line and "cuMemCreate" in line, line
+        assert log.count(FILL_FAILED) >= 2, "not retried:\n" + log  # the first failure and at least one retry
+        with d.client() as c:
+            st = c.stats()
+        assert st.total.pages_created_total == 0 and st.total.pages_pooled == 0
+        nl.poll()
+        assert not any(m.get("READY") == "1" for m in nl.messages), nl.messages
+        status = [m["STATUS"] for m in nl.messages if "STATUS" in m]
+        assert status and all("not serving" in s and "cuMemCreate" in s for s in status), nl.messages
+    finally:
+        nl.close()
+
+
+def test_warm_pool_filled_by_a_retry_then_serving_and_ready(daemon_factory, tmp_path):
+    """One warm-page creation fails (the 2nd cuMemCreate): not SERVING until
+    a retry has filled the pool; the first SERVING answer comes with every
+    warm page created, READY=1 with it."""
+    d, nl = start_failing(daemon_factory, tmp_path, "cuMemCreate:2")
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(d.socket):
+            assert d.proc.poll() is None, d.log_text()
+            assert time.monotonic() < deadline, "no control socket within 60 s\n" + d.log_text()
+            time.sleep(0.005)
+        with grpc.insecure_channel(f"unix:{d.socket}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while check(stub, "") != SERVING:
+                assert d.proc.poll() is None, d.log_text()
+                assert time.monotonic() < deadline, "not SERVING within 60 s\n" + d.log_text()
+                time.sleep(0.01)
+            assert created_pooled(d) == (FILL_WARM, FILL_WARM), d.log_text()
+            assert check(stub, SERVICE) == SERVING
+        for _ in range(500):
+            if any(m.get("READY") == "1" for m in nl.messages + nl.poll()):
+                break
+            time.sleep(0.01)
+        assert any(m.get("READY") == "1" for m in nl.messages), nl.messages
+        log = d.log_text()
+        assert FILL_FAILED in log and "cuMemCreate" in log, log
+        assert "warm pool filled after retrying: " in log and f"{FILL_WARM}/{FILL_WARM} pages" in log, log
+    finally:
+        nl.close()
+
