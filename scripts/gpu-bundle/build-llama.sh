@@ -26,8 +26,11 @@
 #   MANIFEST.json      versions, sizes and sha256 of the above
 #
 # Inputs: the sdist (downloaded with pip when build/llama lacks it), the C
-# client install (build/llama/kvcached-prefix from scripts/test-llama.sh, else
-# built here from clients/c into build/gpu-bundle/kvcached-prefix), gguf.
+# client (clients/c built in build/c and installed to
+# build/gpu-bundle/kvcached-prefix), gguf;
+# the versions are pinned in this script (scripts/gpu-bundle.sh hashes it and
+# the paths below to decide whether the cached part is still good).
+# gpu-bundle-inputs: clients/c integrations/llama.cpp/apply.py
 set -euo pipefail
 
 PART="${1:?usage: build-llama.sh PARTDIR}"
@@ -65,17 +68,15 @@ done
 tar -C "$SRC" --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 "${EXCL[@]}" -cf - llama.cpp \
   | xz -T"$JOBS" -6 >"$PART/llama.cpp.tar.xz"
 
-# 2. the C client prefix (static, self-contained)
-PREFIX="$B/kvcached-prefix"
-if [[ ! -f "$PREFIX/lib/libkvcached_embed.a" ]]; then
-  PREFIX="$REPO/build/gpu-bundle/kvcached-prefix"
-  if [[ ! -f "$REPO/build/c/CMakeCache.txt" ]]; then
-    cmake -S clients/c -B build/c -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-  fi
-  cmake --build build/c -j"$JOBS" --target kvcached kvcached_static kvcached_embed >/dev/null
-  rm -rf "$PREFIX"
-  cmake --install build/c --prefix "$PREFIX" >/dev/null
+# 2. the C client prefix (static, self-contained), from clients/c as it is now
+#    (build/c, incremental; the same configuration scripts/test-llama.sh installs)
+PREFIX="$REPO/build/gpu-bundle/kvcached-prefix"
+if [[ ! -f "$REPO/build/c/CMakeCache.txt" ]]; then
+  cmake -S clients/c -B build/c -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 fi
+cmake --build build/c -j"$JOBS" --target kvcached kvcached_static kvcached_embed kvc_kv_region >/dev/null
+rm -rf "$PREFIX"
+cmake --install build/c --prefix "$PREFIX" >/dev/null
 test -f "$PREFIX/lib/libkvcached_embed.a" || { echo "build-llama: no libkvcached_embed.a in $PREFIX" >&2; exit 1; }
 KP="$PART/kvcached-prefix"
 mkdir -p "$KP/include" "$KP/lib/cmake/kvcached"
