@@ -348,26 +348,28 @@ class Run:
         shutil.rmtree(self.work, ignore_errors=True)
 
     @staticmethod
-    def prompts(parallel: int) -> list[str]:
+    def prompts(parallel: int, long: bool = False) -> list[str]:
+        """1 slot: three prompts one after another in slot 0 (`long`: the
+        last one needs two pages per K/V tensor); 4 slots: four at once."""
         import llamatest as lt
 
         if parallel == 1:
-            return ["Hello", lt.text(300, 1), lt.text(LONG_CHARS, 3)]
+            return ["Hello", lt.text(300, 1), lt.text(LONG_CHARS, 3) if long else lt.text(1500, 2)]
         return [lt.text(200 + 300 * i, 20 + i) for i in range(parallel)]
 
-    def answers(self, srv, parallel: int, n_predict: int = 16) -> list[dict]:
-        ps = self.prompts(parallel)
+    def answers(self, srv, parallel: int, long: bool = False, n_predict: int = 16) -> list[dict]:
+        ps = self.prompts(parallel, long)
         if parallel == 1:
             return [srv.complete(p, n_predict, id_slot=0) for p in ps]
         res = srv.complete(ps, n_predict)
         return res if isinstance(res, list) else [res]
 
-    def reference(self, model: str, fa: str, parallel: int) -> list[list[int]]:
-        key = (model, fa, parallel)
+    def reference(self, model: str, fa: str, parallel: int, long: bool = False) -> list[list[int]]:
+        key = (model, fa, parallel, long)
         if key not in self.ref:
             s = self.server(self.orig, model, daemon=None, parallel=parallel, fa=fa)
             try:
-                self.ref[key] = [r["tokens"] for r in self.answers(s, parallel)]
+                self.ref[key] = [r["tokens"] for r in self.answers(s, parallel, long)]
             finally:
                 s.stop()
                 self.servers.remove(s)
@@ -379,11 +381,11 @@ class Run:
     # -- the checks
     def check_first(self) -> None:
         """Model A, fa on, 1 slot: greedy identity, KV buffer in daemon pages, grow and trim."""
-        want = self.reference("A", "on", 1)
+        want = self.reference("A", "on", 1, long=True)
         d = self.daemon("d1", 256 * MiB)
         srv = self.server(self.kvc, "A", daemon=d, parallel=1, fa="on")
         buf = self.kv_buffer_name()
-        ps = self.prompts(1)
+        ps = self.prompts(1, long=True)
         got, steps = [], []
         row = tiny_model_row_bytes("A")
         for p, what in zip(ps, ("5 chars", "300 chars", f"{LONG_CHARS} chars")):
@@ -417,7 +419,7 @@ class Run:
         if srv is None or srv.proc.poll() is not None:
             d = self.daemons[0] if self.daemons else self.daemon("d1", 256 * MiB)
             srv = self.server(self.kvc, "A", daemon=d)
-        srv.complete(self.prompts(1)[2], 8, id_slot=0)
+        srv.complete(self.prompts(1, long=True)[2], 8, id_slot=0)
         pid = srv.pid
         held = d.held(pid)
         os.kill(pid, signal.SIGKILL)
@@ -439,9 +441,9 @@ class Run:
         srv.stop()
 
     def check_reclaim(self) -> None:
-        long_ = self.prompts(1)[2]
-        want_a = self.reference("A", "on", 1)[2]
-        want_b = self.reference("B", "on", 1)[2]
+        long_ = self.prompts(1, long=True)[2]
+        want_a = self.reference("A", "on", 1, long=True)[2]
+        want_b = self.reference("B", "on", 1, long=True)[2]
         d = self.daemon("d2", RECLAIM_BUDGET)
         a = self.server(self.kvc, "A", daemon=d)
         b = self.server(self.kvc, "B", daemon=d)
