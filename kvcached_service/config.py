@@ -107,6 +107,7 @@ class Settings(BaseSettings):
     channel_ops_only: bool | None = Field(None, description="page operations only on the fd channel: the default, kept for command lines that say so; --no-channel-ops-only is --grpc-page-ops")
     max_grpc_connections: int = Field(1024, ge=1, description="control-socket (gRPC) connections open at once, all uids together")
     max_grpc_connections_per_uid: int = Field(256, ge=1, description="control-socket (gRPC) connections open at once per uid (SO_PEERCRED); keep it below max_grpc_connections")
+    grpc_admin_reserve: int = Field(64, ge=0, description="control-socket connections of max_grpc_connections that only admin uids and the daemon's own uid may use, so other uids filling every slot they can never lock out operators or the health probe")
     grpc_idle_timeout: float = Field(120.0, gt=0, description="seconds a control connection with no call in flight stays open (clients reconnect on their next call)")
     fd_send_timeout: float = Field(5.0, gt=0, description="seconds a client may leave its fd channel full before its session is ended")
     channel_bind_timeout: float = Field(30.0, gt=0, description="seconds an fd channel may stay without a session")
@@ -204,6 +205,9 @@ class Settings(BaseSettings):
                 raise ValueError("channel_ops_only and grpc_page_ops contradict each other (channel_ops_only is the default now: drop it)")
             if not self.channel_ops_only:
                 self.grpc_page_ops = True
+        if self.grpc_admin_reserve >= self.max_grpc_connections:
+            raise ValueError(f"grpc_admin_reserve ({self.grpc_admin_reserve}) must be below max_grpc_connections "
+                             f"({self.max_grpc_connections}): other uids would have no control connection at all")
         self._memory_limit = MemoryLimit.parse(self.memory_limit)
         return self
 

@@ -30,7 +30,7 @@ import time
 import grpc
 import pytest
 
-from kvtest import HELPERS, PY, assert_books, wait_until
+from kvtest import HELPERS, PY, ROOT, assert_books, wait_until
 from kvcached_service import errors, fdchannel
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
@@ -437,7 +437,7 @@ def test_control_connection_limits_answer_precisely(daemon_factory):
     from test_metrics import scrape, value
 
     d = daemon_factory("host", shared_dir=True, socket_mode="0666", max_grpc_connections="6", max_grpc_connections_per_uid="4",
-                       metrics_address="127.0.0.1:0")
+                       grpc_admin_reserve="0", metrics_address="127.0.0.1:0")
     # the start-up health check's connection is gone
     assert wait_until(lambda: value(scrape(d), "kvcached_control_connections") == 0, timeout=5)
     opts = [("grpc.use_local_subchannel_pool", 1)]  # one connection per channel
@@ -574,3 +574,57 @@ def test_a_full_channel_without_new_requests_ends_after_fd_send_timeout(daemon_f
     assert stub.GetStats(pb.GetStatsRequest(), timeout=10).total.pages_in_use == 0
     assert "did not read its fd channel for 1 s; ending its session" in d.log_text(), d.log_text()[-2000:]
     sock.close()
+
+
+def test_unprivileged_uids_cannot_lock_operators_out_of_the_control_socket(daemon_factory):
+    """Issue 28: uids that are not admins filled the 1,024 connections
+    (4 x 256), then root was refused too, and so was `kvcachedctl health`,
+    the liveness probe (kubelet would restart the daemon, ending every
+    session); a Health.Watch kept each connection from idling out. Now
+    grpc_admin_reserve slots are for admin uids and the daemon's own uid
+    only. Here max 48, per uid 20, reserve 8: two uids hold 20 each with a
+    Health.Watch on every connection, a third is refused naming the limit
+    (without the reserve it took the last 8 and root was refused);
+    root's health check and GetStats answer within 100 ms, and
+    `kvcachedctl health` exits 0."""
+    import pwd
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    third = pwd.getpwnam("bin")
+    d = daemon_factory("host", shared_dir=True, socket_mode="0666", max_grpc_connections="48",
+                       max_grpc_connections_per_uid="20", grpc_admin_reserve="8", log_level="WARNING")
+    holders = []
+    try:
+        for env in (AS_NOBODY, AS_DAEMON):
+            p = subprocess.Popen([PY, str(HELPERS / "hostile.py"), "hold", "25"], env=dict(d.client_env(), **env),
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            holders.append(p)
+            res = json.loads(p.stdout.readline())
+            assert res["codes"][:20] == ["OK"] * 20 and all(c != "OK" for c in res["codes"][20:]), res
+        p = subprocess.Popen([PY, str(HELPERS / "hostile.py"), "hold", "10"],
+                             env=dict(d.client_env(), KVCACHED_TEST_AS_UID=f"{third.pw_uid}:{third.pw_gid}"),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        holders.append(p)
+        res = json.loads(p.stdout.readline())  # without the reserve it took the last 8 slots: root was refused
+        assert res["codes"][0] == ["RESOURCE_EXHAUSTED", "kvcached: the daemon already has 40 control connections of non-admin uids "
+                                   "open (max_grpc_connections=48 less grpc_admin_reserve=8)"], res
+        assert "OK" not in res["codes"], res
+        opts = [("grpc.use_local_subchannel_pool", 1)]
+        for _ in range(3):
+            with grpc.insecure_channel(f"unix:{d.socket}", options=opts) as ch:
+                t0 = time.monotonic()
+                h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                t_health = time.monotonic() - t0
+                t0 = time.monotonic()
+                pb_grpc.KVCachedStub(ch).GetStats(pb.GetStatsRequest(), timeout=5)
+                t_stats = time.monotonic() - t0
+            print(f"\nroot with 40 non-admin connections held: health {t_health * 1000:.1f} ms, GetStats {t_stats * 1000:.1f} ms")
+            assert h.status == health_pb2.HealthCheckResponse.SERVING
+            assert t_health < 0.1 and t_stats < 0.1
+        ctl = subprocess.run([str(ROOT / ".venv/bin/kvcachedctl"), "--socket", d.socket, "health"], capture_output=True, text=True, timeout=30)
+        assert ctl.returncode == 0, ctl.stdout + ctl.stderr
+    finally:
+        for p in holders:
+            p.stdin.close()
+            p.wait(30)

@@ -9,7 +9,10 @@ connection:
 - reads the peer's credentials from the kernel (SO_PEERCRED);
 - admits it or refuses it: at most `max_grpc_connections` open at once, at
   most `max_grpc_connections_per_uid` per uid (one uid cannot take the
-  slots of another). A refused connection's first call is answered
+  slots of another), and uids that are not admins (`admin_uids`, the
+  daemon's own uid) together at most `max_grpc_connections` less
+  `grpc_admin_reserve`: unprivileged uids that fill every slot they can
+  never lock out an operator's `kvcachedctl` or the health probe. A refused connection's first call is answered
   RESOURCE_EXHAUSTED naming the limit (a trailers-only gRPC answer, then
   GOAWAY), then it is closed (at once when 64 refusals are already being
   answered: a flood gets the door, not words); counted (`refused`), logged
@@ -216,6 +219,7 @@ class ControlFront:
         self._relays: dict[str, _Relay] = {}  # by the private side's name
         self._by_uid: dict[int, int] = {}
         self._open = 0
+        self._open_unprivileged = 0  # of _open: connections of uids that are not admins
         self._last_warning: dict[int, float] = {}
         self._answering = 0  # refused connections waiting for their first call (_Refusal)
         self.refused = {"per_uid": 0, "total": 0}
@@ -324,6 +328,8 @@ class ControlFront:
         self._relays[relay.name] = relay
         self._by_uid[uid] = self._by_uid.get(uid, 0) + 1
         self._open += 1
+        if not self.settings.is_admin(uid):
+            self._open_unprivileged += 1
         self.accepted_total += 1
         relay.public.connection_made(transport)
         transport.pause_reading()  # until grpcio's side is connected
@@ -337,6 +343,10 @@ class ControlFront:
             return "per_uid", f"uid {uid} already has {mine} control connections open (max_grpc_connections_per_uid={s.max_grpc_connections_per_uid})"
         if self._open >= s.max_grpc_connections:
             return "total", f"the daemon already has {self._open} control connections open (max_grpc_connections={s.max_grpc_connections})"
+        shared = s.max_grpc_connections - s.grpc_admin_reserve
+        if self._open_unprivileged >= shared and not s.is_admin(uid):
+            return "total", (f"the daemon already has {self._open_unprivileged} control connections of non-admin uids open "
+                             f"(max_grpc_connections={s.max_grpc_connections} less grpc_admin_reserve={s.grpc_admin_reserve})")
         return None
 
     async def _connect(self, relay: _Relay) -> None:
@@ -357,6 +367,8 @@ class ControlFront:
         if self._relays.pop(relay.name, None) is None:
             return
         self._open -= 1
+        if not self.settings.is_admin(relay.peer.uid):
+            self._open_unprivileged -= 1
         n = self._by_uid.get(relay.peer.uid, 0) - 1
         if n > 0:
             self._by_uid[relay.peer.uid] = n

@@ -13,6 +13,8 @@ every import, like client_proc.py).
   grab N TIMEOUT           allocate N pages as soon as they can be had (retrying);
                            report whether every byte of every page is zero
   getinfo N                N control connections held at once, GetInfo on each; report codes
+  hold N                   as getinfo, then keep the connections (a Health.Watch on each, so none
+                           is idle) until stdin closes
   opensecret SECRET_HEX    OpenSession with another process's channel secret; report the code
 """
 
@@ -170,6 +172,24 @@ def main() -> int:
         secret = bytes.fromhex(args[0])
         code, r = code_of(lambda: stub(sock).OpenSession(pb.OpenSessionRequest(channel_secret=secret, name="thief"), timeout=10))
         out(OpenSession=code, OpenSession_msg=r if code != "OK" else "")
+        return 0
+    if mode == "hold":
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        n = int(args[0])
+        opts = [("grpc.use_local_subchannel_pool", 1)]
+        chans, codes, watches = [], [], []
+        for _ in range(n):
+            ch = grpc.insecure_channel(f"unix:{sock}", options=opts)
+            chans.append(ch)
+            code, r = code_of(lambda: pb_grpc.KVCachedStub(ch).GetInfo(pb.GetInfoRequest(), timeout=10))
+            codes.append("OK" if code == "OK" else [code, r])
+            if code == "OK":
+                watches.append(health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest()))
+        out(codes=codes)
+        sys.stdin.read()
+        for w in watches:
+            w.cancel()
         return 0
     if mode == "getinfo":
         n = int(args[0])
