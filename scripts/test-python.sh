@@ -12,6 +12,25 @@ set +e
 rc=$?
 if [ $rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi
 
+# The CUDA behaviour tests again on a libcuda with only the public API (the
+# test driver built without its private features; docs/cuda.md, "The
+# public-only run"): at least 60 must pass and none fail.
+rm -f build/public-only.xml
+pub="$(scripts/build-testdriver.sh --public-only | tail -1)" &&
+  KVCACHED_TEST_LIBCUDA="$pub" .venv/bin/python -m pytest -q -p no:cacheprovider --junitxml=build/public-only.xml \
+    tests/cuda tests/test_cuda_faults.py tests/test_gpu_check.py >build/public-only.log 2>&1
+.venv/bin/python - build/public-only.xml build/public-only.log <<'EOF'
+import sys, xml.etree.ElementTree as ET
+cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase")) if __import__("os").path.exists(sys.argv[1]) else []
+bad = [c for c in cases if c.find("failure") is not None or c.find("error") is not None]
+passed = sum(1 for c in cases if c.find("skipped") is None and c not in bad)
+print(f"public-only libcuda: {passed} passed, {len(bad)} failed, {len(cases) - passed - len(bad)} skipped (log: {sys.argv[2]})")
+for c in bad:
+    print(f"  FAILED {c.get('classname')}::{c.get('name')}", file=sys.stderr)
+sys.exit(0 if passed >= 60 and not bad else 1)
+EOF
+rcpub=$?
+
 # The daemon's request path again on Python 3.12 (what GPU hosts run): a real
 # python3.12 found a 3.12-only bug there (server/eager.py). build/py312 holds
 # the package and the test tools; remade when pyproject.toml changes.
@@ -33,4 +52,5 @@ build/py312/bin/python -m pytest -q -p no:cacheprovider tests/test_request_path.
 rc312=$?
 set -e
 [ $rc -ne 0 ] && exit $rc
+[ $rcpub -ne 0 ] && exit $rcpub
 exit $rc312

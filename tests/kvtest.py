@@ -71,10 +71,22 @@ def testdriver_features() -> bool:
     return _features
 
 
+def is_testdriver() -> bool:
+    """Whether libcuda() is the project's own test driver (not another
+    libcuda named by KVCACHED_TEST_LIBCUDA)."""
+    return libcuda().resolve() == TESTDRIVER.resolve()
+
+
 def require_testdriver_features(*what: str) -> None:
-    """Skip, naming the reason, when libcuda() is not the test driver with
-    its private features (`what`: the knobs or reports the test needs)."""
+    """Skip, naming the reason, when libcuda() is another libcuda
+    (KVCACHED_TEST_LIBCUDA) without the test driver's private features
+    (`what`: the knobs or reports the test needs). On the test driver itself
+    a missing feature is a failure, never a skip: a test driver that lost
+    its knobs must not turn its tests into skips."""
     if not testdriver_features():
+        if is_testdriver():
+            pytest.fail(f"the CUDA test driver {libcuda()} lacks its private features "
+                        f"({', '.join(what) or 'knobs'}): rebuild it (scripts/build-testdriver.sh)")
         pytest.skip(f"needs the CUDA test driver's private features ({', '.join(what) or 'knobs'}); "
                     f"KVCACHED_TEST_LIBCUDA={libcuda()} does not have them")
 

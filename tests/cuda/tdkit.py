@@ -55,12 +55,13 @@ class Sim:
 
     def need_knobs(self, extra: dict[str, str]) -> None:
         """A test that sets a knob of the test driver needs it: on another
-        libcuda it is skipped, naming the knob."""
+        libcuda it is skipped, naming the knob; on the test driver without
+        its private features it fails (kvtest.require_testdriver_features)."""
         knobs = sorted(k for k in extra if k.startswith("KVCACHED_TESTDRV_"))
         if knobs and not self.private:
-            import pytest
+            from kvtest import require_testdriver_features
 
-            pytest.skip(f"needs the CUDA test driver's {', '.join(knobs)}; {self.lib} is another libcuda")
+            require_testdriver_features(*knobs)
 
     def leaks_ok(self, pid: int) -> bool:
         """The process's leak report is clean; vacuous on another libcuda,
@@ -69,6 +70,25 @@ class Sim:
             return True
         rep = self.report_of(pid)
         return rep is not None and rep["leaks"] == 0
+
+    def used_now(self) -> int:
+        """Device memory in use (cuMemGetInfo, device 0), seen from a fresh
+        process with its own context."""
+        return self.run("init(); out(used=used()); fini()")["used"]
+
+    def assert_clean(self, r: "Result") -> None:
+        """The child left nothing behind. On the test driver: its leak report
+        is empty (handles, exported fds, mappings, reservations, contexts).
+        On another libcuda, as memory: what the child still held when its
+        script ended (Result.end_used, measured then) is what a fresh
+        process sees after it exited, i.e. no handle, mapping or exported
+        fd of it pinned a page (a quiet device is assumed)."""
+        if self.private:
+            assert r.report is not None and r.report["leaks"] == 0, r.report
+            return
+        assert r.end_used is not None, f"the child did not measure its memory at the end\n{r.stderr}"
+        after = self.used_now()
+        assert r.end_used == after, f"the child still held {(r.end_used - after) >> 20} MiB of device memory at its end"
 
     def proc_env(self, **extra: str) -> dict[str, str]:
         self.need_knobs(extra)
@@ -80,7 +100,10 @@ class Sim:
         return env
 
     def script(self, body: str) -> list[str]:
-        return [sys.executable, "-c", "from tdkit import *\n" + textwrap.dedent(body)]
+        src = "from tdkit import *\n" + textwrap.dedent(body)
+        if not self.private:  # the memory it still holds at its end (assert_clean)
+            src += "\ntdkit_measure_end()\n"
+        return [sys.executable, "-c", src]
 
     def run(self, body: str, *, expect_rc: int | None = 0, timeout: float = 60, **env: str) -> "Result":
         p = subprocess.Popen(
@@ -118,6 +141,8 @@ class Result:
         self.report = report
         lines = [line for line in stdout.splitlines() if line.startswith("{")]
         self.out = json.loads(lines[-1]) if lines else None
+        ends = [line for line in stdout.splitlines() if line.startswith("#end-used ")]
+        self.end_used = int(ends[-1].split()[1]) if ends else None
 
     def __getitem__(self, key):
         return self.out[key]
@@ -230,6 +255,22 @@ def mem_info() -> tuple[int, int]:
 def used() -> int:
     free, total = mem_info()
     return total - free
+
+
+def tdkit_measure_end() -> None:
+    """Appended to a child's script on another libcuda: the device memory in
+    use while everything the script left is still alive (Sim.assert_clean).
+    Its own context is current for the measurement, as in Sim.used_now."""
+    try:
+        d, cu = drv(), cu_mod()
+        d.cuInit(0)
+        ctx = cu.CUcontext()
+        d.cuDevicePrimaryCtxRetain(byref(ctx), 0)
+        d.cuCtxSetCurrent(ctx)
+        print(f"#end-used {used()}", flush=True)
+        d.cuDevicePrimaryCtxRelease_v2(0)
+    except Exception:  # noqa: BLE001 - no driver, or a forked child: nothing to measure (assert_clean says so)
+        pass
 
 
 def send_fds(sock_fd: int, fds: list[int], payload: bytes = b"p") -> None:

@@ -49,7 +49,7 @@ def test_create_zero_release(sim):
         assert r["spec"][0].startswith("GPU-") and r["spec"][1] == "cuda" and r["spec"][2] <= GRAN
         assert r["free_total"][1] == r["end"][1] == r["spec"][3]
         assert r["end"][0] - r["free_total"][0] >= 7 * GRAN, (r["free_total"], r["end"])
-    assert sim.leaks_ok(r.pid), r.report
+    sim.assert_clean(r)
 
 
 def test_out_of_memory_is_resource_exhausted_and_rolls_back(sim):
@@ -68,7 +68,7 @@ def test_out_of_memory_is_resource_exhausted_and_rolls_back(sim):
     assert r["err"]["exhausted"] and not r["err"]["internal"]
     assert "CUDA_ERROR_OUT_OF_MEMORY" in r["err"]["message"] and "cuMemCreate" in r["err"]["message"]
     assert r["info"] == [2 * GRAN, 4 * GRAN]  # the 2 created before the failure are gone
-    assert sim.leaks_ok(r.pid), r.report
+    sim.assert_clean(r)
 
 
 CREATE = """
@@ -133,7 +133,7 @@ def test_pages_keep_no_fd_and_each_delivery_gets_its_own_export(sim):
     assert r["after"] == [-1] * 8
     assert r["again"] == [True] * 2 + [False] * 6
     assert r["distinct"] and r["same"]
-    assert r.report["leaks"] == 0, r.report
+    sim.assert_clean(r)
 
 
 def test_export_failure_closes_the_fds_it_made(sim):
@@ -197,7 +197,7 @@ def test_release_keeps_going_and_close_retries(sim):
     assert r["err"]["internal"] and "cuMemRelease" in r["err"]["message"]
     assert r["fds"] == [-1, -1, -1]
     assert r["info"][0] == r["info"][1] - GRAN  # only the failed one is still held
-    assert sim.leaks_ok(r.pid), r.report
+    sim.assert_clean(r)
 
 
 def test_close_releases_pages_the_pool_did_not(sim):
@@ -209,7 +209,7 @@ def test_close_releases_pages_the_pool_did_not(sim):
         out(fds=[p.fd for p in pages])
     """)
     assert r["fds"] == [-1, -1]
-    assert sim.leaks_ok(r.pid), r.report
+    sim.assert_clean(r)
 
 
 def test_bad_page_size_is_invalid_argument(sim):

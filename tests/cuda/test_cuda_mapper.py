@@ -203,4 +203,4 @@ def test_mapper_map_failure_closes_fd_and_leaks_nothing(sim):
     """, KVCACHED_TESTDRV_FAIL="cuMemSetAccess:2:CUDA_ERROR_UNKNOWN")
     # call 1 of cuMemSetAccess is the daemon's zeroing; call 2 is the mapper's first map
     assert r["results"] == ["CUDA_ERROR_UNKNOWN", "fd closed", "ok", "fd closed"]
-    assert sim.leaks_ok(r.pid), r.report
+    sim.assert_clean(r)

@@ -17,10 +17,12 @@ import shutil
 import subprocess
 import uuid
 
+from kvtest import testdriver_features as has_private_features
 from tdkit import ROOT
 
-# gpu-check.sh in each of the test driver's strictness modes: skipped, with the reason, when KVCACHED_TEST_LIBCUDA names another libcuda
-pytestmark = pytest.mark.usefixtures("needs_testdriver")
+# gpu-check.sh in each of the test driver's strictness modes (its knobs): skipped, with the reason, when
+# KVCACHED_TEST_LIBCUDA names another libcuda; the default run works on any libcuda
+only_on_testdriver = pytest.mark.usefixtures("needs_testdriver")
 
 SCRIPT = ROOT / "scripts" / "gpu-check.sh"
 
@@ -65,9 +67,14 @@ def test_default_mode_passes_with_tests_and_bench(testdriver, tmp_path):
                         GPU_CHECK_TESTS="tests/cuda/test_testdriver.py::test_granularity_alignment_and_offset_zero")
     assert p.returncode == 0, p.stdout + p.stderr
     assert any(line.startswith("PASS: kvcached CUDA path") for line in p.stdout.splitlines()), p.stdout
-    assert "FAIL" not in p.stdout and verdicts(rows, "DIFF") == [], p.stdout
-    assert last_line(p) == "PASS", p.stdout
-    assert seen(rows, IDENTITY) == "distinct per page" and seen(rows, FDTYPE).startswith("directory")
+    assert "FAIL" not in p.stdout, p.stdout
+    if has_private_features():
+        assert verdicts(rows, "DIFF") == [] and last_line(p) == "PASS", p.stdout
+        assert seen(rows, IDENTITY) == "distinct per page" and seen(rows, FDTYPE).startswith("directory")
+    else:  # another libcuda: only what an export is may differ from the test driver's default
+        diff = verdicts(rows, "DIFF")
+        assert all(c.startswith("exported fd: ") for c in diff), diff
+        assert last_line(p) == (f"PASS with {len(diff)} DIFF rows" if diff else "PASS"), p.stdout
     assert "1 passed" in seen(rows, "CUDA behaviour tests"), rows
     assert seen(rows, "bench: Allocate(64").startswith("daemon warm ")
     # the table: one markdown row per check, and the same checks the rows file has
@@ -75,6 +82,7 @@ def test_default_mode_passes_with_tests_and_bench(testdriver, tmp_path):
     assert len(table) == len(rows) > 40
 
 
+@only_on_testdriver
 def test_same_identity_is_a_model_difference(testdriver, tmp_path):
     """One inode for every export (as a real driver's device-node fd most
     likely has): the daemon copes (it refuses resumes with pages there), so
@@ -87,6 +95,7 @@ def test_same_identity_is_a_model_difference(testdriver, tmp_path):
     assert last_line(p) == "PASS with 1 DIFF rows", p.stdout
 
 
+@only_on_testdriver
 def test_every_other_strictness_at_once_passes(testdriver, tmp_path):
     """Copies that land at synchronize, two devices that are not peers,
     hidden per-context memory with another process's memory taken, and
@@ -105,6 +114,7 @@ def test_every_other_strictness_at_once_passes(testdriver, tmp_path):
     assert float(costs["Create"]) >= 193 and float(costs["SetAccess"]) >= 36 and float(costs["Unmap"]) >= 26, costs
 
 
+@only_on_testdriver
 def test_lenient_driver_shows_as_model_differences(testdriver, tmp_path):
     """On the driver before issue 17 the project's assumptions still hold
     (exit 0), but gpu-check names where that driver differs from the model

@@ -173,7 +173,7 @@ struct td_injected {
 /* --------------------------------------------------------------------- */
 /* process state (all of it under g_lock)                                 */
 
-enum td_fdmode { FD_DISTINCT, FD_SAME, FD_FILE };
+enum td_fdmode { FD_DISTINCT, FD_SAME, FD_FILE, FD_CHR };
 enum td_async { ASYNC_OFF, ASYNC_MEMSET, ASYNC_ALL };
 enum td_poison { POISON_OFF, POISON_EDGES, POISON_FULL };
 enum td_refs { REFS_TABLE, REFS_FDS };
@@ -544,12 +544,15 @@ static void load_config(void) {
         if (v < 0) config_fail("KVCACHED_TESTDRV_POISON=%s: want full (or 1), edges or 0", s);
         else cfg.poison = v == 3 ? POISON_FULL : (enum td_poison)v;
     }
-    static const char *const fd_names[] = {"distinct", "same", "file"};
+    static const char *const fd_names[] = {"distinct", "same", "file", "chardev"};
     if ((s = getenv("KVCACHED_TESTDRV_FD_IDENTITY")) && *s) {
-        int v = parse_choice(s, fd_names, 3);
-        if (v < 0) config_fail("KVCACHED_TESTDRV_FD_IDENTITY=%s: want distinct, same or file", s);
+        int v = parse_choice(s, fd_names, 4);
+        if (v < 0) config_fail("KVCACHED_TESTDRV_FD_IDENTITY=%s: want distinct, same, file or chardev", s);
         else cfg.fdmode = (enum td_fdmode)v;
     }
+#ifdef KVCACHED_TESTDRV_PUBLIC_ONLY
+    cfg.fdmode = FD_CHR; /* as NVIDIA's driver most likely does (an fd of /dev/nvidiactl) */
+#endif
     static const char *const async_names[] = {"0", "memset", "all"};
     if ((s = getenv("KVCACHED_TESTDRV_ASYNC")) && *s) {
         int v = parse_choice(s, async_names, 3);
@@ -823,6 +826,17 @@ static size_t capacity(int phys) { return cfg.other[phys] >= cfg.memory ? 0 : cf
 /* device-wide accounting                                                 */
 
 static int g_ctlfd = -1; /* $STATE/nvidiactl: what "same" identity exports are descriptions of */
+/* "chardev" identity: every export is a write-only description of this
+ * character device (TD_CHRDEV) holding an OFD write lock on byte
+ * S | i (S = L << 32 | secret with its low TD_CHR_SLOTS bits clear, i a free
+ * slot: several exports of one page coexist). fstat gives one inode for
+ * every export of every page, read fails (EBADF) and mmap fails (EACCES),
+ * as with an fd of the real driver's /dev/nvidiactl. An import reads the
+ * lock from /proc/self/fdinfo; the page is on this process's machine. */
+#define TD_CHRDEV "/dev/null"
+#define TD_CHR_SLOTS 12
+static int g_chrfd = -1; /* a read-only description of TD_CHRDEV holding no lock: for F_OFD_GETLK */
+static dev_t g_chr_rdev;
 static dev_t g_ctl_dev;
 static ino_t g_ctl_ino;
 
@@ -1208,10 +1222,19 @@ static bool ctl_locked(int ctl, uint32_t key) {
     return fcntl(ctl, F_OFD_GETLK, &q) == 0 && q.l_type != F_UNLCK;
 }
 
+/* Does a "chardev" export of page `key` live (a lock in its range)? */
+static bool chr_locked(uint32_t key) {
+    if (g_chrfd < 0) return false;
+    struct flock q = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = (off_t)((uint64_t)key << 32),
+                      .l_len = (off_t)1 << 32};
+    return fcntl(g_chrfd, F_OFD_GETLK, &q) == 0 && q.l_type != F_UNLCK;
+}
+
 /* Page directory `fd` (LOCK_EX held): still referenced by an export that
  * holds no flock on it? */
 static bool held_by_export(int fd, uint32_t key, int ctl) {
     if (ctl_locked(ctl, key)) return true;
+    if (cfg.fdmode == FD_CHR && chr_locked(key)) return true;
     if (cfg.fdmode == FD_FILE) { /* lenient exports are descriptions of the data file */
         int dfd = openat(fd, "data", O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
         if (dfd >= 0) {
@@ -1518,6 +1541,8 @@ static CUresult create_page(int phys, size_t size, struct td_alloc **out) {
      * (opens data read-write) and may collect it (unlinks data) */
     if (fchmod(pfd, 0777) != 0) goto fail;
     a->secret = ((uint64_t)a->key << 32) | (uint32_t)(td_random() | 1);
+    if (cfg.fdmode == FD_CHR) /* the low bits number the exports (TD_CHRDEV) */
+        a->secret = (a->secret & ~(((uint64_t)1 << TD_CHR_SLOTS) - 1)) | ((uint64_t)1 << TD_CHR_SLOTS);
     if (lseek(pfd, (off_t)a->secret, SEEK_SET) != (off_t)a->secret) goto fail;
     struct stat st;
     if (fstat(pfd, &st) != 0) goto fail;
@@ -1886,6 +1911,14 @@ CUresult CUDAAPI cuInit(unsigned int Flags) {
     }
     g_ctl_dev = st.st_dev;
     g_ctl_ino = st.st_ino;
+    if (cfg.fdmode == FD_CHR) {
+        g_chrfd = open(TD_CHRDEV, O_RDONLY | O_CLOEXEC);
+        if (g_chrfd < 0 || fstat(g_chrfd, &st) != 0 || !S_ISCHR(st.st_mode)) {
+            td_warn("cannot open %s: %s", TD_CHRDEV, strerror(errno));
+            RETURN(CUDA_ERROR_OPERATING_SYSTEM);
+        }
+        g_chr_rdev = st.st_rdev;
+    }
     for (int i = 0; i < cfg.nphys; i++)
         if (dev_dirfd(i) < 0) RETURN(CUDA_ERROR_OPERATING_SYSTEM);
     int sfd = open(cfg.state, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -2187,6 +2220,27 @@ static int export_fd(struct td_alloc *a, uint64_t *secret_out) {
             errno = e;
             fd = -1;
         }
+    } else if (cfg.fdmode == FD_CHR) {
+        fd = open(TD_CHRDEV, O_WRONLY | O_CLOEXEC);
+        int e = EAGAIN;
+        for (int i = 0; fd >= 0 && i < 256; i++) { /* a free slot: random, then the next ones */
+            uint64_t slot = ((uint64_t)td_random() + (uint64_t)i) & (((uint64_t)1 << TD_CHR_SLOTS) - 1);
+            struct flock l = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = (off_t)(a->secret | slot), .l_len = 1};
+            if (fcntl(fd, F_OFD_SETLK, &l) == 0) {
+                e = 0;
+                break;
+            }
+            if (errno != EAGAIN && errno != EACCES) {
+                e = errno;
+                break;
+            }
+        }
+        if (fd >= 0 && e) {
+            close(fd);
+            errno = e == EAGAIN ? EMFILE : e;
+            fd = -1;
+        }
+        *secret_out = 0; /* the description has no offset to check */
     } else {
         strcat(name, "/data");
         fd = dfd < 0 ? -1 : openat(dfd, name, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
@@ -2276,6 +2330,38 @@ CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *ha
                 pagefd = openat(fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
         }
         close(parent);
+        if (pagefd < 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+    } else if (S_ISCHR(st.st_mode) && cfg.fdmode == FD_CHR && st.st_rdev == g_chr_rdev && g_local) {
+        /* "chardev": the description's own OFD lock (its fdinfo) names S | slot */
+        char path[64], line[256];
+        snprintf(path, sizeof path, "/proc/self/fdinfo/%d", fd);
+        FILE *f = fopen(path, "re");
+        if (!f) RETURN(CUDA_ERROR_INVALID_VALUE);
+        unsigned long long start = 0, end = 0, found = 0;
+        while (fgets(line, sizeof line, f)) {
+            if (strncmp(line, "lock:", 5) != 0 || !strstr(line, "OFDLCK") || !strstr(line, "WRITE")) continue;
+            char *p = strrchr(line, ' '); /* "... START END" */
+            if (!p) continue;
+            end = strtoull(p + 1, NULL, 10);
+            *p = 0;
+            char *q = strrchr(line, ' ');
+            if (!q) continue;
+            start = strtoull(q + 1, NULL, 10);
+            if (start == end && (start >> 32)) {
+                found = start;
+                break;
+            }
+        }
+        fclose(f);
+        if (!found) RETURN(CUDA_ERROR_INVALID_VALUE);
+        secret = found & ~(((uint64_t)1 << TD_CHR_SLOTS) - 1);
+        key = (uint32_t)(secret >> 32);
+        int phys = (int)(key >> TD_KEY_DEV_SHIFT);
+        if (phys >= cfg.nphys) RETURN(CUDA_ERROR_INVALID_VALUE);
+        char name[16];
+        page_name(key, name);
+        int dfd = machine_devfd(g_local, phys);
+        pagefd = dfd < 0 ? -1 : openat(dfd, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
         if (pagefd < 0) RETURN(CUDA_ERROR_INVALID_VALUE);
     } else if (S_ISREG(st.st_mode) && cfg.fdmode == FD_FILE) {
         /* lenient: the page's data file (any description of it, even one opened by path) */
@@ -2554,7 +2640,7 @@ static void write_report(void) {
     size_t nres = g_nresv, nctx = 0, pending = ops_pending();
     for (int o = 0; o < cfg.nvis; o++) nctx += g_ctx[o].refcount > 0;
     char u[41], name[16];
-    static const char *const fdmodes[] = {"distinct", "same", "file"};
+    static const char *const fdmodes[] = {"distinct", "same", "file", "chardev"};
     static const char *const asyncs[] = {"0", "memset", "all"};
     static const char *const poisons[] = {"0", "edges", "full"};
     static const char *const refss[] = {"table", "fds"};
