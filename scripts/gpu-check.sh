@@ -27,7 +27,8 @@
 # PYTHON (default: the repo's .venv, else python3), GPU_CHECK_MEMORY (daemon
 # budget, default 256MiB), GPU_CHECK_PAGES (pages the probe creates, default
 # 32), GPU_CHECK_TESTS (pytest arguments for stage 3; default
-# "tests/cuda tests/test_cuda_faults.py", empty skips it), GPU_CHECK_BENCH
+# "tests/cuda tests/test_cuda_faults.py tests/test_gpu_check.py", empty skips
+# it), GPU_CHECK_BENCH
 # (bench scenarios for stage 4, default allocate64,roundtrip; empty skips
 # it), GPU_CHECK_KEEP=1 (keep the temp dir). With the CUDA test driver
 # (KVCACHED_LIBCUDA=build/testdriver/libcuda.so.1, KVCACHED_TESTDRV_* set) it
