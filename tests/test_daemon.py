@@ -236,3 +236,38 @@ def test_page_size_must_be_multiple_of_granularity(tmp_path):
     )
     assert proc.returncode == 1
     assert "not a multiple" in proc.stderr and "granularity" in proc.stderr
+
+
+def test_sighup_reloads_what_it_can_and_never_kills(daemon_factory, tmp_path):
+    """Issue 28: SIGHUP killed the daemon at once, like a crash, leaving its
+    socket files behind. Now it re-reads the settings (the --config file as
+    it is now): the reloadable ones apply at once (log level, limits), the
+    others are named as needing a restart and kept; an invalid file is
+    named and changes nothing; without changes it says so. The daemon
+    serves throughout, and a SIGTERM afterwards exits 0 and removes both
+    socket files."""
+    import signal
+
+    cfg = tmp_path / "k.toml"
+    cfg.write_text('log_level = "INFO"\nmax_sessions_per_uid = 8\n')
+    d = daemon_factory("host", config=str(cfg))
+    with d.client() as c:
+        s1 = c.open_session("before")
+        cfg.write_text('log_level = "DEBUG"\nmax_sessions_per_uid = 2\npage_size = "4MiB"\n')
+        d.proc.send_signal(signal.SIGHUP)
+        assert wait_until(lambda: "SIGHUP: settings reloaded" in d.log_text(), timeout=5), d.log_text()
+        assert "log_level 'INFO' -> 'DEBUG', max_sessions_per_uid 8 -> 2; changed but need a restart (kept): page_size" in d.log_text()
+        s2 = c.open_session("second")
+        with pytest.raises(errors.ResourceExhausted, match=r"max_sessions_per_uid=2"):
+            c.open_session("third")  # the new limit applies at once
+        cfg.write_text('max_sessions_per_uid = "many"\n')
+        d.proc.send_signal(signal.SIGHUP)
+        assert wait_until(lambda: "SIGHUP: not reloaded, the running settings stay" in d.log_text(), timeout=5)
+        assert "max_sessions_per_uid" in d.log_text().split("SIGHUP: not reloaded")[1]
+        s2.close()
+        s1.free(s1.allocate(2))  # served throughout
+        assert d.proc.poll() is None
+        s1.close()
+    assert "DEBUG" in d.log_text()  # the new level took effect
+    assert d.stop() == 0
+    assert not os.path.exists(d.socket) and not os.path.exists(d.socket + ".fd")

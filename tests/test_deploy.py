@@ -210,8 +210,9 @@ def verify_root(tmp_path: pathlib.Path) -> pathlib.Path:
         "[Install]\nWantedBy=default.target\n"
     )
     (root / "usr/local/bin").mkdir(parents=True)
-    for exe in ("kvcached-serve", "ollama"):
-        p = root / "usr/local/bin" / exe
+    (root / "bin").mkdir()
+    for exe in ("usr/local/bin/kvcached-serve", "usr/local/bin/ollama", "bin/kill"):  # kill: ExecReload
+        p = root / exe
         p.write_text("#!/bin/sh\nexit 0\n")
         p.chmod(0o755)
     return root
@@ -227,6 +228,8 @@ def test_systemd_units_verify(tmp_path):
     r = verify(root, "kvcached.service", "ollama.service")
     # verify exits 0 on unknown keys too (it only warns): any output is a failure
     assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), r.stdout + r.stderr
+    # systemctl reload: SIGHUP re-reads the settings (tests/test_daemon.py::test_sighup_reloads_what_it_can_and_never_kills)
+    assert values(SYSTEMD / "kvcached.service", "ExecReload") == ["/bin/kill -HUP $MAINPID"]
 
 
 def test_systemd_verify_catches_a_bad_unit(tmp_path):

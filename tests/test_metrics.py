@@ -360,6 +360,7 @@ def test_busy_metrics_port_refuses_to_start(daemon_factory):
     assert rc == 1, d.log_text()
     assert f"metrics_address 127.0.0.1:{port}: cannot listen" in d.log_text()
     assert not os.path.exists(d.socket)
+    assert not os.path.exists(d.socket + ".fd")  # every exit path the daemon controls removes both (issue 28)
 
 
 # ---- a real Prometheus server -------------------------------------------------

@@ -155,7 +155,38 @@ def raise_fd_limit() -> int:
     return soft
 
 
-async def serve(settings: Settings, ready_hook=None) -> int:
+# Settings a SIGHUP may change in a running daemon: each is read where it is
+# used, so the new value applies from the next use. Everything else needs a
+# restart (the devices, the budget, the sockets, the state dir, the page size).
+RELOADABLE = ("log_level", "fd_send_timeout", "channel_bind_timeout", "default_wait_ms", "max_sessions",
+              "max_sessions_per_uid", "max_grpc_connections", "max_grpc_connections_per_uid", "grpc_admin_reserve")
+
+
+def reload_settings(settings: Settings, load) -> None:
+    """SIGHUP: read the settings again (command line, environment, the
+    --config file as it is now) and apply the RELOADABLE ones that changed;
+    log what changed, what would need a restart, or why nothing was done.
+    Never raises: a SIGHUP never stops the daemon."""
+    if load is None:
+        log.warning("SIGHUP: no settings to reload here; ignored")
+        return
+    try:
+        new = load()
+    except ConfigError as exc:
+        log.error("SIGHUP: not reloaded, the running settings stay: %s", exc)
+        return
+    changed = {k: (getattr(settings, k), getattr(new, k)) for k in RELOADABLE if getattr(settings, k) != getattr(new, k)}
+    for k, (_, v) in changed.items():
+        setattr(settings, k, v)
+    if "log_level" in changed:
+        logging.getLogger().setLevel(settings.log_level)
+    restart = sorted(k for k in Settings.model_fields if k not in RELOADABLE and getattr(settings, k) != getattr(new, k))
+    log.warning("SIGHUP: settings reloaded: %s%s",
+                ", ".join(f"{k} {old!r} -> {v!r}" for k, (old, v) in changed.items()) or "nothing changed",
+                f"; changed but need a restart (kept): {', '.join(restart)}" if restart else "")
+
+
+async def serve(settings: Settings, ready_hook=None, reload=None) -> int:
     nofile = raise_fd_limit()
     backend = open_backend(settings)
     daemon = Daemon(settings, backend)
@@ -211,6 +242,7 @@ async def serve(settings: Settings, ready_hook=None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, reload_settings, settings, reload)  # was the default: die, sockets left behind
     try:
         await front.start()
         channels.start()
@@ -236,6 +268,7 @@ async def serve(settings: Settings, ready_hook=None) -> int:
                      ", ".join(f"{uuid} {have}/{want} pages" for uuid, (have, want) in warm.items()))
     except Exception:
         await server.stop(None)
+        channels.shutdown(errors.Unavailable("the daemon failed to start"))  # also removes the fd socket file
         front.close()
         raise
     daemon.start_background()
@@ -321,8 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until serve() handles it: a SIGHUP never kills the daemon
     try:
-        return run_loop(settings, serve(settings))
+        return run_loop(settings, serve(settings, reload=lambda: load_settings(cli, ns.config)))
     except SettingsError as exc:
         log.error("cannot start: %s", exc)
         return 2
