@@ -1,10 +1,10 @@
 # kvcached-service: two commands for a fresh machine.
 #   make serve   set up, then run the daemon on /tmp/kvcached.sock
-#   make test    set up, then run every test suite (Python, Go, C, llama.cpp, Ollama)
+#   make test    set up, then run every test suite (Python, Go, C, llama.cpp, Ollama, GPU bundle dry run)
 SOCKET ?= /tmp/kvcached.sock
 ARGS ?=
 
-.PHONY: serve test setup testdriver test-python test-go test-c test-packaging test-llama test-ollama
+.PHONY: serve test setup testdriver test-python test-go test-c test-packaging test-llama test-ollama test-gpu-bundle
 
 setup:
 	@scripts/setup.sh --dev
@@ -34,6 +34,9 @@ test-llama: setup testdriver
 
 test-ollama: setup testdriver
 	scripts/test-ollama.sh
+
+test-gpu-bundle: setup testdriver
+	scripts/test-gpu-bundle.sh
 
 test: setup testdriver
 	scripts/test-all.sh

@@ -1,0 +1,304 @@
+"""The offline GPU bundle's pieces (scripts/gpu-bundle/): the size check, the
+rows' verdict and table, verify's stage loop (deadline, stages without
+rows, missing or runaway stages, results.json after every stage), the test
+programs' results as rows, and the wheel installer of a host without pip.
+The whole bundle is built and verified on the test driver by
+scripts/test-gpu-bundle.sh."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GB = ROOT / "scripts" / "gpu-bundle"
+sys.path.insert(0, str(GB))
+
+import pack  # noqa: E402
+import prepare  # noqa: E402
+import report  # noqa: E402
+import testrows  # noqa: E402
+
+
+def rows_of(*verdicts):
+    return [report.row(f"c{i}", "e", "s", v, "code") for i, v in enumerate(verdicts)]
+
+
+# ---- size
+
+
+def test_size_check_refuses_an_oversize_bundle(tmp_path):
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts" / "big.tar.xz").write_bytes(b"x" * 3000)
+    (tmp_path / "verify.sh").write_bytes(b"y" * 100)
+    ok, text = pack.size_check(tmp_path, max_bytes=3000)
+    assert not ok and "TOO BIG" in text and "3100 bytes" in text
+    ok, text = pack.size_check(tmp_path, max_bytes=3100)
+    assert ok and text.endswith("ok")
+    p = subprocess.run([sys.executable, str(GB / "pack.py"), "size", str(tmp_path), "--max", "3099"],
+                       capture_output=True, text=True)
+    assert p.returncode == 1 and "TOO BIG" in p.stdout
+    assert pack.MAX_BYTES == 56 * 2**20
+
+
+def test_gpu_bundle_sh_checks_the_size_last_with_the_56_mib_limit():
+    text = (ROOT / "scripts" / "gpu-bundle.sh").read_text()
+    assert "${GPU_BUNDLE_MAX_MB:-56}" in text
+    assert text.rstrip().splitlines()[-1].startswith('"$PY" "$PACK" size "$OUT" --max "$MAX_BYTES"')
+
+
+def test_tar_is_reproducible_and_keeps_modes(tmp_path):
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "run.sh").write_text("#!/bin/sh\n")
+    (src / "d" / "run.sh").chmod(0o755)
+    (src / "a.txt").write_text("a")
+    a, b = tmp_path / "a.tar.xz", tmp_path / "b.tar.xz"
+    pack.make_tar(src, a)
+    time.sleep(1.1)
+    os.utime(src / "a.txt")
+    pack.make_tar(src, b)
+    assert a.read_bytes() == b.read_bytes()
+    out = tmp_path / "out"
+    prepare.extract(a, out)
+    assert os.access(out / "d" / "run.sh", os.X_OK) and (out / "a.txt").read_text() == "a"
+
+
+def test_repo_files_leave_out_results_and_images_but_keep_the_stages():
+    files = pack.repo_files(ROOT)
+    assert "scripts/gpu-check.sh" in files and "kvcached_service/server/daemon.py" in files
+    assert "scripts/gpu-bundle/stage1.sh" in files and "clients/go/go.mod" in files
+    assert not [f for f in files if f.startswith("bench/results/") or f.endswith(".svg") or f.endswith(".png")]
+
+
+def test_declared_inputs(tmp_path):
+    s = tmp_path / "build-x.sh"
+    s.write_text("#!/bin/sh\n# gpu-bundle-inputs: clients/go protos\n# gpu-bundle-inputs: clients/c\n")
+    assert pack.declared_inputs(s) == ["clients/go", "protos", "clients/c"]
+    s.write_text("#!/bin/sh\n")
+    assert pack.declared_inputs(s) == []
+
+
+# ---- verdict and table
+
+
+@pytest.mark.parametrize("verdicts,want", [
+    (("pass", "info", "skip"), "PASS"),
+    (("pass", "DIFF", "DIFF", "info"), "PASS with 2 DIFF rows"),
+    (("pass", "DIFF", "FAIL"), "FAIL"),
+    (("FAIL",), "FAIL"),
+])
+def test_verdict(verdicts, want):
+    assert report.verdict(rows_of(*verdicts)) == want
+
+
+def test_a_stage_not_run_for_the_deadline_makes_the_verdict_fail():
+    rows = rows_of("pass") + report.stage_rows(3, {"status": "deadline", "deadline_s": 540, "elapsed_s": 541}, None)
+    assert rows[-1]["verdict"] == "skip" and "not started" in rows[-1]["check"]
+    assert report.verdict(rows) == "FAIL"
+
+
+def test_table_has_one_line_per_row_and_the_verdict_last():
+    rows = rows_of("pass", "DIFF") + [report.row("a | b", "x\ny", "z", "skip", "code", stage=2)]
+    text = report.table_md(rows, {"gpu": "H200", "python": "3.12.1", "empty": ""})
+    lines = text.strip().splitlines()
+    assert lines[0] == "host: gpu H200, python 3.12.1"
+    assert "| # | stage | check | expected | seen | result |" in lines
+    assert "| 3 | 2 | a / b | x y | z | skip |" in lines
+    assert "rows: 1 DIFF, 1 pass, 1 skip" in lines
+    assert lines[-1] == "PASS with 1 DIFF rows"
+
+
+def test_stage_rows_from_what_a_stage_left(tmp_path):
+    out = tmp_path / "s"
+    out.mkdir()
+    # no rows at all: FAIL, whatever the exit status
+    r = report.stage_rows(2, {"status": "ran", "rc": 0}, out)
+    assert [x["verdict"] for x in r] == ["FAIL"] and "rows" in r[0]["check"]
+    # rows, all pass, but a non-zero exit: one FAIL row added
+    (out / "rows.jsonl").write_text(json.dumps(report.row("x", "e", "s", "pass", "code")) + "\n\nnot json\n")
+    r = report.stage_rows(2, {"status": "ran", "rc": 3}, out)
+    assert [x["verdict"] for x in r] == ["pass", "FAIL", "FAIL"]
+    assert "rows.jsonl" in r[1]["check"] and "exit 3" in r[2]["seen"]
+    assert all(x["stage"] == 2 for x in r)
+    # a FAIL row explains the non-zero exit: nothing added
+    (out / "rows.jsonl").write_text(json.dumps(report.row("x", "e", "s", "FAIL", "code")) + "\n")
+    assert len(report.stage_rows(2, {"status": "ran", "rc": 1}, out)) == 1
+    # missing and killed stages
+    assert report.stage_rows(3, {"status": "missing"}, None)[0]["check"] == "stage 3: not in bundle"
+    r = report.stage_rows(2, {"status": "killed", "rc": -9, "seconds": 70}, out)
+    assert r[-1]["verdict"] == "FAIL" and "killed" in r[-1]["seen"]
+
+
+# ---- verify's stage loop
+
+
+def fake_repo(tmp_path, stages: dict[int, str]) -> pathlib.Path:
+    repo = tmp_path / "repo"
+    d = repo / "scripts" / "gpu-bundle"
+    d.mkdir(parents=True)
+    for n, body in stages.items():
+        (d / f"stage{n}.sh").write_text("set -u\n" + body)
+    return repo
+
+
+def run_verify(tmp_path, repo, *args):
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, str(GB / "runner.py"), "--bundle", str(tmp_path), "--repo", str(repo),
+                        "--python", sys.executable, "--out", str(out), "--driver", "testdriver",
+                        "--libcuda", "/nonexistent/libcuda.so.1", *args],
+                       capture_output=True, text=True, timeout=120)
+    return p, out
+
+
+ROW = 'echo \'{"check": "%s", "expected": "e", "seen": "s", "verdict": "%s", "kind": "k"}\' >>"$STAGE_OUT/rows.jsonl"\n'
+
+
+def test_deadline_skips_a_stage_and_the_ones_before_it_are_reported(tmp_path):
+    repo = fake_repo(tmp_path, {
+        1: ROW % ("one", "pass") + "sleep 1.5\n",
+        2: "touch \"$REPO/stage2-ran\"\n" + ROW % ("two", "pass"),
+    })
+    p, out = run_verify(tmp_path, repo, "--stages", "1 2", "--deadline", "1")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert p.stdout.rstrip().splitlines()[-1] == "FAIL"
+    assert not (repo / "stage2-ran").exists()
+    res = json.loads((out / "results.json").read_text())
+    assert [s["status"] for s in res["stages"]] == ["ran", "deadline"]
+    assert [(r["stage"], r["check"], r["verdict"]) for r in res["rows"]] == [
+        (1, "one", "pass"), (2, "stage 2 (clients): not started", "skip")]
+
+
+def test_stage_environment_missing_stage_and_results_after_every_stage(tmp_path):
+    repo = fake_repo(tmp_path, {
+        1: 'env | grep -E "^(BUNDLE|REPO|PYTHON|STAGE_OUT|STAGE_DEADLINE|KVCACHED_LIBCUDA|VERIFY_DRIVER|JOBS)=" '
+           '| sort >"$STAGE_OUT/env"\npwd >"$STAGE_OUT/cwd"\n' + ROW % ("one", "pass")
+           + 'echo \'{"probe.map_us": {"value": 1.5, "unit": "us"}}\' >"$STAGE_OUT/figures.json"\n',
+        2: 'cp "$STAGE_OUT/../results.json" "$STAGE_OUT/seen-before.json"\n' + ROW % ("two", "DIFF"),
+        4: "exit 0\n",
+    })
+    p, out = run_verify(tmp_path, repo, "--stages", "1 2 3 4", "--jobs", "7")
+    assert p.returncode == 1  # stage 3 missing, stage 4 without rows
+    env = dict(line.split("=", 1) for line in (out / "stage1" / "env").read_text().splitlines())
+    assert env["REPO"] == str(repo) and env["BUNDLE"] == str(tmp_path) and env["JOBS"] == "7"
+    assert env["STAGE_OUT"] == str(out / "stage1") and env["VERIFY_DRIVER"] == "testdriver"
+    assert env["KVCACHED_LIBCUDA"] == "/nonexistent/libcuda.so.1" and env["PYTHON"] == sys.executable
+    assert int(env["STAGE_DEADLINE"]) > time.time() + 400
+    assert (out / "stage1" / "cwd").read_text().strip() == str(repo)
+    before = json.loads((out / "stage2" / "seen-before.json").read_text())
+    assert [r["check"] for r in before["rows"]] == ["one"]  # written after stage 1, before stage 2 ended
+    res = json.loads((out / "results.json").read_text())
+    assert set(res) == {"verdict", "host", "stages", "rows", "figures"}
+    assert res["verdict"] == "FAIL"
+    assert {"date", "python", "gpu", "verify_driver", "driver_lib"} <= set(res["host"])
+    assert res["figures"] == {"probe.map_us": {"value": 1.5, "unit": "us"}}
+    checks = [(r["stage"], r["check"], r["verdict"]) for r in res["rows"]]
+    assert checks == [(1, "one", "pass"), (2, "two", "DIFF"), (3, "stage 3: not in bundle", "FAIL"),
+                      (4, "stage 4 (figures): rows", "FAIL")]
+    assert [s["stage"] for s in res["stages"]] == [1, 2, 3, 4]
+    assert (out / "table.md").read_text().rstrip().endswith("FAIL")
+    with tarfile.open(out / "logs.tar.gz") as tf:
+        names = tf.getnames()
+    assert "verify-out/results.json" in names and "verify-out/stage1/rows.jsonl" in names
+
+
+def test_a_stage_past_the_deadline_and_grace_is_killed(tmp_path):
+    repo = fake_repo(tmp_path, {1: ROW % ("one", "pass") + "sleep 60 & wait\n", 2: ROW % ("two", "pass")})
+    t = time.time()
+    p, out = run_verify(tmp_path, repo, "--stages", "1 2", "--deadline", "0.5", "--grace", "1")
+    assert time.time() - t < 30
+    res = json.loads((out / "results.json").read_text())
+    assert [s["status"] for s in res["stages"]] == ["killed", "deadline"]
+    assert [r["verdict"] for r in res["rows"]] == ["pass", "FAIL", "skip"]
+    assert p.stdout.rstrip().splitlines()[-1] == "FAIL"
+
+
+def test_diff_rows_pass_with_exit_0(tmp_path):
+    repo = fake_repo(tmp_path, {1: ROW % ("one", "DIFF") + ROW % ("two", "skip")})
+    p, out = run_verify(tmp_path, repo, "--stages", "1")
+    assert p.returncode == 0 and p.stdout.rstrip().splitlines()[-1] == "PASS with 1 DIFF rows"
+
+
+def test_bad_figures_are_a_fail_row(tmp_path):
+    repo = fake_repo(tmp_path, {1: ROW % ("one", "pass") + 'echo \'{"x": 3}\' >"$STAGE_OUT/figures.json"\n'})
+    p, out = run_verify(tmp_path, repo, "--stages", "1")
+    res = json.loads((out / "results.json").read_text())
+    assert res["rows"][-1]["check"] == "stage 1: figures.json" and res["verdict"] == "FAIL"
+
+
+# ---- test programs' results
+
+
+GO_LOG = """=== RUN   TestA
+--- PASS: TestA (0.01s)
+=== RUN   TestResume
+=== RUN   TestResume/host
+=== RUN   TestResume/cuda
+    resume_test.go:88: resume refused: pages share one inode
+--- FAIL: TestResume (1.00s)
+    --- PASS: TestResume/host (0.50s)
+    --- FAIL: TestResume/cuda (0.50s)
+=== RUN   TestSkip
+    x_test.go:3: no second device
+--- SKIP: TestSkip (0.00s)
+FAIL
+"""
+
+
+def test_go_rows():
+    rows = testrows.go_rows("Go", GO_LOG, 1)
+    assert rows[0]["verdict"] == "FAIL"
+    assert rows[0]["seen"] == "1 passed, 1 failed, 1 skipped of 3 tests (2 subtests)"
+    assert [(r["check"], r["verdict"]) for r in rows[1:]] == [("Go: TestResume/cuda", "FAIL")]
+    assert "one inode" in rows[1]["seen"]
+    ok = testrows.go_rows("Go", "=== RUN   TestA\n--- PASS: TestA (0.01s)\nPASS\n", 0)
+    assert [r["verdict"] for r in ok] == ["pass"]
+    # no test ran (a crash before any): not a pass
+    assert testrows.go_rows("Go", "panic: boom\n", 2)[0]["verdict"] == "FAIL"
+    t = testrows.go_rows("Go", "=== RUN   TestA\npanic: test timed out after 5s\n", 2)
+    assert "timed out" in t[0]["seen"] and t[0]["verdict"] == "FAIL"
+
+
+def test_gtest_rows(tmp_path):
+    js = tmp_path / "r.json"
+    js.write_text(json.dumps({"testsuites": [{"name": "Kvc", "testsuite": [
+        {"name": "A", "status": "RUN", "result": "COMPLETED"},
+        {"name": "B", "status": "RUN", "result": "COMPLETED", "failures": [{"failure": "x.cc:1\nExpected 0\nsecond"}]},
+        {"name": "C", "status": "RUN", "result": "SKIPPED"},
+        {"name": "D", "status": "NOTRUN"},
+    ]}]}))
+    rows = testrows.gtest_rows("C", str(js), "", 1)
+    assert rows[0]["seen"] == "1 passed, 1 failed, 1 skipped of 3 tests" and rows[0]["verdict"] == "FAIL"
+    assert rows[1]["check"] == "C: Kvc.B" and rows[1]["seen"] == "x.cc:1 / Expected 0 / second"
+    crash = testrows.gtest_rows("C", str(tmp_path / "none.json"),
+                                "[       OK ] Kvc.A (1 ms)\n[  FAILED  ] Kvc.B (2 ms)\nSegmentation fault\n", 139)
+    assert crash[0]["verdict"] == "FAIL" and "crashed" in crash[0]["seen"] and "1 passed" in crash[0]["seen"]
+    assert crash[1]["check"] == "C: Kvc.B"
+
+
+# ---- the host's wheel installer (no pip, no network)
+
+
+def test_install_wheel_without_pip(tmp_path):
+    whl = tmp_path / "demo-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as zf:
+        zf.writestr("demo/__init__.py", "X = 1\n")
+        zf.writestr("demo-1.0.dist-info/METADATA", "Name: demo\nVersion: 1.0\n")
+        zf.writestr("demo-1.0.data/purelib/demo_extra.py", "Y = 2\n")
+        zf.writestr("demo-1.0.data/scripts/demo", "#!python\n")
+    site = tmp_path / "site"
+    site.mkdir()
+    prepare.install_wheel(whl, site)
+    assert (site / "demo" / "__init__.py").exists() and (site / "demo_extra.py").exists()
+    assert not list(site.glob("*.data"))
+    p = subprocess.run([sys.executable, "-c", "import demo, demo_extra; print(demo.X + demo_extra.Y)"],
+                       env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True)
+    assert p.stdout.strip() == "3"
