@@ -107,6 +107,7 @@ class Settings(BaseSettings):
     channel_ops_only: bool | None = Field(None, description="page operations only on the fd channel: the default, kept for command lines that say so; --no-channel-ops-only is --grpc-page-ops")
     max_grpc_connections: int = Field(1024, ge=1, description="control-socket (gRPC) connections open at once, all uids together")
     max_grpc_connections_per_uid: int = Field(256, ge=1, description="control-socket (gRPC) connections open at once per uid (SO_PEERCRED); keep it below max_grpc_connections")
+    max_health_watches_per_uid: int = Field(16, ge=0, description="Health.Watch streams open at once per uid that is not an admin (a Watch keeps its connection from idling out); Health.Check is never limited")
     grpc_admin_reserve: int = Field(64, ge=0, description="control-socket connections of max_grpc_connections that only admin uids and the daemon's own uid may use, so other uids filling every slot they can never lock out operators or the health probe")
     grpc_idle_timeout: float = Field(120.0, gt=0, description="seconds a control connection with no call in flight stays open (clients reconnect on their next call)")
     fd_send_timeout: float = Field(5.0, gt=0, description="seconds a client may leave its fd channel full before its session is ended")

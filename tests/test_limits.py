@@ -628,3 +628,21 @@ def test_unprivileged_uids_cannot_lock_operators_out_of_the_control_socket(daemo
         for p in holders:
             p.stdin.close()
             p.wait(30)
+
+
+def test_health_watch_streams_are_capped_per_uid(daemon_factory):
+    """A Health.Watch is a call in flight for as long as the client likes, so
+    its connection never idles out. A uid that is not an admin may hold
+    max_health_watches_per_uid (3 here) at once; the next is refused naming
+    the limit and pointing at Health.Check; root is not capped; the watches
+    end with their process and the uid gets its 3 again."""
+    d = daemon_factory("host", shared_dir=True, socket_mode="0666", max_health_watches_per_uid="3")
+    for _ in range(2):
+        r = subprocess.run([PY, str(HELPERS / "hostile.py"), "watches", "5"], env=dict(d.client_env(), **AS_NOBODY),
+                           capture_output=True, text=True, timeout=60)
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+        assert res["codes"][:3] == ["SERVING"] * 3, res
+        assert res["codes"][3:] == [["RESOURCE_EXHAUSTED", f"kvcached: uid {NOBODY.pw_uid} already has 3 Health.Watch streams open "
+                                     "(max_health_watches_per_uid=3); use Health.Check to poll"]] * 2, res
+    r = subprocess.run([PY, str(HELPERS / "hostile.py"), "watches", "5"], env=d.client_env(), capture_output=True, text=True, timeout=60)
+    assert json.loads(r.stdout.strip().splitlines()[-1])["codes"] == ["SERVING"] * 5  # root: an admin

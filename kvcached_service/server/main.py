@@ -20,7 +20,7 @@ import sys
 import time
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from .. import __version__, errors
@@ -31,6 +31,7 @@ from . import sdnotify
 from .channel import ChannelServer
 from .control import ControlFront
 from .daemon import Daemon, ShutdownIncomplete
+from .health import HealthService
 from .metrics import Metrics
 from .service import KVCachedService, add_to_server
 from .sockets import prepare_socket_path
@@ -159,7 +160,8 @@ def raise_fd_limit() -> int:
 # used, so the new value applies from the next use. Everything else needs a
 # restart (the devices, the budget, the sockets, the state dir, the page size).
 RELOADABLE = ("log_level", "fd_send_timeout", "channel_bind_timeout", "default_wait_ms", "max_sessions",
-              "max_sessions_per_uid", "max_grpc_connections", "max_grpc_connections_per_uid", "grpc_admin_reserve")
+              "max_sessions_per_uid", "max_grpc_connections", "max_grpc_connections_per_uid", "grpc_admin_reserve",
+              "max_health_watches_per_uid")
 
 
 def reload_settings(settings: Settings, load) -> None:
@@ -225,7 +227,7 @@ async def serve(settings: Settings, ready_hook=None, reload=None) -> int:
     add_to_server(KVCachedService(daemon, peers=front.peer), server)
     # grpc's servicer starts with "" SERVING: not ready until the devices are
     # set up and the warm pool is filled (a slow cuMemCreate takes seconds).
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthService(settings, front)  # grpcio's, with Health.Watch capped per uid (health.py)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

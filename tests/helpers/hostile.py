@@ -13,6 +13,7 @@ every import, like client_proc.py).
   grab N TIMEOUT           allocate N pages as soon as they can be had (retrying);
                            report whether every byte of every page is zero
   getinfo N                N control connections held at once, GetInfo on each; report codes
+  watches N                N Health.Watch streams on one connection; report each one's first answer
   hold N                   as getinfo, then keep the connections (a Health.Watch on each, so none
                            is idle) until stdin closes
   opensecret SECRET_HEX    OpenSession with another process's channel secret; report the code
@@ -190,6 +191,23 @@ def main() -> int:
         sys.stdin.read()
         for w in watches:
             w.cancel()
+        return 0
+    if mode == "watches":
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(f"unix:{sock}") as ch:
+            calls, codes = [], []
+            for _ in range(int(args[0])):
+                call = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=10)
+                calls.append(call)
+                try:
+                    first = next(call)
+                    codes.append(health_pb2.HealthCheckResponse.ServingStatus.Name(first.status))
+                except grpc.RpcError as exc:
+                    codes.append([exc.code().name, exc.details()])
+            out(codes=codes)
+            for call in calls:
+                call.cancel()
         return 0
     if mode == "getinfo":
         n = int(args[0])
