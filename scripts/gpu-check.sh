@@ -346,14 +346,15 @@ except Exception as exc:  # noqa: BLE001
 for name, err in res.get("errors", {}).items():
     row(f"CUDA bench: {name}", "runs", err.strip().splitlines()[-1][:200], "FAIL", "code")
 sc = res.get("scenarios", {})
-UNITS = (("_us", "us"), ("_ms", "ms"), ("_per_s", "1/s"), ("_mib", "MiB"), ("_bytes", "B"), ("secs", "s"), ("_s", "s"))
+UNITS = (("_us", "us"), ("_ms", "ms"), ("_per_s", "1/s"), ("_mib", "MiB"), ("_bytes", "B"), ("_size", "B"), ("secs", "s"), ("_s", "s"))
 figs = {}
 def walk(prefix, v):
     if isinstance(v, bool):
         return
     if isinstance(v, (int, float)):
         leaf = prefix.rsplit(".", 1)[-1].lower()
-        figs[prefix] = {"value": v, "unit": next((u for suf, u in UNITS if leaf.endswith(suf)), "count")}
+        unit = next((u for suf, u in UNITS if leaf.endswith(suf)), "us" if "_us_" in leaf else "count")
+        figs[prefix] = {"value": v, "unit": unit}
     elif isinstance(v, dict):
         for k, x in v.items():
             walk(f"{prefix}.{k}", x)
