@@ -543,21 +543,23 @@ def tiny_model_row_bytes(model: str) -> int:
 
 
 def decode(a) -> int:
-    """Decode tokens/s of both servers on model A (stage 4): 3 runs each of
-    256 tokens after a short prompt, llama-server's own timings."""
+    """Decode tokens/s of both servers on model A (stage 4): both running,
+    runs alternated (unpatched, patched, ...: 3 each) so that other load on
+    the host falls on both alike; 256 tokens after a short prompt each,
+    llama-server's own timings."""
     run = Run(a)
     run.make_models()
     out = {"orig": [], "kvc": []}
     try:
-        for tag, binary in (("orig", run.orig), ("kvc", run.kvc)):
-            d = run.daemon(f"dd-{tag}", 256 * MiB) if tag == "kvc" else None
-            s = run.server(binary, "A", daemon=d, parallel=1, fa="on", ctx=4096)
+        d = run.daemon("dd", 256 * MiB)
+        srv = {"orig": run.server(run.orig, "A", daemon=None, parallel=1, fa="on", ctx=4096),
+               "kvc": run.server(run.kvc, "A", daemon=d, parallel=1, fa="on", ctx=4096)}
+        for s in srv.values():
             s.complete("Hello", 8, id_slot=0)  # warm-up
-            for i in range(3):
+        for i in range(3):
+            for tag, s in srv.items():
                 r = s.complete(f"Hello {i}", 256, id_slot=0, cache_prompt=False)
                 out[tag].append(float(r["timings"]["predicted_per_second"]))
-            s.stop()
-            run.servers.remove(s)
     finally:
         run.close()
     print(json.dumps({"figures": decode_figures(out["orig"], out["kvc"], a.device, "A"), "raw": out}))

@@ -1,0 +1,49 @@
+"""The offline GPU bundle's stage 3 (scripts/gpu-bundle/stage3.sh and its
+driver tests/helpers/gpu_llama.py, issue 24) in its CPU mode against this
+suite's two builds, so that the checks a GPU host runs do not rot between
+GPU runs: the same checks (greedy identity over two models, flash attention
+on and off, 1 and 4 slots; KV in daemon pages; pages following the context;
+a SIGKILLed server; two servers and a reclaim), with the daemon on the host
+backend and 2 MiB pages as on a GPU. Only the CUDA-only rows are skipped."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from kvtest import HELPERS, ROOT
+from llamatest import KVC, ORIG
+
+sys.path.insert(0, str(HELPERS))
+import gpu_llama  # noqa: E402
+
+
+def test_stage3_cpu_mode_every_check_passes(tmp_path):
+    assert ORIG.exists() and KVC.exists(), "run scripts/test-llama.sh (it builds both llama-servers)"
+    prebuilt = tmp_path / "prebuilt"  # the layout STAGE3_BUILD=prebuilt:DIR reads
+    prebuilt.mkdir()
+    (prebuilt / "build-orig").symlink_to(ORIG.parent.parent)
+    (prebuilt / "build-kvc").symlink_to(KVC.parent.parent)
+    out = tmp_path / "stage3"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STAGE3_", "KVCACHED_"))}
+    env.update(STAGE_OUT=str(out), PYTHON=sys.executable, BUNDLE=str(tmp_path / "bundle"), REPO=str(ROOT),
+               VERIFY_DRIVER="testdriver", STAGE3_DEVICE="cpu", STAGE3_BUILD=f"prebuilt:{prebuilt}", JOBS="2")
+    p = subprocess.run(["bash", str(ROOT / "scripts/gpu-bundle/stage3.sh")], env=env, capture_output=True, text=True,
+                       timeout=1200, cwd=ROOT)
+    print(p.stdout[-6000:])
+    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert not [r for r in rows if r["verdict"] == "FAIL"], rows
+    passed = [r["check"] for r in rows if r["verdict"] == "pass"]
+    # every check of the plan ran and passed, but device memory (CUDA only)
+    want = len(gpu_llama.PLAN_NAMES) - 1 + 2  # the first check gives three rows
+    assert len(passed) == want, (passed, rows)
+    assert all(c.startswith("cpu build, host pages: ") for c in passed)
+    assert sum("greedy tokens identical" in c for c in passed) == 8
+    skipped = [r for r in rows if r["verdict"] == "skip"]
+    assert len(skipped) == 2 and all("no CUDA runtime" in r["seen"] or "cpu mode" in r["seen"] for r in skipped), skipped
+    # and stage 4 finds the builds where stage 3 recorded them
+    rec = json.loads((tmp_path / "bundle/work/llama/servers.json").read_text())
+    assert rec["device"] == "cpu" and rec["kvc"].endswith("build-kvc/bin/llama-server")
