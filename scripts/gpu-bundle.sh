@@ -7,8 +7,9 @@
 #
 # OUTDIR (made anew) gets:
 #   verify.sh, tools/   the host's one command and its python helpers
-#   parts/repo.tar.xz   the repository's files the stages use (git ls-files,
-#                       less bench results, images, deploy/ and CI files)
+#   parts/repo.tar.xz   the repository's files the stages use, as the working
+#                       tree holds them (tracked and untracked files git does
+#                       not ignore, less bench results, images, deploy/, CI)
 #   parts/wheels.tar.xz wheels for the python version (cp312 manylinux x86-64)
 #                       of what such a host lacks, at the versions this
 #                       machine's .venv tests: pydantic, pydantic-settings,
@@ -69,6 +70,8 @@ if cached repo "$REPO_HASH"; then how=cached; else
     rm -f "$LIST"; store repo "$REPO_HASH"; how=built
 fi
 note repo "$REPO_HASH" "$how"
+UNTRACKED="$("$PY" "$PACK" untracked "$REPO")"
+[[ -z "$UNTRACKED" ]] || echo "gpu-bundle: the repo part has $(wc -l <<<"$UNTRACKED") files git does not track yet: $(head -5 <<<"$UNTRACKED" | tr '\n' ' ')"
 
 # ---- wheels: what a GPU host's python lacks, pinned to this machine's .venv
 # (the host has torch, grpcio, protobuf, prometheus-client, nvidia-ml-py,
@@ -128,7 +131,7 @@ import json, subprocess, sys, datetime
 out, pyver, arch, pins = sys.argv[1:5]
 git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()
 parts = {$(for k in "${!PART_HASH[@]}"; do printf '"%s": {"input_hash": "%s", "bytes": %s}, ' "$k" "${PART_HASH[$k]}" "${PART_SIZE[$k]}"; done)}
-json.dump({"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+json.dump({"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
            "built": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "python_version": pyver, "cuda_arch": arch, "wheels": pins.split(), "parts": parts},
           open(out + "/MANIFEST.json", "w"), indent=1)

@@ -1,6 +1,7 @@
 """The CPU machine's half of the GPU bundle (scripts/gpu-bundle.sh calls it).
 
     python pack.py repo-files ROOT               the repository files the bundle carries
+    python pack.py untracked ROOT                those of them git does not track yet
     python pack.py hash ROOT [--paths P...] [--extra S...]
                                                  an input hash (sha256 of the files' names
                                                  and contents, and of the extra strings)
@@ -43,11 +44,17 @@ def git_files(root: pathlib.Path, paths: list[str] | None = None) -> list[str]:
 
 
 def repo_files(root: pathlib.Path) -> list[str]:
-    tracked = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], check=True, capture_output=True).stdout.decode()
-    files = sorted({f for f in tracked.split("\0") if f and (root / f).is_file()})
-    # untracked files of scripts/gpu-bundle too: a stage being written is in the dry run
-    files = sorted(set(files) | set(git_files(root, ["scripts/gpu-bundle"])))
-    return [f for f in files if not f.startswith(EXCLUDE_PREFIXES) and not f.lower().endswith(EXCLUDE_SUFFIXES)]
+    """The working tree as the other suites test it: tracked files and
+    untracked ones git does not ignore (a new module an edited file imports
+    is there too), less what no stage reads."""
+    return [f for f in git_files(root) if not f.startswith(EXCLUDE_PREFIXES) and not f.lower().endswith(EXCLUDE_SUFFIXES)]
+
+
+def untracked(root: pathlib.Path) -> list[str]:
+    out = subprocess.run(["git", "-C", str(root), "ls-files", "-o", "--exclude-standard", "-z"],
+                         check=True, capture_output=True).stdout.decode()
+    files = set(repo_files(root))
+    return sorted(f for f in out.split("\0") if f and f in files)
 
 
 def input_hash(root: pathlib.Path, paths: list[str] | None, extra: list[str]) -> str:
@@ -117,6 +124,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("repo-files")
     s.add_argument("root")
+    s = sub.add_parser("untracked")
+    s.add_argument("root")
     s = sub.add_parser("hash")
     s.add_argument("root")
     s.add_argument("--paths", nargs="*", default=None)
@@ -133,6 +142,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.cmd == "repo-files":
         print("\n".join(repo_files(pathlib.Path(a.root))))
+    elif a.cmd == "untracked":
+        print("\n".join(untracked(pathlib.Path(a.root))))
     elif a.cmd == "hash":
         print(input_hash(pathlib.Path(a.root), a.paths, a.extra))
     elif a.cmd == "inputs":
