@@ -40,6 +40,7 @@ from . import eager
 from .admission import admit
 from .elastic import Reclaim, Reclaimer, pending_pages
 from .journal import JournalDamaged, JSession, Journal
+from .keeper import PageStore, StoreUnavailable
 from .pool import DevicePool, Page, PageIds, PageState, Shortage
 from .sessions import DeliveryFailed, PortDirectory, Session, SessionPort, Tombstones, check_labels, check_name
 from .worker import DeviceWorker
@@ -117,6 +118,8 @@ class Daemon:
         self._orphan_deadline: dict[int, float] = {}
         self._next_session_id = 1
         self._supply_read = 0.0  # when the devices' free memory was last read (monotonic)
+        self.store: PageStore | None = None  # the page store (keeper.py), with --page-store keeper
+        self.stored: dict[int, int] = {}  # orphans' page id -> our copy of the store's fd, until resumed or forgotten
         self.journal_damage: dict | None = None  # set when recover() found the journal damaged
         self.journal_stale: str | None = None  # why the journal could not be written (then rewritten when it can)
         self._journal_retry = 0.0
@@ -233,11 +236,52 @@ class Daemon:
             self.orphans[js.sid] = js
             self._orphan_deadline[js.sid] = deadline
         j.start(self.orphans, j.next_session_id, j.next_page_id)
+        self._open_store()
         if self.orphans:
             log.info(
                 "journal: %d session(s) of the previous daemon (%d pages) wait %gs for their clients to resume them",
                 len(self.orphans), sum(len(js.pages) for js in self.orphans.values()), self.settings.resume_grace,
             )
+
+    def _open_store(self) -> None:
+        """--page-store keeper: connect to (or start) the keeper of the state
+        dir and take what it holds: the fds of the orphans' pages. Pages the
+        journal does not name leave the store; pages it names that the store
+        lacks can only be resumed by the fds their clients re-send."""
+        if self.settings.page_store != "keeper" or self.journal is None:
+            return
+        try:
+            self.store = PageStore.open(self.settings.state_dir, self.settings.resume_grace + 30)
+        except StoreUnavailable as exc:
+            log.error("page store: %s; resumes are checked by the fds clients re-send (docs/cuda.md, \"Page identity\")", exc)
+            return
+        held = self.store.take_all()
+        named = {pid for js in self.orphans.values() for pid in js.pages}
+        extra = [pid for pid in held if pid not in named]
+        if extra:
+            log.warning("page store: %d page(s) the journal does not name (a session that ended as the daemon died): "
+                        "given back", len(extra))
+            self.store.drop(extra)
+            for pid in extra:
+                os.close(held.pop(pid))
+        self.stored = held
+        missing = len(named) - len(held)
+        if named:
+            log.info("page store: %d of the %d pages of the previous daemon's sessions are in the store%s", len(held), len(named),
+                     f"; {missing} are not (the keeper was restarted or gone): those resume only by the fds their clients "
+                     "re-send" if missing else "")
+
+    def _unstore(self, page_ids) -> None:
+        """Pages that no session holds any more leave the store (and an
+        orphan's copy of their fd is closed: the driver frees a page nobody maps)."""
+        if self.store is None:
+            return
+        ids = list(page_ids)
+        self.store.drop(ids)
+        for pid in ids:
+            fd = self.stored.pop(pid, None)
+            if fd is not None:
+                os.close(fd)
 
     def _journal(self, rec: dict) -> None:
         """Journal a change the books already made. A write that fails (a
@@ -298,6 +342,7 @@ class Daemon:
         for dev, n in per_dev.items():
             self.pools[dev].forget_orphans(n)
         self._journal({"op": "close", "sid": sid})
+        self._unstore(js.pages)
         self.tombstones.add(sid, reason)
         log.warning("session %d '%s' (uid %d): %s; forgetting its %d pages (their memory stays with whoever still maps them)",
                     sid, js.name, js.uid, reason, len(js.pages))
@@ -469,9 +514,14 @@ class Daemon:
             raise errors.InvalidArgument("page_ids repeats a page; nothing was adopted")
         if adoption.fds and adoption.session_id != sid:
             raise errors.InvalidArgument(f"the ADOPT records on this channel name session {adoption.session_id}, not {sid}")
+        # Pages in the page store (keeper.py) are taken from there: the
+        # daemon's own fds, whatever the driver's fds look like. Only the
+        # others need the fd the client re-sent, checked by its identity.
+        resent = [pid for pid in page_ids if pid not in self.stored]
         for pid in page_ids:
             if pid not in js.pages:
                 raise errors.PermissionDenied(f"page {pid} was not held by session {sid}; nothing was adopted")
+        for pid in resent:
             if pid not in adoption.fds:
                 raise errors.InvalidArgument(f"page {pid} is claimed but its fd was not sent as ADOPT; nothing was adopted")
         by_dev: dict[str, list[int]] = {}
@@ -480,7 +530,7 @@ class Daemon:
         # A re-sent fd proves a page only where fds identify pages: on a
         # driver whose exports all share one fstat identity any page's fd
         # would pass for any other's, so nothing is adopted there.
-        for dev in by_dev:
+        for dev in {js.pages[pid][0] for pid in resent}:
             if dev in self.pools and not await self.pools[dev].identities_distinct():
                 if sid in self.orphans:
                     self._forget_orphan(sid, "not resumable: the driver's exported fds do not identify their pages")
@@ -488,13 +538,14 @@ class Daemon:
                     f"session {sid} cannot be resumed with its pages: on device {dev} every exported page fd has the "
                     "same identity, so the daemon cannot tell which page a re-sent fd is; open a new session "
                     "(its old mappings keep their memory until unmapped)")
-        for pid in page_ids:
+        for pid in resent:
             if self.backend.identity(adoption.fds[pid]) != js.pages[pid][1]:
                 raise errors.PermissionDenied(f"the fd sent for page {pid} is not the page the journal recorded; nothing was adopted")
         imported: dict[str, tuple[list[int], list]] = {}
         try:
             for dev, pids in by_dev.items():
-                handles = await self.pools[dev].import_pages([adoption.take(pid) for pid in pids])
+                fds = [self.stored.pop(pid) if pid in self.stored else adoption.take(pid) for pid in pids]
+                handles = await self.pools[dev].import_pages(fds)  # the backend takes the fds
                 imported[dev] = (pids, handles)
         except BaseException:
             # undo earlier devices: the orphan keeps its pages, the client may retry
@@ -529,6 +580,7 @@ class Daemon:
             s.add_pages(pool, pages)
         if forgotten:
             self._journal({"op": "free", "sid": sid, "pages": forgotten})
+            self._unstore(forgotten)
         self.count("sessions_resumed")
         log.info("session %d '%s' resumed by pid %d uid %d: %d pages adopted, %d forgotten",
                  sid, s.name, s.pid, s.uid, len(adopted), len(forgotten))
@@ -598,6 +650,7 @@ class Daemon:
         self.counters["sessions_crashed" if crashed else "sessions_closed"] += 1
         if not self.shutting_down:
             self._journal({"op": "close", "sid": s.id})
+            self._unstore(s.pages)
         by_pool: dict[str, list[Page]] = {}
         for page in s.pages.values():
             by_pool.setdefault(page.device, []).append(page)
@@ -657,6 +710,8 @@ class Daemon:
                         if fresh or not p.ident:
                             p.ident = self.backend.identity(fd)
                     self._journal({"op": "alloc", "sid": s.id, "dev": pool.uuid, "pages": [[p.id, p.ident] for p in pages]})
+                    if self.store is not None:  # in the store before the client can hold it
+                        self.store.put([p.id for p in pages], fds)
                 if alloc_id is None:
                     alloc_id = next(self._alloc_ids)
                 await s.port.deliver(alloc_id, [p.id for p in pages], fds)
@@ -671,6 +726,7 @@ class Daemon:
                 if not s.closed and all(p.id in s.pages for p in pages):
                     s.remove_pages(pool, pages)
                     self._journal({"op": "free", "sid": s.id, "pages": [p.id for p in pages]})
+                    self._unstore(p.id for p in pages)
                     self._spawn(pool.give_back(pages))
                 raise
             finally:
@@ -782,6 +838,7 @@ class Daemon:
             s.touch()
             if self.journal is not None:
                 self._journal({"op": "free", "sid": s.id, "pages": [p.id for p in pages]})
+                self._unstore(p.id for p in pages)
             # Pages nothing needs to zero are pooled at once; zeroing runs in
             # tasks of their own: a cancelled Free (its client died) still
             # returns the pages.
@@ -917,6 +974,12 @@ class Daemon:
         step("closing the backend", self.backend.close, True)
         if self.journal is not None:  # every session ended: nothing left to resume
             self.journal.close(remove=True)
+        if self.store is not None:  # nor to keep: the keeper exits once alone with an empty store
+            self.store.clear()
+            self.store.close()
+            for fd in self.stored.values():
+                os.close(fd)
+            self.stored.clear()
         if failures:
             raise ShutdownIncomplete("; ".join(failures))
 

@@ -1,0 +1,308 @@
+"""The page store: the daemon's own fd of every page it lends, kept by a
+process that outlives the daemon, so a restarted daemon resumes sessions
+from its own fds instead of comparing the fds clients re-send (docs/cuda.md,
+"Page identity", step 1).
+
+On a driver whose exported fds all share one fstat identity (NVIDIA's, seen
+on an H200: every export is an fd on /dev/nvidiactl), a re-sent fd cannot
+prove which page it is, so resumes with pages were refused. With the store
+the client only names its page ids (with its resume token, as before); the
+daemon takes those pages' fds from the store and imports them. The page's
+memory stays alive meanwhile because the keeper holds a reference to it.
+
+Two halves, one module (this module owns the store's boundary):
+
+- the keeper: `python -m kvcached_service.server.keeper --state-dir DIR
+  --grace S`, started by the daemon in its own session (setsid). It listens
+  on `DIR/keeper.sock` (the state dir is 0700: only the daemon's uid and root
+  reach it; a peer of another uid is refused by SO_PEERCRED too), holds
+  page id -> fd, and serves one daemon at a time: PUT (ids with their fds),
+  DROP (ids), TAKE (every id and a duplicate of its fd, in batches), CLEAR
+  (a clean shutdown). It raises its soft RLIMIT_NOFILE to the hard limit.
+  With no daemon connected it waits `grace` seconds for one (a restart),
+  then exits, closing its fds; with no daemon and an empty store it exits
+  at once.
+- `PageStore`: the daemon's side. `open` connects to the keeper serving the
+  state dir or starts one; every call is synchronous and short (the keeper
+  only moves fds between tables). A keeper that goes away makes the store
+  unavailable (logged once); the daemon serves on without it.
+
+Records: one SOCK_SEQPACKET message each, a JSON object plus up to
+`BATCH` fds (SCM_RIGHTS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import selectors
+import socket
+import subprocess
+import sys
+import time
+
+log = logging.getLogger("kvcached.keeper")
+
+SOCK = "keeper.sock"
+BATCH = 250  # fds per record (the kernel's SCM_MAX_FD is 253)
+MAX_MSG = 64 << 10
+START_WAIT = 5.0  # seconds a new keeper waits for its first daemon
+
+
+def _send(sock: socket.socket, obj: dict, fds: list[int] | tuple = ()) -> None:
+    socket.send_fds(sock, [json.dumps(obj, separators=(",", ":")).encode()], list(fds))
+
+
+def _recv(sock: socket.socket) -> tuple[dict | None, list[int]]:
+    data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MSG, BATCH)
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    try:
+        obj = json.loads(data)
+        if not isinstance(obj, dict):
+            raise ValueError("not an object")
+    except ValueError:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return obj, fds
+
+
+def _close(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+# ---- the keeper process -----------------------------------------------------------------
+class Keeper:
+    def __init__(self, state_dir: str, grace: float):
+        self.path = os.path.join(state_dir, SOCK)
+        self.grace = grace
+        self.store: dict[int, int] = {}
+        self.daemon: socket.socket | None = None
+        self.alone_since = time.monotonic()
+        self.seen_daemon = False
+
+    def serve(self) -> int:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            probe.connect(self.path)
+            log.info("a keeper already serves %s", self.path)
+            return 0
+        except OSError:
+            pass
+        finally:
+            probe.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        old = os.umask(0o177)
+        try:
+            lsock.bind(self.path)
+        finally:
+            os.umask(old)
+        lsock.listen(4)
+        sel = selectors.DefaultSelector()
+        sel.register(lsock, selectors.EVENT_READ)
+        log.info("keeper pid %d on %s (open files up to %d)", os.getpid(), self.path,
+                 resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        try:
+            while True:
+                timeout = None
+                if self.daemon is None:
+                    wait = self.grace if (self.store or not self.seen_daemon) else 0.0
+                    if not self.seen_daemon:
+                        wait = max(wait, START_WAIT) if self.store else START_WAIT
+                    left = self.alone_since + wait - time.monotonic()
+                    if left <= 0:
+                        log.info("no daemon for %.0f s: exiting, %d page fds closed", wait, len(self.store))
+                        return 0
+                    timeout = left
+                for key, _ in sel.select(timeout):
+                    if key.fileobj is lsock:
+                        self._accept(lsock, sel)
+                    else:
+                        self._serve_one(sel)
+        finally:
+            _close(self.store.values())
+            self.store.clear()
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+    def _accept(self, lsock: socket.socket, sel) -> None:
+        conn, _ = lsock.accept()
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        uid = int.from_bytes(creds[4:8], sys.byteorder)
+        if uid not in (os.getuid(), 0):
+            log.warning("refused a connection from uid %d", uid)
+            conn.close()
+            return
+        if self.daemon is not None:  # a new daemon: the old one is gone (or about to be)
+            sel.unregister(self.daemon)
+            self.daemon.close()
+        self.daemon = conn
+        self.seen_daemon = True
+        sel.register(conn, selectors.EVENT_READ)
+
+    def _serve_one(self, sel) -> None:
+        conn = self.daemon
+        try:
+            msg, fds = _recv(conn)
+        except (OSError, ValueError) as exc:
+            log.warning("daemon connection: %s", exc)
+            msg, fds = None, []
+        if msg is None:
+            sel.unregister(conn)
+            conn.close()
+            self.daemon = None
+            self.alone_since = time.monotonic()
+            if self.store:
+                log.info("daemon gone: holding %d page fds for %.0f s", len(self.store), self.grace)
+            return
+        op, ids = msg.get("op"), msg.get("ids", [])
+        if op == "put" and len(ids) == len(fds):
+            for pid, fd in zip(ids, fds):
+                old = self.store.pop(pid, None)
+                if old is not None:
+                    _close([old])
+                self.store[pid] = fd
+        elif op == "drop":
+            _close([self.store.pop(pid) for pid in ids if pid in self.store])
+            _close(fds)
+        elif op == "take":
+            items = sorted(self.store.items())
+            for i in range(0, max(len(items), 1), BATCH):
+                chunk = items[i:i + BATCH]
+                _send(conn, {"op": "pages", "ids": [p for p, _ in chunk], "last": i + BATCH >= len(items)},
+                      [fd for _, fd in chunk])
+        elif op == "clear":
+            _close(self.store.values())
+            self.store.clear()
+            _close(fds)
+        else:
+            log.warning("ignored a record: %.80s with %d fds", msg, len(fds))
+            _close(fds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="kvcached page store keeper (started by kvcached-serve)")
+    ap.add_argument("--state-dir", required=True)
+    ap.add_argument("--grace", type=float, required=True)
+    ns = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    return Keeper(ns.state_dir, ns.grace).serve()
+
+
+# ---- the daemon's side ------------------------------------------------------------------
+class StoreUnavailable(Exception):
+    pass
+
+
+class PageStore:
+    """The daemon's connection to its keeper."""
+
+    def __init__(self, sock: socket.socket, path: str):
+        self._sock = sock
+        self.path = path
+        self.available = True
+
+    @classmethod
+    def open(cls, state_dir: str, grace: float, python: str = sys.executable) -> "PageStore":
+        """Connect to the keeper of `state_dir`, starting one when none serves."""
+        path = os.path.join(state_dir, SOCK)
+        sock = cls._connect(path)
+        if sock is None:
+            with open(os.path.join(state_dir, "keeper.log"), "ab") as logf:
+                subprocess.Popen([python, "-m", "kvcached_service.server.keeper", "--state-dir", state_dir, "--grace", str(grace)],
+                                 stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True, close_fds=True,
+                                 )
+            deadline = time.monotonic() + 10
+            while sock is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+                sock = cls._connect(path)
+            if sock is None:
+                raise StoreUnavailable(f"the keeper did not start (see {os.path.join(state_dir, 'keeper.log')})")
+        sock.settimeout(5.0)
+        return cls(sock, path)
+
+    @staticmethod
+    def _connect(path: str) -> socket.socket | None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            s.connect(path)
+            return s
+        except OSError:
+            s.close()
+            return None
+
+    def take_all(self) -> dict[int, int]:
+        """Every page id the store holds, with a duplicate of its fd (the
+        keeper keeps its own). Ours to close."""
+        out: dict[int, int] = {}
+        try:
+            _send(self._sock, {"op": "take"})
+            while True:
+                msg, fds = _recv(self._sock)
+                if msg is None:
+                    raise StoreUnavailable("the keeper closed the connection")
+                out.update(zip(msg["ids"], fds))
+                if msg.get("last"):
+                    return out
+        except (OSError, ValueError, KeyError, StoreUnavailable) as exc:
+            _close(out.values())
+            self._lost(exc)
+            return {}
+
+    def put(self, ids: list[int], fds: list[int]) -> None:
+        """The store keeps its own copy of each fd (the caller keeps its fds)."""
+        for i in range(0, len(ids), BATCH):
+            self._call({"op": "put", "ids": ids[i:i + BATCH]}, fds[i:i + BATCH])
+
+    def drop(self, ids) -> None:
+        ids = list(ids)
+        for i in range(0, len(ids), 4096):
+            self._call({"op": "drop", "ids": ids[i:i + 4096]})
+
+    def clear(self) -> None:
+        self._call({"op": "clear"})
+
+    def close(self) -> None:
+        self.available = False
+        self._sock.close()
+
+    def _call(self, obj: dict, fds=()) -> None:
+        if not self.available:
+            return
+        try:
+            _send(self._sock, obj, fds)
+        except OSError as exc:
+            self._lost(exc)
+
+    def _lost(self, exc: Exception) -> None:
+        if self.available:
+            log.error("page store: the keeper at %s is gone (%s); pages lent from now on cannot be resumed from the store "
+                      "after a restart (clients' re-sent fds are checked instead, docs/cuda.md \"Page identity\")", self.path, exc)
+        self.available = False
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
