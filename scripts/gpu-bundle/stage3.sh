@@ -16,8 +16,10 @@
 #    (STAGE3_CACHE, default ~/.cache/kvcached-gpu-bundle/llama-<input hash>):
 #    a build the deadline stopped resumes there on the next run (ninja), and a
 #    finished one is reused. Its time is a row; when it cannot finish before
-#    the stage deadline (leaving STAGE3_CHECK_RESERVE s, default 60, for the
-#    checks) the row says so and the checks are skip rows.
+#    the stage's own deadline (leaving STAGE3_CHECK_RESERVE s, default 60, for
+#    the checks) the row says so and the checks are skip rows. The stage's own
+#    deadline is STAGE_DEADLINE less STAGE3_LEAVE s (default 75) so that
+#    stage 4 still starts before verify.sh's deadline.
 #    STAGE3_BUILD=prebuilt:DIR uses DIR/build-orig/bin/llama-server and
 #    DIR/build-kvc/bin/llama-server instead (a cache dir of an earlier run, or
 #    scripts/test-llama.sh's build/llama for the CPU mode). A prebuilt
@@ -113,6 +115,7 @@ fi
 STAGE_OUT="${STAGE_OUT:?STAGE_OUT: the output directory of the stage}"
 STAGE_DEADLINE="${STAGE_DEADLINE:-$(($(date +%s) + 600))}"
 VERIFY_DRIVER="${VERIFY_DRIVER:-real}"
+DEADLINE=$((STAGE_DEADLINE - ${STAGE3_LEAVE:-75}))  # stage 4 must still start before STAGE_DEADLINE
 BUNDLE="${BUNDLE:-}"
 PART="${STAGE3_PART:-$BUNDLE/parts/llama}"
 RECORD="${BUNDLE:-$STAGE_OUT}/work/llama/servers.json"
@@ -132,7 +135,7 @@ DEVICE="${STAGE3_DEVICE:-}"
 if [[ -z "$DEVICE" ]]; then
   if [[ "$VERIFY_DRIVER" == real ]]; then DEVICE=cuda; else DEVICE=none; fi
 fi
-echo "stage3: device $DEVICE, driver $VERIFY_DRIVER, build ${STAGE3_BUILD:-host}, $JOBS jobs, $((STAGE_DEADLINE - $(date +%s))) s to the deadline"
+echo "stage3: device $DEVICE, driver $VERIFY_DRIVER, build ${STAGE3_BUILD:-host}, $JOBS jobs, $((DEADLINE - $(date +%s))) s to its deadline (${STAGE3_LEAVE:-75} s before the stage deadline, for stage 4)"
 
 if [[ "$DEVICE" == none ]]; then
   row "llama.cpp with ggml-cuda: host build" "builds with the host's nvcc" "skip: no CUDA runtime" skip
@@ -213,8 +216,8 @@ elif [[ "$BUILD" == host ]]; then
       "reused from $C (built earlier in $(cat "$C/.done") s)" info
   else
     RESERVE="${STAGE3_CHECK_RESERVE:-60}"
-    BUDGET=$((STAGE_DEADLINE - $(date +%s) - RESERVE))
-    PRIOR="$(awk '{s += $2} END {print s + 0}' "$C/times.txt" 2>/dev/null || echo 0)"
+    BUDGET=$((DEADLINE - $(date +%s) - RESERVE))
+    PRIOR="$(awk '{s += $1} END {print s + 0}' "$C/runs.txt" 2>/dev/null || echo 0)"  # earlier runs' seconds
     if ((BUDGET < 10)); then
       row "llama.cpp host build" "finishes before the deadline, $RESERVE s left for the checks" \
         "skip: only $((BUDGET + RESERVE)) s left at the start; rerun verify.sh with a larger VERIFY_DEADLINE (the build resumes from $C)" skip
@@ -226,6 +229,7 @@ elif [[ "$BUILD" == host ]]; then
       timeout -k 10 "$BUDGET" bash "$SELF" __build "$C" >"$STAGE_OUT/build.log" 2>&1
     RC=$?
     TOOK=$((SECONDS - T))
+    echo "$TOOK" >>"$C/runs.txt"
     tail -5 "$STAGE_OUT/build.log"
     cp "$C"/*.log "$STAGE_OUT/" 2>/dev/null
     STEPS="$(awk '{printf "%s%s %d s", sep, $1, $2; sep = ", "}' "$C/times.txt" 2>/dev/null)"
@@ -234,7 +238,7 @@ elif [[ "$BUILD" == host ]]; then
       echo "$TOTAL" >"$C/.done"
       row "llama.cpp host build (ggml ${DEVICE}${ARCH:+ sm_$ARCH}, both llama-servers)" \
         "finishes before the deadline, $RESERVE s left for the checks" \
-        "built in $TOOK s this run ($TOTAL s in all; $STEPS) with $JOBS jobs" info
+        "built in $TOOK s this run ($TOTAL s in all runs; steps: $STEPS) with $JOBS jobs" info
     elif [[ $RC == 124 || $RC == 137 ]]; then
       row "llama.cpp host build (ggml ${DEVICE}${ARCH:+ sm_$ARCH}, both llama-servers)" \
         "finishes before the deadline, $RESERVE s left for the checks" \
@@ -263,4 +267,4 @@ PYLIB=""
 "$PYTHON" -c 'import json, sys; json.dump(dict(zip(("device", "orig", "kvc", "libdir", "pylib"), sys.argv[1:6])), open(sys.argv[6], "w"))' \
   "$DEVICE" "$ORIG_BIN" "$KVC_BIN" "$LIBDIR" "$PYLIB" "$RECORD"
 "$PYTHON" "$DRIVER" checks --device "$DEVICE" --orig "$ORIG_BIN" --kvc "$KVC_BIN" --out "$STAGE_OUT/checks" \
-  --rows "$ROWS" --deadline "$STAGE_DEADLINE"
+  --rows "$ROWS" --deadline "$DEADLINE"
