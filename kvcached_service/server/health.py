@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import logging
 
-import grpc
 from grpc_health.v1 import health
 
+from .. import errors, errors_grpc
 from ..config import Settings
 from .control import ControlFront
 
@@ -39,9 +39,9 @@ class HealthService(health.aio.HealthServicer):
             have = self.watches_by_uid.get(uid, 0)
             if have >= cap:
                 self.refused_total += 1
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"kvcached: uid {uid} already has {have} Health.Watch streams open "
-                                    f"(max_health_watches_per_uid={cap}); use Health.Check to poll")
+                await context.abort(*errors_grpc.to_grpc(errors.ResourceExhausted(
+                    f"kvcached: uid {uid} already has {have} Health.Watch streams open "
+                    f"(max_health_watches_per_uid={cap}); use Health.Check to poll")))
         if uid is not None:
             self.watches_by_uid[uid] = self.watches_by_uid.get(uid, 0) + 1
         try:
