@@ -70,7 +70,7 @@ def test_default_mode_passes_with_tests_and_bench(testdriver, tmp_path):
     assert "FAIL" not in p.stdout, p.stdout
     if has_private_features():
         assert verdicts(rows, "DIFF") == [] and last_line(p) == "PASS", p.stdout
-        assert seen(rows, IDENTITY) == "distinct per page" and seen(rows, FDTYPE).startswith("directory")
+        assert seen(rows, IDENTITY) == "the same for every export" and seen(rows, FDTYPE).startswith("character device")
     else:  # another libcuda: only what an export is may differ from the test driver's default
         diff = verdicts(rows, "DIFF")
         assert all(c.startswith("exported fd: ") for c in diff), diff
@@ -83,16 +83,17 @@ def test_default_mode_passes_with_tests_and_bench(testdriver, tmp_path):
 
 
 @only_on_testdriver
-def test_same_identity_is_a_model_difference(testdriver, tmp_path):
-    """One inode for every export (as a real driver's device-node fd most
-    likely has): the daemon copes (it refuses resumes with pages there), so
-    it is not a FAIL but a DIFF from the test driver's default, and the
-    verdict says how many."""
-    p, rows = run_check(testdriver, tmp_path, KVCACHED_TESTDRV_FD_IDENTITY="same")
+def test_distinct_identity_is_a_model_difference(testdriver, tmp_path):
+    """The test driver's default follows what NVIDIA's driver does (one inode
+    for every export, a character device: `chardev`). A driver whose exports
+    are a directory per page, one inode each (`distinct`, this driver's old
+    default) is a DIFF from that model, not a FAIL (the daemon resumes from
+    its page store either way), and the verdict says how many."""
+    p, rows = run_check(testdriver, tmp_path, KVCACHED_TESTDRV_FD_IDENTITY="distinct")
     assert p.returncode == 0, p.stdout
-    assert verdicts(rows, "FAIL") == [] and verdicts(rows, "DIFF") == [IDENTITY], p.stdout
-    assert seen(rows, IDENTITY) == "the same for every export"
-    assert last_line(p) == "PASS with 1 DIFF rows", p.stdout
+    assert verdicts(rows, "FAIL") == [] and sorted(verdicts(rows, "DIFF")) == sorted([IDENTITY, FDTYPE]), p.stdout
+    assert seen(rows, IDENTITY) == "distinct per page" and seen(rows, FDTYPE).startswith("directory")
+    assert last_line(p) == "PASS with 2 DIFF rows", p.stdout
 
 
 @only_on_testdriver
@@ -123,8 +124,8 @@ def test_lenient_driver_shows_as_model_differences(testdriver, tmp_path):
     assert p.returncode == 0, p.stdout
     assert verdicts(rows, "FAIL") == []
     assert seen(rows, "access for device 1").startswith("cuMemSetAccess: CUDA_SUCCESS")  # all devices peers
-    assert sorted(verdicts(rows, "DIFF")) == ["driver calls in a fork()ed child", FDTYPE, "exported fd: mmap of it",
-                                              "exported fd: read of it"], rows
+    assert sorted(verdicts(rows, "DIFF")) == sorted(["driver calls in a fork()ed child", FDTYPE, IDENTITY, "exported fd: mmap of it",
+                                                     "exported fd: read of it"]), rows
     assert seen(rows, FDTYPE).startswith("regular file") and seen(rows, "exported fd: read of it") == "works"
-    assert last_line(p) == "PASS with 4 DIFF rows", p.stdout
+    assert last_line(p) == "PASS with 5 DIFF rows", p.stdout
     assert "the CUDA test driver's model differs from this driver" in p.stdout

@@ -11,6 +11,11 @@ page the fd names under the id the client claims. Since part B of issue 17
 the daemon first asks whether fds identify pages at all (two of its own
 pages, compared) and, where they do not, refuses a resume with pages
 instead of being fooled (docs/cuda.md, "Page identity").
+
+These tests run the daemon with --page-store none: they test step 2, what a
+daemon does when its page store is gone (the keeper killed with it). With
+the store (the default), the claimed pages come from the daemon's own fds
+and no client fd is compared: tests/test_keeper.py.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ def _resume(d, sid, token, ids, fds):
 def _swapped_claim(daemon_factory, tmp_path, mode):
     state = str(tmp_path / "state")
     env = {"KVCACHED_TESTDRV_FD_IDENTITY": mode} if mode else {}
-    d = daemon_factory("cuda", env=env, state_dir=state)
+    d = daemon_factory("cuda", env=env, state_dir=state, page_store="none")
     c = d.client()
     s = c.open_session("a")
     resp, fds = s.allocate_fds(2)
@@ -53,7 +58,7 @@ def _swapped_claim(daemon_factory, tmp_path, mode):
     s._closed = True  # we play the client: no automatic resume
     d.proc.send_signal(signal.SIGKILL)
     d.proc.wait()
-    d2 = daemon_factory("cuda", env=env, socket=d.socket, state_dir=state)
+    d2 = daemon_factory("cuda", env=env, socket=d.socket, state_dir=state, page_store="none")
     try:
         with pytest.raises(grpc.RpcError) as info:
             _resume(d2, sid, token, ids, [fds[1], fds[0]])  # each page claimed with the other's fd
@@ -89,7 +94,7 @@ def test_honest_resume_per_identity_mode(daemon_factory, tmp_path, mode, preallo
     the daemon keeps serving new sessions either way."""
     state = str(tmp_path / "state")
     env = {"KVCACHED_TESTDRV_FD_IDENTITY": mode}
-    d = daemon_factory("cuda", env=env, state_dir=state)
+    d = daemon_factory("cuda", env=env, state_dir=state, page_store="none")
     c = d.client()
     s = c.open_session("a")
     resp, fds = s.allocate_fds(2)
@@ -97,7 +102,7 @@ def test_honest_resume_per_identity_mode(daemon_factory, tmp_path, mode, preallo
     s._closed = True
     d.proc.send_signal(signal.SIGKILL)
     d.proc.wait()
-    d2 = daemon_factory("cuda", env=env, socket=d.socket, state_dir=state, prealloc=prealloc)
+    d2 = daemon_factory("cuda", env=env, socket=d.socket, state_dir=state, prealloc=prealloc, page_store="none")
     try:
         if mode == "same":
             with pytest.raises(grpc.RpcError) as info:

@@ -520,7 +520,7 @@ static void load_config(void) {
 
     /* Strictness. A profile sets every knob at once; a knob set on its own wins. */
     cfg.poison = POISON_FULL;
-    cfg.fdmode = FD_DISTINCT;
+    cfg.fdmode = FD_CHR; /* as NVIDIA's driver does (one /dev/nvidiactl inode for every export; seen on an H200) */
     cfg.async = ASYNC_MEMSET;
     cfg.fork_refuse = true;
     const char *peers = "none";

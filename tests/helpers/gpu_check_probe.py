@@ -57,13 +57,14 @@ def model_row(check, expected, seen, ok, figures=None):
 
 
 # What the CUDA test driver models by default for an exported fd
-# (tests/cudadriver/README.md, KVCACHED_TESTDRV_FD_IDENTITY=distinct). The
+# (tests/cudadriver/README.md, KVCACHED_TESTDRV_FD_IDENTITY=chardev). The
 # export-semantics rows compare the driver under test with it: a DIFF there
 # says the test driver's default should follow this driver. Public sources
-# predict a real driver's export is an fd of its device node
-# (/dev/nvidiactl): a character device, one inode for every export, no
-# read or mmap (docs/gpu-check.md, "Export semantics").
-EXPORT_MODEL = {"type": "directory", "inode": "distinct per page", "read": "fails", "mmap": "fails"}
+# predicted, and an H200 showed (2026-11-26), that a real driver's export is
+# an fd of its device node (/dev/nvidiactl): a character device, one inode
+# for every export, no read or mmap (docs/gpu-check.md, "Export semantics").
+# The daemon resumes from its page store there (docs/cuda.md, "Page identity").
+EXPORT_MODEL = {"type": "character device", "inode": "the same for every export", "read": "fails", "mmap": "fails"}
 
 
 class Probe:
@@ -199,8 +200,8 @@ class Probe:
                       f"{kind}{'' if len(kinds) == 1 else ' (not the same for every export)'} ({target})",
                       kind == EXPORT_MODEL["type"])
             model_row("exported fd: inode (st_dev, st_ino) across exports",
-                      f"{EXPORT_MODEL['inode']} (the test driver's default; the same for every export: "
-                      "the daemon refuses resumes with pages, docs/cuda.md, \"Page identity\")",
+                      f"{EXPORT_MODEL['inode']} (the test driver's default; then the daemon resumes pages only from "
+                      "its page store, docs/cuda.md, \"Page identity\")",
                       ident, ident == EXPORT_MODEL["inode"])
             for name, fn in (("read", lambda: os.pread(fds[0], 16, 0)),
                              ("mmap", lambda: mmap.mmap(fds[0], self.page, mmap.MAP_SHARED, mmap.PROT_READ).close())):
