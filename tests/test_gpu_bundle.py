@@ -302,3 +302,89 @@ def test_install_wheel_without_pip(tmp_path):
     p = subprocess.run([sys.executable, "-c", "import demo, demo_extra; print(demo.X + demo_extra.Y)"],
                        env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True)
     assert p.stdout.strip() == "3"
+
+
+# ---- stage 3's build starts early, in the background, on a real driver
+
+
+def test_stage3_build_starts_in_the_background_on_a_real_driver_only(tmp_path):
+    """On a real driver verify.sh starts stage 3 once more at its beginning,
+    niced, with STAGE3_PREBUILD=1 (the build only: it overlaps stages 1 and
+    2), then runs the stages as usual; on the test driver, or with
+    STAGE3_BUILD=prebuilt:... / STAGE3_PREBUILD_EARLY=0, it does not."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gb_runner", GB / "runner.py")
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    assert runner.wants_prebuild("1 2 3 4", "real", {})
+    assert not runner.wants_prebuild("1 2 3 4", "testdriver", {})
+    assert not runner.wants_prebuild("1 2 4", "real", {})
+    assert not runner.wants_prebuild("3", "real", {"STAGE3_BUILD": "prebuilt:/x"})
+    assert not runner.wants_prebuild("3", "real", {"STAGE3_PREBUILD_EARLY": "0"})
+    assert not runner.wants_prebuild("3", "real", {"STAGE3_DEVICE": "cpu"})
+    repo = fake_repo(tmp_path, {
+        1: ROW % ("one", "pass") + "sleep 0.5\n",
+        3: 'if [ -n "${STAGE3_PREBUILD:-}" ]; then echo "$(nice) $STAGE_OUT" >"$REPO/prebuild-ran"; exit 0; fi\n'
+           + ROW % ("three", "pass"),
+    })
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, str(GB / "runner.py"), "--bundle", str(tmp_path), "--repo", str(repo),
+                        "--python", sys.executable, "--out", str(out), "--driver", "real", "--stages", "1 3",
+                        "--libcuda", "/nonexistent/libcuda.so.1"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    niceness, pre_out = (repo / "prebuild-ran").read_text().split()
+    assert int(niceness) >= 10 and pre_out == str(out / "stage3-prebuild")
+    assert "started in the background" in p.stdout
+    res = json.loads((out / "results.json").read_text())
+    assert [r["check"] for r in res["rows"]] == ["one", "three"]  # the background run adds no rows
+
+
+def test_stage3_waits_for_the_background_build_and_reuses_it(tmp_path):
+    """stage3.sh with a build in progress elsewhere (the lock of its cache dir
+    held): it waits for it, then reuses the finished build instead of
+    building; a build that does not finish in time is a skip row, not a
+    second build. (CPU device, a fake part and a fake finished build: no
+    compiler runs.)"""
+    import fcntl
+    import hashlib
+    import threading
+
+    part = tmp_path / "part"
+    part.mkdir()
+    (part / "llama.cpp.tar.xz").write_bytes(b"")
+    (part / "MANIFEST.json").write_text("{}")
+    cache = tmp_path / "cache"
+    env = dict(os.environ, REPO=str(ROOT), PYTHON=sys.executable, STAGE3_DEVICE="cpu", STAGE3_BUILD="host",
+               STAGE3_PART=str(part), STAGE3_CACHE=str(cache), VERIFY_DRIVER="testdriver", JOBS="1",
+               STAGE3_LEAVE="0", STAGE3_CHECK_RESERVE="0")
+    key_src = b"".join(pathlib.Path(x).read_bytes() for x in (
+        part / "MANIFEST.json", ROOT / "integrations/llama.cpp/apply.py", ROOT / "integrations/llama.cpp/kvcached_kv.h",
+        ROOT / "integrations/llama.cpp/kvcached_kv.cpp", GB / "stage3.sh"))
+    c = cache / f"llama-cpu-{hashlib.sha256(key_src).hexdigest()[:16]}"
+    c.mkdir(parents=True)
+    lock = open(c / "lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)  # "the background build" is running
+
+    def stage(out, seconds):
+        return subprocess.run(["bash", str(GB / "stage3.sh")], env=dict(env, STAGE_OUT=str(out),
+                              STAGE_DEADLINE=str(int(time.time() + seconds))), capture_output=True, text=True, timeout=120)
+
+    p = stage(tmp_path / "short", 3)  # the build never finishes in time
+    rows = [json.loads(x) for x in (tmp_path / "short" / "rows.jsonl").read_text().splitlines()]
+    assert "waiting up to" in p.stdout, p.stdout + p.stderr
+    assert any(r["verdict"] == "skip" and "the background build (started by verify.sh) had not finished" in r["seen"]
+               for r in rows), rows
+    assert not (c / "runs.txt").exists()  # it did not start a build of its own
+
+    def finish():  # the background build ends with a finished tree
+        time.sleep(2)
+        (c / ".done").write_text("123")
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+
+    threading.Thread(target=finish).start()
+    p = stage(tmp_path / "long", 8)
+    rows = [json.loads(x) for x in (tmp_path / "long" / "rows.jsonl").read_text().splitlines()]
+    assert any("reused from" in r["seen"] and "built earlier in 123 s" in r["seen"] for r in rows), p.stdout + p.stderr
+    assert not (c / "runs.txt").exists()

@@ -142,6 +142,44 @@ def main(argv=None) -> int:
         rows += prep
         rows += [report.row("stage 0 (prepare): rows", "one JSON row per line", b, "FAIL", "verify", stage=0) for b in bad]
     deadline = t0 + a.deadline
+    prebuild = start_prebuild(a, bundle, repo, out, deadline)
+    try:
+        return run_stages(a, t0, deadline, bundle, repo, out, host, rows, figures, stages)
+    finally:
+        if prebuild is not None and prebuild.poll() is None:  # still building at the end: its cache resumes next run
+            try:
+                os.killpg(prebuild.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def wants_prebuild(stages: str, driver: str, env: dict) -> bool:
+    """Stage 3 builds llama.cpp with ggml-cuda on the host (minutes on 16
+    cores): on a real driver that build starts with verify.sh, in the
+    background and niced, so that it overlaps stages 1 and 2 instead of
+    eating stage 3's share of the deadline. STAGE3_PREBUILD_EARLY=0 turns it
+    off; a prebuilt or CPU stage 3 needs none."""
+    return ("3" in stages.split() and driver == "real" and env.get("STAGE3_PREBUILD_EARLY", "1") != "0"
+            and not env.get("STAGE3_BUILD", "host").startswith("prebuilt:") and env.get("STAGE3_DEVICE", "cuda") == "cuda")
+
+
+def start_prebuild(a, bundle: pathlib.Path, repo: pathlib.Path, out: pathlib.Path, deadline: float):
+    script = repo / "scripts" / "gpu-bundle" / "stage3.sh"
+    if not script.exists() or not wants_prebuild(a.stages, a.driver, os.environ):
+        return None
+    pre_out = out / "stage3-prebuild"
+    pre_out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, BUNDLE=str(bundle), REPO=str(repo), PYTHON=a.python, STAGE_OUT=str(pre_out),
+               STAGE_DEADLINE=str(int(deadline)), KVCACHED_LIBCUDA=a.libcuda, VERIFY_DRIVER=a.driver, JOBS=str(a.jobs),
+               STAGE3_PREBUILD="1")
+    with open(pre_out / "prebuild.log", "wb") as logf:
+        p = subprocess.Popen(["nice", "-n", "10", "bash", str(script)], env=env, cwd=str(repo), stdout=logf,
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    print(f"[verify] stage 3's llama.cpp build started in the background (pid {p.pid}, log {pre_out / 'prebuild.log'})")
+    return p
+
+
+def run_stages(a, t0, deadline, bundle, repo, out, host, rows, figures, stages) -> int:
     with open(out / "verify.log", "ab") as log:
         report.write(out, rows, figures, host, stages)
         for tok in a.stages.split():

@@ -38,6 +38,8 @@
 # every check is a skip row: "skip: no CUDA runtime".
 #
 #   scripts/gpu-bundle/stage3.sh __build DIR   (internal: the build steps, run under timeout)
+#   STAGE3_PREBUILD=1 scripts/gpu-bundle/stage3.sh   (verify.sh, at its start on a real driver: the build
+#                                                     only, in the background, so it overlaps stages 1-2)
 set -uo pipefail
 
 REPO="${REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
@@ -211,6 +213,23 @@ elif [[ "$BUILD" == host ]]; then
   KEY="$DEVICE${ARCH:+-sm$ARCH}-$KEY"
   C="${STAGE3_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcached-gpu-bundle}/llama-$KEY"
   mkdir -p "$C"
+  # One build at a time per cache dir: verify.sh starts this stage early in the
+  # background with STAGE3_PREBUILD=1 (only the build, niced, while stages 1
+  # and 2 run); the stage itself then waits for that build instead of
+  # starting its own. The lock (fd 9) is held by whoever builds, its timeout
+  # and __build children included, and goes with them.
+  exec 9>"$C/lock"
+  if ! flock -n 9; then
+    [[ -n "${STAGE3_PREBUILD:-}" ]] && exit 0  # the stage itself got there first
+    WAIT=$((DEADLINE - $(date +%s) - ${STAGE3_CHECK_RESERVE:-60}))
+    echo "stage3: waiting up to ${WAIT} s for the background build in $C"
+    if ((WAIT < 1)) || ! flock -w "$WAIT" 9; then
+      row "llama.cpp host build (ggml ${DEVICE}${ARCH:+ sm_$ARCH}, both llama-servers)" "finishes before the deadline" \
+        "skip: the background build (started by verify.sh) had not finished; it resumes from $C on the next run, or run verify.sh with a larger VERIFY_DEADLINE" skip
+      skip_all "the llama.cpp host build did not finish before the deadline"
+      exit 0
+    fi
+  fi
   if [[ -f "$C/.done" ]]; then
     row "llama.cpp host build (ggml ${DEVICE}${ARCH:+ sm_$ARCH}, both llama-servers)" "built" \
       "reused from $C (built earlier in $(cat "$C/.done") s)" info
@@ -252,6 +271,7 @@ elif [[ "$BUILD" == host ]]; then
       exit 1
     fi
   fi
+  [[ -n "${STAGE3_PREBUILD:-}" ]] && exit 0  # the background build: the stage itself runs the checks
   ORIG_BIN="$C/build-orig/bin/llama-server"
   KVC_BIN="$C/build-kvc/bin/llama-server"
   LIBDIR="$C/ggml/lib"
