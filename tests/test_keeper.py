@@ -164,3 +164,19 @@ def test_keeper_killed_too_falls_back_to_the_clients_fds(daemon_factory, tmp_pat
             s2.free(s2.allocate(2))
     assert_books(c.stats())
     c.close()
+
+
+def test_a_budget_beyond_the_keepers_open_files_is_named_at_start(daemon_factory, tmp_path):
+    """The keeper holds one fd per lent page and raises its soft
+    RLIMIT_NOFILE to the hard limit (20,000 on the development machines,
+    not raisable here). A budget with more pages than that gets a warning
+    at start naming both numbers and what to raise; one below it does not."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    pages = hard + 1000
+    d = _start(daemon_factory, "host", None, state_dir=str(tmp_path / "big"), page_size="4KiB",
+               memory_limit=f"{pages * 4}KiB")
+    assert f"page store: the budget is {pages} pages but a keeper may hold at most ~{hard - 64} fds" in d.log_text(), d.log_text()
+    d2 = _start(daemon_factory, "host", None, state_dir=str(tmp_path / "small"), memory_limit="64MiB")
+    assert "page store: the budget is" not in d2.log_text()

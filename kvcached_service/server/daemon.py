@@ -27,6 +27,7 @@ import hmac
 import itertools
 import logging
 import os
+import resource
 import secrets
 import time
 from dataclasses import dataclass
@@ -255,6 +256,13 @@ class Daemon:
         except StoreUnavailable as exc:
             log.error("page store: %s; resumes are checked by the fds clients re-send (docs/cuda.md, \"Page identity\")", exc)
             return
+        pages = sum(p.budget.pages for p in self.pools.values())
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        if pages + 64 > hard:  # the keeper raises its soft limit to this hard one: one fd per lent page
+            log.warning("page store: the budget is %d pages but a keeper may hold at most ~%d fds (RLIMIT_NOFILE hard "
+                        "limit %d): pages lent beyond that are not kept, so their sessions resume only by the fds "
+                        "their clients re-send; raise LimitNOFILE (systemd) or the hard ulimit -n, or use larger pages",
+                        pages, hard - 64, hard)
         held = self.store.take_all()
         named = {pid for js in self.orphans.values() for pid in js.pages}
         extra = [pid for pid in held if pid not in named]
