@@ -44,6 +44,8 @@ import subprocess
 import sys
 import time
 
+from ..fdchannel import close_fds, peer_credentials
+
 log = logging.getLogger("kvcached.keeper")
 
 SOCK = "keeper.sock"
@@ -59,26 +61,16 @@ def _send(sock: socket.socket, obj: dict, fds: list[int] | tuple = ()) -> None:
 def _recv(sock: socket.socket) -> tuple[dict | None, list[int]]:
     data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MSG, BATCH)
     if not data:
-        for fd in fds:
-            os.close(fd)
+        close_fds(fds)
         return None, []
     try:
         obj = json.loads(data)
         if not isinstance(obj, dict):
             raise ValueError("not an object")
     except ValueError:
-        for fd in fds:
-            os.close(fd)
+        close_fds(fds)
         raise
     return obj, fds
-
-
-def _close(fds) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 # ---- the keeper process -----------------------------------------------------------------
@@ -137,7 +129,7 @@ class Keeper:
                     else:
                         self._serve_one(sel)
         finally:
-            _close(self.store.values())
+            close_fds(self.store.values())
             self.store.clear()
             try:
                 os.unlink(self.path)
@@ -146,8 +138,7 @@ class Keeper:
 
     def _accept(self, lsock: socket.socket, sel) -> None:
         conn, _ = lsock.accept()
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-        uid = int.from_bytes(creds[4:8], sys.byteorder)
+        _pid, uid, _gid = peer_credentials(conn)
         if uid not in (os.getuid(), 0):
             log.warning("refused a connection from uid %d", uid)
             conn.close()
@@ -179,11 +170,11 @@ class Keeper:
             for pid, fd in zip(ids, fds):
                 old = self.store.pop(pid, None)
                 if old is not None:
-                    _close([old])
+                    close_fds([old])
                 self.store[pid] = fd
         elif op == "drop":
-            _close([self.store.pop(pid) for pid in ids if pid in self.store])
-            _close(fds)
+            close_fds([self.store.pop(pid) for pid in ids if pid in self.store])
+            close_fds(fds)
         elif op == "take":
             items = sorted(self.store.items())
             for i in range(0, max(len(items), 1), BATCH):
@@ -191,12 +182,12 @@ class Keeper:
                 _send(conn, {"op": "pages", "ids": [p for p, _ in chunk], "last": i + BATCH >= len(items)},
                       [fd for _, fd in chunk])
         elif op == "clear":
-            _close(self.store.values())
+            close_fds(self.store.values())
             self.store.clear()
-            _close(fds)
+            close_fds(fds)
         else:
             log.warning("ignored a record: %.80s with %d fds", msg, len(fds))
-            _close(fds)
+            close_fds(fds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,7 +255,7 @@ class PageStore:
                 if msg.get("last"):
                     return out
         except (OSError, ValueError, KeyError, StoreUnavailable) as exc:
-            _close(out.values())
+            close_fds(out.values())
             self._lost(exc)
             return {}
 
