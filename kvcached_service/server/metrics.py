@@ -11,7 +11,8 @@ Design (after prometheus/client_python's custom collectors):
   one scrape come from one instant, so pooled + in_use + free == budget holds
   in the scraped values too.
 - What the daemon does not count itself -- request outcomes by status code
-  and Allocate latency -- is kept in ordinary Counter/Histogram objects, and
+  and Allocate latency -- is kept by RpcMetrics as plain numbers (a dict of
+  counts, bucket lists) turned into metric families at scrape time, and
   each request is observed exactly once: the core operations both adapters
   reach (Allocate, Free, CloseSession; daemon.CORE_OPS) by the core at their
   boundary (Daemon.observers), whether they came over gRPC or as fd channel
@@ -22,7 +23,7 @@ Design (after prometheus/client_python's custom collectors):
   and one debug line says why; nothing is retried per scrape.
 
 Label cardinality is bounded: `device` (one per device), `session` (the
-session *name*; sessions sharing a name are summed), `rpc` (the nine
+session *name*; sessions sharing a name are summed), `rpc` (the ten
 methods of kvcached.v1.KVCached), `code` (gRPC status names).
 """
 
