@@ -264,6 +264,47 @@ def test_threads_of_one_session_across_a_kill(daemon_factory, tmp_path):
     del d2
 
 
+def test_a_free_whose_send_meets_the_dead_daemon_is_deferred(daemon_factory, tmp_path, monkeypatch):
+    """The daemon dies between a Free's unmap and its send: the send fails
+    with EPIPE before the channel's reader has met the end of the stream.
+    The Free is deferred like any Free during an outage (it succeeds; its
+    pages are not claimed at the resume), never a plain UNAVAILABLE that
+    leaves the unmapped pages claimed and held for ever (the flake in
+    test_threads_of_one_session_across_a_kill, CI 2026-11-27: 28 held, 17
+    mapped). The reader is held off the channel's lock while the send
+    fails, so the request sees the failure first."""
+    from kvcached_service.client import channel as client_channel
+
+    state = str(tmp_path / "state")
+    d = daemon_factory("host", state_dir=state)
+    c = d.client()
+    s = c.open_session("epipe")
+    r = s.region(8 * MiB)
+    r.map(0, 8 * MiB)
+    ch = s._channel
+    real_send = client_channel.fdchannel.send_record
+
+    def send_into_a_dead_daemon(sock, data, fds=()):
+        if sock is ch.sock and d.proc.poll() is None:  # the FREE: the first send after the pages were mapped
+            with ch._cond:  # the reader cannot end the channel meanwhile
+                _kill(d)
+                return real_send(sock, data, fds)
+        return real_send(sock, data, fds)
+
+    monkeypatch.setattr(client_channel.fdchannel, "send_record", send_into_a_dead_daemon)
+    assert r.trim_to(2 * MiB) == 3  # deferred: succeeds with the daemon gone
+    monkeypatch.setattr(client_channel.fdchannel, "send_record", real_send)
+    assert ch.hung_up
+    d2 = _restart(daemon_factory, d, "host", state_dir=state)
+    assert s.wait_resumed(20)
+    assert s.my_stats().pages_held == r.mapped_pages == 1
+    assert s._keeper.ids() == set(r.page_ids())
+    r.close()
+    s.close()
+    c.close()
+    del d2
+
+
 def test_a_journal_that_cannot_be_written_loses_no_pages(daemon_factory, tmp_path):
     """A full state dir (issue 28): the daemon's file-size limit is lowered
     under it (prlimit, as a 64 KiB tmpfs that fills would), so every journal

@@ -33,6 +33,7 @@ Requests (ALLOCATE, FREE, CLOSE) may be in flight from many threads at once.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import select
@@ -48,6 +49,8 @@ log = logging.getLogger("kvcached.client")
 
 IDLE_CHECK = 0.05  # seconds between the watcher's looks for records while no request waits
 _POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
+_PEER_GONE = (errno.EPIPE, errno.ECONNRESET)  # a send that failed because the daemon's end closed
+_HANGUP_NOTICE = 2.0  # seconds a request whose send failed so waits for the reader to see the hang-up
 
 
 class ProtocolViolation(errors.Internal):
@@ -233,9 +236,9 @@ class Channel:
         with self._cond:
             if self._ended is None:
                 self._ended = ended
-            else:  # already ended (a protocol error a request found): not a hang-up
+                self.hung_up = hangup
+            else:  # already ended (a protocol error a request found): not a hang-up now
                 hangup = False
-            self.hung_up = hangup
             for p in self._pending.values():
                 fdchannel.close_fds(p.fds.values())
             self._pending.clear()
@@ -312,6 +315,13 @@ class Channel:
             with self._cond:
                 self._waiters.pop(req, None)
                 self._pending.pop(req | fdchannel.CHANNEL_ALLOC_BIT, None)
+                if exc.errno in _PEER_GONE and not self._closing:
+                    # The daemon went away and the reader has not met the end
+                    # of the stream yet: wait for it, so the caller sees a
+                    # hang-up (a resumable session defers a Free then; before,
+                    # a Free that lost this race raised a plain UNAVAILABLE
+                    # and its unmapped pages were claimed at the resume).
+                    self._cond.wait_for(lambda: self._ended is not None, _HANGUP_NOTICE)
                 ended = self._ended
             raise ended if ended is not None else errors.Unavailable(f"the daemon went away (fd channel: {exc.strerror or exc})") from None
         with self._cond:
