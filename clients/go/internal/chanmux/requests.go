@@ -3,6 +3,7 @@ package chanmux
 import (
 	"context"
 	"errors"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -14,35 +15,27 @@ import (
 // Requests on the fd channel (docs/protocol.md, "Requests on the channel"):
 // ALLOCATE, FREE, CLOSE and ANSWER records on the session's own fd
 // channel; no token travels, the kernel names the sender. Every request
-// has an id of its own; the reader goroutine hands each REPLY to the
-// goroutine waiting for it. An ALLOCATE's pages arrive as PAGES records
-// with allocation id req_id|AllocBit, all before its REPLY, so they are
-// complete when the REPLY is read. After a resume the requests go on the
-// new channel.
-
-// waiter is a request waiting for its REPLY.
-type waiter struct {
-	gen   uint64
-	done  chan struct{} // closed by the reader with reply set
-	reply fdchan.Reply
-	// late is set when the caller gave up (its context ended) before the
-	// answer: the reader calls it, under m.mu, when the REPLY arrives.
-	late func(fdchan.Reply)
-}
+// has an id of its own (the table, table.go); the reader goroutine hands
+// each REPLY to the goroutine waiting for it. An ALLOCATE's pages arrive
+// as PAGES records with allocation id req_id|AllocBit, all before its
+// REPLY, so they are complete when the REPLY is read. After a resume the
+// requests go on the new channel.
 
 // chanCall is one request in flight on a channel.
 type chanCall struct {
+	m    *Mux
 	ch   *fdchan.Conn
 	gen  uint64
 	lost chan struct{}
 	req  uint64
 	w    *waiter
+	pa   *pendingAlloc // an ALLOCATE's allocation
 }
 
-// startRequest registers a request on the current fd channel. setup runs
-// under m.mu with the request id. closing allows the CLOSE of Close.
-// On error it returns the channel generation the call would have used.
-func (m *Mux) startRequest(op string, closing bool, setup func(req uint64)) (*chanCall, uint64, error) {
+// startRequest registers a request on the current fd channel; with alloc
+// its allocation is stashed too. closing allows the CLOSE of Close. On
+// error it returns the channel generation the call would have used.
+func (m *Mux) startRequest(op string, closing, alloc bool) (*chanCall, uint64, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.resumeErr != nil {
@@ -52,34 +45,37 @@ func (m *Mux) startRequest(op string, closing bool, setup func(req uint64)) (*ch
 		return nil, m.gen, m.closedErrLocked(op)
 	}
 	select {
-	case <-m.readerDone:
+	case <-m.rd.done:
 		return nil, m.gen, m.closedErrLocked(op)
 	default:
 	}
 	if m.resuming {
-		return nil, m.gen, m.unavailableLocked(op, "")
+		return nil, m.gen, awayErr(m.id, op, "")
 	}
-	m.reqSeq++
-	c := &chanCall{ch: m.ch, gen: m.gen, lost: m.lost, req: m.reqSeq, w: &waiter{gen: m.gen, done: make(chan struct{})}}
-	m.waiters[c.req] = c.w
-	if setup != nil {
-		setup(c.req)
+	c := &chanCall{m: m, ch: m.ch, gen: m.gen, lost: m.lost}
+	c.req, c.w = m.reqs.add(m.gen, nil)
+	if alloc {
+		_, c.pa = m.reqs.addAlloc(m.gen, c.req)
 	}
 	return c, c.gen, nil
 }
 
+// alloc names the call's allocation in the table.
+func (c *chanCall) alloc() orphan { return orphan{allocKey{c.gen, c.req | fdchan.AllocBit}, c.pa} }
+
 // send sends the request's record; on failure the waiter is removed and
-// undo runs (under m.mu). Nothing was sent then.
-func (m *Mux) send(ctx context.Context, op string, c *chanCall, r fdchan.Record, undo func()) error {
+// an allocation discarded. Nothing was sent then.
+func (c *chanCall) send(ctx context.Context, op string, r fdchan.Record) error {
 	err := c.ch.SendContext(ctx, r)
 	if err == nil {
 		return nil
 	}
+	m := c.m
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	delete(m.waiters, c.req)
-	if undo != nil {
-		undo()
+	m.reqs.remove(c.req)
+	if c.pa != nil {
+		m.reqs.discard(c.alloc(), false, m.keep)
 	}
 	switch {
 	case ctx.Err() != nil:
@@ -87,21 +83,22 @@ func (m *Mux) send(ctx context.Context, op string, c *chanCall, r fdchan.Record,
 	case m.endErr != nil || (m.closed && op != "CloseSession"):
 		return m.closedErrLocked(op)
 	case m.resumable:
-		return m.unavailableLocked(op, "sending on the fd channel: %v", err)
+		return awayErr(m.id, op, "sending on the fd channel: %v", err)
 	}
 	return errs.New(errs.ErrUnavailable, op, "sending on the fd channel: %v", err)
 }
 
 // await waits for the request's REPLY. A REPLY with a non-zero code is
 // mapped like a gRPC status (RPCErr, errs.FromStatus). When ctx ends first
-// the request is abandoned: abandon runs under m.mu, and late (if not nil)
-// runs under m.mu when the REPLY comes.
-func (m *Mux) await(ctx context.Context, op string, c *chanCall, abandon func(), late func(fdchan.Reply)) (fdchan.Reply, error) {
+// the request is abandoned: its allocation is no longer claimed, and late
+// (if not nil) runs under the Mux's lock when the REPLY comes.
+func (c *chanCall) await(ctx context.Context, op string, late func(fdchan.Reply)) (fdchan.Reply, error) {
+	m := c.m
 	select {
 	case <-c.w.done:
 	case <-ctx.Done():
 	case <-c.lost:
-	case <-m.readerDone:
+	case <-m.rd.done:
 	}
 	m.mu.Lock()
 	select {
@@ -116,78 +113,17 @@ func (m *Mux) await(ctx context.Context, op string, c *chanCall, abandon func(),
 	}
 	defer m.mu.Unlock()
 	select {
-	case <-m.readerDone:
-		delete(m.waiters, c.req)
+	case <-m.rd.done:
+		m.reqs.remove(c.req)
 		return fdchan.Reply{}, m.closedErrLocked(op)
 	case <-c.lost:
-		delete(m.waiters, c.req)
-		return fdchan.Reply{}, m.unavailableLocked(op, "the fd channel hung up before the answer")
+		m.reqs.remove(c.req)
+		return fdchan.Reply{}, awayErr(m.id, op, "the fd channel hung up before the answer")
 	default:
 	}
 	// The caller's context ended: the REPLY still comes, later.
-	if abandon != nil {
-		abandon()
-	}
-	c.w.late = late
-	if late == nil {
-		c.w.late = func(fdchan.Reply) {}
-	}
+	m.reqs.abandon(c.w, c.pa, late)
 	return fdchan.Reply{}, errs.FromStatus(op, ctx.Err())
-}
-
-// replied is the reader's side: hand a REPLY to its waiter.
-func (m *Mux) replied(r fdchan.Reply) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	w := m.waiters[r.ReqID]
-	if w == nil || w.gen != m.gen {
-		m.log.Debug("kvcached: REPLY to no request on this fd channel", "req_id", r.ReqID, "code", r.Code)
-		return
-	}
-	delete(m.waiters, r.ReqID)
-	key := allocKey{m.gen, r.ReqID | fdchan.AllocBit}
-	if pa := m.allocs[key]; pa != nil {
-		pa.replied = true
-		if r.Code == 0 && w.late == nil {
-			// Once the REPLY is read the pages are the caller's, even if
-			// an ERROR or a hang-up follows at once (finish and resume do
-			// not touch them; their kept duplicates stay in m.keep).
-			delete(m.allocs, key)
-		}
-	}
-	w.reply = r
-	close(w.done)
-	if w.late != nil {
-		w.late(r)
-	}
-}
-
-// dropWaitersLocked forgets the requests of channels before the current
-// one (their callers are woken by lost or readerDone).
-func (m *Mux) dropWaitersLocked() {
-	for id, w := range m.waiters {
-		if w.gen != m.gen || m.endErr != nil {
-			delete(m.waiters, id)
-		}
-	}
-}
-
-// discardAllocLocked forgets a channel allocation that will not be
-// returned: its descriptors are closed and its pages not kept for resume.
-func (m *Mux) discardAllocLocked(key allocKey, pa *pendingAlloc) {
-	if m.allocs[key] == pa {
-		delete(m.allocs, key)
-	}
-	for j, fd := range pa.fds {
-		if fd >= 0 {
-			closeFD(fd)
-			pa.fds[j] = -1
-			if k, ok := m.keep[pa.ids[j]]; ok {
-				closeFD(k.fd)
-				delete(m.keep, pa.ids[j])
-			}
-		}
-	}
 }
 
 // Allocation is what an ALLOCATE request brought: the pages' ids and
@@ -204,67 +140,56 @@ type Allocation struct {
 // when they come, are given back with FREE.
 func (m *Mux) Allocate(ctx context.Context, rec fdchan.AllocateReq) (*Allocation, error) {
 	const op = "Allocate"
-	m.pageOpBegin()
-	defer m.pageOpEnd()
-	var key allocKey
-	var pa *pendingAlloc
-	c, _, err := m.startRequest(op, false, func(id uint64) {
-		key = allocKey{m.gen, id | fdchan.AllocBit}
-		pa = &pendingAlloc{done: make(chan struct{}), claimed: true}
-		m.allocs[key] = pa
-		m.inflight++
-	})
+	m.ops.begin()
+	defer m.ops.end()
+	c, _, err := m.startRequest(op, false, true)
 	if err != nil {
 		return nil, err
 	}
-	defer m.allocateDone()
+	o := c.alloc()
+	defer func() {
+		// When no Allocate is left in flight, complete allocations nobody
+		// claimed are given back.
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		for _, o := range m.reqs.allocateDone() {
+			m.dropOrphanLocked(o)
+		}
+	}()
 	rec.ReqID = c.req
-	if err := m.send(ctx, op, c, rec, func() { m.discardAllocLocked(key, pa) }); err != nil {
+	if err := c.send(ctx, op, rec); err != nil {
 		return nil, err
 	}
-	rep, err := m.await(ctx, op, c,
-		func() { pa.claimed = false }, // allocateDone (or deliver) gives the pages back once complete
-		func(r fdchan.Reply) {
-			if m.allocs[key] != pa {
-				return // given back already
-			}
-			if r.Code == 0 && pa.total > 0 && pa.received == pa.total {
-				m.dropOrphanLocked(key, pa)
-			} else {
-				m.discardAllocLocked(key, pa)
-			}
-		})
+	// An abandoned call's pages are given back once complete (by the
+	// deferred drop above, by the reader, or at the late REPLY).
+	rep, err := c.await(ctx, op, func(r fdchan.Reply) {
+		if o := m.reqs.lateReply(o, r.Code == 0, m.keep); o != nil {
+			m.dropOrphanLocked(*o)
+		}
+	})
 	m.mu.Lock()
+	defer m.mu.Unlock()
 	if err != nil {
-		if m.allocs[key] == pa && pa.claimed { // a refusal (or the channel ended): nothing to give back
-			m.discardAllocLocked(key, pa)
-		}
-		m.mu.Unlock()
+		// A refusal (or the channel ended): nothing to give back.
+		m.reqs.discard(o, true, m.keep)
 		return nil, err
 	}
-	complete := pa.total == int(rec.NumPages) && pa.received == pa.total
-	if !complete {
+	ids, fds, received, ok := m.reqs.take(o, int(rec.NumPages), m.keep)
+	if !ok {
 		// A REPLY OK before all the pages: the daemon broke the protocol.
-		m.discardAllocLocked(key, pa)
-		err := errs.New(errs.ErrProtocol, op, "request %d: %d of %d pages arrived before the answer", c.req, pa.received, rec.NumPages)
+		err := errs.New(errs.ErrProtocol, op, "request %d: %d of %d pages arrived before the answer", c.req, received, rec.NumPages)
 		if c.gen == m.gen { // (a REPLY of a channel since replaced ends nothing now)
-			m.protocolFailureLocked(c.ch, err)
+			// Calls fail with err from now on, and the channel is closed
+			// (the daemon ends the session; the reader sees the close and
+			// does not resume).
+			if m.endErr == nil {
+				m.endErr = err
+			}
+			c.ch.Close()
 		}
-		m.mu.Unlock()
 		return nil, err
 	}
-	m.mu.Unlock()
-	return &Allocation{ID: key.id, IDs: pa.ids, FDs: pa.fds, HeldBytes: rep.Value}, nil
-}
-
-// protocolFailureLocked ends the session after a protocol error a caller
-// found: calls fail with err from now on, and the channel is closed (the
-// daemon ends the session; the reader sees the close and does not resume).
-func (m *Mux) protocolFailureLocked(ch *fdchan.Conn, err error) {
-	if m.endErr == nil {
-		m.endErr = err
-	}
-	ch.Close()
+	return &Allocation{ID: o.key.id, IDs: ids, FDs: fds, HeldBytes: rep.Value}, nil
 }
 
 // Free sends FREE records of at most fdchan.MaxFreeIDs ids. All
@@ -295,37 +220,44 @@ func (m *Mux) Free(ctx context.Context, ids []uint64) (uint64, error) {
 // freeChunk is Free's loop for one FREE record.
 func (m *Mux) freeChunk(ctx context.Context, ids []uint64) (uint64, error) {
 	const op = "Free"
-	m.pageOpBegin()
-	defer m.pageOpEnd()
+	m.ops.begin()
+	defer m.ops.end()
 	for {
-		seqs := m.keptSeqs(ids)
-		c, gen, err := m.startRequest(op, false, nil)
+		seqs := m.keep.seqs(ids)
+		c, gen, err := m.startRequest(op, false, false)
 		if err == nil {
-			err = m.send(ctx, op, c, fdchan.FreeReq{ReqID: c.req, PageIDs: ids}, nil)
+			err = c.send(ctx, op, fdchan.FreeReq{ReqID: c.req, PageIDs: ids})
 		}
 		if err == nil {
 			var rep fdchan.Reply
-			rep, err = m.await(ctx, op, c, nil, func(r fdchan.Reply) {
+			rep, err = c.await(ctx, op, func(r fdchan.Reply) {
 				if r.Code == 0 {
-					m.unkeepSeqsLocked(seqs)
+					m.keep.release(seqs)
 				}
 			})
 			if err == nil {
-				m.unkeep(seqs)
+				m.keep.release(seqs)
 				return rep.Value, nil
 			}
 		}
 		if !m.resumable || !errors.Is(err, errs.ErrUnavailable) {
 			return 0, err
 		}
-		// The daemon is away (resuming, or the channel hung up after the
-		// FREE went out): the Free succeeds, checked as the daemon would,
-		// and the pages are not claimed at the next resume, which frees
-		// them (docs/protocol.md, "Free while the daemon is away").
+		// The daemon is away (resuming, or the channel hung up before or
+		// after the FREE went out): the Free succeeds, checked as the
+		// daemon would, and the pages are not claimed at the next resume,
+		// which frees them (docs/protocol.md, "Free while the daemon is
+		// away").
 		if bad := checkAwayFree(ids, seqs); bad != nil {
 			return 0, bad
 		}
-		if m.deferFree(gen, seqs) {
+		m.mu.Lock()
+		deferred := m.closed || m.resumeErr != nil || gen == m.gen
+		if deferred {
+			m.keep.deferSeqs(seqs)
+		}
+		m.mu.Unlock()
+		if deferred {
 			return uint64(len(ids)), nil
 		}
 		// A resume completed during the call and claimed these pages:
@@ -355,11 +287,11 @@ func checkAwayFree(ids []uint64, seqs map[uint64]uint64) error {
 // session ended with it.
 func (m *Mux) CloseRequest(ctx context.Context) error {
 	const op = "CloseSession"
-	c, _, err := m.startRequest(op, true, nil)
+	c, _, err := m.startRequest(op, true, false)
 	if err == nil {
-		err = m.send(ctx, op, c, fdchan.CloseReq{ReqID: c.req}, nil)
+		err = c.send(ctx, op, fdchan.CloseReq{ReqID: c.req})
 		if err == nil {
-			_, err = m.await(ctx, op, c, nil, nil)
+			_, err = c.await(ctx, op, nil)
 		}
 	}
 	if err == nil || errs.IsAny(err, errs.ErrClosed, errs.ErrFailedPrecondition, errs.ErrNotFound) {
@@ -379,33 +311,56 @@ func (m *Mux) Answer(ctx context.Context, rec fdchan.AnswerReq) (uint64, error) 
 	if len(rec.Reason) > fdchan.MaxReason {
 		return 0, errs.New(errs.ErrInvalidArgument, op, "the reason is %d bytes, at most %d", len(rec.Reason), fdchan.MaxReason)
 	}
-	c, _, err := m.startRequest(op, false, nil)
+	c, _, err := m.startRequest(op, false, false)
 	if err != nil {
 		return 0, err
 	}
 	rec.ReqID = c.req
-	if err := m.send(ctx, op, c, rec, nil); err != nil {
+	if err := c.send(ctx, op, rec); err != nil {
 		return 0, err
 	}
-	rep, err := m.await(ctx, op, c, nil, nil)
+	rep, err := c.await(ctx, op, nil)
 	if err != nil {
 		return 0, err
 	}
 	return rep.Value, nil
 }
 
-// allocateDone: an Allocate call returned. When none is left in flight,
-// complete allocations nobody claimed are given back.
-func (m *Mux) allocateDone() {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	m.inflight--
-	if m.inflight > 0 {
+// dropOrphanLocked gives back an allocation whose Allocate call failed on
+// this side (its context ended) after the daemon had already sent it.
+func (m *Mux) dropOrphanLocked(o orphan) {
+	ids, ok := m.reqs.takeOrphan(o)
+	if !ok || m.closed {
 		return
 	}
-	for key, pa := range m.allocs {
-		if !pa.claimed && pa.total > 0 && pa.received == pa.total {
-			m.dropOrphanLocked(key, pa)
+	m.log.Info("kvcached: freeing pages of an allocation nobody waits for", "allocation_id", o.key.id, "pages", len(ids))
+	m.giveBackLocked(ids)
+}
+
+// giveBackLocked sends FREE records for pages nobody waits for, at once
+// and without waiting for their REPLY (which forgets the pages' kept
+// descriptors when it comes). It runs under m.mu, on the reader goroutine
+// or a caller's: the send is bounded by one second. While the session is
+// resuming the pages are simply not claimed, which frees them.
+func (m *Mux) giveBackLocked(ids []uint64) {
+	if m.ch == nil || m.resuming || m.endErr != nil || m.resumeErr != nil {
+		m.keep.deferIDs(ids)
+		return
+	}
+	for i := 0; i < len(ids); i += fdchan.MaxFreeIDs {
+		chunk := ids[i:min(i+fdchan.MaxFreeIDs, len(ids))]
+		seqs := m.keep.seqs(chunk)
+		req, _ := m.reqs.add(m.gen, func(r fdchan.Reply) {
+			if r.Code == 0 {
+				m.keep.release(seqs)
+			} else {
+				m.log.Warn("kvcached: giving back pages nobody waits for failed", "pages", len(chunk), "code", r.Code, "message", r.Message)
+			}
+		})
+		if err := m.ch.Send(fdchan.FreeReq{ReqID: req, PageIDs: chunk}, nil, time.Now().Add(time.Second)); err != nil {
+			m.reqs.remove(req)
+			m.keep.deferIDs(chunk)
+			m.log.Warn("kvcached: giving back pages nobody waits for failed", "pages", len(chunk), "err", err)
 		}
 	}
 }

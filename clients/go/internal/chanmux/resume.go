@@ -4,11 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"sync"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/kvcached/kvcached-service/clients/go/internal/errs"
 	"github.com/kvcached/kvcached-service/clients/go/internal/fdchan"
@@ -82,14 +79,15 @@ func (m *Mux) Call(op string) (*pb.SessionRef, uint64, error) {
 		return nil, m.gen, m.resumeErr
 	}
 	if m.resuming {
-		return nil, m.gen, m.unavailableLocked(op, "")
+		return nil, m.gen, awayErr(m.id, op, "")
 	}
 	return m.ref, m.gen, nil
 }
 
-// unavailableLocked is the error of a call made while the daemon is away.
-func (m *Mux) unavailableLocked(op, format string, a ...any) error {
-	msg := fmt.Sprintf("the daemon is unreachable; session %d resumes when it is back and the pages you hold stay usable", m.id)
+// awayErr is the error of a call of session id made while the daemon is
+// away.
+func awayErr(id uint64, op, format string, a ...any) error {
+	msg := fmt.Sprintf("the daemon is unreachable; session %d resumes when it is back and the pages you hold stay usable", id)
 	if format != "" {
 		msg += " (" + fmt.Sprintf(format, a...) + ")"
 	}
@@ -114,107 +112,47 @@ func (m *Mux) RPCErr(op string, gen uint64, err error) error {
 	errors.As(e, &ke)
 	switch {
 	case errors.Is(e, errs.ErrUnavailable):
-		return m.unavailableLocked(op, "%s", ke.Message)
+		return awayErr(m.id, op, "%s", ke.Message)
 	case gen != m.gen && errs.IsAny(e, errs.ErrPermissionDenied, errs.ErrFailedPrecondition, errs.ErrNotFound):
-		return m.unavailableLocked(op, "the session was resumed during the call; try again")
+		return awayErr(m.id, op, "the session was resumed during the call; try again")
 	}
 	return e
 }
 
-// kept is the duplicate descriptor of a page the session holds. The
-// daemon lends a page again under the same id after a Free, possibly to
-// another goroutine of this session while the Free's answer is on its way:
-// seq tells the entries of one id apart.
-type kept struct {
-	fd  int
-	seq uint64
+// Kept is how many page descriptors the session keeps for a resume.
+func (m *Mux) Kept() int { return m.keep.count() }
+
+// KeptState describes the kept and deferred pages (test diagnostics).
+func (m *Mux) KeptState() string { return m.keep.String() }
+
+// resumer is the resume loop, run by the reader goroutine after a
+// resumable session's fd channel hung up: it reconnects with backoff,
+// re-sends the pages held as ADOPT records (the keeper has their
+// descriptors) and calls ResumeSession. What it changes when it is done
+// (the channel, the reference, the generation) is the Mux's channel state.
+type resumer struct {
+	m        *Mux
+	fdSocket string // the daemon's fd socket (a resume connects a new channel)
+	timeout  time.Duration
+	call     func(ctx context.Context, secret []byte, ids []uint64) (*pb.ResumeSessionResponse, error)
+	stopCtx  context.Context // ends at Stop: interrupts a resume
+	stop     context.CancelFunc
 }
 
-// keepLocked keeps a duplicate of a page's descriptor, to re-send it to a
-// restarted daemon.
-func (m *Mux) keepLocked(id uint64, fd int) {
-	if !m.resumable {
-		return
+func newResumer(m *Mux, cfg Config) *resumer {
+	r := &resumer{m: m, fdSocket: cfg.FDSocket, timeout: cfg.ResumeTimeout, call: cfg.Resume}
+	if r.timeout <= 0 {
+		r.timeout = 2 * time.Minute
 	}
-	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
-	if err != nil {
-		// Without the duplicate the page cannot be claimed at resume: it is
-		// given back then (the mapping stays valid, as for any Free).
-		m.log.Warn("kvcached: cannot keep a duplicate page descriptor for resume", "page_id", id, "err", err)
-		return
-	}
-	if old, ok := m.keep[id]; ok {
-		closeFD(old.fd)
-	}
-	m.keepSeq++
-	m.keep[id] = kept{fd: dup, seq: m.keepSeq}
-	delete(m.deferred, id)
+	r.stopCtx, r.stop = context.WithCancel(context.Background())
+	return r
 }
 
-// keptSeqs names the kept entries of pages about to be freed.
-func (m *Mux) keptSeqs(ids []uint64) map[uint64]uint64 {
-	if !m.resumable {
-		return nil
-	}
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	seqs := make(map[uint64]uint64, len(ids))
-	for _, id := range ids {
-		if k, ok := m.keep[id]; ok {
-			seqs[id] = k.seq
-		}
-	}
-	return seqs
-}
-
-// unkeep forgets pages the daemon has taken back (the entries named by
-// keptSeqs before the Free; not a page lent again since).
-func (m *Mux) unkeep(seqs map[uint64]uint64) {
-	if len(seqs) == 0 {
-		return
-	}
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	m.unkeepSeqsLocked(seqs)
-}
-
-func (m *Mux) unkeepSeqsLocked(seqs map[uint64]uint64) {
-	for id, seq := range seqs {
-		if k, ok := m.keep[id]; ok && k.seq == seq {
-			m.unkeepLocked(id)
-		}
-	}
-}
-
-func (m *Mux) unkeepLocked(id uint64) {
-	if k, ok := m.keep[id]; ok {
-		closeFD(k.fd)
-		delete(m.keep, id)
-	}
-	delete(m.deferred, id)
-}
-
-// deferFree records pages whose Free (made with generation gen) failed
-// with UNAVAILABLE: the next resume does not claim them. It returns false
-// when a resume has completed since and claimed them (Free again).
-func (m *Mux) deferFree(gen uint64, seqs map[uint64]uint64) bool {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if m.closed || m.resumeErr != nil || gen == m.gen {
-		for id, seq := range seqs {
-			if k, ok := m.keep[id]; ok && k.seq == seq {
-				m.deferred[id] = seq
-			}
-		}
-		return true
-	}
-	return false
-}
-
-// resume runs on the reader goroutine after the fd channel old hung up.
-// It returns the new channel, or nil and why the session ended (nil error
-// when it was closed meanwhile).
-func (m *Mux) resume(old *fdchan.Conn, cause error) (*fdchan.Conn, error) {
+// run resumes the session after the fd channel old hung up. It returns
+// the new channel, or nil and why the session ended (nil error when it
+// was closed meanwhile).
+func (r *resumer) run(old *fdchan.Conn, cause error) (*fdchan.Conn, error) {
+	m := r.m
 	m.mu.Lock()
 	if m.closed {
 		m.mu.Unlock()
@@ -227,30 +165,15 @@ func (m *Mux) resume(old *fdchan.Conn, cause error) (*fdchan.Conn, error) {
 	// not claim it (complete ones are taken by their Allocate call). So
 	// are ALLOCATE requests not answered yet: their callers get
 	// ErrUnavailable.
-	for k, pa := range m.allocs {
-		if pa.total > 0 && pa.received == pa.total && (k.id&fdchan.AllocBit == 0 || pa.replied) {
-			continue
-		}
-		for j, fd := range pa.fds {
-			if fd >= 0 {
-				closeFD(fd)
-				m.unkeepLocked(pa.ids[j])
-			}
-		}
-		delete(m.allocs, k)
-	}
-	held := len(m.keep)
+	m.reqs.dropUndelivered(m.keep)
 	m.mu.Unlock()
+	held := m.keep.count()
 	old.Close()
 	// Before it claims anything, the resume waits for the page requests in
 	// flight to settle (docs/protocol.md, "Hang-up and resume"): each wakes
 	// at once (the channel is lost), and a Free among them defers its pages
 	// so that they are not claimed.
-	m.mu.Lock()
-	for m.pageOps > 0 {
-		m.opsIdleLocked().Wait()
-	}
-	m.mu.Unlock()
+	m.ops.waitIdle()
 	m.log.Warn("kvcached: the daemon went away; resuming the session", "pages_held", held, "cause", cause)
 
 	start := time.Now()
@@ -258,26 +181,26 @@ func (m *Mux) resume(old *fdchan.Conn, cause error) (*fdchan.Conn, error) {
 	attempts := 0
 	for {
 		attempts++
-		ch, resp, claimed, err := m.resumeOnce()
+		ch, resp, claimed, err := r.once()
 		if err == nil {
-			return m.finishResume(ch, resp, claimed, attempts, time.Since(start))
+			return r.finish(ch, resp, claimed, attempts, time.Since(start))
 		}
-		if m.stopCtx.Err() != nil {
+		if r.stopCtx.Err() != nil {
 			return nil, nil
 		}
 		if !errors.Is(err, errs.ErrUnavailable) && !errors.Is(err, errs.ErrDeadlineExceeded) {
-			return nil, m.resumeFailed(errs.New(errs.ErrFailedPrecondition, "ResumeSession",
+			return nil, r.failed(errs.New(errs.ErrFailedPrecondition, "ResumeSession",
 				"session %d could not be resumed after the daemon restarted: %v", m.id, err))
 		}
-		if time.Since(start) > m.resumeTimeout {
-			return nil, m.resumeFailed(errs.New(errs.ErrUnavailable, "ResumeSession",
-				"session %d: the daemon did not come back within %v (%v)", m.id, m.resumeTimeout, err))
+		if time.Since(start) > r.timeout {
+			return nil, r.failed(errs.New(errs.ErrUnavailable, "ResumeSession",
+				"session %d: the daemon did not come back within %v (%v)", m.id, r.timeout, err))
 		}
 		m.log.Debug("kvcached: resume attempt failed; retrying", "err", err, "backoff", delay)
 		t := time.NewTimer(delay)
 		select {
 		case <-t.C:
-		case <-m.stopCtx.Done():
+		case <-r.stopCtx.Done():
 			t.Stop()
 			return nil, nil
 		}
@@ -285,14 +208,15 @@ func (m *Mux) resume(old *fdchan.Conn, cause error) (*fdchan.Conn, error) {
 	}
 }
 
-// resumeOnce is one attempt: new fd channel, HELLO, ADOPT records for the
-// pages held, ResumeSession.
-func (m *Mux) resumeOnce() (*fdchan.Conn, *pb.ResumeSessionResponse, []uint64, error) {
-	ctx, cancel := context.WithTimeout(m.stopCtx, resumeAttempt)
+// once is one attempt: new fd channel, HELLO, ADOPT records for the pages
+// held, ResumeSession.
+func (r *resumer) once() (*fdchan.Conn, *pb.ResumeSessionResponse, []uint64, error) {
+	m := r.m
+	ctx, cancel := context.WithTimeout(r.stopCtx, resumeAttempt)
 	defer cancel()
-	ch, err := fdchan.Dial(m.fdSocket)
+	ch, err := fdchan.Dial(r.fdSocket)
 	if err != nil {
-		return nil, nil, nil, errs.New(errs.ErrUnavailable, "ResumeSession", "connecting the fd channel %s: %v", m.fdSocket, err)
+		return nil, nil, nil, errs.New(errs.ErrUnavailable, "ResumeSession", "connecting the fd channel %s: %v", r.fdSocket, err)
 	}
 	hello, err := ReadHello(ctx, ch)
 	if err != nil {
@@ -302,35 +226,16 @@ func (m *Mux) resumeOnce() (*fdchan.Conn, *pb.ResumeSessionResponse, []uint64, e
 		}
 		return nil, nil, nil, err
 	}
-	m.mu.Lock()
-	// Pages whose Free failed while the daemon was away are not claimed
-	// (the old daemon may or may not have freed them): the new daemon
-	// forgets them, which frees them.
-	for id, seq := range m.deferred {
-		if k, ok := m.keep[id]; ok && k.seq == seq {
-			m.unkeepLocked(id)
-		}
-	}
-	clear(m.deferred)
-	ids := make([]uint64, 0, len(m.keep))
-	for id := range m.keep {
-		ids = append(ids, id)
-	}
-	slices.Sort(ids)
-	fds := make([]int, len(ids))
-	for i, id := range ids {
-		fds[i] = m.keep[id].fd
-	}
-	// Sent under m.mu: a concurrent Free cannot close a descriptor that is
-	// being sent.
+	// Pages whose Free failed while the daemon was away are not claimed.
 	deadline, _ := ctx.Deadline()
-	err = ch.SendAdopt(m.id, ids, fds, deadline)
-	m.mu.Unlock()
+	ids, err := m.keep.adopt(func(ids []uint64, fds []int) error {
+		return ch.SendAdopt(m.id, ids, fds, deadline)
+	})
 	if err != nil {
 		ch.Close()
 		return nil, nil, nil, errs.New(errs.ErrUnavailable, "ResumeSession", "sending ADOPT records: %v", err)
 	}
-	resp, err := m.resumeCall(ctx, hello.Secret[:], ids)
+	resp, err := r.call(ctx, hello.Secret[:], ids)
 	if err != nil {
 		ch.Close()
 		return nil, nil, nil, errs.FromStatus("ResumeSession", err)
@@ -338,9 +243,10 @@ func (m *Mux) resumeOnce() (*fdchan.Conn, *pb.ResumeSessionResponse, []uint64, e
 	return ch, resp, ids, nil
 }
 
-// finishResume swaps in the new channel and reference after a successful
+// finish swaps in the new channel and reference after a successful
 // ResumeSession.
-func (m *Mux) finishResume(ch *fdchan.Conn, resp *pb.ResumeSessionResponse, claimed []uint64, attempts int, took time.Duration) (*fdchan.Conn, error) {
+func (r *resumer) finish(ch *fdchan.Conn, resp *pb.ResumeSessionResponse, claimed []uint64, attempts int, took time.Duration) (*fdchan.Conn, error) {
+	m := r.m
 	m.mu.Lock()
 	if m.closed {
 		m.mu.Unlock()
@@ -349,16 +255,11 @@ func (m *Mux) finishResume(ch *fdchan.Conn, resp *pb.ResumeSessionResponse, clai
 	}
 	// Pages freed (and failed with UNAVAILABLE) while this attempt was in
 	// flight were claimed: give them back now.
-	var late []uint64
-	for _, id := range claimed {
-		if _, ok := m.deferred[id]; ok {
-			late = append(late, id)
-		}
-	}
+	late := m.keep.deferredAmong(claimed)
 	m.ch = ch
 	m.ref = resp.GetSession()
 	m.gen++
-	m.dropWaitersLocked()
+	m.reqs.dropStale(m.gen, m.endErr != nil)
 	m.lost = make(chan struct{})
 	m.resumes++
 	m.resuming = false
@@ -372,7 +273,7 @@ func (m *Mux) finishResume(ch *fdchan.Conn, resp *pb.ResumeSessionResponse, clai
 		m.wg.Add(1)
 		go func() {
 			defer m.wg.Done()
-			ctx, cancel := context.WithTimeout(m.stopCtx, resumeAttempt)
+			ctx, cancel := context.WithTimeout(r.stopCtx, resumeAttempt)
 			defer cancel()
 			if _, err := m.Free(ctx, late); err != nil {
 				m.log.Warn("kvcached: freeing pages released during the resume failed", "pages", len(late), "err", err)
@@ -382,8 +283,9 @@ func (m *Mux) finishResume(ch *fdchan.Conn, resp *pb.ResumeSessionResponse, clai
 	return ch, nil
 }
 
-// resumeFailed makes the session dead: calls return err from now on.
-func (m *Mux) resumeFailed(err error) error {
+// failed makes the session dead: calls return err from now on.
+func (r *resumer) failed(err error) error {
+	m := r.m
 	m.mu.Lock()
 	m.resumeErr = err
 	m.mu.Unlock()
@@ -391,40 +293,37 @@ func (m *Mux) resumeFailed(err error) error {
 	return err
 }
 
-// pageOpBegin and pageOpEnd bracket an Allocate or one FREE record's
-// request, so that a resume can wait for them to settle.
-func (m *Mux) pageOpBegin() {
-	m.mu.Lock()
-	m.pageOps++
-	m.mu.Unlock()
+// pageOps counts the Allocate calls and FREE requests in progress, so that
+// a resume can wait for them to settle.
+type pageOps struct {
+	mu   sync.Mutex
+	n    int
+	idle *sync.Cond // on mu: n reached 0 (made on first use)
 }
 
-func (m *Mux) pageOpEnd() {
-	m.mu.Lock()
-	m.pageOps--
-	if m.pageOps == 0 {
-		m.opsIdleLocked().Broadcast()
+func (p *pageOps) begin() {
+	p.mu.Lock()
+	p.n++
+	p.mu.Unlock()
+}
+
+func (p *pageOps) end() {
+	p.mu.Lock()
+	p.n--
+	if p.n == 0 && p.idle != nil {
+		p.idle.Broadcast()
 	}
-	m.mu.Unlock()
+	p.mu.Unlock()
 }
 
-func (m *Mux) opsIdleLocked() *sync.Cond {
-	if m.opsIdle == nil {
-		m.opsIdle = sync.NewCond(&m.mu)
+// waitIdle returns when no page request is in progress.
+func (p *pageOps) waitIdle() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for p.n > 0 {
+		if p.idle == nil {
+			p.idle = sync.NewCond(&p.mu)
+		}
+		p.idle.Wait()
 	}
-	return m.opsIdle
-}
-
-// Kept is how many page descriptors the session keeps for a resume.
-func (m *Mux) Kept() int {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	return len(m.keep)
-}
-
-// KeptState describes the kept and deferred pages (test diagnostics).
-func (m *Mux) KeptState() string {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	return fmt.Sprintf("keep %v deferred %v", m.keep, m.deferred)
 }
