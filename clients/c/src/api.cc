@@ -229,13 +229,7 @@ KVC_API kvc_status kvc_session_open(kvc_client *client, const kvc_session_option
         }
 
         // The driver is loaded only once the daemon has accepted us.
-        if (s->kind == "host")
-            st = kvc_mapper_create_host(&s->mapper);
-        else if (s->kind == "cuda")
-            st = kvc_mapper_create_cuda(s->device.c_str(), &s->mapper);
-        else
-            st = kvc_fail(KVC_ERR_PROTOCOL, "device %s has unknown kind \"%s\"",
-                          s->device.c_str(), s->kind.c_str());
+        st = kvc_mapper_create(s->kind.c_str(), s->device.c_str(), &s->mapper);
         if (st != KVC_OK) {
             cleanup();
             return st;

@@ -1,6 +1,10 @@
-/* How pages are mapped into this process: host memfd pages through mmap,
- * CUDA pages through the driver's VMM API (loaded with dlopen). Plain C,
- * internal to libkvcached. Errors are recorded with kvc_fail. */
+/* How pages are mapped into this process, behind one table of operations
+ * per device kind (as ggml-backend's buffer interfaces): mapper_host.c maps
+ * memfd pages with mmap, mapper_cuda.c maps CUDA pages through the driver's
+ * VMM API (loaded with dlopen). The kind the daemon names for a device
+ * ("host", "cuda") picks the table in one place, the registry in mapper.c;
+ * a new backend is its own file plus one line there. Plain C, internal to
+ * libkvcached. Errors are recorded with kvc_fail. */
 #ifndef KVC_MAPPER_H
 #define KVC_MAPPER_H
 
@@ -15,31 +19,57 @@ extern "C" {
 
 typedef struct kvc_mapper kvc_mapper;
 
+/* A backend's operations. Every one is required. */
+struct kvc_mapper_ops {
+    /* A mapper for the device whose UUID is `uuid` (as the daemon names it). */
+    kvc_status (*create)(const char *uuid, kvc_mapper **out);
+    void (*destroy)(kvc_mapper *m);
+    /* Address space for `size` bytes, aligned for pages of `alignment`
+     * bytes, with nothing mapped in it. */
+    kvc_status (*reserve)(kvc_mapper *m, uint64_t size, uint64_t alignment, uintptr_t *base);
+    kvc_status (*release)(kvc_mapper *m, uintptr_t base, uint64_t size);
+    /* Map the page behind `fd` (of `size` bytes) at addr; the fd is closed in
+     * every case. */
+    kvc_status (*map)(kvc_mapper *m, uintptr_t addr, int fd, uint64_t size);
+    kvc_status (*unmap)(kvc_mapper *m, uintptr_t addr, uint64_t size);
+    kvc_status (*memset)(kvc_mapper *m, uintptr_t addr, uint8_t value, uint64_t size);
+    kvc_status (*write)(kvc_mapper *m, uintptr_t addr, const void *src, uint64_t size);
+    kvc_status (*read)(kvc_mapper *m, uintptr_t addr, void *dst, uint64_t size);
+    /* Wait for the memsets/copies issued so far. */
+    kvc_status (*sync)(kvc_mapper *m);
+};
+
+/* Every backend's mapper starts with this (its own state follows). */
+struct kvc_mapper {
+    const struct kvc_mapper_ops *ops;
+};
+
+/* The backends (mapper_<kind>.c), registered by kind in mapper.c. */
 /* Host pages: reservations are PROT_NONE anonymous mappings; a page is
  * mapped over its slot with MAP_FIXED|MAP_SHARED, unmapped by putting
  * PROT_NONE back. */
-kvc_status kvc_mapper_create_host(kvc_mapper **out);
-
-/* CUDA pages of the device whose UUID is `uuid` ("GPU-xxxxxxxx-..."): loads
+extern const struct kvc_mapper_ops kvc_mapper_host_ops;
+/* CUDA pages of the device whose UUID is "GPU-xxxxxxxx-...": create loads
  * $KVCACHED_LIBCUDA (default libcuda.so.1), cuInit, finds the local ordinal
  * by cuDeviceGetUuid_v2, retains its primary context. */
-kvc_status kvc_mapper_create_cuda(const char *uuid, kvc_mapper **out);
+extern const struct kvc_mapper_ops kvc_mapper_cuda_ops;
+
+/* The operations for devices of this kind, or NULL for a kind no backend
+ * serves. */
+const struct kvc_mapper_ops *kvc_mapper_ops_for(const char *kind);
+
+/* A mapper for device `uuid` of this kind (KVC_ERR_PROTOCOL for a kind no
+ * backend serves). */
+kvc_status kvc_mapper_create(const char *kind, const char *uuid, kvc_mapper **out);
 
 void kvc_mapper_destroy(kvc_mapper *m);
-
-int kvc_mapper_is_cuda(const kvc_mapper *m);
-int kvc_mapper_ordinal(const kvc_mapper *m);
-
 kvc_status kvc_mapper_reserve(kvc_mapper *m, uint64_t size, uint64_t alignment, uintptr_t *base);
 kvc_status kvc_mapper_release(kvc_mapper *m, uintptr_t base, uint64_t size);
-/* Map the page behind `fd` (of `size` bytes) at addr; the fd is closed in
- * every case. */
 kvc_status kvc_mapper_map(kvc_mapper *m, uintptr_t addr, int fd, uint64_t size);
 kvc_status kvc_mapper_unmap(kvc_mapper *m, uintptr_t addr, uint64_t size);
 kvc_status kvc_mapper_memset(kvc_mapper *m, uintptr_t addr, uint8_t value, uint64_t size);
 kvc_status kvc_mapper_write(kvc_mapper *m, uintptr_t addr, const void *src, uint64_t size);
 kvc_status kvc_mapper_read(kvc_mapper *m, uintptr_t addr, void *dst, uint64_t size);
-/* Wait for the memsets/copies issued so far (cuCtxSynchronize; no-op on host). */
 kvc_status kvc_mapper_sync(kvc_mapper *m);
 
 /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" from 16 UUID bytes. */
