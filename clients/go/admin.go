@@ -16,13 +16,13 @@ import (
 // Stats returns global and device numbers plus this session's (every
 // session's for an admin session).
 func (s *Session) Stats(ctx context.Context) (*Stats, error) {
-	ref, gen, err := s.call("GetStats")
+	ref, gen, err := s.m.Call("GetStats")
 	if err != nil {
 		return nil, err
 	}
 	r, err := s.c.rpc.GetStats(ctx, &pb.GetStatsRequest{Session: ref})
 	if err != nil {
-		return nil, s.rpcErr("GetStats", gen, err)
+		return nil, s.m.RPCErr("GetStats", gen, err)
 	}
 	return statsFromPB(r), nil
 }
@@ -117,7 +117,7 @@ type ShrinkOutcome struct {
 // Shrink is RequestShrink with the outcome of every reclaim request it
 // sent; with ShrinkWait it waits until they are settled.
 func (s *Session) Shrink(ctx context.Context, id, targetBytes uint64, timeout time.Duration, opts ...ShrinkOption) (ShrinkOutcome, error) {
-	ref, gen, err := s.call("RequestShrink")
+	ref, gen, err := s.m.Call("RequestShrink")
 	if err != nil {
 		return ShrinkOutcome{}, err
 	}
@@ -128,7 +128,7 @@ func (s *Session) Shrink(ctx context.Context, id, targetBytes uint64, timeout ti
 	}
 	r, err := s.c.rpc.RequestShrink(ctx, req)
 	if err != nil {
-		return ShrinkOutcome{}, s.rpcErr("RequestShrink", gen, err)
+		return ShrinkOutcome{}, s.m.RPCErr("RequestShrink", gen, err)
 	}
 	out := ShrinkOutcome{PagesRequested: r.GetPagesRequested()}
 	for _, o := range r.GetReclaims() {
@@ -152,7 +152,7 @@ type Limits struct {
 
 // SetLimits (admin) changes another session's limits.
 func (s *Session) SetLimits(ctx context.Context, id uint64, l Limits) (SessionStats, error) {
-	ref, gen, err := s.call("SetSessionLimits")
+	ref, gen, err := s.m.Call("SetSessionLimits")
 	if err != nil {
 		return SessionStats{}, err
 	}
@@ -171,7 +171,7 @@ func (s *Session) SetLimits(ctx context.Context, id uint64, l Limits) (SessionSt
 	}
 	r, err := s.c.rpc.SetSessionLimits(ctx, req)
 	if err != nil {
-		return SessionStats{}, s.rpcErr("SetSessionLimits", gen, err)
+		return SessionStats{}, s.m.RPCErr("SetSessionLimits", gen, err)
 	}
 	return sessionStatsFromPB(r.GetSession()), nil
 }

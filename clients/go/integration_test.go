@@ -198,9 +198,9 @@ func TestPythonReadsGoWrites(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		s.mu.Lock()
-		m, err := s.mapperLocked(dev)
-		s.mu.Unlock()
+		s.regs.mu.Lock()
+		m, err := s.regs.mapperLocked(dev)
+		s.regs.mu.Unlock()
 		if err != nil {
 			t.Fatal(err)
 		}

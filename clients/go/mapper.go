@@ -1,15 +1,12 @@
 package kvcached
 
-import (
-	"os"
-	"unsafe"
-
-	"golang.org/x/sys/unix"
-)
+import "os"
 
 // mapper maps pages of one device kind into this process. Region uses only
 // this interface, so host and CUDA pages behave the same above it (the
 // Python client has the same split: kvcached_service/client/mapping.py).
+// A session makes one mapper per device, with the backend that
+// mapperBackends names for the device's kind.
 type mapper interface {
 	// reserve size bytes of address space (no memory behind it).
 	reserve(size uint64) (uintptr, error)
@@ -26,65 +23,19 @@ type mapper interface {
 	close()
 }
 
-// hostMapper maps memfd pages: a reservation is a PROT_NONE anonymous
-// mapping; a page is mapped over its slot with MAP_FIXED|MAP_SHARED and
-// unmapped by putting PROT_NONE anonymous memory back.
-type hostMapper struct{}
-
-// ptr turns an address we got from mmap back into a pointer. The memory is
-// outside the Go heap, so the GC does not care.
-func ptr(addr uintptr) unsafe.Pointer { return *(*unsafe.Pointer)(unsafe.Pointer(&addr)) }
-
-func mappingErr(what string, err error) error {
-	return newError(ErrMapping, "mmap", "%s: %v", what, err)
+// mapperBackends is the one place that maps a device kind (Device.Kind, as
+// the daemon's GetInfo reports it) to the backend that maps its pages. A
+// new backend is a mapper in a file of its own and one line here.
+var mapperBackends = map[string]func(dev Device) (mapper, error){
+	"host": newHostMapper, // mapper_host.go: memfd pages, mmap
+	"cuda": newCUDAMapper, // mapper_cuda.go: CUDA VMM through internal/cuda
 }
 
-func (hostMapper) reserve(size uint64) (uintptr, error) {
-	p, err := unix.MmapPtr(-1, 0, nil, uintptr(size), unix.PROT_NONE,
-		unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE)
-	if err != nil {
-		return 0, mappingErr("reserving address space", err)
+// newMapper makes the mapper for the pages of dev.
+func newMapper(dev Device) (mapper, error) {
+	open, ok := mapperBackends[dev.Kind]
+	if !ok {
+		return nil, newError(ErrInvalidArgument, "NewRegion", "device %s has unknown kind %q", dev.UUID, dev.Kind)
 	}
-	return uintptr(p), nil
+	return open(dev)
 }
-
-func (hostMapper) release(base uintptr, size uint64) error {
-	if err := unix.MunmapPtr(ptr(base), uintptr(size)); err != nil {
-		return mappingErr("releasing a reservation", err)
-	}
-	return nil
-}
-
-func (hostMapper) mapPage(addr uintptr, f *os.File, size uint64) error {
-	defer f.Close()
-	got, err := unix.MmapPtr(int(f.Fd()), 0, ptr(addr), uintptr(size), unix.PROT_READ|unix.PROT_WRITE,
-		unix.MAP_SHARED|unix.MAP_FIXED)
-	if err != nil {
-		return mappingErr("mapping a page", err)
-	}
-	if uintptr(got) != addr {
-		return mappingErr("mapping a page", unix.EFAULT)
-	}
-	return nil
-}
-
-func (hostMapper) unmapPage(addr uintptr, size uint64) error {
-	_, err := unix.MmapPtr(-1, 0, ptr(addr), uintptr(size), unix.PROT_NONE,
-		unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_FIXED|unix.MAP_NORESERVE)
-	if err != nil {
-		return mappingErr("unmapping a page", err)
-	}
-	return nil
-}
-
-func (hostMapper) write(addr uintptr, p []byte) error {
-	copy(unsafe.Slice((*byte)(ptr(addr)), len(p)), p)
-	return nil
-}
-
-func (hostMapper) read(addr uintptr, p []byte) error {
-	copy(p, unsafe.Slice((*byte)(ptr(addr)), len(p)))
-	return nil
-}
-
-func (hostMapper) close() {}

@@ -15,10 +15,10 @@ type cudaMapper struct {
 	dev *cuda.Device
 }
 
-func newCUDAMapper(uuid string) (*cudaMapper, error) {
-	d, err := cuda.Open(uuid)
+func newCUDAMapper(dev Device) (mapper, error) {
+	d, err := cuda.Open(dev.UUID)
 	if err != nil {
-		return nil, cudaErr("opening device "+uuid, err)
+		return nil, cudaErr("opening device "+dev.UUID, err)
 	}
 	return &cudaMapper{dev: d}, nil
 }

@@ -68,21 +68,7 @@ func (s *Session) NewRegion(ctx context.Context, size uint64, opts ...RegionOpti
 			return nil, newError(ErrNotFound, "NewRegion", "device %q is not served by the daemon", o.device)
 		}
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if err := s.m.ClosedErr("NewRegion"); err != nil {
-		return nil, err
-	}
-	m, err := s.mapperLocked(dev)
-	if err != nil {
-		return nil, err
-	}
-	r, err := newRegion(s, m, dev, size)
-	if err != nil {
-		return nil, err
-	}
-	s.regions[r] = struct{}{}
-	return r, nil
+	return s.regs.add(dev, size)
 }
 
 func newRegion(p pager, m mapper, dev Device, size uint64) (*Region, error) {
@@ -335,43 +321,4 @@ func (r *Region) releaseLocked() error {
 		return newError(ErrMapping, "Region.Close", "%d pages could not be unmapped; the reservation is kept", r.mapped)
 	}
 	return r.m.release(r.base, r.size)
-}
-
-// Session side of the pager interface.
-
-func (s *Session) allocatePages(ctx context.Context, n int, device string) (*Allocation, error) {
-	return s.Allocate(ctx, n, OnDevice(device))
-}
-
-func (s *Session) freePages(ctx context.Context, ids []uint64) error {
-	_, err := s.Free(ctx, ids)
-	return err
-}
-
-func (s *Session) forget(r *Region) {
-	s.mu.Lock()
-	delete(s.regions, r)
-	s.mu.Unlock()
-}
-
-// mapperLocked returns the session's mapper for a device (s.mu held).
-func (s *Session) mapperLocked(dev Device) (mapper, error) {
-	if m, ok := s.mappers[dev.UUID]; ok {
-		return m, nil
-	}
-	var m mapper
-	switch dev.Kind {
-	case "host":
-		m = hostMapper{}
-	case "cuda":
-		cm, err := newCUDAMapper(dev.UUID)
-		if err != nil {
-			return nil, err
-		}
-		m = cm
-	default:
-		return nil, newError(ErrInvalidArgument, "NewRegion", "device %s has unknown kind %q", dev.UUID, dev.Kind)
-	}
-	s.mappers[dev.UUID] = m
-	return m, nil
 }

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"sync"
 	"time"
 
 	"google.golang.org/grpc"
@@ -71,8 +70,10 @@ func WithResumeTimeout(d time.Duration) SessionOption {
 // Session is one session with the daemon, bound to its own fd channel. It
 // is safe for concurrent use. It is a thin layer: the fd channel (requests,
 // the reader goroutine, the stash of pages, resume) is its chanmux.Mux;
-// the Session turns what the Mux returns into this package's types, runs
-// the gRPC calls (admin.go, Watch) and owns the regions and mappers.
+// the Session turns what the Mux returns into this package's types and
+// runs the gRPC calls (admin.go, Watch). Its regions and their mappers are
+// its regionSet (regions.go), the goroutine behind WithReclaimHandler its
+// watcher (watch.go).
 type Session struct {
 	c     *Client
 	id    uint64
@@ -84,16 +85,8 @@ type Session struct {
 	gid   uint32
 	log   *slog.Logger
 	m     *chanmux.Mux // the fd channel: requests, reader, resume
-
-	watchCancel context.CancelFunc
-	wg          sync.WaitGroup // the Watch goroutine
-
-	// mu guards regions and mappers. Close marks the Mux closed before it
-	// takes the regions under mu, and NewRegion checks the Mux under mu,
-	// so no region is added after Close took them.
-	mu      sync.Mutex
-	regions map[*Region]struct{}
-	mappers map[string]mapper
+	regs  *regionSet   // the regions and mappers
+	watch *watcher     // the Watch goroutine (nil without handlers)
 }
 
 // OpenSession opens a session named name (1-128 printable characters; for
@@ -135,9 +128,8 @@ func (c *Client) OpenSession(ctx context.Context, name string, opts ...SessionOp
 	s := &Session{
 		c: c, id: resp.GetSession().GetId(), info: info, name: name, admin: resp.GetAdmin(),
 		pid: resp.GetPid(), uid: resp.GetUid(), gid: resp.GetGid(),
-		regions: map[*Region]struct{}{},
-		mappers: map[string]mapper{},
 	}
+	s.regs = newRegionSet(s)
 	s.log = c.log.With("session_id", s.id, "session_name", name)
 	id, token := s.id, resp.GetResumeToken()
 	s.m = chanmux.New(ch, resp.GetSession(), chanmux.Config{
@@ -149,11 +141,8 @@ func (c *Client) OpenSession(ctx context.Context, name string, opts ...SessionOp
 		},
 	})
 	if o.onReclaim != nil || o.onEvent != nil {
-		wctx, cancel := context.WithCancel(context.Background())
-		s.watchCancel = cancel
-		ready := make(chan struct{})
-		s.wg.Add(1)
-		go s.watchLoop(wctx, o, ready)
+		var ready <-chan struct{}
+		s.watch, ready = startWatcher(s, o.onEvent, o.onReclaim)
 		select {
 		case <-ready:
 		case <-ctx.Done():
@@ -296,19 +285,11 @@ func (s *Session) Close(ctx context.Context) error {
 	if !s.m.MarkClosed() {
 		return nil
 	}
-	s.mu.Lock()
-	regions := make([]*Region, 0, len(s.regions))
-	for r := range s.regions {
-		regions = append(regions, r)
-	}
-	s.mu.Unlock()
 	var errs []error
-	for _, r := range regions {
+	for _, r := range s.regs.list() {
 		errs = append(errs, r.release(false))
 	}
-	if s.watchCancel != nil {
-		s.watchCancel()
-	}
+	s.watch.stop()
 	s.m.Stop() // ends a resume in progress
 	ended := s.m.Err() != nil
 	// (Not while resuming: the daemon is away, and the session's pages
@@ -320,13 +301,8 @@ func (s *Session) Close(ctx context.Context) error {
 		}
 	}
 	s.m.Shutdown()
-	s.wg.Wait()
-	s.mu.Lock()
-	for _, m := range s.mappers {
-		m.close()
-	}
-	s.mappers = nil
-	s.mu.Unlock()
+	s.watch.wait()
+	s.regs.closeMappers()
 	return errors.Join(errs...)
 }
 
@@ -363,12 +339,3 @@ func (s *Session) Resumes() uint64 { return s.m.Resumes() }
 // the restarted daemon refused the resume, ErrUnavailable when it did not
 // come back in time, ErrClosed after Close), or ctx's error.
 func (s *Session) WaitResumed(ctx context.Context) error { return s.m.WaitResumed(ctx) }
-
-// call returns the session reference to send with a gRPC call and its
-// generation, or the error to return without calling the daemon
-// (resuming, or dead after a failed resume).
-func (s *Session) call(op string) (*pb.SessionRef, uint64, error) { return s.m.Call(op) }
-
-// rpcErr maps the error of a gRPC call made with the reference of
-// generation gen (UNAVAILABLE says the session resumes).
-func (s *Session) rpcErr(op string, gen uint64, err error) error { return s.m.RPCErr(op, gen, err) }

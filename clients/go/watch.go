@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"sync"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -125,13 +126,19 @@ func eventFromPB(e *pb.WatchEvent) Event {
 // session ended). The first event is always EventReady. Sessions opened
 // with WithReclaimHandler already run a Watch of their own.
 func (s *Session) Watch(ctx context.Context, fn func(Event)) error {
-	ref, gen, err := s.call("Watch")
+	ref, gen, err := s.m.Call("Watch")
 	if err != nil {
 		return err
 	}
+	failed := func(err error) error {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return s.m.RPCErr("Watch", gen, err)
+	}
 	stream, err := s.c.rpc.Watch(ctx, &pb.WatchRequest{Session: ref})
 	if err != nil {
-		return s.watchErr(ctx, gen, err)
+		return failed(err)
 	}
 	for {
 		e, err := stream.Recv()
@@ -139,21 +146,51 @@ func (s *Session) Watch(ctx context.Context, fn func(Event)) error {
 			if err == io.EOF {
 				return newError(ErrClosed, "Watch", "the daemon ended the watch stream")
 			}
-			return s.watchErr(ctx, gen, err)
+			return failed(err)
 		}
 		fn(eventFromPB(e))
 	}
 }
 
-func (s *Session) watchErr(ctx context.Context, gen uint64, err error) error {
-	if ctx.Err() != nil {
-		return nil
-	}
-	return s.rpcErr("Watch", gen, err)
+// watcher is the goroutine of a session opened with WithReclaimHandler or
+// WithEventHandler: it runs the session's Watch stream and calls the
+// handlers, restarting the stream after an interruption or a resume.
+type watcher struct {
+	s         *Session
+	onEvent   func(Event)
+	onReclaim ReclaimHandler
+	cancel    context.CancelFunc
+	wg        sync.WaitGroup
 }
 
-func (s *Session) watchLoop(ctx context.Context, o sessionOptions, ready chan struct{}) {
-	defer s.wg.Done()
+// startWatcher starts the watcher of s; ready is closed at the stream's
+// first event (EventReady), or when the watcher gave up.
+func startWatcher(s *Session, onEvent func(Event), onReclaim ReclaimHandler) (w *watcher, ready <-chan struct{}) {
+	ctx, cancel := context.WithCancel(context.Background())
+	w = &watcher{s: s, onEvent: onEvent, onReclaim: onReclaim, cancel: cancel}
+	r := make(chan struct{})
+	w.wg.Add(1)
+	go w.loop(ctx, r)
+	return w, r
+}
+
+// stop ends the watcher's stream (Session.Close); nil: no watcher.
+func (w *watcher) stop() {
+	if w != nil {
+		w.cancel()
+	}
+}
+
+// wait returns when the watcher's goroutine has returned; nil: no watcher.
+func (w *watcher) wait() {
+	if w != nil {
+		w.wg.Wait()
+	}
+}
+
+func (w *watcher) loop(ctx context.Context, ready chan struct{}) {
+	defer w.wg.Done()
+	s := w.s
 	signalled := false
 	signal := func() {
 		if !signalled {
@@ -169,17 +206,17 @@ func (s *Session) watchLoop(ctx context.Context, o sessionOptions, ready chan st
 			if ev.Kind == EventReady {
 				signal()
 			}
-			if o.onEvent != nil {
-				o.onEvent(ev)
+			if w.onEvent != nil {
+				w.onEvent(ev)
 			}
-			if ev.Kind == EventReclaim && o.onReclaim != nil {
+			if ev.Kind == EventReclaim && w.onReclaim != nil {
 				s.log.Info("kvcached reclaim request", "device", ev.Reclaim.Device, "pages", ev.Reclaim.Pages,
 					"reason", ev.Reclaim.Reason, "deadline", ev.Reclaim.Deadline)
 				rctx, cancel := context.WithDeadline(ctx, ev.Reclaim.Deadline)
 				if ev.Reclaim.Deadline.IsZero() {
 					rctx, cancel = context.WithCancel(ctx)
 				}
-				o.onReclaim(rctx, *ev.Reclaim)
+				w.onReclaim(rctx, *ev.Reclaim)
 				cancel()
 			}
 		})
