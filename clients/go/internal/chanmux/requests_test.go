@@ -36,6 +36,12 @@ type fakeChannel struct {
 // socket pair with the fake at the other end.
 func newFakeChannelMux(t *testing.T) (*Mux, *fakeChannel) {
 	t.Helper()
+	return newFakeChannelMuxConfig(t, Config{ID: 7, Log: slog.New(slog.DiscardHandler)})
+}
+
+// newFakeChannelMuxConfig is newFakeChannelMux for a session of cfg.
+func newFakeChannelMuxConfig(t *testing.T, cfg Config) (*Mux, *fakeChannel) {
+	t.Helper()
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -48,7 +54,7 @@ func newFakeChannelMux(t *testing.T) (*Mux, *fakeChannel) {
 		t.Fatal(err)
 	}
 	ch := fdchan.NewConn(nc.(*net.UnixConn))
-	s := New(ch, nil, Config{ID: 7, Log: slog.New(slog.DiscardHandler)})
+	s := New(ch, nil, cfg)
 	fc := &fakeChannel{t: t, fd: fds[1], recs: make(chan fdchan.Record, 64),
 		stop: make(chan struct{}), done: make(chan struct{})}
 	go fc.read()
