@@ -192,17 +192,17 @@ KVC_API kvc_status kvc_session_open(kvc_client *client, const kvc_session_option
 
         kvc_status st;
         auto cleanup = [&] {
-            if (s->chan)
-                s->chan.reset();  // owns the fd
-            else if (s->fd >= 0)
-                close(s->fd);
-            s->fd = -1;
+            if (s->link.chan)
+                s->link.chan.reset();  // owns the fd
+            else if (s->link.fd >= 0)
+                close(s->link.fd);
+            s->link.fd = -1;
             kvc_mapper_destroy(s->mapper);
             s->mapper = nullptr;
         };
 
         char err[512];
-        st = kvc_fd_connect(info.fd_socket().c_str(), &s->fd, err, sizeof err);
+        st = kvc_fd_connect(info.fd_socket().c_str(), &s->link.fd, err, sizeof err);
         if (st != KVC_OK) {
             cleanup();
             return kvc_fail(st, "%s", err);
@@ -210,7 +210,7 @@ KVC_API kvc_status kvc_session_open(kvc_client *client, const kvc_session_option
         auto rec = std::make_unique<kvc_fd_record>();
         int eof = 0;
         uint32_t t = client->conn->timeout_ms.load();
-        st = kvc_fd_recv(s->fd, t ? static_cast<int>(t) : -1, rec.get(), &eof, err, sizeof err);
+        st = kvc_fd_recv(s->link.fd, t ? static_cast<int>(t) : -1, rec.get(), &eof, err, sizeof err);
         if (st == KVC_OK && eof)
             st = kvc_fail(KVC_ERR_UNAVAILABLE, "the daemon closed the fd channel before HELLO");
         else if (st == KVC_OK && rec->type == KVC_FD_ERROR) {
@@ -257,19 +257,19 @@ KVC_API kvc_status kvc_session_open(kvc_client *client, const kvc_session_option
             cleanup();
             return from_grpc(gs, "OpenSession");
         }
-        s->chan = std::make_shared<Chan>(s->fd);
-        s->ref = resp.session();
+        s->link.chan = std::make_shared<Chan>(s->link.fd);
+        s->link.ref = resp.session();
         s->id = resp.session().id();
-        s->admin = resp.admin();
+        s->link.admin = resp.admin();
         s->resume_token = resp.resume_token();
         s->resumable = !s->resume_token.empty();
-        s->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-        if (s->wake_fd < 0) {
+        s->monitor.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+        if (s->monitor.wake_fd < 0) {
             int e = errno;
             cleanup();
             return kvc_fail(KVC_ERR_SYSTEM, "eventfd: %s", std::strerror(e));
         }
-        s->monitor = std::thread(monitor_loop, s.get());
+        s->monitor.thread = std::thread(monitor_loop, s.get());
         *out = s.release();
         return KVC_OK;
     });
@@ -281,24 +281,24 @@ KVC_API kvc_status kvc_session_close(kvc_session *s)
         return KVC_OK;
     return guarded([&]() -> kvc_status {
         {
-            std::lock_guard<std::mutex> g(s->watch_mu);
-            if (s->watch_started && std::this_thread::get_id() == s->watch.get_id())
+            std::lock_guard<std::mutex> g(s->watch.mu);
+            if (s->watch.started && std::this_thread::get_id() == s->watch.thread.get_id())
                 return kvc_fail(KVC_ERR_FAILED_PRECONDITION,
                                 "kvc_session_close called from the session's reclaim callback");
         }
         {
-            std::lock_guard<std::mutex> g(s->mu);
-            if (s->regions)
+            std::lock_guard<std::mutex> g(s->books.mu);
+            if (s->books.regions)
                 return kvc_fail(KVC_ERR_FAILED_PRECONDITION,
                                 "session %llu still has %zu regions or blocks: destroy them first",
-                                (unsigned long long)s->id, s->regions);
+                                (unsigned long long)s->id, s->books.regions);
         }
         // First the resume monitor (a CloseSession hangs up the channel; a
         // resume in progress is abandoned).
         monitor_stop(s);
-        if (!s->ended.load() && s->state.load() == kLive) {
+        if (!s->life.ended.load() && s->life.state.load() == kLive) {
             // CLOSE on the channel; the daemon then closes it.
-            std::shared_ptr<Chan> ch = s->chan_copy();
+            std::shared_ptr<Chan> ch = s->link.chan_copy();
             uint64_t req = chan_next_req(ch.get());
             uint8_t buf[KVC_FD_HEADER_SIZE + 8];
             size_t len = kvc_fd_encode_close(buf, sizeof buf, req);
@@ -307,9 +307,9 @@ KVC_API kvc_status kvc_session_close(kvc_session *s)
                          &rep, nullptr);  // closing the channel ends it anyway
         }
         watch_stop(s);
-        s->chan.reset();  // closes the fd channel
-        s->fd = -1;
-        s->drop_all_kept();
+        s->link.chan.reset();  // closes the fd channel
+        s->link.fd = -1;
+        s->kept.drop_all();
         kvc_mapper_destroy(s->mapper);
         delete s;
         return KVC_OK;
@@ -322,10 +322,10 @@ KVC_API const char *kvc_session_device(const kvc_session *s) { return s ? s->dev
 KVC_API const char *kvc_session_kind(const kvc_session *s) { return s ? s->kind.c_str() : ""; }
 KVC_API uint64_t kvc_session_held_bytes(const kvc_session *s)
 {
-    return s ? s->held_pages.load() * s->page_size : 0;
+    return s ? s->books.held_pages.load() * s->page_size : 0;
 }
-KVC_API int kvc_session_ended(const kvc_session *s) { return s && s->ended.load() ? 1 : 0; }
-KVC_API int kvc_session_is_admin(const kvc_session *s) { return s && s->admin.load() ? 1 : 0; }
+KVC_API int kvc_session_ended(const kvc_session *s) { return s && s->life.ended.load() ? 1 : 0; }
+KVC_API int kvc_session_is_admin(const kvc_session *s) { return s && s->link.admin.load() ? 1 : 0; }
 KVC_API int kvc_session_is_resumable(const kvc_session *s) { return s && s->resumable ? 1 : 0; }
 KVC_API int kvc_session_is_resuming(const kvc_session *s)
 {
@@ -333,28 +333,28 @@ KVC_API int kvc_session_is_resuming(const kvc_session *s)
 }
 KVC_API uint64_t kvc_session_resume_count(const kvc_session *s)
 {
-    return s ? s->resumes.load() : 0;
+    return s ? s->life.resumes.load() : 0;
 }
 
 KVC_API kvc_status kvc_session_wait_resumed(kvc_session *s, uint32_t timeout_ms)
 {
     return guarded([&]() -> kvc_status {
         NEED(s, "session is NULL");
-        if (s->ended.load())
+        if (s->life.ended.load())
             return s->ended_error();
         if (!s->resumable)
             return kvc_fail(KVC_ERR_FAILED_PRECONDITION,
                             "session %llu is not resumable: the daemon keeps no state (start "
                             "kvcached-serve with --state-dir)",
                             (unsigned long long)s->id);
-        std::unique_lock<std::mutex> g(s->watch_mu);
-        s->watch_cv.wait_for(g, std::chrono::milliseconds(timeout_ms), [s] {
-            return s->ended.load() || s->state.load() == kLive;
+        std::unique_lock<std::mutex> g(s->life.mu);
+        s->life.cv.wait_for(g, std::chrono::milliseconds(timeout_ms), [s] {
+            return s->life.ended.load() || s->life.state.load() == kLive;
         });
         g.unlock();
-        if (s->ended.load())
+        if (s->life.ended.load())
             return s->ended_error();
-        if (s->state.load() == kLive)
+        if (s->life.state.load() == kLive)
             return KVC_OK;
         return kvc_fail(KVC_ERR_DEADLINE_EXCEEDED,
                         "session %llu is still being resumed after %u ms (the daemon is not "
@@ -377,9 +377,9 @@ KVC_API kvc_status kvc_session_set_reclaim_callback(kvc_session *s, kvc_reclaim_
     return guarded([&]() -> kvc_status {
         NEED(s, "session is NULL");
         {
-            std::lock_guard<std::mutex> g(s->cb_mu);
-            s->reclaim_fn = fn;
-            s->reclaim_user = user_data;
+            std::lock_guard<std::mutex> g(s->watch.cb_mu);
+            s->watch.fn = fn;
+            s->watch.user = user_data;
         }
         return watch_start(s);
     });
@@ -399,7 +399,7 @@ KVC_API kvc_status kvc_session_answer_reclaim(kvc_session *s, uint64_t reclaim_i
         kvc_status live = s->check_live();
         if (live != KVC_OK)
             return live;
-        std::shared_ptr<Chan> ch = s->chan_copy();
+        std::shared_ptr<Chan> ch = s->link.chan_copy();
         uint8_t buf[KVC_FD_HEADER_SIZE + KVC_FD_ANSWER_FIXED + KVC_FD_MAX_REASON];
         uint64_t req = chan_next_req(ch.get());
         size_t len = kvc_fd_encode_answer(buf, sizeof buf, req, reclaim_id, bytes_given,
@@ -427,20 +427,20 @@ KVC_API kvc_status kvc_session_wait_available(kvc_session *s, uint32_t timeout_m
         kvc_status st = watch_start(s);
         if (st != KVC_OK)
             return st;
-        std::unique_lock<std::mutex> g(s->watch_mu);
-        bool got = s->watch_cv.wait_for(g, std::chrono::milliseconds(timeout_ms), [s] {
-            return s->available_pending || s->watch_done || s->ended.load();
+        std::unique_lock<std::mutex> g(s->watch.mu);
+        bool got = s->watch.cv.wait_for(g, std::chrono::milliseconds(timeout_ms), [s] {
+            return s->watch.available_pending || s->watch.done || s->life.ended.load();
         });
-        if (s->available_pending) {
-            s->available_pending = false;
+        if (s->watch.available_pending) {
+            s->watch.available_pending = false;
             return KVC_OK;
         }
-        if (s->ended.load()) {
+        if (s->life.ended.load()) {
             g.unlock();
             return s->ended_error();
         }
-        if (s->watch_done)
-            return s->rpc_error(s->watch_status, "Watch ended");
+        if (s->watch.done)
+            return s->rpc_error(s->watch.status, "Watch ended");
         (void)got;
         return kvc_fail(KVC_ERR_DEADLINE_EXCEEDED,
                         "no MEMORY_AVAILABLE event for device %s within %u ms",
@@ -458,7 +458,7 @@ KVC_API kvc_status kvc_session_request_shrink(kvc_session *s, uint64_t target_id
         if (live != KVC_OK)
             return live;
         pb::RequestShrinkRequest req;
-        *req.mutable_admin() = s->ref_copy();
+        *req.mutable_admin() = s->link.ref_copy();
         req.set_session_id(target_id);
         req.set_target_bytes(target_bytes);
         req.set_timeout_ms(timeout_ms);
@@ -491,8 +491,8 @@ KVC_API kvc_status kvc_session_alloc(kvc_session *s, size_t size, void **ptr)
             region_delete(r);
             return kvc_fail(st, "%s", msg.c_str());
         }
-        std::lock_guard<std::mutex> g(s->mu);
-        s->blocks[r->base] = r;
+        std::lock_guard<std::mutex> g(s->books.mu);
+        s->books.blocks[r->base] = r;
         *ptr = reinterpret_cast<void *>(r->base);
         return KVC_OK;
     });
@@ -506,14 +506,14 @@ KVC_API kvc_status kvc_session_free(kvc_session *s, void *ptr)
         NEED(s, "session is NULL");
         kvc_region *r = nullptr;
         {
-            std::lock_guard<std::mutex> g(s->mu);
-            auto it = s->blocks.find(reinterpret_cast<uintptr_t>(ptr));
-            if (it == s->blocks.end())
+            std::lock_guard<std::mutex> g(s->books.mu);
+            auto it = s->books.blocks.find(reinterpret_cast<uintptr_t>(ptr));
+            if (it == s->books.blocks.end())
                 return kvc_fail(KVC_ERR_NOT_FOUND,
                                 "%p is not a block of session %llu (kvc_session_alloc)", ptr,
                                 (unsigned long long)s->id);
             r = it->second;
-            s->blocks.erase(it);
+            s->books.blocks.erase(it);
         }
         region_delete(r);
         return KVC_OK;
@@ -568,8 +568,8 @@ KVC_API kvc_status kvc_session_available(kvc_session *s, uint64_t *bytes)
         uint64_t held = st.held_bytes;
         uint64_t max = st.max_bytes ? st.max_bytes : st.device.budget_bytes;
         avail = std::min(avail, max > held ? max - held : 0);
-        uint64_t limit = s->limit.load();
-        uint64_t mine = s->held_pages.load() * s->page_size;
+        uint64_t limit = s->books.limit.load();
+        uint64_t mine = s->books.held_pages.load() * s->page_size;
         if (limit)
             avail = std::min(avail, limit > mine ? limit - mine : 0);
         *bytes = avail - avail % s->page_size;
@@ -581,12 +581,12 @@ KVC_API kvc_status kvc_session_set_limit(kvc_session *s, uint64_t limit_bytes)
 {
     return guarded([&]() -> kvc_status {
         NEED(s, "session is NULL");
-        s->limit = limit_bytes;
+        s->books.limit = limit_bytes;
         return KVC_OK;
     });
 }
 
-KVC_API uint64_t kvc_session_limit(const kvc_session *s) { return s ? s->limit.load() : 0; }
+KVC_API uint64_t kvc_session_limit(const kvc_session *s) { return s ? s->books.limit.load() : 0; }
 
 KVC_API kvc_status kvc_session_set_wait(kvc_session *s, int wait, uint32_t wait_timeout_ms)
 {
@@ -669,12 +669,12 @@ KVC_API kvc_status kvc_region_rebind(kvc_region *r, kvc_session *to)
         kvc_session *from = r->session;
         if (from == to)
             return KVC_OK;
-        if (!from->ended.load())
+        if (!from->life.ended.load())
             return kvc_fail(KVC_ERR_FAILED_PRECONDITION,
                             "the region's session %llu is still live: rebinding would orphan the "
                             "pages it lent; close the region or wait until that session ended",
                             (unsigned long long)from->id);
-        if (to->ended.load())
+        if (to->life.ended.load())
             return to->ended_error();
         if (to->page_size != r->page || to->kind != from->kind || to->device != from->device)
             return kvc_fail(KVC_ERR_INVALID_ARGUMENT,
@@ -693,13 +693,13 @@ KVC_API kvc_status kvc_region_rebind(kvc_region *r, kvc_session *to)
                 owned++;
             }
         {
-            std::lock_guard<std::mutex> f(from->mu);
-            from->regions--;
+            std::lock_guard<std::mutex> f(from->books.mu);
+            from->books.regions--;
         }
-        drop_held(from, owned);
+        from->books.drop_held(owned);
         {
-            std::lock_guard<std::mutex> t(to->mu);
-            to->regions++;
+            std::lock_guard<std::mutex> t(to->books.mu);
+            to->books.regions++;
         }
         // Same device and kind: the new session's mapper unmaps and maps in
         // this reservation as the old one did.

@@ -208,9 +208,9 @@ kvc_status chan_end_error(kvc_session *s, Chan *ch)
         end = ch->end;
         chan_end_status_locked(s, ch, &code, &msg);
     }
-    if (end == Chan::kGone && s->resumable && !s->closing.load() && !s->ended.load())
+    if (end == Chan::kGone && s->resumable && !s->life.closing.load() && !s->life.ended.load())
         return s->resuming_error();
-    if (s->ended.load())
+    if (s->life.ended.load())
         return s->ended_error();
     return kvc_fail(code, "%s", msg.c_str());
 }

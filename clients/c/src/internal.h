@@ -136,85 +136,47 @@ struct kvc_client {
 
 enum SessionState { kLive = 0, kResuming = 1 };
 
-struct kvc_session {
-    std::shared_ptr<Conn> conn;
-    pb::SessionRef ref;  // guarded by mu (a resume replaces it)
-    uint64_t id = 0;
-    std::atomic<bool> admin{false};
-    std::string device, kind;
-    uint64_t page_size = 0;
-    uint32_t max_pages = 0;
-    // Allocate's wait flag and timeout (kvc_session_set_wait may change them
-    // while other threads allocate).
-    std::atomic<bool> wait{false};
-    std::atomic<uint32_t> wait_timeout_ms{0};
-    kvc_mapper *mapper = nullptr;
-    int fd = -1;  // the fd channel (chan->fd); replaced by a resume (under chan_rw and mu)
-    std::shared_ptr<Chan> chan;  // owns fd (mu)
-    // Channel allocations hold it shared from request to keeping their fds;
-    // a resume holds it exclusively (its ADOPT lists every page held).
-    std::shared_mutex chan_rw;
+namespace kvc_impl {
 
-    std::mutex mu;        // the books below
-    std::atomic<uint64_t> held_pages{0};
-    std::atomic<uint64_t> limit{0};
+// A session (struct kvc_session) is its identity, fixed at open, and these
+// parts, each with the state it owns and its own lock:
+//   Lifecycle  live / resuming / ended and why        Lifecycle::mu (+ cv)
+//   Link       the fd channel and SessionRef now      Link::mu, Link::rw
+//   Books      pages held, limit, regions, blocks     Books::mu
+//   Kept       kept page fds, deferred Frees          Kept::mu
+//   Monitor    the thread that reads and resumes      (its own thread only)
+//   Watch      the Watch thread, reclaim callback     Watch::mu (+ cv), Watch::cb_mu
+// The fd channel (Chan, above: the request table and the reader role) has
+// its own lock too. Where one lock is held while another is taken, the order
+// is: Link::rw, then Link::mu or Kept::mu (a resume swaps the channel and
+// reads the deferred Frees under both, Link::mu first), then Chan::mu, then
+// Lifecycle::mu and Watch::mu (kvc_session::notify, also under Chan::mu).
+// Books::mu is held alone. Watch::cb_mu is held while the reclaim callback
+// runs, which may call into any of the above.
+
+// Where the session stands: live, resuming after its daemon went away, or
+// ended and why. The flags are read without the lock; kvc_session::notify()
+// follows every change of ended, state or resumes.
+struct Lifecycle {
     std::atomic<bool> ended{false};
-    kvc_status end_status = KVC_ERR_FAILED_PRECONDITION;  // what calls fail with once ended (mu)
-    std::string end_reason;                               // and the message (mu)
-    size_t regions = 0;
-    std::map<uintptr_t, kvc_region *> blocks;
-
-    // Resume after a daemon restart (OpenSession gave a resume token).
-    bool resumable = false;
-    std::string resume_token;
-    // page id -> dup of its fd and the entry's sequence number (mu): the
-    // daemon may lend an id again after a Free, so a Free forgets only the
-    // entry it saw.
-    struct Kept {
-        int fd;
-        uint64_t seq;
-    };
-    std::map<uint64_t, Kept> keep;
-    uint64_t keep_seq = 0;
-    std::set<uint64_t> deferred;    // pages whose Free could not reach the daemon (mu)
     std::atomic<int> state{kLive};
     std::atomic<uint64_t> resumes{0};
     std::atomic<bool> closing{false};
-    std::thread monitor;            // reads the fd channel while nobody waits; resumes
-    int wake_fd = -1;               // eventfd: wakes the monitor at close
 
-    // Watch stream
-    std::mutex watch_mu;
-    std::condition_variable watch_cv;
-    std::thread watch;
-    std::unique_ptr<grpc::ClientContext> watch_ctx;
-    bool watch_started = false, watch_ready = false, watch_done = false, watch_stopping = false;
-    grpc::Status watch_status;
-    bool available_pending = false;
-    std::mutex cb_mu;  // held while the callback runs
-    kvc_reclaim_fn reclaim_fn = nullptr;
-    void *reclaim_user = nullptr;
+    std::mutex mu;  // end_status, end_reason; with cv, waits for a change of the flags
+    std::condition_variable cv;
+    kvc_status end_status = KVC_ERR_FAILED_PRECONDITION;  // what calls fail with once ended
+    std::string end_reason;                               // and the message
 
-    // Wake everyone waiting on watch_cv after a change of ended/state/resumes.
-    void notify()
+    // Ended with `code` and `why` (the first end wins); the caller notifies.
+    void end(kvc_status code, const std::string &why)
     {
-        { std::lock_guard<std::mutex> w(watch_mu); }
-        watch_cv.notify_all();
-    }
-
-    // The session is over; calls that need the daemon fail with `code` and
-    // `why` from now on (the first end wins).
-    void mark_ended(kvc_status code, const std::string &why)
-    {
-        {
-            std::lock_guard<std::mutex> g(mu);
-            if (!ended.load()) {
-                end_status = code;
-                end_reason = why;
-            }
-            ended = true;
+        std::lock_guard<std::mutex> g(mu);
+        if (!ended.load()) {
+            end_status = code;
+            end_reason = why;
         }
-        notify();
+        ended = true;
     }
 
     kvc_status ended_error()
@@ -223,42 +185,25 @@ struct kvc_session {
         return kvc_fail(end_status, "%s", end_reason.c_str());
     }
 
-    // docs/protocol.md "Hang-up and resume": a session without a resume
-    // token is over when its channel hangs up.
-    std::string hangup_message() const
+    void wake()
     {
-        return "session " + std::to_string(id) +
-               " ended: the daemon went away, and without a state dir (kvcached-serve "
-               "--state-dir) a daemon that restarts cannot resume it; open a new session";
+        { std::lock_guard<std::mutex> g(mu); }
+        cv.notify_all();
     }
+};
 
-    // The fd channel is gone (daemon crash or restart): a resumable session
-    // goes into resuming (the monitor thread does the work).
-    void note_gone()
-    {
-        if (!ended.load() && state.exchange(kResuming) != kResuming)
-            notify();
-    }
-
-    bool resuming() const { return resumable && state.load() == kResuming && !ended.load(); }
-
-    kvc_status resuming_error()
-    {
-        return kvc_fail(KVC_ERR_UNAVAILABLE,
-                        "the daemon went away; session %llu is being resumed: the pages you "
-                        "hold stay usable, try again shortly",
-                        (unsigned long long)id);
-    }
-
-    // Ended or resuming: the daemon cannot be asked now.
-    kvc_status check_live()
-    {
-        if (ended.load())
-            return ended_error();
-        if (resuming())
-            return resuming_error();
-        return KVC_OK;
-    }
+// The session's way to the daemon: its fd channel and SessionRef, both
+// replaced by a resume.
+struct Link {
+    std::mutex mu;  // fd, chan, ref
+    int fd = -1;    // the fd channel (chan->fd)
+    std::shared_ptr<Chan> chan;  // owns fd
+    pb::SessionRef ref;
+    std::atomic<bool> admin{false};
+    // Channel allocations and Frees hold it shared from request to keeping
+    // (or forgetting) their fds; a resume holds it exclusively (its ADOPT
+    // lists every page held).
+    std::shared_mutex rw;
 
     std::shared_ptr<Chan> chan_copy()
     {
@@ -271,22 +216,51 @@ struct kvc_session {
         std::lock_guard<std::mutex> g(mu);
         return ref;
     }
+};
 
-    // A failed rpc of this session. On a resumable session an unreachable
-    // daemon is said as such (and the session resumes when it is back).
-    kvc_status rpc_error(const grpc::Status &st, const char *what)
+// What the session holds: pages counted against its limit, its regions and
+// its blocks (kvc_session_alloc).
+struct Books {
+    std::atomic<uint64_t> held_pages{0};
+    std::atomic<uint64_t> limit{0};
+    std::mutex mu;  // regions, blocks
+    size_t regions = 0;
+    std::map<uintptr_t, kvc_region *> blocks;
+
+    void drop_held(size_t n) { held_pages -= std::min<uint64_t>(held_pages.load(), n); }
+};
+
+// What a resume claims (resumable sessions): a duplicate of every page fd
+// held (ADOPT re-sends them) and the pages whose Free could not reach the
+// daemon (left out of the claim, which gives them back).
+struct Kept {
+    // page id -> dup of its fd and the entry's sequence number: the daemon
+    // may lend an id again after a Free, so a Free forgets only the entry
+    // it saw.
+    struct Entry {
+        int fd;
+        uint64_t seq;
+    };
+    std::mutex mu;  // everything below
+    std::map<uint64_t, Entry> keep;
+    uint64_t keep_seq = 0;
+    std::set<uint64_t> deferred;
+
+    // Keep these duplicates (mu held); a kept entry of the same id is
+    // replaced (it is the same id lent before, whose Free's REPLY is on its
+    // way: that Free forgets only its own entry, by seq).
+    void add_locked(const std::vector<uint64_t> &ids, const std::vector<int> &dups)
     {
-        if (resumable && !closing.load() && !ended.load() &&
-            (st.error_code() == grpc::StatusCode::UNAVAILABLE || state.load() == kResuming))
-            return kvc_fail(KVC_ERR_UNAVAILABLE,
-                            "%s: the daemon is unreachable; session %llu resumes when it is "
-                            "back and the pages you hold stay usable (%s)",
-                            what, (unsigned long long)id, st.error_message().c_str());
-        return from_grpc(st, what);
+        for (size_t i = 0; i < ids.size(); i++) {
+            auto it = keep.find(ids[i]);
+            if (it != keep.end())
+                close(it->second.fd);
+            keep[ids[i]] = Entry{dups[i], ++keep_seq};
+        }
     }
 
     // Close the kept duplicates of these pages (mu held).
-    void drop_kept_locked(const std::vector<uint64_t> &ids)
+    void drop_locked(const std::vector<uint64_t> &ids)
     {
         for (uint64_t i : ids) {
             auto it = keep.find(i);
@@ -298,7 +272,7 @@ struct kvc_session {
     }
 
     // The kept entries' sequence numbers of these pages (mu held; 0: none).
-    std::vector<uint64_t> kept_seqs_locked(const std::vector<uint64_t> &ids) const
+    std::vector<uint64_t> seqs_locked(const std::vector<uint64_t> &ids) const
     {
         std::vector<uint64_t> seqs(ids.size(), 0);
         for (size_t i = 0; i < ids.size(); i++) {
@@ -323,13 +297,139 @@ struct kvc_session {
         }
     }
 
-    void drop_all_kept()
+    void drop_all()
     {
         std::lock_guard<std::mutex> g(mu);
         for (auto &kv : keep)
             close(kv.second.fd);
         keep.clear();
         deferred.clear();
+    }
+};
+
+// The monitor thread: reads the fd channel while nobody waits, and resumes
+// a resumable session whose daemon went away (resume.cc).
+struct Monitor {
+    std::thread thread;
+    int wake_fd = -1;  // eventfd: wakes the thread at close
+};
+
+// The Watch stream (watch.cc): its thread, what it saw, and the reclaim
+// callback.
+struct Watch {
+    std::mutex mu;  // everything below but the callback
+    std::condition_variable cv;
+    std::thread thread;
+    std::unique_ptr<grpc::ClientContext> ctx;
+    bool started = false, ready = false, done = false, stopping = false;
+    grpc::Status status;
+    bool available_pending = false;
+
+    std::mutex cb_mu;  // fn, user; held while the callback runs
+    kvc_reclaim_fn fn = nullptr;
+    void *user = nullptr;
+
+    void wake()
+    {
+        { std::lock_guard<std::mutex> g(mu); }
+        cv.notify_all();
+    }
+};
+
+}  // namespace kvc_impl
+
+struct kvc_session {
+    // Fixed at open.
+    std::shared_ptr<Conn> conn;
+    uint64_t id = 0;
+    std::string device, kind;
+    uint64_t page_size = 0;
+    uint32_t max_pages = 0;
+    kvc_mapper *mapper = nullptr;
+    bool resumable = false;  // OpenSession gave a resume token
+    std::string resume_token;
+    // Allocate's wait flag and timeout (kvc_session_set_wait may change them
+    // while other threads allocate).
+    std::atomic<bool> wait{false};
+    std::atomic<uint32_t> wait_timeout_ms{0};
+
+    kvc_impl::Lifecycle life;
+    kvc_impl::Link link;
+    kvc_impl::Books books;
+    kvc_impl::Kept kept;
+    kvc_impl::Monitor monitor;
+    kvc_impl::Watch watch;
+
+    // Wake everyone waiting for a change of ended/state/resumes (on the
+    // lifecycle's or the Watch's condition variable).
+    void notify()
+    {
+        life.wake();
+        watch.wake();
+    }
+
+    // The session is over; calls that need the daemon fail with `code` and
+    // `why` from now on (the first end wins).
+    void mark_ended(kvc_status code, const std::string &why)
+    {
+        life.end(code, why);
+        notify();
+    }
+
+    kvc_status ended_error() { return life.ended_error(); }
+
+    // docs/protocol.md "Hang-up and resume": a session without a resume
+    // token is over when its channel hangs up.
+    std::string hangup_message() const
+    {
+        return "session " + std::to_string(id) +
+               " ended: the daemon went away, and without a state dir (kvcached-serve "
+               "--state-dir) a daemon that restarts cannot resume it; open a new session";
+    }
+
+    // The fd channel is gone (daemon crash or restart): a resumable session
+    // goes into resuming (the monitor thread does the work).
+    void note_gone()
+    {
+        if (!life.ended.load() && life.state.exchange(kResuming) != kResuming)
+            notify();
+    }
+
+    bool resuming() const
+    {
+        return resumable && life.state.load() == kResuming && !life.ended.load();
+    }
+
+    kvc_status resuming_error()
+    {
+        return kvc_fail(KVC_ERR_UNAVAILABLE,
+                        "the daemon went away; session %llu is being resumed: the pages you "
+                        "hold stay usable, try again shortly",
+                        (unsigned long long)id);
+    }
+
+    // Ended or resuming: the daemon cannot be asked now.
+    kvc_status check_live()
+    {
+        if (life.ended.load())
+            return ended_error();
+        if (resuming())
+            return resuming_error();
+        return KVC_OK;
+    }
+
+    // A failed rpc of this session. On a resumable session an unreachable
+    // daemon is said as such (and the session resumes when it is back).
+    kvc_status rpc_error(const grpc::Status &st, const char *what)
+    {
+        if (resumable && !life.closing.load() && !life.ended.load() &&
+            (st.error_code() == grpc::StatusCode::UNAVAILABLE ||
+             life.state.load() == kResuming))
+            return kvc_fail(KVC_ERR_UNAVAILABLE,
+                            "%s: the daemon is unreachable; session %llu resumes when it is "
+                            "back and the pages you hold stay usable (%s)",
+                            what, (unsigned long long)id, st.error_message().c_str());
+        return from_grpc(st, what);
     }
 };
 
@@ -373,7 +473,6 @@ kvc_status chan_free(kvc_session *s, Chan *ch, const std::vector<uint64_t> &ids,
 
 // ---- session.cc
 void close_fds(std::vector<int> &fds);
-void drop_held(kvc_session *s, size_t n);
 kvc_status from_grpc(const grpc::Status &st, const char *what);
 kvc_status check_free_locked(kvc_session *s, const std::vector<uint64_t> &ids);
 kvc_status session_free_ids(kvc_session *s, const std::vector<uint64_t> &ids, size_t *freed = nullptr);

@@ -8,7 +8,7 @@ namespace kvc_impl {
 
 kvc_status region_new(kvc_session *s, uint64_t max_bytes, kvc_region **out)
 {
-    if (s->ended.load())
+    if (s->life.ended.load())
         return s->ended_error();
     uint64_t size = kvc_round_up(max_bytes, s->page_size);
     if (max_bytes == 0 || size == 0)
@@ -35,8 +35,8 @@ kvc_status region_new(kvc_session *s, uint64_t max_bytes, kvc_region **out)
                         (unsigned long long)npages);
     }
     {
-        std::lock_guard<std::mutex> g(s->mu);
-        s->regions++;
+        std::lock_guard<std::mutex> g(s->books.mu);
+        s->books.regions++;
     }
     *out = r.release();
     return KVC_OK;
@@ -101,7 +101,7 @@ kvc_status region_unmap_slots(kvc_region *r, const std::vector<uint64_t> &slots)
     // After the session ended the daemon took its pages back: unmapping is
     // local only (regions of an ended session can still be unmapped and
     // destroyed).
-    if (st != KVC_OK && s->ended.load())
+    if (st != KVC_OK && s->life.ended.load())
         st = KVC_OK;
     if (first != KVC_OK)
         return kvc_fail(first, "%s", msg.c_str());
@@ -180,8 +180,8 @@ void region_delete(kvc_region *r)
         kvc_mapper_release(s->mapper, r->base, r->size);
     }
     {
-        std::lock_guard<std::mutex> g(s->mu);
-        s->regions--;
+        std::lock_guard<std::mutex> g(s->books.mu);
+        s->books.regions--;
     }
     delete r;
 }

@@ -12,25 +12,25 @@ namespace kvc_impl {
 bool channel_gone(kvc_session *s)
 {
     // Requests may be waiting on it: read as one of them would.
-    std::shared_ptr<Chan> ch = s->chan_copy();
+    std::shared_ptr<Chan> ch = s->link.chan_copy();
     chan_pump_pending(s, ch.get());
     std::lock_guard<std::mutex> g(ch->mu);
-    return ch->end == Chan::kGone && !s->ended.load();
+    return ch->end == Chan::kGone && !s->life.ended.load();
 }
 
 // Sleep up to ms, or until the session closes. False if it is closing.
 bool resume_sleep(kvc_session *s, uint32_t ms)
 {
-    std::unique_lock<std::mutex> g(s->watch_mu);
-    s->watch_cv.wait_for(g, std::chrono::milliseconds(ms), [s] { return s->closing.load(); });
-    return !s->closing.load();
+    std::unique_lock<std::mutex> g(s->life.mu);
+    s->life.cv.wait_for(g, std::chrono::milliseconds(ms), [s] { return s->life.closing.load(); });
+    return !s->life.closing.load();
 }
 
 // The session is dead: the daemon refused the claim or did not come back.
 void resume_failed(kvc_session *s, const std::string &why)
 {
     s->mark_ended(KVC_ERR_FAILED_PRECONDITION, why);
-    s->drop_all_kept();
+    s->kept.drop_all();
 }
 
 // Reconnect with backoff, new fd channel + HELLO, ADOPT every page still
@@ -49,7 +49,7 @@ bool session_resume(kvc_session *s)
         return go;
     };
     char err[512];
-    while (!s->closing.load() && std::chrono::steady_clock::now() < deadline) {
+    while (!s->life.closing.load() && std::chrono::steady_clock::now() < deadline) {
         uint32_t t = s->conn->timeout_ms.load();
         if (t == 0)
             t = kDefaultTimeoutMs;
@@ -96,17 +96,17 @@ bool session_resume(kvc_session *s)
         }
 
         // No channel allocation between its answer and keeping its fds.
-        std::unique_lock<std::shared_mutex> rw(s->chan_rw);
+        std::unique_lock<std::shared_mutex> rw(s->link.rw);
         std::vector<uint64_t> ids;
         bool sent = true;
         {
-            std::lock_guard<std::mutex> g(s->mu);
+            std::lock_guard<std::mutex> g(s->kept.mu);
             // Not claiming a page whose Free failed gives it back.
-            std::vector<uint64_t> gone(s->deferred.begin(), s->deferred.end());
-            s->drop_kept_locked(gone);
-            s->deferred.clear();
+            std::vector<uint64_t> gone(s->kept.deferred.begin(), s->kept.deferred.end());
+            s->kept.drop_locked(gone);
+            s->kept.deferred.clear();
             std::vector<int> fds;
-            for (auto &kv : s->keep) {
+            for (auto &kv : s->kept.keep) {
                 ids.push_back(kv.first);
                 fds.push_back(kv.second.fd);
             }
@@ -155,35 +155,35 @@ bool session_resume(kvc_session *s)
         }
         std::vector<uint64_t> late;  // Frees deferred while the claim was in flight
         {
-            std::lock_guard<std::mutex> g(s->mu);
-            s->chan = std::make_shared<Chan>(nfd);  // the old one closes with its last user
-            s->fd = nfd;
-            s->ref = resp.session();
-            s->admin = resp.admin();
-            for (uint64_t i : s->deferred)
-                if (s->keep.count(i))
+            std::scoped_lock g(s->link.mu, s->kept.mu);
+            s->link.chan = std::make_shared<Chan>(nfd);  // the old one closes with its last user
+            s->link.fd = nfd;
+            s->link.ref = resp.session();
+            s->link.admin = resp.admin();
+            for (uint64_t i : s->kept.deferred)
+                if (s->kept.keep.count(i))
                     late.push_back(i);
             for (uint64_t i : late)
-                s->deferred.erase(i);
-            s->resumes++;
-            s->state = kLive;
+                s->kept.deferred.erase(i);
+            s->life.resumes++;
+            s->life.state = kLive;
         }
         rw.unlock();
         s->notify();
         if (!late.empty()) {
             // Claimed, but the caller gave them back meanwhile: Free them now
             // (held_pages already counts them as gone).
-            std::shared_ptr<Chan> ch = s->chan_copy();
+            std::shared_ptr<Chan> ch = s->link.chan_copy();
             size_t done = 0;
             chan_free(s, ch.get(), late, &done);
-            std::lock_guard<std::mutex> g(s->mu);
+            std::lock_guard<std::mutex> g(s->kept.mu);
             std::vector<uint64_t> freed(late.begin(), late.begin() + done);
-            s->drop_kept_locked(freed);
-            s->deferred.insert(late.begin() + done, late.end());
+            s->kept.drop_locked(freed);
+            s->kept.deferred.insert(late.begin() + done, late.end());
         }
         return true;
     }
-    if (s->closing.load())
+    if (s->life.closing.load())
         return false;
     resume_failed(s, "session " + std::to_string(s->id) +
                          " could not be resumed: the daemon did not come back within " +
@@ -198,22 +198,22 @@ bool session_resume(kvc_session *s)
 // went away. Runs until the session closes.
 void monitor_loop(kvc_session *s)
 {
-    while (!s->closing.load()) {
-        std::shared_ptr<Chan> ch = s->chan_copy();  // only this thread replaces it
+    while (!s->life.closing.load()) {
+        std::shared_ptr<Chan> ch = s->link.chan_copy();  // only this thread replaces it
         bool open, gone;
         {
             std::lock_guard<std::mutex> g(ch->mu);
             open = ch->end == Chan::kOpen;
             gone = ch->end == Chan::kGone;
         }
-        if (gone && s->resumable && !s->ended.load()) {
+        if (gone && s->resumable && !s->life.ended.load()) {
             // The daemon went away (whoever read the end of the stream).
             // False: ended or closing (the loop then waits for close).
             session_resume(s);
             continue;
         }
         struct pollfd p[2];
-        p[0].fd = s->wake_fd;
+        p[0].fd = s->monitor.wake_fd;
         p[0].events = POLLIN;
         p[0].revents = 0;
         p[1].fd = ch->fd;
@@ -226,7 +226,7 @@ void monitor_loop(kvc_session *s)
                 continue;
             return;
         }
-        if (s->closing.load())
+        if (s->life.closing.load())
             return;
         if (open && p[1].revents)
             chan_pump_pending(s, ch.get());
@@ -235,18 +235,18 @@ void monitor_loop(kvc_session *s)
 
 void monitor_stop(kvc_session *s)
 {
-    s->closing = true;
-    if (s->wake_fd >= 0) {
+    s->life.closing = true;
+    if (s->monitor.wake_fd >= 0) {
         uint64_t one = 1;
-        ssize_t n = write(s->wake_fd, &one, sizeof one);
+        ssize_t n = write(s->monitor.wake_fd, &one, sizeof one);
         (void)n;
     }
     s->notify();
-    if (s->monitor.joinable())
-        s->monitor.join();
-    if (s->wake_fd >= 0)
-        close(s->wake_fd);
-    s->wake_fd = -1;
+    if (s->monitor.thread.joinable())
+        s->monitor.thread.join();
+    if (s->monitor.wake_fd >= 0)
+        close(s->monitor.wake_fd);
+    s->monitor.wake_fd = -1;
 }
 
 }  // namespace kvc_impl

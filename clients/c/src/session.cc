@@ -16,11 +16,6 @@ void close_fds(std::vector<int> &fds)
         }
 }
 
-void drop_held(kvc_session *s, size_t n)
-{
-    s->held_pages -= std::min<uint64_t>(s->held_pages.load(), n);
-}
-
 kvc_status from_grpc(const grpc::Status &st, const char *what)
 {
     kvc_status k = kvc_status_from_grpc_code(static_cast<int>(st.error_code()));
@@ -31,7 +26,7 @@ kvc_status from_grpc(const grpc::Status &st, const char *what)
 
 // A Free the daemon cannot be asked now, checked as it would check it (all
 // or nothing): an id named twice is INVALID_ARGUMENT, a page the session
-// does not hold (not kept, or given back already) NOT_FOUND. s->mu held.
+// does not hold (not kept, or given back already) NOT_FOUND. s->kept.mu held.
 kvc_status check_free_locked(kvc_session *s, const std::vector<uint64_t> &ids)
 {
     std::set<uint64_t> seen;
@@ -40,7 +35,7 @@ kvc_status check_free_locked(kvc_session *s, const std::vector<uint64_t> &ids)
             return kvc_fail(KVC_ERR_INVALID_ARGUMENT, "Free: page %llu is named twice",
                             (unsigned long long)id);
     for (uint64_t id : ids)
-        if (!s->keep.count(id) || s->deferred.count(id))
+        if (!s->kept.keep.count(id) || s->kept.deferred.count(id))
             return kvc_fail(KVC_ERR_NOT_FOUND, "Free: session %llu holds no page %llu",
                             (unsigned long long)s->id, (unsigned long long)id);
     return KVC_OK;
@@ -67,60 +62,60 @@ kvc_status session_free_ids(kvc_session *s, const std::vector<uint64_t> &ids, si
         return KVC_OK;
     auto defer = [&](size_t from) -> kvc_status {
         std::vector<uint64_t> rest(ids.begin() + from, ids.end());
-        std::lock_guard<std::mutex> g(s->mu);
+        std::lock_guard<std::mutex> g(s->kept.mu);
         kvc_status st = check_free_locked(s, rest);
         if (st != KVC_OK)
             return st;
-        s->deferred.insert(rest.begin(), rest.end());
-        drop_held(s, rest.size());
+        s->kept.deferred.insert(rest.begin(), rest.end());
+        s->books.drop_held(rest.size());
         if (freed)
             *freed = ids.size();
         return KVC_OK;
     };
     auto ended = [&](size_t from) -> kvc_status {
         {
-            std::lock_guard<std::mutex> g(s->mu);
+            std::lock_guard<std::mutex> g(s->kept.mu);
             std::vector<uint64_t> rest(ids.begin() + from, ids.end());
-            s->drop_kept_locked(rest);
-            drop_held(s, rest.size());
+            s->kept.drop_locked(rest);
+            s->books.drop_held(rest.size());
         }
         return s->ended_error();
     };
-    if (s->ended.load())
+    if (s->life.ended.load())
         return ended(0);
     if (s->resuming())
         return defer(0);
     // A resume waits for Frees in flight (it claims what they leave kept).
-    std::shared_lock<std::shared_mutex> rw(s->chan_rw);
-    if (s->ended.load())
+    std::shared_lock<std::shared_mutex> rw(s->link.rw);
+    if (s->life.ended.load())
         return ended(0);
     if (s->resuming())
         return defer(0);
-    const uint64_t gen = s->resumes.load();
-    std::shared_ptr<Chan> ch = s->chan_copy();
+    const uint64_t gen = s->life.resumes.load();
+    std::shared_ptr<Chan> ch = s->link.chan_copy();
     std::vector<uint64_t> seqs;
     {
-        std::lock_guard<std::mutex> g(s->mu);
-        seqs = s->kept_seqs_locked(ids);
+        std::lock_guard<std::mutex> g(s->kept.mu);
+        seqs = s->kept.seqs_locked(ids);
     }
     size_t done = 0;
     kvc_status st = chan_free(s, ch.get(), ids, &done);
     {
-        std::lock_guard<std::mutex> g(s->mu);
-        s->unkeep_seqs_locked(ids, seqs, done);
-        drop_held(s, done);
+        std::lock_guard<std::mutex> g(s->kept.mu);
+        s->kept.unkeep_seqs_locked(ids, seqs, done);
+        s->books.drop_held(done);
     }
     if (freed)
         *freed = done;
     if (st == KVC_OK)
         return KVC_OK;
-    if (s->ended.load()) {  // ended meanwhile: the daemon took everything back
+    if (s->life.ended.load()) {  // ended meanwhile: the daemon took everything back
         std::string msg = kvc_last_error();
         ended(done);
         return kvc_fail(st, "%s", msg.c_str());
     }
-    if (s->resumable && !s->closing.load() &&
-        (st == KVC_ERR_UNAVAILABLE || s->resuming() || s->resumes.load() != gen))
+    if (s->resumable && !s->life.closing.load() &&
+        (st == KVC_ERR_UNAVAILABLE || s->resuming() || s->life.resumes.load() != gen))
         return defer(done);
     return st;
 }
@@ -152,15 +147,8 @@ kvc_status keep_fds(kvc_session *s, const std::vector<uint64_t> &ids, const std:
         }
         dups.push_back(d);
     }
-    std::lock_guard<std::mutex> g(s->mu);
-    for (size_t i = 0; i < ids.size(); i++) {
-        // An entry still there is the same id lent before, whose Free's
-        // REPLY is on its way: that Free forgets only its own entry (seq).
-        auto it = s->keep.find(ids[i]);
-        if (it != s->keep.end())
-            close(it->second.fd);
-        s->keep[ids[i]] = kvc_session::Kept{dups[i], ++s->keep_seq};
-    }
+    std::lock_guard<std::mutex> g(s->kept.mu);
+    s->kept.add_locked(ids, dups);
     return KVC_OK;
 }
 
@@ -217,14 +205,14 @@ kvc_status chan_allocate_chunk(kvc_session *s, Chan *ch, uint32_t chunk, std::ve
 kvc_status chan_session_allocate(kvc_session *s, uint64_t n, std::vector<uint64_t> &ids,
                                  std::vector<int> &fds)
 {
-    std::shared_lock<std::shared_mutex> rw(s->chan_rw);
+    std::shared_lock<std::shared_mutex> rw(s->link.rw);
     kvc_status live = s->check_live();  // a resume may have ended while we waited
     if (live != KVC_OK)
         return live;
-    std::shared_ptr<Chan> ch = s->chan_copy();
+    std::shared_ptr<Chan> ch = s->link.chan_copy();
     {
-        std::lock_guard<std::mutex> w(s->watch_mu);
-        s->available_pending = false;
+        std::lock_guard<std::mutex> w(s->watch.mu);
+        s->watch.available_pending = false;
     }
     uint64_t done = 0;
     while (done < n) {
@@ -233,14 +221,14 @@ kvc_status chan_session_allocate(kvc_session *s, uint64_t n, std::vector<uint64_
         std::vector<int> got_fds;
         kvc_status k = chan_allocate_chunk(s, ch.get(), chunk, got_ids, got_fds);
         if (k == KVC_OK) {
-            s->held_pages += chunk;
+            s->books.held_pages += chunk;
             k = keep_fds(s, got_ids, got_fds);
             if (k != KVC_OK) {
                 std::string msg = kvc_last_error();
                 close_fds(got_fds);
                 size_t freed = 0;
                 chan_free(s, ch.get(), got_ids, &freed);
-                drop_held(s, chunk);
+                s->books.drop_held(chunk);
                 kvc_fail(k, "%s", msg.c_str());
             }
         }
@@ -249,15 +237,15 @@ kvc_status chan_session_allocate(kvc_session *s, uint64_t n, std::vector<uint64_
             close_fds(fds);
             size_t freed = 0;
             if (!ids.empty() && chan_free(s, ch.get(), ids, &freed) != KVC_OK && s->resumable) {
-                std::lock_guard<std::mutex> g(s->mu);
-                s->deferred.insert(ids.begin() + freed, ids.end());
+                std::lock_guard<std::mutex> g(s->kept.mu);
+                s->kept.deferred.insert(ids.begin() + freed, ids.end());
             }
             {
-                std::lock_guard<std::mutex> g(s->mu);
+                std::lock_guard<std::mutex> g(s->kept.mu);
                 std::vector<uint64_t> mine(ids.begin(), ids.begin() + freed);
-                s->drop_kept_locked(mine);
+                s->kept.drop_locked(mine);
             }
-            drop_held(s, ids.size());
+            s->books.drop_held(ids.size());
             ids.clear();
             return kvc_fail(k, "%s", msg.c_str());
         }
@@ -278,12 +266,12 @@ kvc_status session_allocate(kvc_session *s, uint64_t n, std::vector<uint64_t> &i
     kvc_status live = s->check_live();
     if (live != KVC_OK)
         return live;
-    uint64_t limit = s->limit.load();
-    if (limit && (s->held_pages.load() + n) * s->page_size > limit)
+    uint64_t limit = s->books.limit.load();
+    if (limit && (s->books.held_pages.load() + n) * s->page_size > limit)
         return kvc_fail(KVC_ERR_RESOURCE_EXHAUSTED,
                         "session limit: %llu bytes held + %llu asked > limit %llu "
                         "(kvc_session_set_limit)",
-                        (unsigned long long)(s->held_pages.load() * s->page_size),
+                        (unsigned long long)(s->books.held_pages.load() * s->page_size),
                         (unsigned long long)(n * s->page_size), (unsigned long long)limit);
     return chan_session_allocate(s, n, ids, fds);
 }
@@ -305,7 +293,7 @@ kvc_status session_stats(kvc_session *s, kvc_stats *out)
     if (live != KVC_OK)
         return live;
     pb::GetStatsRequest req;
-    *req.mutable_session() = s->ref_copy();
+    *req.mutable_session() = s->link.ref_copy();
     pb::GetStatsResponse resp;
     grpc::ClientContext ctx;
     s->conn->prepare(ctx);

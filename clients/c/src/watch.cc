@@ -10,19 +10,19 @@ namespace kvc_impl {
 grpc::Status watch_stream(kvc_session *s, grpc::ClientContext *ctx)
 {
     pb::WatchRequest req;
-    *req.mutable_session() = s->ref_copy();
+    *req.mutable_session() = s->link.ref_copy();
     auto reader = s->conn->stub->Watch(ctx, req);
     pb::WatchEvent ev;
     while (reader->Read(&ev)) {
         switch (ev.kind()) {
         case pb::WatchEvent::READY: {
-            std::lock_guard<std::mutex> g(s->watch_mu);
-            s->watch_ready = true;
+            std::lock_guard<std::mutex> g(s->watch.mu);
+            s->watch.ready = true;
             break;
         }
         case pb::WatchEvent::RECLAIM: {
-            std::lock_guard<std::mutex> g(s->cb_mu);
-            if (s->reclaim_fn) {
+            std::lock_guard<std::mutex> g(s->watch.cb_mu);
+            if (s->watch.fn) {
                 kvc_reclaim rq;
                 rq.device = ev.reclaim().device().c_str();
                 rq.pages = ev.reclaim().pages();
@@ -31,7 +31,7 @@ grpc::Status watch_stream(kvc_session *s, grpc::ClientContext *ctx)
                 rq.reason = ev.reclaim().reason().c_str();
                 rq.id = ev.reclaim().id();
                 try {
-                    s->reclaim_fn(s->reclaim_user, &rq);
+                    s->watch.fn(s->watch.user, &rq);
                 } catch (...) {
                     // A C callback cannot throw; a C++ one must not take the
                     // thread down.
@@ -40,8 +40,8 @@ grpc::Status watch_stream(kvc_session *s, grpc::ClientContext *ctx)
             break;
         }
         case pb::WatchEvent::MEMORY_AVAILABLE: {
-            std::lock_guard<std::mutex> g(s->watch_mu);
-            s->available_pending = true;
+            std::lock_guard<std::mutex> g(s->watch.mu);
+            s->watch.available_pending = true;
             break;
         }
         case pb::WatchEvent::SHUTDOWN:
@@ -52,7 +52,7 @@ grpc::Status watch_stream(kvc_session *s, grpc::ClientContext *ctx)
         default:
             break;
         }
-        s->watch_cv.notify_all();
+        s->watch.cv.notify_all();
     }
     return reader->Finish();
 }
@@ -63,61 +63,61 @@ void watch_loop(kvc_session *s)
 {
     grpc::Status st;
     for (;;) {
-        uint64_t gen = s->resumes.load();
+        uint64_t gen = s->life.resumes.load();
         grpc::ClientContext *ctx;
         {
-            std::lock_guard<std::mutex> g(s->watch_mu);
-            if (s->watch_stopping)
+            std::lock_guard<std::mutex> g(s->watch.mu);
+            if (s->watch.stopping)
                 break;
-            s->watch_ctx = std::make_unique<grpc::ClientContext>();
-            ctx = s->watch_ctx.get();
+            s->watch.ctx = std::make_unique<grpc::ClientContext>();
+            ctx = s->watch.ctx.get();
         }
         st = watch_stream(s, ctx);
-        if (!s->resumable && !st.ok() && !s->ended.load() && !s->closing.load()) {
+        if (!s->resumable && !st.ok() && !s->life.ended.load() && !s->life.closing.load()) {
             // A session that cannot be resumed is over when its daemon is
             // gone: say so now (its fd channel closed), not at the next call.
             bool stopping;
             {
-                std::lock_guard<std::mutex> g(s->watch_mu);
-                stopping = s->watch_stopping;
+                std::lock_guard<std::mutex> g(s->watch.mu);
+                stopping = s->watch.stopping;
             }
             if (!stopping && channel_gone(s))
                 s->mark_ended(KVC_ERR_FAILED_PRECONDITION, s->hangup_message());
         }
-        if (!s->resumable || st.ok() || s->ended.load())
+        if (!s->resumable || st.ok() || s->life.ended.load())
             break;
-        std::unique_lock<std::mutex> g(s->watch_mu);
-        if (s->watch_stopping)
+        std::unique_lock<std::mutex> g(s->watch.mu);
+        if (s->watch.stopping)
             break;
         // A daemon that died cuts the stream about when its fd channel
         // hangs up; anything else ends the thread as before.
-        s->watch_cv.wait_for(g, std::chrono::seconds(2), [&] {
-            return s->watch_stopping || s->ended.load() || s->state.load() == kResuming ||
-                   s->resumes.load() != gen;
+        s->watch.cv.wait_for(g, std::chrono::seconds(2), [&] {
+            return s->watch.stopping || s->life.ended.load() || s->life.state.load() == kResuming ||
+                   s->life.resumes.load() != gen;
         });
-        if (s->state.load() != kResuming && s->resumes.load() == gen)
+        if (s->life.state.load() != kResuming && s->life.resumes.load() == gen)
             break;
-        s->watch_cv.wait(g, [&] {
-            return s->watch_stopping || s->ended.load() ||
-                   (s->state.load() == kLive && s->resumes.load() != gen);
+        s->watch.cv.wait(g, [&] {
+            return s->watch.stopping || s->life.ended.load() ||
+                   (s->life.state.load() == kLive && s->life.resumes.load() != gen);
         });
-        if (s->watch_stopping || s->ended.load())
+        if (s->watch.stopping || s->life.ended.load())
             break;
-        s->watch_ready = false;
+        s->watch.ready = false;
     }
     {
-        std::lock_guard<std::mutex> g(s->watch_mu);
-        s->watch_done = true;
-        s->watch_status = st;
+        std::lock_guard<std::mutex> g(s->watch.mu);
+        s->watch.done = true;
+        s->watch.status = st;
     }
-    s->watch_cv.notify_all();
+    s->watch.cv.notify_all();
 }
 
 kvc_status watch_start(kvc_session *s)
 {
-    std::unique_lock<std::mutex> g(s->watch_mu);
-    if (!s->watch_started) {
-        if (s->ended.load()) {
+    std::unique_lock<std::mutex> g(s->watch.mu);
+    if (!s->watch.started) {
+        if (s->life.ended.load()) {
             g.unlock();
             return s->ended_error();
         }
@@ -125,19 +125,19 @@ kvc_status watch_start(kvc_session *s)
             g.unlock();
             return s->resuming_error();
         }
-        s->watch_started = true;
-        s->watch = std::thread(watch_loop, s);
+        s->watch.started = true;
+        s->watch.thread = std::thread(watch_loop, s);
     }
     uint32_t t = s->conn->timeout_ms.load();
-    auto ready = [s] { return s->watch_ready || s->watch_done; };
+    auto ready = [s] { return s->watch.ready || s->watch.done; };
     if (t)
-        s->watch_cv.wait_for(g, std::chrono::milliseconds(t), ready);
+        s->watch.cv.wait_for(g, std::chrono::milliseconds(t), ready);
     else
-        s->watch_cv.wait(g, ready);
-    if (s->watch_ready)
+        s->watch.cv.wait(g, ready);
+    if (s->watch.ready)
         return KVC_OK;
-    if (s->watch_done)
-        return s->rpc_error(s->watch_status, "Watch");
+    if (s->watch.done)
+        return s->rpc_error(s->watch.status, "Watch");
     if (s->resuming()) {
         g.unlock();
         return s->resuming_error();
@@ -149,15 +149,15 @@ void watch_stop(kvc_session *s)
 {
     std::thread t;
     {
-        std::lock_guard<std::mutex> g(s->watch_mu);
-        if (!s->watch_started)
+        std::lock_guard<std::mutex> g(s->watch.mu);
+        if (!s->watch.started)
             return;
-        s->watch_stopping = true;
-        if (s->watch_ctx)
-            s->watch_ctx->TryCancel();
-        t = std::move(s->watch);
+        s->watch.stopping = true;
+        if (s->watch.ctx)
+            s->watch.ctx->TryCancel();
+        t = std::move(s->watch.thread);
     }
-    s->watch_cv.notify_all();
+    s->watch.cv.notify_all();
     if (t.joinable())
         t.join();
 }
