@@ -17,10 +17,13 @@
 #include <thread>
 #include <vector>
 
+#include <dlfcn.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -28,6 +31,47 @@
 #include "kvcached.h"
 
 extern char **environ;
+
+// The daemon to SIGKILL (and reap) when the next FREE record goes out on an
+// fd channel, just before it is sent; -1: none.
+static std::atomic<pid_t> g_kill_on_free{-1};
+static std::atomic<int> g_killed_on_free{0};
+
+// This program's sendmsg comes before libc's for libkvcached.so too: it
+// passes every call on, after killing the daemon of g_kill_on_free when the
+// call sends a FREE record (header "KVCF", version, type 7 little-endian).
+extern "C" ssize_t sendmsg(int fd, const struct msghdr *msg, int flags)
+{
+    using sendmsg_fn = ssize_t (*)(int, const struct msghdr *, int);
+    static const sendmsg_fn real = reinterpret_cast<sendmsg_fn>(dlsym(RTLD_NEXT, "sendmsg"));
+    pid_t pid = g_kill_on_free.load();
+    if (pid > 0 && msg && msg->msg_iovlen > 0 && msg->msg_iov[0].iov_len >= 8) {
+        const unsigned char *b = static_cast<const unsigned char *>(msg->msg_iov[0].iov_base);
+        if (std::memcmp(b, "KVCF", 4) == 0 && b[6] == 7 && b[7] == 0 &&
+            g_kill_on_free.compare_exchange_strong(pid, -1)) {
+            kill(pid, SIGKILL);
+            int st = 0;
+            waitpid(pid, &st, 0);
+            g_killed_on_free = 1;
+        }
+    }
+    return real(fd, msg, flags);
+}
+
+// While set, a session's monitor thread that wakes up (its poll: the
+// eventfd and the fd channel with POLLRDHUP) waits before it reads.
+static std::atomic<int> g_hold_monitor{0};
+
+extern "C" int poll(struct pollfd *fds, nfds_t nfds, int timeout)
+{
+    using poll_fn = int (*)(struct pollfd *, nfds_t, int);
+    static const poll_fn real = reinterpret_cast<poll_fn>(dlsym(RTLD_NEXT, "poll"));
+    int n = real(fds, nfds, timeout);
+    if (nfds == 2 && (fds[1].events & POLLRDHUP))
+        while (g_hold_monitor.load())
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return n;
+}
 
 namespace {
 
@@ -1635,6 +1679,51 @@ TEST(KvcOwnDaemon, BusyThreadsSurviveADaemonRestart)
     EXPECT_EQ(st.device.in_use_bytes, mapped);
     for (auto *r : regions)
         kvc_region_destroy(r);
+    EXPECT_EQ(own_stats(s).pages_held, 0u);
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s));
+    kvc_client_destroy(c);
+    d.stop();
+}
+
+// The daemon dies between a Free's unmap and its send: the FREE meets the
+// closed socket (EPIPE) before anyone has read the hang-up. The Free is
+// deferred like any Free during an outage: the unmap succeeds and its pages
+// are not claimed at the resume (a plain UNAVAILABLE there would leave the
+// unmapped pages claimed and held until the session ends). The daemon is
+// killed and reaped inside sendmsg, right before the FREE goes out, while
+// the session's monitor thread is held off the channel.
+TEST(KvcOwnDaemon, FreeWhoseSendMeetsTheDeadDaemonIsDeferred)
+{
+    Daemon d;
+    ASSERT_NO_FATAL_FAILURE(d.start({"--state-dir", "@STATE@"}));
+    kvc_client *c = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c));
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "epipe";
+    kvc_session *s = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &s));
+    const uint64_t P = kvc_session_page_size(s);
+    kvc_region *r = nullptr;
+    KVC_OK_OR_FAIL(kvc_region_create(s, 8 * P, &r));
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 8 * P));
+    g_killed_on_free = 0;
+    g_hold_monitor = 1;
+    g_kill_on_free = d.proc.pid;
+    EXPECT_STATUS(KVC_OK, kvc_region_unmap(r, 2 * P, 6 * P));
+    g_kill_on_free = -1;
+    g_hold_monitor = 0;
+    ASSERT_EQ(g_killed_on_free.load(), 1) << "no FREE was sent";
+    d.proc.pid = -1;  // reaped in sendmsg
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 2 * P);
+    EXPECT_EQ(kvc_session_held_bytes(s), 2 * P);
+    ASSERT_TRUE(wait_until([&] { return kvc_session_is_resuming(s) == 1; }, 5000));
+    ASSERT_NO_FATAL_FAILURE(d.restart());
+    KVC_OK_OR_FAIL(kvc_session_wait_resumed(s, 60000));
+    kvc_stats after = own_stats(s);
+    EXPECT_EQ(after.pages_held, 2u);  // not the 6 freed
+    EXPECT_EQ(after.device.pages_in_use, 2u);
+    kvc_region_destroy(r);
     EXPECT_EQ(own_stats(s).pages_held, 0u);
     EXPECT_STATUS(KVC_OK, kvc_session_close(s));
     kvc_client_destroy(c);
