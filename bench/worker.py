@@ -58,7 +58,7 @@ class GrpcPairs:
         from kvcached_service import fdchannel
         from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
         from kvcached_service._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
-        from kvcached_service.client.mapping import HostMapper
+        from kvcached_service.client.mapping import mapper_for
 
         self.pb, self.fdchannel = pb, fdchannel
         self.stub = pb_grpc.KVCachedStub(grpc.insecure_channel(f"unix:{socket_path}"))
@@ -68,12 +68,7 @@ class GrpcPairs:
         hello = fdchannel.recv_record(self.ch)
         self.ref = self.stub.OpenSession(pb.OpenSessionRequest(channel_secret=hello.secret, name=f"bench-pairs-grpc-{os.getpid()}"), timeout=60).session
         dev = info.devices[0]
-        if dev.kind == "cuda":
-            from kvcached_service.client.cuda_mapper import CudaMapper
-
-            self.mapper = CudaMapper(dev.uuid)
-        else:
-            self.mapper = HostMapper()
+        self.mapper = mapper_for(dev.kind, dev.uuid)
         self.page_size = page_size
         self.slot = self.mapper.reserve(page_size)
 

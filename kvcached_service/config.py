@@ -18,7 +18,10 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ByteSize, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from . import backends
 
 _BYTE_SIZE = TypeAdapter(ByteSize)
 
@@ -90,7 +93,7 @@ class Settings(BaseSettings):
 
     socket: str = Field("/tmp/kvcached.sock", description="gRPC control socket path")
     fd_socket: str = Field("", description="fd channel socket path (default: <socket>.fd)")
-    backend: Literal["auto", "host", "cuda"] = Field("auto", description="page backend; auto = cuda if usable, else host")
+    backend: str = Field("auto", description=backends.auto_help())
     memory_limit: str = Field("90%", description="budget per device: bytes with units (8GiB) or a percentage of device memory")
     page_size: str = Field("2MiB", description="bytes per page; a multiple of the backend granularity")
     prealloc: str = Field("0", description="warm pages created ahead of demand per device, as a size (256MiB)")
@@ -144,6 +147,15 @@ class Settings(BaseSettings):
     def _uid_list(cls, v: Any) -> Any:
         if isinstance(v, str):
             return [int(x) for x in v.replace(" ", "").split(",") if x]
+        return v
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, v: str) -> str:
+        """One of the registry's backends or auto (backends/__init__.py),
+        in pydantic's words for a Literal."""
+        if v not in backends.choices():
+            raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": backends.quoted_choices()})
         return v
 
     @field_validator("page_size", "prealloc")

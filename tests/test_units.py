@@ -410,3 +410,95 @@ def test_pool_allocate_waits_for_pages_being_zeroed():
         pool.worker.stop()
 
     asyncio.run(run())
+
+
+# ---- backends and mappers are tables (issue 26 item 5) ---------------------------
+def test_a_registered_backend_is_chosen_without_editing_dispatch_code(monkeypatch, caplog):
+    """One register() line makes a backend: --backend validates against the
+    table, open_backend builds it, and auto tries it in registration order
+    before falling back to host with the log line users know."""
+    import logging
+
+    from kvcached_service import backends
+
+    monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))  # undone after the test
+    made = []
+
+    def fake_factory(settings):
+        made.append(settings.backend)
+        return FakeBackend()
+
+    backends.register("fake", fake_factory, summary="fake pages", what="fake runtime", auto=True)
+    assert backends.choices() == ["auto", "host", "cuda", "fake"]
+    assert load_settings({"backend": "fake"}).backend == "fake"
+    with pytest.raises(ConfigError, match=r"backend \(--backend, KVCACHED_BACKEND\): Input should be 'auto', 'host', 'cuda' or 'fake'"):
+        load_settings({"backend": "hip"})
+
+    caplog.set_level(logging.INFO, logger="kvcached")
+    b = backends.open_backend("fake", load_settings({"backend": "fake"}))
+    assert isinstance(b, FakeBackend) and made == ["fake"]
+    assert "backend: fake (fake pages), 1 device(s)" in caplog.text
+
+    def no_cuda(settings):
+        raise errors.FailedPrecondition("no libcuda here")
+
+    backends.register("cuda", no_cuda, summary="driver VMM API", what="CUDA driver", auto=True)
+    b = backends.open_backend("auto", load_settings({}))
+    assert isinstance(b, FakeBackend) and made == ["fake", "auto"]  # cuda passed over, fake taken
+
+    def broken(settings):
+        raise RuntimeError("no device")
+
+    backends.register("fake", broken, summary="fake pages", what="fake runtime", auto=True)
+    caplog.clear()
+    b = backends.open_backend("auto", load_settings({"host_memory": "1GiB"}))
+    assert isinstance(b, HostBackend) and b.devices()[0].total_bytes == 1 << 30
+    assert ("backend: host (memfd pages): no usable CUDA driver (no libcuda here); "
+            "no usable fake runtime (RuntimeError: no device); serving host memory instead of GPU memory") in caplog.text
+    with pytest.raises(backends.BackendUnusable, match=r"^--backend fake: the fake runtime is not usable: RuntimeError: no device$"):
+        backends.open_backend("fake", load_settings({"backend": "fake"}))
+
+
+def test_the_real_backend_table():
+    from kvcached_service import backends
+
+    assert backends.choices() == ["auto", "host", "cuda"]
+    assert [e.name for e in backends.auto_order()] == ["cuda"] and backends.fallback_entry().name == "host"
+    assert backends.auto_help() == "page backend; auto = cuda if usable, else host"
+    with pytest.raises(ConfigError, match=r"Input should be 'auto', 'host' or 'cuda'"):
+        load_settings({"backend": "gpu"})
+
+
+def test_a_registered_mapper_is_chosen_without_editing_dispatch_code(monkeypatch):
+    """One register_mapper() line makes a device kind mappable: mapper_for
+    and Session.mapper (the client's one place) use the table; a kind
+    nobody registered is a clear FailedPrecondition."""
+    import threading
+    from types import SimpleNamespace
+
+    from kvcached_service.client import mapping
+    from kvcached_service.client.client import Session
+
+    monkeypatch.setattr(mapping, "_MAPPERS", dict(mapping._MAPPERS))
+
+    class FakeMapper(mapping.HostMapper):
+        kind = "fake"
+
+        def __init__(self, device_uuid):
+            self.device_uuid = device_uuid
+
+    mapping.register_mapper("fake", FakeMapper)
+    assert mapping.mapper_kinds() == ["host", "cuda", "fake"]
+    m = mapping.mapper_for("fake", "FAKE-0")
+    assert isinstance(m, FakeMapper) and m.device_uuid == "FAKE-0" and m.view_device() == "cpu"
+
+    dev = SimpleNamespace(kind="fake")
+    s = SimpleNamespace(_lock=threading.Lock(), _mappers={}, client=SimpleNamespace(device=lambda uuid: dev))
+    got = Session.mapper(s, "FAKE-0")
+    assert isinstance(got, FakeMapper) and Session.mapper(s, "FAKE-0") is got  # one per device
+
+    dev.kind = "hip"
+    with pytest.raises(errors.FailedPrecondition, match=r"device FAKE-1 has kind 'hip', which this client cannot map"):
+        Session.mapper(s, "FAKE-1")
+    assert isinstance(mapping.mapper_for("host", "HOST-0"), mapping.HostMapper)
+    assert mapping.Mapper.view_device(m) is None  # a mapper that says nothing gets no views

@@ -562,3 +562,9 @@ def open_backend(libcuda: str | None = None) -> CudaBackend:
             spec.ordinal, spec.uuid, spec.name, spec.total_bytes, spec.granularity,
         )
     return backend
+
+
+def from_settings(settings) -> CudaBackend:
+    """The registry's factory (backends/__init__.py): open_backend with the
+    library $KVCACHED_LIBCUDA names (default libcuda.so.1)."""
+    return open_backend()

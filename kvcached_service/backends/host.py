@@ -155,3 +155,11 @@ class HostBackend(Backend):
             page.fd = -1
         if first is not None:
             raise errors.Internal(f"closing page fd failed: {first}")
+
+
+def from_settings(settings) -> HostBackend:
+    """The registry's factory (backends/__init__.py): `--host-memory`, or
+    the physical RAM, as the device size."""
+    from ..config import parse_size
+
+    return HostBackend(parse_size(settings.host_memory) if settings.host_memory else None)

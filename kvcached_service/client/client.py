@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from .. import errors, fdchannel
 from .channel import Channel
-from .mapping import HostMapper, Mapper
+from .mapping import Mapper, mapper_for
 from .resume import Keeper, Resumer
 from .rpc import Rpc, WatchStream
 from .types import Allocation, Device, Event, Info, Opened, PoolStats, ReclaimOutcome, SessionStats, Shrink, Stats
@@ -268,15 +268,7 @@ class Session:
         with self._lock:
             m = self._mappers.get(device)
             if m is None:
-                kind = self.client.device(device).kind
-                if kind == "host":
-                    m = HostMapper()
-                elif kind == "cuda":
-                    from .cuda_mapper import CudaMapper
-
-                    m = CudaMapper(device)
-                else:
-                    raise errors.FailedPrecondition(f"device {device} has kind {kind!r}, which this client cannot map")
+                m = mapper_for(self.client.device(device).kind, device)
                 self._mappers[device] = m
             return m
 

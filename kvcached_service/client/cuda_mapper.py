@@ -166,6 +166,10 @@ class CudaMapper(Mapper):
             self._drv.cuMemsetD8_v2(addr, value, size)
             self._drv.cuCtxSynchronize()
 
+    def view_device(self) -> str | None:
+        """Device memory of this process's ordinal for the daemon's device."""
+        return f"cuda:{self.ordinal}"
+
     def close(self) -> None:
         """Unmap what is still mapped, free every reservation, release the
         primary context. Raises the first error after trying everything."""

@@ -3,6 +3,13 @@
 A Mapper owns one kind of mapping (host memfd pages with mmap; CUDA pages
 through the driver, in cuda_mapper.py). The client's Region and Session use
 only this interface, so both backends behave the same above it.
+
+Which Mapper maps a device is decided here and only here: a table of device
+kind (the DeviceSpec.kind the daemon reports) -> mapper factory
+(`mapper_for`). The CUDA mapper's module is imported the first time a CUDA
+device is mapped, so a process that only maps host pages never loads it. A
+new kind of device is a module with its Mapper and one `register_mapper`
+line at the end of this file.
 """
 
 from __future__ import annotations
@@ -10,8 +17,12 @@ from __future__ import annotations
 import abc
 import ctypes
 import ctypes.util
+import importlib
 import mmap
 import os
+from typing import Callable
+
+from .. import errors
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 # void *mmap(void *addr, size_t length, int prot, int flags, int fd, off_t offset);
@@ -73,6 +84,14 @@ class Mapper(abc.ABC):
     def read(self, addr: int, size: int) -> bytes:
         """Copy bytes out of mapped memory (tests, demos)."""
 
+    def view_device(self) -> str | None:
+        """What views of the mapped bytes are (client/torch_views.py): "cpu"
+        when this process's CPU reads them at the mapped address (a CPU
+        tensor over it), "cuda:N" when they are device memory that the CUDA
+        array interface describes, on this process's torch device cuda:N;
+        None when no view can be made."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -113,3 +132,51 @@ class HostMapper(Mapper):
 
     def read(self, addr: int, size: int) -> bytes:
         return ctypes.string_at(addr, size)
+
+    def view_device(self) -> str | None:
+        return "cpu"
+
+
+# ---- the table: device kind -> mapper ------------------------------------
+MapperFactory = Callable[[str], Mapper]  # the device's UUID -> a Mapper for it
+
+_MAPPERS: dict[str, MapperFactory] = {}
+
+
+def register_mapper(kind: str, factory: MapperFactory) -> None:
+    """Map devices of `kind` with `factory(device_uuid)` (adds or replaces)."""
+    _MAPPERS[kind] = factory
+
+
+def unregister_mapper(kind: str) -> None:
+    """Drop a kind (tests that registered one)."""
+    _MAPPERS.pop(kind, None)
+
+
+def mapper_kinds() -> list[str]:
+    return list(_MAPPERS)
+
+
+def lazy_mapper(module: str, cls: str) -> MapperFactory:
+    """A factory that imports `module` (relative to this package) on first
+    use and makes `cls(device_uuid)`."""
+
+    def factory(device_uuid: str) -> Mapper:
+        return getattr(importlib.import_module(module, __package__), cls)(device_uuid)
+
+    factory.__qualname__ = f"lazy_mapper({module!r}, {cls!r})"
+    return factory
+
+
+def mapper_for(kind: str, device_uuid: str) -> Mapper:
+    """A new Mapper for the device `device_uuid`, whose pages are of `kind`.
+    Raises FailedPrecondition for a kind this client has no mapper for."""
+    factory = _MAPPERS.get(kind)
+    if factory is None:
+        raise errors.FailedPrecondition(f"device {device_uuid} has kind {kind!r}, which this client cannot map")
+    return factory(device_uuid)
+
+
+# One line per kind of device.
+register_mapper("host", lambda device_uuid: HostMapper())
+register_mapper("cuda", lazy_mapper(".cuda_mapper", "CudaMapper"))

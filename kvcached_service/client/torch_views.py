@@ -9,7 +9,8 @@
     k[0] = 1.0                                                 # writes the page itself
 
 A view is a tensor whose storage *is* the mapped range: a Region range
-(every page of it must be mapped) or one Page.
+(every page of it must be mapped) or one Page. Which kind of view is the
+mapper's to say (Mapper.view_device: "cpu", "cuda:N" or none):
 - host pages: `torch.frombuffer` over a ctypes array at the mapped address
   (a CPU tensor).
 - CUDA pages: an object exposing `__cuda_array_interface__` (version 3) for
@@ -116,6 +117,13 @@ def _plan(obj, shape, dtype, offset: int) -> tuple[int, tuple[int, ...], str, in
     return addr, dims, name, nbytes, mapper
 
 
+def _view_device(mapper: Any) -> str | None:
+    """What views of this mapper's bytes are: the mapper says
+    (Mapper.view_device: "cpu", "cuda:N" or None)."""
+    view_device = getattr(mapper, "view_device", None)
+    return view_device() if view_device is not None else None
+
+
 class CudaArrayView:
     """Device memory described by the CUDA Array Interface (version 3):
     C-contiguous (`strides` None), writable, no stream (the daemon's and the
@@ -146,7 +154,7 @@ def cuda_array_interface(obj: "Region | Page", shape, dtype, offset: int = 0) ->
     """A `__cuda_array_interface__` object for [offset, offset + size) of a
     mapped CUDA Region or Page. Needs no torch."""
     addr, dims, name, _, mapper = _plan(obj, shape, dtype, offset)
-    if getattr(mapper, "kind", None) != "cuda":
+    if _view_device(mapper) in (None, "cpu"):
         raise errors.FailedPrecondition(f"the CUDA array interface needs CUDA pages; these are {mapper.kind!r} pages")
     typestr = DTYPES[name][1]
     if typestr is None:
@@ -160,21 +168,21 @@ def as_tensor(obj: "Region | Page", shape, dtype, offset: int = 0):
     torch = _torch()
     addr, dims, name, nbytes, mapper = _plan(obj, shape, dtype, offset)
     tdtype = getattr(torch, name)
-    kind = getattr(mapper, "kind", None)
-    if kind == "host":
+    device = _view_device(mapper)
+    if device == "cpu":
         if nbytes == 0:
             return torch.empty(dims, dtype=tdtype)
         buf = (ctypes.c_char * nbytes).from_address(addr)
         return torch.frombuffer(buf, dtype=tdtype, count=math.prod(dims)).view(dims)
-    if kind == "cuda":
+    if device is not None:
         view = cuda_array_interface(obj, dims, name, offset)
         if not torch.cuda.is_available():
             raise errors.FailedPrecondition(
                 "these are CUDA pages but torch.cuda is not available in this process "
                 f"(torch {torch.__version__}, CUDA build: {torch.version.cuda})"
             )
-        return torch.as_tensor(view, device=torch.device("cuda", mapper.ordinal))
-    raise errors.FailedPrecondition(f"no torch view for {kind!r} pages")
+        return torch.as_tensor(view, device=torch.device(device))
+    raise errors.FailedPrecondition(f"no torch view for {getattr(mapper, 'kind', None)!r} pages")
 
 
 def region_tensor(region: "Region", shape, dtype, offset: int = 0):

@@ -23,10 +23,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from .. import __version__, errors
+from .. import __version__, backends, errors
 from .._generated.kvcached.v1 import kvcached_pb2 as pb
 from ..backends.base import Backend
-from ..config import ConfigError, Settings, load_settings, parse_size
+from ..config import ConfigError, Settings, load_settings
 from . import sdnotify
 from .channel import ChannelServer
 from .control import ControlFront
@@ -121,25 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def open_backend(settings: Settings) -> Backend:
-    """The backend named by settings.backend; auto = cuda when usable."""
-    from ..backends.host import HostBackend
-
-    host_total = parse_size(settings.host_memory) if settings.host_memory else None
-    if settings.backend == "host":
-        log.info("backend: host (memfd pages), as configured")
-        return HostBackend(host_total)
+    """The backend named by settings.backend; auto = the first usable one of
+    the registry's auto order, else host (backends/__init__.py decides)."""
     try:
-        from ..backends import cuda as cuda_backend
-
-        backend = cuda_backend.open_backend()
-    except Exception as exc:  # noqa: BLE001 - any reason the driver is unusable
-        reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, errors.KVCachedError) else exc.message
-        if settings.backend == "cuda":
-            raise StartupError(f"--backend cuda: the CUDA driver is not usable: {reason}") from None
-        log.warning("backend: host (memfd pages): no usable CUDA driver (%s); serving host memory instead of GPU memory", reason)
-        return HostBackend(host_total)
-    log.info("backend: cuda (driver VMM API), %d device(s)", len(backend.devices()))
-    return backend
+        return backends.open_backend(settings.backend, settings)
+    except backends.BackendUnusable as exc:
+        raise StartupError(str(exc)) from None
 
 
 def raise_fd_limit() -> int:

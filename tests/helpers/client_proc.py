@@ -56,14 +56,10 @@ def drop_privileges() -> None:
 
 def page_mapper(client):
     """The mapper the client library would use for the daemon's first device."""
+    from kvcached_service.client.mapping import mapper_for
+
     dev = client.info.devices[0]
-    if dev.kind == "cuda":
-        from kvcached_service.client.cuda_mapper import CudaMapper
-
-        return CudaMapper(dev.uuid)
-    from kvcached_service.client.mapping import HostMapper
-
-    return HostMapper()
+    return mapper_for(dev.kind, dev.uuid)
 
 
 def main() -> int:
