@@ -188,6 +188,15 @@ def figures(res: dict) -> list[dict]:
         rows.append(_row("6 Capacity", "models resident (time-average)", el["resident_models"]["mean"], st["resident_models"]["mean"], "models", "higher", bw))
         rows.append(_row("6 Capacity", "model loads (incl. reloads)", el["loads"], st["loads"], "loads", "lower", bw,
                          note=f"elastic: {el['reclaim_callbacks']} reclaim callbacks, {el['reclaimed_pages']} pages reclaimed, {el['alloc_stalls']} stalls, {el.get('preemptions', 0)} preemptions, {el['failed']} failed"))
+    if "relay" in sc:
+        s = sc["relay"]
+        bw = "the same call straight to grpcio's private socket (no relay), same daemon"
+        for op, label in (("getstats", "GetStats"), ("open_close", "OpenSession+CloseSession")):
+            r, d = s[f"{op}_relay"], s[f"{op}_direct"]
+            for p in ("p50", "p99"):
+                rows.append(_row("8 gRPC relay (control socket)", f"{label} {p}", r[f"{p}_us"], d[f"{p}_us"], "us", "lower", bw))
+            rows.append(_row("8 gRPC relay (control socket)", f"{label} daemon CPU per call", r["daemon_cpu_us_per_call"],
+                             d["daemon_cpu_us_per_call"], "us", "lower", bw, note=f"{r['n']} calls per path"))
     return rows
 
 
@@ -323,7 +332,7 @@ def main(argv=None) -> int:
                     help="cuda = the test driver, plus the real GPU when one is present")
     ap.add_argument("--out", default="", help="directory for results.json and results.md (default: a new temp dir)")
     ap.add_argument("--only", default="", help="comma-separated scenarios: " + ",".join(
-        ["allocate64", "roundtrip", "reclaim", "scale", "loadgen", "capacity"]))
+        ["allocate64", "roundtrip", "reclaim", "scale", "loadgen", "capacity", "relay"]))
     ap.add_argument("--profile", action="store_true",
                     help="py-spy the daemon during scenario 2 (1 client, 64 clients); flame graphs in DIR/profile-BACKEND/")
     ap.add_argument("--compare", default="", metavar="REF[,REF]",

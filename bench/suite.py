@@ -541,6 +541,13 @@ def s6_capacity(c: Ctx) -> dict:
     return capacity.run(c)
 
 
+# ---- 8. what the control socket's relay costs (issue 26 item 3) ------------------------------------
+def s7_relay(c: Ctx) -> dict:
+    from . import relay
+
+    return relay.run(c)
+
+
 SCENARIOS = {
     "allocate64": s1_allocate64,
     "roundtrip": s2_roundtrip,
@@ -548,6 +555,7 @@ SCENARIOS = {
     "scale": s4_scale,
     "loadgen": s5_loadgen,
     "capacity": s6_capacity,
+    "relay": s7_relay,
 }
 
 

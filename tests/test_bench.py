@@ -22,6 +22,9 @@ EXPECTED = {
     "5 Ollama-shaped load (Go)": ["ops/s", "grow p50", "grow p99", "trim p50", "trim p99"],
     "6 Capacity": ["requests served", "queueing delay p50", "queueing delay p90", "queueing delay p99",
                    "models resident", "model loads"],
+    "8 gRPC relay (control socket)": ["GetStats p50", "GetStats p99", "GetStats daemon CPU per call",
+                                      "OpenSession+CloseSession p50", "OpenSession+CloseSession p99",
+                                      "OpenSession+CloseSession daemon CPU per call"],
 }
 
 
