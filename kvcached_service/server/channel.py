@@ -415,7 +415,7 @@ class ChannelServer:
             fdchannel.close_fds(rec.fds)
             return
         for pid, fd in zip(rec.page_ids, rec.fds):
-            if not self.daemon.may_adopt(rec.session_id, conn.uid, pid):
+            if not self.daemon.recovery.may_adopt(rec.session_id, conn.uid, pid):
                 fdchannel.close_fds([fd])
                 continue
             a.session_id = rec.session_id

@@ -26,7 +26,7 @@ a torn last record (no newline at the end of the file: the daemon died
 mid-write), which is applied if it happens to be complete and dropped
 otherwise. Anything else raises JournalDamaged naming the file, the line
 and the problem; the daemon then moves the file aside and starts without
-resumes (daemon.recover, docs/reliability.md).
+resumes (recovery.Recovery.recover, docs/reliability.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Exit codes: 0 after a clean shutdown (SIGTERM/SIGINT), 2 for invalid
 settings (including a state directory that cannot be read or written), 1
 when the daemon cannot start (backend unusable, socket busy). A damaged
 journal is not a reason to stop: it is moved aside and the daemon starts
-without resumes (daemon.recover).
+without resumes (recovery.Recovery.recover).
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ async def serve(settings: Settings, ready_hook=None, reload=None) -> int:
     channels = ChannelServer(daemon, settings)  # the fd channel adapter, beside the gRPC one
     try:
         daemon.start_devices()
-        daemon.recover()
+        daemon.recovery.recover()
     except errors.KVCachedError as exc:
         _stop_devices(daemon, backend)
         raise StartupError(exc.message) from None

@@ -140,6 +140,7 @@ def snapshot(daemon: "Daemon", control: Any = None) -> dict:
     (and the control socket's front door, when given). Must run on the
     daemon's event loop thread (or with the loop idle)."""
     now = time.time()
+    recovery = getattr(daemon, "recovery", None)  # the journal's state (recovery.py)
     devices = []
     for uuid, pool in daemon.pools.items():
         b = pool.books()
@@ -186,8 +187,8 @@ def snapshot(daemon: "Daemon", control: Any = None) -> dict:
         "sessions_open": len(daemon.sessions),
         "counters": dict(c),
         "control": control.stats() if control is not None else None,
-        "journal_damaged": 1 if getattr(daemon, "journal_damage", None) else 0,
-        "journal_stale": 1 if getattr(daemon, "journal_stale", None) else 0,
+        "journal_damaged": 1 if getattr(recovery, "journal_damage", None) else 0,
+        "journal_stale": 1 if getattr(recovery, "journal_stale", None) else 0,
         "reclaim": {
             "answers": r.answers_total,
             "requests": r.requests_total,

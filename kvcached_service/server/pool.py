@@ -31,11 +31,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Awaitable, Callable, Iterable, NamedTuple, Protocol
 
 from .. import errors
 from ..backends.base import Backend, DeviceSpec, PageHandle
 from ..config import format_size
+from . import eager
 from .worker import DeviceWorker
 
 if TYPE_CHECKING:
@@ -176,6 +177,26 @@ class Shortage(errors.ResourceExhausted):
         self.missing = missing
 
 
+class Ledger(Protocol):
+    """Who else books a loan (recovery.Recovery: the journal and the page
+    store). DevicePool.lend tells it in the loan's order."""
+
+    def lent(self, session: "Session", pool: "DevicePool", pages: list[Page], fds: list[int]) -> None:
+        """`pages` are booked to `session`; their fds are about to be
+        delivered (what must be recorded before the client can hold them)."""
+
+    def returned(self, session: "Session", pages: list[Page]) -> None:
+        """A loan was undone: `session` does not hold `pages`."""
+
+
+class _NoLedger:
+    def lent(self, session, pool, pages, fds) -> None:
+        pass
+
+    def returned(self, session, pages) -> None:
+        pass
+
+
 class DevicePool:
     def __init__(
         self,
@@ -189,6 +210,8 @@ class DevicePool:
         warm_pages: int,
         idle_seconds: float,
         zero_pages: bool,
+        ledger: Ledger | None = None,
+        tasks: set[asyncio.Task] | None = None,
     ):
         self.backend = backend
         self.spec = spec
@@ -218,6 +241,9 @@ class DevicePool:
         self._ident_distinct: bool | None = None  # identities_distinct(), once decided
         # Called with (device uuid, pages) whenever pages return to the pool.
         self.on_pages_returned: Callable[[str, int], None] | None = None
+        self.ledger: Ledger = ledger if ledger is not None else _NoLedger()
+        # the give_back tasks of undone loans (the daemon's own set: shutdown waits for them)
+        self.tasks: set[asyncio.Task] = tasks if tasks is not None else set()
 
     # ---- accounting ----------------------------------------------------
     @property
@@ -354,6 +380,66 @@ class DevicePool:
         return out
 
     # ---- allocation ----------------------------------------------------
+    async def lend(self, session: "Session", count: int, allocation_id: int,
+                   when_short: Callable[[Shortage], Awaitable[None]] | None = None) -> list[Page]:
+        """A loan of `count` pages to `session`, as one step:
+        1. acquire them; when the budget is short, `when_short(shortage)`
+           decides (it raises to give up, or returns to try again; None:
+           the Shortage is raised);
+        2. export their fds;
+        3. book them to the session, then to the ledger (the journal and
+           the page store: before the client can hold them);
+        4. deliver them through the session's port (allocation_id);
+        5. mark them HELD. The fds of fresh exports are closed whether sent or not.
+        A failure after step 1 undoes the loan once: the pages leave the
+        session (the ledger is told) and go back to this pool; then the
+        exception propagates (DeliveryFailed from the port included).
+        Pages acquired for a session that ended meanwhile go back too
+        (FailedPrecondition)."""
+        while True:
+            try:
+                pages = await self.acquire(session, count)
+                break
+            except Shortage as short:
+                if when_short is None:
+                    raise
+                await when_short(short)
+        if session.closed:
+            # The session ended while its pages were being made: nobody got them.
+            await self.give_back(pages)
+            raise errors.FailedPrecondition(f"session {session.id} closed while allocating")
+        try:
+            fds = self.export_fds_now(pages)
+            if fds is None:
+                fds = await self.export_fds_on_worker(pages)
+        except BaseException:
+            eager.start(self.give_back(pages), self.tasks)  # never the session's
+            raise
+        try:
+            session.add_pages(self, pages)
+            self.ledger.lent(session, self, pages, fds)
+            await session.port.deliver(allocation_id, [p.id for p in pages], fds)
+        except BaseException:
+            # Not delivered (the port failed, or the caller gave up before the
+            # answer and never learns these page ids): the session must not
+            # keep them. A session that ended meanwhile gave them back itself.
+            if not session.closed and all(p.id in session.pages for p in pages):
+                session.remove_pages(self, pages)
+                self.ledger.returned(session, pages)
+                task = asyncio.get_running_loop().create_task(self.give_back(pages))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+            raise
+        finally:
+            if self.backend.fresh_exports:  # sent (the client has its own now) or not: ours go
+                for fd in fds:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+        self.mark_held(pages)
+        return pages
+
     async def acquire(self, session: "Session", count: int) -> list[Page]:
         """Hand `count` pages to `session`, all or nothing. Pages come back in
         state DELIVERING; the caller marks them HELD once their fds are sent.

@@ -186,7 +186,7 @@ class KVCachedService(pb_grpc.KVCachedServicer):
         return Bearer(ref.id, ref.token, self._uid(context))
 
     def _session(self, ref: pb.SessionRef, context) -> Session:
-        return self.d.session(ref.id, ref.token, self._uid(context))
+        return self.d.identity.session(ref.id, ref.token, self._uid(context))
 
     @_rpc
     async def GetInfo(self, request, context):
@@ -254,7 +254,7 @@ class KVCachedService(pb_grpc.KVCachedServicer):
         sessions: list[Session] = []
         if request.HasField("session"):
             s = self._session(request.session, context)
-            sessions = d.visible_sessions(s)
+            sessions = d.identity.visible_sessions(s)
         pools = list(d.pools.values())
         books = [p.books() for p in pools]
         for b in books:
@@ -288,7 +288,7 @@ class KVCachedService(pb_grpc.KVCachedServicer):
 
     @_rpc
     async def SetSessionLimits(self, request, context):
-        self.d.admin_session(request.admin.id, request.admin.token, self._uid(context))
+        self.d.identity.admin_session(request.admin.id, request.admin.token, self._uid(context))
         limits = {f: getattr(request, f) if f in _LIMIT_FIELDS else None for f in request.set_fields}
         s = self.d.set_limits(request.session_id, limits)
         return pb.SetSessionLimitsResponse(session=session_stats(self.d, s))
@@ -296,7 +296,7 @@ class KVCachedService(pb_grpc.KVCachedServicer):
     @_rpc
     async def RequestShrink(self, request, context):
         d = self.d
-        d.shrinker_session(request.admin.id, request.admin.token, request.session_id, self._uid(context))
+        d.identity.shrinker_session(request.admin.id, request.admin.token, request.session_id, self._uid(context))
         sent = d.request_shrink(request.session_id, request.target_bytes, request.timeout_ms, reason="admin")
         if request.wait and sent:
             wait_s = max(0.0, max(ev.deadline for ev in sent) - time.time()) + 0.05

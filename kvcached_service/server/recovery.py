@@ -1,0 +1,358 @@
+"""What carries sessions across a daemon restart (--state-dir).
+
+- The journal (journal.py): every change of the sessions' books that a
+  restarted daemon needs to check resume claims, written after the books
+  made it and before the pages reach the client (`lent`). A write that
+  fails marks the journal stale; it is rewritten whole when it can be.
+- Orphans: the sessions of the previous daemon (`recover`), whose pages
+  count as in use until their clients resume them (`resume`) or
+  resume_grace passes (`expire`).
+- The page store (keeper.py, --page-store keeper): a copy of each lent
+  page's fd, put there before the client can hold the page, so that a
+  resume needs no fd from the client.
+
+Recovery is the core's (daemon.py) part for these; it reads the core's
+sessions, pools and ids and binds resumed sessions through it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import resource
+import time
+from typing import TYPE_CHECKING, Iterable
+
+from .. import errors
+from .journal import JournalDamaged, JSession, Journal
+from .keeper import PageStore, StoreUnavailable
+from .pool import DevicePool, Page
+from .sessions import Session
+
+if TYPE_CHECKING:
+    from .daemon import Daemon
+
+log = logging.getLogger("kvcached.daemon")
+
+JOURNAL_RETRY_SECONDS = 2.0  # a journal that could not be written is rewritten this often until it can
+
+
+class Recovery:
+    """The journal, the orphans and the page store of one Daemon."""
+
+    def __init__(self, core: "Daemon"):
+        self.core = core
+        self.settings = core.settings
+        self.journal: Journal | None = Journal(core.settings.state_dir) if core.settings.state_dir else None
+        # sessions of a previous daemon, waiting for their clients to resume them
+        self.orphans: dict[int, JSession] = {}
+        self._orphan_deadline: dict[int, float] = {}
+        self.store: PageStore | None = None  # the page store (keeper.py), with --page-store keeper
+        self.stored: dict[int, int] = {}  # orphans' page id -> our copy of the store's fd, until resumed or forgotten
+        self.journal_damage: dict | None = None  # set when recover() found the journal damaged
+        self.journal_stale: str | None = None  # why the journal could not be written (then rewritten when it can)
+        self._journal_retry = 0.0
+
+    # ---- start-up -------------------------------------------------------
+    def recover(self) -> None:
+        """Read the journal a previous daemon left: its live sessions become
+        orphans whose pages count as in use until their clients resume them
+        (ResumeSession) or resume_grace passes. Then start a new journal."""
+        if self.journal is None:
+            return
+        j, core = self.journal, self.core
+        try:
+            j.load()
+        except JournalDamaged as exc:
+            aside = j.move_aside()
+            j.forget()
+            self.journal_damage = {"path": str(exc.path), "line": exc.line, "problem": exc.problem, "moved_to": str(aside)}
+            log.error(
+                "%s. Moved it to %s and starting WITHOUT resumes: the sessions of the previous daemon cannot be "
+                "resumed (their clients see them end and open new ones); memory their clients still map is "
+                "unavailable, not free, until they let it go (the budget follows the device's free memory). "
+                "Nothing else to do: keep %s for a bug report, then delete it (docs/reliability.md).",
+                exc, aside, aside.name)
+        core.next_session_id = j.next_session_id
+        core.page_ids.continue_from(j.next_page_id)
+        deadline = time.monotonic() + self.settings.resume_grace
+        for js in j.sessions.values():
+            for pid, (dev, _) in list(js.pages.items()):
+                pool = core.pools.get(dev)
+                if pool is None:
+                    log.warning("journal: session %d page %d is on device %s, which this daemon does not serve; forgotten", js.sid, pid, dev)
+                    del js.pages[pid]
+                    continue
+                pool.hold_orphans(1)
+            self.orphans[js.sid] = js
+            self._orphan_deadline[js.sid] = deadline
+        j.start(self.orphans, j.next_session_id, j.next_page_id)
+        self._open_store()
+        if self.orphans:
+            log.info(
+                "journal: %d session(s) of the previous daemon (%d pages) wait %gs for their clients to resume them",
+                len(self.orphans), sum(len(js.pages) for js in self.orphans.values()), self.settings.resume_grace,
+            )
+
+    def _open_store(self) -> None:
+        """--page-store keeper: connect to (or start) the keeper of the state
+        dir and take what it holds: the fds of the orphans' pages. Pages the
+        journal does not name leave the store; pages it names that the store
+        lacks can only be resumed by the fds their clients re-send."""
+        if self.settings.page_store != "keeper" or self.journal is None:
+            return
+        try:
+            self.store = PageStore.open(self.settings.state_dir, self.settings.resume_grace + 30)
+        except StoreUnavailable as exc:
+            log.error("page store: %s; resumes are checked by the fds clients re-send (docs/cuda.md, \"Page identity\")", exc)
+            return
+        pages = sum(p.budget.pages for p in self.core.pools.values())
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        if pages + 64 > hard:  # the keeper raises its soft limit to this hard one: one fd per lent page
+            log.warning("page store: the budget is %d pages but a keeper may hold at most ~%d fds (RLIMIT_NOFILE hard "
+                        "limit %d): pages lent beyond that are not kept, so their sessions resume only by the fds "
+                        "their clients re-send; raise LimitNOFILE (systemd) or the hard ulimit -n, or use larger pages",
+                        pages, hard - 64, hard)
+        held = self.store.take_all()
+        named = {pid for js in self.orphans.values() for pid in js.pages}
+        extra = [pid for pid in held if pid not in named]
+        if extra:
+            log.warning("page store: %d page(s) the journal does not name (a session that ended as the daemon died): "
+                        "given back", len(extra))
+            self.store.drop(extra)
+            for pid in extra:
+                os.close(held.pop(pid))
+        self.stored = held
+        missing = len(named) - len(held)
+        if named:
+            log.info("page store: %d of the %d pages of the previous daemon's sessions are in the store%s", len(held), len(named),
+                     f"; {missing} are not (the keeper was restarted or gone): those resume only by the fds their clients "
+                     "re-send" if missing else "")
+
+    # ---- the books' changes ----------------------------------------------
+    def record(self, rec: dict) -> None:
+        """Journal a change the books already made. A write that fails (a
+        full or read-only state dir) never undoes or skips the change: the
+        journal is marked stale instead (stale_journal), its file removed so
+        that no later daemon resumes from what it no longer matches, and
+        rewritten whole from the live books when a write works again."""
+        j = self.journal
+        if j is None or self.journal_stale is not None:
+            return
+        try:
+            j.append(rec)
+            live = sum(len(s.pages) + 1 for s in self.core.sessions.values()) + sum(len(o.pages) + 1 for o in self.orphans.values())
+            if j.wants_compaction(live):
+                j.compact(self._live_state(), self.core.next_session_id, self.core.page_ids.peek())
+        except OSError as exc:
+            self._journal_failed(exc)
+
+    def lent(self, s: Session, pool: DevicePool, pages: list[Page], fds: list[int]) -> None:
+        """Pages booked to `s`, before they are delivered (DevicePool.lend
+        calls it): journaled with their identities, and put in the page
+        store before the client can hold them."""
+        if self.journal is None:
+            return
+        be = pool.backend
+        fresh = be.fresh_exports  # an export per delivery: its identity, not a kept one
+        for p, fd in zip(pages, fds):
+            if fresh or not p.ident:
+                p.ident = be.identity(fd)
+        self.record({"op": "alloc", "sid": s.id, "dev": pool.uuid, "pages": [[p.id, p.ident] for p in pages]})
+        if self.store is not None:  # in the store before the client can hold it
+            self.store.put([p.id for p in pages], fds)
+
+    def returned(self, s: Session, pages: list[Page]) -> None:
+        """Pages `s` no longer holds (freed, or a loan undone)."""
+        if self.journal is None:
+            return
+        self.record({"op": "free", "sid": s.id, "pages": [p.id for p in pages]})
+        self._unstore(p.id for p in pages)
+
+    def ended(self, s: Session) -> None:
+        """`s` ended: nothing of it is left to resume."""
+        self.record({"op": "close", "sid": s.id})
+        self._unstore(s.pages)
+
+    def _unstore(self, page_ids: Iterable[int]) -> None:
+        """Pages that no session holds any more leave the store (and an
+        orphan's copy of their fd is closed: the driver frees a page nobody maps)."""
+        if self.store is None:
+            return
+        ids = list(page_ids)
+        self.store.drop(ids)
+        for pid in ids:
+            fd = self.stored.pop(pid, None)
+            if fd is not None:
+                os.close(fd)
+
+    def _journal_failed(self, exc: OSError) -> None:
+        assert self.journal is not None
+        self.journal_stale = f"{exc.strerror or exc} ({self.journal.path})"
+        self._journal_retry = time.monotonic() + JOURNAL_RETRY_SECONDS
+        removed = self.journal.abandon()
+        log.error("journal: writing %s failed: %s. The daemon's books stay right and it keeps serving, but sessions "
+                  "cannot be resumed after a restart until the journal is written again (%s; retried every %gs).",
+                  self.journal.path, exc.strerror or exc,
+                  "the stale file was removed" if removed else "the stale file could not be removed: " + str(self.journal.path),
+                  JOURNAL_RETRY_SECONDS)
+
+    def _live_state(self) -> dict[int, JSession]:
+        out = dict(self.orphans)
+        for s in self.core.sessions.values():
+            out[s.id] = JSession(
+                s.id, s.uid, s.name, s.resume_hash, s.guaranteed_bytes, s.max_bytes, s.priority, s.labels,
+                {p.id: (p.device, p.ident) for p in s.pages.values()},
+            )
+        return out
+
+    # ---- housekeeping -----------------------------------------------------
+    def expire(self, now: float) -> None:
+        """Forget the orphans whose resume_grace is over (housekeeping)."""
+        for sid in [k for k, t in self._orphan_deadline.items() if t <= now]:
+            self.forget_orphan(sid, f"not resumed within {self.settings.resume_grace:g} s of the restart")
+
+    def rewrite_stale_journal(self, now: float) -> None:
+        """A stale journal is rewritten whole from the live books, every
+        JOURNAL_RETRY_SECONDS until a write works (housekeeping)."""
+        if self.journal_stale is None or now < self._journal_retry:
+            return
+        assert self.journal is not None
+        try:
+            self.journal.compact(self._live_state(), self.core.next_session_id, self.core.page_ids.peek())
+        except OSError as exc:
+            self.journal.abandon()
+            self._journal_retry = now + JOURNAL_RETRY_SECONDS
+            log.debug("journal: still cannot write %s: %s", self.journal.path, exc)
+            return
+        log.warning("journal: %s written again (%d sessions); sessions are resumable after a restart again "
+                    "(it had failed: %s)", self.journal.path, len(self.core.sessions) + len(self.orphans), self.journal_stale)
+        self.journal_stale = None
+
+    def forget_orphan(self, sid: int, reason: str) -> None:
+        js = self.orphans.pop(sid)
+        self._orphan_deadline.pop(sid, None)
+        per_dev: dict[str, int] = {}
+        for dev, _ in js.pages.values():
+            per_dev[dev] = per_dev.get(dev, 0) + 1
+        for dev, n in per_dev.items():
+            self.core.pools[dev].forget_orphans(n)
+        self.record({"op": "close", "sid": sid})
+        self._unstore(js.pages)
+        self.core.tombstones.add(sid, reason)
+        log.warning("session %d '%s' (uid %d): %s; forgetting its %d pages (their memory stays with whoever still maps them)",
+                    sid, js.name, js.uid, reason, len(js.pages))
+
+    # ---- resume -----------------------------------------------------------
+    def may_adopt(self, session_id: int, uid: int, page_id: int) -> bool:
+        """Whether an ADOPT record's page is worth keeping until
+        ResumeSession: a page the journal gave an orphan of that uid (so
+        nobody can make the daemon hold descriptors for nothing)."""
+        js = self.orphans.get(session_id)
+        return js is not None and js.uid == uid and page_id in js.pages
+
+    async def resume(self, caller_uid: int | None, secret: bytes, sid: int, token: bytes, page_ids: list[int]) -> tuple[Session, int, int]:
+        """Re-attach a session of the previous daemon to a new fd channel,
+        adopting the pages its client re-sent (ADOPT, collected by the
+        channel adapter) after checking the claim against the journal.
+        Returns (session, adopted, forgotten)."""
+        core = self.core
+        if self.journal is None:
+            raise errors.FailedPrecondition("this daemon keeps no journal (--state-dir), so sessions cannot be resumed; open a new one")
+        port = core.identity.port(caller_uid, secret, "ResumeSession")
+        adoption = core.identity.directory().adoption(port)
+        js = self.orphans.get(sid)
+        if js is None:
+            if sid in core.sessions:
+                raise errors.FailedPrecondition(f"session {sid} is live; only a session of a previous daemon can be resumed")
+            reason = core.tombstones.get(sid)
+            raise errors.NotFound(f"no session {sid} to resume" + (f" ({reason})" if reason else " in the journal"))
+        if not hmac.compare_digest(hashlib.sha256(token).hexdigest(), js.resume_hash):
+            raise errors.PermissionDenied(f"resume token does not match session {sid}")
+        if port.uid != js.uid:
+            raise errors.PermissionDenied(f"session {sid} belonged to uid {js.uid}, not to uid {port.uid}")
+        if len(set(page_ids)) != len(page_ids):
+            raise errors.InvalidArgument("page_ids repeats a page; nothing was adopted")
+        if adoption.fds and adoption.session_id != sid:
+            raise errors.InvalidArgument(f"the ADOPT records on this channel name session {adoption.session_id}, not {sid}")
+        # Pages in the page store (keeper.py) are taken from there: the
+        # daemon's own fds, whatever the driver's fds look like. Only the
+        # others need the fd the client re-sent, checked by its identity.
+        resent = [pid for pid in page_ids if pid not in self.stored]
+        for pid in page_ids:
+            if pid not in js.pages:
+                raise errors.PermissionDenied(f"page {pid} was not held by session {sid}; nothing was adopted")
+        for pid in resent:
+            if pid not in adoption.fds:
+                raise errors.InvalidArgument(f"page {pid} is claimed but its fd was not sent as ADOPT; nothing was adopted")
+        by_dev: dict[str, list[int]] = {}
+        for pid in page_ids:
+            by_dev.setdefault(js.pages[pid][0], []).append(pid)
+        # A re-sent fd proves a page only where fds identify pages: on a
+        # driver whose exports all share one fstat identity any page's fd
+        # would pass for any other's, so nothing is adopted there.
+        for dev in {js.pages[pid][0] for pid in resent}:
+            if dev in core.pools and not await core.pools[dev].identities_distinct():
+                if sid in self.orphans:
+                    self.forget_orphan(sid, "not resumable: the driver's exported fds do not identify their pages")
+                raise errors.FailedPrecondition(
+                    f"session {sid} cannot be resumed with its pages: on device {dev} every exported page fd has the "
+                    "same identity, so the daemon cannot tell which page a re-sent fd is; open a new session "
+                    "(its old mappings keep their memory until unmapped)")
+        for pid in resent:
+            if core.backend.identity(adoption.fds[pid]) != js.pages[pid][1]:
+                raise errors.PermissionDenied(f"the fd sent for page {pid} is not the page the journal recorded; nothing was adopted")
+        imported: dict[str, tuple[list[int], list]] = {}
+        try:
+            for dev, pids in by_dev.items():
+                fds = [self.stored.pop(pid) if pid in self.stored else adoption.take(pid) for pid in pids]
+                handles = await core.pools[dev].import_pages(fds)  # the backend takes the fds
+                imported[dev] = (pids, handles)
+        except BaseException:
+            # undo earlier devices: the orphan keeps its pages, the client may retry
+            for dev, (_, handles) in imported.items():
+                await core.pools[dev].release_handles(handles)
+            raise
+        adoption.discard()
+        if sid not in self.orphans or port.closed:  # lost a race with the grace timer or the client
+            for dev, (_, handles) in imported.items():
+                await core.pools[dev].release_handles(handles)
+            raise errors.FailedPrecondition(f"session {sid} could not be resumed: it expired or its channel closed meanwhile")
+        del self.orphans[sid]
+        self._orphan_deadline.pop(sid, None)
+        s = core.bind(port, id=sid, name=js.name, labels=dict(js.labels), guaranteed_bytes=js.guaranteed_bytes,
+                      max_bytes=js.max_bytes, priority=js.priority, resume_hash=js.resume_hash)
+        adopted = {pid for pids, _ in imported.values() for pid in pids}
+        forgotten = [pid for pid in js.pages if pid not in adopted]
+        per_dev: dict[str, int] = {}
+        for pid in forgotten:
+            dev = js.pages[pid][0]
+            per_dev[dev] = per_dev.get(dev, 0) + 1
+        for dev, n in per_dev.items():
+            core.pools[dev].forget_orphans(n)
+        for dev, (pids, handles) in imported.items():
+            pool = core.pools[dev]
+            pages = pool.adopt(s, [(pid, h, js.pages[pid][1]) for pid, h in zip(pids, handles)])
+            s.add_pages(pool, pages)
+        if forgotten:
+            self.record({"op": "free", "sid": sid, "pages": forgotten})
+            self._unstore(forgotten)
+        core.count("sessions_resumed")
+        log.info("session %d '%s' resumed by pid %d uid %d: %d pages adopted, %d forgotten",
+                 sid, s.name, s.pid, s.uid, len(adopted), len(forgotten))
+        return s, len(adopted), len(forgotten)
+
+    # ---- shutdown -----------------------------------------------------------
+    def close(self) -> None:
+        """Every session ended: nothing is left to resume (the journal is
+        removed) nor to keep (the keeper exits once alone with an empty store)."""
+        if self.journal is not None:
+            self.journal.close(remove=True)
+        if self.store is not None:
+            self.store.clear()
+            self.store.close()
+            for fd in self.stored.values():
+                os.close(fd)
+            self.stored.clear()
