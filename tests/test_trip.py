@@ -1,0 +1,127 @@
+"""The trip of one fd channel Allocate, from the Python client's Region.map
+to a mapped page (host backend), traced in both processes:
+
+- the client: sys.setprofile on the thread that calls Region.map (it is
+  also the thread that reads its answer: client/channel.py);
+- the daemon: tests/helpers/traced_serve.py runs kvcached-serve with its
+  fd channel read callback under sys.setprofile (one record per callback;
+  a one-page Allocate from the warm pool is served inside it, no Task).
+
+A file is *entered* when a function of it is called from another file. The
+trip is the sequence of entries; an *upcall* is an entry into a file that is
+already on the call stack (a lower layer calling back into a higher one).
+The bar the architecture aims at (issue 26 item 2): at most 10 files, each
+one named layer, no upcall. `test_the_trip_meets_the_layering_bar` says how
+far the code is from it (strict xfail: it fails once the bar is met, so the
+mark goes then).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvtest import HELPERS, PY, ROOT, Daemon, wait_serving, wait_until
+
+MiB = 1 << 20
+
+LAYERS = {  # file -> the named layer it is
+    "kvcached_service/client/region.py": "client API",
+    "kvcached_service/client/client.py": "client API",
+    "kvcached_service/client/channel.py": "client channel",
+    "kvcached_service/fdchannel.py": "wire codec",
+    "kvcached_service/server/channel.py": "server channel",
+    "kvcached_service/server/daemon.py": "core",
+    "kvcached_service/server/pool.py": "pool",
+    "kvcached_service/backends/base.py": "backend",
+    "kvcached_service/backends/host.py": "backend",
+    "kvcached_service/backends/cuda.py": "backend",
+    "kvcached_service/cuda/driver.py": "driver binding",
+    "kvcached_service/client/mapping.py": "mapper",
+    "kvcached_service/client/cuda_mapper.py": "mapper",
+}
+
+
+def _recorder():
+    spec = importlib.util.spec_from_file_location("traced_serve", HELPERS / "traced_serve.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.recorder
+
+
+def entries(calls: list) -> list[tuple[str, str, bool]]:
+    """(file, function, upcall) for each call that enters a file from
+    another one, in order. `calls` holds [depth, file, function, caller's file]."""
+    out = []
+    stack: list[tuple[int, str]] = []  # (depth, file) of the frames still open
+    for depth, path, fn, caller in calls:
+        while stack and stack[-1][0] >= depth:
+            stack.pop()
+        if path != caller:
+            out.append((path, fn, any(f == path for _, f in stack)))
+        stack.append((depth, path))
+    return out
+
+
+@pytest.fixture(scope="module")
+def trip(tmp_path_factory):
+    """The entries of one Region.map of one page: (client's, daemon's)."""
+    tmp = tmp_path_factory.mktemp("trip")
+    sock, log, trace = str(tmp / "kvc.sock"), tmp / "daemon.log", tmp / "trip.jsonl"
+    env = dict(os.environ, KVCACHED_TRIP_LOG=str(trace), PYTHONPATH=str(ROOT))
+    with open(log, "w") as logf:
+        proc = subprocess.Popen([PY, str(HELPERS / "traced_serve.py"), "--socket", sock, "--backend", "host",
+                                 "--memory-limit", "64MiB", "--prealloc", "8MiB", "--shutdown-grace", "0.5"],
+                                env=env, stdout=logf, stderr=subprocess.STDOUT)
+    d = Daemon(proc, sock, log, {}, None)
+    try:
+        wait_serving(sock, proc, log)
+        calls: list = []
+        with d.client() as c, c.open_session("trip") as s, s.region(4 * MiB) as r:
+            trace.write_text("")  # from here: the Allocate's records only
+            sys.setprofile(_recorder()(calls))
+            try:
+                r.map(0, 2 * MiB)
+            finally:
+                sys.setprofile(None)
+            # the daemon writes a callback's calls once it returns, after its REPLY
+            wait_until(lambda: "Daemon.allocate" in (t := trace.read_text()) and t.endswith("\n"), 5)
+            served = [json.loads(line) for line in trace.read_text().splitlines()]
+            r.write(0, b"trip")
+            assert r.read(0, 4) == b"trip" and r.read(4, 16) == bytes(16)  # a mapped page, zeroed
+    finally:
+        assert d.stop() == 0, d.log_text()
+    allocate = [seg for seg in served if any(fn == "Daemon.allocate" for _, _, fn, _ in seg)]
+    assert len(allocate) == 1, served
+    return entries(calls), entries(allocate[0])
+
+
+def test_the_allocate_is_served_in_one_pass_and_ends_in_a_mapped_page(trip):
+    client, daemon = trip
+    c = [f"{p}:{fn}" for p, fn, _ in client]
+    assert c[0] == "kvcached_service/client/region.py:Region.map"
+    assert c[-1] == "kvcached_service/client/mapping.py:HostMapper.map"  # the page mapped after the answer
+    d = [f"{p}:{fn}" for p, fn, _ in daemon]
+    # one read callback: the request decoded, allocated, PAGES sent, REPLY sent
+    assert d[0] == "kvcached_service/server/channel.py:ChannelServer._read_one"
+    for step in ("kvcached_service/fdchannel.py:recv_request", "kvcached_service/server/daemon.py:Daemon.allocate",
+                 "kvcached_service/server/pool.py:DevicePool.lend", "kvcached_service/server/channel.py:Conn.deliver",
+                 "kvcached_service/fdchannel.py:encode_pages", "kvcached_service/fdchannel.py:encode_reply"):
+        assert step in d, (step, d)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 26 item 2: the trip enters files that are no named layer "
+                   "(eager.py, identity.py, sessions.py, admission.py, recovery.py) and calls back up "
+                   "(pool -> server channel to deliver; sessions -> pool)")
+def test_the_trip_meets_the_layering_bar(trip):
+    client, daemon = trip
+    files = sorted({p for p, _, _ in client + daemon})
+    unnamed = [p for p in files if p not in LAYERS]
+    upcalls = [f"{p}:{fn}" for p, fn, up in client + daemon if up]
+    assert (len(files), unnamed, upcalls) == (len(files[:10]), [], []), "\n".join(
+        ["trip (client, then daemon):"] + [f"  {p}:{fn}{' (upcall)' if up else ''}" for p, fn, up in client + daemon])
