@@ -154,6 +154,7 @@ bool session_resume(kvc_session *s)
             return false;
         }
         std::vector<uint64_t> late;  // Frees deferred while the claim was in flight
+        std::vector<uint64_t> late_seqs;
         {
             std::scoped_lock g(s->link.mu, s->kept.mu);
             s->link.chan = std::make_shared<Chan>(nfd);  // the old one closes with its last user
@@ -165,6 +166,7 @@ bool session_resume(kvc_session *s)
                     late.push_back(i);
             for (uint64_t i : late)
                 s->kept.deferred.erase(i);
+            late_seqs = s->kept.seqs_locked(late);
             s->life.resumes++;
             s->life.state = kLive;
         }
@@ -176,9 +178,10 @@ bool session_resume(kvc_session *s)
             std::shared_ptr<Chan> ch = s->link.chan_copy();
             size_t done = 0;
             chan_free(s, ch.get(), late, &done);
+            // Only the entries this Free saw: the daemon may lend a freed id
+            // again before its REPLY is read here.
             std::lock_guard<std::mutex> g(s->kept.mu);
-            std::vector<uint64_t> freed(late.begin(), late.begin() + done);
-            s->kept.drop_locked(freed);
+            s->kept.unkeep_seqs_locked(late, late_seqs, done);
             s->kept.deferred.insert(late.begin() + done, late.end());
         }
         return true;

@@ -60,14 +60,27 @@ kvc_status session_free_ids(kvc_session *s, const std::vector<uint64_t> &ids, si
         *freed = 0;
     if (ids.empty())
         return KVC_OK;
-    auto defer = [&](size_t from) -> kvc_status {
-        std::vector<uint64_t> rest(ids.begin() + from, ids.end());
+    // Defer ids[from..]. With `seen` (the kept entries' sequence numbers
+    // this Free saw when it was sent), an id whose entry was replaced since
+    // is not deferred: the daemon lent that id again, so it had processed
+    // this Free (only its REPLY was lost), and the id is now another
+    // mapping's page.
+    auto defer = [&](size_t from, const std::vector<uint64_t> *seen) -> kvc_status {
         std::lock_guard<std::mutex> g(s->kept.mu);
+        std::vector<uint64_t> rest;
+        for (size_t i = from; i < ids.size(); i++) {
+            if (seen && (*seen)[i] != 0) {
+                auto it = s->kept.keep.find(ids[i]);
+                if (it != s->kept.keep.end() && it->second.seq != (*seen)[i])
+                    continue;
+            }
+            rest.push_back(ids[i]);
+        }
         kvc_status st = check_free_locked(s, rest);
         if (st != KVC_OK)
             return st;
         s->kept.deferred.insert(rest.begin(), rest.end());
-        s->books.drop_held(rest.size());
+        s->books.drop_held(ids.size() - from);
         if (freed)
             *freed = ids.size();
         return KVC_OK;
@@ -84,13 +97,13 @@ kvc_status session_free_ids(kvc_session *s, const std::vector<uint64_t> &ids, si
     if (s->life.ended.load())
         return ended(0);
     if (s->resuming())
-        return defer(0);
+        return defer(0, nullptr);
     // A resume waits for Frees in flight (it claims what they leave kept).
     std::shared_lock<std::shared_mutex> rw(s->link.rw);
     if (s->life.ended.load())
         return ended(0);
     if (s->resuming())
-        return defer(0);
+        return defer(0, nullptr);
     const uint64_t gen = s->life.resumes.load();
     std::shared_ptr<Chan> ch = s->link.chan_copy();
     std::vector<uint64_t> seqs;
@@ -116,7 +129,7 @@ kvc_status session_free_ids(kvc_session *s, const std::vector<uint64_t> &ids, si
     }
     if (s->resumable && !s->life.closing.load() &&
         (st == KVC_ERR_UNAVAILABLE || s->resuming() || s->life.resumes.load() != gen))
-        return defer(done);
+        return defer(done, &seqs);
     return st;
 }
 
