@@ -117,7 +117,7 @@ def test_the_allocate_is_served_in_one_pass_and_ends_in_a_mapped_page(trip):
 
 @pytest.mark.xfail(strict=True, reason="issue 26 item 2: the trip enters files that are no named layer "
                    "(eager.py, identity.py, sessions.py, admission.py, recovery.py) and calls back up "
-                   "(pool -> server channel to deliver; sessions -> pool)")
+                   "(eager.start -> server channel's request coroutine; pool -> server channel to deliver)")
 def test_the_trip_meets_the_layering_bar(trip):
     client, daemon = trip
     files = sorted({p for p, _, _ in client + daemon})

@@ -308,7 +308,7 @@ class Daemon:
         n = len(s.pages)
         for uuid, pages in by_pool.items():
             pool = self.pools[uuid]
-            s.remove_pages(pool, pages)
+            s.remove_pages(pages)
             eager.start(pool.give_back(pages), self._tasks)
         for q in s.watchers:
             q.put_nowait(None)
@@ -394,7 +394,7 @@ class Daemon:
             for page in pages:
                 by_pool.setdefault(page.device, []).append(page)
             for uuid, group in by_pool.items():
-                s.remove_pages(self.pools[uuid], group)
+                s.remove_pages(group)
                 if s.asks:
                     self.reclaimer.settle(s, uuid, len(group))
             s.frees_total += 1

@@ -416,7 +416,7 @@ class DevicePool:
             eager.start(self.give_back(pages), self.tasks)  # never the session's
             raise
         try:
-            session.add_pages(self, pages)
+            session.add_pages(pages)
             self.ledger.lent(session, self, pages, fds)
             await session.port.deliver(allocation_id, [p.id for p in pages], fds)
         except BaseException:
@@ -424,7 +424,7 @@ class DevicePool:
             # answer and never learns these page ids): the session must not
             # keep them. A session that ended meanwhile gave them back itself.
             if not session.closed and all(p.id in session.pages for p in pages):
-                session.remove_pages(self, pages)
+                session.remove_pages(pages)
                 self.ledger.returned(session, pages)
                 task = asyncio.get_running_loop().create_task(self.give_back(pages))
                 self.tasks.add(task)

@@ -335,7 +335,7 @@ class Recovery:
         for dev, (pids, handles) in imported.items():
             pool = core.pools[dev]
             pages = pool.adopt(s, [(pid, h, js.pages[pid][1]) for pid, h in zip(pids, handles)])
-            s.add_pages(pool, pages)
+            s.add_pages(pages)
         if forgotten:
             self.record({"op": "free", "sid": sid, "pages": forgotten})
             self._unstore(forgotten)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 from .. import errors
 
 if TYPE_CHECKING:
-    from .pool import DevicePool, Page
+    from .pool import Page
 
 
 class DeliveryFailed(Exception):
@@ -133,15 +133,19 @@ class Session:
         self.last_active = time.monotonic()
         self.idle_asked = False
 
-    def add_pages(self, pool: "DevicePool", pages: list["Page"]) -> None:
+    def add_pages(self, pages: list["Page"]) -> None:
+        """Pages of one device, now the session's."""
         for p in pages:
             self.pages[p.id] = p
-        self.held_by_device[pool.uuid] += len(pages)
+        if pages:
+            self.held_by_device[pages[0].device] += len(pages)
 
-    def remove_pages(self, pool: "DevicePool", pages: list["Page"]) -> None:
+    def remove_pages(self, pages: list["Page"]) -> None:
+        """Pages of one device, no longer the session's."""
         for p in pages:
             del self.pages[p.id]
-        self.held_by_device[pool.uuid] -= len(pages)
+        if pages:
+            self.held_by_device[pages[0].device] -= len(pages)
 
     def held_pages(self, uuid: str) -> int:
         return self.held_by_device.get(uuid, 0)
