@@ -57,6 +57,13 @@ bool session_resume(kvc_session *s)
         {
             grpc::ClientContext ctx;
             ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(1000));
+            // Wait for the connection rather than fail fast: a call that fails
+            // at once while the channel is reconnecting leaves nobody polling
+            // the new connection, which then becomes ready only at gRPC's
+            // backup poll (every 5 s): resumes took 5-13 s after the daemon
+            // was back. Waiting, the call polls it and goes out as soon as
+            // the daemon answers.
+            ctx.set_wait_for_ready(true);
             grpc::Status gs = s->conn->stub->GetInfo(&ctx, pb::GetInfoRequest(), &info);
             if (!gs.ok()) {
                 last = "GetInfo: " + gs.error_message();
