@@ -70,9 +70,9 @@ int64_t now_ms() {
     X(kvc_session_id) X(kvc_session_page_size) X(kvc_session_kind) X(kvc_session_ended)                     \
     X(kvc_session_is_resuming) X(kvc_session_resume_count) X(kvc_session_set_reclaim_callback)              \
     X(kvc_session_set_wait) X(kvc_region_create) X(kvc_region_destroy) X(kvc_region_base)                   \
-    X(kvc_region_mapped_bytes) X(kvc_region_map) X(kvc_region_map_ranges) X(kvc_region_unmap_ranges)        \
-    X(kvc_region_memset) X(kvc_region_clear) X(kvc_region_read) X(kvc_region_write) X(kvc_region_rebind)    \
-    X(kvc_layout_page_aligned)
+    X(kvc_region_mapped_bytes) X(kvc_region_is_mapped) X(kvc_region_map) X(kvc_region_map_ranges)           \
+    X(kvc_region_unmap_ranges) X(kvc_region_memset) X(kvc_region_clear) X(kvc_region_read) X(kvc_region_write) \
+    X(kvc_region_rebind) X(kvc_layout_page_aligned)
 
 struct client_api {
 #define LLAMA_KVCACHED_FIELD(name) decltype(&::name) name = nullptr;
@@ -149,6 +149,8 @@ struct state {
     // decode path policy
     uint32_t wait_ms        = 1000;  // KVCACHED_WAIT_MS: one Allocate waits at most this
     uint32_t fail_fast_ms   = 2000;  // KVCACHED_FAIL_FAST_MS: after a refusal, no waiting this long
+    uint32_t wait_daemon_ms = 5000;  // KVCACHED_WAIT_DAEMON_MS: a batch that needs new pages while the daemon is away waits this long for it
+    bool     wait_spent     = false; // such a wait ran out: no more waiting until the daemon is back
     int64_t  no_wait_until  = 0;
     bool     wait_set       = false;
     bool     wait_on        = false;
@@ -274,7 +276,8 @@ bool read_env(state & g) {
         return true;
     };
     if (!u64("KVCACHED_GUARANTEED_BYTES", g.guaranteed) || !u64("KVCACHED_MAX_BYTES", g.max) ||
-        !ms("KVCACHED_WAIT_MS", g.wait_ms) || !ms("KVCACHED_FAIL_FAST_MS", g.fail_fast_ms)) {
+        !ms("KVCACHED_WAIT_MS", g.wait_ms) || !ms("KVCACHED_FAIL_FAST_MS", g.fail_fast_ms) ||
+        !ms("KVCACHED_WAIT_DAEMON_MS", g.wait_daemon_ms)) {
         return false;
     }
     if (const char * v = getenv("KVCACHED_PRIORITY"); v && *v && !parse_i32(v, g.priority)) {
@@ -711,6 +714,7 @@ void check_session_locked() {
     if (r != g.resumes_seen) {
         g.resumes_seen  = r;
         g.resuming_said = false;
+        g.wait_spent    = false;
         LLAMA_LOG_INFO("kvcached: the daemon at %s is back: session %llu resumed with its pages\n", g.socket.c_str(),
                        (unsigned long long) g.api.kvc_session_id(g.session));
     }
@@ -763,6 +767,7 @@ void try_reconnect() {
     g.resuming_said = false;
     g.resumes_seen  = 0;
     g.no_wait_until = 0;
+    g.wait_spent    = false;
     g.last_error.clear();
     LLAMA_LOG_INFO("kvcached: reconnected to the daemon at %s: session %llu; new KV memory comes from it (the %.2f MiB "
                    "mapped before stay in use until their cells are freed)\n",
@@ -792,97 +797,146 @@ std::string map_error_locked(kvc_status st, const std::string & why, bool waited
     return fmt("kvcached: backing the KV cache with daemon pages failed (%s: %s)", status_name(st), why.c_str());
 }
 
-// Map cells [0, need[s]) of every stream (need[s] <= mapped[s] skipped).
-// reg held. On failure g.last_error says why.
-bool map_locked(kv_cache * c, const std::vector<uint32_t> & need_in) {
-    state &               g    = S();
-    std::vector<uint32_t> need = need_in;
-    bool                  any  = false;
-    for (size_t s = 0; s < need.size(); ++s) {
-        need[s] = std::min(need[s], c->info.kv_size);
-        any     = any || need[s] > c->mapped[s];
+// The daemon is away: the session ended (reconnecting) or is resuming. reg held.
+bool daemon_away_locked() {
+    state & g = S();
+    check_session_locked();
+    return g.lost || g.api.kvc_session_is_resuming(g.session);
+}
+
+// Wait for the daemon to be back, at most KVCACHED_WAIT_DAEMON_MS (a
+// supervised restart takes about a second), releasing reg meanwhile so the
+// hook's thread can reconnect. Once a wait ran out, no batch waits again
+// until the daemon is back: an outage longer than a restart fails requests
+// at once (and llama-server's retries of a failed batch, halved each time,
+// never wait). True when the daemon is back.
+bool wait_daemon_locked(std::unique_lock<std::mutex> & lk) {
+    state &       g        = S();
+    const int64_t start    = now_ms();
+    const int64_t deadline = start + g.wait_daemon_ms;
+    if (g.wait_spent) {
+        return false;
     }
-    bool anything = false;
+    wake_thread();
+    while (now_ms() < deadline) {
+        lk.unlock();
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        lk.lock();
+        if (!daemon_away_locked()) {
+            LLAMA_LOG_INFO("kvcached: a batch that needed new KV memory waited %lld ms for the daemon at %s\n",
+                           (long long) (now_ms() - start), g.socket.c_str());
+            return true;
+        }
+    }
+    g.wait_spent = true;
+    LLAMA_LOG_WARN("kvcached: the daemon at %s did not come back within %u ms (KVCACHED_WAIT_DAEMON_MS); batches "
+                   "that need new KV memory fail until it is back\n",
+                   g.socket.c_str(), g.wait_daemon_ms);
+    return false;
+}
+
+// The ranges that back cells [0, need[s]) of every stream of b (and its
+// whole tensors once anything is needed) and are not all mapped yet.
+std::vector<kvc_range> missing_ranges(const kv_buffer * b, const std::vector<uint32_t> & need, bool anything) {
+    state &                g = S();
+    std::vector<kvc_range> ranges;
+    for (const auto & t : b->tensors) {
+        if (t.whole) {
+            if (anything) {
+                ranges.push_back({ t.offset, t.extent });
+            }
+            continue;
+        }
+        for (size_t s = 0; s < need.size(); ++s) {
+            if (need[s] > 0) {
+                ranges.push_back({ t.offset + s * t.stride, (uint64_t) need[s] * t.row });
+            }
+        }
+    }
+    // what the pages cover decides, not the cells counted so far: a page
+    // backs more cells than the batch that mapped it asked for
+    ranges.erase(std::remove_if(ranges.begin(), ranges.end(),
+                                [&](const kvc_range & r) { return g.api.kvc_region_is_mapped(b->region, r.offset, r.size); }),
+                 ranges.end());
+    return ranges;
+}
+
+// A batch the daemon could not back: say why (once per 5 s for the same
+// message). reg held.
+void map_failed_locked(kvc_status st, const std::string & why, bool waited) {
+    state & g = S();
+    if (st == KVC_ERR_RESOURCE_EXHAUSTED || st == KVC_ERR_DEADLINE_EXCEEDED) {
+        g.no_wait_until = now_ms() + g.fail_fast_ms;
+    }
+    g.last_error    = map_error_locked(st, why, waited);
+    const int64_t t = now_ms();
+    if (g.last_error != g.logged_error || t - g.logged_error_at >= 5000) {
+        LLAMA_LOG_WARN("%s\n", g.last_error.c_str());
+        g.logged_error    = g.last_error;
+        g.logged_error_at = t;
+    }
+}
+
+// Back cells [0, need[s]) of every stream. What the mapped pages cover is
+// served without the daemon (also while it is away); pages are asked for
+// only for the rest. reg held (by lk; released while waiting for a daemon
+// that is away). On failure g.last_error says why.
+bool map_locked(kv_cache * c, const std::vector<uint32_t> & need_in, std::unique_lock<std::mutex> & lk) {
+    state &               g        = S();
+    std::vector<uint32_t> need     = need_in;
+    bool                  anything = false;
     for (size_t s = 0; s < need.size(); ++s) {
+        need[s]  = std::min(need[s], c->info.kv_size);
         anything = anything || need[s] > 0;
     }
-    for (kv_buffer * b : c->bufs) {
-        any = any || (anything && !b->whole_mapped && std::any_of(b->tensors.begin(), b->tensors.end(),
-                                                                   [](const kv_tensor & t) { return t.whole; }));
+    std::vector<std::vector<kvc_range>> missing(c->bufs.size());
+    bool                                any = false;
+    for (size_t i = 0; i < c->bufs.size(); ++i) {
+        missing[i] = missing_ranges(c->bufs[i], need, anything);
+        any        = any || !missing[i].empty();
     }
-    if (!any) {
-        g.last_error.clear();
-        return true;
-    }
-    check_session_locked();
-    if (g.lost) {
-        g.last_error = map_error_locked(KVC_ERR_FAILED_PRECONDITION, "", false);
-        return false;
+    if (any && daemon_away_locked()) {
+        if (!wait_daemon_locked(lk)) {
+            map_failed_locked(KVC_ERR_UNAVAILABLE, "", false);
+            return false;
+        }
+        for (size_t i = 0; i < c->bufs.size(); ++i) {  // reg was released: look again
+            missing[i] = missing_ranges(c->bufs[i], need, anything);
+        }
     }
     // the decode path waits at most wait_ms, and not at all shortly after a
     // refusal (llama-server then halves the batch and retries: those retries
     // must not wait again)
     const bool wait = now_ms() >= g.no_wait_until;
-    if (!g.wait_set || g.wait_on != wait) {
+    if (any && (!g.wait_set || g.wait_on != wait)) {
         g.api.kvc_session_set_wait(g.session, wait ? 1 : 0, g.wait_ms);
         g.wait_set = true;
         g.wait_on  = wait;
     }
     bool changed = false;
-    for (kv_buffer * b : c->bufs) {
-        std::vector<kvc_range> ranges;
-        std::vector<uint32_t>  from(need.size(), 0);
-        // ranges from 0 (map_ranges skips what is mapped): robust against
-        // pages given back by a reclaim the books did not see
-        for (const auto & t : b->tensors) {
-            if (t.whole) {
-                continue;
-            }
-            for (size_t s = 0; s < need.size(); ++s) {
-                if (need[s] > 0) {
-                    ranges.push_back({ t.offset + s * t.stride, (uint64_t) need[s] * t.row });
+    for (size_t i = 0; i < c->bufs.size(); ++i) {
+        kv_buffer * b = c->bufs[i];
+        if (!missing[i].empty()) {
+            const uint64_t before = g.api.kvc_region_mapped_bytes(b->region);
+            kvc_status     st     = g.api.kvc_region_map_ranges(b->region, missing[i].data(), missing[i].size());
+            if (st != KVC_OK) {
+                map_failed_locked(st, last_err(), wait);
+                if (changed) {
+                    log_lines_locked();
                 }
+                return false;
+            }
+            const uint64_t after = g.api.kvc_region_mapped_bytes(b->region);
+            changed              = changed || after != before;
+            if (g.debug) {
+                LLAMA_LOG_INFO("kvcached: mapped %.2f -> %.2f MiB\n", before / MiB, after / MiB);
             }
         }
-        if (!b->whole_mapped && anything) {
-            for (const auto & t : b->tensors) {
-                if (t.whole) {
-                    ranges.push_back({ t.offset, t.extent });
-                }
-            }
-        }
-        if (ranges.empty()) {
-            continue;
-        }
-        const uint64_t before = g.api.kvc_region_mapped_bytes(b->region);
-        kvc_status     st     = g.api.kvc_region_map_ranges(b->region, ranges.data(), ranges.size());
-        if (st != KVC_OK) {
-            std::string why = last_err();
-            if (st == KVC_ERR_RESOURCE_EXHAUSTED || st == KVC_ERR_DEADLINE_EXCEEDED) {
-                g.no_wait_until = now_ms() + g.fail_fast_ms;
-            }
-            g.last_error = map_error_locked(st, why, wait);
-            const int64_t t = now_ms();
-            if (g.last_error != g.logged_error || t - g.logged_error_at >= 5000) {
-                LLAMA_LOG_WARN("%s\n", g.last_error.c_str());
-                g.logged_error    = g.last_error;
-                g.logged_error_at = t;
-            }
-            if (changed) {
-                log_lines_locked();
-            }
-            return false;
-        }
-        if (!b->whole_mapped && anything) {
-            b->whole_mapped = true;
-        }
-        const uint64_t after = g.api.kvc_region_mapped_bytes(b->region);
-        changed              = changed || after != before;
-        if (g.debug) {
-            LLAMA_LOG_INFO("kvcached: mapped %.2f -> %.2f MiB\n", before / MiB, after / MiB);
-        }
+        b->whole_mapped = b->whole_mapped || anything;
     }
-    g.no_wait_until = 0;
+    if (any) {
+        g.no_wait_until = 0;
+    }
     g.last_error.clear();
     for (size_t s = 0; s < need.size(); ++s) {
         c->mapped[s] = std::max(c->mapped[s], need[s]);
@@ -905,7 +959,13 @@ uint32_t keep_cells(const kv_cache * c, uint32_t used) {
 // transposed V that is otherwise mapped whole). reg held, on the thread
 // that owns the cache (or under the server lock).
 void trim_locked(kv_cache * c) {
-    state &               g = S();
+    state & g = S();
+    if (daemon_away_locked()) {
+        // nothing is unmapped while the daemon is away: the pages could not
+        // come back until it returns; trimmed at the first batch after that
+        g.trim_pending = true;
+        return;
+    }
     std::vector<uint32_t> keep(c->info.n_stream), to(c->info.n_stream);
     bool                  any   = false;
     bool                  empty = true;
@@ -1240,7 +1300,7 @@ bool llama_kvcached_active(const void * owner) {
 
 bool llama_kvcached_map(const void * owner, const uint32_t * n_cells, uint32_t n_stream) {
     state &                     g = S();
-    std::lock_guard<std::mutex> lk(g.reg);
+    std::unique_lock<std::mutex> lk(g.reg);
     kv_cache *                  c = cache_of(owner);
     if (!c) {
         return true;
@@ -1256,17 +1316,17 @@ bool llama_kvcached_map(const void * owner, const uint32_t * n_cells, uint32_t n
     for (uint32_t s = 0; s < n_stream && s < c->info.n_stream; ++s) {
         need[s] = n_cells[s];
     }
-    return map_locked(c, need);
+    return map_locked(c, need, lk);
 }
 
 bool llama_kvcached_map_all(const void * owner) {
     state &                     g = S();
-    std::lock_guard<std::mutex> lk(g.reg);
+    std::unique_lock<std::mutex> lk(g.reg);
     kv_cache *                  c = cache_of(owner);
     if (!c) {
         return true;
     }
-    if (!map_locked(c, std::vector<uint32_t>(c->info.n_stream, c->info.kv_size))) {
+    if (!map_locked(c, std::vector<uint32_t>(c->info.n_stream, c->info.kv_size), lk)) {
         LLAMA_LOG_ERROR("kvcached: a K shift / stream copy reads the whole KV cache: %s\n", g.last_error.c_str());
         return false;
     }
@@ -1275,7 +1335,7 @@ bool llama_kvcached_map_all(const void * owner) {
 
 bool llama_kvcached_map_used(const void * owner) {
     state &                     g = S();
-    std::lock_guard<std::mutex> lk(g.reg);
+    std::unique_lock<std::mutex> lk(g.reg);
     kv_cache *                  c = cache_of(owner);
     if (!c) {
         return true;
@@ -1284,7 +1344,7 @@ bool llama_kvcached_map_used(const void * owner) {
     for (uint32_t s = 0; s < c->info.n_stream; ++s) {
         need[s] = keep_cells(c, c->info.used_cells ? c->info.used_cells(s) : c->info.kv_size);
     }
-    return map_locked(c, need);
+    return map_locked(c, need, lk);
 }
 
 void llama_kvcached_trim(const void * owner) {
