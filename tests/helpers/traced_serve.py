@@ -5,7 +5,8 @@ test imports `recorder` from here for the client's side.
     python tests/helpers/traced_serve.py KVCACHED-SERVE-ARGS...
 
 ChannelServer._read_one (the loop's read callback, one record per call) runs
-under sys.setprofile; each call into a file of kvcached_service made while
+under sys.setprofile (garbage collection off); each call into a file of the
+kvcached_service package made while
 it runs is kept as [depth, file, qualified name, caller's file] (files
 relative to the checkout), and every callback's calls are appended to
 $KVCACHED_TRIP_LOG as one JSON line.
@@ -13,6 +14,7 @@ $KVCACHED_TRIP_LOG as one JSON line.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -21,6 +23,7 @@ import kvcached_service
 from kvcached_service.server import channel
 from kvcached_service.server.main import main
 
+PKG = os.path.dirname(kvcached_service.__file__) + os.sep  # only the package's files: not a .venv inside the checkout
 TREE = os.path.dirname(os.path.dirname(kvcached_service.__file__)) + os.sep
 
 
@@ -28,7 +31,7 @@ def recorder(calls: list):
     """A sys.setprofile function that appends the package's calls to `calls`."""
 
     def profile(frame, event, arg) -> None:
-        if event != "call" or not frame.f_code.co_filename.startswith(TREE):
+        if event != "call" or not frame.f_code.co_filename.startswith(PKG):
             return
         depth, f = 0, frame
         while f is not None:
@@ -37,7 +40,7 @@ def recorder(calls: list):
         back = frame.f_back.f_code.co_filename if frame.f_back is not None else ""
         code = frame.f_code
         calls.append([depth, code.co_filename[len(TREE):], getattr(code, "co_qualname", code.co_name),
-                      back[len(TREE):] if back.startswith(TREE) else ""])
+                      back[len(TREE):] if back.startswith(PKG) else ""])
 
     return profile
 
@@ -45,11 +48,13 @@ def recorder(calls: list):
 def _traced(read_one, log: str):
     def traced_read_one(self, conn):
         calls: list = []
+        gc.disable()  # a collection's finalizers are no step of the trip
         sys.setprofile(recorder(calls))
         try:
             return read_one(self, conn)
         finally:
             sys.setprofile(None)
+            gc.enable()
             with open(log, "a") as f:
                 f.write(json.dumps(calls) + "\n")
 
