@@ -885,9 +885,18 @@ bool map_locked(kv_cache * c, const std::vector<uint32_t> & need_in, std::unique
     state &               g        = S();
     std::vector<uint32_t> need     = need_in;
     bool                  anything = false;
+    bool                  beyond   = false;  // cells past what this cache has backed so far
     for (size_t s = 0; s < need.size(); ++s) {
         need[s]  = std::min(need[s], c->info.kv_size);
         anything = anything || need[s] > 0;
+        beyond   = beyond || need[s] > c->mapped[s];
+    }
+    for (kv_buffer * b : c->bufs) {
+        beyond = beyond || (anything && !b->whole_mapped);
+    }
+    if (!beyond) {  // the decode path's common case: no page to look at
+        g.last_error.clear();
+        return true;
     }
     std::vector<std::vector<kvc_range>> missing(c->bufs.size());
     bool                                any = false;

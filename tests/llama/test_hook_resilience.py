@@ -29,6 +29,20 @@ PAGE = 64 << 10
 REQUEST_BOUND_S = 45
 
 
+def daemon_settings(page: int, state_dir: bool, tmp_path) -> dict:
+    """The daemon of the daemon-loss tests: 256 MiB of `page`-sized pages,
+    with a state dir (its sessions resume) or without."""
+    settings = dict(memory_limit="256MiB", page_size=str(page))
+    if state_dir:
+        settings["state_dir"] = str(tmp_path / "state")
+    return settings
+
+
+def sigkill(d) -> None:
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+
+
 def run_concurrently(calls):
     """Run the callables at once; [(result or exception, seconds)] in order."""
     out: list = [None] * len(calls)
@@ -139,16 +153,13 @@ def test_daemon_sigkill_and_restart_under_a_running_server(daemon_factory, serve
     want_long = ref.complete(long_, 12)["tokens"]
     ref.stop()
 
-    settings = dict(memory_limit="256MiB", page_size=str(PAGE))
-    if state_dir:
-        settings["state_dir"] = str(tmp_path / "state")
+    settings = daemon_settings(PAGE, state_dir, tmp_path)
     d1 = daemon_factory("host", **settings)
     srv = servers(KVC, models[0], kvc_socket=d1.socket, ctx=8192, parallel=1, env={"KVCACHED_WAIT_DAEMON_MS": "1000"})
     with observe(d1) as c:
         assert srv.complete(short, 12)["tokens"] == want_short
         assert held(c, srv.pid) > 0
-    d1.proc.send_signal(signal.SIGKILL)
-    d1.proc.wait()
+    sigkill(d1)
 
     # within the mapped cells: still served, same tokens (the prompt is cached)
     assert srv.complete(short, 4)["tokens"] == want_short4
@@ -209,16 +220,13 @@ def test_what_the_pages_cover_is_served_while_the_daemon_is_away(daemon_factory,
     want_short = ref.complete(short, 8)["tokens"]
     ref.stop()
 
-    settings = dict(memory_limit="256MiB", page_size=str(page))
-    if state_dir:
-        settings["state_dir"] = str(tmp_path / "state")
+    settings = daemon_settings(page, state_dir, tmp_path)
     d = daemon_factory("host", **settings)
     srv = servers(KVC, models[0], kvc_socket=d.socket, ctx=4096, parallel=1, extra=["--slot-save-path", str(tmp_path)])
     srv.complete(short, 8)
     before = kv_line_values(srv.log_text())[-1]
     assert before > 0
-    d.proc.send_signal(signal.SIGKILL)
-    d.proc.wait()
+    sigkill(d)
 
     assert srv.complete(long_, 12)["tokens"] == want_long  # 1,000+ new cells, no new page
     assert srv.complete(long_, 12)["tokens"] == want_long  # the cached prompt again
@@ -243,14 +251,11 @@ def test_a_daemon_restart_within_the_wait_is_not_seen(daemon_factory, servers, m
     want_long = ref.complete(long_, 12)["tokens"]
     ref.stop()
 
-    settings = dict(memory_limit="256MiB", page_size=str(PAGE))
-    if state_dir:
-        settings["state_dir"] = str(tmp_path / "state")
+    settings = daemon_settings(PAGE, state_dir, tmp_path)
     d1 = daemon_factory("host", **settings)
     srv = servers(KVC, models[0], kvc_socket=d1.socket, ctx=8192, parallel=1)
     srv.complete(short, 12)
-    d1.proc.send_signal(signal.SIGKILL)
-    d1.proc.wait()
+    sigkill(d1)
 
     out: dict = {}
 
