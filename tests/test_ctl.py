@@ -98,13 +98,17 @@ def test_plan_llama3_8b_shape(tmp_path):
     cells = 8192 * 4
     assert c["f16"]["cells"] == cells
     assert c["f16"]["bytes"] == cells * 128 * 1024 == 4 * GIB
-    # each of the 64 K/V tensors grows by pages of its own: 2 MiB / 2 KiB per cell = 1024 cells per page
+    # each of the 64 K/V tensors (64 MiB, page aligned) grows from its own start:
+    # 2 MiB / 2 KiB per cell = 1024 cells per page
     assert c["f16"]["tokens_per_page"] == 1024
     assert c["f16"]["pages_per_1k_tokens"] == 64
     assert c["f16"]["pages"] == 64 * 32 == 2048
-    # q8_0: a row of 1024 elements = 32 blocks = 1088 bytes; ceil(32768*1088 / 2 MiB) = 17 pages per tensor
-    assert c["q8_0"]["pages"] == 64 * 17
-    assert c["q8_0"]["paged_bytes"] == 64 * 17 * 2 * MIB
+    # q8_0: a row of 1024 elements = 32 blocks = 1088 bytes; packed, the full
+    # cache is its bytes in pages: 64 x 32768 x 1088 / 2 MiB = 1088
+    assert c["q8_0"]["pages"] == 64 * 32768 * 1088 // (2 * MIB) == 1088
+    assert c["q8_0"]["paged_bytes"] == 1088 * 2 * MIB
+    # 1000 cells of each 34 MiB tensor: starts at k x 34 MiB (page aligned), 1.04 MiB each
+    assert c["q8_0"]["pages_per_1k_tokens"] == 64
 
 
 def test_plan_explicit_head_dims_and_per_layer_kv_heads(tmp_path):
@@ -119,8 +123,10 @@ def test_plan_explicit_head_dims_and_per_layer_kv_heads(tmp_path):
     rows_q4 = [(256 * h) // 32 * 18 for h in kv if h] + [(128 * h) // 32 * 18 for h in kv if h]
     assert c["q4_0"]["bytes_per_token"] == sum(rows_q4)
     rows_f16 = [256 * h * 2 for h in kv if h] + [128 * h * 2 for h in kv if h]
-    assert c["f16"]["pages"] == sum(-(-1000 * r // MIB) for r in rows_f16)  # 6 tensors: layer 3 has none
-    assert c["f16"]["pages"] == (2 + 2 + 1) + (1 + 1 + 1)  # K rows 2 KiB/2 KiB/1 KiB, V rows 1 KiB/1 KiB/512 B per token
+    # 6 tensors (layer 3 has none) packed: 1000 x 7,680 B = 7.3 MiB -> 8 pages
+    assert c["f16"]["pages"] == -(-1000 * sum(rows_f16) // MIB) == 8
+    # q4_0: 1000 x 2,160 B = 2.06 MiB -> 3 pages (one page per tensor would be 6)
+    assert c["q4_0"]["pages"] == -(-1000 * sum(rows_q4) // MIB) == 3
 
 
 def test_plan_defaults_kv_heads_to_heads_and_prints_a_table(tmp_path):

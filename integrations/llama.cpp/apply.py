@@ -85,7 +85,7 @@ KV_INCLUDE = '#include "kvcached_kv.h" // kvcached-service hook: KV cache in dae
 
 KV_ALLOC = """{
                 // kvcached-service hook: with OLLAMA_KVCACHED_SOCKET / KVCACHED_SOCKET set, one daemon
-                // region per buffer type, every K/V tensor page aligned; else exactly the call below
+                // region per buffer type, the K/V tensors packed as below; else exactly the call below
                 llama_kvcached_cache_info kvc_info;
                 kvc_info.owner      = this;
                 kvc_info.kv_size    = kv_size;

@@ -72,7 +72,7 @@ int64_t now_ms() {
     X(kvc_session_set_wait) X(kvc_region_create) X(kvc_region_destroy) X(kvc_region_base)                   \
     X(kvc_region_mapped_bytes) X(kvc_region_is_mapped) X(kvc_region_map) X(kvc_region_map_ranges)           \
     X(kvc_region_unmap_ranges) X(kvc_region_memset) X(kvc_region_clear) X(kvc_region_read) X(kvc_region_write) \
-    X(kvc_region_rebind) X(kvc_layout_page_aligned)
+    X(kvc_region_rebind)
 
 struct client_api {
 #define LLAMA_KVCACHED_FIELD(name) decltype(&::name) name = nullptr;
@@ -91,7 +91,7 @@ struct kv_tensor {
     uint64_t row;     // bytes per cell (nb[1])
     uint64_t stride;  // bytes per stream (nb[2])
     uint64_t bytes;   // the tensor
-    uint64_t extent;  // its page-aligned span (the layout pads each tensor to whole pages)
+    uint64_t extent;  // up to the next tensor (its alignment padding), the last one to the buffer end
     bool     whole;   // map the whole tensor (transposed V)
 };
 
@@ -623,15 +623,20 @@ bool dev_cpy_tensor(ggml_backend_buffer_t, const ggml_tensor *, ggml_tensor *) {
 
 // ---- layout ------------------------------------------------------------------
 
+// The stock layout (ggml-alloc's): tensors back to back, each at the buffer
+// type's alignment, so the reservation is the stock KV buffer and the pages
+// held never exceed it rounded up to one page. Tensors smaller than a page
+// share pages; a page is mapped while any byte of it backs a needed cell.
 bool build_layout(ggml_context * ctx, ggml_backend_buffer_type_t buft, const llama_kvcached_cache_info & info,
-                  uint64_t page, std::vector<ggml_tensor *> & ts, std::vector<uint64_t> & sizes,
-                  std::vector<uint64_t> & offs, uint64_t & total) {
-    const size_t align = ggml_backend_buft_get_alignment(buft);
-    if (align == 0 || page % align != 0) {
-        LLAMA_LOG_WARN("%s: kvcached: buffer alignment %zu does not divide the page size %llu\n", __func__, align,
-                       (unsigned long long) page);
+                  std::vector<ggml_tensor *> & ts, std::vector<uint64_t> & sizes, std::vector<uint64_t> & offs,
+                  uint64_t & total) {
+    const uint64_t align = ggml_backend_buft_get_alignment(buft);
+    if (align == 0 || (align & (align - 1)) != 0) {
+        LLAMA_LOG_WARN("%s: kvcached: buffer alignment %llu is not a power of two\n", __func__,
+                       (unsigned long long) align);
         return false;
     }
+    total = 0;
     for (ggml_tensor * t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
         if (t->view_src || t->data) {
             continue;
@@ -641,29 +646,44 @@ bool build_layout(ggml_context * ctx, ggml_backend_buffer_type_t buft, const lla
                            info.n_stream);
             return false;
         }
+        total = (total + align - 1) & ~(align - 1);
         ts.push_back(t);
         sizes.push_back(ggml_backend_buft_get_alloc_size(buft, t));
+        offs.push_back(total);
+        total += sizes.back();
     }
-    offs.resize(ts.size());
-    if (ts.empty() ||
-        S().api.kvc_layout_page_aligned(page, sizes.data(), sizes.size(), offs.data(), &total) != KVC_OK) {
-        return false;
-    }
-    return true;
+    return !ts.empty();
 }
 
-// Ranges of cells [from[s], to[s]) of every elastic tensor of b. Ranges of
-// consecutive streams that touch are merged (so a page straddling two
-// streams goes back when both sides are free), and a range that runs to the
-// tensor's end runs to its page-aligned end (the layout's padding belongs
-// to the tensor): every page of the tensor can be given back.
+// Sorted, with ranges that touch or overlap merged: a page that lies wholly
+// in two neighbours' free ranges (the tail of one tensor, the head of the
+// next) is in one merged range, so unmapping (which narrows each range to
+// the pages wholly inside it) gives it back, and a page shared with a
+// needed range is never in one.
+void merge_ranges(std::vector<kvc_range> & rs) {
+    std::sort(rs.begin(), rs.end(), [](const kvc_range & a, const kvc_range & b) { return a.offset < b.offset; });
+    size_t n = 0;
+    for (const auto & r : rs) {
+        if (n > 0 && rs[n - 1].offset + rs[n - 1].size >= r.offset) {
+            rs[n - 1].size = std::max(rs[n - 1].offset + rs[n - 1].size, r.offset + r.size) - rs[n - 1].offset;
+        } else {
+            rs[n++] = r;
+        }
+    }
+    rs.resize(n);
+}
+
+// Ranges of cells [from[s], to[s]) of every elastic tensor of b (not
+// merged: merge_ranges). A range that runs to the tensor's end runs to the
+// next tensor's start (the alignment padding belongs to the tensor; the
+// last tensor's runs to the region's end, whose page the client then gives
+// back whole).
 void cell_ranges(const kv_buffer * b, const std::vector<uint32_t> & from, const std::vector<uint32_t> & to,
                  std::vector<kvc_range> & out) {
     for (const auto & t : b->tensors) {
         if (t.whole) {
             continue;
         }
-        const size_t first = out.size();
         for (size_t s = 0; s < from.size(); ++s) {
             if (to[s] <= from[s]) {
                 continue;
@@ -673,11 +693,7 @@ void cell_ranges(const kv_buffer * b, const std::vector<uint32_t> & from, const 
             if (hi >= t.offset + t.bytes) {
                 hi = t.offset + t.extent;
             }
-            if (out.size() > first && out.back().offset + out.back().size == lo) {
-                out.back().size += hi - lo;
-            } else {
-                out.push_back({ lo, hi - lo });
-            }
+            out.push_back({ lo, hi - lo });
         }
     }
 }
@@ -1005,6 +1021,7 @@ void trim_locked(kv_cache * c) {
         if (ranges.empty()) {
             continue;
         }
+        merge_ranges(ranges);
         const uint64_t before = g.api.kvc_region_mapped_bytes(b->region);
         kvc_status     st     = g.api.kvc_region_unmap_ranges(b->region, ranges.data(), ranges.size());
         if (st != KVC_OK) {
@@ -1196,7 +1213,7 @@ ggml_backend_buffer_t llama_kvcached_alloc_kv(ggml_context * ctx, ggml_backend_b
     std::vector<ggml_tensor *> ts;
     std::vector<uint64_t>      sizes, offs;
     uint64_t                   total = 0;
-    if (!build_layout(ctx, buft, info, g.page, ts, sizes, offs, total)) {
+    if (!build_layout(ctx, buft, info, ts, sizes, offs, total)) {
         LLAMA_LOG_WARN("%s: kvcached: unexpected KV layout; this KV buffer in ordinary memory\n", __func__);
         lk.unlock();
         return ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
@@ -1259,7 +1276,7 @@ ggml_backend_buffer_t llama_kvcached_alloc_kv(ggml_context * ctx, ggml_backend_b
             GGML_ABORT("kvcached: cannot place %s", t->name);
         }
         const bool     whole  = info.v_trans && info.is_v && info.is_v(t);
-        const uint64_t extent = ((sizes[i] + g.page - 1) / g.page) * g.page;
+        const uint64_t extent = (i + 1 < ts.size() ? offs[i + 1] : total) - offs[i];
         b->tensors.push_back({ offs[i], (uint64_t) t->nb[1], (uint64_t) t->nb[2], ggml_nbytes(t), extent, whole });
     }
     for (ggml_tensor * t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
@@ -1286,7 +1303,7 @@ ggml_backend_buffer_t llama_kvcached_alloc_kv(ggml_context * ctx, ggml_backend_b
     for (const auto & t : b->tensors) {
         n_whole += t.whole;
     }
-    LLAMA_LOG_INFO("%s: kvcached: %s KV buffer reserved %.2f MiB in daemon pages (%zu tensors page aligned, %u cells x %u "
+    LLAMA_LOG_INFO("%s: kvcached: %s KV buffer reserved %.2f MiB in daemon pages (%zu tensors packed as stock, %u cells x %u "
                    "streams, %s)\n",
                    __func__, b->name.c_str(), total / MiB, ts.size(), info.kv_size, info.n_stream,
                    n_whole ? "V transposed: V mapped whole while any cell is used, K elastic (use flash attention "

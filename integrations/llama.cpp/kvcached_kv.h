@@ -17,8 +17,9 @@
 //     libkvcached.so.1. When OLLAMA_KVCACHED_SOCKET (or KVCACHED_SOCKET) is
 //     set and the daemon answers, every KV buffer of a llama_kv_cache
 //     becomes one kvc_region of the process's daemon session: its K/V
-//     tensors sit at page-aligned offsets of one reservation and only what
-//     the cells use is backed by daemon pages. Without the variable, or when
+//     tensors sit back to back in one reservation, as stock lays them out
+//     (so it never holds more than the stock buffer, rounded up to one
+//     page), and only the pages the cells use are backed by daemon pages. Without the variable, or when
 //     no C client or daemon is there, the calls are pass-throughs.
 //   - OLLAMA_COMPAT_MTMD_BUILD defined (Ollama also compiles llama/compat/
 //     *.cpp into libmtmd): kvcached_kv.cpp compiles to nothing.
@@ -49,8 +50,8 @@ struct llama_kvcached_cache_info {
 };
 
 // Drop-in for ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft) in the
-// constructor. With the daemon: one region, tensors page aligned, nothing
-// mapped yet. Without it: exactly ggml_backend_alloc_ctx_tensors_from_buft.
+// constructor. With the daemon: one region, tensors packed as stock packs
+// them, nothing mapped yet. Without it: exactly ggml_backend_alloc_ctx_tensors_from_buft.
 ggml_backend_buffer_t llama_kvcached_alloc_kv(ggml_context * ctx, ggml_backend_buffer_type_t buft,
                                               const llama_kvcached_cache_info & info);
 

@@ -224,7 +224,7 @@ class CachePlan:
     tokens_per_page: int  # cells one page of the widest tensor holds
     cells: int
     bytes: int  # exact bytes for `cells`
-    pages: int  # pages to map `cells` (each tensor rounded up to pages)
+    pages: int  # pages to map `cells` (the tensors packed: their bytes rounded up to one page)
     paged_bytes: int
 
 
@@ -250,8 +250,19 @@ class Plan:
         return asdict(self)
 
 
-def pages_for(rows: list[int], cells: int, page_size: int) -> int:
-    return sum(math.ceil(cells * r / page_size) for r in rows)
+def pages_for(rows: list[int], cells: int, page_size: int, tensor_cells: int = 0) -> int:
+    """Pages that back cells [0, cells) of every K/V tensor, the tensors
+    ([row, tensor_cells] each, default `cells`) packed back to back as the
+    llama.cpp hook lays them out: a page shared by two tensors counts once,
+    so a full cache is its bytes rounded up to one page."""
+    tensor_cells = tensor_cells or cells
+    pages = off = end = 0
+    for r in rows:
+        lo, hi = max(off // page_size, end), math.ceil((off + cells * r) / page_size)
+        if cells and hi > lo:
+            pages, end = pages + hi - lo, hi
+        off += r * tensor_cells
+    return pages
 
 
 def make_plan(shape: ModelShape, ctx: int, parallel: int, page_size: int, model: str = "") -> Plan:
@@ -282,7 +293,7 @@ def make_plan(shape: ModelShape, ctx: int, parallel: int, page_size: int, model:
             CachePlan(
                 cache=cache,
                 bytes_per_token=bpt,
-                pages_per_1k_tokens=pages_for(rows, 1000, page_size),
+                pages_per_1k_tokens=pages_for(rows, min(1000, cells), page_size, cells),
                 tokens_per_page=page_size // max(rows) if rows else 0,
                 cells=cells,
                 bytes=bpt * cells,

@@ -50,9 +50,10 @@ def vocab() -> tuple[list[str], list[float], list[int]]:
     return toks, scores, [int(t) for t in types]
 
 
-def kv_row_bytes(n_embd: int = N_EMBD, n_head: int = N_HEAD, n_head_kv: int = N_HEAD_KV, kv_type: str = "f16") -> int:
+def kv_row_bytes(n_embd: int = N_EMBD, n_head: int = N_HEAD, n_head_kv: int = N_HEAD_KV, kv_type: str = "f16",
+                 head_dim: int | None = None) -> int:
     """Bytes of one cell of one K (or V) tensor: n_embd_k_gqa elements."""
-    n = n_embd // n_head * n_head_kv
+    n = (head_dim or n_embd // n_head) * n_head_kv
     if kv_type == "f16":
         return 2 * n
     if kv_type == "q8_0":
@@ -62,7 +63,11 @@ def kv_row_bytes(n_embd: int = N_EMBD, n_head: int = N_HEAD, n_head_kv: int = N_
 
 
 def write(path: str | pathlib.Path, seed: int = 0, name: str = "tiny-llama", *, n_layer: int = N_LAYER,
-          n_embd: int = N_EMBD, n_head: int = N_HEAD, n_head_kv: int = N_HEAD_KV, n_ff: int = N_FF) -> pathlib.Path:
+          n_embd: int = N_EMBD, n_head: int = N_HEAD, n_head_kv: int = N_HEAD_KV, n_ff: int = N_FF,
+          head_dim: int | None = None) -> pathlib.Path:
+    """head_dim: the heads' width when it is not n_embd / n_head (GGUF
+    key_length/value_length): a real model's KV geometry (layers, KV heads,
+    head width) on a narrow, cheap residual stream."""
     import gguf
 
     N_LAYER, N_EMBD, N_HEAD, N_HEAD_KV, N_FF = n_layer, n_embd, n_head, n_head_kv, n_ff  # noqa: N806
@@ -70,7 +75,8 @@ def write(path: str | pathlib.Path, seed: int = 0, name: str = "tiny-llama", *, 
     rng = np.random.default_rng(seed)
     toks, scores, types = vocab()
     n_vocab = len(toks)
-    head_dim = N_EMBD // N_HEAD
+    head_dim = head_dim or N_EMBD // N_HEAD
+    n_q = head_dim * N_HEAD
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(f"{name}-seed{seed}")
@@ -81,6 +87,9 @@ def write(path: str | pathlib.Path, seed: int = 0, name: str = "tiny-llama", *, 
     w.add_head_count(N_HEAD)
     w.add_head_count_kv(N_HEAD_KV)
     w.add_rope_dimension_count(head_dim)
+    if n_q != N_EMBD:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -107,10 +116,10 @@ def write(path: str | pathlib.Path, seed: int = 0, name: str = "tiny-llama", *, 
     w.add_tensor("token_embd.weight", mat(n_vocab, N_EMBD, 1.0))
     for i in range(N_LAYER):
         w.add_tensor(f"blk.{i}.attn_norm.weight", norm(N_EMBD))
-        w.add_tensor(f"blk.{i}.attn_q.weight", mat(N_EMBD, N_EMBD, 2 * s))
+        w.add_tensor(f"blk.{i}.attn_q.weight", mat(n_q, N_EMBD, 2 * s))
         w.add_tensor(f"blk.{i}.attn_k.weight", mat(head_dim * N_HEAD_KV, N_EMBD, 2 * s))
         w.add_tensor(f"blk.{i}.attn_v.weight", mat(head_dim * N_HEAD_KV, N_EMBD, s))
-        w.add_tensor(f"blk.{i}.attn_output.weight", mat(N_EMBD, N_EMBD, s))
+        w.add_tensor(f"blk.{i}.attn_output.weight", mat(N_EMBD, n_q, 1.0 / np.sqrt(n_q)))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", norm(N_EMBD))
         w.add_tensor(f"blk.{i}.ffn_gate.weight", mat(N_FF, N_EMBD, s))
         w.add_tensor(f"blk.{i}.ffn_up.weight", mat(N_FF, N_EMBD, s))

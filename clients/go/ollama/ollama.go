@@ -232,11 +232,13 @@ const kvPad = 256
 // RunnerSpec is the KV cache geometry of one llama-server runner, as
 // llama.cpp lays it out: every K and V tensor is [row, cells per slot,
 // slots] (llama-server -np N without a unified cache: one stream per slot,
-// each of pad256(num_ctx) cells), and the hook backs cells [0, n) of each
-// tensor and stream with whole pages.
+// each of pad256(num_ctx) cells). The hook packs the tensors back to back
+// as stock llama.cpp does (tensors smaller than a page share pages) and
+// backs cells [0, n) of each tensor and stream with the pages those bytes
+// touch.
 type RunnerSpec struct {
 	ModelDigest string   // "sha256:<hex>" (DigestFromBlobPath)
-	RowBytes    []uint64 // bytes of one cell of each K and V tensor (2 per layer with a KV cache)
+	RowBytes    []uint64 // bytes of one cell of each K and V tensor, in llama.cpp's order (K0, V0, K1, ...)
 	CtxPerSlot  uint64   // num_ctx
 	Slots       uint64   // OLLAMA_NUM_PARALLEL
 	// GuaranteeCells: cells of one slot the runner keeps whatever other
@@ -248,29 +250,47 @@ type RunnerSpec struct {
 
 func padCells(n uint64) uint64 { return (n + kvPad - 1) / kvPad * kvPad }
 
-// kvBytes: every tensor's first cells of `streams` streams, each rounded
-// up to whole pages (page 0: no rounding).
+// kvBytes: the bytes of the pages (of size page; 0: the bytes themselves)
+// that back cells [0, cells) of the first `streams` streams of every
+// tensor, the tensors packed back to back ([row, pad256(CtxPerSlot),
+// Slots] each; a multiple of 256 bytes, so ggml's alignment adds nothing).
+// A page shared by two tensors counts once, so the worst case is the stock
+// KV buffer rounded up to one page.
 func (r RunnerSpec) kvBytes(cells, streams, page uint64) uint64 {
-	var total uint64
+	ctx, slots := padCells(r.CtxPerSlot), max(r.Slots, 1)
+	var total, off, end uint64 // end: the end of the last page counted
 	for _, row := range r.RowBytes {
-		b := row * cells
-		if page > 0 {
-			b = (b + page - 1) / page * page
+		for s := range streams {
+			lo := off + s*row*ctx
+			hi := lo + row*cells
+			if hi == lo {
+				continue
+			}
+			if page == 0 {
+				total += hi - lo
+				continue
+			}
+			lo = max(lo/page*page, end)
+			hi = (hi + page - 1) / page * page
+			if hi > lo {
+				total += hi - lo
+				end = hi
+			}
 		}
-		total += b * streams
+		off += row * ctx * slots
 	}
 	return total
 }
 
 // WorstCaseKVBytes is the KV cache of every slot at full context: what
 // llama.cpp reserves up front without the daemon, and the most the hook
-// can map (rounded to pages of size page).
+// can map (rounded up to one page of size page).
 func (r RunnerSpec) WorstCaseKVBytes(page uint64) uint64 {
 	return r.kvBytes(padCells(r.CtxPerSlot), max(r.Slots, 1), page)
 }
 
 // GuaranteedKVBytes is the KV cache of GuaranteeCells cells of one slot
-// (rounded to pages of size page): what the runner is guaranteed, and what
+// (the pages they touch, of size page): what the runner is guaranteed, and what
 // Ollama's pre-load estimate counts for it with the daemon.
 func (r RunnerSpec) GuaranteedKVBytes(page uint64) uint64 {
 	cells := r.GuaranteeCells
@@ -483,12 +503,31 @@ func (o *Handle) RunnerEnv(ctx context.Context, spec RunnerSpec) ([]string, erro
 // ok is false when the daemon cannot be asked or has no session of r (the
 // runner fell back to ordinary memory, or has not opened it yet): the
 // caller then keeps its own numbers.
+// A snapshot that does not know r yet (a runner that opened its session
+// after it was taken) is replaced by a fresh one.
 func (o *Handle) Usage(ctx context.Context, r Runner) (u RunnerUsage, ok bool) {
+	return o.usage(ctx, r, false)
+}
+
+// UsageNow is Usage from a snapshot taken now: for what a user reads
+// (`ollama ps` right after a request), which must not lag the daemon's
+// books by one snapshot. It costs one GetStats.
+func (o *Handle) UsageNow(ctx context.Context, r Runner) (u RunnerUsage, ok bool) {
+	return o.usage(ctx, r, true)
+}
+
+func (o *Handle) usage(ctx context.Context, r Runner, fresh bool) (RunnerUsage, bool) {
 	if o == nil {
 		return RunnerUsage{}, false
 	}
-	st, err := o.Stats(ctx, false)
+	st, err := o.Stats(ctx, fresh)
 	if err != nil {
+		return RunnerUsage{}, false
+	}
+	if u, ok := usageOf(st, r); ok || fresh {
+		return u, ok
+	}
+	if st, err = o.Stats(ctx, true); err != nil {
 		return RunnerUsage{}, false
 	}
 	return usageOf(st, r)

@@ -54,8 +54,9 @@ func TestDigestFromBlobPath(t *testing.T) {
 	}
 }
 
-// The geometry is what the llama.cpp hook maps (docs/llama-cpp.md): per K/V
-// tensor and stream, cells padded to 256, whole pages. The numbers are
+// The geometry is what the llama.cpp hook maps (docs/llama-cpp.md): the
+// tensors packed back to back, cells padded to 256, the pages the used
+// cells touch (a page shared by two tensors counted once). The numbers are
 // those of tests/llama (tiny model: 4 layers x K,V rows of 512 B).
 func TestRunnerSpecKVBytes(t *testing.T) {
 	rows := make([]uint64, 8)
@@ -76,7 +77,7 @@ func TestRunnerSpecKVBytes(t *testing.T) {
 	if got := spec.GuaranteedKVBytes(64 * kib); got != 2<<20 {
 		t.Fatalf("guarantee %d", got)
 	}
-	// 2 MiB pages: every tensor and stream takes at least one page
+	// 2 MiB pages: each tensor (4 MiB, page aligned here) starts a page
 	if got := spec.GuaranteedKVBytes(2 << 20); got != 8*(2<<20) {
 		t.Fatalf("guarantee, 2 MiB pages: %d", got)
 	}
@@ -88,11 +89,38 @@ func TestRunnerSpecKVBytes(t *testing.T) {
 	if got, want := small.GuaranteedKVBytes(0), uint64(8*256*512); got != want {
 		t.Fatalf("small guarantee %d, want %d", got, want)
 	}
-	// a row that is not a divisor of the page: rounding per tensor
-	odd := RunnerSpec{RowBytes: []uint64{3000, 1000}, CtxPerSlot: 1000, Slots: 1}
-	// 1024 cells: 3000*1024 = 3072000 -> 47 pages of 64 KiB; 1000*1024 -> 16 pages
-	if got, want := odd.WorstCaseKVBytes(64*kib), uint64((47+16)*64*kib); got != want {
+	// tensors smaller than a page share pages: 8 x 4096 x 64 B = 2 MiB in
+	// all, one 2 MiB page (one page per tensor would be 16 MiB)
+	tiny := RunnerSpec{RowBytes: []uint64{64, 64, 64, 64, 64, 64, 64, 64}, CtxPerSlot: 4096, Slots: 1}
+	if got := tiny.WorstCaseKVBytes(2 << 20); got != 2<<20 {
+		t.Fatalf("tiny worst case %d", got)
+	}
+	if got := tiny.GuaranteedKVBytes(2 << 20); got != 2<<20 {
+		t.Fatalf("tiny guarantee %d", got)
+	}
+	// rows that do not divide the page: 3 tensors of 1024 x 1000 B =
+	// 15.6 pages of 64 KiB each; packed they take 46.9 -> 47 pages (the
+	// stock 3,072,000 B rounded up to one page), not 3 x 16
+	odd := RunnerSpec{RowBytes: []uint64{1000, 1000, 1000}, CtxPerSlot: 1000, Slots: 1}
+	if got, want := odd.WorstCaseKVBytes(64*kib), uint64(47*64*kib); got != want {
 		t.Fatalf("odd worst case %d, want %d", got, want)
+	}
+	// 512 cells of each: [0, 512000) -> pages 0-7, [1024000, 1536000) ->
+	// 15-23, [2048000, 2560000) -> 31-39: 8 + 9 + 9 pages
+	if got, want := odd.GuaranteedKVBytes(64*kib), uint64(26*64*kib); got != want {
+		t.Fatalf("odd guarantee %d, want %d", got, want)
+	}
+	// never above stock rounded up to one page, whatever the shape
+	for _, r := range []RunnerSpec{spec, small, tiny, odd} {
+		for _, page := range []uint64{4 * kib, 64 * kib, 2 << 20} {
+			stock := r.WorstCaseKVBytes(0)
+			if got := r.WorstCaseKVBytes(page); got > (stock+page-1)/page*page {
+				t.Fatalf("%v at %d: %d above stock %d", r.RowBytes, page, got, stock)
+			}
+			if r.GuaranteedKVBytes(page) > r.WorstCaseKVBytes(page) {
+				t.Fatalf("%v at %d: guarantee above the worst case", r.RowBytes, page)
+			}
+		}
 	}
 }
 
@@ -369,7 +397,19 @@ func TestOllamaHandleWithoutAdmin(t *testing.T) {
 	envB, _ := o.RunnerEnv(ctx, specB)
 
 	a := startFakeRunner(t, envA, 40) // 2.5 MiB of the 4 MiB budget
+	// a snapshot that does not know a runner yet is not trusted, however
+	// young: Usage takes a new one (a runner right after its load)
+	maxAge := o.MaxAge
+	o.MaxAge = time.Hour
+	if u, ok := o.Usage(ctx, Runner{PID: a.pid}); !ok || u.HeldBytes != 40*page {
+		t.Fatalf("usage of a runner newer than the snapshot: %+v %v", u, ok)
+	}
 	b := startFakeRunner(t, envB, 12)
+	// UsageNow reads the books now (ollama ps): b's pages at once
+	if u, ok := o.UsageNow(ctx, Runner{PID: b.pid}); !ok || u.HeldBytes != 12*page {
+		t.Fatalf("UsageNow: %+v %v", u, ok)
+	}
+	o.MaxAge = maxAge
 	st, _ = o.Stats(ctx, true)
 	if len(st.Sessions) != 3 || st.Sessions[0].Name != "ollama-scheduler" {
 		t.Fatalf("a non-admin session sees itself first, then its uid's sessions: %+v", st.Sessions)
