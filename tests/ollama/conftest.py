@@ -21,8 +21,14 @@ from ollamatest import Ollama, blob_digest  # noqa: E402
 # 32 MiB of KV per model at full context (what llama.cpp reserves without
 # the daemon).
 MODELS = {"tiny0": 0, "tiny1": 1}
+# A model whose K/V tensors are far smaller than a 2 MiB page (issue 27's
+# first shape: 3 layers, 2 KV heads of 16, 64 B per cell and tensor): at
+# num_ctx 4096 x 2 slots, 6 tensors of 0.5 MiB, 3 MiB of stock KV.
+SMALL = "small3l"
+SMALL_SHAPE = dict(n_layer=3, n_embd=64, n_head=2, n_head_kv=2, head_dim=16, n_ff=128)
 NUM_CTX = 4096
 WORST_CASE_KV = 2 * NUM_CTX * tiny_model.KV_BYTES_PER_TOKEN_F16  # 2 slots
+SMALL_STOCK_KV = 2 * SMALL_SHAPE["n_layer"] * 2 * NUM_CTX * 64  # K and V per layer, 2 slots, 64 B rows
 
 
 @pytest.fixture(scope="session")
@@ -37,15 +43,16 @@ def model_store(tmp_path_factory):
         for name, seed in MODELS.items():
             gguf = tiny_model.write(tmp / f"{name}.gguf", seed=seed)
             o.create(name, gguf, num_ctx=NUM_CTX)
+        o.create(SMALL, tiny_model.write(tmp / f"{SMALL}.gguf", seed=3, **SMALL_SHAPE), num_ctx=NUM_CTX)
     finally:
         o.stop()
-    return models, {name: blob_digest(models, name) for name in MODELS}
+    return models, {name: blob_digest(models, name) for name in MODELS}, blob_digest(models, SMALL)
 
 
 @pytest.fixture
 def ollamas(tmp_path, model_store):
     """start(layout, **env) -> a running Ollama on the shared models."""
-    models, _ = model_store
+    models = model_store[0]
     started: list[Ollama] = []
 
     def start(layout: str, name: str | None = None, **env) -> Ollama:
@@ -61,3 +68,8 @@ def ollamas(tmp_path, model_store):
 @pytest.fixture
 def digests(model_store) -> dict[str, str]:
     return model_store[1]
+
+
+@pytest.fixture
+def small_digest(model_store) -> str:
+    return model_store[2]
