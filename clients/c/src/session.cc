@@ -65,8 +65,20 @@ kvc_status session_free_ids(kvc_session *s, const std::vector<uint64_t> &ids, si
     // is not deferred: the daemon lent that id again, so it had processed
     // this Free (only its REPLY was lost), and the id is now another
     // mapping's page.
-    auto defer = [&](size_t from, const std::vector<uint64_t> *seen) -> kvc_status {
+    //
+    // With `gen` (the resume count read before this Free saw the session
+    // resuming), a resume that completed since is seen under Kept::mu (the
+    // resume counts itself done under it, after collecting the Frees
+    // deferred during its claim): these ids were claimed, so they are not
+    // deferred (they would stay held until the next resume) but freed the
+    // normal way; *stale says so.
+    auto defer = [&](size_t from, const std::vector<uint64_t> *seen, const uint64_t *gen = nullptr,
+                     bool *stale = nullptr) -> kvc_status {
         std::lock_guard<std::mutex> g(s->kept.mu);
+        if (gen && s->life.resumes.load() != *gen) {
+            *stale = true;
+            return KVC_OK;
+        }
         std::vector<uint64_t> rest;
         for (size_t i = from; i < ids.size(); i++) {
             if (seen && (*seen)[i] != 0) {
@@ -96,8 +108,13 @@ kvc_status session_free_ids(kvc_session *s, const std::vector<uint64_t> &ids, si
     };
     if (s->life.ended.load())
         return ended(0);
-    if (s->resuming())
-        return defer(0, nullptr);
+    const uint64_t gen0 = s->life.resumes.load();
+    if (s->resuming()) {
+        bool stale = false;
+        kvc_status st = defer(0, nullptr, &gen0, &stale);
+        if (!stale)
+            return st;
+    }
     // A resume waits for Frees in flight (it claims what they leave kept).
     std::shared_lock<std::shared_mutex> rw(s->link.rw);
     if (s->life.ended.load())
