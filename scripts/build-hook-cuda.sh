@@ -109,7 +109,7 @@ CMAKE_FLAGS=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DLLAMA_OPENS
              -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DBUILD_SHARED_LIBS=ON -DGGML_BACKEND_DL=ON
              -DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$ARCH" -DCMAKE_EXPORT_COMPILE_COMMANDS=ON)
 KEY=$(hash_of "$SDIST" "$TARGET" "${CMAKE_FLAGS[*]}" "${versions[*]}" "${BASH_SOURCE[0]}" integrations/llama.cpp/apply.py \
-  integrations/llama.cpp/kvcached_kv.h integrations/llama.cpp/kvcached_kv.cpp clients/c/include/kvcached.h \
+  $(ls integrations/llama.cpp/kvcached_kv* | LC_ALL=C sort) clients/c/include/kvcached.h \
   $(ls clients/c/src/* | sort))
 if [[ -f "$OUT/.stamp" && "$(cat "$OUT/.stamp")" == "$KEY" && -e "$BLD/$TARGET" && -f "$OUT/hook_cuda_check.o" ]]; then
   step "up to date (stamp $KEY): nothing to do"

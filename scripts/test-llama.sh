@@ -82,7 +82,7 @@ build_llama() { # name srcdir key [extra cmake args...]
   echo "build-$name: built in $((SECONDS - t)) s"
 }
 C_CLIENT_FILES=(clients/c/CMakeLists.txt clients/c/kvcached.pc.in $(ls clients/c/cmake/* clients/c/include/* clients/c/src/* | sort))
-HOOK_FILES=(integrations/llama.cpp/apply.py integrations/llama.cpp/kvcached_kv.h integrations/llama.cpp/kvcached_kv.cpp)
+HOOK_FILES=(integrations/llama.cpp/apply.py $(ls integrations/llama.cpp/kvcached_kv* | LC_ALL=C sort))
 
 step "unpatched llama.cpp (build/llama/build-orig: ${TARGETS[*]})"
 ORIG_KEY=$(hash_of "$SDIST" "${CMAKE_FLAGS[*]}" "${TARGETS[*]}")

@@ -359,8 +359,8 @@ def test_stage3_waits_for_the_background_build_and_reuses_it(tmp_path):
                STAGE3_PART=str(part), STAGE3_CACHE=str(cache), VERIFY_DRIVER="testdriver", JOBS="1",
                STAGE3_LEAVE="0", STAGE3_CHECK_RESERVE="0")
     key_src = b"".join(pathlib.Path(x).read_bytes() for x in (
-        part / "MANIFEST.json", ROOT / "integrations/llama.cpp/apply.py", ROOT / "integrations/llama.cpp/kvcached_kv.h",
-        ROOT / "integrations/llama.cpp/kvcached_kv.cpp", GB / "stage3.sh"))
+        part / "MANIFEST.json", ROOT / "integrations/llama.cpp/apply.py",
+        *sorted((ROOT / "integrations/llama.cpp").glob("kvcached_kv*")), GB / "stage3.sh"))
     c = cache / f"llama-cpu-{hashlib.sha256(key_src).hexdigest()[:16]}"
     c.mkdir(parents=True)
     lock = open(c / "lock", "w")

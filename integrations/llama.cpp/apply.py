@@ -10,7 +10,8 @@ Two forms of the same change:
                                      included); the tree is left alone
   apply.py TREE --emit-compat DIR    Ollama's compat form, for DIR =
                                      <ollama>/llama/compat: writes
-                                       DIR/kvcached_kv.h, DIR/kvcached_kv.cpp
+                                       DIR/kvcached_kv.h, DIR/kvcached_kv.cpp,
+                                       DIR/kvcached_kv_*.inc (its parts)
                                          (beside Ollama's own compat sources:
                                          llama/server/CMakeLists.txt compiles
                                          DIR/*.cpp into the llama target)
@@ -54,7 +55,9 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 MARKER = "kvcached-service hook"
-HOOK_FILES = ["kvcached_kv.h", "kvcached_kv.cpp"]
+# the hook: its header, its one translation unit and the parts that unit
+# includes (kvcached_kv_*.inc: each owns one concern's state)
+HOOK_FILES = ["kvcached_kv.h", "kvcached_kv.cpp", *sorted(p.name for p in HERE.glob("kvcached_kv_*.inc"))]
 COMPAT_PATCH = "010-kvcached-kv-cache.patch"
 
 

@@ -208,8 +208,8 @@ elif [[ "$BUILD" == host ]]; then
     row "llama.cpp host build: toolchain" "nvcc, cmake, ninja" \
       "nvcc $("$NVCC" --version | grep -o 'V[0-9.]*' | head -1) ($NVCC), sm_$ARCH, cmake $(cmake --version | head -1 | awk '{print $3}'), $JOBS jobs" info
   fi
-  KEY="$(cat "$PART/MANIFEST.json" "$REPO/integrations/llama.cpp/apply.py" "$REPO/integrations/llama.cpp/kvcached_kv.h" \
-    "$REPO/integrations/llama.cpp/kvcached_kv.cpp" "$SELF" 2>/dev/null | sha256sum | cut -c1-16)"
+  KEY="$(cat "$PART/MANIFEST.json" "$REPO/integrations/llama.cpp/apply.py" $(ls "$REPO"/integrations/llama.cpp/kvcached_kv* | LC_ALL=C sort) \
+    "$SELF" 2>/dev/null | sha256sum | cut -c1-16)"
   KEY="$DEVICE${ARCH:+-sm$ARCH}-$KEY"
   C="${STAGE3_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcached-gpu-bundle}/llama-$KEY"
   mkdir -p "$C"

@@ -100,8 +100,10 @@ def test_emit_compat_writes_ollamas_layout(pristine, tmp_path):
     out = tmp_path / "compat"
     p = run_apply(pristine, "--emit-compat", out)
     assert p.returncode == 0, p.stderr
-    assert sorted(f.name for f in out.iterdir()) == ["010-kvcached-kv-cache.patch", "kvcached_kv.cpp", "kvcached_kv.h"]
-    for name in ("kvcached_kv.cpp", "kvcached_kv.h"):
+    hook = sorted(p.name for p in APPLY.parent.glob("kvcached_kv*"))
+    assert len(hook) >= 3 and "kvcached_kv.cpp" in hook and "kvcached_kv.h" in hook
+    assert sorted(f.name for f in out.iterdir()) == sorted(["010-kvcached-kv-cache.patch", *hook])
+    for name in hook:
         assert (out / name).read_text() == (APPLY.parent / name).read_text()
     patch = (out / "010-kvcached-kv-cache.patch").read_text()
     assert "new file" not in patch
@@ -140,3 +142,27 @@ def test_in_place_and_refusals(pristine, tmp_path):
     assert kv.read_text() == before and not (broken / "src" / "kvcached_kv.cpp").exists()
     p = run_apply(tmp_path / "nowhere", "--check")
     assert p.returncode == 1 and "not a llama.cpp source tree" in p.stderr
+
+
+def test_hook_parts_stay_small():
+    """Issue 27 item 5: the hook in parts, no file over 500 lines, no
+    function over 60 (a function: a definition at column 0 to its closing
+    brace at column 0, signature lines included)."""
+    files = sorted(APPLY.parent.glob("kvcached_kv*"))
+    assert len(files) >= 6, files
+    long_functions = []
+    for f in files:
+        lines = f.read_text().splitlines()
+        assert len(lines) <= 500, (f.name, len(lines))
+        start = None
+        for i, line in enumerate(lines):
+            if (start is None and re.match(r"[A-Za-z_].*\(", line) and not line.rstrip().endswith(";")
+                    and not line.startswith(("namespace", "extern", "struct", "enum", "using", "#"))):
+                start = i
+            elif line.startswith("}"):
+                if start is not None and i - start + 1 > 60:
+                    long_functions.append((f.name, lines[start][:80], i - start + 1))
+                start = None
+            elif start is not None and not line.startswith((" ", "\t")) and line.rstrip().endswith(";"):
+                start = None
+    assert not long_functions, long_functions
