@@ -398,7 +398,10 @@ def test_supervised_daemon_restart_is_invisible(daemon_factory, ollamas, digests
     want_long = stock.generate("tiny0", LONG, 8)["response"]
     want_longer = stock.generate("tiny0", LONGER, 8)["response"]
     stock.stop()
-    o = ollamas("kvc", OLLAMA_KVCACHED_SOCKET=d.socket)
+    # the runner inherits ollama serve's environment: a bound on the wait for
+    # the daemon that holds a Python daemon's start on a loaded CI machine
+    # (the default, 5 s, covers a supervised restart of about a second)
+    o = ollamas("kvc", OLLAMA_KVCACHED_SOCKET=d.socket, KVCACHED_WAIT_DAEMON_MS=20000)
     o.generate("tiny0", "Hi", 2)
     pid = o.runner_of(digests["tiny0"])
     with observer(d) as obs:
@@ -439,6 +442,8 @@ def test_supervised_daemon_restart_is_invisible(daemon_factory, ollamas, digests
     assert wait_until(lambda: ps_right(d3), timeout=1.0), "ollama ps not right within 1 s of the restart"
     assert o.generate("tiny0", LONGER, 8)["response"] == want_longer
     assert o.runner_of(digests["tiny0"]) == pid, "the runner was replaced"
+    # the requests really needed the daemon while it was away: they waited for it
+    assert "a batch that needed new KV memory waited" in o.log_text(), o.log_text()[-3000:]
     with observer(d3) as obs:
         assert_books(obs.stats())
     print(f"supervised restarts: in-flight request completed; the next request waited {waited:.2f} s and succeeded")
