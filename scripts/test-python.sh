@@ -32,7 +32,7 @@ EOF
 rcpub=$?
 
 # The daemon's request path again on Python 3.12 (what GPU hosts run): a real
-# python3.12 found a 3.12-only bug there (server/eager.py). build/py312 holds
+# python3.12 found a 3.12-only bug there (eager_start, server/channel.py). build/py312 holds
 # the package and the test tools; remade when pyproject.toml changes.
 py312=""
 for c in "${PYTHON312:-}" python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do

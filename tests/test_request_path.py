@@ -1,8 +1,8 @@
 """The request path of issue 18: requests served without a Task unless they
-wait (server/eager.py), freed pages that need no zeroing pooled without the
-device worker, the event loop choice, the Python client reading its own
-answers (several threads on one session), and CUDA pages that hold no fd in
-the daemon (an export per delivery, closed once sent)."""
+wait (server/channel.py, eager_start), freed pages that need no zeroing
+pooled without the device worker, the event loop choice, the Python client
+reading its own answers (several threads on one session), and CUDA pages
+that hold no fd in the daemon (an export per delivery, closed once sent)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ import pytest
 from kvtest import PY, ROOT, SERVE, assert_books, wait_until
 
 
-# ---- eager.start ---------------------------------------------------------------------------
+# ---- eager_start ---------------------------------------------------------------------------
 def _run(coro):
     return asyncio.run(coro)
 
 
 def test_eager_runs_to_the_end_without_a_task_when_nothing_waits():
-    from kvcached_service.server import eager
+    from kvcached_service.server.channel import eager_start
 
     async def main():
         seen = []
@@ -33,7 +33,7 @@ def test_eager_runs_to_the_end_without_a_task_when_nothing_waits():
             return 7
 
         tasks: set = set()
-        got = eager.start(quick(), tasks)
+        got = eager_start(quick(), tasks)
         return got, tasks, seen  # read before anything yields to the loop
 
     got, tasks, seen = _run(main())
@@ -42,7 +42,7 @@ def test_eager_runs_to_the_end_without_a_task_when_nothing_waits():
 
 
 def test_eager_carries_on_in_a_task_with_results_and_errors_in_place():
-    from kvcached_service.server import eager
+    from kvcached_service.server.channel import eager_start
 
     async def main():
         fut = asyncio.get_running_loop().create_future()
@@ -60,7 +60,7 @@ def test_eager_carries_on_in_a_task_with_results_and_errors_in_place():
             return "done"
 
         tasks: set = set()
-        task = eager.start(waits(), tasks)
+        task = eager_start(waits(), tasks)
         assert steps == ["before"] and task is not None and not task.done()
         assert tasks == {task}  # tracked while it runs
         fut.set_result(41)
@@ -75,7 +75,7 @@ def test_eager_carries_on_in_a_task_with_results_and_errors_in_place():
 
 
 def test_eager_task_cancellation_reaches_the_coroutine():
-    from kvcached_service.server import eager
+    from kvcached_service.server.channel import eager_start
 
     async def main():
         fut = asyncio.get_running_loop().create_future()
@@ -87,7 +87,7 @@ def test_eager_task_cancellation_reaches_the_coroutine():
             finally:
                 cleaned.append(fut.cancelled())
 
-        task = eager.start(waits(), set())
+        task = eager_start(waits(), set())
         await asyncio.sleep(0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -104,7 +104,7 @@ def test_eager_wait_for_works_when_started_from_a_plain_callback():
     asyncio.timeout() and needs a current Task: with the 3.10/3.11 emulation it
     raised RuntimeError("Timeout should be used inside a task") on 3.12 (seen
     on a GPU host's python3.12). scripts/test-python.sh runs this on 3.12 too."""
-    from kvcached_service.server import eager
+    from kvcached_service.server.channel import eager_start
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -121,7 +121,7 @@ def test_eager_wait_for_works_when_started_from_a_plain_callback():
 
         def data_received():  # a plain callback, as asyncio calls a protocol
             assert asyncio.current_task() is None
-            eager.start(waiting_allocate(), tasks)
+            eager_start(waiting_allocate(), tasks)
 
         loop.call_soon(data_received)
         await asyncio.sleep(0.01)
@@ -152,7 +152,6 @@ def test_host_needs_zeroing_only_pages_with_data():
 
 def test_pool_gives_back_clean_pages_without_the_worker_and_dirty_ones_through_it():
     from kvcached_service.backends.base import Backend, DeviceSpec, PageHandle
-    from kvcached_service.server import eager
     from kvcached_service.server.pool import DevicePool, PageIds
     from kvcached_service.server.worker import DeviceWorker
 
@@ -196,10 +195,10 @@ def test_pool_gives_back_clean_pages_without_the_worker_and_dirty_ones_through_i
         pool.mark_held(pages)
         be.dirty = {pages[0].handle.fd}
         # two clean pages: pooled before give_back returns, no Task, no worker
-        assert eager.start(pool.give_back(pages[2:]), set()) is None
+        assert pool.give_back_now(pages[2:]) is None
         assert pool.n_ready_for(1000) == 2 and be.zeroed == []
         # one dirty page among the rest: zeroed on the worker, then pooled
-        task = eager.start(pool.give_back(pages[:2]), set())
+        task = pool.give_back_now(pages[:2])
         assert task is not None
         await task
         assert be.zeroed == [pages[0].handle.fd]

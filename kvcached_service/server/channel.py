@@ -14,7 +14,8 @@ core (daemon.py). This one owns everything about the fd channel's socket
 - each bound channel is its session's SessionPort (`Conn`): it delivers
   pages as PAGES records and hangs up with GOODBYE or ERROR;
 - request records (ALLOCATE, FREE, CLOSE, ANSWER) become core calls,
-  answered by REPLY; ADOPT records are collected per channel as (page id, fd) pairs for
+  answered by REPLY; each handler runs at once on the read callback's stack
+  (`eager_start`) and becomes a Task only if it must wait; ADOPT records are collected per channel as (page id, fd) pairs for
   ResumeSession;
 - hang-up: EOF, or the peer process exiting, ends the session.
 
@@ -44,12 +45,12 @@ import logging
 import os
 import secrets
 import socket
+import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Coroutine
 
 from .. import errors, fdchannel
 from ..config import Settings
-from . import eager
 from .sessions import Adoption, DeliveryFailed, Session
 from .sockets import apply_socket_permissions, prepare_socket_path
 
@@ -62,6 +63,88 @@ log = logging.getLogger("kvcached.channel")
 # sends requests and reads no replies): past this its session ends at once,
 # rather than after fd_send_timeout with a queue that grew all that time.
 MAX_WAITING_SENDS = 256
+
+
+# ---- running a handler at once ------------------------------------------------
+# The channel serves most requests without ever waiting: a one-page ALLOCATE
+# from the pool, a FREE of a few pages, their REPLY into a socket with room.
+# Wrapping each one in an asyncio Task costs more than the request itself (a
+# Task object, a loop iteration, a callback). `eager_start` runs the handler's
+# coroutine right away instead, on the read callback's stack; only if it has
+# to wait (a page being created on the device worker, a full socket, an
+# Allocate waiting for budget) does it become a Task, which carries on from
+# exactly where it stopped.
+#
+# On Python 3.12+ this is asyncio's own eager Task (`Task(..., eager_start=True)`):
+# the coroutine's first steps run inside the Task that carries it on, so
+# `asyncio.current_task()`, `asyncio.timeout()` and `asyncio.wait_for()` (which
+# 3.12 builds on `timeout()`) work before the first wait, also from the read
+# callback, which has no Task of its own. On 3.10 and 3.11 it is done here
+# with the coroutine protocol itself: the Task drives a small proxy that hands
+# the Task the very future the coroutine is waiting on, and hands back
+# whatever the Task sends or throws (as `yield from` would), so cancellation
+# and exceptions behave as in any Task. There, until its first wait the
+# coroutine runs in the caller's task (or none): it must not use
+# `asyncio.timeout()` before it (3.11's `wait_for` does not need a task).
+
+EAGER_NATIVE = sys.version_info >= (3, 12)  # asyncio.Task(..., eager_start=True)
+
+
+class _Resume:
+    """An awaitable that continues a coroutine already started."""
+
+    __slots__ = ("_coro", "_first")
+
+    def __init__(self, coro: Coroutine, first: Any):
+        self._coro = coro
+        self._first = first
+
+    def __await__(self):
+        coro, yielded = self._coro, self._first
+        self._first = None
+        while True:
+            try:
+                sent = yield yielded
+            except BaseException as exc:  # noqa: BLE001 - thrown in by the Task (cancel): pass it on
+                try:
+                    yielded = coro.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    yielded = coro.send(sent)
+                except StopIteration as stop:
+                    return stop.value
+
+
+async def _carry_on(resume: _Resume) -> Any:
+    return await resume
+
+
+def eager_start(coro: Coroutine, tasks: set[asyncio.Task]) -> asyncio.Task | None:
+    """Run `coro` now. Returns None when it finished without waiting;
+    otherwise the Task that carries it on, added to `tasks` until it is done.
+    An exception it raises before waiting is logged, as an unobserved Task's
+    would be (callers give it coroutines that handle their own errors)."""
+    loop = asyncio.get_running_loop()
+    if EAGER_NATIVE:
+        task = asyncio.Task(coro, loop=loop, eager_start=True)
+        if task.done():
+            if not task.cancelled() and task.exception() is not None:
+                log.error("request failed", exc_info=task.exception())
+            return None
+    else:
+        try:
+            first = coro.send(None)
+        except StopIteration:
+            return None
+        except Exception:  # noqa: BLE001 - mirror an unobserved Task: log, do not raise into the caller
+            log.exception("request failed")
+            return None
+        task = loop.create_task(_carry_on(_Resume(coro, first)))
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    return task
 
 
 class Conn:
@@ -380,10 +463,10 @@ class ChannelServer:
                 self._refuse_before_session(conn, rec[1])
             elif rec[0] == fdchannel.REQ_ALLOCATE:
                 _, req, n, flags, wait_ms = rec
-                eager.start(self._serve_allocate(conn, s, req, n, bool(flags & fdchannel.ALLOC_WAIT), wait_ms,
+                eager_start(self._serve_allocate(conn, s, req, n, bool(flags & fdchannel.ALLOC_WAIT), wait_ms,
                                                  bool(flags & fdchannel.ALLOC_NOTIFY), ""), self._tasks)
             else:
-                eager.start(self._serve_free(conn, s, rec[1], [rec[2]]), self._tasks)
+                eager_start(self._serve_free(conn, s, rec[1], [rec[2]]), self._tasks)
             return True
         if rec is None:
             self._lost(conn, crashed=conn.session is not None)
@@ -392,13 +475,13 @@ class ChannelServer:
             if conn.session is None:
                 self._refuse_before_session(conn, rec.req_id)
             elif isinstance(rec, fdchannel.AllocateReq):
-                # Served at once; a Task only if it has to wait (eager.py).
-                eager.start(self._serve_allocate(conn, conn.session, rec.req_id, rec.num_pages, rec.wait, rec.wait_timeout_ms,
+                # Served at once; a Task only if it has to wait (eager_start).
+                eager_start(self._serve_allocate(conn, conn.session, rec.req_id, rec.num_pages, rec.wait, rec.wait_timeout_ms,
                                                  rec.notify, rec.device), self._tasks)
             elif isinstance(rec, fdchannel.FreeReq):
-                eager.start(self._serve_free(conn, conn.session, rec.req_id, list(rec.page_ids)), self._tasks)
+                eager_start(self._serve_free(conn, conn.session, rec.req_id, list(rec.page_ids)), self._tasks)
             else:
-                eager.start(self._serve_request(conn, conn.session, rec), self._tasks)
+                eager_start(self._serve_request(conn, conn.session, rec), self._tasks)
             return True
         if isinstance(rec, fdchannel.Adopt) and conn.session is None:
             self._collect_adopt(conn, rec)

@@ -24,7 +24,7 @@ observed once, here, at their boundary (`_Observation`): `observers` get
 
 Everything runs on one event loop (the gRPC aio server's; uvloop by
 default). fd channel requests run at once in the adapter's read callback
-and become Tasks only when they must wait (eager.py).
+and become Tasks only when they must wait (channel.eager_start).
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from .. import errors
 from ..backends.base import Backend
 from ..config import Settings, format_size
 from ..errors import Code
-from . import eager
 from .admission import admit
 from .elastic import Reclaim, Reclaimer, pending_pages
 from .identity import Bearer, Identity, Who
@@ -309,7 +308,7 @@ class Daemon:
         for uuid, pages in by_pool.items():
             pool = self.pools[uuid]
             s.remove_pages(pages)
-            eager.start(pool.give_back(pages), self._tasks)
+            pool.give_back_now(pages)
         for q in s.watchers:
             q.put_nowait(None)
         self.reclaimer.session_ended(s)
@@ -405,7 +404,7 @@ class Daemon:
             # returns the pages.
             zeroing = []
             for u, g in by_pool.items():
-                t = eager.start(self.pools[u].give_back(g), self._tasks)
+                t = self.pools[u].give_back_now(g)
                 if t is not None:
                     zeroing.append(t)
             if zeroing:
@@ -502,7 +501,7 @@ class Daemon:
             self.end_session(s, "daemon shutdown", farewell=gone)
         if self.ports is not None:
             self.ports.shutdown(gone)
-        # Let the give_back tasks settle, then release everything.
+        # Let the zeroing tasks settle, then release everything.
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5)
         failures: list[str] = []

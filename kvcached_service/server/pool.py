@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Iterable, NamedTuple, Pro
 from .. import errors
 from ..backends.base import Backend, DeviceSpec, PageHandle
 from ..config import format_size
-from . import eager
 from .worker import DeviceWorker
 
 if TYPE_CHECKING:
@@ -242,7 +241,7 @@ class DevicePool:
         # Called with (device uuid, pages) whenever pages return to the pool.
         self.on_pages_returned: Callable[[str, int], None] | None = None
         self.ledger: Ledger = ledger if ledger is not None else _NoLedger()
-        # the give_back tasks of undone loans (the daemon's own set: shutdown waits for them)
+        # the zeroing tasks of pages given back (the daemon's own set: shutdown waits for them)
         self.tasks: set[asyncio.Task] = tasks if tasks is not None else set()
 
     # ---- accounting ----------------------------------------------------
@@ -413,7 +412,7 @@ class DevicePool:
             if fds is None:
                 fds = await self.export_fds_on_worker(pages)
         except BaseException:
-            eager.start(self.give_back(pages), self.tasks)  # never the session's
+            self.give_back_now(pages)  # never the session's
             raise
         try:
             session.add_pages(pages)
@@ -426,9 +425,7 @@ class DevicePool:
             if not session.closed and all(p.id in session.pages for p in pages):
                 session.remove_pages(pages)
                 self.ledger.returned(session, pages)
-                task = asyncio.get_running_loop().create_task(self.give_back(pages))
-                self.tasks.add(task)
-                task.add_done_callback(self.tasks.discard)
+                self.give_back_now(pages)
             raise
         finally:
             if self.backend.fresh_exports:  # sent (the client has its own now) or not: ours go
@@ -610,11 +607,16 @@ class DevicePool:
                 page.state = PageState.HELD
 
     # ---- returning pages -----------------------------------------------
-    async def give_back(self, pages: list[Page]) -> None:
-        """Pages a session freed (or held when it ended): zero them, then pool
-        them for their uid. They leave in_use at once."""
+    def give_back_now(self, pages: list[Page]) -> asyncio.Task | None:
+        """Pages a session freed (or held when it ended), given back without
+        waiting: they leave in_use at once. Pages nothing needs to zero
+        (nobody wrote them, or --no-zero-pages) are pooled for their uid
+        before this returns, without a trip to the device worker: None.
+        Otherwise a Task (in `tasks`) zeroes them on the worker, then pools
+        them; it finishes even if whoever waits for it is cancelled (its
+        client died mid-Free), so no page stays "being zeroed" forever."""
         if not pages:
-            return
+            return None
         for page in pages:
             page.state = PageState.ZEROING
             page.session = None
@@ -622,13 +624,18 @@ class DevicePool:
         self.n_pooled += len(pages)
         dirty = self.backend.needs_zeroing([p.handle for p in pages]) if self.zero_pages else []
         if not dirty:
-            # Nothing to zero (pages nobody wrote, or --no-zero-pages): pooled
-            # now, without a trip to the device worker.
             self._pooled_now(pages)
-            return
-        # Finish even if the caller is cancelled (its client died mid-Free):
-        # otherwise the pages would stay "being zeroed" forever.
-        await asyncio.shield(self._zero_and_pool(pages, dirty))
+            return None
+        task = asyncio.get_running_loop().create_task(self._zero_and_pool(pages, dirty))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def give_back(self, pages: list[Page]) -> None:
+        """give_back_now, then wait until the pages are pooled."""
+        task = self.give_back_now(pages)
+        if task is not None:
+            await asyncio.shield(task)
 
     def _pooled_now(self, pages: list[Page]) -> None:
         now = time.monotonic()
