@@ -192,7 +192,6 @@ def test_pool_gives_back_clean_pages_without_the_worker_and_dirty_ones_through_i
         pool = DevicePool(be, be.devices()[0], w, page_ids=PageIds(), page_size=4096, budget_bytes=8 * 4096,
                           warm_pages=0, idle_seconds=30, zero_pages=True)
         pages = await pool.acquire(S(), 4)
-        pool.mark_held(pages)
         be.dirty = {pages[0].handle.fd}
         # two clean pages: pooled before give_back returns, no Task, no worker
         assert pool.give_back_now(pages[2:]) is None

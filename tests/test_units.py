@@ -273,8 +273,7 @@ def test_orphans_and_adoption_go_through_the_pool():
 
 
 def test_admission_one_function_for_every_limit():
-    from kvcached_service.server.admission import admit
-    from kvcached_service.server.pool import Budget
+    from kvcached_service.server.pool import Budget, admit
 
     books = [Budget("D0", 4096, 100), Budget("D1", 4096, 50)]
     admit(books, session="s", guaranteed_bytes=0, max_bytes=0, device="D0", held_pages=90, more_pages=10)
@@ -395,7 +394,6 @@ def test_pool_allocate_waits_for_pages_being_zeroed():
         pool = _pool(be, budget_pages=16)
         s = _S(1, 1)
         first = await pool.acquire(s, 16)
-        pool.mark_held(first)
         back = asyncio.ensure_future(pool.give_back(first))
         await asyncio.sleep(0.05)
         assert pool.books().pooled == 16 and pool.n_ready_total() == 0  # every page being zeroed

@@ -13,6 +13,10 @@ core (daemon.py). This one owns everything about the fd channel's socket
   closed;
 - each bound channel is its session's SessionPort (`Conn`): it delivers
   pages as PAGES records and hangs up with GOODBYE or ERROR;
+- an ALLOCATE on a channel is lent by the core (`Daemon.lend`: pages booked
+  to the session, and journaled, before any client can hold them); this
+  adapter then sends the PAGES records itself, closes fresh exports, and
+  answers; a loan it could not deliver goes back (`Daemon.undelivered`);
 - request records (ALLOCATE, FREE, CLOSE, ANSWER) become core calls,
   answered by REPLY; each handler runs at once on the read callback's stack
   (`eager_start`) and becomes a Task only if it must wait; ADOPT records are collected per channel as (page id, fd) pairs for
@@ -162,6 +166,7 @@ class Conn:
         self.created = time.monotonic()
         self._send_lock = asyncio.Lock()
         self.adoption = Adoption()
+        self.delivering: set[int] = set()  # page ids whose PAGES wait for room (SessionPort.delivering)
         self.closing_req: int | None = None  # a CLOSE being served: its REPLY precedes the GOODBYE
         self.waiting_sends = 0  # records waiting for room in the socket (send's slow path)
         self._writer: asyncio.Future | None = None  # _writable's, while a watcher is on the socket
@@ -177,9 +182,13 @@ class Conn:
         if total <= step and self.send_now(fdchannel.encode_pages(allocation_id, 0, total, page_ids), fds):
             return  # one record, straight into the socket
         timeout = self._server.settings.fd_send_timeout
-        for first in range(0, total, step):
-            rec = fdchannel.encode_pages(allocation_id, first, total, page_ids[first : first + step])
-            await self.send(rec, fds[first : first + step], timeout)
+        self.delivering.update(page_ids)
+        try:
+            for first in range(0, total, step):
+                rec = fdchannel.encode_pages(allocation_id, first, total, page_ids[first : first + step])
+                await self.send(rec, fds[first : first + step], timeout)
+        finally:
+            self.delivering.difference_update(page_ids)
 
     def hang_up(self, error: errors.KVCachedError | None, pages_returned: int = 0) -> None:
         if self._closed:
@@ -521,11 +530,28 @@ class ChannelServer:
     # common ones arrive as fdchannel.decode_hot tuples, no record object).
     async def _serve_allocate(self, conn: Conn, s: Session, req_id: int, n: int, wait: bool, wait_ms: int, notify: bool,
                               device: str) -> None:
+        """The loan (booked and journaled by the core), then its PAGES
+        records, then the REPLY. A loan not delivered goes back
+        (Daemon.undelivered: a failed delivery ends the session)."""
+        d = self.daemon
         try:
-            a = await self.daemon.allocate(s, device, n, wait, wait_ms, notify, alloc_id=req_id | fdchannel.CHANNEL_ALLOC_BIT)
+            a = await d.lend(s, device, n, wait, wait_ms, notify, req_id | fdchannel.CHANNEL_ALLOC_BIT)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a REPLY code
             await self._reply_failure(conn, req_id, exc, "ALLOCATE")
             return
+        try:
+            await conn.deliver(a.allocation_id, a.page_ids, a.fds)
+        except BaseException as exc:
+            if a.fresh:
+                fdchannel.close_fds(a.fds)
+            try:
+                d.undelivered(s, a, exc)
+                raise
+            except Exception as err:  # noqa: BLE001 - a cancellation goes on up
+                await self._reply_failure(conn, req_id, err, "ALLOCATE")
+                return
+        if a.fresh:  # new exports (CUDA): the client has its own now, ours go
+            fdchannel.close_fds(a.fds)
         await self._reply(conn, fdchannel.encode_reply(req_id, 0, a.held_bytes))
 
     async def _serve_free(self, conn: Conn, s: Session, req_id: int, page_ids: list[int]) -> None:

@@ -13,10 +13,13 @@ Beside the core, each in its own module:
   refuses a Bearer's mutating requests unless --grpc-page-ops;
 - recovery.py (`self.recovery`): the journal, the sessions of a previous
   daemon (orphans) and ResumeSession, the page store (keeper);
-- pool.py: a loan (`DevicePool.lend`) acquires, exports, books (the
-  session, then the journal and page store) and delivers pages as one step
-  with one rollback; the core decides admission and what a shortage does
-  (`_Patience`: wait, ask other sessions for pages).
+- pool.py: a loan (`DevicePool.lend`) admits (the budget is the pool's:
+  `admit`), acquires and exports pages as one step with one rollback; the
+  core decides what a shortage does (`_Patience`: wait, ask other sessions
+  for pages), books the loan (the session, then, with --state-dir, the
+  journal and page store: `Daemon.lend`) and hands it to the adapter that
+  answers, which delivers it (the fd channel: PAGES records; gRPC: through
+  the session's port, `Daemon.allocate`) or gives it back (`undelivered`).
 
 The core operations both adapters call (Allocate, Free, CloseSession) are
 observed once, here, at their boundary (`_Observation`): `observers` get
@@ -33,6 +36,7 @@ import asyncio
 import hashlib
 import itertools
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -42,10 +46,9 @@ from .. import errors
 from ..backends.base import Backend
 from ..config import Settings, format_size
 from ..errors import Code
-from .admission import admit
 from .elastic import Reclaim, Reclaimer, pending_pages
 from .identity import Bearer, Identity, Who
-from .pool import DevicePool, Page, PageIds, PageState, Shortage
+from .pool import DevicePool, Page, PageIds, Shortage, admit
 from .recovery import Recovery
 from .sessions import DeliveryFailed, PortDirectory, Session, SessionPort, Tombstones, check_labels, check_name
 from .worker import DeviceWorker
@@ -69,14 +72,20 @@ class Event:
 
 
 class Allocated(NamedTuple):
-    """The answer to an Allocate, before an adapter encodes it (a NamedTuple:
-    made on every Allocate, and a frozen dataclass costs more to build)."""
+    """A loan booked to its session, and the answer to its Allocate before
+    an adapter encodes it (a NamedTuple: made on every Allocate, and a
+    frozen dataclass costs more to build). `pages`, `fds`, `fresh`: what
+    delivering it takes (pool.Loan: whoever delivers closes `fds` when
+    `fresh`)."""
 
     allocation_id: int
     device: str
     page_size: int
     page_ids: list[int]
     held_bytes: int
+    pages: list[Page]
+    fds: list[int]
+    fresh: bool
 
 
 class Daemon:
@@ -133,7 +142,6 @@ class Daemon:
                 warm_pages=self.settings.prealloc_bytes // page_size,
                 idle_seconds=self.settings.pool_idle_seconds,
                 zero_pages=self.settings.zero_pages,
-                ledger=self.recovery,
                 tasks=self._tasks,
             )
             pool.on_pages_returned = self._pages_returned
@@ -327,31 +335,79 @@ class Daemon:
             raise errors.NotFound(f"no device {device!r}; this daemon serves {', '.join(self.pools)}")
         return pool
 
-    async def allocate(self, who: Who, device: str, count: int, wait: bool, wait_ms: int, notify: bool = False,
-                       alloc_id: int | None = None) -> Allocated:
-        """Allocate: admission, pages from the pool (waiting and reclaiming
-        when allowed), delivery through the session's port, then the answer."""
+    async def lend(self, s: Session, device: str, count: int, wait: bool, wait_ms: int, notify: bool,
+                   alloc_id: int) -> Allocated:
+        """An ALLOCATE on the session's own fd channel: `s` is the session
+        bound to that channel (the kernel named the peer), so no identity is
+        resolved; it must still be open. Returns the loan, booked: the
+        adapter delivers it, then answers, or calls `undelivered`."""
         with _Observation(self, "Allocate", wait):
-            s = self.identity.resolve(who, "Allocate")
-            self._check_serving()
-            limit = self.settings.max_pages_per_request
-            if count <= 0 or count > limit:
-                raise errors.InvalidArgument(f"num_pages must be 1..{limit}, got {count}")
-            pool = self.pool(device)
-            admit([pool.budget], session=s, guaranteed_bytes=s.guaranteed_bytes, max_bytes=s.max_bytes,
-                  device=pool.uuid, held_pages=s.held_pages(pool.uuid), more_pages=count)
-            if alloc_id is None:
-                alloc_id = next(self._alloc_ids)
-            try:
-                pages = await pool.lend(s, count, alloc_id, _Patience(self, s, pool, wait, wait_ms, notify, count))
-            except DeliveryFailed as exc:
-                self.count("fd_channel_errors")
-                err = errors.Unavailable(f"could not deliver pages on session {s.id}'s fd channel: {exc}")
-                self.end_session(s, str(exc), farewell=err)
-                raise err from None
+            if s.closed:
+                raise errors.FailedPrecondition(f"session {s.id} is closed")
+            a = await self._lend(s, device, count, wait, wait_ms, notify, alloc_id)
             s.allocations_total += 1
             s.touch()
-            return Allocated(alloc_id, pool.uuid, pool.page_size, [p.id for p in pages], s.held_pages(pool.uuid) * pool.page_size)
+            return a
+
+    async def allocate(self, who: Who, device: str, count: int, wait: bool, wait_ms: int, notify: bool = False) -> Allocated:
+        """Allocate over gRPC (--grpc-page-ops): the caller checked, the
+        loan, delivered through the session's port, then the answer."""
+        with _Observation(self, "Allocate", wait):
+            s = self.identity.resolve(who, "Allocate")
+            a = await self._lend(s, device, count, wait, wait_ms, notify, next(self._alloc_ids))
+            try:
+                await s.port.deliver(a.allocation_id, a.page_ids, a.fds)
+            except BaseException as exc:
+                self.undelivered(s, a, exc)
+                raise
+            finally:
+                if a.fresh:  # sent (the client has its own now) or not: ours go
+                    _close(a.fds)
+            s.allocations_total += 1
+            s.touch()
+            return a._replace(held_bytes=s.held_pages(a.device) * a.page_size, fds=[])
+
+    async def _lend(self, s: Session, device: str, count: int, wait: bool, wait_ms: int, notify: bool,
+                    alloc_id: int) -> Allocated:
+        """A loan of `count` pages to `s`: the pool admits, acquires and
+        exports them (what a shortage does: `_Patience`); then they are
+        booked to the session and, with --state-dir, to the journal and the
+        page store, before any client can hold them."""
+        self._check_serving()
+        limit = self.settings.max_pages_per_request
+        if count <= 0 or count > limit:
+            raise errors.InvalidArgument(f"num_pages must be 1..{limit}, got {count}")
+        pool = self.pool(device)
+        loan = await pool.lend(s, count, _Patience(self, s, pool, wait, wait_ms, notify, count))
+        pages = loan.pages
+        s.add_pages(pages)
+        a = Allocated(alloc_id, pool.uuid, pool.page_size, [p.id for p in pages], s.held_pages(pool.uuid) * pool.page_size,
+                      pages, loan.fds, loan.fresh)
+        if self.recovery.journal is not None:  # an attribute, not a call: nothing to book without --state-dir
+            try:
+                self.recovery.lent(s, pool, pages, loan.fds)
+            except BaseException as exc:
+                if loan.fresh:
+                    _close(loan.fds)
+                self.undelivered(s, a, exc)
+                raise
+        return a
+
+    def undelivered(self, s: Session, a: Allocated, exc: BaseException) -> None:
+        """A loan that did not reach its client (`exc`: the port failed, or
+        the caller gave up before the answer and never learns these page
+        ids): the session must not keep its pages (a session that ended
+        meanwhile gave them back itself). A failed delivery
+        (DeliveryFailed) also ends the session: raises Unavailable."""
+        if not s.closed and all(p.id in s.pages for p in a.pages):
+            s.remove_pages(a.pages)
+            self.recovery.returned(s, a.pages)
+            self.pools[a.device].give_back_now(a.pages)
+        if isinstance(exc, DeliveryFailed):
+            self.count("fd_channel_errors")
+            err = errors.Unavailable(f"could not deliver pages on session {s.id}'s fd channel: {exc}")
+            self.end_session(s, str(exc), farewell=err)
+            raise err from None
 
     def _post(self, s: Session, kind: str, data: dict) -> None:
         s.post(Event(kind, time.time(), data))
@@ -378,6 +434,7 @@ class Daemon:
             if not page_ids:
                 raise errors.InvalidArgument("page_ids is empty: name the pages to free")
             seen: set[int] = set()
+            busy = s.port.delivering  # pages whose PAGES still wait for room in the channel
             pages: list[Page] = []
             for pid in page_ids:
                 if pid in seen:
@@ -386,7 +443,7 @@ class Daemon:
                 page = s.pages.get(pid)
                 if page is None:
                     raise errors.NotFound(f"page {pid} is not held by session {s.id}; nothing was freed")
-                if page.state is not PageState.HELD:
+                if busy and pid in busy:
                     raise errors.FailedPrecondition(f"page {pid} is still being delivered; nothing was freed")
                 pages.append(page)
             by_pool: dict[str, list[Page]] = {}
@@ -609,6 +666,14 @@ class _Observation:
             seconds = time.perf_counter() - self.t0
             for fn in observers:
                 fn(self.op, code, seconds, self.waited)
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 class ShutdownIncomplete(Exception):

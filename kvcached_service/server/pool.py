@@ -20,6 +20,27 @@ Who may get a pooled page (invariant 2 of the brief):
                 mapping, an imported handle). Another uid gets a new page;
                 if the budget is short, u's pooled pages are released first.
 Allocation takes O(pages asked) time: deques pop from the end.
+
+A loan (`DevicePool.lend`) is one step with one rollback: admitted (`admit`:
+may the session hold that much on this device), acquired, exported. The
+pages come back HELD by the session in these books, with the descriptors to
+deliver them with; the core books them to the session (and the journal),
+the adapter that answers delivers them.
+
+Admission is the budget's question, so it lives here, beside `Budget`: one
+function, `admit`, policy only (it reads budgets and limits, raises the
+error a client sees, changes nothing). Whether pages can be had *now*
+(pooled, free budget, another uid's pooled pages to release) is `acquire`'s
+supply question (it raises Shortage); whether other sessions should be
+asked to give pages back is elastic.py's. The three limits, on every device:
+- session maximum: the pages a session holds never exceed
+  min(device budget, max_bytes) (max_bytes 0 = the device budget);
+- device budget: a session never holds more than the device's budget;
+- sum of guarantees: the guarantees of all open sessions fit in the budget
+  of every device (a guarantee applies per device).
+Plus the check that belongs with them: a guarantee above the maximum. (The
+size of one request, 1..max_pages_per_request, is checked by the core
+before the device is looked up.)
 """
 
 from __future__ import annotations
@@ -31,7 +52,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Awaitable, Callable, Iterable, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Awaitable, Callable, NamedTuple
 
 from .. import errors
 from ..backends.base import Backend, DeviceSpec, PageHandle
@@ -70,8 +91,7 @@ _COMING_WAIT_S = 5.0  # how long an Allocate waits for pages being zeroed/made, 
 class PageState(enum.Enum):
     POOLED = "pooled"
     ZEROING = "zeroing"
-    DELIVERING = "delivering"
-    HELD = "held"
+    HELD = "held"  # lent to a session (its delivery may still wait for room: SessionPort.delivering)
 
 
 @dataclass(eq=False, slots=True)
@@ -109,6 +129,48 @@ class Budget(NamedTuple):
     def bytes(self) -> int:
         """The budget in bytes: the one place it is derived."""
         return self.pages * self.page_size
+
+
+def _label(session) -> str:
+    """A session for messages: a label as given, or a Session as `ID 'name'`
+    (formatted only when a message is made: admit runs on every Allocate)."""
+    return session if isinstance(session, str) else f"{session.id} '{session.name}'"
+
+
+def admit(
+    budgets: list[Budget],
+    *,
+    session,
+    guaranteed_bytes: int,
+    max_bytes: int,
+    others_guaranteed: int | None = None,
+    device: str | None = None,
+    held_pages: int = 0,
+    more_pages: int = 0,
+) -> None:
+    """Raise the client's error if `session` (a label for messages, or the Session) may not
+    have these limits, or may not hold `held_pages + more_pages` pages on
+    `device`. `others_guaranteed`: the guarantees of every other open
+    session, given when the limits are set or changed (OpenSession,
+    SetSessionLimits), None on an Allocate (the sum was admitted then)."""
+    if max_bytes and guaranteed_bytes > max_bytes:
+        raise errors.InvalidArgument(f"guaranteed_bytes {guaranteed_bytes} exceeds max_bytes {max_bytes}")
+    if guaranteed_bytes and others_guaranteed is not None:
+        total = others_guaranteed + guaranteed_bytes
+        for b in budgets:
+            if total > b.bytes:
+                raise errors.ResourceExhausted(
+                    f"guarantees would total {format_size(total)}, more than device {b.device}'s budget {format_size(b.bytes)}"
+                )
+    if device is None:
+        return
+    (b,) = [x for x in budgets if x.device == device]
+    cap = b.pages if not max_bytes else min(b.pages, max_bytes // b.page_size)
+    if held_pages + more_pages > cap:
+        raise errors.ResourceExhausted(
+            f"session {_label(session)} holds {held_pages} pages on {b.device}; {more_pages} more would exceed its maximum of {cap} pages"
+            + (f" (max_bytes {format_size(max_bytes)})" if max_bytes else " (the device budget)")
+        )
 
 
 @dataclass(frozen=True)
@@ -176,24 +238,16 @@ class Shortage(errors.ResourceExhausted):
         self.missing = missing
 
 
-class Ledger(Protocol):
-    """Who else books a loan (recovery.Recovery: the journal and the page
-    store). DevicePool.lend tells it in the loan's order."""
+class Loan(NamedTuple):
+    """Pages lent to a session (DevicePool.lend): HELD by it in the pool's
+    books, and the descriptors to deliver them with, in order. When `fresh`
+    (the backend made a new export for this delivery: CUDA) whoever
+    delivers them closes the fds once sent, or not sent; otherwise they are
+    the pages' own (host memfds) and stay open."""
 
-    def lent(self, session: "Session", pool: "DevicePool", pages: list[Page], fds: list[int]) -> None:
-        """`pages` are booked to `session`; their fds are about to be
-        delivered (what must be recorded before the client can hold them)."""
-
-    def returned(self, session: "Session", pages: list[Page]) -> None:
-        """A loan was undone: `session` does not hold `pages`."""
-
-
-class _NoLedger:
-    def lent(self, session, pool, pages, fds) -> None:
-        pass
-
-    def returned(self, session, pages) -> None:
-        pass
+    pages: list[Page]
+    fds: list[int]
+    fresh: bool
 
 
 class DevicePool:
@@ -209,11 +263,11 @@ class DevicePool:
         warm_pages: int,
         idle_seconds: float,
         zero_pages: bool,
-        ledger: Ledger | None = None,
         tasks: set[asyncio.Task] | None = None,
     ):
         self.backend = backend
         self.spec = spec
+        self.uuid = spec.uuid  # an attribute, not a property: read on every Allocate
         self.worker = worker
         self.page_ids = page_ids
         self.page_size = page_size
@@ -240,15 +294,10 @@ class DevicePool:
         self._ident_distinct: bool | None = None  # identities_distinct(), once decided
         # Called with (device uuid, pages) whenever pages return to the pool.
         self.on_pages_returned: Callable[[str, int], None] | None = None
-        self.ledger: Ledger = ledger if ledger is not None else _NoLedger()
         # the zeroing tasks of pages given back (the daemon's own set: shutdown waits for them)
         self.tasks: set[asyncio.Task] = tasks if tasks is not None else set()
 
     # ---- accounting ----------------------------------------------------
-    @property
-    def uuid(self) -> str:
-        return self.spec.uuid
-
     @property
     def n_in_use(self) -> int:
         return self.n_held + self.n_creating
@@ -379,22 +428,22 @@ class DevicePool:
         return out
 
     # ---- allocation ----------------------------------------------------
-    async def lend(self, session: "Session", count: int, allocation_id: int,
-                   when_short: Callable[[Shortage], Awaitable[None]] | None = None) -> list[Page]:
+    async def lend(self, session: "Session", count: int,
+                   when_short: Callable[[Shortage], Awaitable[None]] | None = None) -> Loan:
         """A loan of `count` pages to `session`, as one step:
-        1. acquire them; when the budget is short, `when_short(shortage)`
+        1. admit it: the session's maximum on this device (`admit`);
+        2. acquire the pages; when the budget is short, `when_short(shortage)`
            decides (it raises to give up, or returns to try again; None:
            the Shortage is raised);
-        2. export their fds;
-        3. book them to the session, then to the ledger (the journal and
-           the page store: before the client can hold them);
-        4. deliver them through the session's port (allocation_id);
-        5. mark them HELD. The fds of fresh exports are closed whether sent or not.
-        A failure after step 1 undoes the loan once: the pages leave the
-        session (the ledger is told) and go back to this pool; then the
-        exception propagates (DeliveryFailed from the port included).
-        Pages acquired for a session that ended meanwhile go back too
-        (FailedPrecondition)."""
+        3. export their fds.
+        The pages come back HELD by `session` in these books; booking them
+        to the session (and the journal) and delivering them is the
+        caller's (then `give_back_now` undoes the loan). A failure after
+        step 2 gives the pages back to this pool once, closes any fresh
+        export, and propagates; pages acquired or exported for a session
+        that ended meanwhile go back too (FailedPrecondition)."""
+        admit([self.budget], session=session, guaranteed_bytes=session.guaranteed_bytes, max_bytes=session.max_bytes,
+              device=self.uuid, held_pages=session.held_by_device.get(self.uuid, 0), more_pages=count)
         while True:
             try:
                 pages = await self.acquire(session, count)
@@ -403,43 +452,28 @@ class DevicePool:
                 if when_short is None:
                     raise
                 await when_short(short)
-        if session.closed:
-            # The session ended while its pages were being made: nobody got them.
-            await self.give_back(pages)
-            raise errors.FailedPrecondition(f"session {session.id} closed while allocating")
+        fds: list[int] = []
         try:
-            fds = self.export_fds_now(pages)
-            if fds is None:
-                fds = await self.export_fds_on_worker(pages)
+            if not session.closed:
+                now = self.export_fds_now(pages)
+                fds = now if now is not None else await self.export_fds_on_worker(pages)
+            if session.closed:
+                # The session ended while its pages were being made or exported: nobody got them.
+                raise errors.FailedPrecondition(f"session {session.id} closed while allocating")
         except BaseException:
-            self.give_back_now(pages)  # never the session's
-            raise
-        try:
-            session.add_pages(pages)
-            self.ledger.lent(session, self, pages, fds)
-            await session.port.deliver(allocation_id, [p.id for p in pages], fds)
-        except BaseException:
-            # Not delivered (the port failed, or the caller gave up before the
-            # answer and never learns these page ids): the session must not
-            # keep them. A session that ended meanwhile gave them back itself.
-            if not session.closed and all(p.id in session.pages for p in pages):
-                session.remove_pages(pages)
-                self.ledger.returned(session, pages)
-                self.give_back_now(pages)
-            raise
-        finally:
-            if self.backend.fresh_exports:  # sent (the client has its own now) or not: ours go
+            if self.backend.fresh_exports:
                 for fd in fds:
                     try:
                         os.close(fd)
                     except OSError:
                         pass
-        self.mark_held(pages)
-        return pages
+            self.give_back_now(pages)  # never the session's
+            raise
+        return Loan(pages, fds, self.backend.fresh_exports)
 
     async def acquire(self, session: "Session", count: int) -> list[Page]:
-        """Hand `count` pages to `session`, all or nothing. Pages come back in
-        state DELIVERING; the caller marks them HELD once their fds are sent.
+        """Hand `count` pages to `session`, all or nothing: they come back
+        HELD by it (in these books; the session's own are the caller's).
         Raises Shortage when the budget cannot cover it right now."""
         uid = session.uid
         while True:
@@ -483,7 +517,7 @@ class DevicePool:
             got.append(page)
         self.counters.created_total += len(new_handles)
         for page in got:
-            page.state = PageState.DELIVERING
+            page.state = PageState.HELD
             page.session = session
             page.uid = uid
         self.n_held += len(new_handles)
@@ -600,11 +634,6 @@ class DevicePool:
                 entry = counts.setdefault(s.id, [s.id, s.name, s.uid, 0])
                 entry[3] += 1
         return sorted((tuple(v) for v in counts.values()), key=lambda e: -e[3])  # type: ignore[misc]
-
-    def mark_held(self, pages: Iterable[Page]) -> None:
-        for page in pages:
-            if page.state is PageState.DELIVERING:
-                page.state = PageState.HELD
 
     # ---- returning pages -----------------------------------------------
     def give_back_now(self, pages: list[Page]) -> asyncio.Task | None:

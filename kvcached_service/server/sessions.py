@@ -1,10 +1,13 @@
 """Sessions, and the port through which the core reaches a session's client.
 
 A Session is the daemon's record of one client: its limits, the pages it
-holds, its Watch queues. It reaches its client only through its SessionPort,
-which the fd channel adapter (channel.py) implements: the kernel told the
-adapter who is on the other end (SO_PEERCRED), so the port carries that
-identity, delivers pages, and hangs up. The core never touches a socket.
+holds, its Watch queues (the core's books: daemon.py and this module are
+the core). It reaches its client only through its SessionPort, which the fd
+channel adapter (channel.py) implements: the kernel told the adapter who is
+on the other end (SO_PEERCRED), so the port carries that identity, delivers
+pages, and hangs up. The core never touches a socket. A session is bound to
+its port once (OpenSession, ResumeSession) and takes the peer's pid, uid
+and gid from it then: a request on that port needs no identity resolved.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ class SessionPort(Protocol):
     pid: int
     uid: int
     gid: int
+    # ids of pages lent whose delivery waits for room in the channel (a
+    # Free of one is refused: its client has not got it yet)
+    delivering: set[int]
 
     @property
     def closed(self) -> bool: ...
@@ -40,6 +46,7 @@ class SessionPort(Protocol):
     async def deliver(self, allocation_id: int, page_ids: list[int], fds: list[int]) -> None:
         """Hand the pages (ids and descriptors, in order) to the client
         before the request is answered; the caller keeps its descriptors.
+        While it waits for room, the page ids are in `delivering`.
         Raises DeliveryFailed."""
 
     def hang_up(self, error: errors.KVCachedError | None, pages_returned: int = 0) -> None:
@@ -115,18 +122,13 @@ class Session:
     idle_asked: bool = False
     closed: bool = False
     watchers: list[asyncio.Queue] = field(default_factory=list)
+    # the port's peer as the kernel named it (SO_PEERCRED), taken once at binding
+    pid: int = field(init=False)
+    uid: int = field(init=False)
+    gid: int = field(init=False)
 
-    @property
-    def uid(self) -> int:
-        return self.port.uid
-
-    @property
-    def pid(self) -> int:
-        return self.port.pid
-
-    @property
-    def gid(self) -> int:
-        return self.port.gid
+    def __post_init__(self) -> None:
+        self.pid, self.uid, self.gid = self.port.pid, self.port.uid, self.port.gid
 
     def touch(self) -> None:
         self.last_active_unix = time.time()
