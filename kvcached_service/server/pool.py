@@ -438,7 +438,8 @@ class DevicePool:
         3. export their fds.
         The pages come back HELD by `session` in these books; booking them
         to the session (and the journal) and delivering them is the
-        caller's (then `give_back_now` undoes the loan). A failure after
+        caller's, and so is giving back (`give_back_now`) a loan it could
+        not complete. A failure after
         step 2 gives the pages back to this pool once, closes any fresh
         export, and propagates; pages acquired or exported for a session
         that ended meanwhile go back too (FailedPrecondition)."""
