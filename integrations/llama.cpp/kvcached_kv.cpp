@@ -140,9 +140,7 @@ void llama_kvcached_trim(const void * owner) {
     if (!c) {
         return;
     }
-    if (POLICY().trim_pending.exchange(false)) {
-        trim_all_locked();
-    } else {
+    if (!trim_owed_locked()) {
         trim_locked(c);
     }
 }

@@ -36,13 +36,12 @@ import asyncio
 import hashlib
 import itertools
 import logging
-import os
 import secrets
 import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from .. import errors
+from .. import errors, fdchannel
 from ..backends.base import Backend
 from ..config import Settings, format_size
 from ..errors import Code
@@ -362,7 +361,7 @@ class Daemon:
                 raise
             finally:
                 if a.fresh:  # sent (the client has its own now) or not: ours go
-                    _close(a.fds)
+                    fdchannel.close_fds(a.fds)
             s.allocations_total += 1
             s.touch()
             return a._replace(held_bytes=s.held_pages(a.device) * a.page_size, fds=[])
@@ -388,7 +387,7 @@ class Daemon:
                 self.recovery.lent(s, pool, pages, loan.fds)
             except BaseException as exc:
                 if loan.fresh:
-                    _close(loan.fds)
+                    fdchannel.close_fds(loan.fds)
                 self.undelivered(s, a, exc)
                 raise
         return a
@@ -666,14 +665,6 @@ class _Observation:
             seconds = time.perf_counter() - self.t0
             for fn in observers:
                 fn(self.op, code, seconds, self.waited)
-
-
-def _close(fds: list[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 class ShutdownIncomplete(Exception):

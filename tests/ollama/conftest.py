@@ -28,7 +28,9 @@ SMALL = "small3l"
 SMALL_SHAPE = dict(n_layer=3, n_embd=64, n_head=2, n_head_kv=2, head_dim=16, n_ff=128)
 NUM_CTX = 4096
 WORST_CASE_KV = 2 * NUM_CTX * tiny_model.KV_BYTES_PER_TOKEN_F16  # 2 slots
-SMALL_STOCK_KV = 2 * SMALL_SHAPE["n_layer"] * 2 * NUM_CTX * 64  # K and V per layer, 2 slots, 64 B rows
+SMALL_ROW = tiny_model.kv_row_bytes(SMALL_SHAPE["n_embd"], SMALL_SHAPE["n_head"], SMALL_SHAPE["n_head_kv"],
+                                   head_dim=SMALL_SHAPE["head_dim"])  # 64 B
+SMALL_STOCK_KV = 2 * SMALL_SHAPE["n_layer"] * 2 * NUM_CTX * SMALL_ROW  # K and V per layer, 2 slots
 
 
 @pytest.fixture(scope="session")
