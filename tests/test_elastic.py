@@ -101,6 +101,11 @@ def test_ignoring_session_fails_waiter_at_deadline_naming_it(daemon_factory):
         assert wait_until(lambda: hog.reclaims), "the hog was never asked"
         me = {s.name: s for s in waiter.stats().sessions}
         assert wait_until(lambda: {s.name: s for s in waiter.stats().sessions}["hog"].reclaim_ignored >= 1, timeout=3)
+        time.sleep(0.1)
+        # one request, ignored once: no second ask due at the very deadline
+        # (it used to race the first ask's expiry and count the hog twice)
+        assert {s.name: s for s in waiter.stats().sessions}["hog"].reclaim_ignored == 1
+        assert d.log_text().count("asked session %d 'hog'" % hog.s.id) == 1
         assert me["bystander"].reclaim_ignored == 0
         # others unharmed: the bystander still works, and the waiter can use what is free
         other.free(keep)
@@ -110,6 +115,16 @@ def test_ignoring_session_fails_waiter_at_deadline_naming_it(daemon_factory):
         hog.close()
         other.close()
         waiter.close()
+
+
+def test_no_ask_is_made_with_less_time_left_than_an_answer_takes():
+    from kvcached_service.server.elastic import MIN_ASK_S, Reclaimer
+
+    posted = []
+    r = Reclaimer(lambda: pytest.fail("looked for victims with no time left"), lambda *a: posted.append(a), 0.3)
+    assert r.request(None, None, 8, time.time() + MIN_ASK_S / 4) == []
+    assert r.request(None, None, 8, time.time() - 1) == []
+    assert posted == [] and r.requests_total == 0
 
 
 def test_ignorer_is_asked_first_next_time(daemon_factory):

@@ -41,6 +41,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvcached.elastic")
 
+# No session can answer an ask in less than this: a waiter whose deadline is
+# nearer asks nobody (an ask due at once would only expire at once and count
+# its session as ignoring a request it never had time for).
+MIN_ASK_S = 0.02
+
 
 @dataclass(eq=False)
 class Reclaim:
@@ -137,11 +142,14 @@ class Reclaimer:
 
     def request(self, pool: "DevicePool", requester: "Session", missing: int, deadline: float) -> list[tuple["Session", int]]:
         """Ask other sessions for `missing` pages by `deadline`, counting
-        pages already asked for. Returns [(session, pages)] newly asked."""
+        pages already asked for (none when under MIN_ASK_S is left). Returns
+        [(session, pages)] newly asked."""
         now = time.time()
+        asked: list[tuple["Session", int]] = []
+        if deadline - now < MIN_ASK_S:
+            return asked
         outstanding = sum(pending_pages(s, pool, now) for s in self._sessions() if s is not requester)
         need = missing - outstanding
-        asked: list[tuple["Session", int]] = []
         if need <= 0:
             return asked
         for s in self.victims(pool, requester, now):
