@@ -38,7 +38,7 @@
 /* API version: KVC_API_VERSION = major * 10000 + minor * 100 + patch.
  * kvc_api_version() returns the version of the library actually loaded. */
 #define KVC_API_VERSION_MAJOR 1
-#define KVC_API_VERSION_MINOR 4
+#define KVC_API_VERSION_MINOR 5
 #define KVC_API_VERSION_PATCH 0
 #define KVC_API_VERSION \
     (KVC_API_VERSION_MAJOR * 10000 + KVC_API_VERSION_MINOR * 100 + KVC_API_VERSION_PATCH)
@@ -466,6 +466,32 @@ KVC_API kvc_status kvc_region_unmap_ranges(kvc_region *region, const kvc_range *
  * (a llama.cpp KV cache) that reconnects to a restarted daemon. Since 1.2.
  * Not thread-safe (no other call on the region may run). */
 KVC_API kvc_status kvc_region_rebind(kvc_region *region, kvc_session *session);
+
+/* Map the unmapped pages covering the ranges with memory of this process's
+ * own, not the daemon's: an anonymous mapping on "host", cuMemCreate on
+ * "cuda" (ordinary device memory outside every budget; the daemon sees it
+ * only as memory in use on the device). No daemon is asked, so it works while
+ * the daemon is away or the session ended. Pages already mapped stay as they
+ * are. All or nothing: on failure nothing new stays mapped
+ * (KVC_ERR_NO_MEMORY when the device or host has no memory for them). Local
+ * pages count in kvc_region_mapped_bytes and kvc_region_local_bytes; unmapping
+ * them (kvc_region_unmap*, kvc_region_destroy) frees them with no Free to the
+ * daemon; kvc_region_rebind keeps them. New local pages read as zeros. For a KV
+ * cache that must keep serving while the daemon is away (the llama.cpp
+ * hook's KVCACHED_ON_DAEMON_LOSS=local). Since 1.5. Thread-safe (calls on one
+ * region serialise). */
+KVC_API kvc_status kvc_region_map_ranges_local(kvc_region *region, const kvc_range *ranges,
+                                               size_t num_ranges);
+
+/* kvc_region_unmap_ranges for local pages only: the local pages lying wholly
+ * inside the ranges are unmapped and freed, every other page stays (no Free
+ * is sent; works while the daemon is away). Since 1.5. Thread-safe. */
+KVC_API kvc_status kvc_region_unmap_ranges_local(kvc_region *region, const kvc_range *ranges,
+                                                 size_t num_ranges);
+
+/* Bytes of the region mapped with local pages now (kvc_region_map_ranges_local).
+ * Since 1.5. Thread-safe. */
+KVC_API uint64_t kvc_region_local_bytes(const kvc_region *region);
 
 /* Nonzero if every byte of [offset, offset+size) is mapped. Thread-safe. */
 KVC_API int kvc_region_is_mapped(kvc_region *region, uint64_t offset, uint64_t size);

@@ -645,12 +645,33 @@ KVC_API kvc_status kvc_region_map_ranges(kvc_region *r, const kvc_range *ranges,
     });
 }
 
+KVC_API kvc_status kvc_region_map_ranges_local(kvc_region *r, const kvc_range *ranges, size_t n)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(r, "region is NULL");
+        return region_map_ranges_local(r, ranges, n);
+    });
+}
+
+KVC_API kvc_status kvc_region_unmap_ranges_local(kvc_region *r, const kvc_range *ranges, size_t n)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(r, "region is NULL");
+        return region_unmap_ranges(r, ranges, n, true);
+    });
+}
+
+KVC_API uint64_t kvc_region_local_bytes(const kvc_region *r)
+{
+    return r ? r->local_pages.load() * r->page : 0;
+}
+
 KVC_API kvc_status kvc_region_unmap(kvc_region *r, uint64_t offset, uint64_t size)
 {
     return guarded([&]() -> kvc_status {
         NEED(r, "region is NULL");
         kvc_range one = {offset, size};
-        return region_unmap_ranges(r, &one, 1);
+        return region_unmap_ranges(r, &one, 1, false);
     });
 }
 
@@ -658,7 +679,7 @@ KVC_API kvc_status kvc_region_unmap_ranges(kvc_region *r, const kvc_range *range
 {
     return guarded([&]() -> kvc_status {
         NEED(r, "region is NULL");
-        return region_unmap_ranges(r, ranges, n);
+        return region_unmap_ranges(r, ranges, n, false);
     });
 }
 

@@ -439,6 +439,8 @@ enum : uint8_t {
     kSlotMapped = 1,  // a page of r->session
     kSlotOrphan = 2,  // mapped, but its session ended before kvc_region_rebind: no daemon
                       // counts it; unmapping it is local only
+    kSlotLocal = 3,   // this process's own memory (kvc_region_map_ranges_local): no daemon
+                      // lent it; unmapping frees it
 };
 
 struct kvc_region {
@@ -450,7 +452,8 @@ struct kvc_region {
     std::mutex mu;
     std::vector<uint64_t> ids;    // page id per slot
     std::vector<uint8_t> mapped;  // slot state (nonzero: mapped)
-    std::atomic<uint64_t> mapped_pages{0};
+    std::atomic<uint64_t> mapped_pages{0};  // every mapped slot, local ones included
+    std::atomic<uint64_t> local_pages{0};
 };
 
 namespace kvc_impl {
@@ -492,7 +495,8 @@ kvc_status region_map_slots(kvc_region *r, const std::vector<uint64_t> &slots);
 kvc_status region_unmap_slots(kvc_region *r, const std::vector<uint64_t> &slots);
 kvc_status check_ranges(const kvc_region *r, const kvc_range *ranges, size_t n);
 kvc_status region_map_ranges(kvc_region *r, const kvc_range *ranges, size_t n);
-kvc_status region_unmap_ranges(kvc_region *r, const kvc_range *ranges, size_t n);
+kvc_status region_map_ranges_local(kvc_region *r, const kvc_range *ranges, size_t n);
+kvc_status region_unmap_ranges(kvc_region *r, const kvc_range *ranges, size_t n, bool only_local);
 void region_delete(kvc_region *r);
 
 // ---- watch.cc

@@ -62,6 +62,11 @@ kvc_status kvc_mapper_unmap(kvc_mapper *m, uintptr_t addr, uint64_t size)
     return m->ops->unmap(m, addr, size);
 }
 
+kvc_status kvc_mapper_map_local(kvc_mapper *m, uintptr_t addr, uint64_t size)
+{
+    return m->ops->map_local(m, addr, size);
+}
+
 kvc_status kvc_mapper_memset(kvc_mapper *m, uintptr_t addr, uint8_t value, uint64_t size)
 {
     return m->ops->memset(m, addr, value, size);

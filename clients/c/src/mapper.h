@@ -32,6 +32,9 @@ struct kvc_mapper_ops {
      * every case. */
     kvc_status (*map)(kvc_mapper *m, uintptr_t addr, int fd, uint64_t size);
     kvc_status (*unmap)(kvc_mapper *m, uintptr_t addr, uint64_t size);
+    /* Back [addr, addr+size) (one page) with memory of this process's own,
+     * not the daemon's, reading as zeros; unmap frees it. */
+    kvc_status (*map_local)(kvc_mapper *m, uintptr_t addr, uint64_t size);
     kvc_status (*memset)(kvc_mapper *m, uintptr_t addr, uint8_t value, uint64_t size);
     kvc_status (*write)(kvc_mapper *m, uintptr_t addr, const void *src, uint64_t size);
     kvc_status (*read)(kvc_mapper *m, uintptr_t addr, void *dst, uint64_t size);
@@ -47,7 +50,7 @@ struct kvc_mapper {
 /* The backends (mapper_<kind>.c), registered by kind in mapper.c. */
 /* Host pages: reservations are PROT_NONE anonymous mappings; a page is
  * mapped over its slot with MAP_FIXED|MAP_SHARED, unmapped by putting
- * PROT_NONE back. */
+ * PROT_NONE back; a local page is an anonymous private mapping there. */
 extern const struct kvc_mapper_ops kvc_mapper_host_ops;
 /* CUDA pages of the device whose UUID is "GPU-xxxxxxxx-...": create loads
  * $KVCACHED_LIBCUDA (default libcuda.so.1), cuInit, finds the local ordinal
@@ -67,6 +70,7 @@ kvc_status kvc_mapper_reserve(kvc_mapper *m, uint64_t size, uint64_t alignment, 
 kvc_status kvc_mapper_release(kvc_mapper *m, uintptr_t base, uint64_t size);
 kvc_status kvc_mapper_map(kvc_mapper *m, uintptr_t addr, int fd, uint64_t size);
 kvc_status kvc_mapper_unmap(kvc_mapper *m, uintptr_t addr, uint64_t size);
+kvc_status kvc_mapper_map_local(kvc_mapper *m, uintptr_t addr, uint64_t size);
 kvc_status kvc_mapper_memset(kvc_mapper *m, uintptr_t addr, uint8_t value, uint64_t size);
 kvc_status kvc_mapper_write(kvc_mapper *m, uintptr_t addr, const void *src, uint64_t size);
 kvc_status kvc_mapper_read(kvc_mapper *m, uintptr_t addr, void *dst, uint64_t size);

@@ -3,6 +3,7 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,7 +30,24 @@ typedef struct {
     int flags; /* CUmemAccess_flags */
 } CUmemAccessDesc;
 
+typedef struct {
+    int type;                 /* CUmemAllocationType */
+    int requestedHandleTypes; /* CUmemAllocationHandleType */
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct {
+        unsigned char compressionType;
+        unsigned char gpuDirectRDMACapable;
+        unsigned short usage;
+        unsigned char reserved[4];
+    } allocFlags;
+} CUmemAllocationProp;
+_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp as in cuda.h");
+_Static_assert(offsetof(CUmemAllocationProp, location) == 8, "CUmemAllocationProp as in cuda.h");
+_Static_assert(offsetof(CUmemAllocationProp, allocFlags) == 24, "CUmemAllocationProp as in cuda.h");
 #define CUDA_SUCCESS 0
+#define CUDA_ERROR_OUT_OF_MEMORY 2
+#define CU_MEM_ALLOCATION_TYPE_PINNED 0x1
 #define CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR 0x1
 #define CU_MEM_LOCATION_TYPE_DEVICE 0x1
 #define CU_MEM_ACCESS_FLAGS_PROT_READWRITE 0x3
@@ -55,6 +73,8 @@ struct cuda_api {
     CUresult (*MemSetAccess)(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
                              size_t count);
     CUresult (*MemRelease)(CUmemGenericAllocationHandle handle);
+    CUresult (*MemCreate)(CUmemGenericAllocationHandle *handle, size_t size,
+                          const CUmemAllocationProp *prop, unsigned long long flags); /* optional */
     CUresult (*MemUnmap)(CUdeviceptr ptr, size_t size);
     CUresult (*MemsetD8)(CUdeviceptr dst, unsigned char uc, size_t n);
     CUresult (*MemcpyHtoD)(CUdeviceptr dst, const void *src, size_t n);
@@ -103,6 +123,7 @@ static void cuda_load(void)
         {(void **)&g_cu.MemMap, {"cuMemMap"}, 0},
         {(void **)&g_cu.MemSetAccess, {"cuMemSetAccess"}, 0},
         {(void **)&g_cu.MemRelease, {"cuMemRelease"}, 0},
+        {(void **)&g_cu.MemCreate, {"cuMemCreate"}, 1},
         {(void **)&g_cu.MemUnmap, {"cuMemUnmap"}, 0},
         {(void **)&g_cu.MemsetD8, {"cuMemsetD8_v2"}, 0},
         {(void **)&g_cu.MemcpyHtoD, {"cuMemcpyHtoD_v2"}, 0},
@@ -209,7 +230,7 @@ static kvc_status cuda_reserve(kvc_mapper *m, uint64_t size, uint64_t alignment,
     CU_CURRENT(m);
     CUdeviceptr p = 0;
     CUresult r = g_cu.MemAddressReserve(&p, (size_t)size, (size_t)alignment, 0, 0);
-    if (r == 2 /* CUDA_ERROR_OUT_OF_MEMORY */)
+    if (r == CUDA_ERROR_OUT_OF_MEMORY)
         return kvc_fail(KVC_ERR_NO_MEMORY,
                         "cuMemAddressReserve of %llu bytes: out of address space",
                         (unsigned long long)size);
@@ -223,6 +244,35 @@ static kvc_status cuda_release(kvc_mapper *m, uintptr_t base, uint64_t size)
 {
     CU_CURRENT(m);
     CU_CHECK("cuMemAddressFree", g_cu.MemAddressFree((CUdeviceptr)base, (size_t)size));
+    return KVC_OK;
+}
+
+/* Map handle h at addr with read-write access for this device; the handle
+ * is released in every case (the mapping keeps the page alive). */
+static kvc_status cuda_map_handle(kvc_mapper *m, uintptr_t addr, CUmemGenericAllocationHandle h,
+                                  uint64_t size)
+{
+    CUresult r = g_cu.MemMap((CUdeviceptr)addr, (size_t)size, 0, h, 0);
+    if (r != CUDA_SUCCESS) {
+        g_cu.MemRelease(h);
+        return cu_fail("cuMemMap", r);
+    }
+    CUmemAccessDesc desc;
+    memset(&desc, 0, sizeof desc);
+    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    desc.location.id = cm(m)->ordinal;
+    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    r = g_cu.MemSetAccess((CUdeviceptr)addr, (size_t)size, &desc, 1);
+    if (r != CUDA_SUCCESS) {
+        g_cu.MemUnmap((CUdeviceptr)addr, (size_t)size);
+        g_cu.MemRelease(h);
+        return cu_fail("cuMemSetAccess", r);
+    }
+    r = g_cu.MemRelease(h);
+    if (r != CUDA_SUCCESS) {
+        g_cu.MemUnmap((CUdeviceptr)addr, (size_t)size);
+        return cu_fail("cuMemRelease", r);
+    }
     return KVC_OK;
 }
 
@@ -240,27 +290,36 @@ static kvc_status cuda_map(kvc_mapper *m, uintptr_t addr, int fd, uint64_t size)
     close(fd);
     if (r != CUDA_SUCCESS)
         return cu_fail("cuMemImportFromShareableHandle", r);
-    r = g_cu.MemMap((CUdeviceptr)addr, (size_t)size, 0, h, 0);
-    if (r != CUDA_SUCCESS) {
-        g_cu.MemRelease(h);
-        return cu_fail("cuMemMap", r);
-    }
-    CUmemAccessDesc desc;
-    memset(&desc, 0, sizeof desc);
-    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    desc.location.id = cm(m)->ordinal;
-    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    r = g_cu.MemSetAccess((CUdeviceptr)addr, (size_t)size, &desc, 1);
+    return cuda_map_handle(m, addr, h, size);
+}
+
+/* A page of ordinary device memory, this process's own (no shareable
+ * handle: nobody else maps it). */
+static kvc_status cuda_map_local(kvc_mapper *m, uintptr_t addr, uint64_t size)
+{
+    if (!g_cu.MemCreate)
+        return kvc_fail(KVC_ERR_DRIVER, "the CUDA driver lacks cuMemCreate: no local pages");
+    CU_CURRENT(m);
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = cm(m)->ordinal;
+    CUmemGenericAllocationHandle h = 0;
+    CUresult r = g_cu.MemCreate(&h, (size_t)size, &prop, 0);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY)
+        return kvc_fail(KVC_ERR_NO_MEMORY, "cuMemCreate of a local page (%llu bytes): the device is out of memory",
+                        (unsigned long long)size);
+    if (r != CUDA_SUCCESS)
+        return cu_fail("cuMemCreate", r);
+    kvc_status st = cuda_map_handle(m, addr, h, size);
+    if (st != KVC_OK)
+        return st;
+    /* as the daemon's pages: zeros (llama.cpp relies on cleared KV memory) */
+    r = g_cu.MemsetD8((CUdeviceptr)addr, 0, (size_t)size);
     if (r != CUDA_SUCCESS) {
         g_cu.MemUnmap((CUdeviceptr)addr, (size_t)size);
-        g_cu.MemRelease(h);
-        return cu_fail("cuMemSetAccess", r);
-    }
-    /* The mapping keeps the page alive. */
-    r = g_cu.MemRelease(h);
-    if (r != CUDA_SUCCESS) {
-        g_cu.MemUnmap((CUdeviceptr)addr, (size_t)size);
-        return cu_fail("cuMemRelease", r);
+        return cu_fail("cuMemsetD8_v2", r);
     }
     return KVC_OK;
 }
@@ -309,6 +368,7 @@ const struct kvc_mapper_ops kvc_mapper_cuda_ops = {
     .release = cuda_release,
     .map = cuda_map,
     .unmap = cuda_unmap,
+    .map_local = cuda_map_local,
     .memset = cuda_memset,
     .write = cuda_write,
     .read = cuda_read,

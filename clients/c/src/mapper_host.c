@@ -67,6 +67,19 @@ static kvc_status host_unmap(kvc_mapper *m, uintptr_t addr, uint64_t size)
     return KVC_OK;
 }
 
+static kvc_status host_map_local(kvc_mapper *m, uintptr_t addr, uint64_t size)
+{
+    (void)m;
+    void *p = mmap((void *)addr, (size_t)size, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+    if (p == MAP_FAILED) {
+        int e = errno;
+        return kvc_fail(e == ENOMEM ? KVC_ERR_NO_MEMORY : KVC_ERR_SYSTEM,
+                        "mapping a local page: %s", strerror(e));
+    }
+    return KVC_OK;
+}
+
 static kvc_status host_memset(kvc_mapper *m, uintptr_t addr, uint8_t value, uint64_t size)
 {
     (void)m;
@@ -101,6 +114,7 @@ const struct kvc_mapper_ops kvc_mapper_host_ops = {
     .release = host_release,
     .map = host_map,
     .unmap = host_unmap,
+    .map_local = host_map_local,
     .memset = host_memset,
     .write = host_write,
     .read = host_read,

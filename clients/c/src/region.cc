@@ -91,10 +91,12 @@ kvc_status region_unmap_slots(kvc_region *r, const std::vector<uint64_t> &slots)
             }
             continue;  // still mapped: keep it on the books
         }
-        bool orphan = r->mapped[k] == kSlotOrphan;
+        const uint8_t was = r->mapped[k];
         r->mapped[k] = kSlotFree;
         r->mapped_pages--;
-        if (!orphan)
+        if (was == kSlotLocal)
+            r->local_pages--;
+        else if (was == kSlotMapped)
             ids.push_back(r->ids[k]);
     }
     kvc_status st = session_free_ids(s, ids);
@@ -123,12 +125,10 @@ kvc_status check_ranges(const kvc_region *r, const kvc_range *ranges, size_t n)
     return KVC_OK;
 }
 
-kvc_status region_map_ranges(kvc_region *r, const kvc_range *ranges, size_t n)
+// The unmapped slots of the pages covering the ranges, sorted and unique.
+// r->mu held.
+static std::vector<uint64_t> unmapped_slots(const kvc_region *r, const kvc_range *ranges, size_t n)
 {
-    kvc_status st = check_ranges(r, ranges, n);
-    if (st != KVC_OK)
-        return st;
-    std::lock_guard<std::mutex> g(r->mu);
     std::vector<uint64_t> slots;
     for (size_t i = 0; i < n; i++) {
         uint64_t f = 0, e = 0;
@@ -139,10 +139,46 @@ kvc_status region_map_ranges(kvc_region *r, const kvc_range *ranges, size_t n)
     }
     std::sort(slots.begin(), slots.end());
     slots.erase(std::unique(slots.begin(), slots.end()), slots.end());
-    return region_map_slots(r, slots);
+    return slots;
 }
 
-kvc_status region_unmap_ranges(kvc_region *r, const kvc_range *ranges, size_t n)
+kvc_status region_map_ranges(kvc_region *r, const kvc_range *ranges, size_t n)
+{
+    kvc_status st = check_ranges(r, ranges, n);
+    if (st != KVC_OK)
+        return st;
+    std::lock_guard<std::mutex> g(r->mu);
+    return region_map_slots(r, unmapped_slots(r, ranges, n));
+}
+
+// Local pages: the process's own memory, no daemon asked (all or nothing).
+kvc_status region_map_ranges_local(kvc_region *r, const kvc_range *ranges, size_t n)
+{
+    kvc_status st = check_ranges(r, ranges, n);
+    if (st != KVC_OK)
+        return st;
+    std::lock_guard<std::mutex> g(r->mu);
+    kvc_mapper *m = r->session->mapper;
+    std::vector<uint64_t> slots = unmapped_slots(r, ranges, n);
+    for (size_t i = 0; i < slots.size(); i++) {
+        st = kvc_mapper_map_local(m, r->base + slots[i] * r->page, r->page);
+        if (st != KVC_OK) {
+            std::string msg = kvc_last_error();
+            for (size_t j = 0; j < i; j++)
+                kvc_mapper_unmap(m, r->base + slots[j] * r->page, r->page);
+            return kvc_fail(st, "%s", msg.c_str());
+        }
+    }
+    for (uint64_t k : slots) {
+        r->ids[k] = 0;
+        r->mapped[k] = kSlotLocal;
+    }
+    r->mapped_pages += slots.size();
+    r->local_pages += slots.size();
+    return KVC_OK;
+}
+
+kvc_status region_unmap_ranges(kvc_region *r, const kvc_range *ranges, size_t n, bool only_local)
 {
     kvc_status st = check_ranges(r, ranges, n);
     if (st != KVC_OK)
@@ -159,7 +195,7 @@ kvc_status region_unmap_ranges(kvc_region *r, const kvc_range *ranges, size_t n)
             size = r->size - ranges[i].offset;
         kvc_pages_inside(ranges[i].offset, size, r->size, r->page, &f, &e);
         for (uint64_t k = f; k < e; k++)
-            if (r->mapped[k])
+            if (only_local ? r->mapped[k] == kSlotLocal : r->mapped[k] != kSlotFree)
                 slots.push_back(k);
     }
     std::sort(slots.begin(), slots.end());

@@ -1893,6 +1893,102 @@ TEST(KvcOwnDaemon, RegionRebindAfterDaemonRestart)
     d4.stop();
 }
 
+// Local pages (API 1.5): the process's own memory in a region, no daemon
+// asked: while the daemon is gone, after a restart beside the new daemon's
+// pages, and freed by unmapping with no Free.
+TEST(KvcOwnDaemon, LocalPagesNeedNoDaemon)
+{
+    Daemon d;
+    ASSERT_NO_FATAL_FAILURE(d.start());
+    kvc_client *c = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c));
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "local";
+    kvc_session *s = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &s));
+    const uint64_t P = kvc_session_page_size(s);
+    kvc_region *r = nullptr;
+    KVC_OK_OR_FAIL(kvc_region_create(s, 8 * P, &r));
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, P));  // one daemon page
+    const uint64_t allocs0 = own_stats(s).allocations_total;
+    // [0, 3P): page 0 is the daemon's already; 1 and 2 become local
+    kvc_range three = {0, 3 * P};
+    KVC_OK_OR_FAIL(kvc_region_map_ranges_local(r, &three, 1));
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 3 * P);
+    EXPECT_EQ(kvc_region_local_bytes(r), 2 * P);
+    EXPECT_EQ(own_stats(s).allocations_total, allocs0) << "a local page asked the daemon";
+    EXPECT_EQ(own_stats(s).pages_held, 1u);
+    EXPECT_TRUE(kvc_region_is_mapped(r, 0, 3 * P));
+    std::vector<uint8_t> data = pattern(2 * P, 3), back(2 * P);
+    KVC_OK_OR_FAIL(kvc_region_read(r, P, back.data(), 2 * P));
+    for (uint64_t i = 0; i < 2 * P; i++)
+        ASSERT_EQ(back[i], 0) << "a new local page is not zero at " << i;
+    KVC_OK_OR_FAIL(kvc_region_write(r, P / 2, data.data(), data.size()));  // across both kinds
+    KVC_OK_OR_FAIL(kvc_region_read(r, P / 2, back.data(), back.size()));
+    EXPECT_EQ(data, back);
+    // a daemon map over them asks only for the pages still missing
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 4 * P));
+    EXPECT_EQ(own_stats(s).pages_held, 2u);
+    EXPECT_EQ(kvc_region_local_bytes(r), 2 * P);
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_region_map(r, 0, 9 * P));
+    kvc_range outside = {7 * P, 2 * P};
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_region_map_ranges_local(r, &outside, 1));
+    EXPECT_STATUS(KVC_ERR_INVALID_ARGUMENT, kvc_region_map_ranges_local(r, nullptr, 1));
+
+    // the daemon is gone: no daemon page, but local ones still come
+    d.proc.kill_and_wait(SIGKILL);
+    ASSERT_TRUE(wait_until([&] { return kvc_session_ended(s) == 1; }, 5000));
+    EXPECT_NE(kvc_region_map(r, 4 * P, P), KVC_OK);
+    kvc_range more = {4 * P, 2 * P};
+    KVC_OK_OR_FAIL(kvc_region_map_ranges_local(r, &more, 1));
+    EXPECT_EQ(kvc_region_local_bytes(r), 4 * P);
+    KVC_OK_OR_FAIL(kvc_region_write(r, 4 * P, data.data(), data.size()));
+    KVC_OK_OR_FAIL(kvc_region_read(r, 4 * P, back.data(), back.size()));
+    EXPECT_EQ(data, back);
+    // cells freed while the daemon is away: local pages go, the daemon's stay
+    kvc_range tail = {3 * P, 3 * P};  // pages 3 (the daemon's), 4, 5 (local)
+    KVC_OK_OR_FAIL(kvc_region_unmap_ranges_local(r, &tail, 1));
+    EXPECT_EQ(kvc_region_local_bytes(r), 2 * P);
+    EXPECT_TRUE(kvc_region_is_mapped(r, 3 * P, P));
+    EXPECT_FALSE(kvc_region_is_mapped(r, 4 * P, 1));
+    KVC_OK_OR_FAIL(kvc_region_map_ranges_local(r, &more, 1));
+    EXPECT_EQ(kvc_region_local_bytes(r), 4 * P);
+
+    // a new daemon: the region moves to a new session, local pages stay local
+    ASSERT_NO_FATAL_FAILURE(d.restart());
+    kvc_client *c2 = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c2));
+    kvc_session *s2 = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c2, &o, &s2));
+    KVC_OK_OR_FAIL(kvc_region_rebind(r, s2));
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s));
+    EXPECT_EQ(kvc_region_local_bytes(r), 4 * P);
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 7 * P));  // page 6 from the new daemon
+    EXPECT_EQ(own_stats(s2).pages_held, 1u);
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 7 * P);
+    // unmapping frees local pages with no Free (the new daemon lent none of them)
+    const uint64_t frees0 = own_stats(s2).frees_total;
+    KVC_OK_OR_FAIL(kvc_region_unmap(r, P, 2 * P));
+    EXPECT_EQ(kvc_region_local_bytes(r), 2 * P);
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 5 * P);
+    EXPECT_EQ(own_stats(s2).frees_total, frees0);
+    EXPECT_FALSE(kvc_region_is_mapped(r, P, 1));
+    // mapped again from the daemon: fresh, zeroed
+    KVC_OK_OR_FAIL(kvc_region_map(r, P, P));
+    KVC_OK_OR_FAIL(kvc_region_read(r, P, back.data(), P));
+    for (uint64_t i = 0; i < P; i++)
+        ASSERT_EQ(back[i], 0) << i;
+    EXPECT_EQ(own_stats(s2).pages_held, 2u);
+    kvc_region_destroy(r);
+    kvc_stats st = own_stats(s2);
+    EXPECT_EQ(st.pages_held, 0u);
+    EXPECT_EQ(st.device.pooled_bytes + st.device.in_use_bytes + st.device.free_bytes, st.device.budget_bytes);
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s2));
+    kvc_client_destroy(c2);
+    kvc_client_destroy(c);
+}
+
 // A watched session (reclaim callback set) that cannot be resumed notices
 // at once that its daemon died: ended without any call of its own.
 TEST(KvcOwnDaemon, WatchedSessionEndsWhenItsDaemonDies)
