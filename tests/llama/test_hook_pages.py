@@ -227,6 +227,7 @@ def test_child_env_reaches_the_session(daemon_factory, servers, models):
     ("KVCACHED_MAX_BYTES", "12x"),
     ("KVCACHED_SESSION_LABELS", "model_digest"),
     ("KVCACHED_PRIORITY", "high"),
+    ("KVCACHED_ON_DAEMON_LOSS", "crash"),
 ])
 def test_bad_child_env_is_named_and_falls_back(daemon_factory, servers, models, var, value):
     """A malformed variable: one error line naming it, no session, and the

@@ -140,9 +140,10 @@ def test_two_busy_servers_over_one_budget(daemon_factory, servers, models):
 
 @pytest.mark.parametrize("state_dir", [False, True], ids=["no-state-dir", "state-dir"])
 def test_daemon_sigkill_and_restart_under_a_running_server(daemon_factory, servers, models, tmp_path, state_dir):
-    """SIGKILL the daemon under a running llama-server: what fits the mapped
-    cells is still served, a request that needs new memory fails fast with
-    an error that names the daemon, one log line says the daemon is gone; the
+    """SIGKILL the daemon under a running llama-server with
+    KVCACHED_ON_DAEMON_LOSS=fail: what fits the mapped cells is still
+    served, a request that needs new memory fails fast with an error that
+    names the daemon, one log line says the daemon is gone; the
     daemon comes back on the same socket, the hook reconnects (a new session)
     or resumes (with --state-dir), and new memory comes from the new daemon
     with the unpatched build's tokens."""
@@ -155,7 +156,8 @@ def test_daemon_sigkill_and_restart_under_a_running_server(daemon_factory, serve
 
     settings = daemon_settings(PAGE, state_dir, tmp_path)
     d1 = daemon_factory("host", **settings)
-    srv = servers(KVC, models[0], kvc_socket=d1.socket, ctx=8192, parallel=1, env={"KVCACHED_WAIT_DAEMON_MS": "1000"})
+    srv = servers(KVC, models[0], kvc_socket=d1.socket, ctx=8192, parallel=1,
+                  env={"KVCACHED_WAIT_DAEMON_MS": "1000", "KVCACHED_ON_DAEMON_LOSS": "fail"})
     with observe(d1) as c:
         assert srv.complete(short, 12)["tokens"] == want_short
         assert held(c, srv.pid) > 0
@@ -197,6 +199,61 @@ def test_daemon_sigkill_and_restart_under_a_running_server(daemon_factory, serve
         assert_books(c.stats())
     # and it keeps serving
     assert srv.complete(short, 12)["tokens"] == want_short
+
+
+@pytest.mark.parametrize("state_dir", [False, True], ids=["no-state-dir", "state-dir"])
+def test_a_daemon_that_stays_away_is_replaced_by_local_memory(daemon_factory, servers, models, tmp_path, state_dir):
+    """Issue 27 item 3, KVCACHED_ON_DAEMON_LOSS=local (the default): with the
+    daemon SIGKILLed and not back within KVCACHED_WAIT_DAEMON_MS, a request
+    that needs new KV memory is served from this process's own memory (no
+    error, the unpatched build's tokens), logged with the bytes; when its
+    cells are freed the local pages go at once, while the daemon's pages
+    stay mapped (the last "KV buffer size" line is what it was before the
+    outage); the daemon back, new memory comes from it again."""
+    short, long_ = text(1500, 131), text(5000, 132)
+    ref = servers(ORIG, models[0], kvc_socket=None, ctx=8192, parallel=1)
+    want_short = ref.complete(short, 12)["tokens"]
+    want_long = ref.complete(long_, 12)["tokens"]
+    ref.stop()
+
+    settings = daemon_settings(PAGE, state_dir, tmp_path)
+    d1 = daemon_factory("host", **settings)
+    srv = servers(KVC, models[0], kvc_socket=d1.socket, ctx=8192, parallel=1,
+                  env={"KVCACHED_WAIT_DAEMON_MS": "1000"}, extra=["--slot-save-path", str(tmp_path)])
+    assert srv.complete(short, 12)["tokens"] == want_short
+    time.sleep(1.5)  # the "KV buffer size" line of what the short prompt mapped
+    before = kv_line_values(srv.log_text())[-1]
+    assert before > 0
+    sigkill(d1)
+
+    t = time.monotonic()
+    assert srv.complete(long_, 12, timeout=60)["tokens"] == want_long
+    took = time.monotonic() - t
+    assert took >= 1.0, took  # it waited KVCACHED_WAIT_DAEMON_MS for the daemon first
+    log = srv.log_text()
+    assert "until it is back, batches that need new KV memory get local device memory" in log, log[-3000:]
+    m = re.search(r"kvcached: the daemon at \S+ is away: new KV cells backed with ([\d.]+) MiB of local memory", log)
+    assert m and float(m.group(1)) > 0, log[-3000:]
+    time.sleep(1.5)
+    during = kv_line_values(srv.log_text())[-1]
+    assert during > before, (before, during)
+    assert "no new KV memory until it is back" not in srv.log_text()
+
+    srv.erase_slot(0)  # every cell freed: the local pages go now, the daemon's stay
+    assert srv.complete(short, 12)["tokens"] == want_short  # the daemon's pages cover it
+    time.sleep(1.5)
+    assert kv_line_values(srv.log_text())[-1] == before, (before, kv_line_values(srv.log_text())[-5:])
+
+    d2 = daemon_factory("host", socket=d1.socket, **settings)
+    back = "is back: session" if state_dir else "kvcached: reconnected to the daemon at"
+    assert wait_until(lambda: back in srv.log_text(), timeout=30, interval=0.1), srv.log_text()[-3000:]
+    assert srv.complete(long_, 12)["tokens"] == want_long
+    with observe(d2) as c:
+        s = session_of(c, srv.pid)
+        assert s is not None and s.held_bytes > 0, "new memory must come from the daemon again"
+        assert_books(c.stats())
+    print(f"\n{'state dir' if state_dir else 'no state dir'}: the request served from local memory took {took:.2f} s; "
+          f"local {float(m.group(1)):.2f} MiB; KV line {before:.2f} -> {during:.2f} -> {before:.2f} MiB")
 
 
 @pytest.mark.parametrize("state_dir", [False, True], ids=["no-state-dir", "state-dir"])
