@@ -123,7 +123,7 @@ class Settings(BaseSettings):
     shutdown_grace: float = Field(2.0, ge=0, description="seconds between telling sessions about shutdown and closing them")
     metrics_address: str = Field("", description="host:port for Prometheus metrics; empty = off")
     state_dir: str = Field("", description="directory for the daemon's journal, which lets clients resume their sessions after a crash; empty = none")
-    page_store: Literal["none", "keeper"] = Field("keeper", description="with --state-dir: keep the daemon's own fd of every lent page in a keeper process that outlives it, so a restart resumes sessions from those fds whatever the driver's fds look like (docs/cuda.md, Page identity); none = resume by the fds clients re-send")
+    page_store: Literal["auto", "systemd", "keeper", "none"] = Field("auto", description="with --state-dir: keep the daemon's own fd of every lent page where it outlives the daemon, so a restart resumes sessions from those fds whatever the driver's fds look like (docs/cuda.md, Page identity): systemd = the unit's fd store (FileDescriptorStoreMax=), keeper = a keeper process, auto = systemd when the unit has a store ($FDSTORE), else keeper; none = resume by the fds clients re-send")
     resume_grace: float = Field(60.0, gt=0, description="seconds a restarted daemon keeps a journaled session's pages for its client to resume it")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field("auto", description="the daemon's event loop: uvloop (faster request path), asyncio (the standard library's), auto = uvloop when installed")

@@ -26,9 +26,10 @@ def daemon_factory(tmp_path):
     cleanup: list[pathlib.Path] = []
 
     def start(backend: str = "host", *, env: dict | None = None, wait: bool = True, shared_dir: bool = False,
-              socket: str | None = None, **settings) -> Daemon:
+              socket: str | None = None, wrap: list[str] | None = None, pass_fds: tuple = (), **settings) -> Daemon:
         """shared_dir: put the sockets where other uids can reach them (the
-        pytest tmp dir is private to root)."""
+        pytest tmp dir is private to root). wrap: a command the daemon's is
+        appended to (it execs it); pass_fds: fds the daemon (or wrap) inherits."""
         n = len(started)
         sock_dir = tmp_path
         if shared_dir:
@@ -61,7 +62,8 @@ def daemon_factory(tmp_path):
             penv["KVCACHED_TESTDRV_REPORT"] = str(report)
         penv["PYTHONPATH"] = str(ROOT)
         with open(log, "w") as logf:
-            proc = subprocess.Popen(SERVE + args, env=penv, stdout=logf, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen((wrap or []) + SERVE + args, env=penv, stdout=logf, stderr=subprocess.STDOUT,
+                                    pass_fds=pass_fds)
         d = Daemon(proc, sock, log, extra_env, report)
         started.append(d)
         if wait:

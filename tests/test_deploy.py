@@ -255,6 +255,13 @@ def test_kvcached_unit_settings():
     assert s["RestartPreventExitStatus"] == "2"
     env = dict(v.split("=", 1) for v in values(path, "Environment"))
     assert env["KVCACHED_BACKEND"] == "cuda" and env["PROMETHEUS_DISABLE_CREATED_SERIES"] == "true"
+    # the page store in systemd's fd store, big enough for 512 GiB of 2 MiB pages (tests/test_systemd_store.py)
+    assert env["KVCACHED_PAGE_STORE"] == "systemd" and int(s["FileDescriptorStoreMax"]) >= 262144
+    assert unit_settings({"KVCACHED_PAGE_STORE": env["KVCACHED_PAGE_STORE"]}, [])["page_store"] == "systemd"
+    # systemd 254+: the drop-in keeps the store across `systemctl restart` (systemd-analyze here is older
+    # and would call the key unknown, so it is read, not verified)
+    drop = unit(SYSTEMD / "kvcached.service.d" / "fdstore-preserve.conf")
+    assert drop["Service"]["FileDescriptorStorePreserve"] == "restart"
     text = path.read_text()
     # EnvironmentFile= overrides Environment= in systemd whatever the order; keep the file last for readers
     assert text.index("EnvironmentFile=-/etc/default/kvcached") > text.index("Environment=KVCACHED_BACKEND=cuda")

@@ -29,11 +29,24 @@ Two halves, one module (this module owns the store's boundary):
 
 Records: one SOCK_SEQPACKET message each, a JSON object plus up to
 `BATCH` fds (SCM_RIGHTS).
+
+- `SystemdStore`: the same store in systemd's own file descriptor store, for
+  the daemon run as a unit (systemd ends every process of the unit's
+  cgroup when the daemon dies, a keeper too). A page's fd is sent with
+  sd_notify `FDSTORE=1`, `FDNAME=kvc-page-<id>`, `FDPOLL=0` (systemd must
+  not drop an fd it cannot poll: a GPU driver's device fd), removed with
+  `FDSTOREREMOVE=1`; the next daemon of the unit gets them back at start as
+  `LISTEN_FDS`/`LISTEN_FDNAMES` (sd_listen_fds(3)). Needs
+  `FileDescriptorStoreMax=` in the unit (systemd 254+ says how many in
+  `$FDSTORE`); `FileDescriptorStorePreserve=restart` keeps it across
+  `systemctl restart` too. Chosen by `--page-store auto` when `$FDSTORE`
+  and `$NOTIFY_SOCKET` are set.
 """
 
 from __future__ import annotations
 
 import argparse
+import array
 import json
 import logging
 import os
@@ -293,6 +306,128 @@ class PageStore:
             self._sock.close()
         except OSError:
             pass
+
+
+# ---- systemd's file descriptor store ----------------------------------------------
+FDNAME_PREFIX = "kvc-page-"
+LISTEN_FDS_START = 3
+
+
+def listen_fds(env: dict | None = None, pid: int | None = None) -> list[tuple[str, int]]:
+    """The fds systemd passed this process at start (sd_listen_fds(3)):
+    [(name, fd)], fds from 3 on, made close-on-exec. Empty unless LISTEN_PID
+    is this process. The LISTEN_* variables are removed from os.environ (as
+    sd_listen_fds(unset_environment=1)) so that no child takes them."""
+    env = os.environ if env is None else env
+    pid = os.getpid() if pid is None else pid
+    try:
+        if int(env.get("LISTEN_PID", "0")) != pid:
+            return []
+        n = int(env.get("LISTEN_FDS", "0"))
+    except ValueError:
+        return []
+    names = env.get("LISTEN_FDNAMES", "").split(":") if env.get("LISTEN_FDNAMES") else []
+    for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        env.pop(var, None)
+    out = []
+    for i in range(max(0, n)):
+        fd = LISTEN_FDS_START + i
+        try:
+            os.set_inheritable(fd, False)
+        except OSError:
+            continue  # not open after all
+        out.append((names[i] if i < len(names) else "unknown", fd))
+    return out
+
+
+class SystemdStore:
+    """The daemon's side of systemd's fd store: the same calls as PageStore
+    (take_all, put, drop, clear, close, available). `capacity` is the unit's
+    FileDescriptorStoreMax= ($FDSTORE), None when systemd did not say
+    (before 254): pages beyond it are not stored (said once)."""
+
+    def __init__(self, address: str, capacity: int | None, inherited: list[tuple[str, int]]):
+        self.path = address
+        self._addr = "\0" + address[1:] if address.startswith("@") else address
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self.capacity = capacity
+        self.available = True
+        self._inherited = inherited
+        self._stored: set[int] = set()  # page ids in systemd's store
+        self._full_said = False
+
+    @classmethod
+    def from_env(cls, env: dict | None = None) -> "SystemdStore":
+        env = os.environ if env is None else env
+        address = env.get("NOTIFY_SOCKET")
+        if not address:
+            raise StoreUnavailable("--page-store systemd needs NOTIFY_SOCKET (the daemon run as a Type=notify unit)")
+        cap = env.get("FDSTORE", "")
+        return cls(address, int(cap) if cap.isdigit() else None, listen_fds(env))
+
+    @staticmethod
+    def wanted(env: dict | None = None) -> bool:
+        """--page-store auto: systemd's store when the unit has one."""
+        env = os.environ if env is None else env
+        return bool(env.get("NOTIFY_SOCKET")) and env.get("FDSTORE", "0").isdigit() and int(env.get("FDSTORE", "0")) > 0
+
+    def take_all(self) -> dict[int, int]:
+        """The pages systemd handed back at start, {id: fd} (ours to close;
+        systemd keeps its own until drop). Anything else it passed is
+        closed: this daemon stores nothing but pages."""
+        out: dict[int, int] = {}
+        others = 0
+        for name, fd in self._inherited:
+            tail = name[len(FDNAME_PREFIX):] if name.startswith(FDNAME_PREFIX) else ""
+            if tail.isdigit() and int(tail) not in out:
+                out[int(tail)] = fd
+            else:
+                os.close(fd)
+                others += 1
+        self._inherited = []
+        if others:
+            log.warning("page store: systemd passed %d fd(s) that are not pages of this daemon: closed", others)
+        self._stored = set(out)
+        return out
+
+    def put(self, ids: list[int], fds: list[int]) -> None:
+        for pid, fd in zip(ids, fds):
+            if self.capacity is not None and len(self._stored) >= self.capacity:
+                if not self._full_said:
+                    self._full_said = True
+                    log.error("page store: systemd's fd store is full (FileDescriptorStoreMax=%d): pages lent from now "
+                              "on are not kept, so their sessions resume only by the fds their clients re-send; raise "
+                              "FileDescriptorStoreMax= to the budget's pages", self.capacity)
+                return
+            if self._notify(f"FDSTORE=1\nFDNAME={FDNAME_PREFIX}{pid}\nFDPOLL=0", [fd]):
+                self._stored.add(pid)
+
+    def drop(self, ids) -> None:
+        for pid in ids:
+            if pid in self._stored and self._notify(f"FDSTOREREMOVE=1\nFDNAME={FDNAME_PREFIX}{pid}"):
+                self._stored.discard(pid)
+
+    def clear(self) -> None:
+        self.drop(list(self._stored))
+
+    def close(self) -> None:
+        self.available = False
+        self._sock.close()
+
+    def _notify(self, msg: str, fds: list[int] = ()) -> bool:
+        if not self.available:
+            return False
+        try:
+            # sendmsg, not socket.send_fds: that one drops its address argument (CPython 3.9-3.12)
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+            self._sock.sendmsg([msg.encode()], anc, 0, self._addr)
+            return True
+        except OSError as exc:
+            log.error("page store: sd_notify to %s failed (%s); pages lent from now on cannot be resumed from the "
+                      "store after a restart (clients' re-sent fds are checked instead, docs/cuda.md \"Page identity\")",
+                      self.path, exc)
+            self.available = False
+            return False
 
 
 if __name__ == "__main__":

@@ -186,6 +186,9 @@ async def serve(settings: Settings, ready_hook=None, reload=None) -> int:
     except errors.KVCachedError as exc:
         _stop_devices(daemon, backend)
         raise StartupError(exc.message) from None
+    except ConfigError as exc:  # a setting that cannot work with what the host gives (the fd store's size)
+        _stop_devices(daemon, backend)
+        raise SettingsError(str(exc)) from None
     except OSError as exc:  # the state directory cannot be used at all: a setting to fix, not to retry
         _stop_devices(daemon, backend)
         raise SettingsError(f"state_dir (--state-dir, KVCACHED_STATE_DIR) {settings.state_dir}: {exc.strerror or exc}"

@@ -26,8 +26,9 @@ import time
 from typing import TYPE_CHECKING, Iterable
 
 from .. import errors
+from ..config import ConfigError
 from .journal import JournalDamaged, JSession, Journal
-from .keeper import PageStore, StoreUnavailable
+from .keeper import PageStore, StoreUnavailable, SystemdStore
 from .pool import DevicePool, Page
 from .sessions import Session
 
@@ -49,7 +50,7 @@ class Recovery:
         # sessions of a previous daemon, waiting for their clients to resume them
         self.orphans: dict[int, JSession] = {}
         self._orphan_deadline: dict[int, float] = {}
-        self.store: PageStore | None = None  # the page store (keeper.py), with --page-store keeper
+        self.store: PageStore | SystemdStore | None = None  # the page store (keeper.py), unless --page-store none
         self.stored: dict[int, int] = {}  # orphans' page id -> our copy of the store's fd, until resumed or forgotten
         self.journal_damage: dict | None = None  # set when recover() found the journal damaged
         self.journal_stale: str | None = None  # why the journal could not be written (then rewritten when it can)
@@ -97,24 +98,28 @@ class Recovery:
             )
 
     def _open_store(self) -> None:
-        """--page-store keeper: connect to (or start) the keeper of the state
-        dir and take what it holds: the fds of the orphans' pages. Pages the
-        journal does not name leave the store; pages it names that the store
-        lacks can only be resumed by the fds their clients re-send."""
-        if self.settings.page_store != "keeper" or self.journal is None:
+        """With a state dir: open the page store (systemd's fd store under a
+        unit that has one, else the keeper of the state dir, which is
+        started if none serves) and take what it holds: the fds of the
+        orphans' pages. Pages the journal does not name leave the store;
+        pages it names that the store lacks can only be resumed by the fds
+        their clients re-send."""
+        kind = self.settings.page_store
+        if kind == "none" or self.journal is None:
             return
+        if kind == "auto":
+            kind = "systemd" if SystemdStore.wanted() else "keeper"
+        pages = sum(p.budget.pages for p in self.core.pools.values())
         try:
-            self.store = PageStore.open(self.settings.state_dir, self.settings.resume_grace + 30)
+            if kind == "systemd":
+                self.store = SystemdStore.from_env()
+                self._check_systemd_capacity(self.store, pages)
+            else:
+                self.store = PageStore.open(self.settings.state_dir, self.settings.resume_grace + 30)
+                self._check_keeper_capacity(pages)
         except StoreUnavailable as exc:
             log.error("page store: %s; resumes are checked by the fds clients re-send (docs/cuda.md, \"Page identity\")", exc)
             return
-        pages = sum(p.budget.pages for p in self.core.pools.values())
-        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-        if pages + 64 > hard:  # the keeper raises its soft limit to this hard one: one fd per lent page
-            log.warning("page store: the budget is %d pages but a keeper may hold at most ~%d fds (RLIMIT_NOFILE hard "
-                        "limit %d): pages lent beyond that are not kept, so their sessions resume only by the fds "
-                        "their clients re-send; raise LimitNOFILE (systemd) or the hard ulimit -n, or use larger pages",
-                        pages, hard - 64, hard)
         held = self.store.take_all()
         named = {pid for js in self.orphans.values() for pid in js.pages}
         extra = [pid for pid in held if pid not in named]
@@ -128,8 +133,34 @@ class Recovery:
         missing = len(named) - len(held)
         if named:
             log.info("page store: %d of the %d pages of the previous daemon's sessions are in the store%s", len(held), len(named),
-                     f"; {missing} are not (the keeper was restarted or gone): those resume only by the fds their clients "
+                     f"; {missing} are not (the store was restarted or gone, or was full): those resume only by the fds their clients "
                      "re-send" if missing else "")
+
+    @staticmethod
+    def _check_keeper_capacity(pages: int) -> None:
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        if pages + 64 > hard:  # the keeper raises its soft limit to this hard one: one fd per lent page
+            log.warning("page store: the budget is %d pages but a keeper may hold at most ~%d fds (RLIMIT_NOFILE hard "
+                        "limit %d): pages lent beyond that are not kept, so their sessions resume only by the fds "
+                        "their clients re-send; raise LimitNOFILE (systemd) or the hard ulimit -n, or use larger pages",
+                        pages, hard - 64, hard)
+
+    def _check_systemd_capacity(self, store: SystemdStore, pages: int) -> None:
+        """Say what the budget needs of FileDescriptorStoreMax=; a store too
+        small for --prealloc is a configuration error (exit 2)."""
+        cap = store.capacity
+        if cap is None:
+            log.warning("page store: systemd's fd store (NOTIFY_SOCKET %s); systemd did not say its size ($FDSTORE, "
+                        "systemd 254+): set FileDescriptorStoreMax= to at least the budget's %d pages", store.path, pages)
+            return
+        prealloc = sum(-(-self.settings.prealloc_bytes // p.page_size) for p in self.core.pools.values())
+        if cap < prealloc:
+            raise ConfigError(
+                f"page_store: systemd's fd store holds {cap} fds (FileDescriptorStoreMax=) but --prealloc makes "
+                f"{prealloc} pages ready to lend: raise FileDescriptorStoreMax= to the budget's {pages} pages")
+        log.info("page store: systemd's fd store (FileDescriptorStoreMax=%d) for a budget of %d pages%s", cap, pages,
+                 "" if cap >= pages else f": pages lent beyond {cap} are not kept (their sessions resume only by the "
+                 "fds their clients re-send); raise FileDescriptorStoreMax= to the budget's pages")
 
     # ---- the books' changes ----------------------------------------------
     def record(self, rec: dict) -> None:
