@@ -17,12 +17,27 @@ def main(argv: list[str]) -> None:
     sep = argv.index("--")
     pairs = [a.split("=", 1) for a in argv[:sep]]
     cmd = argv[sep + 1:]
-    high = [fcntl.fcntl(int(fd), fcntl.F_DUPFD_CLOEXEC, 1000) for _, fd in pairs]  # out of the way of 3..
-    for _, fd in pairs:
-        os.close(int(fd))
-    for i, h in enumerate(high):
-        os.dup2(h, 3 + i, inheritable=True)
-        os.close(h)
+    # Move source i to 3 + i in place, one fd at a time (thousands of fds
+    # near RLIMIT_NOFILE leave no room for a second copy of them all): a
+    # source sitting on a target slot is first moved to the lowest free
+    # number above it.
+    loc = [int(fd) for _, fd in pairs]  # where source i is now
+    at = {fd: i for i, fd in enumerate(loc)}  # which source sits on a number
+    for i in range(len(loc)):
+        t = 3 + i
+        if loc[i] == t:  # there already (maybe moved there, close-on-exec)
+            os.set_inheritable(t, True)
+            continue
+        j = at.pop(t, None)
+        if j is not None:  # another source on this slot: out of the way
+            loc[j] = fcntl.fcntl(t, fcntl.F_DUPFD_CLOEXEC, t + 1)
+            at[loc[j]] = j
+            os.close(t)
+        os.dup2(loc[i], t, inheritable=True)
+        os.close(loc[i])
+        del at[loc[i]]
+        loc[i] = t
+        at[t] = i
     os.environ["LISTEN_PID"] = str(os.getpid())
     os.environ["LISTEN_FDS"] = str(len(pairs))
     os.environ["LISTEN_FDNAMES"] = ":".join(name for name, _ in pairs)

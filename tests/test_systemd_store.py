@@ -1,6 +1,6 @@
 """The page store in systemd's own fd store (issue 25, server/keeper.py
 SystemdStore): under a unit with FileDescriptorStoreMax= the daemon keeps its
-own fd of every lent page in systemd (sd_notify FDSTORE=1, FDNAME=kvc-page-ID,
+own fd of every lent page in systemd (sd_notify FDSTORE=1, FDNAME=~ID in base 64,
 FDPOLL=0; FDSTOREREMOVE=1 when the page goes back) and gets them back at its
 next start as LISTEN_FDS/LISTEN_FDNAMES. systemd ends the unit's whole cgroup
 when the daemon dies, so a keeper process cannot outlive it there; systemd's
@@ -10,90 +10,20 @@ No systemd runs here: FakeSystemd plays its side of the real protocol (a
 datagram NOTIFY_SOCKET receiving the messages and their fds over SCM_RIGHTS,
 a store with FileDescriptorStoreMax's limit, and a start that passes the
 stored fds from fd 3 on with LISTEN_PID/LISTEN_FDS/LISTEN_FDNAMES through
-tests/listen_fds_exec.py)."""
+tests/listen_fds_exec.py; both in tests/systemdtest.py)."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
-import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from kvtest import assert_books, wait_until
+from systemdtest import FakeSystemd
 
 MiB = 1 << 20
-SHIM = str(Path(__file__).with_name("listen_fds_exec.py"))
-
-
-class FakeSystemd:
-    """systemd's side of sd_notify's FDSTORE/FDSTOREREMOVE and of passing
-    the store to the service at start."""
-
-    def __init__(self, tmp_path: Path, capacity: int):
-        self.path = str(tmp_path / "notify.sock")
-        self.capacity = capacity
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-        self.store: dict[str, list[int]] = {}  # FDNAME -> fds, as systemd keeps them
-        self.refused = 0  # fds refused for want of room
-        self.no_poll = 0  # FDSTORE messages that said FDPOLL=0
-        self.lock = threading.Lock()
-        self.stopped = False
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while not self.stopped:
-            try:
-                msg, fds, _flags, _addr = socket.recv_fds(self.sock, 65536, 253)
-            except OSError:
-                return
-            fields = dict(line.split("=", 1) for line in msg.decode().splitlines() if "=" in line)
-            with self.lock:
-                if fields.get("FDSTORE") == "1":
-                    self.no_poll += fields.get("FDPOLL") == "0"
-                    name = fields.get("FDNAME", "stored")
-                    if sum(map(len, self.store.values())) + len(fds) > self.capacity:
-                        self.refused += len(fds)  # systemd logs and closes them
-                        for fd in fds:
-                            os.close(fd)
-                        continue
-                    self.store.setdefault(name, []).extend(fds)
-                    continue
-                if fields.get("FDSTOREREMOVE") == "1":
-                    for fd in self.store.pop(fields.get("FDNAME", ""), []):
-                        os.close(fd)
-                for fd in fds:  # fds with any other message are not kept
-                    os.close(fd)
-
-    def env(self) -> dict:
-        return {"NOTIFY_SOCKET": self.path, "FDSTORE": str(self.capacity)}
-
-    def names(self) -> set[str]:
-        with self.lock:
-            return set(self.store)
-
-    def start_args(self) -> dict:
-        """daemon_factory's wrap and pass_fds for a start that hands the
-        store to the service (systemd's next start of the unit)."""
-        with self.lock:
-            pairs = [(name, fd) for name, fds in sorted(self.store.items()) for fd in fds]
-        wrap = [sys.executable, SHIM] + [f"{n}={fd}" for n, fd in pairs] + ["--"]
-        return {"wrap": wrap, "pass_fds": tuple(fd for _, fd in pairs)}
-
-    def close(self) -> None:
-        self.stopped = True
-        self.sock.close()
-        with self.lock:
-            for fds in self.store.values():
-                for fd in fds:
-                    os.close(fd)
-            self.store.clear()
 
 
 @pytest.fixture
@@ -115,7 +45,9 @@ def _kill(d) -> None:
 
 
 def page_names(ids) -> set[str]:
-    return {f"kvc-page-{i}" for i in ids}
+    from kvcached_service.server.keeper import fdname
+
+    return {fdname(i) for i in ids}
 
 
 @pytest.mark.parametrize("backend", ["host", "cuda"])
@@ -213,16 +145,20 @@ def test_a_full_store_keeps_what_fits_and_says_so(daemon_factory, systemd, tmp_p
 def test_listen_fds_are_this_process_and_named():
     """sd_listen_fds(3)'s rules: only for LISTEN_PID, names in order, the
     variables removed so no child takes them."""
-    from kvcached_service.server.keeper import SystemdStore, listen_fds
+    from kvcached_service.server.keeper import SystemdStore, fdname, listen_fds, page_of
 
     r, w = os.pipe()
     try:
-        env = {"LISTEN_PID": "1", "LISTEN_FDS": "1", "LISTEN_FDNAMES": "kvc-page-1"}
+        env = {"LISTEN_PID": "1", "LISTEN_FDS": "1", "LISTEN_FDNAMES": "~1"}
         assert listen_fds(env, pid=2) == []
-        env = {"LISTEN_PID": "7", "LISTEN_FDS": "2", "LISTEN_FDNAMES": "kvc-page-9:other"}
+        env = {"LISTEN_PID": "7", "LISTEN_FDS": "2", "LISTEN_FDNAMES": "~9:other"}
         got = listen_fds(env, pid=7)
-        assert [n for n, _ in got] == ["kvc-page-9", "other"] and [fd for _, fd in got] == [3, 4]
+        assert [n for n, _ in got] == ["~9", "other"] and [fd for _, fd in got] == [3, 4]
         assert env == {}
+        # short names: one environment string holds them all at the next start
+        assert [fdname(i) for i in (0, 63, 64, 262143, 262144)] == ["~0", "~_", "~10", "~___", "~1000"]
+        assert all(page_of(fdname(i)) == i for i in range(0, 300000, 997))
+        assert page_of("stored") is None and page_of("~") is None and page_of("~a:b") is None
         assert SystemdStore.wanted({"NOTIFY_SOCKET": "/run/x", "FDSTORE": "64"})
         assert not SystemdStore.wanted({"NOTIFY_SOCKET": "/run/x"})  # no store configured (or systemd < 254)
         assert not SystemdStore.wanted({"NOTIFY_SOCKET": "/run/x", "FDSTORE": "0"})
@@ -254,3 +190,32 @@ def test_resume_of_1k_pages_from_systemds_store(daemon_factory, systemd, tmp_pat
     s.free(pages)
     s.close()
     c.close()
+
+
+def test_no_page_is_stored_whose_name_would_not_fit_the_next_start(systemd, caplog):
+    """The names systemd hands back (LISTEN_FDNAMES) are one environment
+    string, which the kernel refuses past 128 KiB at exec: a store whose
+    names do not fit would keep the unit from starting. The daemon stores no
+    page past that budget, says so once, and what it stored still fits."""
+    from kvcached_service.server.keeper import FDNAMES_BUDGET, SystemdStore, fdname
+
+    sd = systemd(capacity=100)
+    store = SystemdStore(sd.path, None, [])
+    store.take_all()
+    r, w = os.pipe()
+    try:
+        store.put([5], [r])
+        assert wait_until(lambda: sd.names() == {fdname(5)}, timeout=5)
+        store._name_bytes = FDNAMES_BUDGET - len(fdname(100000))  # one byte short of a 4-digit name and its ':'
+        with caplog.at_level("ERROR", logger="kvcached.keeper"):
+            store.put([100000, 100001], [r, w])
+        time.sleep(0.2)
+        assert sd.names() == {fdname(5)}
+        msgs = [rec.getMessage() for rec in caplog.records if "LISTEN_FDNAMES" in rec.getMessage()]
+        assert len(msgs) == 1 and "could not hand more than 1 fds back at the next start" in msgs[0], msgs
+        store.drop([5])
+        assert wait_until(lambda: sd.names() == set(), timeout=5)
+    finally:
+        store.close()
+        os.close(r)
+        os.close(w)

@@ -33,7 +33,7 @@ Records: one SOCK_SEQPACKET message each, a JSON object plus up to
 - `SystemdStore`: the same store in systemd's own file descriptor store, for
   the daemon run as a unit (systemd ends every process of the unit's
   cgroup when the daemon dies, a keeper too). A page's fd is sent with
-  sd_notify `FDSTORE=1`, `FDNAME=kvc-page-<id>`, `FDPOLL=0` (systemd must
+  sd_notify `FDSTORE=1`, `FDNAME=~<id in base 64>`, `FDPOLL=0` (systemd must
   not drop an fd it cannot poll: a GPU driver's device fd), removed with
   `FDSTOREREMOVE=1`; the next daemon of the unit gets them back at start as
   `LISTEN_FDS`/`LISTEN_FDNAMES` (sd_listen_fds(3)). Needs
@@ -309,8 +309,35 @@ class PageStore:
 
 
 # ---- systemd's file descriptor store ----------------------------------------------
-FDNAME_PREFIX = "kvc-page-"
 LISTEN_FDS_START = 3
+# LISTEN_FDNAMES is one environment string, "name:name:...", one name per fd,
+# and the kernel refuses an exec with a string over 128 KiB (MAX_ARG_STRLEN):
+# a store whose names do not fit would stop the unit from starting at all.
+# Names are therefore short ("~" and the page id in base 64, 4-5 bytes) and
+# the daemon stores no page whose name would not fit.
+FDNAMES_BUDGET = 131072 - len("LISTEN_FDNAMES=") - 1 - 64
+_B64 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz-_"
+_B64_VALUE = {ch: i for i, ch in enumerate(_B64)}
+
+
+def fdname(page_id: int) -> str:
+    """The fd store name of a page: "~" and its id in base 64 ("~1F")."""
+    digits = ""
+    while True:
+        page_id, r = divmod(page_id, 64)
+        digits = _B64[r] + digits
+        if page_id == 0:
+            return "~" + digits
+
+
+def page_of(name: str) -> int | None:
+    """The page id of an fd store name, or None for a name that is not one."""
+    if len(name) < 2 or name[0] != "~" or any(ch not in _B64_VALUE for ch in name[1:]):
+        return None
+    n = 0
+    for ch in name[1:]:
+        n = n * 64 + _B64_VALUE[ch]
+    return n
 
 
 def listen_fds(env: dict | None = None, pid: int | None = None) -> list[tuple[str, int]]:
@@ -354,6 +381,7 @@ class SystemdStore:
         self.available = True
         self._inherited = inherited
         self._stored: set[int] = set()  # page ids in systemd's store
+        self._name_bytes = 0  # their names' share of LISTEN_FDNAMES at the next start
         self._full_said = False
 
     @classmethod
@@ -378,9 +406,9 @@ class SystemdStore:
         out: dict[int, int] = {}
         others = 0
         for name, fd in self._inherited:
-            tail = name[len(FDNAME_PREFIX):] if name.startswith(FDNAME_PREFIX) else ""
-            if tail.isdigit() and int(tail) not in out:
-                out[int(tail)] = fd
+            pid = page_of(name)
+            if pid is not None and pid not in out:
+                out[pid] = fd
             else:
                 os.close(fd)
                 others += 1
@@ -388,24 +416,37 @@ class SystemdStore:
         if others:
             log.warning("page store: systemd passed %d fd(s) that are not pages of this daemon: closed", others)
         self._stored = set(out)
+        self._name_bytes = sum(len(fdname(pid)) + 1 for pid in out)
         return out
+
+    def _full(self, pid: int) -> str | None:
+        """Why page `pid` cannot be stored now (None: it can)."""
+        if self.capacity is not None and len(self._stored) >= self.capacity:
+            return f"systemd's fd store is full (FileDescriptorStoreMax={self.capacity}); raise it to the budget's pages"
+        if self._name_bytes + len(fdname(pid)) + 1 > FDNAMES_BUDGET:
+            return (f"systemd could not hand more than {len(self._stored)} fds back at the next start (their names, "
+                    "LISTEN_FDNAMES, are one environment string of at most 128 KiB); use larger pages, or the keeper "
+                    "(--page-store keeper) where the unit's processes outlive the daemon")
+        return None
 
     def put(self, ids: list[int], fds: list[int]) -> None:
         for pid, fd in zip(ids, fds):
-            if self.capacity is not None and len(self._stored) >= self.capacity:
+            why = self._full(pid)
+            if why is not None:
                 if not self._full_said:
                     self._full_said = True
-                    log.error("page store: systemd's fd store is full (FileDescriptorStoreMax=%d): pages lent from now "
-                              "on are not kept, so their sessions resume only by the fds their clients re-send; raise "
-                              "FileDescriptorStoreMax= to the budget's pages", self.capacity)
+                    log.error("page store: %s: pages lent from now on are not kept, so their sessions resume only by "
+                              "the fds their clients re-send", why)
                 return
-            if self._notify(f"FDSTORE=1\nFDNAME={FDNAME_PREFIX}{pid}\nFDPOLL=0", [fd]):
+            if self._notify(f"FDSTORE=1\nFDNAME={fdname(pid)}\nFDPOLL=0", [fd]):
                 self._stored.add(pid)
+                self._name_bytes += len(fdname(pid)) + 1
 
     def drop(self, ids) -> None:
         for pid in ids:
-            if pid in self._stored and self._notify(f"FDSTOREREMOVE=1\nFDNAME={FDNAME_PREFIX}{pid}"):
+            if pid in self._stored and self._notify(f"FDSTOREREMOVE=1\nFDNAME={fdname(pid)}"):
                 self._stored.discard(pid)
+                self._name_bytes -= len(fdname(pid)) + 1
 
     def clear(self) -> None:
         self.drop(list(self._stored))
