@@ -4,17 +4,23 @@
 #   1. the llama suite's builds (scripts/test-llama.sh: build/llama/build-orig
 #      and build/llama/build-kvc, each with bin/llama-server and
 #      bin/llama-quantize); this suite builds no llama.cpp of its own
-#   2. Ollama v0.34.0's Go binary twice with integrations/ollama/build.sh
-#      --go-only, each cached by the hash of its inputs (about 3-5 min cold
-#      on 2 cores, nothing when warm):
+#   2. Ollama's Go binaries with integrations/ollama/build.sh --go-only
+#      --link-llama (only bin/ollama is built), each cached by the hash of
+#      its inputs (about 3-5 min each cold on 2 cores, nothing when warm).
+#      The default release (build.sh --list-versions):
 #        build/ollama/stock  Ollama's Go code as published  + build-orig
 #        build/ollama/kvc    + integrations/ollama/patches   + build-kvc
 #      and build/ollama/stockgo-kvc: the stock binary with build-kvc (stock
-#      Ollama Go code reading the hook's re-logged "KV buffer size" line)
-#   3. go vet and Ollama's own tests of the patched packages (envconfig, llm,
-#      server) plus tests/ollama/sched_kvcached_test.go copied into server/
-#      (Ollama's scheduler, stock vs kvcached, against a real daemon)
-#   4. pytest tests/ollama (real `ollama serve`, `ollama create`, daemons)
+#      Ollama Go code reading the hook's re-logged "KV buffer size" line);
+#      each other supported release X (the oldest, v0.34.0):
+#        build/ollama/vX-kvc + integrations/ollama/patches   + build-kvc
+#   3. for every supported release: go vet and Ollama's own tests of the
+#      patched packages (envconfig, llm, server) plus
+#      tests/ollama/sched_kvcached_test.go copied into server/ (Ollama's
+#      scheduler, stock vs kvcached, against a real daemon; the KV geometry
+#      read through that release's model metadata type)
+#   4. pytest tests/ollama (real `ollama serve`, `ollama create`, daemons):
+#      the whole suite on the default release, a smoke run of each other
 #   5. the capacity bench on a real Ollama, quick mode (scripts/bench.sh --only
 #      ollama --quick: about 2-3 minutes)
 # The full build through Ollama's CMake preset (integrations/ollama/build.sh
@@ -40,26 +46,41 @@ for v in orig kvc; do
 done
 "$PY" -c 'import gguf' 2>/dev/null || die "the gguf package is missing from .venv (scripts/test-llama.sh installs it)"
 
-step "stock Ollama (Go) -> build/ollama/stock"
-integrations/ollama/build.sh --stock --out "$B/stock" --link-llama "$LB/build-orig/bin"
-step "patched Ollama (Go) -> build/ollama/kvc"
-integrations/ollama/build.sh --out "$B/kvc" --link-llama "$LB/build-kvc/bin"
+VERSIONS="$(integrations/ollama/build.sh --list-versions)"
+DEFAULT="$(awk '$2 == "(default)" {print $1}' <<<"$VERSIONS")"
+OTHERS=($(awk 'NF == 1 {print $1}' <<<"$VERSIONS"))
+[[ -n "$DEFAULT" ]] || die "integrations/ollama/build.sh --list-versions names no default release"
+echo "Ollama releases: v$DEFAULT (default: the whole suite)${OTHERS[*]:+; smoke runs: ${OTHERS[*]/#/v}}"
+
+step "stock Ollama v$DEFAULT (Go) -> build/ollama/stock"
+integrations/ollama/build.sh --version "$DEFAULT" --stock --out "$B/stock" --link-llama "$LB/build-orig/bin"
+step "patched Ollama v$DEFAULT (Go) -> build/ollama/kvc"
+integrations/ollama/build.sh --version "$DEFAULT" --out "$B/kvc" --link-llama "$LB/build-kvc/bin"
+for v in "${OTHERS[@]}"; do
+  step "patched Ollama v$v (Go) -> build/ollama/v$v-kvc"
+  integrations/ollama/build.sh --version "$v" --out "$B/v$v-kvc" --link-llama "$LB/build-kvc/bin"
+done
 step "stock Ollama (Go) with the patched llama-server -> build/ollama/stockgo-kvc"
 mkdir -p "$B/stockgo-kvc/bin"
 # a copy, not a symlink: Ollama finds lib/ollama from its resolved executable
 cp -f "$B/stock/bin/ollama" "$B/stockgo-kvc/bin/ollama"
 rm -rf "$B/stockgo-kvc/lib" && mkdir -p "$B/stockgo-kvc/lib" && cp -a "$B/kvc/lib/ollama" "$B/stockgo-kvc/lib/ollama"
 
-step "Ollama's tests of the patched packages + the scheduler with a daemon (go test)"
-W="$B/kvc/.work/ollama"
-cp tests/ollama/sched_kvcached_test.go "$W/server/"
-unformatted="$(cd "$W" && gofmt -l llm/kvcached.go server/sched_kvcached.go server/sched_kvcached_test.go)"
-[[ -z "$unformatted" ]] || die "gofmt: $unformatted"
-(cd "$W" && go vet ./envconfig ./llm ./server)
-(cd "$W" && go test -count=1 ./envconfig ./llm && go test -count=1 -skip Kvcached ./server)
-out="$(cd "$W" && KVCACHED_SERVE="$REPO/.venv/bin/kvcached-serve" go test -count=1 -v -run Kvcached ./server 2>&1)" \
-  || { echo "$out" | tail -80; die "the scheduler tests with a daemon failed"; }
-echo "$out" | grep -E '^(=== RUN|--- |ok|PASS|FAIL)|sched_kvcached_test.go:[0-9]+: [a-z]' || true
+go_tests() { # version work-tree
+  local v="$1" W="$2" out
+  step "Ollama v$v: Ollama's tests of the patched packages + the scheduler with a daemon (go test)"
+  cp tests/ollama/sched_kvcached_test.go "$W/server/"
+  unformatted="$(cd "$W" && gofmt -l envconfig/kvcached.go llm/kvcached.go llm/kvcached_model.go server/sched_kvcached.go server/sched_kvcached_test.go)"
+  [[ -z "$unformatted" ]] || die "gofmt (v$v): $unformatted"
+  (cd "$W" && go vet ./envconfig ./llm ./server) || die "go vet failed on v$v"
+  (cd "$W" && go test -count=1 ./envconfig ./llm && go test -count=1 -skip Kvcached ./server) \
+    || die "Ollama v$v's own tests of the patched packages failed"
+  out="$(cd "$W" && KVCACHED_SERVE="$REPO/.venv/bin/kvcached-serve" go test -count=1 -v -run Kvcached ./server 2>&1)" \
+    || { echo "$out" | tail -80; die "the scheduler tests with a daemon failed on v$v"; }
+  echo "$out" | grep -E '^(=== RUN|\s*--- |ok|PASS|FAIL)|sched_kvcached_test.go:[0-9]+: [a-z]' || true
+}
+go_tests "$DEFAULT" "$B/kvc/.work/ollama"
+for v in "${OTHERS[@]}"; do go_tests "$v" "$B/v$v-kvc/.work/ollama"; done
 
 step "pytest tests/ollama"
 status=0

@@ -3,9 +3,11 @@
 #
 #   integrations/ollama/build.sh [options]
 #
-#   1. Ollama's Go module at the pinned version (go mod download
-#      github.com/ollama/ollama@v$OLLAMA_VERSION), copied to a work tree;
-#   2. the Go side: integrations/ollama/patches/*.patch applied, the Go client
+#   1. Ollama's Go module at the chosen release (--version; go mod download
+#      github.com/ollama/ollama@vVERSION), copied to a work tree;
+#   2. the Go side: integrations/ollama/patches/*.patch (every supported
+#      release) and patches/vVERSION/*.patch (that release's model metadata
+#      type) applied with git apply (exact context, no fuzz), the Go client
 #      (clients/go) added with one `go get` (a replace directive while the
 #      module is unpublished; the genproto step of clients/go/README.md);
 #   3. bin/ollama built the way Ollama's cmake/local.cmake builds it
@@ -21,6 +23,13 @@
 #      OUT/bin/ollama, OUT/lib/ollama/{llama-server,llama-quantize,lib*.so}.
 #
 # Options:
+#   --version X        the Ollama release (default: 0.34.4, the newest the Go
+#                      module proxy served on 2026-11-27; pinned, so builds
+#                      are reproducible; $OLLAMA_VERSION overrides the
+#                      default). Supported: the releases with a directory
+#                      patches/vX/ (--list-versions); --stock builds any
+#                      release the proxy serves
+#   --list-versions    print the supported releases, oldest first, and exit
 #   --out DIR          install prefix (default build/ollama/dist, or
 #                      build/ollama/dist-stock with --stock)
 #   --stock            no kvcached at all: Ollama's Go code and llama.cpp as
@@ -50,7 +59,12 @@ set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 HERE="$REPO/integrations/ollama"
-OLLAMA_VERSION="${OLLAMA_VERSION:-0.34.0}"
+# The default release: pinned (CI builds the same Ollama until this line
+# changes). Whether the proxy serves a newer one: go list -m -versions
+# github.com/ollama/ollama, or (where that list is incomplete, as on the
+# development machine's proxy) go list -m github.com/ollama/ollama@vX.
+DEFAULT_OLLAMA_VERSION=0.34.4
+OLLAMA_VERSION="${OLLAMA_VERSION:-$DEFAULT_OLLAMA_VERSION}"
 LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 # The monolithic genproto after googleapis/rpc moved to its own module
 # (clients/go/README.md, "Adding this module to Ollama's go.mod").
@@ -59,8 +73,18 @@ JOBS="${JOBS:-2}"
 
 OUT=""; STOCK=0; GO_ONLY=0; LINK_LLAMA=""; LLAMA_SRC=""; PRESET="cpu"; FORCE=0; CMAKE_EXTRA=()
 die() { echo "integrations/ollama/build.sh: $*" >&2; exit 1; }
+supported_versions() { # oldest first
+  local d
+  for d in "$HERE"/patches/v*/; do [[ -d "$d" ]] && basename "$d" | sed 's/^v//'; done | sort -V
+}
 while [[ $# -gt 0 ]]; do
   case "$1" in
+    --version) [[ $# -ge 2 ]] || die "--version needs a release, e.g. --version $DEFAULT_OLLAMA_VERSION"; OLLAMA_VERSION="${2#v}"; shift 2 ;;
+    --list-versions)
+      supported_versions | while read -r v; do
+        if [[ $v == "$DEFAULT_OLLAMA_VERSION" ]]; then echo "$v (default)"; else echo "$v"; fi
+      done
+      exit 0 ;;
     --out) OUT="$2"; shift 2 ;;
     --stock) STOCK=1; shift ;;
     --go-only) GO_ONLY=1; shift ;;
@@ -75,6 +99,10 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 VARIANT=kvc; [[ $STOCK == 1 ]] && VARIANT=stock
+[[ "$OLLAMA_VERSION" =~ ^[0-9]+\.[0-9]+\.[0-9]+(-[0-9A-Za-z.]+)?$ ]] || die "--version $OLLAMA_VERSION: expected a release such as $DEFAULT_OLLAMA_VERSION"
+if [[ $STOCK == 0 && ! -d "$HERE/patches/v$OLLAMA_VERSION" ]]; then
+  die "Ollama v$OLLAMA_VERSION is not supported: no $HERE/patches/v$OLLAMA_VERSION (supported: $(supported_versions | paste -sd' ')); --stock builds it unpatched"
+fi
 [[ -n "$OUT" ]] || { if [[ $STOCK == 1 ]]; then OUT="$REPO/build/ollama/dist-stock"; else OUT="$REPO/build/ollama/dist"; fi; }
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
@@ -83,11 +111,8 @@ T0=$SECONDS
 step() { printf '==== ollama build (%s) [%ds]: %s\n' "$VARIANT" "$((SECONDS - T0))" "$*"; }
 
 # ---- tools -------------------------------------------------------------------
-command -v go >/dev/null || die "go is not installed (Ollama v$OLLAMA_VERSION needs Go >= 1.26: https://go.dev/dl)"
+command -v go >/dev/null || die "go is not installed (Ollama 0.34 needs Go >= 1.26, its go.mod's go line: https://go.dev/dl)"
 GOV="$(go env GOVERSION)"; GOV="${GOV#go}"
-if [[ "$(printf '%s\n1.26\n' "${GOV%.*}" | sort -V | head -1)" != "1.26" && "$(go env GOTOOLCHAIN)" == local ]]; then
-  die "go $GOV is too old for Ollama v$OLLAMA_VERSION (go.mod says go 1.26.0) and GOTOOLCHAIN=local forbids fetching one"
-fi
 command -v gcc >/dev/null || die "gcc is needed (Ollama's Go build uses cgo)"
 command -v git >/dev/null || die "git is needed (patches are applied with git apply)"
 PY="$REPO/.venv/bin/python"; [[ -x "$PY" ]] || PY="$(command -v python3)" || die "python3 is needed"
@@ -107,10 +132,22 @@ step "Ollama v$OLLAMA_VERSION Go module"
 MODDIR="$(go mod download -json "github.com/ollama/ollama@v$OLLAMA_VERSION" | "$PY" -c 'import json,sys; d=json.load(sys.stdin); print(d.get("Dir") or ""); sys.exit(1 if d.get("Error") else 0)')" \
   || die "go mod download github.com/ollama/ollama@v$OLLAMA_VERSION failed (GOPROXY=$(go env GOPROXY))"
 [[ -f "$MODDIR/go.mod" ]] || die "the Ollama module has no go.mod at $MODDIR"
+# the Go its go.mod asks for (1.26.0 for 0.34.x); an older go only builds it
+# by fetching that toolchain, which GOTOOLCHAIN=local forbids
+GO_NEED="$(awk '$1 == "go" {print $2; exit}' "$MODDIR/go.mod")"
+if [[ -n "$GO_NEED" && "$(printf '%s\n%s\n' "$GOV" "$GO_NEED" | sort -V | head -1)" != "$GO_NEED" ]]; then
+  [[ "$(go env GOTOOLCHAIN)" == local ]] \
+    && die "go $GOV is too old for Ollama v$OLLAMA_VERSION (its go.mod says go $GO_NEED) and GOTOOLCHAIN=local forbids fetching one: install Go >= $GO_NEED (https://go.dev/dl)"
+  echo "go $GOV is older than Ollama v$OLLAMA_VERSION's go $GO_NEED: go fetches that toolchain (GOTOOLCHAIN=$(go env GOTOOLCHAIN))"
+fi
 PATCHES=()
 if [[ $STOCK == 0 ]]; then
-  for p in "$HERE"/patches/*.patch; do PATCHES+=("$p"); done
-  [[ ${#PATCHES[@]} -gt 0 ]] || die "no patches in $HERE/patches"
+  # the patches every supported release takes, then this release's own
+  for p in "$HERE"/patches/*.patch "$HERE/patches/v$OLLAMA_VERSION"/*.patch; do
+    [[ -f "$p" ]] && PATCHES+=("$p")
+  done
+  ls "$HERE"/patches/*.patch >/dev/null 2>&1 || die "no patches in $HERE/patches"
+  ls "$HERE/patches/v$OLLAMA_VERSION"/*.patch >/dev/null 2>&1 || die "no patches in $HERE/patches/v$OLLAMA_VERSION"
 fi
 LDFLAGS="-X=github.com/ollama/ollama/version.Version=$OLLAMA_VERSION -X=github.com/ollama/ollama/server.mode=release"
 GO_KEY=$(hash_of "ollama@$OLLAMA_VERSION" "$VARIANT" "$GOV" "$LDFLAGS" "$GENPROTO_VERSION" "${PATCHES[@]}" \
@@ -128,11 +165,13 @@ prepare_tree() {
     # GIT_CEILING_DIRECTORIES: the work tree may sit inside another git
     # checkout (this one), where git apply would silently skip every path
     # (as Ollama's cmake/apply-git-patches.cmake does it)
-    (cd "$WORK/ollama" && GIT_CEILING_DIRECTORIES="$WORK" git apply --whitespace=nowarn "$p") \
-      || die "$(basename "$p") does not apply to Ollama v$OLLAMA_VERSION (set OLLAMA_VERSION to the version the patches were made for)"
+    # git apply takes no fuzz: every hunk's context must match exactly
+    # (at any offset); whitespace errors in added lines stop it too
+    (cd "$WORK/ollama" && GIT_CEILING_DIRECTORIES="$WORK" git apply --whitespace=error "$p") \
+      || die "${p#"$HERE"/} does not apply to Ollama v$OLLAMA_VERSION"
     (cd "$WORK/ollama" && GIT_CEILING_DIRECTORIES="$WORK" git apply --reverse --check "$p" 2>/dev/null) \
       || die "$(basename "$p") was not applied to $WORK/ollama"
-    echo "applied $(basename "$p")"
+    echo "applied ${p#"$HERE"/}"
   done
   if [[ $STOCK == 0 ]]; then
     # The Go client, in one go get: the genproto pin resolves the "ambiguous

@@ -2,10 +2,13 @@
 integrations/ollama/build.sh (scripts/test-ollama.sh lays out the builds),
 its llama-server children, and the daemon's view of them.
 
-Layouts (each OUT/bin/ollama + OUT/lib/ollama/{llama-server,llama-quantize}):
+Layouts (each OUT/bin/ollama + OUT/lib/ollama/{llama-server,llama-quantize}),
+of the default Ollama release (integrations/ollama/build.sh --list-versions)
+unless named by a version:
   build/ollama/stock        Ollama's Go code as published, unpatched llama-server
   build/ollama/kvc          the Go patch (integrations/ollama/patches), patched llama-server
   build/ollama/stockgo-kvc  Ollama's Go code as published, patched llama-server
+  build/ollama/vX-kvc       the Go patch on each other supported release X, patched llama-server
 """
 
 from __future__ import annotations
@@ -26,7 +29,21 @@ import pytest
 from kvtest import ROOT
 
 BUILD = pathlib.Path(os.environ.get("KVC_OLLAMA_BUILD", ROOT / "build" / "ollama"))
+
+
+def supported_versions() -> tuple[str, list[str]]:
+    """(the default release, the other supported releases), from
+    integrations/ollama/build.sh --list-versions (one patches/vX/ each)."""
+    out = subprocess.run([str(ROOT / "integrations" / "ollama" / "build.sh"), "--list-versions"],
+                         capture_output=True, text=True, check=True, timeout=60).stdout.split("\n")
+    default = [ln.split()[0] for ln in out if ln.endswith("(default)")]
+    assert len(default) == 1, out
+    return default[0], [ln.strip() for ln in out if ln.strip() and not ln.endswith("(default)")]
+
+
+DEFAULT_VERSION, OTHER_VERSIONS = supported_versions()
 LAYOUTS = {name: BUILD / name for name in ("stock", "kvc", "stockgo-kvc")}
+LAYOUTS.update({f"v{v}-kvc": BUILD / f"v{v}-kvc" for v in OTHER_VERSIONS})
 
 GREEDY = {"temperature": 0, "top_k": 1, "top_p": 1, "seed": 7, "repeat_penalty": 1.0}
 

@@ -1,7 +1,7 @@
 package server
 
-// Ollama's own scheduler (server/sched.go of Ollama v0.34.0, patched by
-// integrations/ollama/patches), driven the way Ollama's sched_test.go drives
+// Ollama's own scheduler (server/sched.go of each supported Ollama version,
+// patched by integrations/ollama/patches), driven the way Ollama's sched_test.go drives
 // it: fake GPU discovery, mock runners, real scheduling loop. The GPU has
 // the same memory in every case; what differs is whether the KV cache is in
 // kvcached-serve pages (a real daemon, started here). scripts/test-ollama.sh
@@ -35,7 +35,6 @@ import (
 	"github.com/ollama/ollama/api"
 	"github.com/ollama/ollama/envconfig"
 	"github.com/ollama/ollama/format"
-	"github.com/ollama/ollama/fs/ggml"
 	"github.com/ollama/ollama/llm"
 	"github.com/ollama/ollama/ml"
 )
@@ -65,7 +64,10 @@ func kvcScenario(t *testing.T, ctx context.Context, name string, vram uint64) (*
 	t.Helper()
 	b := &reqBundle{}
 	b.ctx, b.ctxDone = context.WithCancel(ctx)
-	_, digest := createBinFile(t, ggml.KV{
+	// no tensors: nil fits createBinFile's tensor slice in every version
+	// (v0.34.0: []*ggml.Tensor, v0.34.4: []*gguftest.Tensor), and the
+	// scheduler reads only the metadata and the file size
+	_, digest := createBinFile(t, map[string]any{
 		"general.architecture":          "llama",
 		"general.name":                  name, // distinct blobs, distinct digests
 		"llama.context_length":          uint32(131072),
@@ -76,10 +78,7 @@ func kvcScenario(t *testing.T, ctx context.Context, name string, vram uint64) (*
 		"tokenizer.ggml.tokens":         []string{" "},
 		"tokenizer.ggml.scores":         []float32{0},
 		"tokenizer.ggml.token_type":     []int32{0},
-	}, []*ggml.Tensor{
-		{Name: "blk.0.attn.weight", Kind: uint32(0), Offset: uint64(0), Shape: []uint64{1, 1, 1, 1}, WriterTo: bytes.NewReader(make([]byte, 32))},
-		{Name: "output.weight", Kind: uint32(0), Offset: uint64(0), Shape: []uint64{1, 1, 1, 1}, WriterTo: bytes.NewReader(make([]byte, 32))},
-	})
+	}, nil)
 	// the blob, as Ollama's ModelPath names it (the runner's session is named by its digest)
 	p := filepath.Join(envconfig.Models(), "blobs", "sha256-"+strings.TrimPrefix(digest, "sha256:"))
 	opts := api.DefaultOptions()
@@ -107,7 +106,7 @@ func kvcScheduler(ctx context.Context, free uint64) *Scheduler {
 
 func kvcLoad(t *testing.T, ctx context.Context, s *Scheduler, b *reqBundle, r *kvcRunner) *runnerRef {
 	t.Helper()
-	s.newServerFn = func(ml.SystemInfo, []ml.DeviceInfo, string, *ggml.GGML, []string, []string, api.Options, int, llm.LlamaServerConfig) (llm.LlamaServer, error) {
+	s.newServerFn = func(ml.SystemInfo, []ml.DeviceInfo, string, *llm.KvcachedModel, []string, []string, api.Options, int, llm.LlamaServerConfig) (llm.LlamaServer, error) {
 		r.modelPath = b.req.model.ModelPath
 		return r, nil
 	}
@@ -279,14 +278,70 @@ func TestKvcachedSchedulerShrinksIdleRunnerBeforeUnloading(t *testing.T) {
 		format.HumanBytes2(guarantee), reclaims.Load())
 }
 
+// The KV geometry the runner's guarantee and maximum are computed from, read
+// through this version's model metadata type (v0.34.0: *ggml.GGML, v0.34.4:
+// *gguf.Model; llm/kvcached_model.go of patches/<version>/): per-layer KV
+// head arrays (a layer of 0 heads has no cache), explicit K/V head sizes,
+// and head sizes derived from the embedding over the smallest head count.
+// Without a daemon (page 0) the guarantee is the exact bytes of 256 cells.
+func TestKvcachedGeometryFromModelMetadata(t *testing.T) {
+	saved := llm.Kvcached
+	llm.Kvcached = func() *ollama.Handle { return nil }
+	t.Cleanup(func() { llm.Kvcached = saved })
+	for _, tc := range []struct {
+		name    string
+		kv      map[string]any
+		rowSums uint64 // sum over layers of KV heads x (K + V head size)
+	}{
+		{"per-layer kv heads, explicit head sizes", map[string]any{
+			"llama.block_count":             uint32(4),
+			"llama.embedding_length":        uint32(1024),
+			"llama.attention.head_count":    uint32(8),
+			"llama.attention.head_count_kv": []uint32{8, 4, 0, 2},
+			"llama.attention.key_length":    uint32(192),
+			"llama.attention.value_length":  uint32(128),
+		}, (8 + 4 + 0 + 2) * (192 + 128)},
+		{"head size from the embedding over the smallest head count", map[string]any{
+			"llama.block_count":             uint32(3),
+			"llama.embedding_length":        uint32(1024),
+			"llama.attention.head_count":    []int32{16, 8, 8},
+			"llama.attention.head_count_kv": uint32(2),
+		}, 3 * 2 * (1024/8 + 1024/8)},
+		{"short kv head array: later layers take 1", map[string]any{
+			"llama.block_count":             uint32(3),
+			"llama.embedding_length":        uint32(512),
+			"llama.attention.head_count":    uint32(4),
+			"llama.attention.head_count_kv": []uint32{4, 2},
+		}, (4 + 2 + 1) * (128 + 128)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			kv := map[string]any{"general.architecture": "llama", "general.name": tc.name,
+				"tokenizer.ggml.tokens": []string{" "}, "tokenizer.ggml.scores": []float32{0}, "tokenizer.ggml.token_type": []int32{0}}
+			for k, v := range tc.kv {
+				kv[k] = v
+			}
+			p, _ := createBinFile(t, kv, nil)
+			f, err := llm.LoadModel(p, 1024)
+			require.NoError(t, err)
+			for _, typ := range []struct {
+				name string
+				row  func(uint64) uint64
+			}{{"", func(n uint64) uint64 { return 2 * n }}, {"q8_0", func(n uint64) uint64 { return n / 32 * 34 }}} {
+				// num_ctx 100 pads to 256 cells; 4 slots do not change the guarantee
+				require.Equal(t, 256*typ.row(tc.rowSums), llm.KvcachedGuarantee("", f, 100, 4, typ.name), "cache type %q", typ.name)
+			}
+		})
+	}
+}
+
 // kvcGeometry: the test models' metadata (for the guarantee).
-func kvcGeometry(t *testing.T) *ggml.GGML {
+func kvcGeometry(t *testing.T) *llm.KvcachedModel {
 	t.Helper()
 	b, _ := kvcScenario(t, t.Context(), "geometry", 0)
 	return mustModel(t, b)
 }
 
-func mustModel(t *testing.T, b *reqBundle) *ggml.GGML {
+func mustModel(t *testing.T, b *reqBundle) *llm.KvcachedModel {
 	t.Helper()
 	f, err := llm.LoadModel(b.req.model.ModelPath, 1024)
 	if err != nil {

@@ -1,5 +1,6 @@
-"""A real Ollama (v0.34.0, built by integrations/ollama/build.sh) with its
-llama-server children's KV caches in kvcached-serve pages (issue 13).
+"""A real Ollama (the default release of integrations/ollama/build.sh, and a
+smoke run of each other supported release) with its llama-server children's
+KV caches in kvcached-serve pages (issue 13).
 
 Every test runs real `ollama serve` processes on the tiny GGUFs of
 tests/llama/tiny_model.py, imported with `ollama create`. The baseline is the
@@ -22,7 +23,7 @@ import pytest
 import tiny_model
 from conftest import NUM_CTX, SMALL, SMALL_STOCK_KV, WORST_CASE_KV
 from kvtest import assert_books, wait_until
-from ollamatest import OllamaError, alive
+from ollamatest import DEFAULT_VERSION, OTHER_VERSIONS, OllamaError, alive
 
 MiB = 1 << 20
 PAGE = 64 << 10  # daemon page in these tests (tests/llama uses the same)
@@ -137,6 +138,51 @@ def test_greedy_identical_to_stock_and_both_children_hold_pages(daemon_factory, 
 def ps_size(o, name):
     m = o.ps().get(name)
     return m["size"] if m else None
+
+
+def test_default_release_is_the_one_built(ollamas):
+    """The layouts the suite runs are the default release's build."""
+    for layout in ("stock", "kvc"):
+        assert ollamas(layout).get("/api/version")["version"] == DEFAULT_VERSION
+
+
+@pytest.mark.parametrize("version", OTHER_VERSIONS)
+def test_other_supported_release_smoke(daemon_factory, ollamas, digests, version):
+    """Each other supported release (v0.34.0: the oldest) with the same Go
+    patch and patched llama-server: without the daemon the runner holds no
+    session; with it one request answers token for token the same, the
+    runner holds pages in a session named by the model digest with the
+    guarantee and maximum the Go side computed, and `ollama ps` counts the
+    pages held instead of the worst-case KV."""
+    layout = f"v{version}-kvc"
+    d = daemon_factory("host", memory_limit="256MiB", page_size=str(PAGE))
+    plain = ollamas(layout, name=f"{layout}-plain")
+    assert plain.get("/api/version")["version"] == version
+    want = plain.generate("tiny0", PROMPTS[1], 24)
+    plain_ps = ps_size(plain, "tiny0")
+    with observer(d) as obs:
+        assert sessions_of(obs, plain.runner_of(digests["tiny0"])) == []
+    plain.stop()
+
+    o = ollamas(layout, OLLAMA_KVCACHED_SOCKET=d.socket)
+    got = o.generate("tiny0", PROMPTS[1], 24)
+    assert (got["response"], got["eval_count"]) == (want["response"], want["eval_count"]) and got["eval_count"] == 24
+    pid = o.runner_of(digests["tiny0"])
+    assert pid, "no llama-server child for tiny0"
+    with observer(d) as obs:
+        (s,) = sessions_of(obs, pid)
+        assert s.name == digests["tiny0"] and s.labels.get("model_digest") == digests["tiny0"], s
+        assert s.guaranteed_bytes == GUARANTEE and s.max_bytes == WORST_CASE_KV, s
+        assert s.held_bytes > 0, s
+        kvc_ps = ps_size(o, "tiny0")
+        assert held(obs, pid) == s.held_bytes  # idle: nothing moved while ps was read
+        assert_books(obs.stats())
+    assert plain_ps - kvc_ps == WORST_CASE_KV - s.held_bytes, (plain_ps, kvc_ps, s.held_bytes)
+    log = o.log_text()
+    assert "kvcached: connected" in log and log.count("kvcached: runner KV cache in daemon pages") == 1, log[-3000:]
+    print(f"Ollama v{version}: {got['eval_count']} tokens as without the daemon; session {s.name[:19]}... "
+          f"guaranteed {s.guaranteed_bytes / MiB:.2f} MiB, max {s.max_bytes / MiB:.0f} MiB, held {s.held_bytes / MiB:.2f} MiB; "
+          f"ollama ps {plain_ps / MiB:.2f} MiB without the daemon, {kvc_ps / MiB:.2f} MiB with it")
 
 
 def test_small_model_never_holds_more_than_stock(daemon_factory, ollamas, small_digest):
