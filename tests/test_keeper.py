@@ -166,6 +166,40 @@ def test_keeper_killed_too_falls_back_to_the_clients_fds(daemon_factory, tmp_pat
     c.close()
 
 
+@pytest.mark.parametrize("backend,mode", CASES, ids=["host", "cuda"])
+def test_a_keeper_that_dies_is_started_again_with_every_lent_page(daemon_factory, tmp_path, backend, mode):
+    """The keeper SIGKILLed while the daemon runs: within seconds the daemon
+    starts a new one and puts every page lent now in it (said once), pages
+    lent afterwards go there too, and a daemon SIGKILL after that resumes
+    every page from the new keeper (CUDA test driver in its default
+    identity, chardev: no client fd could prove a page)."""
+    state = tmp_path / "state"
+    d = _start(daemon_factory, backend, mode, state_dir=str(state))
+    c = d.client()
+    s = c.open_session("keeper-died")
+    r = s.region(16 * MiB)
+    r.map(0, 8 * MiB)
+    r.write(0, b"before")
+    first = _keeper_pid(state)
+    os.kill(first, signal.SIGKILL)
+    assert wait_until(lambda: "page store: a new keeper holds the 4 pages lent now" in d.log_text(), timeout=15), d.log_text()
+    second = _keeper_pid(state)
+    assert second != first and os.path.exists(f"/proc/{second}")
+    r.map(8 * MiB, 4 * MiB)  # lent to the new keeper directly
+    r.write(10 * MiB, b"after")
+    held = set(r.page_ids())
+    _kill(d)
+    d2 = _start(daemon_factory, backend, mode, state_dir=str(state), socket=d.socket)
+    assert s.wait_resumed(20), d2.log_text()
+    assert "page store: 6 of the 6 pages of the previous daemon's sessions are in the store" in d2.log_text(), d2.log_text()
+    assert set(r.page_ids()) == held and s.my_stats().pages_held == 6
+    assert r.read(0, 6) == b"before" and r.read(10 * MiB, 5) == b"after"
+    r.close()
+    assert_books(c.stats())
+    s.close()
+    c.close()
+
+
 def test_a_budget_beyond_the_keepers_open_files_is_named_at_start(daemon_factory, tmp_path):
     """The keeper holds one fd per lent page and raises its soft
     RLIMIT_NOFILE to the hard limit (20,000 on the development machines,

@@ -216,6 +216,7 @@ class Daemon:
                 except Exception:  # keep the loop alive whatever happens
                     log.exception("idle trim failed on %s", pool.uuid)
             self.recovery.rewrite_stale_journal(now)
+            await self.recovery.restore_store(now)
             poll = self.settings.memory_poll_seconds
             if poll > 0 and now - self._supply_read >= poll:
                 await self.refresh_supply()

@@ -51,6 +51,7 @@ import json
 import logging
 import os
 import resource
+import select
 import selectors
 import socket
 import subprocess
@@ -284,6 +285,16 @@ class PageStore:
 
     def clear(self) -> None:
         self._call({"op": "clear"})
+
+    def check(self) -> bool:
+        """Whether the keeper is still there (it sends nothing unasked: a
+        hang-up or anything readable means it went away)."""
+        if self.available:
+            p = select.poll()
+            p.register(self._sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+            if p.poll(0):
+                self._lost(ConnectionResetError("the keeper hung up"))
+        return self.available
 
     def close(self) -> None:
         self.available = False

@@ -17,6 +17,7 @@ sessions, pools and ids and binds resumed sessions through it.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -26,6 +27,7 @@ import time
 from typing import TYPE_CHECKING, Iterable
 
 from .. import errors
+from ..fdchannel import close_fds
 from ..config import ConfigError
 from .journal import JournalDamaged, JSession, Journal
 from .keeper import PageStore, StoreUnavailable, SystemdStore
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvcached.daemon")
 
 JOURNAL_RETRY_SECONDS = 2.0  # a journal that could not be written is rewritten this often until it can
+STORE_RETRY_SECONDS = 2.0  # a keeper that went away is started again this often until it is
 
 
 class Recovery:
@@ -55,6 +58,7 @@ class Recovery:
         self.journal_damage: dict | None = None  # set when recover() found the journal damaged
         self.journal_stale: str | None = None  # why the journal could not be written (then rewritten when it can)
         self._journal_retry = 0.0
+        self._store_retry = 0.0  # when a lost keeper is next started again
 
     # ---- start-up -------------------------------------------------------
     def recover(self) -> None:
@@ -261,6 +265,54 @@ class Recovery:
         log.warning("journal: %s written again (%d sessions); sessions are resumable after a restart again "
                     "(it had failed: %s)", self.journal.path, len(self.core.sessions) + len(self.orphans), self.journal_stale)
         self.journal_stale = None
+
+    async def restore_store(self, now: float) -> None:
+        """A keeper that went away while the daemon runs is started again
+        (every STORE_RETRY_SECONDS until it is, housekeeping), and every page
+        lent now is put in it, so that a restart after that resumes them
+        too. systemd's store is not restarted: it is systemd's."""
+        st = self.store
+        if not isinstance(st, PageStore) or st.check() or now < self._store_retry:
+            return
+        self._store_retry = now + STORE_RETRY_SECONDS
+        try:
+            new = await asyncio.to_thread(PageStore.open, self.settings.state_dir, self.settings.resume_grace + 30)
+        except StoreUnavailable as exc:
+            log.error("page store: cannot start a new keeper (%s); retrying in %g s", exc, STORE_RETRY_SECONDS)
+            return
+        # the new keeper takes every put and drop from now on, so a page lent
+        # or freed during the refill below lands there too (a page freed
+        # meanwhile may be put again: a restart drops what the journal does
+        # not name)
+        self.store = new
+        put = 0
+        try:
+            for s in list(self.core.sessions.values()):
+                by_pool: dict[str, list[Page]] = {}
+                for p in list(s.pages.values()):
+                    by_pool.setdefault(p.device, []).append(p)
+                for dev, pages in by_pool.items():
+                    pool = self.core.pools[dev]
+                    fds = pool.export_fds_now(pages)
+                    if fds is None:
+                        fds = await pool.export_fds_on_worker(pages)
+                    try:
+                        new.put([p.id for p in pages], fds)
+                    finally:
+                        if pool.backend.fresh_exports:  # made for this put: ours to close
+                            close_fds(fds)
+                    put += len(pages)
+            if self.stored:  # orphans' pages, still waiting for their clients
+                new.put(list(self.stored), list(self.stored.values()))
+                put += len(self.stored)
+        except Exception as exc:  # a keeper half filled is no store to resume from: start over later
+            log.error("page store: refilling the new keeper failed (%s); retrying in %g s", exc, STORE_RETRY_SECONDS)
+            new.clear()
+            new.close()
+            return
+        if new.available:
+            log.warning("page store: a new keeper holds the %d pages lent now (the previous one went away); a restart "
+                        "resumes them from it again", put)
 
     def forget_orphan(self, sid: int, reason: str) -> None:
         js = self.orphans.pop(sid)
