@@ -93,7 +93,7 @@ class Ollama:
 
     def __init__(self, layout: str, tmp: pathlib.Path, models: pathlib.Path, *, env: dict[str, str] | None = None,
                  name: str | None = None):
-        root = LAYOUTS[layout]
+        root = LAYOUTS[layout] if layout in LAYOUTS else pathlib.Path(layout)  # a layout, or an install prefix
         self.exe = root / "bin" / "ollama"
         for need in (self.exe, root / "lib" / "ollama" / "llama-server", root / "lib" / "ollama" / "llama-quantize"):
             if not need.exists():
