@@ -200,25 +200,31 @@ def figures(res: dict) -> list[dict]:
     return rows
 
 
+def meets(value: float, cmp: str, limit: float) -> bool:
+    if isinstance(value, float) and math.isnan(value):
+        return False
+    return {"<=": value <= limit, "<": value < limit, ">=": value >= limit}[cmp]
+
+
 def targets(res: dict) -> list[dict]:
     """Issue 18's must-hold figures, each with its limit and whether this run met it."""
     out: list[dict] = []
     sc = res.get("scenarios", {})
 
-    def add(what, value, limit, unit, ok):
-        out.append({"target": what, "value": value, "limit": limit, "unit": unit, "met": bool(ok)})
+    def add(what, value, limit, unit, cmp):
+        out.append({"target": what, "value": value, "limit": limit, "unit": unit, "cmp": cmp, "met": meets(value, cmp, limit)})
 
     if "roundtrip" in sc:
         s = sc["roundtrip"]
         floor_p50 = s["floor"]["rtt_1"]["p50_us"] if "floor" in s else None
 
         def request_path(prefix, p50, p99_16, tput_64):
-            add(f"{prefix}1 client Allocate+Free p50 <= 150 us", p50, 150, "us", p50 <= 150)
+            add(f"{prefix}1 client Allocate+Free p50 <= 150 us", p50, 150, "us", "<=")
             if floor_p50 is not None:
                 what = "1 client Allocate+Free p50" if not prefix else "1 client p50"
-                add(f"{prefix}{what} <= 5x the transport floor p50", p50 / floor_p50, 5, "x", p50 <= 5 * floor_p50)
-            add(f"{prefix}16 clients p99 <= 2 ms", p99_16, 2000, "us", p99_16 <= 2000)
-            add(f"{prefix}64 clients >= 10,000 pairs/s", tput_64, 10000, "/s", tput_64 >= 10000)
+                add(f"{prefix}{what} <= 5x the transport floor p50", p50 / floor_p50, 5, "x", "<=")
+            add(f"{prefix}16 clients p99 <= 2 ms", p99_16, 2000, "us", "<=")
+            add(f"{prefix}64 clients >= 10,000 pairs/s", tput_64, 10000, "/s", ">=")
 
         request_path("", s["rtt_1_daemon"]["p50_us"], s["rtt_16_daemon"]["p99_us"], s["tput_64_daemon"]["pairs_per_s"])
         if "cclient" in s:  # the same targets with the compiled client: what the daemon allows
@@ -227,24 +233,66 @@ def targets(res: dict) -> list[dict]:
     if "reclaim" in sc:
         ms = sc["reclaim"]["daemon_reclaim"]["p50_us"] / 1e3
         gib = sc["reclaim"]["moved_bytes"] / (1 << 30)
-        add(f"reclaim of {gib:.2f} GiB idle -> new session < 50 ms", ms, 50, "ms", ms < 50)
+        add(f"reclaim of {gib:.2f} GiB idle -> new session < 50 ms", ms, 50, "ms", "<")
     if "scale" in sc:
         lv = sc["scale"]["levels"]
         ref, top = lv.get("1000"), lv.get("100000")
         at = "100k pages tracked"
         if top is None:
             lim = sc["scale"].get("limit", {})
-            add("100k pages tracked", lim.get("reached_pages", 0), 100000, "pages", False)
+            add("100k pages tracked", lim.get("reached_pages", 0), 100000, "pages", ">=")
             fit = sc["scale"].get("fd_fit_pages")
             top = lv.get(str(fit)) if fit else None
             at = f"{fit} pages tracked (the most the fd limit allows here; the 100k targets applied there)"
         if top is not None and ref is not None:
             rss = top["daemon_rss_kib"] / 1024
-            add(f"{at}: daemon RSS <= 150 MB", rss, 150e6 / (1 << 20), "MiB", rss * (1 << 20) <= 150e6)
+            add(f"{at}: daemon RSS <= 150 MB", rss, 150e6 / (1 << 20), "MiB", "<=")
             for what, label in (("allocate", "Allocate+map"), ("getstats", "GetStats")):
                 r = top[what]["p50_us"] / ref[what]["p50_us"]
-                add(f"{at}: {label} p50 within 1.2x of 1k pages", r, 1.2, "x", r <= 1.2)
+                add(f"{at}: {label} p50 within 1.2x of 1k pages", r, 1.2, "x", "<=")
     return out
+
+
+# ---- repeated runs: medians, ranges, verdicts ------------------------------------------------------------
+def _stats(values: list[float]) -> dict:
+    v = sorted(x for x in values if not (isinstance(x, float) and math.isnan(x)))
+    if not v:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
+    mid = len(v) // 2
+    med = v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+    return {"median": med, "min": v[0], "max": v[-1], "n": len(v)}
+
+
+def aggregate(runs: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Figures and targets of several runs of one backend, made back to back:
+    each figure's value and baseline as median/min/max over the runs (the
+    ratio is that of the medians); each target judged on the median of its
+    value against its limit, with how many single runs met it. A figure or
+    target missing from a run (a scenario that failed there) counts the runs
+    it has."""
+    figs: dict[tuple, list[dict]] = {}
+    for res in runs:
+        for r in res.get("figures", []):
+            figs.setdefault((r["scenario"], r["figure"]), []).append(r)
+    out_f = []
+    for rows in figs.values():
+        first = rows[0]
+        val, base = _stats([r["value"] for r in rows]), _stats([r["baseline"] for r in rows])
+        ratio = val["median"] / base["median"] if base["median"] and not math.isnan(base["median"]) else float("nan")
+        out_f.append({**first, "value": val["median"], "baseline": base["median"], "ratio": ratio,
+                      "value_range": [val["min"], val["max"]], "baseline_range": [base["min"], base["max"]], "runs": len(rows)})
+    tgts: dict[str, list[dict]] = {}
+    for res in runs:
+        for t in res.get("targets", []):
+            tgts.setdefault(t["target"], []).append(t)
+    out_t = []
+    for rows in tgts.values():
+        first = rows[0]
+        st = _stats([t["value"] for t in rows])
+        met = meets(st["median"], first["cmp"], first["limit"])  # the single run's comparison, on the median
+        out_t.append({**first, "value": st["median"], "range": [st["min"], st["max"]], "met": met,
+                      "runs_met": sum(1 for t in rows if t["met"]), "runs": len(rows)})
+    return out_f, out_t
 
 
 def _fmt(v, unit) -> str:
@@ -284,18 +332,33 @@ def markdown(result: dict) -> str:
         for r in res["figures"]:
             ratio = "n/a" if math.isnan(r["ratio"]) else f"{r['ratio']:.2f}x"
             fig = r["figure"] + (f" ({r['note']})" if r["note"] else "")
-            out.append(f"| {r['scenario']} | {fig} | {_fmt(r['value'], r['unit'])} | {_fmt(r['baseline'], r['unit'])} | {ratio} | {r['better']} | {r['baseline_is']} |")
+            val, base = _fmt(r["value"], r["unit"]), _fmt(r["baseline"], r["unit"])
+            if r.get("runs", 1) > 1:  # median (min-max) over the repeated runs
+                val += f" ({_fmt(r['value_range'][0], r['unit'])}-{_fmt(r['value_range'][1], r['unit'])})"
+                base += f" ({_fmt(r['baseline_range'][0], r['unit'])}-{_fmt(r['baseline_range'][1], r['unit'])})"
+            out.append(f"| {r['scenario']} | {fig} | {val} | {base} | {ratio} | {r['better']} | {r['baseline_is']} |")
         for name, err in res.get("errors", {}).items():
             out.append(f"\n**{name} failed**: `{err.strip().splitlines()[-1]}`")
         if res.get("targets"):
             out.append("")
-            out.append("Must hold (issue 18):")
-            out.append("")
-            out.append("| target | this run | met |")
-            out.append("|---|---:|---|")
+            runs = res.get("repeat", 1)
+            if runs > 1:
+                out.append(f"Must hold (issue 18), judged on the median of {runs} runs made back to back:")
+                out.append("")
+                out.append("| target | median (min-max) | met (median) | runs that met it |")
+                out.append("|---|---:|---|---:|")
+            else:
+                out.append("Must hold (issue 18):")
+                out.append("")
+                out.append("| target | this run | met |")
+                out.append("|---|---:|---|")
             for t in res["targets"]:
-                v = f"{t['value']:.2f}x" if t["unit"] == "x" else _fmt(t["value"], t["unit"])
-                out.append(f"| {t['target']} | {v} | {'yes' if t['met'] else '**no**'} |")
+                fmt = (lambda x: f"{x:.2f}x") if t["unit"] == "x" else (lambda x, u=t["unit"]: _fmt(x, u))
+                if runs > 1:
+                    rng = f" ({fmt(t['range'][0])}-{fmt(t['range'][1])})"
+                    out.append(f"| {t['target']} | {fmt(t['value'])}{rng} | {'yes' if t['met'] else '**no**'} | {t['runs_met']}/{t['runs']} |")
+                else:
+                    out.append(f"| {t['target']} | {fmt(t['value'])} | {'yes' if t['met'] else '**no**'} |")
         prof = [(k, v) for k, v in res.get("scenarios", {}).get("roundtrip", {}).items() if k.startswith("profile_")]
         for k, v in prof:
             out.append("")
@@ -335,6 +398,9 @@ def main(argv=None) -> int:
         ["allocate64", "roundtrip", "reclaim", "scale", "loadgen", "capacity", "relay"]))
     ap.add_argument("--profile", action="store_true",
                     help="py-spy the daemon during scenario 2 (1 client, 64 clients); flame graphs in DIR/profile-BACKEND/")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="run each backend's scenarios N times back to back; figures and targets as median (min-max), "
+                         "targets judged on the median")
     ap.add_argument("--compare", default="", metavar="REF[,REF]",
                     help="run scenario 2 also against the daemon and client of these git revisions, in the same run")
     a = ap.parse_args(argv)
@@ -348,6 +414,9 @@ def main(argv=None) -> int:
         wanted += ["cuda-testdriver", "cuda-gpu"]
     cmd = "scripts/bench.sh" + (" --quick" if a.quick else "") + f" --backend {a.backend}" + (f" --only {a.only}" if a.only else "")
     cmd += (" --profile" if a.profile else "") + (f" --compare {a.compare}" if a.compare else "")
+    cmd += f" --repeat {a.repeat}" if a.repeat > 1 else ""
+    if a.repeat < 1:
+        raise SystemExit("--repeat: at least 1")
     trees = [f"{ref}={tree_of(ref)}" for ref in a.compare.split(",") if ref]
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": cmd,
               "quick": a.quick, "machine": machine(), "gpu": gpu, "backends": {}}
@@ -377,30 +446,46 @@ def main(argv=None) -> int:
             # 64 KiB granularity so the scale scenario can use 64 KiB pages (the
             # others use 2 MiB pages, a multiple of it, as on a GPU)
             env["KVCACHED_TESTDRV_GRANULARITY"] = str(64 << 10)
-        raw = out_dir / f"raw-{be}.json"
-        cmdline = [common.PY, "-m", "bench.suite", "--backend", be, "--out", str(raw)] + (["--quick"] if a.quick else [])
-        if a.only:
-            cmdline += ["--only", a.only]
-        if a.profile:
-            cmdline += ["--profile-dir", str(out_dir / f"profile-{be}")]
-        if trees:
-            cmdline += ["--compare", ",".join(trees)]
-        t0 = time.monotonic()
-        p = subprocess.run(cmdline, env=env, cwd=common.ROOT)
+        runs = []
+        for i in range(a.repeat):
+            raw = out_dir / (f"raw-{be}.json" if a.repeat == 1 else f"raw-{be}-{i + 1}.json")
+            cmdline = [common.PY, "-m", "bench.suite", "--backend", be, "--out", str(raw)] + (["--quick"] if a.quick else [])
+            if a.only:
+                cmdline += ["--only", a.only]
+            if a.profile:
+                cmdline += ["--profile-dir", str(out_dir / f"profile-{be}")]
+            if trees:
+                cmdline += ["--compare", ",".join(trees)]
+            if a.repeat > 1:
+                print(f"bench: {be} run {i + 1} of {a.repeat} (load average {os.getloadavg()[0]:.2f})", flush=True)
+            load = os.getloadavg()
+            t0 = time.monotonic()
+            p = subprocess.run(cmdline, env=env, cwd=common.ROOT)
+            one = json.loads(raw.read_text()) if raw.exists() else {"errors": {"suite": f"suite exited {p.returncode} without results"}, "scenarios": {}}
+            one["seconds"] = time.monotonic() - t0
+            one["loadavg_at_start"] = load
+            try:
+                one["figures"] = figures(one)
+                one["targets"] = targets(one)
+            except Exception as exc:  # noqa: BLE001
+                one.setdefault("errors", {})["figures"] = f"cannot compute figures: {exc!r}"
+                one["figures"] = []
+            if p.returncode != 0:
+                one.setdefault("errors", {}).setdefault("suite", f"exited {p.returncode}")
+            runs.append(one)
         if state:
             import shutil
 
             shutil.rmtree(state, ignore_errors=True)
-        res = json.loads(raw.read_text()) if raw.exists() else {"errors": {"suite": f"suite exited {p.returncode} without results"}, "scenarios": {}}
-        res["seconds"] = time.monotonic() - t0
-        try:
-            res["figures"] = figures(res)
-            res["targets"] = targets(res)
-        except Exception as exc:  # noqa: BLE001
-            res.setdefault("errors", {})["figures"] = f"cannot compute figures: {exc!r}"
-            res["figures"] = []
+        if a.repeat == 1:
+            res = runs[0]
+        else:
+            figs, tgts = aggregate(runs)
+            res = {"repeat": a.repeat, "runs": runs, "figures": figs, "targets": tgts,
+                   "seconds": sum(r["seconds"] for r in runs), "scenarios": runs[-1].get("scenarios", {}),
+                   "errors": {f"run {i + 1}: {k}": v for i, r in enumerate(runs) for k, v in r.get("errors", {}).items()}}
         result["backends"][be] = res
-        if p.returncode != 0 or res.get("errors"):
+        if res.get("errors"):
             rc = 1
     result["seconds"] = time.monotonic() - t_all
     (out_dir / "results.json").write_text(json.dumps(result, indent=1))
