@@ -23,7 +23,7 @@ import pytest
 
 import tiny_model
 from kvtest import assert_books, wait_until
-from llamatest import KVC, ORIG, HTTPError, free_port, observe, text
+from llamatest import KVC, ORIG, HTTPError, free_port, observe, session_of, text
 
 MiB = 1 << 20
 PAGE = 64 << 10
@@ -211,3 +211,19 @@ def test_session_named_by_alias_and_operator_values_win(daemon_factory, servers,
         assert sa.max_bytes == 3 * MiB and sa.guaranteed_bytes == 2 * tiny_model.N_LAYER * -(-256 * ROW // PAGE) * PAGE, sa
         assert sb.name == models[1].stem, sb
         assert sb.guaranteed_bytes == PAGE and sb.max_bytes == 2 * tiny_model.N_LAYER * CTX * ROW, sb
+
+
+def test_a_second_kv_cache_past_the_per_model_maximum_is_said(daemon_factory, servers, models):
+    """The per-model maximum comes from the process's first KV buffer: a
+    draft model (speculative decoding) adds a second KV cache it does not
+    cover, and the hook says so once, naming the variable to set."""
+    d = daemon_factory("host", memory_limit="256MiB", page_size=str(PAGE))
+    srv = servers(KVC, models[0], kvc_socket=d.socket, ctx=CTX, parallel=1, extra=["-md", str(models[1])])
+    srv.complete(text(300, 1), 8)
+    log = srv.log_text()
+    assert log.count("kvcached: CPU KV buffer reserved") == 2, log[-4000:]
+    assert log.count("more than the per-model maximum") == 1, log[-4000:]
+    assert "set KVCACHED_MAX_BYTES for this model" in log
+    with observe(d) as c:
+        s = session_of(c, srv.pid)
+        assert s.max_bytes == 2 * tiny_model.N_LAYER * CTX * ROW, s
