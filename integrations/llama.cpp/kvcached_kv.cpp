@@ -72,7 +72,9 @@ using namespace llama_kvcached_impl;
 ggml_backend_buffer_t llama_kvcached_alloc_kv(ggml_context * ctx, ggml_backend_buffer_type_t buft,
                                               const llama_kvcached_cache_info & info) {
     std::unique_lock<std::mutex> lk(L().reg);
-    kvc_session *                s   = session_locked();
+    kvc_session *                s   = session_locked([&](uint64_t page, uint64_t & g, uint64_t & m) {
+        plan_limits(ctx, buft, info, page, g, m);
+    });
     ggml_backend_buffer_t        buf = s && !LINK().lost ? alloc_kv_locked(s, ctx, buft, info) : nullptr;
     lk.unlock();
     return buf ? buf : ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
