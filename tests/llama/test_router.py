@@ -2,8 +2,8 @@
 DIR --models-max N` serves every GGUF in DIR, each model by a child
 llama-server it starts with `--alias NAME --model PATH` and its own
 environment. With the hook each child's session is named after its model
-and gets its model's own maximum (and, with KVCACHED_GUARANTEED_BYTES=auto,
-guarantee); its pages go back when the router evicts it (LRU, models-max),
+and, with KVCACHED_MAX_BYTES=auto and KVCACHED_GUARANTEED_BYTES=auto in the
+router's environment, gets its model's own maximum and guarantee; its pages go back when the router evicts it (LRU, models-max),
 unloads it (POST /models/unload) or stops; greedy tokens are the unpatched
 router's. docs/llama-cpp.md, "Router mode".
 """
@@ -159,7 +159,7 @@ def test_router_sessions_per_model_and_pages_back(daemon_factory, models_dir, tm
 
     d = daemon_factory("host", memory_limit="256MiB", page_size=str(PAGE))
     r = Router(KVC, models_dir, tmp_path / "router-kvc.log",
-               env={"KVCACHED_SOCKET": d.socket, "KVCACHED_GUARANTEED_BYTES": "auto"})
+               env={"KVCACHED_SOCKET": d.socket, "KVCACHED_MAX_BYTES": "auto", "KVCACHED_GUARANTEED_BYTES": "auto"})
     got = []
     try:
         with observe(d) as c:
@@ -203,7 +203,8 @@ def test_session_named_by_alias_and_operator_values_win(daemon_factory, servers,
     a = servers(KVC, models[0], kvc_socket=d.socket, ctx=CTX, parallel=1, extra=["--alias", "chat-small, other"],
                 env={"KVCACHED_MAX_BYTES": str(3 * MiB), "KVCACHED_GUARANTEED_BYTES": "auto"})
     b = servers(KVC, models[1], kvc_socket=d.socket, ctx=CTX, parallel=1,
-                env={"KVCACHED_GUARANTEED_BYTES": str(PAGE)})
+                env={"KVCACHED_MAX_BYTES": "auto", "KVCACHED_GUARANTEED_BYTES": str(PAGE)})
+    plain = servers(KVC, models[2], kvc_socket=d.socket, ctx=CTX, parallel=1)
     with observe(d) as c:
         by_pid = {s.pid: s for s in c.stats().sessions}
         sa, sb = by_pid[a.pid], by_pid[b.pid]
@@ -211,6 +212,10 @@ def test_session_named_by_alias_and_operator_values_win(daemon_factory, servers,
         assert sa.max_bytes == 3 * MiB and sa.guaranteed_bytes == 2 * tiny_model.N_LAYER * -(-256 * ROW // PAGE) * PAGE, sa
         assert sb.name == models[1].stem, sb
         assert sb.guaranteed_bytes == PAGE and sb.max_bytes == 2 * tiny_model.N_LAYER * CTX * ROW, sb
+        # neither set: no maximum and no guarantee, as before (a model with several KV buffers,
+        # iSWA or a draft model, would be refused past its first buffer's size by a per-model one)
+        sp = by_pid[plain.pid]
+        assert sp.max_bytes == 0 and sp.guaranteed_bytes == 0, sp
 
 
 def test_a_second_kv_cache_past_the_per_model_maximum_is_said(daemon_factory, servers, models):
@@ -218,12 +223,13 @@ def test_a_second_kv_cache_past_the_per_model_maximum_is_said(daemon_factory, se
     draft model (speculative decoding) adds a second KV cache it does not
     cover, and the hook says so once, naming the variable to set."""
     d = daemon_factory("host", memory_limit="256MiB", page_size=str(PAGE))
-    srv = servers(KVC, models[0], kvc_socket=d.socket, ctx=CTX, parallel=1, extra=["-md", str(models[1])])
+    srv = servers(KVC, models[0], kvc_socket=d.socket, ctx=CTX, parallel=1, extra=["-md", str(models[1])],
+                  env={"KVCACHED_MAX_BYTES": "auto"})
     srv.complete(text(300, 1), 8)
     log = srv.log_text()
     assert log.count("kvcached: CPU KV buffer reserved") == 2, log[-4000:]
     assert log.count("more than the per-model maximum") == 1, log[-4000:]
-    assert "set KVCACHED_MAX_BYTES for this model" in log
+    assert "(KVCACHED_MAX_BYTES=auto): set bytes, their sum, for this model" in log
     with observe(d) as c:
         s = session_of(c, srv.pid)
         assert s.max_bytes == 2 * tiny_model.N_LAYER * CTX * ROW, s
