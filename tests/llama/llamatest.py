@@ -84,28 +84,29 @@ class HTTPError(AssertionError):
         self.body = body
 
 
-class Server:
-    def __init__(self, binary: pathlib.Path, model: pathlib.Path, log: pathlib.Path, *, kvc_socket: str | None,
-                 ctx: int = 8192, parallel: int = 2, fa: str = "on", extra: list[str] | None = None,
-                 env: dict[str, str] | None = None, log_flags: list[str] | None = None):
+class Served:
+    """A llama-server process (plain or router) on a port of its own, ready
+    once /health answers; its output in `log`. The environment is the test's
+    without any LLAMA_ARG_* or KVCACHED_* variable, plus `env`."""
+
+    what = "llama-server"
+    stop_wait = 20.0
+
+    def _launch(self, binary: pathlib.Path, args, log: pathlib.Path, env: dict[str, str] | None) -> None:
+        """`args(port)`: the arguments after the binary."""
         if not binary.exists():
             pytest.fail(f"{binary} is missing: run scripts/test-llama.sh (it builds both llama-servers)")
         self.port = free_port()
         self.log = log
         penv = {k: v for k, v in os.environ.items()
                 if not k.startswith("LLAMA_ARG_") and not k.startswith("KVCACHED_") and "KVCACHED_SOCKET" not in k}
-        if kvc_socket:
-            penv["KVCACHED_SOCKET"] = kvc_socket
         penv.update(env or {})
-        args = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-t", "2",
-                "-c", str(ctx), "-np", str(parallel), "-fa", fa, "--no-webui",
-                *(log_flags if log_flags is not None else ["-lv", "4"]), *(extra or [])]
         self.fh = open(log, "w")
-        self.proc = subprocess.Popen(args, stdout=self.fh, stderr=subprocess.STDOUT, env=penv)
+        self.proc = subprocess.Popen([str(binary), *args(self.port)], stdout=self.fh, stderr=subprocess.STDOUT, env=penv)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(f"llama-server exited {self.proc.returncode}:\n{self.log_text()[-4000:]}")
+                raise AssertionError(f"{self.what} exited {self.proc.returncode}:\n{self.log_text()[-4000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as r:
                     if r.status == 200:
@@ -113,7 +114,7 @@ class Server:
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
             time.sleep(0.1)
-        raise AssertionError("llama-server not ready in 60 s:\n" + self.log_text()[-4000:])
+        raise AssertionError(f"{self.what} not ready in 60 s:\n" + self.log_text()[-4000:])
 
     @property
     def pid(self) -> int:
@@ -124,14 +125,41 @@ class Server:
             self.fh.flush()
         return self.log.read_text(errors="replace")
 
-    def post(self, path: str, body: dict, timeout: float = 120):
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
+    def call(self, method: str, path: str, body: dict | None = None, timeout: float = 120):
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method,
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
             raise HTTPError(path, e.code, e.read().decode(errors="replace")) from None
+
+    def post(self, path: str, body: dict, timeout: float = 120):
+        return self.call("POST", path, body, timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(self.stop_wait)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if not self.fh.closed:
+            self.fh.close()
+
+
+class Server(Served):
+    def __init__(self, binary: pathlib.Path, model: pathlib.Path, log: pathlib.Path, *, kvc_socket: str | None,
+                 ctx: int = 8192, parallel: int = 2, fa: str = "on", extra: list[str] | None = None,
+                 env: dict[str, str] | None = None, log_flags: list[str] | None = None):
+        penv = {"KVCACHED_SOCKET": kvc_socket} if kvc_socket else {}
+        penv.update(env or {})
+        self._launch(binary, lambda port: [
+            "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-c", str(ctx), "-np",
+            str(parallel), "-fa", fa, "--no-webui", *(log_flags if log_flags is not None else ["-lv", "4"]),
+            *(extra or [])], log, penv)
 
     def complete(self, prompt, n_predict: int = 32, timeout: float = 120, **kw):
         """Greedy completion; a list of prompts runs as parallel tasks (one per slot)."""
@@ -143,17 +171,6 @@ class Server:
     def erase_slot(self, slot: int) -> None:
         """POST /slots/N?action=erase (llama-server needs --slot-save-path for it)."""
         self.post(f"/slots/{slot}?action=erase", {})
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if not self.fh.closed:
-            self.fh.close()
 
 
 @contextlib.contextmanager

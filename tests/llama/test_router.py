@@ -10,20 +10,13 @@ router's. docs/llama-cpp.md, "Router mode".
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import signal
-import subprocess
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 import tiny_model
 from kvtest import assert_books, wait_until
-from llamatest import KVC, ORIG, HTTPError, free_port, observe, session_of, text
+from llamatest import KVC, ORIG, Served, observe, session_of, text
 
 MiB = 1 << 20
 PAGE = 64 << 10
@@ -43,50 +36,17 @@ def guarantee(name: str) -> int:
     return 2 * LAYERS[name] * -(-256 * ROW // PAGE) * PAGE
 
 
-class Router:
+class Router(Served):
     """llama-server in router mode; its children's output goes to its log."""
+
+    what = "router"
+    stop_wait = 30.0
 
     def __init__(self, binary: pathlib.Path, models_dir: pathlib.Path, log: pathlib.Path, *,
                  env: dict[str, str] | None = None, models_max: int = 2):
-        if not binary.exists():
-            pytest.fail(f"{binary} is missing: run scripts/test-llama.sh (it builds both llama-servers)")
-        self.port = free_port()
-        self.log = log
-        penv = {k: v for k, v in os.environ.items()
-                if not k.startswith("LLAMA_ARG_") and not k.startswith("KVCACHED_") and "KVCACHED_SOCKET" not in k}
-        penv.update(env or {})
-        args = [str(binary), "--models-dir", str(models_dir), "--models-max", str(models_max),
-                "--host", "127.0.0.1", "--port", str(self.port), "-t", "2", "-c", str(CTX), "-np", "1",
-                "-fa", "on", "--no-webui", "-lv", "4"]
-        self.fh = open(log, "w")
-        self.proc = subprocess.Popen(args, stdout=self.fh, stderr=subprocess.STDOUT, env=penv)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"router exited {self.proc.returncode}:\n{self.log_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            time.sleep(0.1)
-        raise AssertionError("router not ready in 60 s:\n" + self.log_text()[-4000:])
-
-    def log_text(self) -> str:
-        if not self.fh.closed:
-            self.fh.flush()
-        return self.log.read_text(errors="replace")
-
-    def call(self, method: str, path: str, body: dict | None = None, timeout: float = 120):
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise HTTPError(path, e.code, e.read().decode(errors="replace")) from None
+        self._launch(binary, lambda port: [
+            "--models-dir", str(models_dir), "--models-max", str(models_max), "--host", "127.0.0.1", "--port",
+            str(port), "-t", "2", "-c", str(CTX), "-np", "1", "-fa", "on", "--no-webui", "-lv", "4"], log, env)
 
     def complete(self, model: str, prompt: str, n_predict: int = 24) -> list[int]:
         r = self.call("POST", "/completion", {
@@ -102,17 +62,6 @@ class Router:
 
     def unload(self, model: str) -> None:
         self.call("POST", "/models/unload", {"model": model})
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if not self.fh.closed:
-            self.fh.close()
 
 
 @pytest.fixture
