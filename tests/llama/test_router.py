@@ -2,8 +2,8 @@
 DIR --models-max N` serves every GGUF in DIR, each model by a child
 llama-server it starts with `--alias NAME --model PATH` and its own
 environment. With the hook each child's session is named after its model
-and, with KVCACHED_MAX_BYTES=auto and KVCACHED_GUARANTEED_BYTES=auto in the
-router's environment, gets its model's own maximum and guarantee; its pages go back when the router evicts it (LRU, models-max),
+and gets its model's own maximum (KVCACHED_MAX_BYTES unset in a router
+child, or auto) and, with KVCACHED_GUARANTEED_BYTES=auto, guarantee; its pages go back when the router evicts it (LRU, models-max),
 unloads it (POST /models/unload) or stops; greedy tokens are the unpatched
 router's. docs/llama-cpp.md, "Router mode".
 """
@@ -108,7 +108,7 @@ def test_router_sessions_per_model_and_pages_back(daemon_factory, models_dir, tm
 
     d = daemon_factory("host", memory_limit="256MiB", page_size=str(PAGE))
     r = Router(KVC, models_dir, tmp_path / "router-kvc.log",
-               env={"KVCACHED_SOCKET": d.socket, "KVCACHED_MAX_BYTES": "auto", "KVCACHED_GUARANTEED_BYTES": "auto"})
+               env={"KVCACHED_SOCKET": d.socket, "KVCACHED_GUARANTEED_BYTES": "auto"})  # children: the maximum per model by default
     got = []
     try:
         with observe(d) as c:
