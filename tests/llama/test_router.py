@@ -2,8 +2,8 @@
 DIR --models-max N` serves every GGUF in DIR, each model by a child
 llama-server it starts with `--alias NAME --model PATH` and its own
 environment. With the hook each child's session is named after its model
-and gets its model's own maximum (KVCACHED_MAX_BYTES unset in a router
-child, or auto) and, with KVCACHED_GUARANTEED_BYTES=auto, guarantee; its pages go back when the router evicts it (LRU, models-max),
+and gets its model's own maximum and guarantee (KVCACHED_MAX_BYTES and
+KVCACHED_GUARANTEED_BYTES unset in a router child, or auto); its pages go back when the router evicts it (LRU, models-max),
 unloads it (POST /models/unload) or stops; greedy tokens are the unpatched
 router's. docs/llama-cpp.md, "Router mode".
 """
@@ -108,7 +108,7 @@ def test_router_sessions_per_model_and_pages_back(daemon_factory, models_dir, tm
 
     d = daemon_factory("host", memory_limit="256MiB", page_size=str(PAGE))
     r = Router(KVC, models_dir, tmp_path / "router-kvc.log",
-               env={"KVCACHED_SOCKET": d.socket, "KVCACHED_GUARANTEED_BYTES": "auto"})  # children: the maximum per model by default
+               env={"KVCACHED_SOCKET": d.socket})  # children: maximum and guarantee per model by default
     got = []
     try:
         with observe(d) as c:
@@ -182,3 +182,19 @@ def test_a_second_kv_cache_past_the_per_model_maximum_is_said(daemon_factory, se
     with observe(d) as c:
         s = session_of(c, srv.pid)
         assert s.max_bytes == 2 * tiny_model.N_LAYER * CTX * ROW, s
+
+
+def test_a_guarantee_the_daemon_cannot_give_is_dropped_not_the_session(daemon_factory, servers, models):
+    """KVCACHED_GUARANTEED_BYTES=auto (a router child's default) is best
+    effort: a daemon whose budget cannot hold the model's guarantee refuses
+    OpenSession, and the hook opens the session without it instead of
+    putting the KV cache in ordinary memory (its KV buffers are the
+    daemon's regions: a session exists, named after the model)."""
+    d = daemon_factory("host", memory_limit=str(12 * PAGE), page_size=str(PAGE))  # the guarantee is 16 pages
+    srv = servers(KVC, models[0], kvc_socket=d.socket, ctx=CTX, parallel=1, env={"KVCACHED_GUARANTEED_BYTES": "auto"})
+    log = srv.log_text()
+    assert "cannot guarantee this model 1.00 MiB" in log and "opening the session without a guarantee" in log, log[-3000:]
+    assert "KV cache in ordinary memory" not in log
+    with observe(d) as c:
+        s = session_of(c, srv.pid)
+        assert s is not None and s.name == models[0].stem and s.guaranteed_bytes == 0, s
