@@ -59,6 +59,7 @@ import sys
 import time
 
 from ..fdchannel import close_fds, peer_credentials
+from .sdnotify import notify_address
 
 log = logging.getLogger("kvcached.keeper")
 
@@ -386,7 +387,7 @@ class SystemdStore:
 
     def __init__(self, address: str, capacity: int | None, inherited: list[tuple[str, int]]):
         self.path = address
-        self._addr = "\0" + address[1:] if address.startswith("@") else address
+        self._addr = notify_address(address)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         self.capacity = capacity
         self.available = True

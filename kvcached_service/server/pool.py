@@ -49,7 +49,6 @@ import asyncio
 import collections
 import enum
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable, NamedTuple
@@ -57,6 +56,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable, NamedTuple
 from .. import errors
 from ..backends.base import Backend, DeviceSpec, PageHandle
 from ..config import format_size
+from ..fdchannel import close_fds
 from .worker import DeviceWorker
 
 if TYPE_CHECKING:
@@ -456,18 +456,13 @@ class DevicePool:
         fds: list[int] = []
         try:
             if not session.closed:
-                now = self.export_fds_now(pages)
-                fds = now if now is not None else await self.export_fds_on_worker(pages)
+                fds = await self.export_fds(pages)
             if session.closed:
                 # The session ended while its pages were being made or exported: nobody got them.
                 raise errors.FailedPrecondition(f"session {session.id} closed while allocating")
         except BaseException:
             if self.backend.fresh_exports:
-                for fd in fds:
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
+                close_fds(fds)
             self.give_back_now(pages)  # never the session's
             raise
         return Loan(pages, fds, self.backend.fresh_exports)
@@ -539,6 +534,13 @@ class DevicePool:
             fut.add_done_callback(release)
             raise
 
+    async def export_fds(self, pages: list[Page]) -> list[int]:
+        """The descriptors of `pages` (backend.export_fds): made on this
+        thread when that needs no driver call, else on the device worker.
+        Fresh exports (backend.fresh_exports) are the caller's to close."""
+        now = self.export_fds_now(pages)
+        return now if now is not None else await self.export_fds_on_worker(pages)
+
     def export_fds_now(self, pages: list[Page]) -> list[int] | None:
         """The descriptors to deliver for `pages` (backend.export_fds), made
         on this thread when that needs no driver call: the host pages' own
@@ -563,11 +565,7 @@ class DevicePool:
         except asyncio.CancelledError:
             def close(f: asyncio.Future) -> None:
                 if not f.cancelled() and f.exception() is None:
-                    for fd in f.result():
-                        try:
-                            os.close(fd)
-                        except OSError:
-                            pass
+                    close_fds(f.result())
             fut.add_done_callback(close)
             raise
 

@@ -293,9 +293,7 @@ class Recovery:
                     by_pool.setdefault(p.device, []).append(p)
                 for dev, pages in by_pool.items():
                     pool = self.core.pools[dev]
-                    fds = pool.export_fds_now(pages)
-                    if fds is None:
-                        fds = await pool.export_fds_on_worker(pages)
+                    fds = await pool.export_fds(pages)
                     try:
                         new.put([p.id for p in pages], fds)
                     finally:

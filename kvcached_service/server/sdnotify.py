@@ -46,6 +46,12 @@ def watchdog_seconds(env: dict | None = None) -> float | None:
     return int(usec) / 1e6
 
 
+def notify_address(address: str) -> str:
+    """NOTIFY_SOCKET as a socket address: a path, or "@name" for the
+    abstract socket "\\0name"."""
+    return "\0" + address[1:] if address.startswith("@") else address
+
+
 class Notifier:
     """Sends sd_notify messages; silent when there is no NOTIFY_SOCKET."""
 
@@ -55,8 +61,7 @@ class Notifier:
         self._task: asyncio.Task | None = None
         self._warned = False
         if address:
-            path = "\0" + address[1:] if address.startswith("@") else address
-            self._path = path
+            self._path = notify_address(address)
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
 
     @classmethod
