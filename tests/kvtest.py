@@ -147,6 +147,11 @@ class Daemon:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def sigkill(self) -> None:
+        """Kill the daemon as a crash would, and reap it."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
     def client(self, timeout: float = 10.0):
         from kvcached_service.client import Client
 
@@ -218,3 +223,30 @@ def assert_books(stats) -> None:
     """Invariant 7: pooled + in_use + free == budget, per device and total."""
     for name, p in [("total", stats.total), *stats.devices.items()]:
         assert p.pooled_bytes + p.in_use_bytes + p.free_bytes == p.budget_bytes, (name, p)
+
+
+class Survivor:
+    """A session holding pages with data in them across a daemon restart
+    (2 MiB pages): 10 region pages, each stamped "page i", and 2 loose
+    pages, the first stamped; a third loose page freed before."""
+
+    def __init__(self, client, name: str = "survivor"):
+        MiB = 1 << 20
+        self.s = client.open_session(name)
+        self.r = self.s.region(32 * MiB)
+        self.r.map(0, 20 * MiB)
+        for i in range(10):
+            self.r.write(i * 2 * MiB, f"page {i}".encode())
+        loose = self.s.allocate(3)
+        loose[0].write(0, b"loose page")
+        self.s.free(loose[2:])
+        self.loose = loose[:2]
+
+    def page_ids(self) -> set[int]:
+        return set(self.r.page_ids()) | {p.id for p in self.loose}
+
+    def assert_intact(self) -> None:
+        """Every stamp reads back."""
+        for i in range(10):
+            assert self.r.read(i * 2 * (1 << 20), len(f"page {i}")) == f"page {i}".encode(), i
+        assert self.loose[0].read(0, 10) == b"loose page"

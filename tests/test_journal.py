@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import signal
 import subprocess
 
 import pytest
@@ -178,10 +177,6 @@ def _poke(p) -> dict:
     return json.loads(line)
 
 
-def _kill(d) -> None:
-    d.proc.send_signal(signal.SIGKILL)
-    d.proc.wait()
-
 
 def _device(c):
     (dev,) = c.stats().devices.values()
@@ -203,7 +198,7 @@ def test_restart_that_cannot_resume_ends_sessions_and_keeps_orphans_unavailable_
     with d.client() as c:
         limit = _device(c).budget_bytes
     p, info = _orphan(d, 96)  # 192 MiB, every byte written
-    _kill(d)
+    d.sigkill()
     if damaged:
         j = pathlib.Path(state) / "journal.jsonl"
         j.write_bytes(b"\x8d\x00garbage\n" + j.read_bytes())
@@ -251,7 +246,7 @@ def test_restart_without_state_dir_host_memory_of_old_clients_is_unavailable(dae
     Shmem falls by the client's 1.5 GiB when it exits."""
     d = daemon_factory("host", memory_limit="100%", memory_poll_seconds="0.2")
     p, info = _orphan(d, 768)  # 1.5 GiB, every byte written
-    _kill(d)
+    d.sigkill()
     d2 = daemon_factory("host", socket=d.socket, memory_limit="100%", memory_poll_seconds="0.2")
     res = _poke(p)
     assert res["Allocate"][0] == "FAILED_PRECONDITION" and "ended" in res["Allocate"][1], res

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kvtest import assert_books, wait_until
+from kvtest import Survivor, assert_books, wait_until
 from kvcached_service import errors
 
 MiB = 1 << 20
@@ -23,11 +23,6 @@ MiB = 1 << 20
 # driver in its default mode, so a client that maps pages runs against a
 # daemon in that mode; the other modes are played by a raw client below.
 CASES = [("host", None), ("cuda", None)]
-
-
-def _kill(d):
-    d.proc.send_signal(signal.SIGKILL)
-    d.proc.wait()
 
 
 def _keeper_pid(state) -> int:
@@ -49,17 +44,11 @@ def test_sigkilled_daemon_resumes_every_page_from_the_store(daemon_factory, tmp_
     state = tmp_path / "state"
     d = _start(daemon_factory, backend, mode, state_dir=str(state))
     c = d.client()
-    s = c.open_session("survivor")
-    r = s.region(32 * MiB)
-    r.map(0, 20 * MiB)
-    for i in range(10):
-        r.write(i * 2 * MiB, f"page {i}".encode())
-    loose = s.allocate(3)
-    loose[0].write(0, b"loose page")
-    s.free(loose[2:])  # a freed page leaves the store
-    held = set(r.page_ids()) | {p.id for p in loose[:2]}
+    sv = Survivor(c)  # its freed page leaves the store
+    s, r, loose = sv.s, sv.r, sv.loose
+    held = sv.page_ids()
     keeper = _keeper_pid(state)
-    _kill(d)
+    d.sigkill()
     assert os.path.exists(f"/proc/{keeper}")  # the keeper outlives the daemon
     d2 = _start(daemon_factory, backend, mode, state_dir=str(state), socket=d.socket)
     assert s.wait_resumed(20), d2.log_text()
@@ -67,12 +56,10 @@ def test_sigkilled_daemon_resumes_every_page_from_the_store(daemon_factory, tmp_
     assert "page store: 12 of the 12 pages of the previous daemon's sessions are in the store" in log, log
     assert _keeper_pid(state) == keeper  # the same keeper served the new daemon
     assert s.my_stats().pages_held == 12
-    assert set(r.page_ids()) | {p.id for p in loose[:2]} == held
-    for i in range(10):
-        assert r.read(i * 2 * MiB, len(f"page {i}")) == f"page {i}".encode()
-    assert loose[0].read(0, 10) == b"loose page"
+    assert sv.page_ids() == held
+    sv.assert_intact()
     r.map(20 * MiB, 4 * MiB)  # and it goes on: grow, free
-    s.free(loose[:2])
+    s.free(loose)
     r.close()
     st = c.stats()
     assert st.total.pages_in_use == 0
@@ -106,7 +93,7 @@ def test_every_identity_mode_resumes_from_the_store_and_checks_no_client_fd(daem
     fdchannel.close_fds(fds)  # the client keeps nothing to re-send
     sid, token, ids = s.id, s.resume_token, list(resp.page_ids)
     s._closed = True  # we play the client: no automatic resume
-    _kill(d)
+    d.sigkill()
     d2 = _start(daemon_factory, "cuda", mode, state_dir=str(state), socket=d.socket)
 
     def resume(page_ids):
@@ -148,7 +135,7 @@ def test_keeper_killed_too_falls_back_to_the_clients_fds(daemon_factory, tmp_pat
     pages = s.allocate(2)
     pages[0].write(0, b"data")
     keeper = _keeper_pid(state)
-    _kill(d)
+    d.sigkill()
     os.kill(keeper, signal.SIGKILL)
     d2 = _start(daemon_factory, backend, mode, state_dir=str(state), socket=d.socket)
     assert wait_until(lambda: "page store: 0 of the 2 pages" in d2.log_text(), timeout=10), d2.log_text()
@@ -188,7 +175,7 @@ def test_a_keeper_that_dies_is_started_again_with_every_lent_page(daemon_factory
     r.map(8 * MiB, 4 * MiB)  # lent to the new keeper directly
     r.write(10 * MiB, b"after")
     held = set(r.page_ids())
-    _kill(d)
+    d.sigkill()
     d2 = _start(daemon_factory, backend, mode, state_dir=str(state), socket=d.socket)
     assert s.wait_resumed(20), d2.log_text()
     assert "page store: 6 of the 6 pages of the previous daemon's sessions are in the store" in d2.log_text(), d2.log_text()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import time
 
@@ -21,10 +20,6 @@ from kvcached_service._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 
 MiB = 1 << 20
 
-
-def _kill(d):
-    d.proc.send_signal(signal.SIGKILL)
-    d.proc.wait()
 
 
 def _restart(daemon_factory, d, backend, **settings):
@@ -45,7 +40,7 @@ def test_session_resumes_after_daemon_sigkill(daemon_factory, backend, tmp_path)
     pages[0].write(0, b"loose page")
     r.unmap(16 * MiB, 4 * MiB)  # 8 region pages + 2 loose = 10 held
     held_ids = set(r.page_ids()) | {p.id for p in pages}
-    _kill(d)
+    d.sigkill()
     # the daemon is gone: the memory is not
     assert r.read(0, 6) == b"page 0" and pages[0].read(0, 10) == b"loose page"
     with pytest.raises(errors.Unavailable, match="the daemon (went away|is unreachable).*pages you hold stay usable"):
@@ -98,7 +93,7 @@ def test_eight_busy_clients_survive_a_daemon_kill(daemon_factory, tmp_path):
     for p in procs:
         assert json.loads(p.stdout.readline())["ready"]
     time.sleep(2.0)
-    _kill(d)  # in the middle of the busy run
+    d.sigkill()  # in the middle of the busy run
     time.sleep(0.5)
     d2 = _restart(daemon_factory, d, "host", state_dir=state, memory_limit="512MiB")
     results = []
@@ -149,7 +144,7 @@ def test_claims_that_do_not_add_up_are_refused(daemon_factory, tmp_path):
     a_token, a_id, b_id = a.resume_token, a.id, b.id
     # stop the client library from resuming by itself: we play the client
     a._closed = b._closed = True
-    _kill(d)
+    d.sigkill()
     d2 = _restart(daemon_factory, d, "host", state_dir=state, page_store="none")
 
     def refused(code, fragment, *args):
@@ -186,7 +181,7 @@ def test_unresumed_sessions_are_forgotten_after_the_grace(daemon_factory, tmp_pa
     d = daemon_factory("host", state_dir=state)
     p = d.spawn_client("client_proc.py", "hold", "5")
     json.loads(p.stdout.readline())
-    _kill(d)
+    d.sigkill()
     p.kill()  # the client dies while the daemon is down
     p.wait()
     d2 = _restart(daemon_factory, d, "host", state_dir=state, resume_grace="1")
@@ -244,7 +239,7 @@ def test_threads_of_one_session_across_a_kill(daemon_factory, tmp_path):
     for t in threads:
         t.start()
     time.sleep(1.5)
-    _kill(d)
+    d.sigkill()
     time.sleep(0.3)
     d2 = _restart(daemon_factory, d, "host", state_dir=state, memory_limit="256MiB")
     assert s.wait_resumed(20)
@@ -287,7 +282,7 @@ def test_a_free_whose_send_meets_the_dead_daemon_is_deferred(daemon_factory, tmp
     def send_into_a_dead_daemon(sock, data, fds=()):
         if sock is ch.sock and d.proc.poll() is None:  # the FREE: the first send after the pages were mapped
             with ch._cond:  # the reader cannot end the channel meanwhile
-                _kill(d)
+                d.sigkill()
                 return real_send(sock, data, fds)
         return real_send(sock, data, fds)
 
@@ -347,7 +342,7 @@ def test_a_journal_that_cannot_be_written_loses_no_pages(daemon_factory, tmp_pat
     wait_until(lambda: journal.exists() and value(scrape(d), "kvcached_journal_stale") == 0, 10)
     assert "written again (2 sessions)" in d.log_text(), d.log_text()
     assert "it had failed: File too large" in d.log_text()
-    _kill(d)
+    d.sigkill()
     d2 = _restart(daemon_factory, d, "host", state_dir=str(state))
     assert keep.wait_resumed(20) and late.wait_resumed(20), d2.log_text()
     assert keep.my_stats().pages_held == 3 and late.my_stats().pages_held == 1

@@ -15,12 +15,11 @@ tests/listen_fds_exec.py; both in tests/systemdtest.py)."""
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import pytest
 
-from kvtest import assert_books, wait_until
+from kvtest import Survivor, assert_books, wait_until
 from systemdtest import FakeSystemd
 
 MiB = 1 << 20
@@ -37,11 +36,6 @@ def systemd(tmp_path):
     yield make
     for f in made:
         f.close()
-
-
-def _kill(d) -> None:
-    d.proc.send_signal(signal.SIGKILL)
-    d.proc.wait()
 
 
 def page_names(ids) -> set[str]:
@@ -64,19 +58,13 @@ def test_sigkilled_unit_resumes_every_page_from_systemds_store(daemon_factory, s
     d = daemon_factory(backend, env=sd.env(), state_dir=str(state), resume_grace="20")
     assert "page store: systemd's fd store (FileDescriptorStoreMax=4096) for a budget of 128 pages" in d.log_text()
     c = d.client()
-    s = c.open_session("survivor")
-    r = s.region(32 * MiB)
-    r.map(0, 20 * MiB)
-    for i in range(10):
-        r.write(i * 2 * MiB, f"page {i}".encode())
-    loose = s.allocate(3)
-    loose[0].write(0, b"loose page")
-    s.free(loose[2:])
-    held = set(r.page_ids()) | {p.id for p in loose[:2]}
+    sv = Survivor(c)
+    s, r = sv.s, sv.r
+    held = sv.page_ids()
     assert wait_until(lambda: sd.names() == page_names(held), timeout=5), (sd.names(), held)
     assert sd.no_poll >= 13, "every page must be stored with FDPOLL=0"
     assert not (state / "keeper.sock").exists(), "a keeper was started under a unit with a store"
-    _kill(d)
+    d.sigkill()
 
     d2 = daemon_factory(backend, env=sd.env(), state_dir=str(state), resume_grace="20", socket=d.socket,
                         **sd.start_args())
@@ -84,14 +72,11 @@ def test_sigkilled_unit_resumes_every_page_from_systemds_store(daemon_factory, s
     log = d2.log_text()
     assert "page store: 12 of the 12 pages of the previous daemon's sessions are in the store" in log, log
     assert s.my_stats().pages_held == 12
-    assert set(r.page_ids()) | {p.id for p in loose[:2]} == held
-    for i in range(10):
-        assert r.read(i * 2 * MiB, len(f"page {i}")) == f"page {i}".encode()
-    assert loose[0].read(0, 10) == b"loose page"
+    assert sv.page_ids() == held
+    sv.assert_intact()
     r.map(20 * MiB, 4 * MiB)  # it goes on: new pages join the store
-    grown = set(r.page_ids()) | {p.id for p in loose[:2]}
-    assert wait_until(lambda: sd.names() == page_names(grown), timeout=5)
-    s.free(loose[:2])
+    assert wait_until(lambda: sd.names() == page_names(sv.page_ids()), timeout=5)
+    s.free(sv.loose)
     r.close()
     assert wait_until(lambda: sd.names() == set(), timeout=5), sd.names()
     st = c.stats()
@@ -130,7 +115,7 @@ def test_a_full_store_keeps_what_fits_and_says_so(daemon_factory, systemd, tmp_p
     r.write(15 * MiB, b"last page")
     assert wait_until(lambda: len(sd.names()) == 5, timeout=5)
     assert d.log_text().count("systemd's fd store is full (FileDescriptorStoreMax=5)") == 1
-    _kill(d)
+    d.sigkill()
     d2 = daemon_factory("host", env=sd.env(), state_dir=str(state), resume_grace="20", socket=d.socket,
                         **sd.start_args())
     assert s.wait_resumed(20), d2.log_text()
@@ -180,7 +165,7 @@ def test_resume_of_1k_pages_from_systemds_store(daemon_factory, systemd, tmp_pat
     s = c.open_session("thousand")
     pages = s.allocate(1000)
     assert wait_until(lambda: len(sd.names()) == 1000, timeout=20)
-    _kill(d)
+    d.sigkill()
     t0 = time.monotonic()
     d2 = daemon_factory("host", socket=d.socket, **kw, **sd.start_args())
     assert s.wait_resumed(30), d2.log_text()
