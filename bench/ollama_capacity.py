@@ -291,57 +291,104 @@ def side_figures(name: str, results: list[dict], samples: list[dict], log: str, 
 
 
 # ---- the run -----------------------------------------------------------------------------------
-def run(quick: bool, out_dir: pathlib.Path, seed: int, n_models: int | None) -> dict:
+# Mixed shapes (--mixed): cycled over the models. Heads of 64; "small KV"
+# has one KV head (1 KiB per token: at 2 MiB pages its smallest footprint,
+# one page per K and V tensor and slot, is as large as its worst case).
+MIXED = [
+    {"label": "8x256", "n_layer": 8, "n_embd": 256, "n_ff": 512, "n_head": 4, "n_head_kv": 4},
+    {"label": "8x512 GQA 8/2", "n_layer": 8, "n_embd": 512, "n_ff": 1408, "n_head": 8, "n_head_kv": 2},
+    {"label": "4x256 small KV", "n_layer": 4, "n_embd": 256, "n_ff": 512, "n_head": 4, "n_head_kv": 1},
+    {"label": "16x256 GQA 4/2", "n_layer": 16, "n_embd": 256, "n_ff": 512, "n_head": 4, "n_head_kv": 2},
+]
+
+
+def make_models(cfg: dict, work: pathlib.Path, models_dir: pathlib.Path, common_env: dict, mixed: bool) -> list[dict]:
+    """Write and import the models; one stock load of each distinct shape
+    gives what a loaded model really uses (ollama ps)."""
     import tiny_model
-    from kvcached_service.client import Client
-    from ollamatest import LAYOUTS, Ollama
+    from ollamatest import Ollama
 
-    cfg = dict(QUICK if quick else FULL)
-    if n_models:
-        cfg["models"] = n_models
-    for layout in ("stock", "kvc"):
-        for need in (LAYOUTS[layout] / "bin" / "ollama", LAYOUTS[layout] / "lib" / "ollama" / "llama-server"):
-            if not need.exists():
-                raise SystemExit(f"{need} is missing: run scripts/test-ollama.sh first (it builds build/ollama/stock and build/ollama/kvc)")
-    work = pathlib.Path(tempfile.mkdtemp(prefix="kvc-bench-ollama-"))
-    models_dir = work / "models"
-    models_dir.mkdir()
-    shape = {k: cfg[k] for k in ("n_layer", "n_embd", "n_ff")}
-    shape["n_head"] = shape["n_head_kv"] = cfg["n_embd"] // 64
-    kv_per_token = 2 * cfg["n_layer"] * cfg["n_embd"] * 2
-    worst_kv = cfg["parallel"] * cfg["num_ctx"] * kv_per_token
-    names = [f"bench{i}" for i in range(cfg["models"])]
-    t_setup = time.monotonic()
-
-    common_env = {"OLLAMA_NUM_PARALLEL": str(cfg["parallel"]), "OLLAMA_KEEP_ALIVE": KEEP_ALIVE, "OLLAMA_FLASH_ATTENTION": "1",
-                  "OLLAMA_MAX_QUEUE": "1024", "OLLAMA_DEBUG": "1"}
-    # models, imported once (stock Ollama; the blobs do not depend on the
-    # build), and one stock load with the replay's options
+    uniform = {"label": f"{cfg['n_layer']}x{cfg['n_embd']}", "n_layer": cfg["n_layer"], "n_embd": cfg["n_embd"],
+               "n_ff": cfg["n_ff"], "n_head": cfg["n_embd"] // 64, "n_head_kv": cfg["n_embd"] // 64}
+    models: list[dict] = []
     creator = Ollama("stock", work, models_dir, env=common_env, name="create")
     try:
-        for i, name in enumerate(names):
+        actual_by_label: dict[str, int] = {}
+        for i in range(cfg["models"]):
+            shape = dict(MIXED[i % len(MIXED)] if mixed else uniform)
+            label = shape.pop("label")
+            name = f"bench{i}"
             gguf = tiny_model.write(work / f"{name}.gguf", seed=100 + i, name=name, **shape)
             creator.create(name, gguf, num_ctx=cfg["num_ctx"], num_thread=cfg["num_thread"])
-        # one stock load: what a loaded model really uses (ollama ps) and the file
-        creator.generate(names[0], "Hello", 2)
-        actual = creator.ps()[names[0]]["size"]
+            if label not in actual_by_label:
+                creator.generate(name, "Hello", 2)
+                actual_by_label[label] = creator.ps()[name]["size"]
+                creator.unload(name)
+            kv_per_token = 2 * shape["n_layer"] * 64 * shape["n_head_kv"] * 2
+            weights = gguf.stat().st_size
+            worst = cfg["parallel"] * cfg["num_ctx"] * kv_per_token
+            actual = actual_by_label[label]
+            models.append({"name": name, "label": label, "shape": shape, "weights": weights, "kv_per_token": kv_per_token,
+                           "worst_kv": worst, "actual": actual, "predicted": weights + worst,  # PredictServerVRAM
+                           "other": max(0, actual - weights - worst)})  # compute and output buffers
     finally:
         creator.stop()
-    weights = (work / "bench0.gguf").stat().st_size
-    predicted = weights + worst_kv  # PredictServerVRAM: file + full f16 KV
-    other = max(0, actual - weights - worst_kv)  # compute and output buffers
-    # B: two models at their configured context by Ollama's own rule
-    budget = int(actual + predicted / 0.8) + 16 * MiB
-    n_stock = stock_admits(budget, predicted, actual, cfg["models"])
-    daemon_budget = budget - cfg["models"] * (weights + other)
-    daemon_budget -= daemon_budget % PAGE
-    if daemon_budget < cfg["models"] * 2 * cfg["n_layer"] * PAGE * 2:  # twice the guarantees
-        raise SystemExit(f"budget {budget} leaves too little for the daemon ({daemon_budget})")
-    reqs = trace(cfg["models"], cfg["duration"], cfg["burst_gap"], seed)
-    setup_s = time.monotonic() - t_setup
+    return models
 
+
+def stock_fits(models: list[dict], budget: int) -> int:
+    """Models, in popularity order, that Ollama 0.34's GPU rule keeps loaded
+    on a device with `budget` free: the first always; each next one while
+    its prediction is at most 80 % of what the loaded ones leave (their
+    actual use). stock_admits() for identical models."""
+    n, used = 0, 0
+    for m in models:
+        if n and m["predicted"] > 0.8 * (budget - used):
+            break
+        n, used = n + 1, used + m["actual"]
+    return n
+
+
+def budget_for(models: list[dict], k: int) -> int:
+    """The smallest budget at which stock keeps k models (plus 16 MiB), or,
+    for k = 1, just under the one that keeps 2."""
+    if k <= 1:
+        return budget_for(models, 2) - 32 * MiB
+    need = max(sum(m["actual"] for m in models[:j]) + models[j]["predicted"] / 0.8 for j in range(1, k))
+    return int(need) + 16 * MiB
+
+
+def kvcached_fits(models: list[dict], budget: int, cfg: dict) -> tuple[int, int]:
+    """(models the kvcached side keeps loaded, the daemon's budget): the most
+    popular models whose weights and buffers fit in the budget with room left
+    for twice their guarantees (one page per K and V tensor), as the classic
+    run asks; the daemon gets the rest."""
+    best = (0, 0)
+    for m in range(1, len(models) + 1):
+        fixed = sum(x["weights"] + x["other"] for x in models[:m])
+        floor = sum(2 * x["shape"]["n_layer"] * PAGE for x in models[:m])
+        rest = budget - fixed
+        rest -= rest % PAGE
+        if rest >= 2 * floor:
+            best = (m, rest)
+    return best
+
+
+def replay_budget(models: list[dict], budget: int, cfg: dict, reqs: list[dict], work: pathlib.Path,
+                  models_dir: pathlib.Path, common_env: dict, out_dir: pathlib.Path, tag: str,
+                  kvc_models: int | None = None, daemon_budget: int | None = None) -> dict:
+    """Both sides' replay of `reqs` under one budget."""
+    from kvcached_service.client import Client
+    from ollamatest import Ollama
+
+    n_stock = stock_fits(models, budget)
+    if kvc_models is None or daemon_budget is None:
+        kvc_models, daemon_budget = kvcached_fits(models, budget, cfg)
+    if kvc_models == 0:
+        raise SystemExit(f"budget {budget / GiB:.2f} GiB leaves the daemon too little for one model")
     sides: dict[str, dict] = {}
     results: dict[str, list] = {}
+    samples: dict[str, list] = {}
     for side in ("stock", "kvcached"):
         env = dict(common_env)
         daemon = None
@@ -350,14 +397,14 @@ def run(quick: bool, out_dir: pathlib.Path, seed: int, n_models: int | None) -> 
             env["OLLAMA_MAX_LOADED_MODELS"] = str(n_stock)
             layout = "stock"
         else:
-            env["OLLAMA_MAX_LOADED_MODELS"] = str(cfg["models"])
+            env["OLLAMA_MAX_LOADED_MODELS"] = str(kvc_models)
             layout = "kvc"
             metrics_addr = f"127.0.0.1:{_free_port()}"
             daemon = common.Daemon(work, "daemon", "host", ["--memory-limit", str(daemon_budget), "--page-size", str(PAGE),
                                                              "--metrics-address", metrics_addr, "--reclaim-timeout-ms", "2000"])
             env["OLLAMA_KVCACHED_SOCKET"] = daemon.socket
             client = Client.connect(daemon.socket)
-        o = Ollama(layout, work, models_dir, env=env, name=f"replay-{side}")
+        o = Ollama(layout, work, models_dir, env=env, name=f"replay-{side}{tag}")
         sampler = Sampler(o, client)
         sampler.start()
         t0 = time.monotonic()
@@ -386,7 +433,10 @@ def run(quick: bool, out_dir: pathlib.Path, seed: int, n_models: int | None) -> 
             daemon.stop()
         sides[side] = side_figures(side, res, sampler.samples, log, extra)
         results[side] = res
-        (out_dir / f"ollama-{side}.log").write_text(log)
+        t_start = sampler.samples[0]["t"] if sampler.samples else 0.0
+        samples[side] = [{"t": round(x["t"] - t_start, 2), "resident": x["resident"], "held": x["rss"] + x["pooled"],
+                          "ps_bytes": x["ps_bytes"]} for x in sampler.samples]
+        (out_dir / f"ollama-{side}{tag}.log").write_text(log)
     same = sum(1 for a, b in zip(results["stock"], results["kvcached"]) if a["ok"] and b["ok"] and a["response"] == b["response"])
     both = sum(1 for a, b in zip(results["stock"], results["kvcached"]) if a["ok"] and b["ok"])
     diff_ids = [a["id"] for a, b in zip(results["stock"], results["kvcached"]) if a["ok"] and b["ok"] and a["response"] != b["response"]]
@@ -401,7 +451,7 @@ def run(quick: bool, out_dir: pathlib.Path, seed: int, n_models: int | None) -> 
             if side == "kvcached":
                 daemon = common.Daemon(work, "daemon-alone", "host", ["--memory-limit", str(daemon_budget), "--page-size", str(PAGE)])
                 env["OLLAMA_KVCACHED_SOCKET"] = daemon.socket
-            o = Ollama(layout, work, models_dir, env=env, name=f"alone-{side}")
+            o = Ollama(layout, work, models_dir, env=env, name=f"alone-{side}{tag}")
             try:
                 for i in diff_ids:
                     r = reqs[i]
@@ -413,20 +463,71 @@ def run(quick: bool, out_dir: pathlib.Path, seed: int, n_models: int | None) -> 
     alone_same = [i for i in diff_ids if alone[i]["stock"] == alone[i]["kvcached"]]
     differing = [{"id": i, "stock": results["stock"][i]["response"], "kvcached": results["kvcached"][i]["response"],
                   "alone_stock": alone[i]["stock"], "alone_kvcached": alone[i]["kvcached"]} for i in diff_ids]
-    shutil.rmtree(work, ignore_errors=True)
     return {
-        "config": {**cfg, "keep_alive": KEEP_ALIVE, "seed": seed, "requests": len(reqs),
-                   "long_requests": sum(r["long"] for r in reqs), "kv_bytes_per_token": kv_per_token,
-                   "worst_case_kv_per_model": worst_kv, "weights_file": weights, "stock_actual_per_model": actual,
-                   "stock_predicted_per_model": predicted, "other_buffers_per_model": other, "budget": budget,
-                   "stock_max_loaded_models": n_stock, "daemon_budget": daemon_budget, "page_size": PAGE,
-                   "setup_s": setup_s},
-        "sides": sides,
+        "budget": budget, "stock_max_loaded_models": n_stock, "kvcached_max_loaded_models": kvc_models,
+        "daemon_budget": daemon_budget, "sides": sides, "samples": samples,
         "greedy": {"compared": both, "identical": same, "different_ids": diff_ids, "identical_alone": len(alone_same),
                    "differing": differing[:20]},
         "requests": {side: [{k: r.get(k) for k in ("id", "model", "long", "ok", "ttft", "total", "load_s", "error")} for r in res]
                      for side, res in results.items()},
     }
+
+
+def run(quick: bool, out_dir: pathlib.Path, seed: int, n_models: int | None, mixed: bool = False,
+        sweep: list[int] | None = None, duration: float | None = None) -> dict:
+    """The classic run (one budget: stock keeps two models by Ollama's rule,
+    the kvcached side keeps every model), or with `sweep` one replay per
+    budget at which stock keeps k models, for each k given."""
+    from ollamatest import LAYOUTS
+
+    cfg = dict(QUICK if quick else FULL)
+    if n_models:
+        cfg["models"] = n_models
+    if duration:
+        cfg["duration"] = duration
+    for layout in ("stock", "kvc"):
+        for need in (LAYOUTS[layout] / "bin" / "ollama", LAYOUTS[layout] / "lib" / "ollama" / "llama-server"):
+            if not need.exists():
+                raise SystemExit(f"{need} is missing: run scripts/test-ollama.sh first (it builds build/ollama/stock and build/ollama/kvc)")
+    work = pathlib.Path(tempfile.mkdtemp(prefix="kvc-bench-ollama-"))
+    models_dir = work / "models"
+    models_dir.mkdir()
+    t_setup = time.monotonic()
+    common_env = {"OLLAMA_NUM_PARALLEL": str(cfg["parallel"]), "OLLAMA_KEEP_ALIVE": KEEP_ALIVE, "OLLAMA_FLASH_ATTENTION": "1",
+                  "OLLAMA_MAX_QUEUE": "1024", "OLLAMA_DEBUG": "1"}
+    models = make_models(cfg, work, models_dir, common_env, mixed)
+    reqs = trace(cfg["models"], cfg["duration"], cfg["burst_gap"], seed)
+    setup_s = time.monotonic() - t_setup
+    m0 = models[0]
+    config = {**cfg, "keep_alive": KEEP_ALIVE, "seed": seed, "requests": len(reqs), "mixed": mixed,
+              "long_requests": sum(r["long"] for r in reqs), "kv_bytes_per_token": m0["kv_per_token"],
+              "worst_case_kv_per_model": m0["worst_kv"], "weights_file": m0["weights"],
+              "stock_actual_per_model": m0["actual"], "stock_predicted_per_model": m0["predicted"],
+              "other_buffers_per_model": m0["other"], "page_size": PAGE, "setup_s": setup_s,
+              "models_detail": [{k: m[k] for k in ("name", "label", "weights", "kv_per_token", "worst_kv", "actual")}
+                                for m in models]}
+    try:
+        if sweep:
+            points = []
+            for k in sweep:
+                budget = budget_for(models, min(k, len(models)))
+                print(f"budget for stock keeping {k}: {budget / GiB:.2f} GiB ...", flush=True)
+                points.append({"stock_fits": k, **replay_budget(models, budget, cfg, reqs, work, models_dir, common_env,
+                                                                out_dir, f"-fits{k}")})
+            return {"config": config, "sweep": points}
+        # classic: two models at their configured context by Ollama's own rule; the daemon keeps all
+        budget = int(m0["actual"] + m0["predicted"] / 0.8) + 16 * MiB
+        daemon_budget = budget - sum(m["weights"] + m["other"] for m in models)
+        daemon_budget -= daemon_budget % PAGE
+        if daemon_budget < cfg["models"] * 2 * cfg["n_layer"] * PAGE * 2:  # twice the guarantees
+            raise SystemExit(f"budget {budget} leaves too little for the daemon ({daemon_budget})")
+        point = replay_budget(models, budget, cfg, reqs, work, models_dir, common_env, out_dir, "",
+                              kvc_models=cfg["models"], daemon_budget=daemon_budget)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    config.update({"budget": budget, "stock_max_loaded_models": point["stock_max_loaded_models"],
+                   "daemon_budget": daemon_budget})
+    return {"config": config, **point}
 
 
 def _free_port() -> int:
@@ -511,34 +612,69 @@ def markdown(r: dict, cmd: str, quick: bool) -> str:
     return "\n".join(out)
 
 
+def sweep_markdown(r: dict, cmd: str) -> str:
+    c = r["config"]
+    shapes = sorted({(m["label"], m["weights"], m["kv_per_token"], m["worst_kv"], m["actual"]) for m in c["models_detail"]},
+                    key=lambda x: x[0])
+    out = [f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} · `{cmd}` · "
+           f"{os.cpu_count()} CPUs, load average at start {', '.join(f'{x:.2f}' for x in r.get('loadavg', (0, 0, 0)))}", "",
+           f"{c['models']} models, shapes cycled in popularity order (num_ctx {c['num_ctx']} x OLLAMA_NUM_PARALLEL "
+           f"{c['parallel']}, num_thread {c['num_thread']}); trace: seed {c['seed']}, {c['requests']} requests "
+           f"({c['long_requests']} long) over {c['duration']:.0f} s per side and budget:", "",
+           "| shape | file | KV per token | worst-case KV | one stock load (ollama ps) |", "|---|---:|---:|---:|---:|"]
+    for label, w, kvt, worst, actual in shapes:
+        out.append(f"| {label} | {w / MiB:.0f} MiB | {kvt / KiB:.0f} KiB | {worst / MiB:.0f} MiB | {actual / MiB:.0f} MiB |")
+    out += ["", "| budget | stock keeps | kvcached keeps (daemon budget) | resident, stock / kvcached | reloads, stock / kvcached "
+            "| TTFT p50, stock / kvcached | TTFT p99, stock / kvcached | memory held mean, stock / kvcached | served, stock / kvcached | greedy identical |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for p in r["sweep"]:
+        s, k, g = p["sides"]["stock"], p["sides"]["kvcached"], p["greedy"]
+        ident = f"{g['identical']} of {g['compared']}" + (f" (+{g['identical_alone']} of {len(g['different_ids'])} alone)"
+                                                           if g["different_ids"] else "")
+        out.append(f"| {p['budget'] / GiB:.2f} GiB | {p['stock_max_loaded_models']} | {p['kvcached_max_loaded_models']} "
+                   f"({p['daemon_budget'] / GiB:.2f} GiB) | {s['resident_mean']:.2f} / {k['resident_mean']:.2f} | "
+                   f"{s['reloads']} / {k['reloads']} | {s['ttft_p50_s']:.2f} / {k['ttft_p50_s']:.2f} s | "
+                   f"{s['ttft_p99_s']:.2f} / {k['ttft_p99_s']:.2f} s | {s['held_mean'] / GiB:.2f} / {k['held_mean'] / GiB:.2f} GiB | "
+                   f"{s['served']} / {k['served']} of {s['requests']} | {ident} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/bench.sh --only ollama", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="5 models, 2 slots, a 60 s trace (CI: a few minutes)")
     ap.add_argument("--out", default="", help="directory for ollama.json and ollama.md (default: a new temp dir)")
     ap.add_argument("--seed", type=int, default=14)
     ap.add_argument("--models", type=int, default=0, help="number of models (default 6, quick 5)")
+    ap.add_argument("--mixed", action="store_true", help="models of four shapes (MIXED), cycled")
+    ap.add_argument("--sweep", default="", help="comma-separated k: one replay per budget at which stock keeps k models")
+    ap.add_argument("--duration", type=float, default=0, help="seconds of trace per side (default 600, quick 60)")
     a, _ = ap.parse_known_args(argv)
     out_dir = pathlib.Path(a.out or tempfile.mkdtemp(prefix="kvc-bench-ollama-out-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = "scripts/bench.sh --only ollama" + (" --quick" if a.quick else "")
+    sweep = [int(x) for x in a.sweep.split(",") if x]
+    cmd = ("scripts/bench.sh --only ollama" + (" --quick" if a.quick else "") if not (sweep or a.mixed or a.models or a.duration)
+           else "python -m bench.ollama_capacity " + " ".join(argv if argv is not None else sys.argv[1:]))
     loadavg = os.getloadavg()
     t0 = time.monotonic()
-    r = run(a.quick, out_dir, a.seed, a.models or None)
+    r = run(a.quick, out_dir, a.seed, a.models or None, mixed=a.mixed, sweep=sweep or None, duration=a.duration or None)
     r["loadavg"] = loadavg
     r["seconds"] = time.monotonic() - t0
-    (out_dir / "ollama.json").write_text(json.dumps(r, indent=1))
-    md = markdown(r, cmd, a.quick)
-    (out_dir / "ollama.md").write_text(md + "\n")
+    stem = "sweep" if sweep else "ollama"
+    (out_dir / f"{stem}.json").write_text(json.dumps(r, indent=1))
+    md = sweep_markdown(r, cmd) if sweep else markdown(r, cmd, a.quick)
+    (out_dir / f"{stem}.md").write_text(md + "\n")
     print(md)
-    print(f"\nresults: {out_dir}/ollama.json, {out_dir}/ollama.md ({r['seconds']:.0f} s)")
-    s, k = r["sides"]["stock"], r["sides"]["kvcached"]
+    print(f"\nresults: {out_dir}/{stem}.json, {out_dir}/{stem}.md ({r['seconds']:.0f} s)")
     bad = []
-    if r["greedy"]["identical_alone"] != len(r["greedy"]["different_ids"]):
-        bad.append(f"greedy outputs differ even when run alone, among requests {r['greedy']['different_ids']}")
-    if k["failed"]:
-        bad.append(f"kvcached side: {k['failed']} requests failed: {k['errors']}")
-    if s["failed"]:
-        bad.append(f"stock side: {s['failed']} requests failed: {s['errors']}")
+    for p in r["sweep"] if sweep else [r]:
+        s, k = p["sides"]["stock"], p["sides"]["kvcached"]
+        where = f" (budget {p['budget'] / GiB:.2f} GiB)" if sweep else ""
+        if p["greedy"]["identical_alone"] != len(p["greedy"]["different_ids"]):
+            bad.append(f"greedy outputs differ even when run alone, among requests {p['greedy']['different_ids']}{where}")
+        if k["failed"]:
+            bad.append(f"kvcached side: {k['failed']} requests failed: {k['errors']}{where}")
+        if s["failed"]:
+            bad.append(f"stock side: {s['failed']} requests failed: {s['errors']}{where}")
     for b in bad:
         print("FAILED:", b, file=sys.stderr)
     return 1 if bad else 0

@@ -42,8 +42,8 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 if [ "$DEV" = 1 ]; then
-  stamp=.venv/.kvcached-installed-dev extras='.[dev,torch]'
-  what="with the dev and torch extras (torch from PyPI is a ~5 GB CUDA build)"
+  stamp=.venv/.kvcached-installed-dev extras='.[dev,torch,bench]'
+  what="with the dev, torch and bench extras (torch from PyPI is a ~5 GB CUDA build)"
 else
   stamp=.venv/.kvcached-installed extras='.'
   what="(the daemon and its Python client)"

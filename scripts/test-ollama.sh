@@ -91,5 +91,11 @@ status=0
 # failed requests (docs/benchmarks.md has the full mode's table).
 step "scripts/bench.sh --only ollama --quick"
 scripts/bench.sh --only ollama --quick --out "$B/bench-quick" || status=$?
+# Issue 30's harnesses in quick mode, so they do not rot (figures: the full
+# runs in docs/benchmarks.md): the budget sweep over mixed shapes, and the
+# model switch (both fail on differing greedy outputs or failed requests).
+step "bench.ollama_capacity --quick --mixed --sweep; bench.ollama_switch --quick"
+"$PY" -m bench.ollama_capacity --quick --mixed --models 6 --sweep 1,6 --duration 30 --out "$B/bench-quick" || status=$?
+"$PY" -m bench.ollama_switch --quick --out "$B/bench-quick" || status=$?
 step "done (exit $status)"
 exit $status

@@ -122,3 +122,54 @@ def test_repeated_runs_are_judged_on_the_median():
                    "backends": {"host": {"repeat": 3, "figures": figs, "targets": tgts}}})
     assert "judged on the median of 3 runs" in md
     assert "| 1 client p50 <= 150 us | 160 us (140 us-170 us) | **no** | 1/3 |" in md, md
+
+
+def _model(actual_mib: int, predicted_mib: int, weights_mib: int = 20, n_layer: int = 8) -> dict:
+    MiB = 1 << 20
+    return {"actual": actual_mib * MiB, "predicted": predicted_mib * MiB, "weights": weights_mib * MiB,
+            "other": (actual_mib - predicted_mib) * MiB, "shape": {"n_layer": n_layer}}
+
+
+def test_capacity_budgets_follow_ollamas_rule_for_mixed_models():
+    """The sweep's budgets (bench/ollama_capacity.py): stock keeps exactly k
+    models at budget_for(k), by the same rule for models of different sizes;
+    for identical models it agrees with stock_admits; the kvcached side keeps
+    the models whose weights fit with room for twice their guarantees."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from bench.ollama_capacity import PAGE, budget_for, kvcached_fits, stock_admits, stock_fits
+
+    MiB = 1 << 20
+    mixed = [_model(600, 550), _model(90, 60, 9, 4), _model(300, 250, 88), _model(340, 290, 37, 16)] * 3
+    for k in (1, 2, 3, 6, 12):
+        assert stock_fits(mixed, budget_for(mixed, k)) == k, k
+    assert stock_fits(mixed, budget_for(mixed, 3) - 32 * MiB) == 2
+    same = [_model(600, 550)] * 6
+    for budget in (700 * MiB, 1300 * MiB, 2000 * MiB, 9000 * MiB):
+        assert stock_fits(same, budget) == stock_admits(budget, same[0]["predicted"], same[0]["actual"], 6), budget
+    # per model: 70 MiB of weights and buffers, guarantees 2 x 8 pages of 2 MiB (twice: 64 MiB)
+    assert kvcached_fits(same, 1300 * MiB, {"parallel": 4}) == (6, 880 * MiB)
+    assert kvcached_fits(same, 500 * MiB, {"parallel": 4}) == (3, 290 * MiB)
+    assert kvcached_fits(same, 100 * MiB, {"parallel": 4}) == (0, 0)
+    assert PAGE == 2 * MiB
+
+
+def test_capacity_plots_are_written(tmp_path):
+    """bench/plots.py draws the trace and the sweep from a sweep.json."""
+    GiB = 1 << 30
+    samples = {side: [{"t": t, "resident": min(3, t // 2), "held": (0.2 + 0.1 * t) * GiB, "ps_bytes": 0} for t in range(8)]
+               for side in ("stock", "kvcached")}
+    point = lambda k, b: {"stock_fits": k, "budget": b * GiB, "stock_max_loaded_models": k, "samples": samples,  # noqa: E731
+                          "sides": {s: {"resident_mean": k + (s == "kvcached"), "reloads": 5 - k} for s in ("stock", "kvcached")}}
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"config": {"models": 12}, "sweep": [point(1, 0.5), point(3, 1.0), point(6, 2.0)]}))
+    r = subprocess.run([PY, "-m", "bench.plots", str(sweep), "--out", str(tmp_path / "img"), "--trace-budget", "3"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for name in ("capacity-trace.png", "capacity-sweep.png"):
+        data = (tmp_path / "img" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+    r = subprocess.run([PY, "-m", "bench.plots", str(sweep), "--out", str(tmp_path / "img"), "--trace-budget", "4"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "no sweep point where stock keeps 4" in r.stderr

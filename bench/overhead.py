@@ -1,0 +1,302 @@
+"""Single-model overhead of the llama.cpp hook (issue 30 item 1).
+
+    python -m bench.overhead [--runs 5] [--threads 2] [--quick] [--out DIR]
+
+One random-weight llama GGUF large enough to be compute-bound on a CPU
+(default: 8 layers of 1024, FFN 2816, F32: about 413 MB; F16 KV of 32 KiB
+per token), served by the unpatched llama-server (build/llama/build-orig)
+and by the patched one (build/llama/build-kvc) with a daemon on the host
+backend (2 MiB pages). Both builds come from the same llama.cpp with the
+same flags (scripts/test-llama.sh builds them); both run with the same
+threads, context and flash attention.
+
+Each run starts a fresh server (an empty KV cache: the hook maps pages as
+the context grows), sends one prompt of `--prompt` token ids (default
+7,542) and has it generate `--predict` tokens (default 128; greedy,
+ignore_eos), streamed, and stops the server. Runs alternate the two sides
+(unpatched first in even rounds, patched first in odd ones) so drift in
+the machine's speed falls on both. Per run it records llama-server's own
+timings (prompt and predicted tokens per second), the time to the first
+streamed token as the client saw it, and what the kernel says about the
+server process during the request: minor page faults, voluntary and
+involuntary context switches, the number of memory mappings, and RSS.
+
+Printed: median, min and max per side, the patched / unpatched ratio of
+the medians, and the issue's goals (decode at most 1 % slower, prefill at
+most 2 %). The JSON with every run goes to OUT (default
+bench/results/issue30/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench.common import ROOT, Daemon, MiB
+
+sys.path.insert(0, str(ROOT / "tests" / "llama"))
+import tiny_model  # noqa: E402  (the suite's GGUF writer)
+
+BUILD = ROOT / "build" / "llama"
+SIDES = {  # the builds of scripts/test-llama.sh (which exports these variables)
+    "unpatched": pathlib.Path(os.environ.get("LLAMA_SERVER_ORIG", BUILD / "build-orig" / "bin" / "llama-server")),
+    "patched": pathlib.Path(os.environ.get("LLAMA_SERVER_KVC", BUILD / "build-kvc" / "bin" / "llama-server")),
+}
+FULL = {"n_layer": 8, "n_embd": 1024, "n_head": 16, "n_head_kv": 16, "n_ff": 2816}
+QUICK = {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_head_kv": 4, "n_ff": 512}
+GOALS = {"decode": 0.99, "prefill": 0.98}  # patched / unpatched tokens per second, at least
+
+
+def model_path(shape: dict, cache: pathlib.Path) -> pathlib.Path:
+    """The model for `shape`, written once into `cache` (seeded: same bytes)."""
+    name = "overhead-" + "-".join(f"{k[2:]}{v}" for k, v in shape.items()) + ".gguf"
+    path = cache / name
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        print(f"writing {path} ...", flush=True)
+        tmp = path.with_suffix(".tmp")
+        tiny_model.write(tmp, seed=30, name="overhead", **shape)
+        tmp.rename(path)
+    return path
+
+
+def proc_counts(pid: int) -> dict:
+    """Faults and context switches of every thread of `pid`, its mappings and RSS."""
+    out = {"minflt": 0, "majflt": 0, "vcsw": 0, "ivcsw": 0}
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    out["minflt"], out["majflt"] = int(fields[7]), int(fields[9])
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches"):
+                        out["vcsw"] += int(line.split()[1])
+                    elif line.startswith("nonvoluntary_ctxt_switches"):
+                        out["ivcsw"] += int(line.split()[1])
+        except FileNotFoundError:
+            pass
+    with open(f"/proc/{pid}/maps") as f:
+        out["maps"] = sum(1 for _ in f)
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                out["rss_mib"] = int(line.split()[1]) / 1024
+    return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, binary: pathlib.Path, model: pathlib.Path, log: pathlib.Path, a, kvc_socket: str | None):
+        if not binary.exists():
+            raise SystemExit(f"{binary} is missing: scripts/test-llama.sh builds both llama-servers")
+        self.port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ARG_", "KVCACHED_"))}
+        if kvc_socket:
+            env["KVCACHED_SOCKET"] = kvc_socket
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(
+            [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-t", str(a.threads),
+             "-c", str(a.ctx), "-np", "1", "-fa", a.fa, "--no-webui", "-lv", str(a.log_verbosity)],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{binary.name} exited {self.proc.returncode}: see {log}")
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=1)
+                c.request("GET", "/health")
+                if c.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{binary.name} not ready in 120 s: see {log}")
+
+    def stream(self, prompt: list[int], n_predict: int) -> dict:
+        """One greedy completion, streamed: the client's time to the first
+        token, and llama-server's final timings."""
+        body = json.dumps({"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "top_k": 1, "seed": 7,
+                           "ignore_eos": True, "cache_prompt": False, "stream": True})
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=1800)
+        t0 = time.perf_counter()
+        c.request("POST", "/completion", body, {"Content-Type": "application/json"})
+        r = c.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"/completion: HTTP {r.status}: {r.read()[:500]!r}")
+        ttft = None
+        last = None
+        tokens = 0
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data: "):
+                continue
+            msg = json.loads(line[6:])
+            if ttft is None and (msg.get("content") or msg.get("tokens")):
+                ttft = time.perf_counter() - t0
+            tokens += 1
+            last = msg
+        wall = time.perf_counter() - t0
+        if not last or "timings" not in last:
+            raise RuntimeError(f"no timings in the stream's last message: {last!r}")
+        return {"ttft_s": ttft, "wall_s": wall, "chunks": tokens, "timings": last["timings"]}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def one_run(side: str, model: pathlib.Path, prompt: list[int], a, daemon: Daemon | None, work: pathlib.Path,
+            i: int) -> dict:
+    srv = Server(SIDES[side], model, work / f"{side}-{i}.log", a, daemon.socket if daemon else None)
+    try:
+        before = proc_counts(srv.proc.pid)
+        res = srv.stream(prompt, a.predict)
+        after = proc_counts(srv.proc.pid)
+    finally:
+        srv.stop()
+    t = res["timings"]
+    row = {
+        "side": side, "round": i,
+        "prefill_tps": t["prompt_per_second"], "decode_tps": t["predicted_per_second"],
+        "prompt_n": t["prompt_n"], "predicted_n": t["predicted_n"],
+        "prompt_ms": t["prompt_ms"], "predicted_ms": t["predicted_ms"],
+        "ttft_s": res["ttft_s"], "wall_s": res["wall_s"],
+        "minflt": after["minflt"] - before["minflt"], "majflt": after["majflt"] - before["majflt"],
+        "vcsw": after["vcsw"] - before["vcsw"], "ivcsw": after["ivcsw"] - before["ivcsw"],
+        "maps_before": before["maps"], "maps_after": after["maps"], "rss_mib_after": after["rss_mib"],
+    }
+    if row["prompt_n"] != len(prompt) or row["predicted_n"] != a.predict:
+        raise RuntimeError(f"{side}: ran {row['prompt_n']} prompt / {row['predicted_n']} predicted tokens, "
+                           f"asked {len(prompt)} / {a.predict}")
+    return row
+
+
+def stats(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarize(rows: list[dict]) -> dict:
+    out: dict = {}
+    for side in SIDES:
+        mine = [r for r in rows if r["side"] == side]
+        out[side] = {k: stats([r[k] for r in mine]) for k in
+                     ("prefill_tps", "decode_tps", "ttft_s", "minflt", "ivcsw", "vcsw", "maps_after")}
+    out["ratio"] = {k: out["patched"][k]["median"] / out["unpatched"][k]["median"]
+                    for k in ("prefill_tps", "decode_tps", "ttft_s")}
+    out["goals"] = {
+        "decode": {"goal": f">= {GOALS['decode']:.2f}", "measured": out["ratio"]["decode_tps"],
+                   "met": out["ratio"]["decode_tps"] >= GOALS["decode"]},
+        "prefill": {"goal": f">= {GOALS['prefill']:.2f}", "measured": out["ratio"]["prefill_tps"],
+                    "met": out["ratio"]["prefill_tps"] >= GOALS["prefill"]},
+    }
+    return out
+
+
+def markdown(r: dict) -> str:
+    s = r["summary"]
+    lines = [f"Run {r['started']} · `{r['command']}` · {r['cpus']} CPUs, load average at start {r['load_at_start']}",
+             "",
+             f"Model: {r['model']['file']} ({r['model']['mib']:.0f} MiB, {r['model']['shape']}), "
+             f"-t {r['threads']} -c {r['ctx']} -np 1 -fa {r['fa']}; prompt {r['prompt_tokens']} token ids, "
+             f"then {r['predict']} tokens; daemon: host backend, {r['page_size'] // MiB} MiB pages. "
+             f"{r['runs']} runs per side, alternated.",
+             "",
+             "| figure | unpatched median (min-max) | patched + daemon median (min-max) | patched / unpatched |",
+             "|---|---:|---:|---:|"]
+
+    def cell(d, fmt):
+        return f"{fmt.format(d['median'])} ({fmt.format(d['min'])}-{fmt.format(d['max'])})"
+
+    for key, label, fmt in (("prefill_tps", "prefill tokens/s", "{:.1f}"), ("decode_tps", "decode tokens/s", "{:.2f}"),
+                            ("ttft_s", "time to first token, s", "{:.2f}")):
+        lines.append(f"| {label} | {cell(s['unpatched'][key], fmt)} | {cell(s['patched'][key], fmt)} | "
+                     f"{s['ratio'][key]:.3f}x |")
+    for key, label in (("minflt", "minor page faults in the request"), ("ivcsw", "involuntary context switches"),
+                       ("maps_after", "memory mappings after")):
+        lines.append(f"| {label} | {cell(s['unpatched'][key], '{:.0f}')} | {cell(s['patched'][key], '{:.0f}')} | |")
+    lines += ["", "| goal (patched / unpatched, medians) | measured | met |", "|---|---:|---|"]
+    for name, g in s["goals"].items():
+        lines.append(f"| {name} tokens/s {g['goal']} | {g['measured']:.3f}x | {'yes' if g['met'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=5, help="runs per side (default 5)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--prompt", type=int, default=7542, help="prompt length in tokens")
+    ap.add_argument("--predict", type=int, default=128)
+    ap.add_argument("--fa", default="on", choices=["on", "off"])
+    ap.add_argument("--page-size", default="2MiB")
+    ap.add_argument("--log-verbosity", type=int, default=3, help="llama-server -lv (4 shows the hook's lines)")
+    ap.add_argument("--daemon-arg", action="append", default=[], help="an extra kvcached-serve argument")
+    ap.add_argument("--quick", action="store_true", help="a tiny model, 2 runs, 1k context (checks the harness)")
+    ap.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results" / "issue30")
+    ap.add_argument("--tag", default="", help="added to the result file's name")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.runs, a.ctx, a.prompt, a.predict = min(a.runs, 2), 1024, 700, 32
+    shape = QUICK if a.quick else FULL
+    model = model_path(shape, ROOT / "build" / "bench-models")
+    import random
+
+    rng = random.Random(30)
+    n_vocab = len(tiny_model.vocab()[0])
+    prompt = [rng.randrange(3, n_vocab) for _ in range(a.prompt)]
+    page = int(a.page_size[:-3]) * (MiB if a.page_size.endswith("MiB") else 1024)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="overhead-"))
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    load = " ".join(open("/proc/loadavg").read().split()[:3])
+    rows: list[dict] = []
+    with Daemon(work, "daemon", "host", ["--page-size", str(page), *a.daemon_arg]) as d:
+        for i in range(a.runs):
+            order = ["unpatched", "patched"] if i % 2 == 0 else ["patched", "unpatched"]
+            for side in order:
+                row = one_run(side, model, prompt, a, d if side == "patched" else None, work, i)
+                rows.append(row)
+                print(f"round {i + 1}/{a.runs} {side:9s}: prefill {row['prefill_tps']:7.1f} tok/s, decode "
+                      f"{row['decode_tps']:6.2f} tok/s, ttft {row['ttft_s']:6.2f} s, faults {row['minflt']}, "
+                      f"ivcsw {row['ivcsw']}, maps {row['maps_after']}", flush=True)
+    cmd = "python -m bench.overhead " + " ".join(argv if argv is not None else sys.argv[1:])
+    result = {
+        "started": started, "command": cmd.strip(), "cpus": os.cpu_count(), "load_at_start": load,
+        "model": {"file": model.name, "mib": model.stat().st_size / MiB, "shape": shape},
+        "threads": a.threads, "ctx": a.ctx, "fa": a.fa, "prompt_tokens": a.prompt, "predict": a.predict,
+        "page_size": page, "runs": a.runs, "rows": rows, "summary": summarize(rows), "work": str(work),
+    }
+    text = markdown(result)
+    print()
+    print(text)
+    a.out.mkdir(parents=True, exist_ok=True)
+    stem = "overhead" + ("-quick" if a.quick else "") + (f"-{a.tag}" if a.tag else "") + time.strftime("-%Y%m%dT%H%M", time.gmtime())
+    (a.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (a.out / f"{stem}.md").write_text(text)
+    print(f"raw: {a.out / (stem + '.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
