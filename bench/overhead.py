@@ -193,6 +193,52 @@ def one_run(side: str, model: pathlib.Path, prompt: list[int], a, daemon: Daemon
     return row
 
 
+class OllamaSides:
+    """--via ollama: the stock and the kvcached `ollama serve` of
+    scripts/test-ollama.sh (build/ollama/stock, build/ollama/kvc), one
+    model imported once; each run sends keep_alive 0, so the runner is
+    unloaded after it and the next run starts with an empty KV cache."""
+
+    def __init__(self, model: pathlib.Path, a, work: pathlib.Path, daemon: Daemon):
+        sys.path.insert(0, str(ROOT / "tests" / "ollama"))
+        sys.path.insert(0, str(ROOT / "tests"))
+        from ollamatest import Ollama
+
+        models = work / "ollama-models"
+        models.mkdir()
+        env = {"OLLAMA_NUM_PARALLEL": "1", "OLLAMA_FLASH_ATTENTION": "1" if a.fa == "on" else "0",
+               "OLLAMA_KEEP_ALIVE": "0"}
+        self.sides = {"unpatched": Ollama("stock", work, models, env=env, name="stock"),
+                      "patched": Ollama("kvc", work, models, env={**env, "OLLAMA_KVCACHED_SOCKET": daemon.socket},
+                                        name="kvc")}
+        self.sides["unpatched"].create("overhead", model, num_ctx=a.ctx, num_thread=a.threads)
+        self.a = a
+
+    def run(self, side: str, prompt: str, i: int) -> dict:
+        o = self.sides[side]
+        t0 = time.perf_counter()
+        ttft, last, out = None, None, []
+        for line in o.stream("overhead", prompt, self.a.predict, num_ctx=self.a.ctx, num_thread=self.a.threads):
+            if line.get("error"):
+                raise RuntimeError(f"{side}: {line['error']}")
+            if ttft is None and line.get("response"):
+                ttft = time.perf_counter() - t0
+            out.append(line.get("response", ""))
+            last = line
+        if not last or not last.get("done"):
+            raise RuntimeError(f"{side}: the stream ended without a final message")
+        return {"side": side, "round": i,
+                "prefill_tps": last["prompt_eval_count"] / (last["prompt_eval_duration"] / 1e9),
+                "decode_tps": last["eval_count"] / (last["eval_duration"] / 1e9),
+                "prompt_n": last["prompt_eval_count"], "predicted_n": last["eval_count"],
+                "load_s": last.get("load_duration", 0) / 1e9, "ttft_s": ttft, "wall_s": time.perf_counter() - t0,
+                "response": "".join(out)}
+
+    def stop(self) -> None:
+        for o in self.sides.values():
+            o.stop()
+
+
 def stats(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
@@ -202,7 +248,8 @@ def summarize(rows: list[dict]) -> dict:
     for side in SIDES:
         mine = [r for r in rows if r["side"] == side]
         out[side] = {k: stats([r[k] for r in mine]) for k in
-                     ("prefill_tps", "decode_tps", "ttft_s", "minflt", "ivcsw", "vcsw", "maps_after")}
+                     ("prefill_tps", "decode_tps", "ttft_s", "minflt", "ivcsw", "vcsw", "maps_after", "load_s")
+                     if k in mine[0]}
     out["ratio"] = {k: out["patched"][k]["median"] / out["unpatched"][k]["median"]
                     for k in ("prefill_tps", "decode_tps", "ttft_s")}
     out["goals"] = {
@@ -219,7 +266,10 @@ def markdown(r: dict) -> str:
     lines = [f"Run {r['started']} · `{r['command']}` · {r['cpus']} CPUs, load average at start {r['load_at_start']}",
              "",
              f"Model: {r['model']['file']} ({r['model']['mib']:.0f} MiB, {r['model']['shape']}), "
-             f"-t {r['threads']} -c {r['ctx']} -np 1 -fa {r['fa']}; prompt {r['prompt_tokens']} token ids, "
+             + ("through `ollama serve` (stock vs kvcached build), num_thread {t}, num_ctx {c}, parallel 1, flash attention {f}; "
+                .format(t=r['threads'], c=r['ctx'], f=r['fa']) if r.get('via') == 'ollama' else
+                f"-t {r['threads']} -c {r['ctx']} -np 1 -fa {r['fa']}; ")
+             + f"prompt {r['prompt_tokens']} {'characters' if r.get('via') == 'ollama' else 'token ids'}, "
              f"then {r['predict']} tokens; daemon: host backend, {r['page_size'] // MiB} MiB pages. "
              f"{r['runs']} runs per side, alternated.",
              "",
@@ -233,9 +283,12 @@ def markdown(r: dict) -> str:
                             ("ttft_s", "time to first token, s", "{:.2f}")):
         lines.append(f"| {label} | {cell(s['unpatched'][key], fmt)} | {cell(s['patched'][key], fmt)} | "
                      f"{s['ratio'][key]:.3f}x |")
-    for key, label in (("minflt", "minor page faults in the request"), ("ivcsw", "involuntary context switches"),
-                       ("maps_after", "memory mappings after")):
-        lines.append(f"| {label} | {cell(s['unpatched'][key], '{:.0f}')} | {cell(s['patched'][key], '{:.0f}')} | |")
+    for key, label, fmt in (("minflt", "minor page faults in the request", "{:.0f}"),
+                            ("ivcsw", "involuntary context switches", "{:.0f}"),
+                            ("maps_after", "memory mappings after", "{:.0f}"), ("load_s", "Ollama load_duration, s", "{:.2f}")):
+        if key not in s["unpatched"]:
+            continue
+        lines.append(f"| {label} | {cell(s['unpatched'][key], fmt)} | {cell(s['patched'][key], fmt)} | |")
     lines += ["", "| goal (patched / unpatched, medians) | measured | met |", "|---|---:|---|"]
     for name, g in s["goals"].items():
         lines.append(f"| {name} tokens/s {g['goal']} | {g['measured']:.3f}x | {'yes' if g['met'] else 'no'} |")
@@ -253,6 +306,8 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", default="2MiB")
     ap.add_argument("--log-verbosity", type=int, default=3, help="llama-server -lv (4 shows the hook's lines)")
     ap.add_argument("--daemon-arg", action="append", default=[], help="an extra kvcached-serve argument")
+    ap.add_argument("--via", choices=["llama-server", "ollama"], default="llama-server",
+                    help="the two llama-servers directly, or through stock vs kvcached `ollama serve`")
     ap.add_argument("--quick", action="store_true", help="a tiny model, 2 runs, 1k context (checks the harness)")
     ap.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results" / "issue30")
     ap.add_argument("--tag", default="", help="added to the result file's name")
@@ -271,27 +326,43 @@ def main(argv=None) -> int:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load = " ".join(open("/proc/loadavg").read().split()[:3])
     rows: list[dict] = []
+    text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(a.prompt))  # --via ollama: ~1 token a char
     with Daemon(work, "daemon", "host", ["--page-size", str(page), *a.daemon_arg]) as d:
-        for i in range(a.runs):
-            order = ["unpatched", "patched"] if i % 2 == 0 else ["patched", "unpatched"]
-            for side in order:
-                row = one_run(side, model, prompt, a, d if side == "patched" else None, work, i)
-                rows.append(row)
-                print(f"round {i + 1}/{a.runs} {side:9s}: prefill {row['prefill_tps']:7.1f} tok/s, decode "
-                      f"{row['decode_tps']:6.2f} tok/s, ttft {row['ttft_s']:6.2f} s, faults {row['minflt']}, "
-                      f"ivcsw {row['ivcsw']}, maps {row['maps_after']}", flush=True)
+        ollama = OllamaSides(model, a, work, d) if a.via == "ollama" else None
+        try:
+            for i in range(a.runs):
+                order = ["unpatched", "patched"] if i % 2 == 0 else ["patched", "unpatched"]
+                for side in order:
+                    if ollama:
+                        row = ollama.run(side, text, i)
+                    else:
+                        row = one_run(side, model, prompt, a, d if side == "patched" else None, work, i)
+                    rows.append(row)
+                    print(f"round {i + 1}/{a.runs} {side:9s}: prefill {row['prefill_tps']:7.1f} tok/s, decode "
+                          f"{row['decode_tps']:6.2f} tok/s, ttft {row['ttft_s']:6.2f} s"
+                          + (f", load {row['load_s']:.2f} s" if ollama else
+                             f", faults {row['minflt']}, ivcsw {row['ivcsw']}, maps {row['maps_after']}"), flush=True)
+        finally:
+            if ollama:
+                ollama.stop()
+    if ollama:  # greedy: the same prompt gives the same tokens on both sides
+        answers = {r["response"] for r in rows}
+        for r in rows:
+            r.pop("response")
+        if len(answers) != 1:
+            raise SystemExit(f"greedy outputs differ between runs or sides: {len(answers)} different answers")
     cmd = "python -m bench.overhead " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {
         "started": started, "command": cmd.strip(), "cpus": os.cpu_count(), "load_at_start": load,
         "model": {"file": model.name, "mib": model.stat().st_size / MiB, "shape": shape},
-        "threads": a.threads, "ctx": a.ctx, "fa": a.fa, "prompt_tokens": a.prompt, "predict": a.predict,
+        "via": a.via, "threads": a.threads, "ctx": a.ctx, "fa": a.fa, "prompt_tokens": a.prompt, "predict": a.predict,
         "page_size": page, "runs": a.runs, "rows": rows, "summary": summarize(rows), "work": str(work),
     }
     text = markdown(result)
     print()
     print(text)
     a.out.mkdir(parents=True, exist_ok=True)
-    stem = "overhead" + ("-quick" if a.quick else "") + (f"-{a.tag}" if a.tag else "") + time.strftime("-%Y%m%dT%H%M", time.gmtime())
+    stem = "overhead" + ("-ollama" if a.via == "ollama" else "") + ("-quick" if a.quick else "") + (f"-{a.tag}" if a.tag else "") + time.strftime("-%Y%m%dT%H%M", time.gmtime())
     (a.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     (a.out / f"{stem}.md").write_text(text)
     print(f"raw: {a.out / (stem + '.json')}")

@@ -92,10 +92,12 @@ status=0
 step "scripts/bench.sh --only ollama --quick"
 scripts/bench.sh --only ollama --quick --out "$B/bench-quick" || status=$?
 # Issue 30's harnesses in quick mode, so they do not rot (figures: the full
-# runs in docs/benchmarks.md): the budget sweep over mixed shapes, and the
-# model switch (both fail on differing greedy outputs or failed requests).
-step "bench.ollama_capacity --quick --mixed --sweep; bench.ollama_switch --quick"
+# runs in docs/benchmarks.md): the budget sweep over mixed shapes, the model
+# switch and the single-model overhead through Ollama (each fails on
+# differing greedy outputs or failed requests).
+step "bench.ollama_capacity --quick --mixed --sweep; bench.ollama_switch --quick; bench.overhead --quick --via ollama"
 "$PY" -m bench.ollama_capacity --quick --mixed --models 6 --sweep 1,6 --duration 30 --out "$B/bench-quick" || status=$?
 "$PY" -m bench.ollama_switch --quick --out "$B/bench-quick" || status=$?
+"$PY" -m bench.overhead --quick --via ollama --out "$B/bench-quick" || status=$?
 step "done (exit $status)"
 exit $status
