@@ -399,7 +399,7 @@ def replay_budget(models: list[dict], budget: int, cfg: dict, reqs: list[dict], 
         else:
             env["OLLAMA_MAX_LOADED_MODELS"] = str(kvc_models)
             layout = "kvc"
-            metrics_addr = f"127.0.0.1:{_free_port()}"
+            metrics_addr = f"127.0.0.1:{common.free_port()}"
             daemon = common.Daemon(work, "daemon", "host", ["--memory-limit", str(daemon_budget), "--page-size", str(PAGE),
                                                              "--metrics-address", metrics_addr, "--reclaim-timeout-ms", "2000"])
             env["OLLAMA_KVCACHED_SOCKET"] = daemon.socket
@@ -528,14 +528,6 @@ def run(quick: bool, out_dir: pathlib.Path, seed: int, n_models: int | None, mix
     config.update({"budget": budget, "stock_max_loaded_models": point["stock_max_loaded_models"],
                    "daemon_budget": daemon_budget})
     return {"config": config, **point}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ratio(a, b) -> float:

@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 
-from bench.common import ROOT, Daemon, MiB
+from .common import ROOT, Daemon, MiB, free_port
 
 sys.path.insert(0, str(ROOT / "tests" / "llama"))
 import tiny_model  # noqa: E402  (the suite's GGUF writer)
@@ -91,14 +91,6 @@ def proc_counts(pid: int) -> dict:
             if line.startswith("VmRSS:"):
                 out["rss_mib"] = int(line.split()[1]) / 1024
     return out
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
