@@ -190,6 +190,59 @@ def test_pool_rolls_back_when_create_fails():
     asyncio.run(run())
 
 
+def test_pool_makes_a_large_allocation_in_batches_and_never_leaks_one():
+    """An Allocate's new pages are made CREATE_BATCH per worker call (other
+    calls run between them); when a batch fails, or the caller is cancelled
+    with a batch in flight, every page made so far is released."""
+    import time as _time
+
+    from kvcached_service.server.pool import CREATE_BATCH
+
+    async def drain(pool):
+        for _ in range(3):  # releases are queued on the worker
+            await pool.worker.call(lambda: None)
+            await asyncio.sleep(0)
+
+    async def run():
+        be = FakeBackend()
+        pool = _pool(be, budget_pages=300)
+        s = _S(1, 1)
+        pages = await pool.acquire(s, 200)
+        assert len(pages) == 200 and be.calls == -(-200 // CREATE_BATCH) and be.live == 200
+        pool.check()
+        pool.worker.stop()
+
+        be = FakeBackend(fail_create_at=3)  # the third batch fails
+        pool = _pool(be, budget_pages=300)
+        with pytest.raises(errors.Internal, match="injected"):
+            await pool.acquire(s, 200)
+        await drain(pool)
+        assert be.live == 0 and pool.books().in_use == 0 and pool.books().free == 300
+        pool.check()
+        pool.worker.stop()
+
+        class Slow(FakeBackend):
+            def create_pages(self, device, count, page_size, zero):
+                _time.sleep(0.05)
+                return super().create_pages(device, count, page_size, zero)
+
+        be = Slow()
+        pool = _pool(be, budget_pages=300)
+        task = asyncio.ensure_future(pool.acquire(s, 200))
+        await asyncio.sleep(0.075)  # the first batch made, the second in flight
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.1)  # the batch in flight ends, then its release is queued
+        await drain(pool)
+        assert be.calls == 2 and be.live == 0, (be.calls, be.live)
+        assert pool.books().in_use == 0 and pool.books().free == 300
+        pool.check()
+        pool.worker.stop()
+
+    asyncio.run(run())
+
+
 def test_pool_warm_pages_and_idle_trim():
     async def run():
         be = FakeBackend()

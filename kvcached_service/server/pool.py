@@ -86,6 +86,11 @@ class PageIds:
 
 
 _COMING_WAIT_S = 5.0  # how long an Allocate waits for pages being zeroed/made, without progress
+# Pages made per call on the device worker, for an Allocate and for the warm
+# pool alike: a large Allocate is made in batches, so the worker's other
+# calls (another session's few pages, zeroing, exports) run between them
+# instead of waiting for the whole allocation.
+CREATE_BATCH = 64
 
 
 class PageState(enum.Enum):
@@ -522,17 +527,30 @@ class DevicePool:
         return got
 
     async def _create(self, count: int) -> list[PageHandle]:
-        """create_pages on the worker. If the caller is cancelled (its client
-        went away) the pages are still made: release them, never leak them."""
-        fut = asyncio.ensure_future(self.worker.call(self.backend.create_pages, self.spec.ordinal, count, self.page_size, self.zero_pages))
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            def release(f: asyncio.Future) -> None:
-                if not f.cancelled() and f.exception() is None and f.result():
-                    asyncio.ensure_future(self.worker.call(self.backend.release_pages, self.spec.ordinal, f.result()))
-            fut.add_done_callback(release)
-            raise
+        """create_pages on the worker, CREATE_BATCH pages per call (other
+        calls queued meanwhile run between them). All or nothing: if a batch
+        fails, or the caller is cancelled (its client went away), the pages
+        made so far, and those of a batch still being made, are released,
+        never leaked."""
+        made: list[PageHandle] = []
+
+        def release(handles: list[PageHandle]) -> None:
+            if handles:
+                asyncio.ensure_future(self.worker.call(self.backend.release_pages, self.spec.ordinal, handles))
+
+        while len(made) < count:
+            n = min(CREATE_BATCH, count - len(made))
+            fut = asyncio.ensure_future(self.worker.call(self.backend.create_pages, self.spec.ordinal, n, self.page_size, self.zero_pages))
+            try:
+                made += await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                fut.add_done_callback(lambda f: release(f.result()) if not f.cancelled() and f.exception() is None else None)
+                release(made)
+                raise
+            except BaseException:
+                release(made)
+                raise
+        return made
 
     async def export_fds(self, pages: list[Page]) -> list[int]:
         """The descriptors of `pages` (backend.export_fds): made on this
@@ -725,7 +743,7 @@ class DevicePool:
 
     def stop_refilling(self) -> None:
         """No more warm pages: a prefill or refill in progress ends after
-        the batch the worker is creating (at most 64 pages)."""
+        the batch the worker is creating (at most CREATE_BATCH pages)."""
         self._no_refill = True
 
     def _maybe_refill(self) -> None:
@@ -737,7 +755,7 @@ class DevicePool:
         self._refilling = True
         try:
             while not self._no_refill:
-                want = min(self.warm_pages - self.n_ready_total(), self.n_free, 64)
+                want = min(self.warm_pages - self.n_ready_total(), self.n_free, CREATE_BATCH)
                 if want <= 0:  # filled, or the rest of the budget is in use: nothing failed
                     self.fill_error = None
                     return
