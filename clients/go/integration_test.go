@@ -413,7 +413,7 @@ func reclaimCallbackScenario(t *testing.T, c *Client, backend string) {
 		t.Fatalf("the test runs as the daemon's uid, which is always admin")
 	}
 	// 1. Admin shrink to 20 pages.
-	asked, err := admin.RequestShrink(ctx, idle.ID(), 20*ps, 2*time.Second)
+	asked, err := admin.RequestShrink(ctx, idle.ID(), 20*ps, 10*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -428,7 +428,7 @@ func reclaimCallbackScenario(t *testing.T, c *Client, backend string) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("no reclaim callback after RequestShrink")
 	}
-	waitFor(t, 3*time.Second, "idle session shrunk to 20 pages", func() (bool, string) {
+	waitFor(t, 10*time.Second, "idle session shrunk to 20 pages", func() (bool, string) {
 		u, err := idle.Own(ctx)
 		return err == nil && u.HeldBytes == 20*ps, fmt.Sprintf("%+v %v", u, err)
 	})
