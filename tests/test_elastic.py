@@ -117,6 +117,17 @@ def test_ignoring_session_fails_waiter_at_deadline_naming_it(daemon_factory):
         waiter.close()
 
 
+def test_a_waiting_shrink_keeps_time_for_its_answer_to_travel():
+    """RequestShrink(wait) answers a quarter of the caller's time left before
+    its deadline, 0.2 s at least and 1 s at most (a fixed 0.2 s missed a
+    1.5 s deadline in a loop beside a CPU-bound load)."""
+    from kvcached_service.server.service import answer_margin
+
+    assert answer_margin(1.5) == 0.375
+    assert answer_margin(0.4) == 0.2 and answer_margin(0.1) == 0.2
+    assert answer_margin(60) == 1.0
+
+
 def test_no_ask_is_made_with_less_time_left_than_an_answer_takes():
     from kvcached_service.server.elastic import MIN_ASK_S, Reclaimer
 
