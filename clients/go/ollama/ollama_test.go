@@ -258,6 +258,7 @@ func rootDaemonForNobody(t *testing.T, dir string, args ...string) *testdaemon.D
 		t.Fatal(err)
 	}
 	t.Cleanup(d.Stop)
+	d.LogOnFailure(t)
 	return d
 }
 
@@ -504,6 +505,7 @@ func TestDigestUsageAndShrinkRunner(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(d.Stop)
+	d.LogOnFailure(t)
 	const page = 64 << 10
 	ctx := testdaemon.Ctx(t)
 	c, err := kvcached.Dial(ctx, d.Socket)

@@ -180,6 +180,15 @@ func (d *Daemon) Kill() {
 
 // Stop SIGTERMs the daemon (SIGKILL after 10 s), waits, removes its
 // directory.
+// LogOnFailure has t's log show the daemon's output when t fails.
+func (d *Daemon) LogOnFailure(t testing.TB) {
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("kvcached-serve's output (%s):\n%s", d.Socket, d.Log.String())
+		}
+	})
+}
+
 func (d *Daemon) Stop() {
 	if d.Cmd.Process != nil {
 		_ = d.Cmd.Process.Signal(syscall.SIGTERM)
