@@ -35,21 +35,18 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from .common import ROOT, Daemon, MiB, free_port
+from .common import ROOT, Daemon, MiB, rss_kib
 
 sys.path.insert(0, str(ROOT / "tests" / "llama"))
+sys.path.insert(0, str(ROOT / "tests"))
 import tiny_model  # noqa: E402  (the suite's GGUF writer)
+from llamatest import KVC, ORIG, Server  # noqa: E402  (the suite's llama-server launcher: health wait, stop)
 
-BUILD = ROOT / "build" / "llama"
-SIDES = {  # the builds of scripts/test-llama.sh (which exports these variables)
-    "unpatched": pathlib.Path(os.environ.get("LLAMA_SERVER_ORIG", BUILD / "build-orig" / "bin" / "llama-server")),
-    "patched": pathlib.Path(os.environ.get("LLAMA_SERVER_KVC", BUILD / "build-kvc" / "bin" / "llama-server")),
-}
+SIDES = {"unpatched": ORIG, "patched": KVC}  # the builds of scripts/test-llama.sh (LLAMA_SERVER_ORIG / _KVC)
 FULL = {"n_layer": 8, "n_embd": 1024, "n_head": 16, "n_head_kv": 16, "n_ff": 2816}
 QUICK = {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_head_kv": 4, "n_ff": 512}
 GOALS = {"decode": 0.99, "prefill": 0.98}  # patched / unpatched tokens per second, at least
@@ -86,85 +83,46 @@ def proc_counts(pid: int) -> dict:
             pass
     with open(f"/proc/{pid}/maps") as f:
         out["maps"] = sum(1 for _ in f)
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                out["rss_mib"] = int(line.split()[1]) / 1024
+    out["rss_mib"] = rss_kib(pid) / 1024
     return out
 
 
-class Server:
-    def __init__(self, binary: pathlib.Path, model: pathlib.Path, log: pathlib.Path, a, kvc_socket: str | None):
-        if not binary.exists():
-            raise SystemExit(f"{binary} is missing: scripts/test-llama.sh builds both llama-servers")
-        self.port = free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ARG_", "KVCACHED_"))}
-        if kvc_socket:
-            env["KVCACHED_SOCKET"] = kvc_socket
-        self.log = open(log, "w")
-        self.proc = subprocess.Popen(
-            [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-t", str(a.threads),
-             "-c", str(a.ctx), "-np", "1", "-fa", a.fa, "--no-webui", "-lv", str(a.log_verbosity)],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{binary.name} exited {self.proc.returncode}: see {log}")
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=1)
-                c.request("GET", "/health")
-                if c.getresponse().status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{binary.name} not ready in 120 s: see {log}")
-
-    def stream(self, prompt: list[int], n_predict: int) -> dict:
-        """One greedy completion, streamed: the client's time to the first
-        token, and llama-server's final timings."""
-        body = json.dumps({"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "top_k": 1, "seed": 7,
-                           "ignore_eos": True, "cache_prompt": False, "stream": True})
-        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=1800)
-        t0 = time.perf_counter()
-        c.request("POST", "/completion", body, {"Content-Type": "application/json"})
-        r = c.getresponse()
-        if r.status != 200:
-            raise RuntimeError(f"/completion: HTTP {r.status}: {r.read()[:500]!r}")
-        ttft = None
-        last = None
-        tokens = 0
-        for raw in r:
-            line = raw.strip()
-            if not line.startswith(b"data: "):
-                continue
-            msg = json.loads(line[6:])
-            if ttft is None and (msg.get("content") or msg.get("tokens")):
-                ttft = time.perf_counter() - t0
-            tokens += 1
-            last = msg
-        wall = time.perf_counter() - t0
-        if not last or "timings" not in last:
-            raise RuntimeError(f"no timings in the stream's last message: {last!r}")
-        return {"ttft_s": ttft, "wall_s": wall, "chunks": tokens, "timings": last["timings"]}
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+def stream(srv, prompt: list[int], n_predict: int) -> dict:
+    """One greedy completion on llama-server `srv`, streamed: the client's
+    time to the first token, and llama-server's final timings."""
+    body = json.dumps({"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "top_k": 1, "seed": 7,
+                       "ignore_eos": True, "cache_prompt": False, "stream": True})
+    c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=1800)
+    t0 = time.perf_counter()
+    c.request("POST", "/completion", body, {"Content-Type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"/completion: HTTP {r.status}: {r.read()[:500]!r}")
+    ttft = None
+    last = None
+    tokens = 0
+    for raw in r:
+        line = raw.strip()
+        if not line.startswith(b"data: "):
+            continue
+        msg = json.loads(line[6:])
+        if ttft is None and (msg.get("content") or msg.get("tokens")):
+            ttft = time.perf_counter() - t0
+        tokens += 1
+        last = msg
+    wall = time.perf_counter() - t0
+    if not last or "timings" not in last:
+        raise RuntimeError(f"no timings in the stream's last message: {last!r}")
+    return {"ttft_s": ttft, "wall_s": wall, "chunks": tokens, "timings": last["timings"]}
 
 
 def one_run(side: str, model: pathlib.Path, prompt: list[int], a, daemon: Daemon | None, work: pathlib.Path,
             i: int) -> dict:
-    srv = Server(SIDES[side], model, work / f"{side}-{i}.log", a, daemon.socket if daemon else None)
+    srv = Server(SIDES[side], model, work / f"{side}-{i}.log", kvc_socket=daemon.socket if daemon else None,
+                 ctx=a.ctx, parallel=1, fa=a.fa, threads=a.threads, log_flags=["-lv", str(a.log_verbosity)])
     try:
         before = proc_counts(srv.proc.pid)
-        res = srv.stream(prompt, a.predict)
+        res = stream(srv, prompt, a.predict)
         after = proc_counts(srv.proc.pid)
     finally:
         srv.stop()
@@ -193,7 +151,6 @@ class OllamaSides:
 
     def __init__(self, model: pathlib.Path, a, work: pathlib.Path, daemon: Daemon):
         sys.path.insert(0, str(ROOT / "tests" / "ollama"))
-        sys.path.insert(0, str(ROOT / "tests"))
         from ollamatest import Ollama
 
         models = work / "ollama-models"

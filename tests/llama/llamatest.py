@@ -153,11 +153,11 @@ class Served:
 class Server(Served):
     def __init__(self, binary: pathlib.Path, model: pathlib.Path, log: pathlib.Path, *, kvc_socket: str | None,
                  ctx: int = 8192, parallel: int = 2, fa: str = "on", extra: list[str] | None = None,
-                 env: dict[str, str] | None = None, log_flags: list[str] | None = None):
+                 env: dict[str, str] | None = None, log_flags: list[str] | None = None, threads: int = 2):
         penv = {"KVCACHED_SOCKET": kvc_socket} if kvc_socket else {}
         penv.update(env or {})
         self._launch(binary, lambda port: [
-            "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-c", str(ctx), "-np",
+            "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-c", str(ctx), "-np",
             str(parallel), "-fa", fa, "--no-webui", *(log_flags if log_flags is not None else ["-lv", "4"]),
             *(extra or [])], log, penv)
 
