@@ -35,6 +35,7 @@ their next call. The relay closes the other side when either side closes.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import secrets
@@ -52,6 +53,7 @@ from .sockets import apply_socket_permissions, prepare_socket_path
 
 log = logging.getLogger("kvcached.control")
 
+_BACKLOG = 4096  # connections the kernel queues before accept (the kernel caps it at net.core.somaxconn)
 _HIGH_WATER = 1 << 20  # bytes buffered towards one side before the other is paused
 _RESOURCE_EXHAUSTED = 8
 _REFUSAL_WAIT = 0.5  # seconds a refused connection has to send its first call and read the answer
@@ -127,6 +129,25 @@ def first_call(data: bytes) -> int | None:
     return None
 
 
+async def _unix_connect(sock: socket.socket, path: str, patience: float = 5.0) -> None:
+    """connect(2) of a non-blocking Unix stream socket, waiting while the
+    listener's backlog is full. Not `loop.sock_connect`: a Unix socket
+    answers a full backlog with EAGAIN, which asyncio takes for a connect in
+    progress and then reports as done, leaving a socket that is not
+    connected (its first write fails with ENOTCONN)."""
+    deadline = time.monotonic() + patience
+    delay = 0.001
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except (BlockingIOError, InterruptedError):
+            if time.monotonic() >= deadline:
+                raise OSError(errno.EAGAIN, f"{path}: its backlog stayed full for {patience:g} s") from None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+
 class _Side(asyncio.Protocol):
     """One end of a relayed connection (public: the client; private: grpcio)."""
 
@@ -173,7 +194,9 @@ class _Relay:
         self.public = _Side(self, "client")
         self.private = _Side(self, "server")
         self.name = ""  # the private side's abstract name, as grpcio reports the peer
-        self.pending: list[bytes] = []  # client bytes before the private side is up
+        self.pending: list[bytes] = []  # client bytes that came before the private side was up, in order
+        self.pending_bytes = 0
+        self.up = False  # private_up ran: client bytes go straight to grpcio
         self.closed = False
         self.opened = time.monotonic()
 
@@ -181,10 +204,21 @@ class _Relay:
         return self.private if side is self.public else self.public
 
     def relay(self, side: _Side, data: bytes) -> None:
-        dest = self.other(side).transport
-        if dest is None:
+        if side is self.public and not self.up:
+            # grpcio's side is not up yet: keep the bytes, in order. Not
+            # "while the private transport is None": it is set (its
+            # connection_made) one loop turn before private_up, and bytes
+            # written then would overtake the kept ones (the HTTP/2 preface:
+            # grpcio closed the connection, the client read EOF). Reading is
+            # paused at accept, but uvloop starts reading after
+            # connection_made whatever it did, so bytes do come early.
             self.pending.append(data)
-        elif not dest.is_closing():
+            self.pending_bytes += len(data)
+            if self.pending_bytes > _HIGH_WATER:
+                side.pause()
+            return
+        dest = self.other(side).transport
+        if dest is not None and not dest.is_closing():
             dest.write(data)
 
     def private_up(self, transport) -> None:
@@ -194,8 +228,9 @@ class _Relay:
         for data in self.pending:
             transport.write(data)
         self.pending.clear()
-        assert self.public.transport is not None
-        self.public.transport.resume_reading()
+        self.pending_bytes = 0
+        self.up = True
+        self.public.resume()
 
     def close(self, why: str) -> None:
         if self.closed:
@@ -262,9 +297,10 @@ class ControlFront:
         finally:
             os.umask(old_umask)
         apply_socket_permissions(self.path, self.settings)
-        sock.listen(min(socket.SOMAXCONN, 4096))
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_unix_server(self._accepted, sock=sock)
+        # asyncio listens again with its own backlog (100 unless told): a
+        # burst of clients connecting at once would get EAGAIN from connect
+        self._server = await loop.create_unix_server(self._accepted, sock=sock, backlog=_BACKLOG)
 
     def stop_accepting(self) -> None:
         if self._server is not None:
@@ -332,7 +368,7 @@ class ControlFront:
             self._open_unprivileged += 1
         self.accepted_total += 1
         relay.public.connection_made(transport)
-        transport.pause_reading()  # until grpcio's side is connected
+        transport.pause_reading()  # until grpcio's side is up (uvloop reads anyway: relay() keeps early bytes)
         asyncio.get_running_loop().create_task(self._connect(relay))
         return relay.public
 
@@ -354,7 +390,7 @@ class ControlFront:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
         try:
             s.bind(b"\0" + relay.name.encode())
-            await loop.sock_connect(s, self.private_path)
+            await _unix_connect(s, self.private_path)
             transport, _ = await loop.create_unix_connection(lambda: relay.private, sock=s)
         except OSError as exc:
             s.close()
