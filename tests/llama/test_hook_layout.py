@@ -149,7 +149,9 @@ def test_held_never_exceeds_stock(daemon_factory, servers, shape_models, shape, 
         assert session_of(c, srv.pid) is not None, srv.log_text()[-3000:]
         for i, f in enumerate(PROMPT_FRACTIONS):
             prompts = [text(int(kv_size * f * 0.8), 100 + i + 7 * s) if f else f"Hello {s}" for s in range(n_stream)]
-            res = srv.complete(prompts if n_stream > 1 else prompts[0], 8)
+            # up to 2 x 3,900 prompt tokens on 2 threads: minutes on a loaded 2-core machine (this test bounds
+            # memory, not speed; 120 s timed out beside stress-ng --cpu 2)
+            res = srv.complete(prompts if n_stream > 1 else prompts[0], 8, timeout=900)
             res = res if isinstance(res, list) else [res]
             used = [used_cells(r) for r in res] + [0] * (n_stream - len(res))
             seen = sampler.samples
