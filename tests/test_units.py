@@ -498,23 +498,22 @@ def test_front_door_connects_through_a_full_backlog(tmp_path):
     from kvcached_service.config import Settings
     from kvcached_service.server import control
 
-    socketmod = socket
     path = str(tmp_path / "l.sock")
-    listener = socketmod.socket(socketmod.AF_UNIX, socketmod.SOCK_STREAM)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(0)
 
     async def run():
-        filler = socketmod.socket(socketmod.AF_UNIX, socketmod.SOCK_STREAM | socketmod.SOCK_NONBLOCK)
+        filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
         await control._unix_connect(filler, path)  # takes the one backlog slot
-        late = socketmod.socket(socketmod.AF_UNIX, socketmod.SOCK_STREAM | socketmod.SOCK_NONBLOCK)
+        late = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
         waiting = asyncio.ensure_future(control._unix_connect(late, path))
         await asyncio.sleep(0.05)
         assert not waiting.done()  # still EAGAIN: waiting, not "connected"
         accepted, _ = listener.accept()  # a slot frees up
         await asyncio.wait_for(waiting, 5)
         late.send(b"x")  # connected for real (was ENOTCONN with sock_connect)
-        full = socketmod.socket(socketmod.AF_UNIX, socketmod.SOCK_STREAM | socketmod.SOCK_NONBLOCK)
+        full = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
         with pytest.raises(OSError, match="backlog stayed full"):
             await control._unix_connect(full, path, patience=0.05)
         for s in (filler, late, full, accepted):
@@ -525,7 +524,7 @@ def test_front_door_connects_through_a_full_backlog(tmp_path):
             await front.start()
             clients = []
             for _ in range(300):  # no accept in between: the loop does not run
-                c = socketmod.socket(socketmod.AF_UNIX, socketmod.SOCK_STREAM | socketmod.SOCK_NONBLOCK)
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
                 clients.append(c)
                 c.connect(front.path)  # BlockingIOError past a backlog of 100
             for c in clients:

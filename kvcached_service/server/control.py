@@ -194,8 +194,7 @@ class _Relay:
         self.public = _Side(self, "client")
         self.private = _Side(self, "server")
         self.name = ""  # the private side's abstract name, as grpcio reports the peer
-        self.pending: list[bytes] = []  # client bytes that came before the private side was up, in order
-        self.pending_bytes = 0
+        self.pending = bytearray()  # client bytes that came before the private side was up, in order
         self.up = False  # private_up ran: client bytes go straight to grpcio
         self.closed = False
         self.opened = time.monotonic()
@@ -212,9 +211,8 @@ class _Relay:
             # grpcio closed the connection, the client read EOF). Reading is
             # paused at accept, but uvloop starts reading after
             # connection_made whatever it did, so bytes do come early.
-            self.pending.append(data)
-            self.pending_bytes += len(data)
-            if self.pending_bytes > _HIGH_WATER:
+            self.pending += data
+            if len(self.pending) > _HIGH_WATER:
                 side.pause()
             return
         dest = self.other(side).transport
@@ -225,10 +223,9 @@ class _Relay:
         if self.closed:
             transport.close()
             return
-        for data in self.pending:
-            transport.write(data)
-        self.pending.clear()
-        self.pending_bytes = 0
+        if self.pending:
+            transport.write(bytes(self.pending))
+        self.pending = bytearray()
         self.up = True
         self.public.resume()
 
