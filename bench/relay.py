@@ -1,6 +1,6 @@
 """What the control socket's relay costs (issue 26 item 3): the same gRPC
 calls through the control socket (server/control.py's front door: accept,
-SO_PEERCRED, every HTTP/2 byte relayed through Python to grpcio) and
+SO_PEERCRED, every HTTP/2 byte relayed to grpcio by relay.c) and
 directly to grpcio's private socket, against one daemon, in one run:
 
     scripts/bench.sh --backend host --only relay        (the table: relay beside direct, and the ratio)

@@ -13,7 +13,7 @@ cd "$ROOT"
 DEV=0
 [ "${1:-}" = "--dev" ] && DEV=1
 
-APT_PACKAGES=(python3-venv)
+APT_PACKAGES=(python3-venv gcc libc6-dev)  # gcc: the control socket's relay (kvcached_service/server/relay.c)
 if [ "$DEV" = 1 ]; then
   APT_PACKAGES+=(
     build-essential cmake pkg-config
@@ -53,6 +53,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip >/dev/null
   .venv/bin/pip install -q -e "$extras"
   touch "$stamp"
+fi
+# the editable install built relay.c in place; build it again when it changed
+RELAY_SO=kvcached_service/server/_relay.abi3.so
+if [ ! -f "$RELAY_SO" ] || [ kvcached_service/server/relay.c -nt "$RELAY_SO" ]; then
+  log "building the control socket's relay ($RELAY_SO)"
+  .venv/bin/python -c 'from setuptools import setup; setup()' -q build_ext --inplace
 fi
 if [ "$DEV" = 1 ] && ! command -v go >/dev/null 2>&1; then
   log "Go is not installed: the Go client (clients/go) needs Go >= 1.24 (https://go.dev/dl); the daemon does not"

@@ -48,7 +48,10 @@ if ((${#MIRRORS[@]} == 0)); then
   echo "test-packaging: apt knows no bookworm mirror (run apt-get update)" >&2
   exit 1
 fi
-BASE_ARGS=(--variant=minbase --include=python3,python3-venv,passwd
+# gcc and libc6-dev: the Dockerfile's build stage compiles relay.c (with a
+# compiler in the base it installs none; python:3.11-slim has none, and the
+# Dockerfile gets one with apt there)
+BASE_ARGS=(--variant=minbase --include=python3,python3-venv,passwd,gcc,libc6-dev
            --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright'
            --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*'
            --dpkgopt='path-exclude=/usr/share/info/*')
@@ -73,7 +76,7 @@ step "the Dockerfile's image (podman build --isolation chroot --format docker)"
 # The build context as .dockerignore leaves it: Dockerfile, pyproject.toml,
 # README.md, kvcached_service/ (without bytecode).
 CONTEXT_FILES=(Dockerfile .dockerignore pyproject.toml README.md
-               $(find kvcached_service -type f ! -name '*.pyc' ! -path '*/__pycache__/*' | LC_ALL=C sort))
+               $(find kvcached_service -type f ! -name '*.pyc' ! -name '*.so' ! -path '*/__pycache__/*' | LC_ALL=C sort))
 IMAGE_KEY=$(hash_of "$BASE_KEY" "${CONTEXT_FILES[@]}")
 IMAGE="localhost/kvcached:pkg-$IMAGE_KEY"
 # pip inside the build reaches PyPI through this machine's CA bundle (a

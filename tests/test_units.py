@@ -399,8 +399,8 @@ def test_budget_is_capped_by_what_the_device_has():
 
 
 def test_front_door_names_callers_and_fails_closed(tmp_path):
-    """control.ControlFront.peer: a call through a live relay has its
-    client's credentials; one whose relay is gone matches no uid (GONE);
+    """control.ControlFront.peer: a call through a live connection has its
+    client's credentials; one whose connection is gone matches no uid (GONE);
     a direct connection to grpcio's private socket (only the daemon's uid
     and root can make one) is not named (None: trusted)."""
     from kvcached_service.config import Settings
@@ -409,9 +409,7 @@ def test_front_door_names_callers_and_fails_closed(tmp_path):
     front = control.ControlFront(Settings(socket=str(tmp_path / "k.sock")))
     try:
         assert os.stat(os.path.dirname(front.private_path)).st_mode & 0o777 == 0o700
-        relay = control._Relay(front, control.Peer(42, 1000, 1000))
-        relay.name = "kvcached-0123abcd"
-        front._relays[relay.name] = relay
+        front._conns["kvcached-0123abcd"] = control._Conn(1, "kvcached-0123abcd", control.Peer(42, 1000, 1000), 0.0)
         assert front.peer("unix-abstract:kvcached-0123abcd") == control.Peer(42, 1000, 1000)
         assert front.peer("unix-abstract:kvcached-ffffffff") is control.GONE and control.GONE.uid == -1
         assert front.peer("unix:") is None and front.peer("unix-abstract:other") is None
@@ -425,67 +423,65 @@ def test_front_door_names_callers_and_fails_closed(tmp_path):
     assert not os.path.exists(os.path.dirname(front.private_path))
 
 
-def test_front_door_keeps_early_client_bytes_in_order(tmp_path):
-    """Client bytes that come before grpcio's side is up reach grpcio first
-    and in order, also those that come in the loop turn between the private
-    side's connection_made and private_up. (uvloop starts reading an
-    accepted connection after connection_made even when it paused it there,
-    so bytes do come early; a client's SETTINGS written straight through in
-    that turn overtook its kept HTTP/2 preface, grpcio closed the connection
-    and the client's first call read EOF: Go ollama/ tests, about 1 run in
-    30 under load.) Too many kept bytes pause the client until grpcio's side
-    is up."""
+def test_front_door_relays_early_client_bytes_in_order_and_names_the_caller(tmp_path):
+    """Bytes a client sends before grpcio's side is up (its HTTP/2 preface,
+    then its SETTINGS right behind) reach grpcio first and in order: nobody
+    reads the client's socket until relay.c has both sides, so nothing can
+    overtake (the Python relay this replaced once wrote SETTINGS ahead of a
+    kept preface: grpcio closed the connection, the client read EOF). The
+    socket grpcio sees is named after the connection, and peer() of that
+    name is the client's kernel credentials; when the client closes, the
+    front door forgets it (GONE) and grpcio's side reads EOF."""
     from kvcached_service.config import Settings
     from kvcached_service.server import control
 
-    class Transport:
-        def __init__(self):
-            self.data = b""
-            self.reading = True
-
-        def write(self, data):
-            self.data += data
-
-        def is_closing(self):
-            return False
-
-        def pause_reading(self):
-            self.reading = False
-
-        def resume_reading(self):
-            self.reading = True
-
-        def set_write_buffer_limits(self, high):
-            pass
-
     preface, settings = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
-    front = control.ControlFront(Settings(socket=str(tmp_path / "k.sock")))
-    try:
-        relay = control._Relay(front, control.Peer(1, 0, 0))
-        public, private = Transport(), Transport()
-        relay.public.connection_made(public)
-        relay.public.data_received(preface)  # grpcio's side not connected yet
-        relay.private.connection_made(private)  # a loop turn before create_unix_connection returns
-        relay.public.data_received(settings)  # in that turn
-        assert private.data == b""
-        relay.private_up(private)
-        assert private.data == preface + settings
-        relay.public.data_received(b"call")
-        assert private.data == preface + settings + b"call"
-        relay.private.data_received(b"answer")
-        assert public.data == b"answer"
 
-        flood = control._Relay(front, control.Peer(2, 0, 0))
-        public, private = Transport(), Transport()
-        flood.public.connection_made(public)
-        for _ in range(3):
-            flood.public.data_received(b"x" * (control._HIGH_WATER // 2))
-        assert not public.reading  # past the high-water mark: the client waits
-        flood.private.connection_made(private)
-        flood.private_up(private)
-        assert public.reading and len(private.data) == 3 * (control._HIGH_WATER // 2)
-    finally:
-        front.close()
+    async def run():
+        loop = asyncio.get_running_loop()
+        front = control.ControlFront(Settings(socket=str(tmp_path / "k.sock")))
+        grpc_side = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # stands in for grpcio
+        grpc_side.bind(front.private_path)
+        grpc_side.listen(8)
+        grpc_side.setblocking(False)
+        try:
+            await front.start()
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            client.connect(front.path)
+            client.sendall(preface)
+            client.sendall(settings)
+            await asyncio.sleep(0.1)  # the front door has accepted it and is connecting
+            server, _ = await loop.sock_accept(grpc_side)
+            client.sendall(b"call")
+            server.setblocking(True)
+            server.settimeout(5)
+            got = b""
+            while len(got) < len(preface + settings + b"call"):
+                got += await asyncio.to_thread(server.recv, 65536)
+            assert got == preface + settings + b"call"
+            server.sendall(b"answer")
+            client.settimeout(5)
+            assert await asyncio.to_thread(client.recv, 100) == b"answer"
+
+            name = server.getpeername()  # the abstract name the front door bound
+            assert isinstance(name, bytes) and name.startswith(b"\0kvcached-")
+            grpc_peer = "unix-abstract:" + name[1:].decode()
+            assert front.peer(grpc_peer) == control.Peer(os.getpid(), os.getuid(), os.getgid())
+            assert front.stats()["open"] == 1
+
+            client.close()
+            assert await asyncio.to_thread(server.recv, 100) == b""  # relay.c closed grpcio's side
+            for _ in range(100):
+                if front.stats()["open"] == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert front.stats()["open"] == 0 and front.peer(grpc_peer) is control.GONE
+            server.close()
+        finally:
+            front.close()
+            grpc_side.close()
+
+    asyncio.run(run())
 
 
 def test_front_door_connects_through_a_full_backlog(tmp_path):

@@ -12,30 +12,34 @@ connection:
   slots of another), and uids that are not admins (`admin_uids`, the
   daemon's own uid) together at most `max_grpc_connections` less
   `grpc_admin_reserve`: unprivileged uids that fill every slot they can
-  never lock out an operator's `kvcachedctl` or the health probe. A refused connection's first call is answered
-  RESOURCE_EXHAUSTED naming the limit (a trailers-only gRPC answer, then
-  GOAWAY), then it is closed (at once when 64 refusals are already being
-  answered: a flood gets the door, not words); counted (`refused`), logged
-  (once per uid per minute);
-- connects it to grpcio, which listens on a private socket in a 0700
-  directory only the daemon's uid (and root) can reach, and relays the
-  bytes both ways (flow control: a side that cannot take more pauses the
-  other), so gRPC itself, health and reflection are unchanged;
-- names the connection to grpcio: the relay's own socket is bound to a
-  random abstract name, which the servicer sees as `context.peer()`
-  ("unix-abstract:kvcached-..."): `peer(context.peer())` returns the
-  kernel's credentials of the real caller. That is how a SessionRef is
-  bound to the uid that opened the session (service.py, daemon.py).
+  never lock out an operator's `kvcachedctl` or the health probe. A refused
+  connection's first call is answered RESOURCE_EXHAUSTED naming the limit
+  (a trailers-only gRPC answer, then GOAWAY), then it is closed (at once
+  when 64 refusals are already being answered: a flood gets the door, not
+  words); counted (`refused`), logged (once per uid per minute);
+- connects a socket of its own to grpcio, which listens on a private socket
+  in a 0700 directory only the daemon's uid (and root) can reach, and hands
+  both sockets to relay.c (relay.py), which copies the bytes both ways in a
+  thread of its own: no byte of gRPC passes through Python, and gRPC itself,
+  health and reflection are unchanged;
+- names the connection to grpcio: the daemon's socket towards grpcio is
+  bound to a random abstract name, which the servicer sees as
+  `context.peer()` ("unix-abstract:kvcached-..."): `peer(context.peer())`
+  returns the kernel's credentials of the real caller. That is how a
+  SessionRef is bound to the uid that opened the session (service.py,
+  identity.py).
 
 Connections with no call in flight are closed by grpcio after
 `grpc_idle_timeout` (grpc.max_connection_idle_ms); clients reconnect on
-their next call. The relay closes the other side when either side closes.
+their next call. When either side closes, relay.c closes the other (after
+writing what it still kept for it) and tells this module, which forgets it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import logging
 import os
 import secrets
@@ -48,13 +52,13 @@ import time
 from dataclasses import dataclass
 
 from .. import fdchannel
+from . import relay
 from ..config import Settings
 from .sockets import apply_socket_permissions, prepare_socket_path
 
 log = logging.getLogger("kvcached.control")
 
 _BACKLOG = 4096  # connections the kernel queues before accept (the kernel caps it at net.core.somaxconn)
-_HIGH_WATER = 1 << 20  # bytes buffered towards one side before the other is paused
 _RESOURCE_EXHAUSTED = 8
 _REFUSAL_WAIT = 0.5  # seconds a refused connection has to send its first call and read the answer
 _REFUSALS_AT_ONCE = 64  # refused connections being answered at once; beyond, they are closed at once
@@ -148,107 +152,40 @@ async def _unix_connect(sock: socket.socket, path: str, patience: float = 5.0) -
             delay = min(delay * 2, 0.05)
 
 
-class _Side(asyncio.Protocol):
-    """One end of a relayed connection (public: the client; private: grpcio)."""
-
-    def __init__(self, conn: "_Relay", name: str):
-        self.conn = conn
-        self.name = name
-        self.transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        transport.set_write_buffer_limits(high=_HIGH_WATER)
-
-    def data_received(self, data: bytes) -> None:
-        self.conn.relay(self, data)
-
-    def eof_received(self) -> bool:
-        self.conn.close(f"{self.name} closed")
-        return False
-
-    def connection_lost(self, exc) -> None:
-        self.conn.close(f"{self.name} lost" + (f": {exc}" if exc else ""))
-
-    def pause_writing(self) -> None:
-        self.conn.other(self).pause()
-
-    def resume_writing(self) -> None:
-        self.conn.other(self).resume()
-
-    def pause(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.pause_reading()
-
-    def resume(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
+def _remove_reader(fd: int) -> None:
+    """Stop watching fd, when a loop runs (when it is gone, so is its watch)."""
+    try:
+        asyncio.get_running_loop().remove_reader(fd)
+    except RuntimeError:
+        pass
 
 
-class _Relay:
-    """A client's control connection relayed to grpcio."""
+@dataclass
+class _Conn:
+    """An admitted control connection (relayed by relay.c once grpcio's side is up)."""
 
-    def __init__(self, front: "ControlFront", peer: Peer):
-        self.front = front
-        self.peer = peer
-        self.public = _Side(self, "client")
-        self.private = _Side(self, "server")
-        self.name = ""  # the private side's abstract name, as grpcio reports the peer
-        self.pending = bytearray()  # client bytes that came before the private side was up, in order
-        self.up = False  # private_up ran: client bytes go straight to grpcio
-        self.closed = False
-        self.opened = time.monotonic()
-
-    def other(self, side: _Side) -> _Side:
-        return self.private if side is self.public else self.public
-
-    def relay(self, side: _Side, data: bytes) -> None:
-        if side is self.public and not self.up:
-            # grpcio's side is not up yet: keep the bytes, in order. Not
-            # "while the private transport is None": it is set (its
-            # connection_made) one loop turn before private_up, and bytes
-            # written then would overtake the kept ones (the HTTP/2 preface:
-            # grpcio closed the connection, the client read EOF). Reading is
-            # paused at accept, but uvloop starts reading after
-            # connection_made whatever it did, so bytes do come early.
-            self.pending += data
-            if len(self.pending) > _HIGH_WATER:
-                side.pause()
-            return
-        dest = self.other(side).transport
-        if dest is not None and not dest.is_closing():
-            dest.write(data)
-
-    def private_up(self, transport) -> None:
-        if self.closed:
-            transport.close()
-            return
-        if self.pending:
-            transport.write(bytes(self.pending))
-        self.pending = bytearray()
-        self.up = True
-        self.public.resume()
-
-    def close(self, why: str) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        for side in (self.public, self.private):
-            if side.transport is not None:
-                side.transport.close()  # flushes what is buffered first
-        self.front._forget(self, why)
+    id: int
+    name: str  # its socket's abstract name towards grpcio, as grpcio reports the peer
+    peer: Peer
+    opened: float
 
 
 class ControlFront:
-    """The control socket's listener and relay (see the module doc)."""
+    """The control socket's listener and admission; relay.c relays (see the module doc)."""
 
     def __init__(self, settings: Settings):
         self.settings = settings
         self.path = settings.socket
+        relay.check()  # the library is built and loads (RelayUnavailable says how to build it)
         self._dir = self._private_dir(settings.socket)
         self.private_path = os.path.join(self._dir, "grpc.sock")
-        self._server: asyncio.AbstractServer | None = None
-        self._relays: dict[str, _Relay] = {}  # by the private side's name
+        self._listener: socket.socket | None = None
+        self._relay: relay.Relay | None = None
+        self._notify = -1  # the eventfd relay.c writes when connections end
+        self._conns: dict[str, _Conn] = {}  # by the name grpcio reports
+        self._by_id: dict[int, _Conn] = {}
+        self._ids = itertools.count(1)
+        self._tasks: set[asyncio.Future] = set()
         self._by_uid: dict[int, int] = {}
         self._open = 0
         self._open_unprivileged = 0  # of _open: connections of uids that are not admins
@@ -286,34 +223,45 @@ class ControlFront:
         """Listen on the control socket (grpcio must already serve the
         private one). The socket file is born private, then gets the
         configured mode and group."""
+        loop = asyncio.get_running_loop()
+        self._notify = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._relay = relay.Relay(self._notify)
+        loop.add_reader(self._notify, self._reap)
         prepare_socket_path(self.path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
         old_umask = os.umask(0o177)
         try:
             sock.bind(self.path)
         finally:
             os.umask(old_umask)
         apply_socket_permissions(self.path, self.settings)
-        loop = asyncio.get_running_loop()
-        # asyncio listens again with its own backlog (100 unless told): a
-        # burst of clients connecting at once would get EAGAIN from connect
-        self._server = await loop.create_unix_server(self._accepted, sock=sock, backlog=_BACKLOG)
+        sock.listen(_BACKLOG)  # connections the kernel queues before accept (capped at net.core.somaxconn)
+        self._listener = sock
+        loop.add_reader(sock.fileno(), self._accept)
 
     def stop_accepting(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        if self._listener is not None:
+            _remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
 
     def close(self) -> None:
         """Stop listening, close every relayed connection, remove the files."""
         self.stop_accepting()
-        for relay in list(self._relays.values()):
-            relay.close("daemon stopping")
-        for path in (self.path,):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        if self._relay is not None:
+            for conn_id, why in self._relay.close():
+                self._forget(conn_id, why)
+            self._relay = None
+        for conn in list(self._by_id.values()):  # still connecting to grpcio: their tasks close their sockets
+            self._forget(conn.id, "daemon stopping")
+        if self._notify >= 0:
+            _remove_reader(self._notify)
+            os.close(self._notify)
+            self._notify = -1
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # ---- who is calling ---------------------------------------------------
@@ -321,26 +269,47 @@ class ControlFront:
         """The kernel's credentials of the client behind a gRPC call
         (`context.peer()`); None for a connection that did not come through
         this front door (only the daemon's own uid and root can make one).
-        A relay that is already gone (its client closed the connection
-        while a call of it was still being served) is GONE: no uid, so no
+        A connection that is already gone (its client closed it while a
+        call of it was still being served) is GONE: no uid, so no
         SessionRef is good for it (fail closed)."""
         prefix = "unix-abstract:kvcached-"
         if not grpc_peer.startswith(prefix):
             return None
-        relay = self._relays.get(grpc_peer[len("unix-abstract:"):])
-        return relay.peer if relay is not None else GONE
+        conn = self._conns.get(grpc_peer[len("unix-abstract:"):])
+        return conn.peer if conn is not None else GONE
 
     def stats(self) -> dict:
         return {"open": self._open, "uids": len(self._by_uid), "refused": dict(self.refused),
                 "accepted": self.accepted_total, "closed_by_server": self.closed_by_server_total}
 
     # ---- accepting ----------------------------------------------------------
-    def _accepted(self) -> asyncio.Protocol:
-        """A new client connection: admitted or refused in connection_made."""
-        return _Admission(self)
+    def _accept(self) -> None:
+        """The listener is readable: admit or refuse what waits (a batch, so
+        that the loop's other work goes on during a flood)."""
+        for _ in range(64):
+            if self._listener is None:
+                return
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of fds, most likely: wait a little, as asyncio's own servers do
+                log.error("control socket: accept failed: %s; accepting again in 1 s", exc)
+                loop = asyncio.get_running_loop()
+                loop.remove_reader(self._listener.fileno())
+                loop.call_later(1.0, self._resume_accepting)
+                return
+            try:
+                self._admit(sock)
+            except OSError as exc:  # the peer went away before we looked
+                log.debug("control connection gone before admission: %s", exc)
+                sock.close()
 
-    def _admit(self, transport: asyncio.Transport) -> "_Side | _Refusal | None":
-        sock = transport.get_extra_info("socket")
+    def _resume_accepting(self) -> None:
+        if self._listener is not None:
+            asyncio.get_running_loop().add_reader(self._listener.fileno(), self._accept)
+
+    def _admit(self, sock: socket.socket) -> None:
         pid, uid, gid = fdchannel.peer_credentials(sock)
         peer = Peer(pid, uid, gid)
         reason = self._refusal(uid)
@@ -353,21 +322,33 @@ class ControlFront:
                 log.warning("refused a control connection from pid %d uid %d: %s (refused so far: %d per uid, %d in total)",
                             pid, uid, text, self.refused["per_uid"], self.refused["total"])
             if self._answering < _REFUSALS_AT_ONCE:
-                return _Refusal(self, transport, f"kvcached: {text}")
-            transport.abort()  # a flood: no answer, just the door
-            return None
-        relay = _Relay(self, peer)
-        relay.name = "kvcached-" + secrets.token_hex(12)
-        self._relays[relay.name] = relay
+                self._spawn(self._answer(_Refusal(self, f"kvcached: {text}"), sock))
+            else:
+                sock.close()  # a flood: no answer, just the door
+            return
+        conn = _Conn(next(self._ids), "kvcached-" + secrets.token_hex(12), peer, time.monotonic())
+        self._conns[conn.name] = conn
+        self._by_id[conn.id] = conn
         self._by_uid[uid] = self._by_uid.get(uid, 0) + 1
         self._open += 1
         if not self.settings.is_admin(uid):
             self._open_unprivileged += 1
         self.accepted_total += 1
-        relay.public.connection_made(transport)
-        transport.pause_reading()  # until grpcio's side is up (uvloop reads anyway: relay() keeps early bytes)
-        asyncio.get_running_loop().create_task(self._connect(relay))
-        return relay.public
+        self._spawn(self._connect(conn, sock))
+
+    @staticmethod
+    async def _answer(refusal: "_Refusal", sock: socket.socket) -> None:
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(lambda: refusal, sock)
+        except OSError as exc:
+            log.debug("refused control connection gone before its answer: %s", exc)
+            sock.close()
+            refusal._finish()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._tasks.discard)
 
     def _refusal(self, uid: int) -> tuple[str, str] | None:
         s = self.settings
@@ -382,49 +363,79 @@ class ControlFront:
                              f"(max_grpc_connections={s.max_grpc_connections} less grpc_admin_reserve={s.grpc_admin_reserve})")
         return None
 
-    async def _connect(self, relay: _Relay) -> None:
-        loop = asyncio.get_running_loop()
+    async def _connect(self, conn: _Conn, client: socket.socket) -> None:
+        """Connect to grpcio from a socket named after the connection, then
+        hand both sockets to relay.c. Nobody has read a byte of the client
+        yet: whatever it sent waits in its socket, in order."""
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
         try:
-            s.bind(b"\0" + relay.name.encode())
+            s.bind(b"\0" + conn.name.encode())
             await _unix_connect(s, self.private_path)
-            transport, _ = await loop.create_unix_connection(lambda: relay.private, sock=s)
         except OSError as exc:
             s.close()
-            log.error("control connection from pid %d uid %d: cannot reach the gRPC server: %s", relay.peer.pid, relay.peer.uid, exc)
-            relay.close("private side failed")
+            client.close()
+            log.error("control connection from pid %d uid %d: cannot reach the gRPC server: %s", conn.peer.pid, conn.peer.uid, exc)
+            self._forget(conn.id, "private side failed")
             return
-        relay.private_up(transport)
+        if self._relay is None or conn.id not in self._by_id:  # the daemon is stopping
+            s.close()
+            client.close()
+            self._forget(conn.id, "daemon stopping")
+            return
+        try:
+            self._relay.add(client.detach(), s.detach(), conn.id)  # relay.c owns both now
+        except OSError as exc:
+            log.error("control connection from pid %d uid %d: the relay refused it: %s", conn.peer.pid, conn.peer.uid, exc)
+            self._forget(conn.id, "relay failed")
 
-    def _forget(self, relay: _Relay, why: str) -> None:
-        if self._relays.pop(relay.name, None) is None:
+    def _reap(self) -> None:
+        """relay.c says connections ended."""
+        try:
+            os.eventfd_read(self._notify)
+        except BlockingIOError:
+            pass
+        if self._relay is not None:
+            for conn_id, why in self._relay.ended():
+                self._forget(conn_id, why)
+
+    def _forget(self, conn_id: int, why: str) -> None:
+        conn = self._by_id.pop(conn_id, None)
+        if conn is None:
             return
+        del self._conns[conn.name]
         self._open -= 1
-        if not self.settings.is_admin(relay.peer.uid):
+        if not self.settings.is_admin(conn.peer.uid):
             self._open_unprivileged -= 1
-        n = self._by_uid.get(relay.peer.uid, 0) - 1
+        n = self._by_uid.get(conn.peer.uid, 0) - 1
         if n > 0:
-            self._by_uid[relay.peer.uid] = n
+            self._by_uid[conn.peer.uid] = n
         else:
-            self._by_uid.pop(relay.peer.uid, None)
+            self._by_uid.pop(conn.peer.uid, None)
         if why.startswith("server"):
             self.closed_by_server_total += 1
-        log.debug("control connection from pid %d uid %d ended after %.1f s (%s)", relay.peer.pid, relay.peer.uid,
-                  time.monotonic() - relay.opened, why)
+        log.debug("control connection from pid %d uid %d ended after %.1f s (%s)", conn.peer.pid, conn.peer.uid,
+                  time.monotonic() - conn.opened, why)
 
 
-class _Refusal:
+class _Refusal(asyncio.Protocol):
     """A refused connection: its first call is answered RESOURCE_EXHAUSTED
     with the limit in the message (so a gRPC client reports what happened and
     does not reconnect in a loop), then it is closed; within _REFUSAL_WAIT."""
 
-    def __init__(self, front: ControlFront, transport: asyncio.Transport, message: str):
+    def __init__(self, front: ControlFront, message: str):
         self.front = front
-        self.transport = transport
         self.message = message
+        self.transport: asyncio.Transport | None = None
         self.data = b""
         self.done = False
-        front._answering += 1
+        self._timer: asyncio.TimerHandle | None = None
+        front._answering += 1  # now: the count bounds the refusals still being set up too
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        if self.done:
+            transport.close()
+            return
         self._timer = asyncio.get_running_loop().call_later(_REFUSAL_WAIT, self._finish)
         transport.write(SERVER_PREFACE)
 
@@ -442,9 +453,11 @@ class _Refusal:
     def _finish(self) -> None:
         if not self.done:
             self.done = True
-            self._timer.cancel()
+            if self._timer is not None:
+                self._timer.cancel()
             self.front._answering -= 1
-            self.transport.close()
+            if self.transport is not None:
+                self.transport.close()
 
     def eof_received(self) -> bool:
         self._finish()
@@ -452,46 +465,3 @@ class _Refusal:
 
     def connection_lost(self, exc) -> None:
         self._finish()
-
-    def pause_writing(self) -> None:
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
-
-class _Admission(asyncio.Protocol):
-    """The protocol asyncio creates for an accepted connection: admits it
-    (handing over to the relay's public side) or refuses it."""
-
-    def __init__(self, front: ControlFront):
-        self.front = front
-        self.side: _Side | _Refusal | None = None
-
-    def connection_made(self, transport) -> None:
-        try:
-            self.side = self.front._admit(transport)
-        except OSError as exc:  # the peer went away before we looked
-            log.debug("control connection gone before admission: %s", exc)
-            transport.abort()
-
-    def data_received(self, data: bytes) -> None:
-        if self.side is not None:
-            self.side.data_received(data)
-
-    def eof_received(self) -> bool:
-        if self.side is not None:
-            return self.side.eof_received()
-        return False
-
-    def connection_lost(self, exc) -> None:
-        if self.side is not None:
-            self.side.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        if self.side is not None:
-            self.side.pause_writing()
-
-    def resume_writing(self) -> None:
-        if self.side is not None:
-            self.side.resume_writing()

@@ -30,6 +30,7 @@ from ..config import ConfigError, Settings, load_settings
 from . import sdnotify
 from .channel import ChannelServer
 from .control import ControlFront
+from .relay import RelayUnavailable
 from .daemon import Daemon, ShutdownIncomplete
 from .health import HealthService
 from .metrics import Metrics
@@ -196,9 +197,13 @@ async def serve(settings: Settings, ready_hook=None, reload=None) -> int:
 
     prepare_socket_path(settings.socket)
     # grpcio listens on a private socket; the control socket is the front
-    # door's (control.py: per-uid connection limits, the caller's uid).
+    # door's (control.py: per-uid connection limits, the caller's uid;
+    # relay.c copies the bytes).
     try:
         front = ControlFront(settings)
+    except RelayUnavailable as exc:
+        _stop_devices(daemon, backend)
+        raise StartupError(str(exc)) from None
     except OSError as exc:
         _stop_devices(daemon, backend)
         raise StartupError(f"cannot make grpcio's private socket directory beside {settings.socket}: {exc}") from None

@@ -132,6 +132,18 @@ def make_venv(repo: pathlib.Path, wheels: pathlib.Path, rows_path: pathlib.Path,
         p.chmod(0o755)
     row("bundle wheels installed into the venv", "every wheel", f"{len(whls)} wheels into {site}",
         "pass" if whls else "FAIL")
+    # the control socket's relay (relay.c, no Python API): built here, with
+    # this host's compiler, as pyproject.toml's ext-modules entry builds it
+    relay_c = repo / "kvcached_service" / "server" / "relay.c"
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        row("control socket relay (relay.c) built", "a C compiler (cc) on PATH", "none", "FAIL")
+    else:
+        r = subprocess.run([cc, "-O2", "-Wall", "-shared", "-fPIC", "-o", str(relay_c.with_name("_relay.abi3.so")),
+                            str(relay_c), "-lpthread"], capture_output=True, text=True, timeout=300)
+        row("control socket relay (relay.c) built", f"{cc} compiles it",
+            "built" if r.returncode == 0 else f"exit {r.returncode}: {r.stderr.strip()[-300:]}",
+            "pass" if r.returncode == 0 else "FAIL")
     probe = (
         "import importlib, importlib.metadata, json, sys\n"
         "dists = importlib.metadata.packages_distributions()\n"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import pathlib
 import shutil
 import signal
@@ -77,7 +78,7 @@ def test_docs_show_the_install_commands_this_suite_runs(wheel, sdist):
 def test_the_distribution_name_and_metadata(wheel, sdist):
     version = subprocess.run([sys.executable, "-c", "import kvcached_service; print(kvcached_service.__version__)"],
                              capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.strip()
-    assert wheel.name == f"kvcached_service-{version}-py3-none-any.whl"
+    assert wheel.name == f"kvcached_service-{version}-cp310-abi3-linux_{platform.machine()}.whl"  # relay.c, built
     assert sdist.name == f"kvcached_service-{version}.tar.gz"
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
@@ -92,12 +93,14 @@ def test_the_distribution_name_and_metadata(wheel, sdist):
     # the import package with its generated stubs; nothing else at the top level
     assert {n.split("/")[0] for n in names} == {"kvcached_service", f"kvcached_service-{version}.dist-info"}
     for must in ("kvcached_service/_generated/kvcached/v1/kvcached_pb2.py", "kvcached_service/_generated/kvcached/v1/kvcached_pb2_grpc.py",
-                 "kvcached_service/ctl/cli.py", "kvcached_service/server/main.py", "kvcached_service/client/client.py"):
+                 "kvcached_service/ctl/cli.py", "kvcached_service/server/main.py", "kvcached_service/client/client.py",
+                 "kvcached_service/server/_relay.abi3.so"):
         assert must in names, must
     with tarfile.open(sdist) as t:
         members = [m.name.split("/", 1)[1] for m in t.getmembers() if "/" in m.name]
     assert "pyproject.toml" in members and "README.md" in members
     assert "kvcached_service/_generated/kvcached/v1/kvcached_pb2.py" in members
+    assert "kvcached_service/server/relay.c" in members and not [m for m in members if m.endswith(".so")]
     assert not [m for m in members if m.startswith((".venv", "build/", "tests/", ".git"))]
 
 
