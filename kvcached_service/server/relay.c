@@ -25,6 +25,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -393,7 +394,13 @@ struct relay *kvc_relay_new(int notify_fd) {
     if (epoll_ctl(r->ep, EPOLL_CTL_ADD, r->wake, &ev) < 0)
         goto fail;
     pthread_mutex_init(&r->mu, NULL);
+    /* the thread takes no signals: they stay the interpreter's (its main
+     * thread, asyncio's handlers) */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
     int rc = pthread_create(&r->thread, NULL, run, r);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (rc) {
         errno = rc;
         pthread_mutex_destroy(&r->mu);
