@@ -28,7 +28,7 @@ WORKDIR /src
 RUN command -v cc >/dev/null \
  || { apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*; }
 RUN python3 -m venv /opt/kvcached
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY kvcached_service ./kvcached_service
 RUN --mount=type=secret,id=pip-ca \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \

@@ -58,7 +58,7 @@ fi
 RELAY_SO=kvcached_service/server/_relay.abi3.so
 if [ ! -f "$RELAY_SO" ] || [ kvcached_service/server/relay.c -nt "$RELAY_SO" ]; then
   log "building the control socket's relay ($RELAY_SO)"
-  .venv/bin/python -c 'from setuptools import setup; setup()' -q build_ext --inplace
+  .venv/bin/python setup.py -q build_ext --inplace
 fi
 if [ "$DEV" = 1 ] && ! command -v go >/dev/null 2>&1; then
   log "Go is not installed: the Go client (clients/go) needs Go >= 1.24 (https://go.dev/dl); the daemon does not"

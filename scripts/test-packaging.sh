@@ -74,8 +74,8 @@ fi
 
 step "the Dockerfile's image (podman build --isolation chroot --format docker)"
 # The build context as .dockerignore leaves it: Dockerfile, pyproject.toml,
-# README.md, kvcached_service/ (without bytecode).
-CONTEXT_FILES=(Dockerfile .dockerignore pyproject.toml README.md
+# setup.py, README.md, kvcached_service/ (without bytecode or built libraries).
+CONTEXT_FILES=(Dockerfile .dockerignore pyproject.toml setup.py README.md
                $(find kvcached_service -type f ! -name '*.pyc' ! -name '*.so' ! -path '*/__pycache__/*' | LC_ALL=C sort))
 IMAGE_KEY=$(hash_of "$BASE_KEY" "${CONTEXT_FILES[@]}")
 IMAGE="localhost/kvcached:pkg-$IMAGE_KEY"

@@ -133,7 +133,7 @@ def make_venv(repo: pathlib.Path, wheels: pathlib.Path, rows_path: pathlib.Path,
     row("bundle wheels installed into the venv", "every wheel", f"{len(whls)} wheels into {site}",
         "pass" if whls else "FAIL")
     # the control socket's relay (relay.c, no Python API): built here, with
-    # this host's compiler, as pyproject.toml's ext-modules entry builds it
+    # this host's compiler, with setup.py's flags
     relay_c = repo / "kvcached_service" / "server" / "relay.c"
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
