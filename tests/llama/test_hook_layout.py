@@ -125,6 +125,7 @@ def shape_models(tmp_path_factory):
     return {name: tiny_model.write(d / f"{name}.gguf", seed=11, **kw) for name, (kw, _, _) in SHAPES.items()}
 
 
+@pytest.mark.timeout(1800)  # its requests may take 900 s each on a loaded 2-core machine (pytest's default is 300 s)
 @pytest.mark.parametrize("shape,kv_type", CASES)
 def test_held_never_exceeds_stock(daemon_factory, servers, shape_models, shape, kv_type):
     kw, ctx, parallel = SHAPES[shape]
