@@ -48,17 +48,15 @@ else
   stamp=.venv/.kvcached-installed extras='.'
   what="(the daemon and its Python client)"
 fi
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+# The editable install also builds the control socket's relay in place
+# (kvcached_service/server/relay.c -> _relay.abi3.so): again when it changed.
+RELAY_SO=kvcached_service/server/_relay.abi3.so
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
+   || [ ! -f "$RELAY_SO" ] || [ kvcached_service/server/relay.c -nt "$RELAY_SO" ]; then
   log "installing kvcached-service into .venv $what"
   .venv/bin/pip install -q --upgrade pip >/dev/null
   .venv/bin/pip install -q -e "$extras"
   touch "$stamp"
-fi
-# the editable install built relay.c in place; build it again when it changed
-RELAY_SO=kvcached_service/server/_relay.abi3.so
-if [ ! -f "$RELAY_SO" ] || [ kvcached_service/server/relay.c -nt "$RELAY_SO" ]; then
-  log "building the control socket's relay ($RELAY_SO)"
-  .venv/bin/python setup.py -q build_ext --inplace
 fi
 if [ "$DEV" = 1 ] && ! command -v go >/dev/null 2>&1; then
   log "Go is not installed: the Go client (clients/go) needs Go >= 1.24 (https://go.dev/dl); the daemon does not"
