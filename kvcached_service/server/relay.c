@@ -20,7 +20,7 @@
  * by anybody, so nothing can be reordered.
  *
  * Loaded with ctypes (no Python API is used: the thread never takes the
- * GIL). Linux only (epoll, eventfd, accept4's SOCK_CLOEXEC semantics).
+ * GIL). Linux only (epoll, eventfd, MSG_NOSIGNAL).
  */
 #define _GNU_SOURCE
 #include <errno.h>
