@@ -5,11 +5,9 @@
 #   scripts/build-hook-cuda.sh        # prints what it compiled and the time it took
 #
 # What is compiled:
-#   1. a CUDA toolkit from PyPI wheels in build/hook-cuda/toolkit: nvcc, its
-#      crt headers and cicc (nvidia-cuda-nvcc, nvidia-cuda-crt, nvidia-nvvm,
-#      pinned below) over the venv's nvidia/cu13 tree (nvidia-cuda-runtime,
-#      -cccl, -cublas: headers and libraries; the venv has them through
-#      pyproject's pin and torch), else those wheels downloaded;
+#   1. a CUDA toolkit from PyPI wheels in build/cuda-toolkit-13.2
+#      (scripts/cuda-toolkit.sh --cuda 13.2: nvcc, crt, cicc, the runtime,
+#      CCCL, cuBLAS, pinned there);
 #   2. the pinned llama.cpp (the llama-cpp-python sdist scripts/test-llama.sh
 #      uses) with the hook applied (integrations/llama.cpp/apply.py),
 #      configured as Ollama builds it for NVIDIA GPUs: GGML_CUDA=ON,
@@ -44,7 +42,6 @@ cd "$REPO"
 PY="$REPO/.venv/bin/python"
 PIP="$REPO/.venv/bin/pip"
 JOBS="${JOBS:-2}"
-CUDA_WHEELS_VERSION="13.2.86"        # nvcc, crt, nvvm; nvidia-cuda-runtime is pinned to the same in pyproject
 LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"   # as scripts/test-llama.sh
 ARCH="${HOOK_CUDA_ARCH:-80}"
 TARGET=bin/libllama.so                              # HOOK_CUDA_SERVER=1: llama-server too
@@ -53,7 +50,6 @@ B="$REPO/build/llama"
 SDIST="$B/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
 ORIG="$B/src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
 OUT="$REPO/build/hook-cuda"
-TK="$OUT/toolkit"
 SRC="$OUT/llama.cpp-kvc"
 BLD="$OUT/build"
 WHEELS="$REPO/build/wheels"
@@ -82,27 +78,10 @@ if [[ ! -f "$PREFIX/include/kvcached.h" ]]; then
 fi
 echo "$PREFIX"
 
-step "CUDA wheels"
-VENV_CU="$("$PY" -c 'import nvidia, pathlib; print(next(pathlib.Path(p) / "cu13" for p in nvidia.__path__ if (pathlib.Path(p) / "cu13/include/cublas_v2.h").exists()))' 2>/dev/null || true)"
-need=(nvidia-cuda-nvcc nvidia-cuda-crt nvidia-nvvm)
-if [[ -z "$VENV_CU" || ! -f "$VENV_CU/include/cuda_runtime.h" || ! -d "$VENV_CU/include/cccl" ]]; then
-  VENV_CU=""
-  need+=(nvidia-cuda-runtime nvidia-cuda-cccl nvidia-cublas)   # not in the venv: download them too
-fi
-wheel_of() { ls "$WHEELS"/"${1//-/_}"-"$2"-*.whl 2>/dev/null | head -1; }
-versions=()
-for p in "${need[@]}"; do
-  v="$CUDA_WHEELS_VERSION"
-  [[ "$p" == nvidia-cublas ]] && v="13.4.1.3"   # the version torch's cu13 build pulls in
-  [[ "$p" == nvidia-cuda-cccl ]] && v="13.2.86"
-  if [[ -z "$(wheel_of "$p" "$v")" ]]; then
-    "$PIP" download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 --python-version 3.11 \
-      -d "$WHEELS" "$p==$v"
-  fi
-  versions+=("$p==$v")
-done
-[[ -n "$VENV_CU" ]] && versions+=("venv:$("$PY" -c 'import importlib.metadata as m; print(",".join(f"{d}={m.version(d)}" for d in ("nvidia-cuda-runtime","nvidia-cuda-cccl","nvidia-cublas")))')")
-printf '  %s\n' "${versions[@]}"
+step "CUDA toolkit (PyPI wheels, CUDA 13.2: scripts/cuda-toolkit.sh) -> $TK"
+TK="$REPO/build/cuda-toolkit-13.2"
+bash "$REPO/scripts/cuda-toolkit.sh" "$TK" --cuda 13.2
+versions=("$(cat "$TK/.stamp")")
 
 hash_of() { { for x in "$@"; do if [[ -f "$x" ]]; then sha256sum "$x"; else echo "$x"; fi; done; } | sha256sum | cut -d' ' -f1; }
 CMAKE_FLAGS=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF
@@ -117,38 +96,6 @@ if [[ -f "$OUT/.stamp" && "$(cat "$OUT/.stamp")" == "$KEY" && -e "$BLD/$TARGET" 
 fi
 rm -f "$OUT/.stamp"
 
-step "toolkit -> $TK"
-TK_KEY="$(hash_of "${versions[*]}" "$VENV_CU")"
-if [[ -f "$TK/.stamp" && "$(cat "$TK/.stamp")" == "$TK_KEY" ]]; then
-  echo "up to date"
-else
-rm -rf "$TK" && mkdir -p "$TK"
-[[ -n "$VENV_CU" ]] && cp -rs "$VENV_CU/." "$TK/"
-XT="$(mktemp -d)"
-for p in "${need[@]}"; do
-  w=""
-  for v in "$CUDA_WHEELS_VERSION" 13.4.1.3 13.2.86; do w="$(wheel_of "$p" "$v")"; [[ -n "$w" ]] && break; done
-  "$PY" - "$w" "$XT" <<'EOF'
-import sys, zipfile
-with zipfile.ZipFile(sys.argv[1]) as z:
-    for n in z.namelist():
-        if n.startswith("nvidia/cu13/"):
-            z.extract(n, sys.argv[2])
-EOF
-done
-cp -r "$XT/nvidia/cu13/." "$TK/"   # real files over the symlinks
-rm -rf "$XT"
-chmod +x "$TK"/bin/* "$TK"/nvvm/bin/*
-for l in cudart cublas cublasLt; do   # the wheels ship only the versioned names
-  so="$(ls "$TK/lib/lib$l.so."* 2>/dev/null | grep -E "lib$l\.so\.[0-9]+$" | head -1)"
-  [[ -n "$so" ]] && ln -sf "$(basename "$so")" "$TK/lib/lib$l.so"
-done
-# CMake's CUDA::cuda_driver needs a libcuda.so to name; nothing links against it here (no libggml-cuda.so).
-mkdir -p "$TK/lib/stubs"
-echo 'void kvcached_hook_cuda_stub(void);' | cc -x c -shared -o "$TK/lib/stubs/libcuda.so" -Wl,-soname,libcuda.so.1 -
-echo "$TK_KEY" >"$TK/.stamp"
-fi
-"$TK/bin/nvcc" --version | tail -2
 
 step "hooked tree -> $SRC"
 if [[ ! -d "$SRC" ]]; then
