@@ -3,7 +3,7 @@
 # folder that proves the daemon, the clients and the llama.cpp hook on a GPU
 # host without network, in one command there (OUTDIR/verify.sh).
 #
-#   scripts/gpu-bundle.sh OUTDIR [--python-version 3.12] [--cuda-arch 90]
+#   scripts/gpu-bundle.sh OUTDIR [--python-version 3.12] [--cuda-arch 90] [--with llama-cuda]
 #
 # OUTDIR (made anew) gets:
 #   verify.sh, tools/   the host's one command and its python helpers
@@ -15,7 +15,10 @@
 #                       machine's .venv tests: pydantic, pydantic-settings,
 #                       gguf, grpcio-health-checking/-reflection, uvloop, ...
 #   parts/NAME.tar.xz   what scripts/gpu-bundle/build-NAME.sh built (stage2:
-#                       the Go and C test programs; llama: stage 3's llama.cpp)
+#                       the Go and C test programs; llama: stage 3's llama.cpp;
+#                       llama-cuda, only with --with llama-cuda: stage 3's two
+#                       llama-servers prebuilt with ggml-cuda for --cuda-arch,
+#                       over an hour on 2 cores the first time)
 #   MANIFEST.json       commit, date, python version, CUDA arch, each part's
 #                       size and input hash
 # Each part is cached under build/gpu-bundle/cache by an input hash (its
@@ -30,16 +33,22 @@ cd "$REPO"
 OUT=""
 PYVER=3.12
 CUDA_ARCH=90
+WITH=()   # optional parts (build scripts marked "# gpu-bundle-optional")
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --python-version) PYVER="$2"; shift 2 ;;
         --cuda-arch) CUDA_ARCH="$2"; shift 2 ;;
-        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+        --with) WITH+=("$2"); shift 2 ;;
+        -h|--help) sed -n '2,/^set -e/{/^#/p}' "$0"; exit 0 ;;
         -*) echo "gpu-bundle: unknown option $1" >&2; exit 2 ;;
         *) [[ -z "$OUT" ]] || { echo "gpu-bundle: one OUTDIR only" >&2; exit 2; }; OUT="$1"; shift ;;
     esac
 done
-[[ -n "$OUT" ]] || { echo "usage: scripts/gpu-bundle.sh OUTDIR [--python-version 3.12] [--cuda-arch 90]" >&2; exit 2; }
+[[ -n "$OUT" ]] || { echo "usage: scripts/gpu-bundle.sh OUTDIR [--python-version 3.12] [--cuda-arch 90] [--with llama-cuda]" >&2; exit 2; }
+for w in "${WITH[@]}"; do
+    grep -qx '# gpu-bundle-optional' "scripts/gpu-bundle/build-$w.sh" 2>/dev/null \
+        || { echo "gpu-bundle: --with $w: no optional part scripts/gpu-bundle/build-$w.sh" >&2; exit 2; }
+done
 PY="$REPO/.venv/bin/python"
 [[ -x "$PY" ]] || { echo "gpu-bundle: $PY missing: run scripts/setup.sh --dev (make setup)" >&2; exit 1; }
 PACK="$REPO/scripts/gpu-bundle/pack.py"
@@ -105,9 +114,17 @@ if cached wheels "$WHEEL_HASH"; then how=cached; else
 fi
 note wheels "$WHEEL_HASH" "$how"
 
-# ---- built parts: scripts/gpu-bundle/build-NAME.sh PARTDIR (stage2 first)
+# ---- built parts: scripts/gpu-bundle/build-NAME.sh PARTDIR (stage2 first, the
+# optional ones asked for with --with last; each may read the parts before it
+# in $GPU_BUNDLE_PARTS)
 TOOLS="$(go version 2>/dev/null || true); $(g++ --version 2>/dev/null | head -1); $(cmake --version 2>/dev/null | head -1)"
-for script in scripts/gpu-bundle/build-stage2.sh $(ls scripts/gpu-bundle/build-*.sh | grep -v '/build-stage2\.sh$' | sort); do
+export GPU_BUNDLE_PARTS="$OUT/parts"
+SCRIPTS=(scripts/gpu-bundle/build-stage2.sh)
+for script in $(ls scripts/gpu-bundle/build-*.sh | LC_ALL=C sort); do
+    [[ "$script" == */build-stage2.sh ]] || grep -qx '# gpu-bundle-optional' "$script" || SCRIPTS+=("$script")
+done
+for w in "${WITH[@]}"; do SCRIPTS+=("scripts/gpu-bundle/build-$w.sh"); done
+for script in "${SCRIPTS[@]}"; do
     name="$(basename "$script" .sh)"; name="${name#build-}"
     read -r -a inputs <<<"$("$PY" "$PACK" inputs "$script")"
     h="$("$PY" "$PACK" hash "$REPO" ${inputs[@]:+--paths "${inputs[@]}" "$script"} --extra "$TOOLS" "$PYVER" "$CUDA_ARCH" "part-v1")"
@@ -116,7 +133,10 @@ for script in scripts/gpu-bundle/build-stage2.sh $(ls scripts/gpu-bundle/build-*
         rm -rf "$P"; mkdir -p "$P"
         echo "gpu-bundle: building part $name ($script)"
         if ! bash "$script" "$P"; then echo "gpu-bundle: $script failed" >&2; exit 1; fi
-        "$PY" "$PACK" tar "$P" "$OUT/parts/$name.tar.xz" >/dev/null
+        # a script may ask for its own xz preset ("# gpu-bundle-xz: 9": big binaries
+        # whose copies a 64 MiB dictionary finds); GPU_BUNDLE_XZ_PRESET overrides all
+        preset="$(sed -n 's/^# gpu-bundle-xz: *\([0-9]\).*/\1/p' "$script" | head -1)"
+        GPU_BUNDLE_XZ_PRESET="${GPU_BUNDLE_XZ_PRESET:-${preset:-1}}" "$PY" "$PACK" tar "$P" "$OUT/parts/$name.tar.xz" >/dev/null
         rm -rf "$P"; store "$name" "$h"; how=built
     fi
     note "$name" "$h" "$how"

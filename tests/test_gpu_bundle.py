@@ -323,6 +323,7 @@ def test_stage3_build_starts_in_the_background_on_a_real_driver_only(tmp_path):
     assert not runner.wants_prebuild("3", "real", {"STAGE3_BUILD": "prebuilt:/x"})
     assert not runner.wants_prebuild("3", "real", {"STAGE3_PREBUILD_EARLY": "0"})
     assert not runner.wants_prebuild("3", "real", {"STAGE3_DEVICE": "cpu"})
+    assert not runner.wants_prebuild("1 2 3 4", "real", {}, bundle_prebuilt=True)  # the part llama-cuda
     repo = fake_repo(tmp_path, {
         1: ROW % ("one", "pass") + "sleep 0.5\n",
         3: 'if [ -n "${STAGE3_PREBUILD:-}" ]; then echo "$(nice) $STAGE_OUT" >"$REPO/prebuild-ran"; exit 0; fi\n'
@@ -360,7 +361,7 @@ def test_stage3_waits_for_the_background_build_and_reuses_it(tmp_path):
                STAGE3_LEAVE="0", STAGE3_CHECK_RESERVE="0")
     key_src = b"".join(pathlib.Path(x).read_bytes() for x in (
         part / "MANIFEST.json", ROOT / "integrations/llama.cpp/apply.py",
-        *sorted((ROOT / "integrations/llama.cpp").glob("kvcached_kv*")), GB / "stage3.sh"))
+        *sorted((ROOT / "integrations/llama.cpp").glob("kvcached_kv*")), GB / "llama-build.sh"))
     c = cache / f"llama-cpu-{hashlib.sha256(key_src).hexdigest()[:16]}"
     c.mkdir(parents=True)
     lock = open(c / "lock", "w")
@@ -388,3 +389,118 @@ def test_stage3_waits_for_the_background_build_and_reuses_it(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "long" / "rows.jsonl").read_text().splitlines()]
     assert any("reused from" in r["seen"] and "built earlier in 123 s" in r["seen"] for r in rows), p.stdout + p.stderr
     assert not (c / "runs.txt").exists()
+
+
+# ---- stage 3 on a GPU host: the bundle's prebuilt part, the host's CUDA libraries
+
+
+def _so(path: pathlib.Path, soname: str, needs: list[pathlib.Path] = ()) -> pathlib.Path:
+    """A tiny shared library named `soname` that needs the given libraries."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    src = path.parent / (path.name + ".c")
+    src.write_text("int kvc_test_fn(void) { return 1; }\n")
+    cmd = ["cc", "-shared", "-fPIC", "-o", str(path), str(src), f"-Wl,-soname,{soname}", "-Wl,--no-as-needed"]
+    for lib in needs:
+        cmd += [f"-L{lib.parent}", f"-l:{lib.name}"]
+    subprocess.run(cmd, check=True)
+    src.unlink()
+    return path
+
+
+def test_cuda_libs_finds_what_the_loader_does_not(tmp_path):
+    """tests/helpers/cuda_libs.py: a libggml-cuda.so whose cuBLAS is not on
+    the loader's path is resolved from the candidate dirs (the dir goes
+    first on LD_LIBRARY_PATH); with no candidate it is reported missing."""
+    sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+    import cuda_libs
+
+    cublas = _so(tmp_path / "cu13" / "lib" / "libcublas.so.13", "libcublas.so.13")
+    ggml = _so(tmp_path / "ggml" / "libggml-cuda.so", "libggml-cuda.so", [cublas])
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    res = cuda_libs.resolve(str(ggml), dirs=[str(tmp_path / "empty"), str(cublas.parent)], env=env)
+    assert res["dirs"] == [str(cublas.parent)] and res["missing"] == [], res
+    assert res["found"] == {"libcublas.so.13": str(cublas)}, res
+    assert cuda_libs.describe(res) == f"libcublas.so.13 {cublas}"
+    res = cuda_libs.resolve(str(ggml), dirs=[], env=env)
+    assert res["missing"] == ["libcublas.so.13"] and res["dirs"] == []
+    assert cuda_libs.describe(res).startswith("MISSING libcublas.so.13")
+    assert cuda_libs.resolve(str(tmp_path / "nope.so"), dirs=[], env=env)["missing"]
+    p = subprocess.run([sys.executable, str(ROOT / "tests/helpers/cuda_libs.py"), "--lib", str(ggml), "--json",
+                        str(tmp_path / "r.json")], capture_output=True, text=True, env=dict(env, CUDA_HOME=str(tmp_path / "cu13")))
+    assert p.returncode == 0 and "libcublas.so.13" in p.stdout, p.stdout + p.stderr  # $CUDA_HOME/lib is a candidate
+    assert json.loads((tmp_path / "r.json").read_text())["dirs"] == [str(cublas.parent)]
+
+
+def _prebuilt_part(tmp_path, arch: str, listing: str) -> pathlib.Path:
+    """A stand-in for the part llama-cuda: its layout, a libggml-cuda.so that
+    needs a cuBLAS found only under $CUDA_HOME, servers that print `listing`
+    for --list-devices."""
+    part = tmp_path / "llama-cuda"
+    cublas = _so(tmp_path / "cuda" / "lib64" / "libcublas.so.13", "libcublas.so.13")
+    _so(part / "ggml" / "lib" / "libggml-cuda.so", "libggml-cuda.so", [cublas])
+    for n in ("orig", "kvc"):
+        srv = part / f"build-{n}" / "bin" / "llama-server"
+        srv.parent.mkdir(parents=True)
+        srv.write_text(f"#!/bin/sh\n[ \"$1\" = --list-devices ] && printf '{listing}'\nexit 0\n")
+        srv.chmod(0o755)
+    (part / "MANIFEST.json").write_text(json.dumps({"cuda_arch": arch, "cuda": "13.0", "llama_cpp_python": "0.3.36",
+                                                    "built": "2026-11-28 05:00 UTC"}))
+    return part
+
+
+def _stage3_choice(tmp_path, part, arch="90"):
+    """stage3.sh on a 'real driver' as verify.sh's background build runs it
+    (STAGE3_PREBUILD=1: it chooses the build, builds if it must, runs no
+    checks): the rows it writes."""
+    out = tmp_path / f"out-{arch}-{len(list(tmp_path.iterdir()))}"
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    env.update(REPO=str(ROOT), PYTHON=sys.executable, STAGE_OUT=str(out), VERIFY_DRIVER="real", STAGE3_PREBUILD="1",
+               STAGE3_CUDA_ARCH=arch, STAGE3_PREBUILT_PART=str(part), STAGE3_PART=str(tmp_path / "no-llama-part"),
+               STAGE3_CACHE=str(tmp_path / "cache"), CUDA_HOME=str(tmp_path / "cuda"), CUDACXX="", JOBS="1",
+               STAGE_DEADLINE=str(int(time.time() + 300)))
+    env["PATH"] = ":".join(d for d in env["PATH"].split(":") if not os.path.exists(os.path.join(d, "nvcc")))
+    p = subprocess.run(["bash", str(GB / "stage3.sh")], env=env, capture_output=True, text=True, timeout=120)
+    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()] if (out / "rows.jsonl").exists() else []
+    return p, rows
+
+
+def test_stage3_uses_the_bundles_prebuilt_part_when_it_fits_the_device(tmp_path):
+    """A bundle made with --with llama-cuda: stage 3 on a device of that
+    architecture resolves the host's cuBLAS for it, checks that its
+    llama-server lists CUDA0, and uses it (no host build: with
+    STAGE3_PREBUILD=1 it then stops, having nothing to build)."""
+    part = _prebuilt_part(tmp_path, "90", r"Available devices:\n  CUDA0: NVIDIA H200 (143000 MiB, 142000 MiB free)\n")
+    p, rows = _stage3_choice(tmp_path, part, "90")
+    assert p.returncode == 0, p.stdout + p.stderr
+    by = {r["check"]: r for r in rows}
+    libs = by["CUDA libraries of ggml-cuda"]
+    assert libs["verdict"] == "info" and str(tmp_path / "cuda" / "lib64") in libs["seen"], rows
+    pre = by["the bundle's prebuilt llama.cpp (part llama-cuda)"]
+    assert pre["verdict"] == "pass" and "CUDA0: NVIDIA H200" in pre["seen"] and "sm_90" in pre["seen"], rows
+    assert not any("host build" in r["check"] for r in rows), rows
+
+
+@pytest.mark.parametrize("case", ["other-arch", "no-cuda0"])
+def test_stage3_builds_on_the_host_when_the_prebuilt_part_does_not_fit(tmp_path, case):
+    """Built for another architecture (an info row), or its server does not
+    see CUDA0 (a FAIL row: it should have run): stage 3 goes on to the host
+    build, which here lacks nvcc (its FAIL row proves it was tried)."""
+    listing = r"Available devices:\n" if case == "no-cuda0" else r"Available devices:\n  CUDA0: X\n"
+    part = _prebuilt_part(tmp_path, "90", listing)
+    p, rows = _stage3_choice(tmp_path, part, "80" if case == "other-arch" else "90")
+    by = {r["check"]: r for r in rows}
+    pre = by["the bundle's prebuilt llama.cpp (part llama-cuda)"]
+    if case == "other-arch":
+        assert pre["verdict"] == "info" and "for sm_90: not usable on this device" in pre["seen"], rows
+    else:
+        assert pre["verdict"] == "FAIL" and "building on this host" in pre["seen"], rows
+    tools = by["llama.cpp host build: tools"]
+    assert tools["verdict"] == "FAIL" and "nvcc" in tools["seen"], rows
+    assert p.returncode == 1
+
+
+def test_gpu_bundle_refuses_an_unknown_optional_part(tmp_path):
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-bundle.sh"), str(tmp_path / "b"), "--with", "nope"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--with nope: no optional part" in p.stderr, p.stdout + p.stderr
+    assert not (tmp_path / "b").exists()

@@ -81,7 +81,8 @@ def make_tar(src: pathlib.Path, out: pathlib.Path, names: list[str] | None = Non
     """A tar.xz of src (every file, or the names given), sorted, with fixed
     owners and times, so the same inputs give the same bytes. xz preset 1
     (GPU_BUNDLE_XZ_PRESET): on 40 MB of test programs preset 6 saves 2.9 MB
-    and costs 40 s more of a 2-core CI machine."""
+    and costs 40 s more of a 2-core CI machine; a part's build script may ask
+    for another (gpu-bundle.sh reads "# gpu-bundle-xz: N" and sets it)."""
     if names is None:
         names = sorted(str(p.relative_to(src)) for p in src.rglob("*") if p.is_file() or p.is_symlink())
     tmp = out.with_name(out.name + ".tmp")

@@ -153,19 +153,23 @@ def main(argv=None) -> int:
                 pass
 
 
-def wants_prebuild(stages: str, driver: str, env: dict) -> bool:
+def wants_prebuild(stages: str, driver: str, env: dict, bundle_prebuilt: bool = False) -> bool:
     """Stage 3 builds llama.cpp with ggml-cuda on the host (minutes on 16
     cores): on a real driver that build starts with verify.sh, in the
     background and niced, so that it overlaps stages 1 and 2 instead of
     eating stage 3's share of the deadline. STAGE3_PREBUILD_EARLY=0 turns it
-    off; a prebuilt or CPU stage 3 needs none."""
+    off; a prebuilt or CPU stage 3 needs none, and neither does a bundle
+    that carries the prebuilt part llama-cuda (`bundle_prebuilt`: stage 3
+    tries it first, and a process of its own on the GPU during stage 1 would
+    disturb stage 1's free-memory rows)."""
     return ("3" in stages.split() and driver == "real" and env.get("STAGE3_PREBUILD_EARLY", "1") != "0"
-            and not env.get("STAGE3_BUILD", "host").startswith("prebuilt:") and env.get("STAGE3_DEVICE", "cuda") == "cuda")
+            and not bundle_prebuilt and not env.get("STAGE3_BUILD", "host").startswith("prebuilt:") and env.get("STAGE3_DEVICE", "cuda") == "cuda")
 
 
 def start_prebuild(a, bundle: pathlib.Path, repo: pathlib.Path, out: pathlib.Path, deadline: float):
     script = repo / "scripts" / "gpu-bundle" / "stage3.sh"
-    if not script.exists() or not wants_prebuild(a.stages, a.driver, os.environ):
+    if not script.exists() or not wants_prebuild(a.stages, a.driver, os.environ,
+                                                 (bundle / "parts" / "llama-cuda" / "MANIFEST.json").exists()):
         return None
     pre_out = out / "stage3-prebuild"
     pre_out.mkdir(parents=True, exist_ok=True)

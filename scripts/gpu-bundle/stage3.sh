@@ -37,7 +37,6 @@
 # exercised without a GPU). With VERIFY_DRIVER=testdriver and no STAGE3_DEVICE
 # every check is a skip row: "skip: no CUDA runtime".
 #
-#   scripts/gpu-bundle/stage3.sh __build DIR   (internal: the build steps, run under timeout)
 #   STAGE3_PREBUILD=1 scripts/gpu-bundle/stage3.sh   (verify.sh, at its start on a real driver: the build
 #                                                     only, in the background, so it overlaps stages 1-2)
 set -uo pipefail
@@ -46,72 +45,7 @@ REPO="${REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
 cd "$REPO"
 PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
 JOBS="${JOBS:-$(nproc)}"
-SELF="$REPO/scripts/gpu-bundle/stage3.sh"
-COMMON_FLAGS=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=ON -DCMAKE_INSTALL_LIBDIR=lib)
-LLAMA_FLAGS=(-DLLAMA_USE_SYSTEM_GGML=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-             -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF)
-
-# ---------------------------------------------------------------- the build steps (under timeout)
-if [[ "${1:-}" == __build ]]; then
-  # env: C (cache dir), PART, DEVICE, ARCH, NVCC; resumable: every step skips what is done
-  set -e
-  C="$2"
-  step() { printf '[stage3 build %(%H:%M:%S)T] %s\n' -1 "$*"; }
-  mkdir -p "$C"
-  if [[ ! -f "$C/src/.ok" ]]; then
-    step "unpack llama.cpp"
-    rm -rf "$C/src" && mkdir -p "$C/src"
-    tar -C "$C/src" -xJf "$PART/llama.cpp.tar.xz"
-    mv "$C/src/llama.cpp" "$C/src/orig"
-    # the sdist lacks ggml.pc.in, which a standalone ggml (GGML_STANDALONE) configures
-    [[ -f "$C/src/orig/ggml/ggml.pc.in" ]] || printf '%s\n' 'prefix=@CMAKE_INSTALL_PREFIX@' 'includedir=${prefix}/include' \
-      'libdir=${prefix}/lib' '' 'Name: ggml' 'Description: ggml' 'Version: @GGML_VERSION@' 'Cflags: -I${includedir}' \
-      'Libs: -L${libdir} -lggml' >"$C/src/orig/ggml/ggml.pc.in"
-    cp -a "$C/src/orig" "$C/src/kvc"
-    "$PYTHON" "$REPO/integrations/llama.cpp/apply.py" "$C/src/kvc" >/dev/null
-    rm -rf "$C/kvcached-prefix" && cp -a "$PART/kvcached-prefix" "$C/kvcached-prefix"
-    xz -d "$C/kvcached-prefix/lib/libkvcached_embed.a.xz"
-    touch "$C/src/.ok"
-  fi
-  t() { # label command...: the seconds of each step (this run) go to times.txt
-    local label=$1 s=$SECONDS; shift
-    "$@"
-    echo "$label $((SECONDS - s))" >>"$C/times.txt"
-  }
-  GGML_DEV=(-DGGML_CUDA=OFF)
-  if [[ "$DEVICE" == cuda ]]; then
-    GGML_DEV=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${ARCH}-real" "-DCMAKE_CUDA_COMPILER=$NVCC"
-              "-DCUDAToolkit_ROOT=$(dirname "$(dirname "$NVCC")")")
-  fi
-  ggml() {
-    if [[ ! -f "$C/ggml/.ok" ]]; then
-      step "ggml (${GGML_DEV[*]}), $JOBS jobs"
-      cmake -S "$C/src/orig/ggml" -B "$C/build-ggml" "${COMMON_FLAGS[@]}" "${GGML_DEV[@]}" -DGGML_BUILD_TESTS=OFF \
-        -DGGML_BUILD_EXAMPLES=OFF "-DCMAKE_INSTALL_PREFIX=$C/ggml" '-DCMAKE_INSTALL_RPATH=$ORIGIN' >"$C/ggml-configure.log" 2>&1 \
-        || { tail -30 "$C/ggml-configure.log"; return 1; }
-      cmake --build "$C/build-ggml" -j"$JOBS" >"$C/ggml-build.log" 2>&1 || { tail -40 "$C/ggml-build.log"; return 1; }
-      cmake --install "$C/build-ggml" >"$C/ggml-install.log" 2>&1 || { tail -20 "$C/ggml-install.log"; return 1; }
-      touch "$C/ggml/.ok"
-    fi
-  }
-  server() { # name [extra cmake args]
-    local n=$1; shift
-    if [[ ! -x "$C/build-$n/bin/llama-server" || ! -f "$C/build-$n/.ok" ]]; then
-      step "llama-server ($n), $JOBS jobs"
-      cmake -S "$C/src/$n" -B "$C/build-$n" "${COMMON_FLAGS[@]}" "${LLAMA_FLAGS[@]}" "-Dggml_DIR=$C/ggml/lib/cmake/ggml" \
-        "${GGML_DEV[@]}" "$@" >"$C/$n-configure.log" 2>&1 || { tail -30 "$C/$n-configure.log"; return 1; }
-      cmake --build "$C/build-$n" --target llama-server -j"$JOBS" >"$C/$n-build.log" 2>&1 \
-        || { tail -40 "$C/$n-build.log"; return 1; }
-      touch "$C/build-$n/.ok"
-    fi
-  }
-  t ggml ggml
-  t unpatched server orig
-  t patched server kvc "-DCMAKE_PREFIX_PATH=$C/kvcached-prefix"
-  grep -q "kvcached: KV-cache hook on" "$C/kvc-configure.log" \
-    || { echo "stage3: the patched build did not find the C client ($C/kvc-configure.log)"; exit 3; }
-  exit 0
-fi
+BUILDER="$REPO/scripts/gpu-bundle/llama-build.sh"
 
 # ---------------------------------------------------------------- the stage
 STAGE_OUT="${STAGE_OUT:?STAGE_OUT: the output directory of the stage}"
@@ -137,7 +71,7 @@ DEVICE="${STAGE3_DEVICE:-}"
 if [[ -z "$DEVICE" ]]; then
   if [[ "$VERIFY_DRIVER" == real ]]; then DEVICE=cuda; else DEVICE=none; fi
 fi
-echo "stage3: device $DEVICE, driver $VERIFY_DRIVER, build ${STAGE3_BUILD:-host}, $JOBS jobs, $((DEADLINE - $(date +%s))) s to its deadline (${STAGE3_LEAVE:-75} s before the stage deadline, for stage 4)"
+echo "stage3: device $DEVICE, driver $VERIFY_DRIVER, build ${STAGE3_BUILD:-prebuilt part or host}, $JOBS jobs, $((DEADLINE - $(date +%s))) s to its deadline (${STAGE3_LEAVE:-75} s before the stage deadline, for stage 4)"
 
 if [[ "$DEVICE" == none ]]; then
   row "llama.cpp with ggml-cuda: host build" "builds with the host's nvcc" "skip: no CUDA runtime" skip
@@ -149,20 +83,79 @@ if [[ "$DEVICE" == cpu && "$VERIFY_DRIVER" != real ]]; then
     "skip: no CUDA runtime (the rows below: the same checks on CPU builds, daemon on the host backend)" skip
 fi
 
-# the gguf package (for the test models): the bundle's wheel when python lacks it
-if ! "$PYTHON" -c 'import gguf' 2>/dev/null; then
-  W="$(ls "$PART"/wheels/gguf-*.whl 2>/dev/null | head -1)"
-  if [[ -z "$W" ]]; then
-    row "gguf (writes the test models)" "importable or in the bundle" "neither: no $PART/wheels/gguf-*.whl" FAIL
-    skip_all "no gguf to write the test models"
+# The CUDA architecture of device 0: the bundle's prebuilt part is for one, the
+# host build compiles for it alone.
+ARCH=""
+if [[ "$DEVICE" == cuda ]]; then
+  ARCH="${STAGE3_CUDA_ARCH:-}"
+  if [[ -z "$ARCH" ]] && command -v nvidia-smi >/dev/null; then
+    ARCH="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader -i 0 2>/dev/null | head -1 | tr -d ' .')"
+  fi
+  if [[ -z "$ARCH" ]]; then
+    ARCH="$("$PYTHON" -c 'import torch; a, b = torch.cuda.get_device_capability(0); print(f"{a}{b}")' 2>/dev/null || true)"
+  fi
+  if [[ ! "$ARCH" =~ ^[0-9]+[a-z]?$ ]]; then
+    row "CUDA architecture of device 0" "from nvidia-smi or torch" "unknown ('$ARCH'); set STAGE3_CUDA_ARCH" FAIL
+    skip_all "unknown CUDA architecture"
     exit 1
   fi
-  "$PYTHON" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$W" "$STAGE_OUT/pylib"
-  export PYTHONPATH="$PYTHONPATH:$STAGE_OUT/pylib"
 fi
 
-BUILD="${STAGE3_BUILD:-host}"
-[[ "$DEVICE" == cpu && -z "${STAGE3_BUILD:-}" ]] && BUILD="prebuilt:$REPO/build/llama"
+# cuda_libs LIBDIR: finds what libggml-cuda.so in LIBDIR needs (cuBLAS, the CUDA
+# runtime, libcuda) on this host (the toolkit of nvcc, /usr/local/cuda*, the
+# python's nvidia wheels), exports LD_LIBRARY_PATH with those dirs first, and
+# writes one row; non-zero when something stays missing.
+CUDA_LIB_PATH=""
+CUDA_LIBS_OF=""
+cuda_libs() {
+  local info
+  CUDA_LIBS_OF="$1"
+  info="$("$PYTHON" "$REPO/tests/helpers/cuda_libs.py" --lib "$1/libggml-cuda.so" --json "$STAGE_OUT/cuda-libs.json")"
+  local rc=$?
+  CUDA_LIB_PATH="$("$PYTHON" -c 'import json, sys; print(":".join(json.load(open(sys.argv[1]))["dirs"]))' "$STAGE_OUT/cuda-libs.json" 2>/dev/null)"
+  [[ -n "$CUDA_LIB_PATH" ]] && export LD_LIBRARY_PATH="$CUDA_LIB_PATH${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  if [[ $rc == 0 ]]; then
+    row "CUDA libraries of ggml-cuda" "all found" "$info" info
+  else
+    row "CUDA libraries of ggml-cuda" "all found" "$info" FAIL
+  fi
+  return $rc
+}
+
+# Which build: STAGE3_BUILD (host, or prebuilt:DIR) when set; on a GPU, the
+# bundle's prebuilt part "llama-cuda" (scripts/gpu-bundle.sh --with llama-cuda)
+# when it is for this architecture and runs here, else the host build.
+BUILD="${STAGE3_BUILD:-}"
+[[ "$DEVICE" == cpu && -z "$BUILD" ]] && BUILD="prebuilt:$REPO/build/llama"
+PREBUILT="${STAGE3_PREBUILT_PART:-$BUNDLE/parts/llama-cuda}"
+if [[ -z "$BUILD" && "$DEVICE" == cuda && -f "$PREBUILT/MANIFEST.json" ]]; then
+  WHAT="$("$PYTHON" -c 'import json, sys; m = json.load(open(sys.argv[1])); print(m["cuda_arch"], "CUDA %(cuda)s, llama-cpp-python %(llama_cpp_python)s source, built %(built)s" % m)' \
+    "$PREBUILT/MANIFEST.json" 2>/dev/null)"
+  PARCH="${WHAT%% *}"
+  if [[ -z "$WHAT" ]]; then
+    row "the bundle's prebuilt llama.cpp (part llama-cuda)" "a readable MANIFEST.json" "unreadable: building on this host" FAIL
+  elif [[ "$PARCH" != "$ARCH" ]]; then
+    row "the bundle's prebuilt llama.cpp (part llama-cuda)" "for sm_$ARCH (device 0)" \
+      "for sm_$PARCH: not usable on this device, building on this host" info
+  elif ! cuda_libs "$PREBUILT/ggml/lib"; then
+    row "the bundle's prebuilt llama.cpp (part llama-cuda)" "runs here" "its CUDA libraries are missing (row above): building on this host" FAIL
+  else
+    LIST="$(LD_LIBRARY_PATH="$PREBUILT/ggml/lib:${LD_LIBRARY_PATH:-}" timeout 120 "$PREBUILT/build-orig/bin/llama-server" --list-devices 2>&1)"
+    if grep -qE '^ *CUDA0: ' <<<"$LIST"; then
+      BUILD="prebuilt:$PREBUILT"
+      row "the bundle's prebuilt llama.cpp (part llama-cuda)" "runs here and lists CUDA0" \
+        "sm_$PARCH, ${WHAT#* }; $(grep -m1 -E '^ *CUDA0: ' <<<"$LIST" | sed 's/^ *//')" pass
+    else
+      row "the bundle's prebuilt llama.cpp (part llama-cuda)" "runs here and lists CUDA0" \
+        "llama-server --list-devices: $(tr '\n' ' ' <<<"$LIST" | cut -c1-300); building on this host" FAIL
+    fi
+  fi
+fi
+BUILD="${BUILD:-host}"
+if [[ -n "${STAGE3_PREBUILD:-}" && "$BUILD" != host ]]; then
+  exit 0  # verify.sh's background build: nothing to build
+fi
+
 LIBDIR=""
 if [[ "$BUILD" == prebuilt:* ]]; then
   DIR="${BUILD#prebuilt:}"
@@ -191,25 +184,12 @@ elif [[ "$BUILD" == host ]]; then
     skip_all "cannot build llama.cpp here"
     exit 1
   fi
-  ARCH=""
   if [[ "$DEVICE" == cuda ]]; then
-    ARCH="${STAGE3_CUDA_ARCH:-}"
-    if [[ -z "$ARCH" ]] && command -v nvidia-smi >/dev/null; then
-      ARCH="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader -i 0 2>/dev/null | head -1 | tr -d ' .')"
-    fi
-    if [[ -z "$ARCH" ]]; then
-      ARCH="$("$PYTHON" -c 'import torch; a, b = torch.cuda.get_device_capability(0); print(f"{a}{b}")' 2>/dev/null || true)"
-    fi
-    if [[ ! "$ARCH" =~ ^[0-9]+[a-z]?$ ]]; then
-      row "CUDA architecture of device 0" "from nvidia-smi or torch" "unknown ('$ARCH'); set STAGE3_CUDA_ARCH" FAIL
-      skip_all "unknown CUDA architecture"
-      exit 1
-    fi
     row "llama.cpp host build: toolchain" "nvcc, cmake, ninja" \
       "nvcc $("$NVCC" --version | grep -o 'V[0-9.]*' | head -1) ($NVCC), sm_$ARCH, cmake $(cmake --version | head -1 | awk '{print $3}'), $JOBS jobs" info
   fi
   KEY="$(cat "$PART/MANIFEST.json" "$REPO/integrations/llama.cpp/apply.py" $(ls "$REPO"/integrations/llama.cpp/kvcached_kv* | LC_ALL=C sort) \
-    "$SELF" 2>/dev/null | sha256sum | cut -c1-16)"
+    "$BUILDER" 2>/dev/null | sha256sum | cut -c1-16)"
   KEY="$DEVICE${ARCH:+-sm$ARCH}-$KEY"
   C="${STAGE3_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcached-gpu-bundle}/llama-$KEY"
   mkdir -p "$C"
@@ -217,7 +197,7 @@ elif [[ "$BUILD" == host ]]; then
   # background with STAGE3_PREBUILD=1 (only the build, niced, while stages 1
   # and 2 run); the stage itself then waits for that build instead of
   # starting its own. The lock (fd 9) is held by whoever builds, its timeout
-  # and __build children included, and goes with them.
+  # and the builder's children included, and goes with them.
   exec 9>"$C/lock"
   if ! flock -n 9; then
     [[ -n "${STAGE3_PREBUILD:-}" ]] && exit 0  # the stage itself got there first
@@ -244,8 +224,8 @@ elif [[ "$BUILD" == host ]]; then
       exit 0
     fi
     T=$SECONDS
-    C="$C" PART="$PART" DEVICE="$DEVICE" ARCH="$ARCH" NVCC="$NVCC" PYTHON="$PYTHON" JOBS="$JOBS" \
-      timeout -k 10 "$BUDGET" bash "$SELF" __build "$C" >"$STAGE_OUT/build.log" 2>&1
+    PART="$PART" DEVICE="$DEVICE" ARCH="$ARCH" NVCC="$NVCC" PYTHON="$PYTHON" JOBS="$JOBS" REPO="$REPO" \
+      timeout -k 10 "$BUDGET" bash "$BUILDER" "$C" >"$STAGE_OUT/build.log" 2>&1
     RC=$?
     TOOK=$((SECONDS - T))
     echo "$TOOK" >>"$C/runs.txt"
@@ -280,7 +260,24 @@ else
   exit 1
 fi
 
+if [[ "$DEVICE" == cuda && -n "$LIBDIR" && "$CUDA_LIBS_OF" != "$LIBDIR" ]] && ! cuda_libs "$LIBDIR"; then
+  skip_all "ggml-cuda's CUDA libraries are missing on this host"
+  exit 1
+fi
+LIBDIR="$LIBDIR${CUDA_LIB_PATH:+:$CUDA_LIB_PATH}"   # the servers' library path (stage 4 reads it from servers.json)
 [[ -n "$LIBDIR" ]] && export LD_LIBRARY_PATH="$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# the gguf package (for the test models): the bundle's wheel when python lacks it
+if ! "$PYTHON" -c 'import gguf' 2>/dev/null; then
+  W="$(ls "$PART"/wheels/gguf-*.whl 2>/dev/null | head -1)"
+  if [[ -z "$W" ]]; then
+    row "gguf (writes the test models)" "importable or in the bundle" "neither: no $PART/wheels/gguf-*.whl" FAIL
+    skip_all "no gguf to write the test models"
+    exit 1
+  fi
+  "$PYTHON" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$W" "$STAGE_OUT/pylib"
+  export PYTHONPATH="$PYTHONPATH:$STAGE_OUT/pylib"
+fi
+
 mkdir -p "$(dirname "$RECORD")"
 PYLIB=""
 [[ -d "$STAGE_OUT/pylib" ]] && PYLIB="$STAGE_OUT/pylib"
