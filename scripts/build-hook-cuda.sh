@@ -78,8 +78,8 @@ if [[ ! -f "$PREFIX/include/kvcached.h" ]]; then
 fi
 echo "$PREFIX"
 
-step "CUDA toolkit (PyPI wheels, CUDA 13.2: scripts/cuda-toolkit.sh) -> $TK"
 TK="$REPO/build/cuda-toolkit-13.2"
+step "CUDA toolkit (PyPI wheels, CUDA 13.2: scripts/cuda-toolkit.sh) -> $TK"
 bash "$REPO/scripts/cuda-toolkit.sh" "$TK" --cuda 13.2
 versions=("$(cat "$TK/.stamp")")
 
