@@ -4,27 +4,27 @@
 # PYTHON, STAGE_OUT, STAGE_DEADLINE, KVCACHED_LIBCUDA, VERIFY_DRIVER and JOBS
 # set; it writes $STAGE_OUT/rows.jsonl (kind "llama.cpp").
 #
-# 1. Builds, on the host, an unpatched and a patched llama-server (the bundle's
-#    part "llama": the pinned llama.cpp source, integrations/llama.cpp/apply.py
-#    from the repository copy, the C client's self-contained static archive)
-#    with ggml's CUDA backend for the host's architecture only
-#    (-DCMAKE_CUDA_ARCHITECTURES=<arch>-real, arch from nvidia-smi or torch,
-#    STAGE3_CUDA_ARCH overrides), with all JOBS cores. The hook does not touch
-#    ggml, so ggml (CUDA backend included) is built once and installed, and
-#    both llama.cpp trees use it (LLAMA_USE_SYSTEM_GGML); only libllama, common,
-#    mtmd and the server are compiled twice. The build lives in a cache
-#    (STAGE3_CACHE, default ~/.cache/kvcached-gpu-bundle/llama-<input hash>):
-#    a build the deadline stopped resumes there on the next run (ninja), and a
-#    finished one is reused. Its time is a row; when it cannot finish before
-#    the stage's own deadline (leaving STAGE3_CHECK_RESERVE s, default 60, for
-#    the checks) the row says so and the checks are skip rows. The stage's own
-#    deadline is STAGE_DEADLINE less STAGE3_LEAVE s (default 75) so that
-#    stage 4 still starts before verify.sh's deadline.
-#    STAGE3_BUILD=prebuilt:DIR uses DIR/build-orig/bin/llama-server and
-#    DIR/build-kvc/bin/llama-server instead (a cache dir of an earlier run, or
-#    scripts/test-llama.sh's build/llama for the CPU mode). A prebuilt
-#    CUDA build carried inside the bundle is not done (size: libggml-cuda for
-#    one architecture alone is tens of MiB).
+# 1. Gets an unpatched and a patched llama-server with ggml's CUDA backend:
+#    - the bundle's prebuilt part "llama-cuda" (scripts/gpu-bundle.sh --with
+#      llama-cuda; STAGE3_PREBUILT_PART overrides its path) when it is for
+#      device 0's architecture (nvidia-smi or torch; STAGE3_CUDA_ARCH
+#      overrides) and its llama-server lists CUDA0 here;
+#    - else built on the host by scripts/gpu-bundle/llama-build.sh from the
+#      part "llama" (the pinned llama.cpp source, the hook applied by
+#      integrations/llama.cpp/apply.py, the C client's static archive) for that
+#      architecture only, with all JOBS cores. The build lives in a cache
+#      (STAGE3_CACHE, default ~/.cache/kvcached-gpu-bundle/llama-<input hash>):
+#      a build the deadline stopped resumes there on the next run (ninja), and a
+#      finished one is reused. Its time is a row; when it cannot finish before
+#      the stage's own deadline (leaving STAGE3_CHECK_RESERVE s, default 60,
+#      for the checks) the row says so and the checks are skip rows. The
+#      stage's own deadline is STAGE_DEADLINE less STAGE3_LEAVE s (default 75)
+#      so that stage 4 still starts before verify.sh's deadline.
+#    STAGE3_BUILD=host forces the host build; STAGE3_BUILD=prebuilt:DIR uses
+#    DIR/build-{orig,kvc}/bin/llama-server and DIR/ggml/lib (a cache dir of an
+#    earlier run, or scripts/test-llama.sh's build/llama for the CPU mode).
+#    The CUDA libraries libggml-cuda.so needs are found on the host
+#    (tests/helpers/cuda_libs.py) and put on LD_LIBRARY_PATH, one row.
 # 2. Runs tests/helpers/gpu_llama.py checks: greedy identity against the
 #    unpatched server (2 models, flash attention on/off, 1 and 4 slots), the
 #    KV buffer in daemon pages, pages following the context, a SIGKILLed
