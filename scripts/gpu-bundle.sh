@@ -87,7 +87,7 @@ UNTRACKED="$("$PY" "$PACK" untracked "$REPO")"
 # numpy, pytest; pytest-timeout because pyproject.toml sets a timeout).
 WHEEL_NAMES=(pydantic pydantic-core pydantic-settings annotated-types typing-extensions typing-inspection
     python-dotenv grpcio-health-checking grpcio-reflection uvloop pytest-timeout
-    gguf pyyaml tqdm requests urllib3 idna charset-normalizer certifi)
+    gguf pyyaml tqdm requests urllib3 idna charset-normalizer certifi grpcio protobuf)
 PINS="$("$PY" - "${WHEEL_NAMES[@]}" <<'EOF'
 import sys
 from importlib.metadata import version, PackageNotFoundError

@@ -124,7 +124,13 @@ def make_venv(repo: pathlib.Path, wheels: pathlib.Path, rows_path: pathlib.Path,
     whls = sorted(wheels.glob("*.whl"))
     for whl in whls:
         install_wheel(whl, site)
-    (site / "kvcached_bundle.pth").write_text("\n".join([str(repo), *extra_sites]) + "\n")
+    # --system-site-packages reaches the base interpreter's packages only: a host
+    # python that is itself a venv (GPU images ship torch in one, e.g.
+    # /opt/torch/.venv) keeps its packages in its own site dirs, added here
+    # after the bundle's wheels
+    import site as _site
+    host_sites = [d for d in _site.getsitepackages() if sys.prefix != sys.base_prefix and os.path.isdir(d)]
+    (site / "kvcached_bundle.pth").write_text("\n".join([str(repo), *extra_sites, *host_sites]) + "\n")
     for name, module, func in (("kvcached-serve", "kvcached_service.server.main", "main"),
                                ("kvcachedctl", "kvcached_service.ctl", "main")):
         p = venv / "bin" / name
