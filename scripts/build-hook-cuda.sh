@@ -52,10 +52,9 @@ ORIG="$B/src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
 OUT="$REPO/build/hook-cuda"
 SRC="$OUT/llama.cpp-kvc"
 BLD="$OUT/build"
-WHEELS="$REPO/build/wheels"
 T0=$SECONDS
 step() { printf '\n==== build-hook-cuda [%ds]: %s ====\n' "$((SECONDS - T0))" "$*"; }
-mkdir -p "$OUT" "$B" "$WHEELS"
+mkdir -p "$OUT" "$B"
 
 step "llama.cpp source (llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION sdist)"
 if [[ ! -f "$SDIST" ]]; then

@@ -22,6 +22,7 @@ import json
 import os
 import pathlib
 import shutil
+import site as pysite
 import subprocess
 import sys
 import tarfile
@@ -128,8 +129,7 @@ def make_venv(repo: pathlib.Path, wheels: pathlib.Path, rows_path: pathlib.Path,
     # python that is itself a venv (GPU images ship torch in one, e.g.
     # /opt/torch/.venv) keeps its packages in its own site dirs, added here
     # after the bundle's wheels
-    import site as _site
-    host_sites = [d for d in _site.getsitepackages() if sys.prefix != sys.base_prefix and os.path.isdir(d)]
+    host_sites = [d for d in pysite.getsitepackages() if os.path.isdir(d)] if sys.prefix != sys.base_prefix else []
     (site / "kvcached_bundle.pth").write_text("\n".join([str(repo), *extra_sites, *host_sites]) + "\n")
     for name, module, func in (("kvcached-serve", "kvcached_service.server.main", "main"),
                                ("kvcachedctl", "kvcached_service.ctl", "main")):
