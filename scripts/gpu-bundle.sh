@@ -10,6 +10,8 @@
 #   parts/repo.tar.xz   the repository's files the stages use, as the working
 #                       tree holds them (tracked and untracked files git does
 #                       not ignore, less bench results, images, deploy/, CI)
+#                       and the test driver's pinned cuda.h (tests/cuda
+#                       compile against it; the host cannot download it)
 #   parts/wheels.tar.xz wheels for the python version (cp312 manylinux x86-64)
 #                       of what such a host lacks, at the versions this
 #                       machine's .venv tests: pydantic, pydantic-settings,
@@ -72,9 +74,18 @@ store() { # NAME HASH: the new tar.xz into the cache (older ones of NAME removed
 note() { PART_HASH[$1]="$2"; PART_SIZE[$1]="$(stat -c %s "$OUT/parts/$1.tar.xz")"; printf 'gpu-bundle: part %-8s %7.2f MiB  (%s, input hash %s)\n' "$1" "$(awk -v b="${PART_SIZE[$1]}" 'BEGIN {print b / 1048576}')" "$3" "$2"; }
 
 # ---- repo: the repository's files
-REPO_HASH="$("$PY" "$PACK" hash "$REPO" --extra "repo-part-v1")"
+# plus NVIDIA's cuda.h of the test driver's pin, where build-testdriver.sh
+# looks for it when the venv has no such wheel (a GPU host has no network to
+# download it; tests/cuda compile against it)
+CUDA_RT="$(sed -n 's/^CUDA_RUNTIME_VERSION="\(.*\)"$/\1/p' scripts/build-testdriver.sh)"
+CUDA_H="build/cuda-runtime-$CUDA_RT/nvidia/cu13/include/cuda.h"
+if [[ ! -f "$CUDA_H" ]]; then
+    mkdir -p "$(dirname "$CUDA_H")"
+    cp "$(scripts/build-testdriver.sh --include-dir | tail -1)/cuda.h" "$CUDA_H"
+fi
+REPO_HASH="$("$PY" "$PACK" hash "$REPO" --extra "repo-part-v2 $CUDA_H")"
 if cached repo "$REPO_HASH"; then how=cached; else
-    LIST="$(mktemp)"; "$PY" "$PACK" repo-files "$REPO" >"$LIST"
+    LIST="$(mktemp)"; { "$PY" "$PACK" repo-files "$REPO"; echo "$CUDA_H"; } >"$LIST"
     "$PY" "$PACK" tar "$REPO" "$OUT/parts/repo.tar.xz" --list "$LIST" >/dev/null
     rm -f "$LIST"; store repo "$REPO_HASH"; how=built
 fi
@@ -100,7 +111,7 @@ for n in sys.argv[1:]:
 print(" ".join(out))
 EOF
 )"
-WHEEL_HASH="$("$PY" "$PACK" hash "$REPO" --paths scripts/gpu-bundle.sh --extra "$PINS" "$PYVER" wheels-v1)"
+WHEEL_HASH="$("$PY" "$PACK" hash "$REPO" --paths scripts/gpu-bundle.sh --extra "$PINS" "$PYVER" wheels-v2)"
 if cached wheels "$WHEEL_HASH"; then how=cached; else
     W="$(mktemp -d)"
     # shellcheck disable=SC2086
@@ -109,7 +120,9 @@ if cached wheels "$WHEEL_HASH"; then how=cached; else
         --platform manylinux_2_28_x86_64 --platform manylinux_2_34_x86_64 $PINS
     n="$(ls "$W"/*.whl | wc -l)"
     [[ "$n" == "${#WHEEL_NAMES[@]}" ]] || { echo "gpu-bundle: $n wheels downloaded for ${#WHEEL_NAMES[@]} packages ($PINS)" >&2; ls "$W" >&2; exit 1; }
-    "$PY" "$PACK" tar "$W" "$OUT/parts/wheels.tar.xz" >/dev/null
+    # uncompressed inside, xz 9 over all: 12.1 MB instead of 16.8 (pack.py stored-wheels)
+    "$PY" "$PACK" stored-wheels "$W"
+    GPU_BUNDLE_XZ_PRESET="${GPU_BUNDLE_XZ_PRESET:-9}" "$PY" "$PACK" tar "$W" "$OUT/parts/wheels.tar.xz" >/dev/null
     rm -rf "$W"; store wheels "$WHEEL_HASH"; how=built
 fi
 note wheels "$WHEEL_HASH" "$how"

@@ -304,6 +304,33 @@ def test_install_wheel_without_pip(tmp_path):
     assert p.stdout.strip() == "3"
 
 
+def test_stored_wheels_keep_members_and_install(tmp_path):
+    """pack.py stored-wheels rewrites a wheel with its members uncompressed:
+    same names, order, bytes and modes, still installed by the host's
+    installer."""
+    whl = tmp_path / "demo-1.0-py3-none-any.whl"
+    body = "X = 1\n" + "# padding\n" * 500
+    with zipfile.ZipFile(whl, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("demo/__init__.py", body)
+        info = zipfile.ZipInfo("demo-1.0.data/scripts/demo")
+        info.external_attr = 0o755 << 16
+        zf.writestr(info, "#!python\n")
+        zf.writestr("demo-1.0.dist-info/METADATA", "Name: demo\nVersion: 1.0\n")
+    before = whl.stat().st_size
+    assert subprocess.run([sys.executable, str(GB / "pack.py"), "stored-wheels", str(tmp_path)]).returncode == 0
+    with zipfile.ZipFile(whl) as zf:
+        assert [i.filename for i in zf.infolist()] == ["demo/__init__.py", "demo-1.0.data/scripts/demo",
+                                                       "demo-1.0.dist-info/METADATA"]
+        assert {i.compress_type for i in zf.infolist()} == {zipfile.ZIP_STORED}
+        assert zf.read("demo/__init__.py").decode() == body
+        assert zf.getinfo("demo-1.0.data/scripts/demo").external_attr >> 16 == 0o755
+    assert whl.stat().st_size > before  # really uncompressed
+    site = tmp_path / "site"
+    site.mkdir()
+    prepare.install_wheel(whl, site)
+    assert (site / "demo" / "__init__.py").read_text() == body
+
+
 # ---- stage 3's build starts early, in the background, on a real driver
 
 

@@ -8,7 +8,9 @@
 #   go/kvcached.test   every test of the Go client, host and CUDA daemons
 #   go/ollama.test     the Ollama integration package's tests
 #   c/test_integration the C client's integration suite, KVC_TEST_BACKEND=cuda
-#                      (all but the valgrind tests, as ctest's integration_cuda)
+#                      (all but the valgrind tests, as ctest's integration_cuda;
+#                      on NVIDIA's driver also all but *TestDriver*, which
+#                      need the test driver's fault injection: an info row)
 # One row per program (pass/fail counts) and one FAIL row per failing test.
 # Environment: the bundle's stage interface (docs/gpu-check.md); a program
 # that would start after STAGE_DEADLINE is not started (a skip row); one
@@ -59,9 +61,18 @@ else
     echo "== $label (${t}s left)"
     log="$STAGE_OUT/c-test_integration.log"
     json="$STAGE_OUT/c-test_integration.json"
+    filter='-*Valgrind*'
+    if [[ "${VERIFY_DRIVER:-real}" == real ]]; then
+        # tests of the test driver's fault injection and leak report (named *TestDriver*) need it
+        filter+=':*TestDriver*'
+        only_td="$("$BIN/c/test_integration" --gtest_list_tests --gtest_filter='*TestDriver*' 2>/dev/null \
+            | awk '/^[^ ]/ {s = $1} /^  / {printf "%s%s%s", sep, s, $1; sep = ", "}')"
+        row "C tests that need the CUDA test driver (fault injection, leak report)" "not run on NVIDIA's driver" \
+            "not run: ${only_td:-none}" info clients
+    fi
     KVC_TEST_BACKEND=cuda KVC_REPO_ROOT="$REPO" KVC_SERVE="$VENV/bin/kvcached-serve" KVC_PYTHON="$VENV/bin/python" \
         KVC_TEST_HELPER="$BIN/c/kvc_test_helper" \
-        timeout -k 10 "$t" "$BIN/c/test_integration" --gtest_filter='-*Valgrind*' --gtest_output="json:$json" >"$log" 2>&1
+        timeout -k 10 "$t" "$BIN/c/test_integration" --gtest_filter="$filter" --gtest_output="json:$json" >"$log" 2>&1
     rc=$?
     "$PYTHON" "$TR" gtest "$label" "$json" "$log" "$rc" >>"$ROWS" || row "$label" "results readable" "testrows.py failed on $log" FAIL clients
     grep -E '^\[  (FAILED|PASSED) ' "$log" | tail -15 | sed 's/^/   /'

@@ -407,10 +407,20 @@ def test_exports_carry_pages_across_processes_and_alone_keep_them(sim):
     process: fstat says the same thing on both sides (SCM_RIGHTS passes the
     open file descriptions), the importer reads both pages after the
     exporter let go of its handles, and once the last export and mapping are
-    gone both pages are free again."""
+    gone both pages are free again.
+
+    Memory is measured as deltas inside one process, with no other process
+    making or dropping a context meanwhile: the importer makes its context
+    only after the exporter measured, and the exporter's first copy is made
+    before it measures (a context is tens of MiB on a real GPU and may grow
+    at its first copy: 72 MiB more than the two pages were seen on an H200
+    when the importer's context was made meanwhile)."""
     a_sock, b_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     exporter = sim.spawn(f"""
         d = drv(); init()
+        # a first copy may grow the context (staging memory): done before measuring
+        w = create(); wb = reserve(GRAN); map_rw(wb, w); write(wb, b"warm"); read(wb, 4); d.cuCtxSynchronize()
+        d.cuMemUnmap(wb, GRAN); d.cuMemAddressFree(wb, GRAN); d.cuMemRelease(w)
         start = used()
         hs = [create(), create()]
         base = reserve(2 * GRAN)
@@ -419,13 +429,13 @@ def test_exports_carry_pages_across_processes_and_alone_keep_them(sim):
         d.cuCtxSynchronize()
         fds = [export(hs[0]), export(hs[1]), export(hs[0])]
         ids = [[os.fstat(fd).st_dev, os.fstat(fd).st_ino] for fd in fds]
-        send_fds({a_sock.fileno()}, fds)
         for i in range(2):
             d.cuMemUnmap(base + i * GRAN, GRAN)
         d.cuMemAddressFree(base, 2 * GRAN)
         for h in hs:
             d.cuMemRelease(h)
-        out(ids=ids, held=used() - start, start=start)
+        out(ids=ids, held=used() - start)
+        send_fds({a_sock.fileno()}, fds)
         wait_line()
         for fd in fds:
             os.close(fd)
@@ -433,8 +443,8 @@ def test_exports_carry_pages_across_processes_and_alone_keep_them(sim):
         out(done=True)
     """, pass_fds=(a_sock.fileno(),))
     importer = sim.spawn(f"""
-        d = drv(); init()
         msg, fds = recv_fds({b_sock.fileno()})
+        d = drv(); init()
         out(ids=[[os.fstat(fd).st_dev, os.fstat(fd).st_ino] for fd in fds])
         wait_line()
         base = reserve(3 * GRAN)
@@ -444,11 +454,12 @@ def test_exports_carry_pages_across_processes_and_alone_keep_them(sim):
             map_rw(base + i * GRAN, h); d.cuMemRelease(h)
             got.append(read(base + i * GRAN, 6).decode())
         out(got=got)
+        wait_line()
+        mapped = used()  # the exporter is done: only these mappings keep the pages
         for i in range(3):
             d.cuMemUnmap(base + i * GRAN, GRAN)
         d.cuMemAddressFree(base, 3 * GRAN)
-        wait_line()
-        out(used_end=used())
+        out(freed=mapped - used())
         fini()
     """, pass_fds=(b_sock.fileno(),))
 
@@ -470,7 +481,7 @@ def test_exports_carry_pages_across_processes_and_alone_keep_them(sim):
         go(exporter)
         assert line(exporter) == {"done": True}
         go(importer)
-        assert line(importer)["used_end"] == ex["start"]  # both pages freed
+        assert line(importer)["freed"] == 2 * GRAN  # both pages freed by the last unmap
         for p in (exporter, importer):
             p.stdin.close()
             assert p.wait(10) == 0, p.stderr.read()
@@ -622,7 +633,8 @@ def test_the_daemons_pages_are_device_memory_seen_by_every_process(daemon_factor
 
 def test_mapping_rules(sim):
     """A mapping starts at offset 0 of its handle, covers whole
-    granularity units, does not overlap another, and is unmapped whole."""
+    granularity units, does not overlap another, and is unmapped whole;
+    unmapping it again is a no-op."""
     r = sim.run("""
         d = drv(); init()
         h = create(2 * GRAN); base = reserve(4 * GRAN)
@@ -635,9 +647,11 @@ def test_mapping_rules(sim):
         d.cuMemAddressFree(base, 4 * GRAN); d.cuMemRelease(h); fini()
         out(**res)
     """)
-    assert (r["ok"], r["whole"]) == ("CUDA_SUCCESS", "CUDA_SUCCESS")
-    for k in ("offset", "overlap", "part", "again"):
-        assert r[k] != "CUDA_SUCCESS", (k, r.out)
+    # the codes NVIDIA's driver gave on an H200 (driver 580.159.04,
+    # docs/gpu-results); the test driver gives the same. Unmapping a
+    # reserved range with nothing mapped in it is a no-op there.
+    assert r.out == {"offset": "CUDA_ERROR_NOT_SUPPORTED", "ok": "CUDA_SUCCESS", "overlap": "CUDA_ERROR_NOT_SUPPORTED",
+                     "part": "CUDA_ERROR_INVALID_VALUE", "whole": "CUDA_SUCCESS", "again": "CUDA_SUCCESS"}
     sim.assert_clean(r)
 
 

@@ -50,7 +50,9 @@ def test_cuinit_first_and_context_required(sim, cuda_include):
     if sim.private:
         assert r["version"] == header_version  # the driver reports the version of the header it was built against
     else:
-        assert r["version"] >= header_version  # a driver runs what was built against its header or older
+        # NVIDIA's driver may be older than the header (13.0 against 13.2 on the
+        # H200 run): what the project calls exists in CUDA 12 drivers
+        assert r["version"] >= 12000, r["version"]
     sim.assert_clean(r)
 
 
@@ -72,7 +74,8 @@ def test_granularity_alignment_and_offset_zero(sim):
         res["map_too_big"] = code(d.cuMemMap, base, 4 * {GRAN}, 0, h, 0)
         res["map_outside"] = code(d.cuMemMap, base + 3 * {GRAN}, 2 * {GRAN}, 0, h, 0)
         res["map_flags"] = code(d.cuMemMap, base, {GRAN}, 0, h, 1)
-        res["map_bad_handle"] = code(d.cuMemMap, base, {GRAN}, 0, 12345, 0)
+        if {sim.private}:  # a made-up handle: undefined on NVIDIA's driver (the child died of SIGSEGV on an H200)
+            res["map_bad_handle"] = code(d.cuMemMap, base, {GRAN}, 0, 12345, 0)
         res["map_ok"] = code(d.cuMemMap, base, 2 * {GRAN}, 0, h, 0)
         res["map_again"] = code(d.cuMemMap, base + {GRAN}, {GRAN}, 0, h, 0)
         res["free_mapped"] = code(d.cuMemAddressFree, base, 4 * {GRAN})
@@ -84,35 +87,50 @@ def test_granularity_alignment_and_offset_zero(sim):
         res["free_wrong_size"] = code(d.cuMemAddressFree, base, 2 * {GRAN})
         res["free_ok"] = code(d.cuMemAddressFree, base, 4 * {GRAN})
         d.cuMemRelease(h)
-        res["release_twice"] = code(d.cuMemRelease, h)
+        if {sim.private}:  # a released handle: undefined on NVIDIA's driver
+            res["release_twice"] = code(d.cuMemRelease, h)
         fini()
         out(**res)
     """)
     assert r["gran"] == GRAN
     assert r["base_aligned"]
+    # The test driver's codes follow NVIDIA's where a real run has shown them
+    # (docs/gpu-results: map at an offset or over a mapping NOT_SUPPORTED,
+    # unmapping a range with nothing mapped a no-op). On another libcuda the
+    # codes no real run has shown yet are only asked to be errors, and the
+    # range with a hole in it is not asked at all: whether a driver unmaps
+    # what is mapped there or refuses is its own (the whole unmap after it
+    # succeeds either way).
     expect = {
         "create_unaligned": "CUDA_ERROR_INVALID_VALUE",
         "create_zero": "CUDA_ERROR_INVALID_VALUE",
         "map_unaligned_addr": "CUDA_ERROR_INVALID_VALUE",
         "map_unaligned_size": "CUDA_ERROR_INVALID_VALUE",
-        "map_offset": "CUDA_ERROR_INVALID_VALUE",
+        "map_offset": "CUDA_ERROR_NOT_SUPPORTED",
         "map_too_big": "CUDA_ERROR_INVALID_VALUE",
         "map_outside": "CUDA_ERROR_INVALID_VALUE",
         "map_flags": "CUDA_ERROR_INVALID_VALUE",
         "map_bad_handle": "CUDA_ERROR_INVALID_VALUE",
         "map_ok": "CUDA_SUCCESS",
-        "map_again": "CUDA_ERROR_INVALID_VALUE",
+        "map_again": "CUDA_ERROR_NOT_SUPPORTED",
         "free_mapped": "CUDA_ERROR_INVALID_VALUE",
         "unmap_partial": "CUDA_ERROR_INVALID_VALUE",
         "unmap_tail": "CUDA_ERROR_INVALID_VALUE",
         "unmap_with_hole": "CUDA_ERROR_INVALID_VALUE",
         "unmap_whole": "CUDA_SUCCESS",
-        "unmap_twice": "CUDA_ERROR_INVALID_VALUE",
+        "unmap_twice": "CUDA_SUCCESS",
         "free_wrong_size": "CUDA_ERROR_INVALID_VALUE",
         "free_ok": "CUDA_SUCCESS",
         "release_twice": "CUDA_ERROR_INVALID_VALUE",
     }
-    assert {k: r[k] for k in expect} == expect
+    if not sim.private:
+        seen_on_gpu = ("map_offset", "map_again", "map_ok", "unmap_whole", "unmap_twice", "free_ok")
+        del expect["map_bad_handle"], expect["release_twice"], expect["unmap_with_hole"]
+        expect = {k: v if k in seen_on_gpu else "an error" for k, v in expect.items()}
+        got = {k: r[k] if k in seen_on_gpu or r[k] == "CUDA_SUCCESS" else "an error" for k in expect}
+    else:
+        got = {k: r[k] for k in expect}
+    assert got == expect, r.out
     sim.assert_clean(r)
 
 
@@ -150,7 +168,7 @@ def test_access_must_be_set_after_each_map(sim):
     assert r["write_rw"] == "CUDA_SUCCESS"
     assert r["read_back"] == "abc"
     assert r["read_past_mapping"] == "CUDA_ERROR_INVALID_VALUE"
-    assert r["access_bad_device"] == "CUDA_ERROR_INVALID_DEVICE"
+    assert r["access_bad_device"] == "CUDA_ERROR_INVALID_VALUE"  # no device 7: as NVIDIA's driver (H200)
     assert r["write_after_remap"] == "CUDA_ERROR_INVALID_VALUE"
     assert r["data_kept"] == "abc"
     sim.assert_clean(r)
@@ -396,7 +414,11 @@ def test_import_rejects_foreign_fds_and_unexportable_handles(sim):
         out(memfd=code(import_fd, mfd), closed=code(import_fd, 999),
             export=code(export, h))
     """)
-    assert r["memfd"] == r["closed"] == "CUDA_ERROR_INVALID_VALUE"
+    assert r["memfd"] == "CUDA_ERROR_UNKNOWN"  # as NVIDIA's driver answers a memfd (H200)
+    if sim.private:
+        assert r["closed"] == "CUDA_ERROR_INVALID_VALUE"
+    else:  # no real run has shown this one yet
+        assert r["closed"] != "CUDA_SUCCESS"
     assert r["export"] == "CUDA_ERROR_INVALID_VALUE"
 
 

@@ -1677,6 +1677,13 @@ static bool whole_mappings(struct td_resv *r, uintptr_t addr, size_t size) {
     return cur == end && size > 0;
 }
 
+/* No mapping in [addr, addr+size) of r (granularity-aligned)? */
+static bool nothing_mapped(struct td_resv *r, uintptr_t addr, size_t size) {
+    for (uintptr_t cur = addr, end = addr + size; cur < end; cur += cfg.gran)
+        if (slot_at(r, cur)) return false;
+    return true;
+}
+
 /* [addr, addr+n) wholly mapped (no access check)? */
 static struct td_resv *range_mapped(uintptr_t addr, size_t n) {
     struct td_resv *r = resv_find(addr, n);
@@ -2369,7 +2376,7 @@ CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *ha
         if (st.st_size < (off_t)(TD_TRAILER + cfg.gran) ||
             pread(fd, &t, sizeof t, st.st_size - (off_t)TD_TRAILER) != (ssize_t)sizeof t ||
             memcmp(t.magic, TD_MAGIC, 8) != 0 || t.phys >= (uint32_t)cfg.nphys)
-            RETURN(CUDA_ERROR_INVALID_VALUE);
+            RETURN(CUDA_ERROR_UNKNOWN); /* a file this driver did not export */
         key = t.key;
         char link[64], path[PATH_MAX];
         snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
@@ -2380,7 +2387,9 @@ CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *ha
         pagefd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
         if (pagefd < 0) RETURN(CUDA_ERROR_INVALID_VALUE);
     } else {
-        RETURN(CUDA_ERROR_INVALID_VALUE); /* not an fd this driver exported */
+        /* not an fd this driver exported: NVIDIA's driver answers a memfd
+         * with CUDA_ERROR_UNKNOWN (H200, driver 580.159.04) */
+        RETURN(CUDA_ERROR_UNKNOWN);
     }
     int phys = (int)(key >> TD_KEY_DEV_SHIFT);
     if (ordinal_of_phys(phys) < 0) {
@@ -2454,7 +2463,11 @@ CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGene
                           unsigned long long flags) {
     td_cost(FN_cuMemMap, size);
     ENTER(cuMemMap);
-    if (flags != 0 || offset != 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (flags != 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+    /* a mapping starts at offset 0 of its handle: NVIDIA's driver answers a
+     * granularity-aligned offset with NOT_SUPPORTED (seen on an H200,
+     * driver 580.159.04: docs/gpu-results) */
+    if (offset != 0) RETURN(offset % cfg.gran ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_SUPPORTED);
     struct td_handle *h = handle_get(handle);
     if (!h) RETURN(CUDA_ERROR_INVALID_VALUE);
     if (size == 0 || size % cfg.gran || (uintptr_t)ptr % cfg.gran || size > h->alloc->size)
@@ -2463,7 +2476,7 @@ CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGene
     if (!r) RETURN(CUDA_ERROR_INVALID_VALUE);
     size_t first = ((uintptr_t)ptr - r->base) / cfg.gran, n = size / cfg.gran;
     for (size_t s = first; s < first + n; s++)
-        if (r->slots[s]) RETURN(CUDA_ERROR_INVALID_VALUE); /* already mapped */
+        if (r->slots[s]) RETURN(CUDA_ERROR_NOT_SUPPORTED); /* already mapped: NOT_SUPPORTED, as NVIDIA's driver (H200) */
     struct td_map *m = calloc(1, sizeof *m);
     if (!m) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
     m->va = (uintptr_t)ptr;
@@ -2480,6 +2493,9 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
     td_cost(FN_cuMemUnmap, size);
     ENTER(cuMemUnmap);
     struct td_resv *r = resv_find((uintptr_t)ptr, size);
+    if (r && size > 0 && size % cfg.gran == 0 && ((uintptr_t)ptr - r->base) % cfg.gran == 0 &&
+        nothing_mapped(r, (uintptr_t)ptr, size))
+        RETURN(CUDA_SUCCESS); /* a reserved range with nothing mapped: a no-op, as NVIDIA's driver (H200) */
     if (!r || !whole_mappings(r, (uintptr_t)ptr, size)) RETURN(CUDA_ERROR_INVALID_VALUE);
     ops_purge((uintptr_t)ptr, size);
     uintptr_t cur = (uintptr_t)ptr, end = cur + size;
@@ -2501,7 +2517,8 @@ CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessD
     if (!desc || count == 0) RETURN(CUDA_ERROR_INVALID_VALUE);
     for (size_t i = 0; i < count; i++) {
         if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE) RETURN(CUDA_ERROR_INVALID_VALUE);
-        if (!valid_ordinal(desc[i].location.id)) RETURN(CUDA_ERROR_INVALID_DEVICE);
+        /* no such device: INVALID_VALUE, as NVIDIA's driver (H200) */
+        if (!valid_ordinal(desc[i].location.id)) RETURN(CUDA_ERROR_INVALID_VALUE);
         if (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE && desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READ &&
             desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
             RETURN(CUDA_ERROR_INVALID_VALUE);
