@@ -19,6 +19,7 @@ if [ "$DEV" = 1 ]; then
     build-essential cmake pkg-config
     libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
     libgtest-dev valgrind util-linux nlohmann-json3-dev
+    ccache  # scripts/test-llama.sh: the patched llama.cpp build reuses the unpatched one's objects
   )
 fi
 

@@ -4,14 +4,21 @@
 #   2. llama.cpp source: the pinned sdist of llama-cpp-python (vendor/llama.cpp)
 #   3. the C client built (shared, static and the self-contained embed
 #      archive) and installed to build/llama/kvcached-prefix
-#   4. build/llama/llama.cpp-kvc = that tree + integrations/llama.cpp/apply.py;
+#   4. build/llama/llama.cpp-kvc (a link to build/llama/kvc/src/...: below) =
+#      that tree + integrations/llama.cpp/apply.py;
 #      the Ollama compat form (apply.py --emit-compat) and the one-file patch
 #      are emitted from the pristine tree and checked with git apply
 #   5. llama-server and llama-quantize built twice, unpatched
 #      (build/llama/build-orig) and patched (build/llama/build-kvc), shared
 #      libraries as Ollama builds them (bin/ holds the programs and lib*.so);
 #      each build is skipped when the hash of its inputs matches the stamp of
-#      the last good build (about 7-8 min each on 2 cores when cold)
+#      the last good build (about 7-8 min on 2 cores when cold). Both compile
+#      through ccache (build/ccache) with base_dir build/llama, and the
+#      patched tree and its build dir sit in build/llama/kvc/ at the same
+#      relative place as the unpatched ones in build/llama/ (build-kvc and
+#      llama.cpp-kvc are links there): every source the hook leaves alone
+#      is a cache hit, so the patched build compiles only what the hook
+#      touches
 #   6. the patched sources compiled without the C client (pass-throughs), also
 #      cached by hash
 #   7. pytest tests/llama
@@ -27,12 +34,19 @@ LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"   # carries llama
 B="$REPO/build/llama"
 SDIST="$B/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
 ORIG="$B/src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
-KVC="$B/llama.cpp-kvc"
+# the patched tree and build: build/llama/kvc/{src/...,build-kvc}, at the same
+# place relative to each other as the unpatched ones in build/llama (ccache)
+KVC="$B/kvc/src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
+KVC_BUILD="$B/kvc/build-kvc"
 PREFIX="$B/kvcached-prefix"
 TARGETS=(llama-server llama-quantize)
 CMAKE_FLAGS=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DLLAMA_OPENSSL=OFF
              -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF
              -DBUILD_SHARED_LIBS=ON)
+if command -v ccache >/dev/null; then  # scripts/setup.sh --dev installs it
+  export CCACHE_DIR="${CCACHE_DIR:-$REPO/build/ccache}" CCACHE_BASEDIR="$B" CCACHE_NOHASHDIR=1 CCACHE_MAXSIZE=2G
+  CMAKE_FLAGS+=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+fi
 T0=$SECONDS
 step() { printf '\n==== test-llama [%ds]: %s ====\n' "$((SECONDS - T0))" "$*"; }
 mkdir -p "$B"
@@ -64,9 +78,8 @@ test -f "$PREFIX/lib/libkvcached_embed.a" || { echo "test-llama: no libkvcached_
 hash_of() { # files and strings -> one sha256
   { for x in "$@"; do if [[ -f "$x" ]]; then sha256sum "$x"; else echo "$x"; fi; done; } | sha256sum | cut -d' ' -f1
 }
-build_llama() { # name srcdir key [extra cmake args...]
-  local name=$1 src=$2 key=$3; shift 3
-  local dir="$B/build-$name" ok=1
+build_llama() { # name srcdir builddir key [extra cmake args...]
+  local name=$1 src=$2 dir=$3 key=$4 ok=1; shift 4
   for t in "${TARGETS[@]}"; do [[ -x "$dir/bin/$t" ]] || ok=0; done
   if [[ $ok == 1 && -f "$dir/.kvc-stamp" && "$(cat "$dir/.kvc-stamp")" == "$key" ]]; then
     echo "build-$name: up to date (stamp $key)"
@@ -79,22 +92,31 @@ build_llama() { # name srcdir key [extra cmake args...]
   cmake --build "$dir" --target "${TARGETS[@]}" -j"$JOBS" >"$B/$name-build.log" 2>&1 \
     || { tail -50 "$B/$name-build.log"; exit 1; }
   echo "$key" >"$dir/.kvc-stamp"
-  echo "build-$name: built in $((SECONDS - t)) s"
+  echo "build-$name: built in $((SECONDS - t)) s$(command -v ccache >/dev/null && ccache --print-stats 2>/dev/null \
+    | awk -F'\t' '$1 == "direct_cache_hit" || $1 == "preprocessed_cache_hit" {h += $2} $1 == "cache_miss" {m = $2}
+                  END {printf " (ccache so far: %d hits, %d misses)", h, m}')"
 }
 C_CLIENT_FILES=(clients/c/CMakeLists.txt clients/c/kvcached.pc.in $(ls clients/c/cmake/* clients/c/include/* clients/c/src/* | sort))
 HOOK_FILES=(integrations/llama.cpp/apply.py $(ls integrations/llama.cpp/kvcached_kv* | LC_ALL=C sort))
 
 step "unpatched llama.cpp (build/llama/build-orig: ${TARGETS[*]})"
 ORIG_KEY=$(hash_of "$SDIST" "${CMAKE_FLAGS[*]}" "${TARGETS[*]}")
-build_llama orig "$ORIG" "$ORIG_KEY"
+build_llama orig "$ORIG" "$B/build-orig" "$ORIG_KEY"
+
+# the patched tree's old places (before build/llama/kvc) become links to the new ones
+for l in "$B/llama.cpp-kvc:kvc/src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp" "$B/build-kvc:kvc/build-kvc"; do
+  path="${l%%:*}" target="${l#*:}"
+  if [[ ! -L "$path" || "$(readlink "$path")" != "$target" ]]; then rm -rf "$path"; ln -s "$target" "$path"; fi
+done
 
 step "apply the hook -> build/llama/llama.cpp-kvc"
 # the installed client itself too (the prelinked libkvcached_embed.a is deterministic):
 # the build links what is in $PREFIX now, whatever the sources said when it started
 KVC_KEY=$(hash_of "$SDIST" "${CMAKE_FLAGS[*]}" "${TARGETS[*]}" "${HOOK_FILES[@]}" "${C_CLIENT_FILES[@]}" \
   "$PREFIX/lib/libkvcached_embed.a" "$PREFIX/include/kvcached.h")
-if [[ ! -f "$B/build-kvc/.kvc-stamp" || "$(cat "$B/build-kvc/.kvc-stamp")" != "$KVC_KEY" || ! -d "$KVC" ]]; then
+if [[ ! -f "$KVC_BUILD/.kvc-stamp" || "$(cat "$KVC_BUILD/.kvc-stamp")" != "$KVC_KEY" || ! -d "$KVC" ]]; then
   if [[ ! -d "$KVC" ]]; then
+    mkdir -p "$(dirname "$KVC")"
     cp -a "$ORIG" "$KVC"
   else
     # back to pristine for the files the hook touches (mtimes kept: ninja rebuilds little)
@@ -125,7 +147,7 @@ fi
 echo "emitted $B/kvcached-llama-cpp.patch and $B/compat/ (git apply --check: ok)"
 
 step "patched llama.cpp (build/llama/build-kvc: ${TARGETS[*]})"
-build_llama kvc "$KVC" "$KVC_KEY" -DCMAKE_PREFIX_PATH="$PREFIX"
+build_llama kvc "$KVC" "$KVC_BUILD" "$KVC_KEY" -DCMAKE_PREFIX_PATH="$PREFIX"
 grep -q "kvcached: KV-cache hook on" "$B/kvc-configure.log" \
   || { echo "test-llama: the patched build did not find the C client ($B/kvc-configure.log)" >&2; exit 1; }
 
