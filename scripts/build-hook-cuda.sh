@@ -15,12 +15,16 @@
 #      (HOOK_CUDA_ARCH), the C client found (so the hook compiles its real
 #      path, LLAMA_KVCACHED, not the pass-throughs): CMake must accept nvcc
 #      and find the toolkit;
-#   3. libllama (the hook's code, device-buffer path included) with
-#      libggml-base and libggml in that configuration, and with
-#      HOOK_CUDA_SERVER=1 llama-server too (common, mtmd, the server: about
-#      three times the work; scripts/test-llama.sh builds and runs the hooked
-#      llama-server in the CPU configuration), without the backend modules
-#      (libggml-cuda, libggml-cpu: loaded at run time, not linked);
+#   3. the hook's objects in that configuration: kvcached_kv.cpp (its
+#      device-buffer path included) and llama-kv-cache.cpp (its call sites),
+#      checked to define the llama_kvcached_ functions; with
+#      HOOK_CUDA_LIBLLAMA=1 the whole libllama with libggml-base and libggml
+#      (about 70 more sources: some 6 minutes on 2 cores, which the default
+#      leaves to the llama suite's CPU builds), with HOOK_CUDA_SERVER=1
+#      llama-server too (common, mtmd, the server: three times that; the
+#      suite builds and runs the hooked llama-server in the CPU
+#      configuration), never the backend modules (libggml-cuda, libggml-cpu:
+#      loaded at run time, not linked);
 #   4. with nvcc, ggml-cuda.cu (the CUDA backend's host side: buffer types,
 #      device registry, the buffer functions the hook replaces; device code
 #      for the kernels in that file, one architecture) and the hook's source
@@ -44,8 +48,10 @@ PIP="$REPO/.venv/bin/pip"
 JOBS="${JOBS:-2}"
 LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"   # as scripts/test-llama.sh
 ARCH="${HOOK_CUDA_ARCH:-80}"
-TARGET=bin/libllama.so                              # HOOK_CUDA_SERVER=1: llama-server too
-[[ "${HOOK_CUDA_SERVER:-0}" == 1 ]] && TARGET=bin/llama-server
+TARGET=bin/libllama.so   # whose objects are filtered to the hook's, unless HOOK_CUDA_LIBLLAMA=1
+HOOK_ONLY=1
+[[ "${HOOK_CUDA_LIBLLAMA:-0}" == 1 ]] && HOOK_ONLY=0
+[[ "${HOOK_CUDA_SERVER:-0}" == 1 ]] && TARGET=bin/llama-server HOOK_ONLY=0
 B="$REPO/build/llama"
 SDIST="$B/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
 ORIG="$B/src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
@@ -86,10 +92,10 @@ hash_of() { { for x in "$@"; do if [[ -f "$x" ]]; then sha256sum "$x"; else echo
 CMAKE_FLAGS=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF
              -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DBUILD_SHARED_LIBS=ON -DGGML_BACKEND_DL=ON
              -DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$ARCH" -DCMAKE_EXPORT_COMPILE_COMMANDS=ON)
-KEY=$(hash_of "$SDIST" "$TARGET" "${CMAKE_FLAGS[*]}" "${versions[*]}" "${BASH_SOURCE[0]}" integrations/llama.cpp/apply.py \
+KEY=$(hash_of "$SDIST" "$TARGET" "hook-only=$HOOK_ONLY" "${CMAKE_FLAGS[*]}" "${versions[*]}" "${BASH_SOURCE[0]}" integrations/llama.cpp/apply.py \
   $(ls integrations/llama.cpp/kvcached_kv* | LC_ALL=C sort) clients/c/include/kvcached.h \
   $(ls clients/c/src/* | sort))
-if [[ -f "$OUT/.stamp" && "$(cat "$OUT/.stamp")" == "$KEY" && -e "$BLD/$TARGET" && -f "$OUT/hook_cuda_check.o" ]]; then
+if [[ -f "$OUT/.stamp" && "$(cat "$OUT/.stamp")" == "$KEY" && -f "$OUT/hook_cuda_check.o" ]]; then
   step "up to date (stamp $KEY): nothing to do"
   exit 0
 fi
@@ -126,7 +132,7 @@ if not any("-DLLAMA_KVCACHED" in c["command"] for c in cmds):
 print(f"kvcached_kv.cpp: {len(cmds)} compile command(s) with -DLLAMA_KVCACHED")
 EOF
 
-step "$TARGET with the hook ($JOBS jobs; backend modules excluded)"
+step "$([[ $HOOK_ONLY == 1 ]] && echo "the hook's objects of $TARGET" || echo "$TARGET with the hook") ($JOBS jobs; backend modules excluded)"
 # In this configuration libggml depends on every backend module (GGML_BACKEND_DL
 # loads them at run time, CMake builds them first): building llama-server with
 # ninja would compile all of ggml-cuda. So ninja builds the target's objects
@@ -134,9 +140,10 @@ step "$TARGET with the hook ($JOBS jobs; backend modules excluded)"
 # ninja's order; the modules are neither compiled nor linked.
 t=$SECONDS
 ninja -C "$BLD" -t commands "$TARGET" >"$OUT/commands.txt"
-"$PY" - "$OUT/commands.txt" "$OUT" <<'EOF'
+"$PY" - "$OUT/commands.txt" "$OUT" "$HOOK_ONLY" <<'EOF'
 import re, shlex, sys
 lines = open(sys.argv[1]).read().splitlines()
+hook_only = sys.argv[3] == "1"
 module = re.compile(r"ggml-cuda|ggml-cpu|/nvcc ")
 objs, links = [], []
 for line in lines:
@@ -148,6 +155,11 @@ for line in lines:
             objs.append(args[args.index("-o") + 1])
     elif line.startswith(": && ") or "cmake_symlink_library" in line:
         links.append(line)
+if hook_only:  # the hook's source and its call sites; nothing linked
+    objs = [o for o in objs if o.endswith(("/kvcached_kv.cpp.o", "/llama-kv-cache.cpp.o"))]
+    links = []
+    if len(objs) != 2:
+        sys.exit(f"build-hook-cuda: the hook's two objects are not in the build: {objs}")
 open(f"{sys.argv[2]}/objects.txt", "w").write("\n".join(objs) + "\n")
 open(f"{sys.argv[2]}/links.sh", "w").write("set -e\n" + "\n".join(links) + "\n")
 print(f"{len(objs)} objects, {len(links)} link steps (backend modules excluded: "
@@ -155,12 +167,19 @@ print(f"{len(objs)} objects, {len(links)} link steps (backend modules excluded: 
 EOF
 xargs -a "$OUT/objects.txt" ninja -C "$BLD" -j"$JOBS" >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 (cd "$BLD" && bash "$OUT/links.sh") >>"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-test -e "$BLD/$TARGET" || { echo "build-hook-cuda: no $TARGET" >&2; exit 1; }
 echo "built in $((SECONDS - t)) s"
-LIBLLAMA="$BLD/bin/libllama.so"
-NSYM="$(nm -D --defined-only "$LIBLLAMA" | grep -c ' llama_kvcached_' || true)"
-[[ "$NSYM" -gt 0 ]] || { echo "build-hook-cuda: $LIBLLAMA has no llama_kvcached_ symbols" >&2; exit 1; }
-echo "libllama.so: $NSYM llama_kvcached_ symbols$([[ $TARGET == bin/llama-server ]] && echo '; llama-server linked')"
+if [[ $HOOK_ONLY == 1 ]]; then
+  HOOK_OBJ="$BLD/$(grep '/kvcached_kv.cpp.o$' "$OUT/objects.txt")"
+  NSYM="$(nm --defined-only "$HOOK_OBJ" | grep -c ' T llama_kvcached_' || true)"
+  [[ "$NSYM" -gt 0 ]] || { echo "build-hook-cuda: $HOOK_OBJ defines no llama_kvcached_ function" >&2; exit 1; }
+  echo "kvcached_kv.cpp.o: $NSYM llama_kvcached_ functions (HOOK_CUDA_LIBLLAMA=1 links libllama too)"
+else
+  test -e "$BLD/$TARGET" || { echo "build-hook-cuda: no $TARGET" >&2; exit 1; }
+  LIBLLAMA="$BLD/bin/libllama.so"
+  NSYM="$(nm -D --defined-only "$LIBLLAMA" | grep -c ' llama_kvcached_' || true)"
+  [[ "$NSYM" -gt 0 ]] || { echo "build-hook-cuda: $LIBLLAMA has no llama_kvcached_ symbols" >&2; exit 1; }
+  echo "libllama.so: $NSYM llama_kvcached_ symbols$([[ $TARGET == bin/llama-server ]] && echo '; llama-server linked')"
+fi
 
 step "nvcc: ggml-cuda.cu and the hook in one translation unit, with the layout checks"
 t=$SECONDS

@@ -180,7 +180,8 @@ status=0
 
 # 8. the hook compiled in llama.cpp's CUDA configuration with NVIDIA's wheels
 #    from PyPI (issue 17 item 6; compiled, not run: no GPU here). Cached by
-#    input hash: about 10 min cold on 2 cores, under a second warm.
+#    input hash: about 3 min cold on 2 cores (the toolkit's download aside),
+#    under a second warm.
 step "the hook in llama.cpp's CUDA configuration (scripts/build-hook-cuda.sh)"
 scripts/build-hook-cuda.sh || status=$?
 step "done (exit $status)"
