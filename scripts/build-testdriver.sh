@@ -10,6 +10,9 @@
 # Idempotent: rebuilds only when a source, the header or this script changed.
 # Never installs anything system-wide. Prints the library path last.
 # `--include-dir` prints the directory holding cuda.h instead of building.
+# `--pinned-header` prints build/cuda-runtime-<pin>/nvidia/cu13/include/cuda.h,
+# the place looked in when the venv has no such wheel, copying the header
+# found there first (the GPU bundle carries it: its host cannot download it).
 # `--public-only` builds build/testdriver-public/libcuda.so.1 instead: the
 # same driver without its private features (no KVCACHED_TESTDRV_* knob,
 # state directory, leak report or fault injection is read), a stand-in for
@@ -28,6 +31,8 @@ SRC="$REPO/tests/cudadriver"
 OUT="$REPO/build/testdriver"
 [[ $PUBLIC_ONLY == 1 ]] && OUT="$REPO/build/testdriver-public"
 CC="${CC:-cc}"
+PINNED_DIR="$REPO/build/cuda-runtime-$CUDA_RUNTIME_VERSION"   # the pinned wheel's header, extracted
+PINNED_HDR="$PINNED_DIR/nvidia/cu13/include/cuda.h"
 mkdir -p "$OUT"
 
 find_header() {
@@ -56,8 +61,7 @@ EOF
             echo "build-testdriver: venv has nvidia-cuda-runtime $v, want $CUDA_RUNTIME_VERSION; using the pinned wheel" >&2
         fi
     fi
-    local dir="$REPO/build/cuda-runtime-$CUDA_RUNTIME_VERSION"
-    local hdr="$dir/nvidia/cu13/include/cuda.h"
+    local dir="$PINNED_DIR" hdr="$PINNED_HDR"
     if [[ ! -f "$hdr" ]]; then
         local pip="$REPO/.venv/bin/pip"
         [[ -x "$pip" ]] || pip="python3 -m pip"
@@ -85,6 +89,11 @@ if [[ ! -f "$HDR" ]]; then
     exit 1
 fi
 INC="$(dirname "$HDR")"
+if [[ "${1:-}" == "--pinned-header" ]]; then
+    if [[ "$HDR" != "$PINNED_HDR" ]]; then mkdir -p "$(dirname "$PINNED_HDR")" && cp "$HDR" "$PINNED_HDR"; fi
+    echo "$PINNED_HDR"
+    exit 0
+fi
 if [[ "${1:-}" == "--include-dir" ]]; then
     # where cuda.h is (tests compile against the same header)
     echo "$INC"

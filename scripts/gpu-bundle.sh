@@ -77,12 +77,8 @@ note() { PART_HASH[$1]="$2"; PART_SIZE[$1]="$(stat -c %s "$OUT/parts/$1.tar.xz")
 # plus NVIDIA's cuda.h of the test driver's pin, where build-testdriver.sh
 # looks for it when the venv has no such wheel (a GPU host has no network to
 # download it; tests/cuda compile against it)
-CUDA_RT="$(sed -n 's/^CUDA_RUNTIME_VERSION="\(.*\)"$/\1/p' scripts/build-testdriver.sh)"
-CUDA_H="build/cuda-runtime-$CUDA_RT/nvidia/cu13/include/cuda.h"
-if [[ ! -f "$CUDA_H" ]]; then
-    mkdir -p "$(dirname "$CUDA_H")"
-    cp "$(scripts/build-testdriver.sh --include-dir | tail -1)/cuda.h" "$CUDA_H"
-fi
+CUDA_H="$(scripts/build-testdriver.sh --pinned-header | tail -1)"
+CUDA_H="${CUDA_H#"$REPO/"}"
 REPO_HASH="$("$PY" "$PACK" hash "$REPO" --extra "repo-part-v2 $CUDA_H")"
 if cached repo "$REPO_HASH"; then how=cached; else
     LIST="$(mktemp)"; { "$PY" "$PACK" repo-files "$REPO"; echo "$CUDA_H"; } >"$LIST"

@@ -104,7 +104,7 @@ ORIG_KEY=$(hash_of "$SDIST" "${CMAKE_FLAGS[*]}" "${TARGETS[*]}")
 build_llama orig "$ORIG" "$B/build-orig" "$ORIG_KEY"
 
 # the patched tree's old places (before build/llama/kvc) become links to the new ones
-for l in "$B/llama.cpp-kvc:kvc/src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp" "$B/build-kvc:kvc/build-kvc"; do
+for l in "$B/llama.cpp-kvc:${KVC#"$B/"}" "$B/build-kvc:${KVC_BUILD#"$B/"}"; do
   path="${l%%:*}" target="${l#*:}"
   if [[ ! -L "$path" || "$(readlink "$path")" != "$target" ]]; then rm -rf "$path"; ln -s "$target" "$path"; fi
 done
