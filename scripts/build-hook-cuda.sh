@@ -75,11 +75,7 @@ step "C client prefix"
 PREFIX="$B/kvcached-prefix"   # scripts/test-llama.sh installs it there
 if [[ ! -f "$PREFIX/include/kvcached.h" ]]; then
   PREFIX="$OUT/kvcached-prefix"
-  if [[ ! -f "$REPO/build/c/CMakeCache.txt" ]]; then
-    cmake -S clients/c -B build/c -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-  fi
-  cmake --build build/c -j"$JOBS" --target kvcached >/dev/null
-  cmake --install build/c --prefix "$PREFIX" >/dev/null
+  "$REPO/scripts/build-c.sh" --install "$PREFIX" kvcached >/dev/null
 fi
 echo "$PREFIX"
 

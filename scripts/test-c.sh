@@ -22,12 +22,10 @@ fi
 step() { printf '\n==== test-c: %s ====\n' "$*"; }
 
 step "configure + build build/c"
-cmake -S "$SRC" -B "$REPO/build/c" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build "$REPO/build/c" -j"$JOBS"
+"$REPO/scripts/build-c.sh"
 
 step "configure + build build/c-asan (AddressSanitizer + UndefinedBehaviorSanitizer)"
-cmake -S "$SRC" -B "$REPO/build/c-asan" -DCMAKE_BUILD_TYPE=Debug -DKVC_SANITIZE=ON >/dev/null
-cmake --build "$REPO/build/c-asan" -j"$JOBS"
+"$REPO/scripts/build-c.sh" --asan
 
 status=0
 step "ctest build/c (unit, integration host + cuda, valgrind)"

@@ -21,10 +21,14 @@
 #      touches
 #   6. the patched sources compiled without the C client (pass-throughs), also
 #      cached by hash
-#   7. pytest tests/llama
-#   8. scripts/build-hook-cuda.sh: the hook compiled with GGML_CUDA=ON (NVIDIA's PyPI wheels)
+#   7. scripts/build-hook-cuda.sh: the hook compiled with GGML_CUDA=ON (NVIDIA's PyPI wheels)
+#   8. pytest tests/llama (extra arguments go to pytest)
+# With --build-only (first argument) it stops after 7: scripts/prebuild.sh
+# runs that in the background while the earlier suites run.
 # Exits non-zero on any failure. Nothing from llama.cpp lands in the repository.
 set -euo pipefail
+BUILD_ONLY=0
+if [[ "${1:-}" == --build-only ]]; then BUILD_ONLY=1; shift; fi
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -65,14 +69,10 @@ fi
 test -d "$ORIG/tools/server" || { echo "test-llama: $ORIG has no tools/server" >&2; exit 1; }
 
 step "C client -> $PREFIX"
-if [[ ! -f "$REPO/build/c/CMakeCache.txt" ]]; then
-  cmake -S clients/c -B build/c -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-fi
 # the hook's static link needs libkvcached_embed.a (built from Debian's static gRPC,
 # protobuf and abseil archives: libgrpc++-dev and libprotobuf-dev ship them)
-cmake --build build/c -j"$JOBS" --target kvcached kvcached_static kvcached_embed kvc_kv_region >/dev/null
 rm -rf "$PREFIX"
-cmake --install build/c --prefix "$PREFIX" >/dev/null
+scripts/build-c.sh --install "$PREFIX" kvcached kvcached_static kvcached_embed kvc_kv_region >/dev/null
 test -f "$PREFIX/lib/libkvcached_embed.a" || { echo "test-llama: no libkvcached_embed.a in $PREFIX/lib" >&2; exit 1; }
 
 hash_of() { # files and strings -> one sha256
@@ -169,20 +169,21 @@ else
   echo "build-nokvc: up to date (stamp $NOKVC_KEY)"
 fi
 
+# 7. the hook compiled in llama.cpp's CUDA configuration with NVIDIA's wheels
+#    from PyPI (issue 17 item 6; compiled, not run: no GPU here). Cached by
+#    input hash: about 3 min cold on 2 cores (the toolkit's download aside),
+#    under a second warm.
+status=0
+step "the hook in llama.cpp's CUDA configuration (scripts/build-hook-cuda.sh)"
+scripts/build-hook-cuda.sh || status=$?
+if [[ $BUILD_ONLY == 1 ]]; then step "done: builds only (exit $status)"; exit $status; fi
+
 step "pytest tests/llama"
 export LLAMA_SERVER_ORIG="$B/build-orig/bin/llama-server"
 export LLAMA_SERVER_KVC="$B/build-kvc/bin/llama-server"
 export LLAMA_QUANTIZE_ORIG="$B/build-orig/bin/llama-quantize"
 export LLAMA_QUANTIZE_KVC="$B/build-kvc/bin/llama-quantize"
 export LLAMA_CPP_ORIG="$ORIG"
-status=0
 "$PY" -m pytest -v -p no:cacheprovider tests/llama "$@" || status=$?
-
-# 8. the hook compiled in llama.cpp's CUDA configuration with NVIDIA's wheels
-#    from PyPI (issue 17 item 6; compiled, not run: no GPU here). Cached by
-#    input hash: about 3 min cold on 2 cores (the toolkit's download aside),
-#    under a second warm.
-step "the hook in llama.cpp's CUDA configuration (scripts/build-hook-cuda.sh)"
-scripts/build-hook-cuda.sh || status=$?
 step "done (exit $status)"
 exit $status

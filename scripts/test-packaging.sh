@@ -13,8 +13,12 @@
 #      venvs and run from there; the image run from its filesystem as its
 #      user (tests/packaging/imagerun.py)
 # podman keeps its images in build/packaging/podman (not the machine's
-# default store). Exits non-zero on any failure.
+# default store). With --build-only (first argument) it stops after 4:
+# scripts/prebuild.sh runs that in the background while the earlier suites
+# run. Exits non-zero on any failure. Extra arguments go to pytest.
 set -euo pipefail
+BUILD_ONLY=0
+if [[ "${1:-}" == --build-only ]]; then BUILD_ONLY=1; shift; fi
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -96,6 +100,8 @@ else
   "${PODMAN[@]}" images --format '{{.Repository}}:{{.Tag}}' | grep -E '^localhost/kvcached(-base)?:' \
     | grep -v -e "^$IMAGE\$" -e "^$BASE_IMAGE\$" | xargs -r "${PODMAN[@]}" rmi -f >/dev/null 2>&1 || true
 fi
+
+if [[ $BUILD_ONLY == 1 ]]; then step "done: builds only"; exit 0; fi
 
 step "pytest tests/packaging"
 export KVC_PKG_DIST="$B/dist" KVC_PKG_IMAGE="$IMAGE" KVC_PKG_WORK="$B" KVC_PKG_PODMAN="${PODMAN[*]}"

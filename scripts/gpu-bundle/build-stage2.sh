@@ -21,7 +21,7 @@
 # (KVCACHED_REPO; KVC_REPO_ROOT, KVC_SERVE, KVC_PYTHON, KVC_TEST_HELPER).
 #
 # gpu-bundle-xz: 9   (the Go and C test programs share most of their code: 13.5 -> 7.8 MB for some 25 s more)
-# gpu-bundle-inputs: clients/go clients/c protos scripts/gpu-bundle/build-stage2.sh
+# gpu-bundle-inputs: clients/go clients/c protos scripts/gpu-bundle/build-stage2.sh scripts/build-c.sh
 set -euo pipefail
 
 PART="${1:?usage: build-stage2.sh PARTDIR}"
@@ -43,11 +43,7 @@ echo "build-stage2: go test -c (clients/go, clients/go/ollama)"
 # The C client with gRPC inside: build/c's libkvcached_embed.a (scripts/test-c.sh
 # and scripts/test-llama.sh build build/c; this only brings it up to date).
 EMBED="$REPO/build/c/libkvcached_embed.a"
-if [[ ! -f "$REPO/build/c/CMakeCache.txt" ]]; then
-    echo "build-stage2: configuring build/c (as scripts/test-c.sh does)"
-    cmake -S clients/c -B build/c -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-fi
-cmake --build build/c -j"$JOBS" --target kvcached_embed >/dev/null
+"$REPO/scripts/build-c.sh" kvcached_embed >/dev/null
 [[ -f "$EMBED" ]] || { echo "build-stage2: build/c made no libkvcached_embed.a (Debian's static gRPC/protobuf/abseil archives missing? scripts/setup.sh)" >&2; exit 1; }
 GTEST_A="$(find /usr/lib /usr/local/lib -name libgtest.a 2>/dev/null | head -1)"
 [[ -n "$GTEST_A" ]] || { echo "build-stage2: libgtest.a missing (apt-get install libgtest-dev)" >&2; exit 1; }
