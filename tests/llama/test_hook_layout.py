@@ -11,7 +11,10 @@ f16 and q8_0 caches.
 Shapes: the three small models of the issue's report (where the old layout,
 one page-aligned range per tensor, held 4-8x stock), a 0.5B-like, a 1B-like
 and an 8B-like model (their real layer count, KV heads and head width, on a
-narrow residual stream so the random weights stay small). Each run writes
+narrow residual stream so the random weights stay small, and with as many
+query heads as KV heads: the query heads never reach the cache, whose
+tensors are n_head_kv x head_dim wide, and the real 7x/4x more made the
+long prompts' attention take most of the suite's time). Each run writes
 build/llama/layout-<shape>-<kv>.json: per prompt, the stock bytes, what the
 old layout would hold for the same cells (`before`, computed by
 `layout_held` below, which gives the issue's own measured figures for its
@@ -41,12 +44,12 @@ SHAPES = {
     "2L-1kv-d32": (dict(n_layer=2, n_embd=64, n_head=2, n_head_kv=1, head_dim=32, n_ff=128), 4096, 2),
     # 6 layers x 3 KV heads of 32 (192 B rows), 8192 cells x 2 streams
     "6L-3kv-d32": (dict(n_layer=6, n_embd=96, n_head=3, n_head_kv=3, head_dim=32, n_ff=192), 16384, 2),
-    # Qwen2-0.5B: 24 layers, 14 heads, 2 KV heads of 64 (256 B rows); num_ctx 4096, one slot
-    "0.5B-like": (dict(n_layer=24, n_embd=128, n_head=14, n_head_kv=2, head_dim=64, n_ff=128), 4096, 1),
-    # Llama-3.2-1B: 16 layers, 32 heads, 8 KV heads of 64 (1 KiB rows); 8192 cells x 2 slots
-    "1B-like": (dict(n_layer=16, n_embd=128, n_head=32, n_head_kv=8, head_dim=64, n_ff=128), 16384, 2),
-    # Llama-3-8B: 32 layers, 32 heads, 8 KV heads of 128 (2 KiB rows); num_ctx 4096, one slot
-    "8B-like": (dict(n_layer=32, n_embd=128, n_head=32, n_head_kv=8, head_dim=128, n_ff=128), 4096, 1),
+    # Qwen2-0.5B: 24 layers, 2 KV heads of 64 (256 B rows; 14 query heads there); num_ctx 4096, one slot
+    "0.5B-like": (dict(n_layer=24, n_embd=128, n_head=2, n_head_kv=2, head_dim=64, n_ff=128), 4096, 1),
+    # Llama-3.2-1B: 16 layers, 8 KV heads of 64 (1 KiB rows; 32 query heads there); 8192 cells x 2 slots
+    "1B-like": (dict(n_layer=16, n_embd=128, n_head=8, n_head_kv=8, head_dim=64, n_ff=128), 16384, 2),
+    # Llama-3-8B: 32 layers, 8 KV heads of 128 (2 KiB rows; 32 query heads there); num_ctx 4096, one slot
+    "8B-like": (dict(n_layer=32, n_embd=128, n_head=8, n_head_kv=8, head_dim=128, n_ff=128), 4096, 1),
 }
 # llama.cpp refuses a q8_0 cache for heads narrower than its 32-element
 # block ("K cache type q8_0 with block size 32 does not divide
