@@ -11,6 +11,7 @@
 # at, the suite builds again in the foreground and reports there.
 #
 #   scripts/prebuild.sh [STEP...]     steps, in this order by default:
+#     go          the Go suite's tools, its packages compiled (test-go.sh --build-only)
 #     c           build/c and build/c-asan (scripts/build-c.sh)       -> test-c.sh
 #     packaging   sdist, wheel, images (test-packaging.sh --build-only)
 #     llama       llama.cpp unpatched and patched, the hook's CUDA objects
@@ -32,18 +33,19 @@ chrt --idle -p 0 $$ 2>/dev/null || renice -n 19 -p $$ >/dev/null 2>&1 || true
 ionice -c 3 -p $$ 2>/dev/null || true
 
 steps=("$@")
-[[ ${#steps[@]} -gt 0 ]] || steps=(c packaging llama ollama gpu-bundle)
+[[ ${#steps[@]} -gt 0 ]] || steps=(go c packaging llama ollama gpu-bundle)
 mkdir -p "$S"
 for s in "${steps[@]}"; do rm -f "$S/$s.rc"; done
 
 run_step() {
   case "$1" in
+    go) scripts/test-go.sh --build-only ;;
     c) scripts/build-c.sh && scripts/build-c.sh --asan ;;
     packaging) scripts/test-packaging.sh --build-only ;;
     llama) scripts/test-llama.sh --build-only ;;
     ollama) scripts/test-ollama.sh --build-only ;;
     gpu-bundle) scripts/gpu-bundle.sh "$ROOT/build/gpu-bundle/dry-run/bundle" ;;
-    *) echo "prebuild: no step $1 (c, packaging, llama, ollama, gpu-bundle)" >&2; return 2 ;;
+    *) echo "prebuild: no step $1 (go, c, packaging, llama, ollama, gpu-bundle)" >&2; return 2 ;;
   esac
 }
 

@@ -12,7 +12,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 
 suites=(python go c packaging llama ollama gpu-bundle)
-prebuilt=(c packaging llama ollama gpu-bundle)   # scripts/prebuild.sh's steps, one per suite
+prebuilt=(go c packaging llama ollama gpu-bundle)   # scripts/prebuild.sh's steps, one per suite
 declare -A result seconds
 failed=0
 T0=$SECONDS

@@ -7,7 +7,13 @@
 # installed by scripts/setup.sh), .venv with kvcached-serve (scripts/setup.sh).
 # Installs the pinned protoc plugins itself, and builds the CUDA test driver
 # when it is missing. Extra arguments go to `go test` (e.g. -run TestRegion -v).
+# With --build-only (first argument) it installs the tools and compiles what
+# the checks and tests run (go vet, go test -race -run '^$': Go's build cache
+# keeps it), runs nothing else, and stops: scripts/prebuild.sh runs that in
+# the background while the Python suite runs.
 set -euo pipefail
+BUILD_ONLY=0
+if [[ "${1:-}" == --build-only ]]; then BUILD_ONLY=1; shift; fi
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT/clients/go"
 
@@ -26,6 +32,12 @@ have_version staticcheck "${STATICCHECK#v}" || go install "honnef.co/go/tools/cm
 
 if [ ! -f "$ROOT/build/testdriver/libcuda.so.1" ]; then
     "$ROOT/scripts/build-testdriver.sh"
+fi
+
+if [[ $BUILD_ONLY == 1 ]]; then
+    echo "== compile: go vet, go test -race (nothing run)"
+    go vet ./... && CGO_ENABLED=0 go vet ./... && go test -race -count=1 -run '^$' ./... >/dev/null
+    exit
 fi
 
 echo "== gofmt"

@@ -184,6 +184,6 @@ export LLAMA_SERVER_KVC="$B/build-kvc/bin/llama-server"
 export LLAMA_QUANTIZE_ORIG="$B/build-orig/bin/llama-quantize"
 export LLAMA_QUANTIZE_KVC="$B/build-kvc/bin/llama-quantize"
 export LLAMA_CPP_ORIG="$ORIG"
-"$PY" -m pytest -v -p no:cacheprovider tests/llama "$@" || status=$?
+"$PY" -m pytest -v -p no:cacheprovider --durations=12 tests/llama "$@" || status=$?
 step "done (exit $status)"
 exit $status

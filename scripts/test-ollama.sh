@@ -103,7 +103,7 @@ for v in "${OTHERS[@]}"; do go_tests "$v" "$B/v$v-kvc/.work/ollama"; done
 
 step "pytest tests/ollama"
 status=0
-"$PY" -m pytest -v -s -p no:cacheprovider tests/ollama "$@" || status=$?
+"$PY" -m pytest -v -s -p no:cacheprovider --durations=12 tests/ollama "$@" || status=$?
 
 # The capacity scenario on a real Ollama (issue 14) in its quick mode: stock
 # vs kvcached on one seeded trace; fails on differing greedy outputs or

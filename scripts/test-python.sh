@@ -8,7 +8,7 @@ set +e
 # tests/llama needs llama-server builds: scripts/test-llama.sh runs it;
 # tests/packaging needs the sdist, wheel and image: scripts/test-packaging.sh;
 # tests/ollama needs the Ollama builds: scripts/test-ollama.sh.
-.venv/bin/python -m pytest tests --ignore=tests/llama --ignore=tests/packaging --ignore=tests/ollama "$@"
+.venv/bin/python -m pytest --durations=12 tests --ignore=tests/llama --ignore=tests/packaging --ignore=tests/ollama "$@"
 rc=$?
 if [ $rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi
 
