@@ -72,26 +72,19 @@ mkdir -p "$B/stockgo-kvc/bin"
 cp -f "$B/stock/bin/ollama" "$B/stockgo-kvc/bin/ollama"
 rm -rf "$B/stockgo-kvc/lib" && mkdir -p "$B/stockgo-kvc/lib" && cp -a "$B/kvc/lib/ollama" "$B/stockgo-kvc/lib/ollama"
 
-if [[ $BUILD_ONLY == 1 ]]; then
-  go_compile() { # version work-tree
-    step "Ollama v$1: compile what go vet and go test run (nothing run)"
-    cp tests/ollama/sched_kvcached_test.go "$2/server/"
-    (cd "$2" && go vet ./envconfig ./llm ./server && go test -count=1 -run '^$' ./envconfig ./llm ./server >/dev/null) \
-      || die "compiling Ollama v$1's tests failed"
-  }
-  go_compile "$DEFAULT" "$B/kvc/.work/ollama"
-  for v in "${OTHERS[@]}"; do go_compile "$v" "$B/v$v-kvc/.work/ollama"; done
-  step "done: builds only"
-  exit 0
-fi
-
-go_tests() { # version work-tree
-  local v="$1" W="$2" out
-  step "Ollama v$v: Ollama's tests of the patched packages + the scheduler with a daemon (go test)"
+go_tests() { # version work-tree (with --build-only: go vet, and the tests compiled, not run)
+  local v="$1" W="$2" out pkgs=(./envconfig ./llm ./server)
   cp tests/ollama/sched_kvcached_test.go "$W/server/"
+  if [[ $BUILD_ONLY == 1 ]]; then
+    step "Ollama v$v: compile what go vet and go test run (nothing run)"
+    (cd "$W" && go vet "${pkgs[@]}" && go test -count=1 -run '^$' "${pkgs[@]}" >/dev/null) \
+      || die "compiling Ollama v$v's tests failed"
+    return
+  fi
+  step "Ollama v$v: Ollama's tests of the patched packages + the scheduler with a daemon (go test)"
   unformatted="$(cd "$W" && gofmt -l envconfig/kvcached.go llm/kvcached.go llm/kvcached_model.go server/sched_kvcached.go server/sched_kvcached_test.go)"
   [[ -z "$unformatted" ]] || die "gofmt (v$v): $unformatted"
-  (cd "$W" && go vet ./envconfig ./llm ./server) || die "go vet failed on v$v"
+  (cd "$W" && go vet "${pkgs[@]}") || die "go vet failed on v$v"
   (cd "$W" && go test -count=1 ./envconfig ./llm && go test -count=1 -skip Kvcached ./server) \
     || die "Ollama v$v's own tests of the patched packages failed"
   out="$(cd "$W" && KVCACHED_SERVE="$REPO/.venv/bin/kvcached-serve" go test -count=1 -v -run Kvcached ./server 2>&1)" \
@@ -100,6 +93,7 @@ go_tests() { # version work-tree
 }
 go_tests "$DEFAULT" "$B/kvc/.work/ollama"
 for v in "${OTHERS[@]}"; do go_tests "$v" "$B/v$v-kvc/.work/ollama"; done
+if [[ $BUILD_ONLY == 1 ]]; then step "done: builds only"; exit 0; fi
 
 step "pytest tests/ollama"
 status=0
