@@ -65,6 +65,34 @@ def test_plan_and_deadline_rows():
     assert all(r["verdict"] == "skip" and r["seen"] == "skip: stage deadline" for r in rows)
 
 
+def test_decode_figures_split_per_token_and_per_request_costs():
+    """Two run lengths: each variant's median run time is fixed + n * per
+    token. Patched here pays 2 ms per request and the same 400 us per token:
+    the split says so, and the ratios name the variant they divide by."""
+    def tps(fixed_s, per_token_s, n):
+        return n / (fixed_s + n * per_token_s)
+    samples = {
+        "unpatched": {128: [tps(0.0, 400e-6, 128)] * 3, 1024: [tps(0.0, 400e-6, 1024)] * 3},
+        "patched_no_daemon": {128: [tps(0.0, 400e-6, 128)] * 3, 1024: [tps(0.0, 400e-6, 1024)] * 3},
+        "patched": {128: [tps(2e-3, 400e-6, 128)] * 3, 1024: [tps(2e-3, 400e-6, 1024)] * 3},
+        "unpatched_graphs_off": {128: [tps(0.0, 800e-6, 128)] * 3, 1024: [tps(0.0, 800e-6, 1024)] * 3},
+        "patched_graphs_off": {128: [tps(0.0, 800e-6, 128)] * 3, 1024: [tps(0.0, 800e-6, 1024)] * 3},
+    }
+    figs = gl.decode_figures(samples, "cuda", "A")
+    assert figs["decode_us_per_token_unpatched"]["value"] == 400.0
+    assert figs["decode_us_per_token_patched"]["value"] == 400.0
+    assert figs["decode_ms_per_request_unpatched"]["value"] == 0.0
+    assert figs["decode_ms_per_request_patched"]["value"] == 2.0
+    assert figs["decode_patched_no_daemon_over_unpatched"]["value"] == 1.0
+    assert figs["decode_patched_over_unpatched"]["value"] == round(0.4096 / 0.4116, 3)
+    assert figs["decode_patched_over_unpatched_graphs_off"]["value"] == 1.0  # against graphs-off unpatched
+    assert figs["decode_unpatched_graphs_off_over_unpatched"]["value"] == 0.5
+    line = gl.decode_summary(figs)
+    for part in ("patched without the daemon 2500 (1.000)", "CUDA graphs off: unpatched 1250, patched 1250 (1.000)",
+                 "per token 400.0 / 400.0 us, per request 0.00 / 2.00 ms"):
+        assert part in line, line
+
+
 def test_skip_mode_names_every_check(tmp_path):
     assert gl.main(["skip", "--out", str(tmp_path), "--reason", "no CUDA runtime"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
@@ -74,11 +102,13 @@ def test_skip_mode_names_every_check(tmp_path):
 
 
 def test_decode_and_bench_figures_have_the_figures_json_shape():
-    figs = gl.decode_figures([100.0, 120.0, 110.0], [90.0, 108.0, 99.0], "cuda", "A")
+    figs = gl.decode_figures({"unpatched": {1000: [100.0, 120.0, 110.0]}, "patched": {1000: [90.0, 108.0, 99.0]}}, "cuda", "A")
     assert figs["decode_tokens_per_s_unpatched"]["value"] == 110.0
     assert figs["decode_tokens_per_s_patched"]["value"] == 99.0
+    assert figs["decode_tokens_per_s_patched"]["samples"] == [90.0, 108.0, 99.0]
     assert figs["decode_patched_over_unpatched"]["value"] == 0.9
-    assert gl.decode_figures([], [], "cuda", "A")["decode_patched_over_unpatched"]["value"] == 0.0
+    assert gl.decode_figures({}, "cuda", "A") == {}
+    assert "0.900" in gl.decode_summary(figs) and "1000 tokens, median of 3" in gl.decode_summary(figs)
     s = lambda p50, p99: {"n": 10, "p50_us": p50, "p99_us": p99, "mean_us": p50}  # noqa: E731
     res = {"scenarios": {
         "allocate64": {"daemon_warm": s(300, 500), "baseline_inproc_create_map": s(9000, 12000), "daemon_cold": s(8000, 9000)},
@@ -97,6 +127,16 @@ def test_decode_and_bench_figures_have_the_figures_json_shape():
     calls, r = gpu_figures.driver_call_figures({"cuMemCreate": [1e-4] * 99 + [1e-2], "cuMemMap": [2e-6] * 100}, 2 * MiB, "real")
     assert calls["stage4.cuMemCreate_p50_us"]["value"] == 100.0 and calls["stage4.cuMemCreate_p99_us"]["value"] == 10000.0
     assert "stage4.cuMemUnmap_p50_us" not in calls and r["verdict"] == "info" and "[CUDA test driver]" not in r["seen"]
+    # export/import per page, and one call over a run of pages against one per page
+    calls, r = gpu_figures.driver_call_figures({"cuMemSetAccess": [25e-6] * 10, "cuMemSetAccess_run": [64e-6] * 4,
+                                                "cuMemImportFromShareableHandle": [30e-6] * 10}, 2 * MiB, "real", batch=32)
+    assert calls["stage4.cuMemSetAccess_run_32_pages_p50_us"]["value"] == 64.0
+    assert calls["stage4.cuMemSetAccess_run_32_pages_p50_us"]["per_page_us"] == 2.0
+    assert calls["stage4.cuMemImportFromShareableHandle_p50_us"]["value"] == 30.0
+    assert "SetAccess over 32 pages in one call 64 us p50 (2.00 per page against 25.0 one by one)" in r["seen"], r["seen"]
+    assert "Import 30.0/30.0" in r["seen"]
+    _, r = gpu_figures.driver_call_figures({"cuMemMap": [2e-6]}, 2 * MiB, "real", run_error="CudaDriverError: NOT_SUPPORTED")
+    assert "one call over 32 mapped pages refused: CudaDriverError: NOT_SUPPORTED" in r["seen"]
 
 
 def stage3(tmp_path, **env) -> tuple[int, list[dict], str]:

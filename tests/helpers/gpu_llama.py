@@ -3,12 +3,15 @@ device, checked against the unpatched llama-server, one row per check.
 
     python tests/helpers/gpu_llama.py checks --device cuda|cpu --orig BIN --kvc BIN \
         --out DIR [--deadline EPOCH] [--rows FILE]
-    python tests/helpers/gpu_llama.py decode --device cuda|cpu --orig BIN --kvc BIN --out DIR
+    python tests/helpers/gpu_llama.py decode --device cuda|cpu --orig BIN --kvc BIN --out DIR \
+        [--tokens 128,1024] [--rounds 5]
 
 `checks` appends rows ({"check", "expected", "seen", "verdict", "kind"}) to
 --rows (default DIR/rows.jsonl) one at a time, so whatever finished is kept
 when the stage is stopped. Every row's verdict is pass, FAIL, info or skip.
-`decode` prints one JSON object: decode tokens/s of both servers (stage 4).
+`decode` prints one JSON object: decode tokens/s of the unpatched server,
+the patched one with and without the daemon and, on CUDA, both with CUDA
+graphs off (stage 4; --tokens, --rounds).
 
 --device cuda: kvcached-serve --backend cuda (KVCACHED_LIBCUDA), both
 servers with every layer offloaded (-ngl 99), so the KV cache is a CUDA0
@@ -150,19 +153,85 @@ def books_ok(stats) -> bool:
     return True
 
 
-def decode_figures(orig_tps: list[float], kvc_tps: list[float], device: str, model: str) -> dict:
-    """figures.json entries for the decode speed of both servers (medians)."""
-    def med(v):
-        s = sorted(v)
-        return s[len(s) // 2] if s else 0.0
-    o, k = med(orig_tps), med(kvc_tps)
-    note = f"llama-server decode, tiny model {model}, {device}, median of {len(orig_tps)}"
-    return {
-        "decode_tokens_per_s_unpatched": {"value": round(o, 1), "unit": "tokens/s", "device": device, "note": note},
-        "decode_tokens_per_s_patched": {"value": round(k, 1), "unit": "tokens/s", "device": device, "note": note},
-        "decode_patched_over_unpatched": {"value": round(k / o, 3) if o else 0.0, "unit": "ratio", "device": device,
-                                          "note": note},
-    }
+# decode variants (stage 4): name -> (binary: orig|kvc, through the daemon, CUDA graphs on)
+DECODE_VARIANTS = {
+    "unpatched": ("orig", False, True),
+    "patched_no_daemon": ("kvc", False, True),   # the hook built in, no socket: pass-throughs
+    "patched": ("kvc", True, True),               # KV in daemon pages
+    "unpatched_graphs_off": ("orig", False, False),  # GGML_CUDA_DISABLE_GRAPHS=1 (cuda only)
+    "patched_graphs_off": ("kvc", True, False),
+}
+# variant -> (its ratio's figure name, the variant it is divided by)
+DECODE_RATIOS = {
+    "patched": ("decode_patched_over_unpatched", "unpatched"),
+    "patched_no_daemon": ("decode_patched_no_daemon_over_unpatched", "unpatched"),
+    "patched_graphs_off": ("decode_patched_over_unpatched_graphs_off", "unpatched_graphs_off"),
+    "unpatched_graphs_off": ("decode_unpatched_graphs_off_over_unpatched", "unpatched"),
+}
+
+
+def median(v: list[float]) -> float:
+    s = sorted(v)
+    if not s:
+        return 0.0
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
+
+
+def decode_figures(samples: dict[str, dict[int, list[float]]], device: str, model: str) -> dict:
+    """figures.json entries from decode tokens/s samples ({variant: {tokens:
+    [tokens/s, ...]}}): each variant's median at the longest run and its
+    ratio to the unpatched server; with two run lengths, each variant's cost
+    split into a per-token and a per-request part (median time of a run
+    against its length: t = fixed + n * per_token), which tells a per-token
+    cost from one paid once per request (pages mapped, trimmed)."""
+    lengths = sorted({n for v in samples.values() for n in v})
+    if not lengths:
+        return {}
+    n_max = lengths[-1]
+    rounds = max((len(x) for v in samples.values() for x in v.values()), default=0)
+    note = f"llama-server decode, tiny model {model}, {device}, {n_max} tokens, median of {rounds}"
+    figs: dict = {}
+    for name, runs in samples.items():
+        v = median(runs.get(n_max, []))
+        if not runs.get(n_max):
+            continue
+        figs[f"decode_tokens_per_s_{name}"] = {"value": round(v, 1), "unit": "tokens/s", "device": device, "note": note,
+                                               "samples": [round(x, 1) for x in runs[n_max]]}
+        if name in DECODE_RATIOS:
+            key, against = DECODE_RATIOS[name]
+            ref = median(samples.get(against, {}).get(n_max, []))
+            figs[key] = {"value": round(v / ref, 3) if ref else 0.0, "unit": "ratio", "device": device, "note": note}
+        short = [n for n in lengths if runs.get(n)]
+        if len(short) >= 2 and short[0] != short[-1]:
+            n1, n2 = short[0], short[-1]
+            t1, t2 = n1 / median(runs[n1]), n2 / median(runs[n2])  # seconds per run
+            per_token = (t2 - t1) / (n2 - n1)
+            figs[f"decode_us_per_token_{name}"] = {"value": round(per_token * 1e6, 1), "unit": "us", "device": device,
+                                                   "note": f"slope of median run time, {n1} and {n2} tokens"}
+            figs[f"decode_ms_per_request_{name}"] = {"value": round((t1 - per_token * n1) * 1e3, 2), "unit": "ms",
+                                                     "device": device, "note": f"intercept, {n1} and {n2} tokens"}
+    return figs
+
+
+def decode_summary(figs: dict) -> str:
+    """One line for stage 4's row from decode_figures' entries."""
+    def v(k, fmt="{:.0f}"):
+        return fmt.format(figs[k]["value"]) if k in figs else "-"
+    parts = [f"unpatched {v('decode_tokens_per_s_unpatched')}, patched {v('decode_tokens_per_s_patched')} tokens/s "
+             f"(ratio {v('decode_patched_over_unpatched', '{:.3f}')})"]
+    if "decode_tokens_per_s_patched_no_daemon" in figs:
+        parts.append(f"patched without the daemon {v('decode_tokens_per_s_patched_no_daemon')} "
+                     f"({v('decode_patched_no_daemon_over_unpatched', '{:.3f}')})")
+    if "decode_tokens_per_s_unpatched_graphs_off" in figs:
+        parts.append(f"CUDA graphs off: unpatched {v('decode_tokens_per_s_unpatched_graphs_off')}, patched "
+                     f"{v('decode_tokens_per_s_patched_graphs_off')} ({v('decode_patched_over_unpatched_graphs_off', '{:.3f}')})")
+    if "decode_us_per_token_patched" in figs:
+        parts.append(f"per token {v('decode_us_per_token_unpatched', '{:.1f}')} / {v('decode_us_per_token_patched', '{:.1f}')} us, "
+                     f"per request {v('decode_ms_per_request_unpatched', '{:.2f}')} / {v('decode_ms_per_request_patched', '{:.2f}')} ms "
+                     "(unpatched / patched)")
+    note = figs.get("decode_tokens_per_s_unpatched", {}).get("note", "")
+    return "; ".join(parts) + (f" [{note.removeprefix('llama-server decode, ')}]" if note else "")
 
 
 # ---------------------------------------------------------------- processes
@@ -314,15 +383,15 @@ class Run:
         return e
 
     def server(self, binary: pathlib.Path, model: str, *, daemon: Daemon | None, parallel: int = 1, fa: str = "on",
-               ctx: int = CTX):
+               ctx: int = CTX, env: dict[str, str] | None = None, tag: str = ""):
         extra = ["--slot-save-path", str(self.work)]
         if self.device == "cuda":
             extra += ["-ngl", "99"]
         self.n_server += 1
-        tag = "kvc" if daemon else "orig"
+        tag = tag or ("kvc" if daemon else "orig")
         log = self.logs / f"server{self.n_server:02d}-{tag}-{model}-fa{fa}-np{parallel}.log"
         s = self.lt.Server(binary, self.models[model], log, kvc_socket=daemon.socket if daemon else None, ctx=ctx,
-                           parallel=parallel, fa=fa, extra=extra, env=self.env())
+                           parallel=parallel, fa=fa, extra=extra, env={**self.env(), **(env or {})})
         self.servers.append(s)
         return s
 
@@ -543,26 +612,38 @@ def tiny_model_row_bytes(model: str) -> int:
 
 
 def decode(a) -> int:
-    """Decode tokens/s of both servers on model A (stage 4): both running,
-    runs alternated (unpatched, patched, ...: 3 each) so that other load on
-    the host falls on both alike; 256 tokens after a short prompt each,
-    llama-server's own timings."""
+    """Decode tokens/s on model A (stage 4) of the unpatched server, the
+    patched one through the daemon, the patched one without it (the hook
+    built in but idle: tells the build from the pages) and, on CUDA, the
+    unpatched and patched ones with CUDA graphs off. All run at once; each
+    round runs every variant at every length (rotating the order, so that
+    other load on the host falls on all alike); llama-server's own timings.
+    Two lengths split each variant's time into per-token and per-request
+    parts (decode_figures)."""
+    lengths = sorted({int(x) for x in a.tokens.split(",") if x})
     run = Run(a)
     run.make_models()
-    out = {"orig": [], "kvc": []}
+    names = [n for n, (_, _, graphs) in DECODE_VARIANTS.items() if graphs or a.device == "cuda"]
+    samples: dict[str, dict[int, list[float]]] = {n: {k: [] for k in lengths} for n in names}
     try:
         d = run.daemon("dd", 256 * MiB)
-        srv = {"orig": run.server(run.orig, "A", daemon=None, parallel=1, fa="on", ctx=4096),
-               "kvc": run.server(run.kvc, "A", daemon=d, parallel=1, fa="on", ctx=4096)}
+        srv = {}
+        for n in names:
+            build, via_daemon, graphs = DECODE_VARIANTS[n]
+            srv[n] = run.server(run.orig if build == "orig" else run.kvc, "A", daemon=d if via_daemon else None,
+                                parallel=1, fa="on", ctx=4096, tag=n, env={} if graphs else {"GGML_CUDA_DISABLE_GRAPHS": "1"})
         for s in srv.values():
             s.complete("Hello", 8, id_slot=0)  # warm-up
-        for i in range(3):
-            for tag, s in srv.items():
-                r = s.complete(f"Hello {i}", 256, id_slot=0, cache_prompt=False)
-                out[tag].append(float(r["timings"]["predicted_per_second"]))
+        for i in range(a.rounds):
+            order = names[i % len(names):] + names[:i % len(names)]
+            for k in lengths:
+                for n in order:
+                    r = srv[n].complete(f"Hello {i}", k, id_slot=0, cache_prompt=False)
+                    samples[n][k].append(float(r["timings"]["predicted_per_second"]))
     finally:
         run.close()
-    print(json.dumps({"figures": decode_figures(out["orig"], out["kvc"], a.device, "A"), "raw": out}))
+    figs = decode_figures(samples, a.device, "A")
+    print(json.dumps({"figures": figs, "summary": decode_summary(figs), "raw": samples}))
     return 0
 
 
@@ -577,6 +658,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="directory for logs, models and (default) rows.jsonl")
     ap.add_argument("--rows", default="", help="append rows here (default OUT/rows.jsonl)")
     ap.add_argument("--deadline", type=float, default=0.0, help="epoch seconds: start no check after it")
+    ap.add_argument("--tokens", default="128,1024", help="decode: tokens per run, one or two lengths")
+    ap.add_argument("--rounds", type=int, default=5, help="decode: runs of each variant and length")
     a = ap.parse_args(argv)
     if a.mode == "skip":
         rows = pathlib.Path(a.rows) if a.rows else pathlib.Path(a.out) / "rows.jsonl"

@@ -47,3 +47,31 @@ def test_stage3_cpu_mode_every_check_passes(tmp_path):
     # and stage 4 finds the builds where stage 3 recorded them
     rec = json.loads((tmp_path / "bundle/work/llama/servers.json").read_text())
     assert rec["device"] == "cpu" and rec["kvc"].endswith("build-kvc/bin/llama-server")
+
+
+def test_stage4_decode_cpu_mode_reports_every_variant(tmp_path):
+    """Stage 4's decode figure (tests/helpers/gpu_llama.py decode) on the CPU
+    builds: the unpatched server, the patched one through the daemon and
+    without it, two run lengths over two rounds; CUDA graphs are a GPU-only
+    variant. Speed is not asserted (the GPU run records it)."""
+    assert ORIG.exists() and KVC.exists(), "run scripts/test-llama.sh (it builds both llama-servers)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
+    p = subprocess.run([sys.executable, str(HELPERS / "gpu_llama.py"), "decode", "--device", "cpu", "--orig", str(ORIG),
+                        "--kvc", str(KVC), "--out", str(tmp_path / "decode"), "--tokens", "16,48", "--rounds", "2"],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    figs = res["figures"]
+    assert set(res["raw"]) == {"unpatched", "patched_no_daemon", "patched"}
+    for name in res["raw"]:
+        assert {k: len(v) for k, v in res["raw"][name].items()} == {"16": 2, "48": 2}, res["raw"]
+        f = figs[f"decode_tokens_per_s_{name}"]
+        assert f["value"] > 0 and len(f["samples"]) == 2 and "48 tokens, median of 2" in f["note"]
+        assert f"decode_us_per_token_{name}" in figs and f"decode_ms_per_request_{name}" in figs
+    assert figs["decode_patched_over_unpatched"]["value"] > 0
+    assert figs["decode_patched_no_daemon_over_unpatched"]["value"] > 0
+    assert "patched without the daemon" in res["summary"] and "graphs" not in res["summary"]
+    # the patched server went through the daemon, the other patched one did not
+    logs = {q.name: q.read_text(errors="replace") for q in (tmp_path / "decode" / "logs").glob("server*.log")}
+    through = [n for n, t in logs.items() if "in daemon pages" in t]
+    assert len(through) == 1 and "-patched-" in through[0], sorted(logs)
