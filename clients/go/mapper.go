@@ -12,9 +12,11 @@ type mapper interface {
 	reserve(size uint64) (uintptr, error)
 	// release a reservation; everything in it must be unmapped.
 	release(base uintptr, size uint64) error
-	// mapPage maps the page behind f at addr (inside a reservation) and
-	// closes f, on success and on failure.
-	mapPage(addr uintptr, f *os.File, size uint64) error
+	// mapRun maps the pages behind files (each of size bytes) at addr,
+	// addr+size, ... (inside a reservation), all or nothing, and closes every
+	// file, on success and on failure. One call per run of adjacent pages:
+	// the CUDA mapper sets access for the run with one cuMemSetAccess.
+	mapRun(addr uintptr, files []*os.File, size uint64) error
 	// unmapPage unmaps a page; the range stays reserved.
 	unmapPage(addr uintptr, size uint64) error
 	// write and read copy bytes to and from mapped memory.
@@ -38,4 +40,22 @@ func newMapper(dev Device) (mapper, error) {
 		return nil, newError(ErrInvalidArgument, "NewRegion", "device %s has unknown kind %q", dev.UUID, dev.Kind)
 	}
 	return open(dev)
+}
+
+// mapEach is mapRun for a mapper that maps page by page (mapPage closes its
+// file in every case): all or nothing, every file closed.
+func mapEach(mapPage func(uintptr, *os.File, uint64) error, unmapPage func(uintptr, uint64) error,
+	addr uintptr, files []*os.File, size uint64) error {
+	for i, f := range files {
+		if err := mapPage(addr+uintptr(uint64(i)*size), f, size); err != nil {
+			for _, rest := range files[i+1:] {
+				_ = rest.Close()
+			}
+			for j := 0; j < i; j++ {
+				_ = unmapPage(addr+uintptr(uint64(j)*size), size)
+			}
+			return err
+		}
+	}
+	return nil
 }

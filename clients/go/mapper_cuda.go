@@ -2,14 +2,16 @@ package kvcached
 
 import (
 	"errors"
+	"fmt"
 	"os"
 
 	"github.com/kvcached/kvcached-service/clients/go/internal/cuda"
 )
 
-// cudaMapper maps CUDA pages: import the fd (by value), close it, cuMemMap
-// at offset 0 into our own reservation, cuMemSetAccess for our ordinal,
-// cuMemRelease the imported handle. The driver is loaded with dlopen
+// cudaMapper maps CUDA pages: import the fd (by value), cuMemMap at offset 0
+// into our own reservation, cuMemRelease the imported handle, close the fd;
+// then one cuMemSetAccess for our ordinal over the run of pages mapped
+// together. The driver is loaded with dlopen
 // (KVCACHED_LIBCUDA, default libcuda.so.1) the first time it is needed.
 type cudaMapper struct {
 	dev *cuda.Device
@@ -45,10 +47,14 @@ func (m *cudaMapper) release(base uintptr, size uint64) error {
 	return nil
 }
 
-func (m *cudaMapper) mapPage(addr uintptr, f *os.File, size uint64) error {
-	defer f.Close()
-	if err := m.dev.Map(uint64(addr), size, int(f.Fd())); err != nil {
-		return cudaErr("mapping a page", err)
+func (m *cudaMapper) mapRun(addr uintptr, files []*os.File, size uint64) error {
+	fds := make([]int, len(files))
+	for i, f := range files {
+		defer f.Close()
+		fds[i] = int(f.Fd())
+	}
+	if err := m.dev.MapRun(uint64(addr), size, fds); err != nil {
+		return cudaErr(fmt.Sprintf("mapping %d page(s)", len(files)), err)
 	}
 	return nil
 }

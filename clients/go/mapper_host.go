@@ -38,6 +38,10 @@ func (hostMapper) release(base uintptr, size uint64) error {
 	return nil
 }
 
+func (m hostMapper) mapRun(addr uintptr, files []*os.File, size uint64) error {
+	return mapEach(m.mapPage, m.unmapPage, addr, files, size) // mmap costs the same page by page
+}
+
 func (hostMapper) mapPage(addr uintptr, f *os.File, size uint64) error {
 	defer f.Close()
 	got, err := unix.MmapPtr(int(f.Fd()), 0, ptr(addr), uintptr(size), unix.PROT_READ|unix.PROT_WRITE,

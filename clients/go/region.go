@@ -3,6 +3,7 @@ package kvcached
 import (
 	"context"
 	"errors"
+	"os"
 	"sync"
 )
 
@@ -168,10 +169,18 @@ func (r *Region) Map(ctx context.Context, off, length uint64) error {
 		_ = r.p.freePages(context.WithoutCancel(ctx), a.IDs())
 		return newError(ErrProtocol, "Region.Map", "asked for %d pages, got %d", len(missing), len(a.Pages))
 	}
-	for k, i := range missing {
-		f := a.Pages[k].File
-		a.Pages[k].File = nil
-		if err := r.m.mapPage(r.addr(i), f, r.page); err != nil {
+	// each run of adjacent missing pages with one mapRun (CUDA: one cuMemSetAccess per run)
+	for k := 0; k < len(missing); {
+		n := 1
+		for k+n < len(missing) && missing[k+n] == missing[k+n-1]+1 {
+			n++
+		}
+		files := make([]*os.File, n)
+		for x := range files {
+			files[x] = a.Pages[k+x].File
+			a.Pages[k+x].File = nil
+		}
+		if err := r.m.mapRun(r.addr(missing[k]), files, r.page); err != nil {
 			// Roll back: unmap what this call mapped, give everything back.
 			for _, j := range missing[:k] {
 				_ = r.m.unmapPage(r.addr(j), r.page)
@@ -182,8 +191,11 @@ func (r *Region) Map(ctx context.Context, off, length uint64) error {
 			_ = r.p.freePages(context.WithoutCancel(ctx), a.IDs())
 			return err
 		}
-		r.slots[i] = slot{mapped: true, id: a.Pages[k].ID}
-		r.mapped++
+		for x := 0; x < n; x++ {
+			r.slots[missing[k+x]] = slot{mapped: true, id: a.Pages[k+x].ID}
+			r.mapped++
+		}
+		k += n
 	}
 	return nil
 }

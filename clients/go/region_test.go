@@ -49,6 +49,7 @@ func (f *fakePager) forget(*Region) {}
 type fakeMapper struct {
 	mapped   map[uintptr]bool
 	maps     int
+	runs     int
 	failAt   int
 	released bool
 	mem      map[uintptr][]byte
@@ -58,6 +59,10 @@ func (m *fakeMapper) reserve(size uint64) (uintptr, error) { return 1 << 30, nil
 func (m *fakeMapper) release(base uintptr, size uint64) error {
 	m.released = true
 	return nil
+}
+func (m *fakeMapper) mapRun(addr uintptr, files []*os.File, size uint64) error {
+	m.runs++
+	return mapEach(m.mapPage, m.unmapPage, addr, files, size)
 }
 func (m *fakeMapper) mapPage(addr uintptr, f *os.File, size uint64) error {
 	m.maps++
@@ -232,6 +237,32 @@ func TestRegionMapRollback(t *testing.T) {
 	buf := make([]byte, 3)
 	if _, err := r.ReadAt(buf, 0); err != nil || string(buf) != "abc" {
 		t.Fatalf("read %q %v", buf, err)
+	}
+}
+
+// A Map maps each run of adjacent missing pages with one mapRun (one
+// cuMemSetAccess per run on CUDA), and a failure in a later run rolls back
+// the earlier runs too.
+func TestRegionMapsRunsOfAdjacentPages(t *testing.T) {
+	ctx := context.Background()
+	r, p, m := newFakeRegion(t, 8*pg)
+	if err := r.Map(ctx, 2*pg, pg); err != nil { // page 2 first: pages 0-5 are then two runs, 0-1 and 3-5
+		t.Fatal(err)
+	}
+	runs := m.runs
+	m.failAt = m.maps + 4 // the 2nd page of the second run
+	if err := r.Map(ctx, 0, 6*pg); !errors.Is(err, ErrMapping) {
+		t.Fatalf("got %v", err)
+	}
+	if m.runs-runs != 2 || r.MappedBytes() != pg || len(m.mapped) != 1 || len(p.held) != 1 {
+		t.Fatalf("after rollback: %d runs, %d bytes, %d mapped, %d held", m.runs-runs, r.MappedBytes(), len(m.mapped), len(p.held))
+	}
+	runs = m.runs
+	if err := r.Map(ctx, 0, 6*pg); err != nil {
+		t.Fatal(err)
+	}
+	if m.runs-runs != 2 || r.MappedBytes() != 6*pg || len(m.mapped) != 6 || len(p.held) != 6 {
+		t.Fatalf("mapped: %d runs, %d bytes, %d mapped, %d held", m.runs-runs, r.MappedBytes(), len(m.mapped), len(p.held))
 	}
 }
 

@@ -345,12 +345,12 @@ class Session:
         pages: list[Page] = []
         try:
             res = _Reservation(mapper, size * len(fds))
-            for i, (pid, fd) in enumerate(zip(a.page_ids, fds)):
-                addr = res.base + i * size
-                token = mapper.map(addr, fd, size)
-                fds[i] = -1
+            run_fds = list(fds)
+            fds[:] = [-1] * len(fds)  # map_run closes them, whatever happens
+            tokens = mapper.map_run(res.base, run_fds, size)
+            for i, (pid, token) in enumerate(zip(a.page_ids, tokens)):
                 res.live += 1
-                pages.append(Page(pid, a.device, size, addr, mapper, token, res))
+                pages.append(Page(pid, a.device, size, res.base + i * size, mapper, token, res))
         except BaseException:
             fdchannel.close_fds(fd for fd in fds if fd >= 0)
             for p in pages:

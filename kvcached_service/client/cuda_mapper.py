@@ -4,8 +4,9 @@ The daemon names a device by UUID; this process may number it differently
 (CUDA_VISIBLE_DEVICES), so the mapper finds its own ordinal for the UUID with
 cuDeviceGetUuid_v2. Mapping a page: cuMemImportFromShareableHandle (the fd
 passed by value), close the fd, cuMemMap at offset 0 into the reservation,
-cuMemSetAccess READWRITE for this process's ordinal, cuMemRelease the imported
-handle (the mapping keeps the memory alive). Unmapping is cuMemUnmap.
+cuMemRelease the imported handle (the mapping keeps the memory alive), and
+cuMemSetAccess READWRITE for this process's ordinal, once for each run of
+adjacent pages mapped together (map_run). Unmapping is cuMemUnmap.
 
 Every call runs with the device's primary context current (retained for the
 mapper's lifetime); the calling thread's previous context is restored after.
@@ -111,33 +112,51 @@ class CudaMapper(Mapper):
             self._reservations.pop(base, None)
 
     def map(self, addr: int, fd: int, size: int) -> object:
+        return self.map_run(addr, [fd], size)[0]
+
+    def map_run(self, addr: int, fds: list[int], size: int) -> list[object]:
+        """Import and map each page, then one cuMemSetAccess over the run (the
+        driver sets access on a fully mapped range of several mappings: one
+        call instead of one per page, 25 us p50 each on an H200). All or
+        nothing; every fd is closed in every case."""
+        if not fds:
+            return []
         drv = self._drv
-        handle = cu.CUmemGenericAllocationHandle()
+        closed = mapped = 0
         try:
             with self._current():
-                # the fd travels by value in the void* argument
-                drv.cuMemImportFromShareableHandle(
-                    ctypes.byref(handle), ctypes.c_void_p(fd), cu.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-                )
-        finally:
-            os.close(fd)
-        try:
+                for fd in fds:
+                    handle = cu.CUmemGenericAllocationHandle()
+                    try:
+                        # the fd travels by value in the void* argument
+                        drv.cuMemImportFromShareableHandle(
+                            ctypes.byref(handle), ctypes.c_void_p(fd), cu.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                        )
+                    finally:
+                        closed += 1
+                        os.close(fd)
+                    try:
+                        drv.cuMemMap(addr + mapped * size, size, 0, handle, 0)
+                    finally:
+                        # the mapping (if any) keeps the memory; the handle is not needed
+                        with contextlib.suppress(cu.CudaDriverError):
+                            drv.cuMemRelease(handle)
+                    mapped += 1
+                desc = cu.access_desc(self.ordinal)
+                drv.cuMemSetAccess(addr, size * len(fds), ctypes.byref(desc), 1)
+        except BaseException:
+            for fd in fds[closed:]:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
             with self._current():
-                drv.cuMemMap(addr, size, 0, handle, 0)
-                try:
-                    desc = cu.access_desc(self.ordinal)
-                    drv.cuMemSetAccess(addr, size, ctypes.byref(desc), 1)
-                except BaseException:
+                for i in range(mapped):
                     with contextlib.suppress(cu.CudaDriverError):
-                        drv.cuMemUnmap(addr, size)
-                    raise
-        finally:
-            # the mapping (if any) keeps the memory; the handle is not needed
-            with contextlib.suppress(cu.CudaDriverError), self._current():
-                drv.cuMemRelease(handle)
+                        drv.cuMemUnmap(addr + i * size, size)
+            raise
         with self._lock:
-            self._mappings[addr] = size
-        return None
+            for i in range(len(fds)):
+                self._mappings[addr + i * size] = size
+        return [None] * len(fds)
 
     def unmap(self, addr: int, size: int, token: object) -> None:
         with self._current():

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import socket
 
+import pytest
+
 from tdkit import GRAN
 
 DAEMON = """
@@ -203,4 +205,61 @@ def test_mapper_map_failure_closes_fd_and_leaks_nothing(sim):
     """, KVCACHED_TESTDRV_FAIL="cuMemSetAccess:2:CUDA_ERROR_UNKNOWN")
     # call 1 of cuMemSetAccess is the daemon's zeroing; call 2 is the mapper's first map
     assert r["results"] == ["CUDA_ERROR_UNKNOWN", "fd closed", "ok", "fd closed"]
+    sim.assert_clean(r)
+
+
+def test_map_run_maps_adjacent_pages_with_one_set_access(sim):
+    """A run of pages (one Allocate's adjacent slots) is imported and mapped
+    page by page and given access with one cuMemSetAccess over the run; every
+    page then holds its own data, and unmapping page by page leaves nothing."""
+    r = sim.run("""
+        b = open_backend(); on_worker(lambda: b.worker_init(0))
+        pages = on_worker(lambda: b.create_pages(0, 3, GRAN, zero=False))
+        m = CudaMapper(b.devices()[0].uuid)
+        base = m.reserve(3 * GRAN)
+        tokens = m.map_run(base, b.export_fds(0, pages), GRAN)
+        for i in range(3):
+            m.write(base + i * GRAN + 4096, bytes([65 + i]) * 8)
+        seen = [m.read(base + i * GRAN + 4096, 8).decode() for i in range(3)]
+        for i in range(3):
+            m.unmap(base + i * GRAN, GRAN, tokens[i])
+        m.release(base, 3 * GRAN); m.close()
+        on_worker(lambda: b.release_pages(0, pages)); on_worker(lambda: b.worker_exit(0)); b.close()
+        out(seen=seen, tokens=len(tokens))
+    """)
+    assert r["seen"] == ["AAAAAAAA", "BBBBBBBB", "CCCCCCCC"] and r["tokens"] == 3
+    if sim.private:  # the test driver counts calls: pages created unzeroed, so only the mapper set access
+        assert r.report["calls"]["cuMemSetAccess"] == 1 and r.report["calls"]["cuMemMap"] == 3, r.report["calls"]
+    sim.assert_clean(r)
+
+
+@pytest.mark.parametrize("fault", ["cuMemSetAccess:1:CUDA_ERROR_UNKNOWN", "cuMemImportFromShareableHandle:2:CUDA_ERROR_UNKNOWN",
+                                   "cuMemMap:3:CUDA_ERROR_UNKNOWN"])
+def test_map_run_failure_maps_nothing_and_closes_every_fd(sim, fault):
+    """All or nothing: whichever call of the run fails, no page stays mapped,
+    every fd of the run is closed, and the same range maps cleanly after."""
+    r = sim.run("""
+        b = open_backend(); on_worker(lambda: b.worker_init(0))
+        pages = on_worker(lambda: b.create_pages(0, 3, GRAN, zero=False))
+        m = CudaMapper(b.devices()[0].uuid)
+        base = m.reserve(3 * GRAN)
+        fds = b.export_fds(0, pages)
+        try:
+            m.map_run(base, fds, GRAN); err = None
+        except errors.KVCachedError as exc:
+            err = exc.name
+        still_open = []
+        for fd in fds:
+            try:
+                os.fstat(fd); still_open.append(fd)
+            except OSError:
+                pass
+        tokens = m.map_run(base, b.export_fds(0, pages), GRAN)  # the range is free again
+        for i in range(3):
+            m.unmap(base + i * GRAN, GRAN, tokens[i])
+        m.release(base, 3 * GRAN); m.close()
+        on_worker(lambda: b.release_pages(0, pages)); on_worker(lambda: b.worker_exit(0)); b.close()
+        out(err=err, still_open=still_open)
+    """, KVCACHED_TESTDRV_FAIL=fault)
+    assert r["err"] == "CUDA_ERROR_UNKNOWN" and r["still_open"] == [], r
     sim.assert_clean(r)

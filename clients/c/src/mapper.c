@@ -4,6 +4,7 @@
 
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "status.h"
 
@@ -52,14 +53,28 @@ kvc_status kvc_mapper_release(kvc_mapper *m, uintptr_t base, uint64_t size)
     return m->ops->release(m, base, size);
 }
 
-kvc_status kvc_mapper_map(kvc_mapper *m, uintptr_t addr, int fd, uint64_t size)
-{
-    return m->ops->map(m, addr, fd, size);
-}
-
 kvc_status kvc_mapper_unmap(kvc_mapper *m, uintptr_t addr, uint64_t size)
 {
     return m->ops->unmap(m, addr, size);
+}
+
+kvc_status kvc_mapper_map_run(kvc_mapper *m, uintptr_t addr, const int *fds, size_t n, uint64_t page)
+{
+    if (m->ops->map_run)
+        return m->ops->map_run(m, addr, fds, n, page);
+    for (size_t i = 0; i < n; i++) {
+        kvc_status st = m->ops->map(m, addr + i * page, fds[i], page);
+        if (st != KVC_OK) {
+            char msg[1024];
+            snprintf(msg, sizeof msg, "%s", kvc_last_error());
+            for (size_t j = i + 1; j < n; j++)
+                close(fds[j]);
+            for (size_t j = 0; j < i; j++)
+                m->ops->unmap(m, addr + j * page, page);
+            return kvc_fail(st, "%s", msg);
+        }
+    }
+    return KVC_OK;
 }
 
 kvc_status kvc_mapper_map_local(kvc_mapper *m, uintptr_t addr, uint64_t size)

@@ -114,6 +114,7 @@ const struct kvc_mapper_ops kvc_mapper_host_ops = {
     .release = host_release,
     .map = host_map,
     .unmap = host_unmap,
+    .map_run = NULL, /* page by page: mmap costs the same either way */
     .map_local = host_map_local,
     .memset = host_memset,
     .write = host_write,

@@ -53,15 +53,17 @@ kvc_status region_map_slots(kvc_region *r, const std::vector<uint64_t> &slots)
     kvc_status st = session_allocate(s, slots.size(), ids, fds);
     if (st != KVC_OK)
         return st;
-    for (size_t i = 0; i < slots.size(); i++) {
-        st = kvc_mapper_map(s->mapper, r->base + slots[i] * r->page, fds[i], r->page);
-        fds[i] = -1;
+    // each run of consecutive slots in one call (on CUDA: one cuMemSetAccess per run)
+    for (size_t i = 0, j = 0; i < slots.size(); i = j) {
+        for (j = i + 1; j < slots.size() && slots[j] == slots[j - 1] + 1; j++) {
+        }
+        st = kvc_mapper_map_run(s->mapper, r->base + slots[i] * r->page, &fds[i], j - i, r->page);
         if (st != KVC_OK) {
             std::string msg = kvc_last_error();
-            for (size_t j = i + 1; j < fds.size(); j++)
-                close(fds[j]);
-            for (size_t j = 0; j < i; j++)
-                kvc_mapper_unmap(s->mapper, r->base + slots[j] * r->page, r->page);
+            for (size_t k = j; k < fds.size(); k++)
+                close(fds[k]);
+            for (size_t k = 0; k < i; k++)
+                kvc_mapper_unmap(s->mapper, r->base + slots[k] * r->page, r->page);
             session_free_ids(s, ids);
             return kvc_fail(st, "%s", msg.c_str());
         }

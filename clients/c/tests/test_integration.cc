@@ -2052,14 +2052,34 @@ TEST(KvcOwnDaemon, TestDriverFaultsOnCuda)
     EXPECT_EQ(out.rfind("STATUS KVC_ERR_DRIVER", 0), 0u) << out;
     EXPECT_NE(out.find("cuMemMap"), std::string::npos) << out;
     EXPECT_NE(out.find("HELD 0"), std::string::npos) << out;
-    // A clean client leaks no driver object (the test driver's report).
+    auto read_report = [](const std::string &path) {
+        std::ifstream f(path);
+        std::stringstream ss;
+        ss << f.rdbuf();
+        return ss.str();
+    };
+    // A run of pages is mapped all or nothing: the access for the run, or
+    // the import of its 2nd page, failing leaves nothing mapped, held or
+    // open (the test driver's report).
+    for (const char *fault : {"cuMemSetAccess:1", "cuMemImportFromShareableHandle:2", "cuMemMap:3"}) {
+        std::string rep = d.dir + "/fault-report.json";
+        out = run({g_helper, "map", d.sock, "3"},
+                  {std::string("KVCACHED_TESTDRV_FAIL=") + fault, "KVCACHED_TESTDRV_REPORT=" + rep}, &code);
+        const std::string fn = std::string(fault).substr(0, std::string(fault).find(':'));
+        EXPECT_EQ(out.rfind("STATUS KVC_ERR_DRIVER", 0), 0u) << fault << ": " << out;
+        EXPECT_NE(out.find(fn), std::string::npos) << out;
+        EXPECT_NE(out.find("HELD 0"), std::string::npos) << fault << ": " << out;
+        EXPECT_NE(read_report(rep).find("\"leaks\": 0"), std::string::npos) << fault << ": " << read_report(rep);
+    }
+    // A clean client leaks no driver object (the test driver's report), and
+    // sets access once for the 3 consecutive pages it mapped.
     std::string report = d.dir + "/client-report.json";
     out = run({g_helper, "map", d.sock, "3"}, {"KVCACHED_TESTDRV_REPORT=" + report}, &code);
     EXPECT_EQ(out.rfind("STATUS KVC_OK", 0), 0u) << out;
-    std::ifstream f(report);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    EXPECT_NE(ss.str().find("\"leaks\": 0"), std::string::npos) << ss.str();
+    const std::string rep = read_report(report);
+    EXPECT_NE(rep.find("\"leaks\": 0"), std::string::npos) << rep;
+    EXPECT_NE(rep.find("\"cuMemMap\": 3"), std::string::npos) << rep;
+    EXPECT_NE(rep.find("\"cuMemSetAccess\": 1"), std::string::npos) << rep;
     EXPECT_STATUS(KVC_OK, kvc_session_close(s));
     kvc_client_destroy(c);
 }

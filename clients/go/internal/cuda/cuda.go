@@ -141,27 +141,37 @@ static CUresult kvc_free(kvc_cuda *t, CUcontext ctx, CUdeviceptr p, size_t size,
 	return t->cuMemAddressFree(p, size);
 }
 
-// Import fd (passed by value), map at p with offset 0, give dev read-write
-// access, release the imported handle (the mapping keeps the page alive).
-// The caller closes fd afterwards.
-static CUresult kvc_map(kvc_cuda *t, CUcontext ctx, int dev, CUdeviceptr p, size_t size, int fd, const char **where) {
+// Import each of fds[0..n) (passed by value) and map it at p + i*size with
+// offset 0, releasing each imported handle (the mapping keeps the page
+// alive); then give dev read-write access to the whole run with one
+// cuMemSetAccess. All or nothing: on failure nothing of the run stays
+// mapped. The caller closes the fds afterwards.
+static CUresult kvc_map_run(kvc_cuda *t, CUcontext ctx, int dev, CUdeviceptr p, size_t size, const int *fds, size_t n,
+                            const char **where) {
 	CUresult r;
-	CUmemGenericAllocationHandle h = 0;
+	size_t mapped = 0;
 	*where = "cuCtxSetCurrent";
 	if ((r = t->cuCtxSetCurrent(ctx)) != 0) return r;
-	*where = "cuMemImportFromShareableHandle";
-	if ((r = t->cuMemImportFromShareableHandle(&h, (void *)(uintptr_t)fd, KVC_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) != 0) return r;
-	*where = "cuMemMap";
-	if ((r = t->cuMemMap(p, size, 0, h, 0)) != 0) { t->cuMemRelease(h); return r; }
-	CUmemAccessDesc d;
-	memset(&d, 0, sizeof d);
-	d.location.type = KVC_CU_MEM_LOCATION_TYPE_DEVICE;
-	d.location.id = dev;
-	d.flags = KVC_CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-	*where = "cuMemSetAccess";
-	if ((r = t->cuMemSetAccess(p, size, &d, 1)) != 0) { t->cuMemUnmap(p, size); t->cuMemRelease(h); return r; }
-	*where = "cuMemRelease";
-	return t->cuMemRelease(h);
+	for (; mapped < n; mapped++) {
+		CUmemGenericAllocationHandle h = 0;
+		*where = "cuMemImportFromShareableHandle";
+		if ((r = t->cuMemImportFromShareableHandle(&h, (void *)(uintptr_t)fds[mapped], KVC_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) != 0) break;
+		*where = "cuMemMap";
+		if ((r = t->cuMemMap(p + mapped * size, size, 0, h, 0)) != 0) { t->cuMemRelease(h); break; }
+		*where = "cuMemRelease";
+		if ((r = t->cuMemRelease(h)) != 0) { mapped++; break; }
+	}
+	if (r == 0 && n > 0) {
+		CUmemAccessDesc d;
+		memset(&d, 0, sizeof d);
+		d.location.type = KVC_CU_MEM_LOCATION_TYPE_DEVICE;
+		d.location.id = dev;
+		d.flags = KVC_CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+		*where = "cuMemSetAccess";
+		if ((r = t->cuMemSetAccess(p, n * size, &d, 1)) == 0) return 0;
+	}
+	for (size_t i = 0; i < mapped; i++) t->cuMemUnmap(p + i * size, size);
+	return r;
 }
 
 static CUresult kvc_unmap(kvc_cuda *t, CUcontext ctx, CUdeviceptr p, size_t size, const char **where) {
@@ -325,11 +335,21 @@ func (d *Device) Free(p, size uint64) error {
 	return check(d.t, C.kvc_free(d.t, d.ctx, C.CUdeviceptr(p), C.size_t(size), &where), where)
 }
 
-// Map imports the page behind fd, maps it at p and sets read-write access
-// for this device. The caller still owns fd (and closes it).
-func (d *Device) Map(p, size uint64, fd int) error {
+// MapRun maps the pages behind fds (each of size bytes) at p, p+size, ...,
+// with one cuMemSetAccess for the run. All or nothing; the fds stay open
+// (the caller closes them).
+func (d *Device) MapRun(p, size uint64, fds []int) error {
+	if len(fds) == 0 {
+		return nil
+	}
+	cfds := make([]C.int, len(fds))
+	for i, fd := range fds {
+		cfds[i] = C.int(fd)
+	}
 	var where *C.char
-	return check(d.t, C.kvc_map(d.t, d.ctx, C.int(d.ordinal), C.CUdeviceptr(p), C.size_t(size), C.int(fd), &where), where)
+	err := check(d.t, C.kvc_map_run(d.t, d.ctx, C.int(d.ordinal), C.CUdeviceptr(p), C.size_t(size), &cfds[0], C.size_t(len(cfds)), &where), where)
+	runtime.KeepAlive(cfds)
+	return err
 }
 
 // Unmap unmaps [p, p+size).

@@ -46,7 +46,7 @@ func (d *Device) Ordinal() int                               { return -1 }
 func (d *Device) Close() error                               { return ErrNoDriver }
 func (d *Device) Reserve(size, align uint64) (uint64, error) { return 0, ErrNoDriver }
 func (d *Device) Free(p, size uint64) error                  { return ErrNoDriver }
-func (d *Device) Map(p, size uint64, fd int) error           { return ErrNoDriver }
+func (d *Device) MapRun(p, size uint64, fds []int) error     { return ErrNoDriver }
 func (d *Device) Unmap(p, size uint64) error                 { return ErrNoDriver }
 func (d *Device) CopyToDevice(dst uint64, src []byte) error  { return ErrNoDriver }
 func (d *Device) CopyFromDevice(dst []byte, src uint64) error {
