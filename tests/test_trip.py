@@ -121,7 +121,7 @@ def test_the_allocate_is_served_in_one_pass_and_ends_in_a_mapped_page(trip):
     client, daemon = trip
     c = [f"{p}:{fn}" for p, fn, _ in client]
     assert c[0] == "kvcached_service/client/region.py:Region.map"
-    assert c[-1] == "kvcached_service/client/mapping.py:HostMapper.map"  # the page mapped after the answer
+    assert c[-1] == "kvcached_service/client/mapping.py:Mapper.map_run"  # the page mapped after the answer
     d = [f"{p}:{fn}" for p, fn, _ in daemon]
     # one read callback: the request decoded, lent, booked, PAGES sent, REPLY sent
     assert d[0] == "kvcached_service/server/channel.py:ChannelServer._read_one"
