@@ -19,6 +19,17 @@ if TYPE_CHECKING:
     from .client import Device, Session
 
 
+def _runs(slots: list[int]) -> list[tuple[int, int]]:
+    """The runs of adjacent slots in a sorted list, as (start, end) index
+    pairs into it: [3, 4, 7] -> [(0, 2), (2, 3)]."""
+    runs, start = [], 0
+    for k in range(1, len(slots) + 1):
+        if k == len(slots) or slots[k] != slots[k - 1] + 1:
+            runs.append((start, k))
+            start = k
+    return runs
+
+
 class Region:
     def __init__(self, session: "Session", device: "Device", size: int):
         if size <= 0:
@@ -80,23 +91,19 @@ class Region:
         with self._lock:
             self._pending.difference_update(want)
             # by slot, each run of adjacent slots mapped with one call (on CUDA: one cuMemSetAccess per run)
-            order = sorted(range(len(want)), key=want.__getitem__)
+            items = sorted(zip(want, resp.page_ids, range(len(want))))  # (slot, page id, index in fds)
             done: list[int] = []  # slots mapped
             try:
                 self._check_open()
-                start = 0
-                for k in range(1, len(order) + 1):
-                    if k < len(order) and want[order[k]] == want[order[k - 1]] + 1:
-                        continue
-                    run = order[start:k]
-                    run_fds = [fds[i] for i in run]
-                    for i in run:
+                for a, b in _runs([slot for slot, _, _ in items]):
+                    run = items[a:b]
+                    run_fds = [fds[i] for _, _, i in run]
+                    for _, _, i in run:
                         fds[i] = -1  # map_run closes them, whatever happens
-                    tokens = self._mapper.map_run(self.base + want[run[0]] * self.page_size, run_fds, self.page_size)
-                    for i, token in zip(run, tokens):
-                        self._slots[want[i]] = (resp.page_ids[i], token)
-                        done.append(want[i])
-                    start = k
+                    tokens = self._mapper.map_run(self.base + run[0][0] * self.page_size, run_fds, self.page_size)
+                    for (slot, pid, _), token in zip(run, tokens):
+                        self._slots[slot] = (pid, token)
+                        done.append(slot)
             except BaseException:
                 fdchannel.close_fds(fd for fd in fds if fd >= 0)
                 for slot in done:
@@ -129,14 +136,11 @@ class Region:
                     ids.append(entry[0])
                     live.append(i)
             live.sort()
-            start = 0
-            for k in range(1, len(live) + 1):  # each run of adjacent slots: one unmap
-                if k == len(live) or live[k] != live[k - 1] + 1:
-                    first, n = live[start], k - start
-                    self._mapper.unmap(self.base + first * self.page_size, n * self.page_size, None)
-                    for i in range(first, first + n):
-                        self._slots[i] = None
-                    start = k
+            for a, b in _runs(live):  # each run of adjacent slots: one unmap
+                first, n = live[a], b - a
+                self._mapper.unmap(self.base + first * self.page_size, n * self.page_size, None)
+                for i in range(first, first + n):
+                    self._slots[i] = None
         else:
             for i in slots:
                 entry = self._slots[i]
