@@ -37,7 +37,10 @@
 # no libggml-cuda.so, nor the CPU backend module; nothing runs.
 #
 # Cached by input hash (build/hook-cuda/.stamp): sdist, hook, apply.py, C
-# client, toolkit versions, flags, this script. Needs what scripts/setup.sh
+# client, toolkit versions, flags, this script. The stamp goes before any
+# work and comes back only at the end, so a run that failed or was stopped is
+# redone (ninja keeps what it finished; a configure that did not finish is
+# redone from a new cache). Needs what scripts/setup.sh
 # installs (cmake, ninja, g++, the C client's dependencies) and the venv.
 set -euo pipefail
 
@@ -63,17 +66,11 @@ step() { printf '\n==== build-hook-cuda [%ds]: %s ====\n' "$((SECONDS - T0))" "$
 mkdir -p "$OUT" "$B"
 
 step "llama.cpp source (llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION sdist)"
-if [[ ! -f "$SDIST" ]]; then
-  "$PIP" download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$B"
-fi
-if [[ ! -f "$ORIG/src/llama-kv-cache.cpp" ]]; then
-  rm -rf "$B/src" && mkdir -p "$B/src"
-  tar xzf "$SDIST" -C "$B/src"
-fi
+LLAMA_CPP_PYTHON_VERSION="$LLAMA_CPP_PYTHON_VERSION" PIP="$PIP" scripts/build-llama-src.sh "$B" >/dev/null
 
 step "C client prefix"
-PREFIX="$B/kvcached-prefix"   # scripts/test-llama.sh installs it there
-if [[ ! -f "$PREFIX/include/kvcached.h" ]]; then
+PREFIX="$B/kvcached-prefix"   # scripts/test-llama.sh installs it there (.kvc-installed: once whole)
+if [[ ! -f "$PREFIX/.kvc-installed" ]]; then
   PREFIX="$OUT/kvcached-prefix"
   "$REPO/scripts/build-c.sh" --install "$PREFIX" kvcached >/dev/null
 fi
@@ -100,7 +97,7 @@ rm -f "$OUT/.stamp"
 
 step "hooked tree -> $SRC"
 if [[ ! -d "$SRC" ]]; then
-  cp -a "$ORIG" "$SRC"
+  rm -rf "$SRC.tmp" && cp -a "$ORIG" "$SRC.tmp" && mv "$SRC.tmp" "$SRC"   # whole or not at all
 else
   # back to pristine for the files the hook touches (mtimes kept: ninja rebuilds little)
   for f in $("$PY" integrations/llama.cpp/apply.py "$ORIG" --list); do
@@ -112,9 +109,13 @@ fi
 
 step "configure (GGML_CUDA=ON, GGML_BACKEND_DL=ON, shared, sm_$ARCH)"
 t=$SECONDS
+# after a configure that failed or was stopped (no .kvc-configured), a new cache
+[[ -f "$BLD/.kvc-configured" ]] || rm -f "$BLD/CMakeCache.txt"
+rm -f "$BLD/.kvc-configured"
 CUDACXX="$TK/bin/nvcc" cmake -S "$SRC" -B "$BLD" "${CMAKE_FLAGS[@]}" "-DCMAKE_CUDA_COMPILER=$TK/bin/nvcc" \
   "-DCUDAToolkit_ROOT=$TK" "-DCMAKE_PREFIX_PATH=$PREFIX" >"$OUT/configure.log" 2>&1 \
   || { tail -40 "$OUT/configure.log"; exit 1; }
+touch "$BLD/.kvc-configured"
 grep -q "CUDA Toolkit found" "$OUT/configure.log" || { echo "build-hook-cuda: CMake did not find the CUDA toolkit" >&2; tail -20 "$OUT/configure.log"; exit 1; }
 echo "configured in $((SECONDS - t)) s (nvcc $("$TK/bin/nvcc" --version | grep -o 'V[0-9.]*'))"
 # the hook must compile its real path (the C client found), not the pass-throughs

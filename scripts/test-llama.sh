@@ -12,7 +12,9 @@
 #      (build/llama/build-orig) and patched (build/llama/build-kvc), shared
 #      libraries as Ollama builds them (bin/ holds the programs and lib*.so);
 #      each build is skipped when the hash of its inputs matches the stamp of
-#      the last good build (about 7-8 min on 2 cores when cold). Both compile
+#      the last good build (about 7-8 min on 2 cores when cold); a configure
+#      or build that failed or was stopped left no stamp and is redone (a
+#      configure from a new cache unless the last one finished). Both compile
 #      through ccache (build/ccache) with base_dir build/llama, and the
 #      patched tree and its build dir sit in build/llama/kvc/ at the same
 #      relative place as the unpatched ones in build/llama/ (build-kvc and
@@ -59,21 +61,17 @@ step "python deps (gguf)"
 "$PY" -c 'import gguf' 2>/dev/null || "$REPO/.venv/bin/pip" install -q 'gguf>=0.10'
 
 step "llama.cpp source (llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION sdist)"
-if [[ ! -f "$SDIST" ]]; then
-  "$REPO/.venv/bin/pip" download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$B"
-fi
-if [[ ! -f "$ORIG/src/llama-kv-cache.cpp" ]]; then
-  rm -rf "$B/src" && mkdir -p "$B/src"
-  tar xzf "$SDIST" -C "$B/src"
-fi
+LLAMA_CPP_PYTHON_VERSION="$LLAMA_CPP_PYTHON_VERSION" scripts/build-llama-src.sh "$B" >/dev/null
 test -d "$ORIG/tools/server" || { echo "test-llama: $ORIG has no tools/server" >&2; exit 1; }
 
 step "C client -> $PREFIX"
 # the hook's static link needs libkvcached_embed.a (built from Debian's static gRPC,
 # protobuf and abseil archives: libgrpc++-dev and libprotobuf-dev ship them)
+# (.kvc-installed marks an install that finished: build-hook-cuda.sh takes the prefix only then)
 rm -rf "$PREFIX"
 scripts/build-c.sh --install "$PREFIX" kvcached kvcached_static kvcached_embed kvc_kv_region >/dev/null
 test -f "$PREFIX/lib/libkvcached_embed.a" || { echo "test-llama: no libkvcached_embed.a in $PREFIX/lib" >&2; exit 1; }
+touch "$PREFIX/.kvc-installed"
 
 hash_of() { # files and strings -> one sha256
   { for x in "$@"; do if [[ -f "$x" ]]; then sha256sum "$x"; else echo "$x"; fi; done; } | sha256sum | cut -d' ' -f1
@@ -86,9 +84,14 @@ build_llama() { # name srcdir builddir key [extra cmake args...]
     return
   fi
   local t=$SECONDS
-  rm -f "$dir/.kvc-stamp"
+  # a configure that failed or was stopped (no .kvc-configured) may have
+  # cached what it did not find: configure from a new cache (ninja keeps
+  # what it compiled, and redoes whatever a stopped build left half done)
+  [[ -f "$dir/.kvc-configured" ]] || rm -f "$dir/CMakeCache.txt"
+  rm -f "$dir/.kvc-stamp" "$dir/.kvc-configured"
   cmake -S "$src" -B "$dir" "${CMAKE_FLAGS[@]}" "$@" >"$B/$name-configure.log" 2>&1 \
     || { tail -30 "$B/$name-configure.log"; exit 1; }
+  touch "$dir/.kvc-configured"
   cmake --build "$dir" --target "${TARGETS[@]}" -j"$JOBS" >"$B/$name-build.log" 2>&1 \
     || { tail -50 "$B/$name-build.log"; exit 1; }
   echo "$key" >"$dir/.kvc-stamp"
@@ -116,8 +119,9 @@ KVC_KEY=$(hash_of "$SDIST" "${CMAKE_FLAGS[*]}" "${TARGETS[*]}" "${HOOK_FILES[@]}
   "$PREFIX/lib/libkvcached_embed.a" "$PREFIX/include/kvcached.h")
 if [[ ! -f "$KVC_BUILD/.kvc-stamp" || "$(cat "$KVC_BUILD/.kvc-stamp")" != "$KVC_KEY" || ! -d "$KVC" ]]; then
   if [[ ! -d "$KVC" ]]; then
+    # copied whole or not at all (a copy stopped half way is a .tmp)
     mkdir -p "$(dirname "$KVC")"
-    cp -a "$ORIG" "$KVC"
+    rm -rf "$KVC.tmp" && cp -a "$ORIG" "$KVC.tmp" && mv "$KVC.tmp" "$KVC"
   else
     # back to pristine for the files the hook touches (mtimes kept: ninja rebuilds little)
     for f in $("$PY" integrations/llama.cpp/apply.py "$ORIG" --list); do
