@@ -1,22 +1,28 @@
 #!/usr/bin/env bash
 # Brings a build of the C client up to date, one cmake at a time per build
 # folder. build/c is shared: scripts/test-c.sh, test-llama.sh,
-# build-hook-cuda.sh and the GPU bundle's stage2 part all build it, and
-# scripts/prebuild.sh builds it in the background while other suites run, so
-# builds of it go through here, under build/.c.lock (build/.c-asan.lock). One
-# exception: scripts/gpu-bundle/build-llama.sh runs cmake on build/c itself
-# (editing it would void the cached CUDA llama.cpp part of the GPU bundle,
-# ~75 min to rebuild); it builds only targets that are up to date by then.
+# build-hook-cuda.sh and the GPU bundle's stage2 and llama parts all build it,
+# and scripts/prebuild.sh builds it in the background while other suites run,
+# so every build of it goes through here, under build/.c.lock
+# (build/.c-asan.lock).
 #
 #   scripts/build-c.sh [--asan] [--install PREFIX] [TARGET...]
 #
 #   build/c        RelWithDebInfo (the default)
 #   build/c-asan   --asan: Debug with AddressSanitizer + UBSan (KVC_SANITIZE=ON)
 #
-# Configures when the folder has no CMakeCache.txt (a build re-runs cmake by
-# itself when a CMakeLists.txt changed), builds the TARGETs (all when none)
-# with $JOBS jobs (default 2), then installs to PREFIX when asked. Build
-# output goes to stdout; exits non-zero when cmake does.
+# Configures (Ninja) unless the folder holds the stamp of a configure that
+# succeeded with these flags (.kvc-configured; a build re-runs cmake by itself
+# when a CMakeLists.txt changed), builds the TARGETs (all when none) with
+# $JOBS jobs (default 2), then installs to PREFIX when asked. Build output
+# goes to stdout; exits non-zero when cmake does.
+#
+# Recovers from its own failures: a configure that failed (a missing
+# package) or was stopped leaves no stamp, and the next run configures the
+# folder anew (it is emptied first: nothing in it was built from that
+# configure); a build that failed or was stopped is redone by ninja, which
+# rebuilds every output whose command did not finish (.ninja_log), a
+# half-written object or archive included.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 JOBS="${JOBS:-2}"
@@ -34,8 +40,14 @@ DIR="$REPO/build/$name"
 mkdir -p "$REPO/build"
 exec 9>"$REPO/build/.$name.lock"
 flock 9
-if [[ ! -f "$DIR/CMakeCache.txt" ]]; then
+flags=(-G Ninja "${flags[@]}")
+STAMP="$DIR/.kvc-configured"
+if [[ "$(cat "$STAMP" 2>/dev/null)" != "${flags[*]}" ]]; then
+  # never configured here, a configure that failed or was stopped, other
+  # flags, or a folder another generator made: start from an empty folder
+  rm -rf "$DIR"
   cmake -S "$REPO/clients/c" -B "$DIR" "${flags[@]}" >/dev/null
+  echo "${flags[*]}" >"$STAMP.tmp" && mv "$STAMP.tmp" "$STAMP"
 fi
 cmake --build "$DIR" -j"$JOBS" ${1:+--target "$@"}
 if [[ -n "$prefix" ]]; then

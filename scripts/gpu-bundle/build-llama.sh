@@ -30,7 +30,7 @@
 # build/gpu-bundle/kvcached-prefix), gguf;
 # the versions are pinned in this script (scripts/gpu-bundle.sh hashes it and
 # the paths below to decide whether the cached part is still good).
-# gpu-bundle-inputs: clients/c integrations/llama.cpp/apply.py
+# gpu-bundle-inputs: clients/c integrations/llama.cpp/apply.py scripts/build-c.sh scripts/build-llama-src.sh
 set -euo pipefail
 
 PART="${1:?usage: build-llama.sh PARTDIR}"
@@ -47,9 +47,7 @@ mkdir -p "$PART" "$B"
 T0=$SECONDS
 
 # 1. the llama.cpp source, trimmed, xz
-if [[ ! -f "$SDIST" ]]; then
-  "$PIP" download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$B"
-fi
+LLAMA_CPP_PYTHON_VERSION="$LLAMA_CPP_PYTHON_VERSION" PIP="$PIP" scripts/build-llama-src.sh "$B" --sdist >/dev/null
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 tar xzf "$SDIST" -C "$TMP" "llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
@@ -69,14 +67,11 @@ tar -C "$SRC" --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 "${EXCL
   | xz -T"$JOBS" -6 >"$PART/llama.cpp.tar.xz"
 
 # 2. the C client prefix (static, self-contained), from clients/c as it is now
-#    (build/c, incremental; the same configuration scripts/test-llama.sh installs)
+#    (build/c through scripts/build-c.sh: incremental, and configured anew when
+#    a configure there failed; the same configuration scripts/test-llama.sh installs)
 PREFIX="$REPO/build/gpu-bundle/kvcached-prefix"
-if [[ ! -f "$REPO/build/c/CMakeCache.txt" ]]; then
-  cmake -S clients/c -B build/c -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-fi
-cmake --build build/c -j"$JOBS" --target kvcached kvcached_static kvcached_embed kvc_kv_region >/dev/null
 rm -rf "$PREFIX"
-cmake --install build/c --prefix "$PREFIX" >/dev/null
+"$REPO/scripts/build-c.sh" --install "$PREFIX" kvcached kvcached_static kvcached_embed kvc_kv_region >/dev/null
 test -f "$PREFIX/lib/libkvcached_embed.a" || { echo "build-llama: no libkvcached_embed.a in $PREFIX" >&2; exit 1; }
 KP="$PART/kvcached-prefix"
 mkdir -p "$KP/include" "$KP/lib/cmake/kvcached"
