@@ -26,7 +26,10 @@
 # Each part is cached under build/gpu-bundle/cache by an input hash (its
 # build script and the files it declares with "# gpu-bundle-inputs:", else
 # the whole repository; the toolchain versions; the options), so a second
-# build with the same inputs only copies. The total must be at most 56 MiB
+# build with the same inputs only copies. A part enters the cache only once
+# built and packed whole (renamed into place), and is built in a folder
+# emptied first: a part whose build failed or was stopped is built again by
+# the next run. The total must be at most 56 MiB
 # (GPU_BUNDLE_MAX_MB overrides, for tests): over it, the script fails.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -67,9 +70,16 @@ case "$OUT/" in "$REPO/"*) case "$OUT/" in "$REPO/build/"*) ;; *) echo "gpu-bund
 declare -A PART_HASH PART_SIZE
 # cached NAME HASH: is parts/NAME.tar.xz of this hash in the cache? then copy it
 cached() { [[ -f "$CACHE/$1-$2.tar.xz" ]] && cp "$CACHE/$1-$2.tar.xz" "$OUT/parts/$1.tar.xz"; }
-store() { # NAME HASH: the new tar.xz into the cache (older ones of NAME removed)
-    rm -f "$CACHE/$1"-*.tar.xz
-    cp "$OUT/parts/$1.tar.xz" "$CACHE/$1-$2.tar.xz"
+store() { # NAME HASH: the new tar.xz into the cache (older ones of NAME removed),
+    # under its final name only once whole (a copy stopped half way is a .tmp
+    # that no run takes for the part)
+    local f
+    for f in "$CACHE/$1"-*.tar.xz "$CACHE/$1"-*.tar.xz.tmp; do
+        # NAME-<hash> only: llama-cuda-<hash> is another part's, not llama's
+        [[ "${f#"$CACHE/$1-"}" == *-* ]] || rm -f "$f"
+    done
+    cp "$OUT/parts/$1.tar.xz" "$CACHE/$1-$2.tar.xz.tmp"
+    mv "$CACHE/$1-$2.tar.xz.tmp" "$CACHE/$1-$2.tar.xz"
 }
 note() { PART_HASH[$1]="$2"; PART_SIZE[$1]="$(stat -c %s "$OUT/parts/$1.tar.xz")"; printf 'gpu-bundle: part %-8s %7.2f MiB  (%s, input hash %s)\n' "$1" "$(awk -v b="${PART_SIZE[$1]}" 'BEGIN {print b / 1048576}')" "$3" "$2"; }
 
