@@ -50,7 +50,11 @@
 #   --force            rebuild even when the stamps match
 #
 # Each part is skipped when the hash of its inputs matches the stamp of its
-# last good build (OUT/.stamp-go, OUT/.stamp-llama-<preset>). A GPU preset
+# last good build (OUT/.stamp-go, OUT/.stamp-llama-<preset>). A part's stamp
+# is removed before it is built and written once it is whole, and the work
+# tree is marked (.work/.tree-ok) only once prepared, so a build that failed
+# or was stopped (a missing tool, a patch that did not apply, Ctrl-C) is
+# redone by the next run. A GPU preset
 # installs its backend over the CPU preset's lib/ollama (as Ollama's
 # Dockerfile does): run --preset cpu first, then e.g.
 # --preset llama_cuda_v12_linux, with the same --out. Exits non-zero with a
@@ -155,6 +159,7 @@ GO_KEY=$(hash_of "ollama@$OLLAMA_VERSION" "$VARIANT" "$GOV" "$LDFLAGS" "$GENPROT
 
 # The work tree: the module copy, patched; bin/ollama is built from it.
 prepare_tree() {
+  rm -f "$WORK/.tree-ok"
   rm -rf "$WORK/ollama"
   mkdir -p "$WORK"
   cp -r "$MODDIR" "$WORK/ollama"
@@ -182,22 +187,26 @@ prepare_tree() {
       && go get "github.com/kvcached/kvcached-service/clients/go@v0.0.0" "google.golang.org/genproto@$GENPROTO_VERSION" .) \
       || die "go get of the Go client into Ollama's module failed (see above)"
   fi
+  touch "$WORK/.tree-ok"
 }
 
 # ---- 2-3. bin/ollama ---------------------------------------------------------
-if [[ $FORCE == 0 && -x "$OUT/bin/ollama" && -d "$WORK/ollama" && "$(cat "$OUT/.stamp-go" 2>/dev/null)" == "$GO_KEY" ]]; then
+if [[ $FORCE == 0 && -x "$OUT/bin/ollama" && -f "$WORK/.tree-ok" && "$(cat "$OUT/.stamp-go" 2>/dev/null)" == "$GO_KEY" ]]; then
   step "bin/ollama up to date (stamp $GO_KEY)"
 else
+  rm -f "$OUT/.stamp-go"
   step "work tree $WORK/ollama${PATCHES:+ + ${#PATCHES[@]} patch(es) + the Go client}"
   prepare_tree
   step "go build -> $OUT/bin/ollama"
   t=$SECONDS
   mkdir -p "$OUT/bin"
-  (cd "$WORK/ollama" && CGO_ENABLED=1 go build -trimpath -ldflags "$LDFLAGS" -o "$OUT/bin/ollama" .) \
+  rm -f "$OUT/bin/ollama.tmp"
+  (cd "$WORK/ollama" && CGO_ENABLED=1 go build -trimpath -ldflags "$LDFLAGS" -o "$OUT/bin/ollama.tmp" .) \
     || die "go build of ollama failed (see above)"
-  if [[ $STOCK == 0 ]] && ! grep -q "OLLAMA_KVCACHED_SOCKET" "$OUT/bin/ollama"; then
+  if [[ $STOCK == 0 ]] && ! grep -q "OLLAMA_KVCACHED_SOCKET" "$OUT/bin/ollama.tmp"; then
     die "$OUT/bin/ollama does not carry the Go patch (no OLLAMA_KVCACHED_SOCKET in it)"
   fi
+  mv "$OUT/bin/ollama.tmp" "$OUT/bin/ollama"
   echo "$GO_KEY" >"$OUT/.stamp-go"
   echo "bin/ollama built in $((SECONDS - t)) s"
 fi
@@ -216,16 +225,10 @@ if [[ -n "$LINK_LLAMA" ]]; then
   done
 elif [[ $GO_ONLY == 0 ]]; then
   if [[ -z "$LLAMA_SRC" ]]; then
-    SDIST_DIR="$REPO/build/ollama/src"
-    SDIST="$SDIST_DIR/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
-    LLAMA_SRC="$SDIST_DIR/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
-    if [[ ! -f "$LLAMA_SRC/src/llama-kv-cache.cpp" ]]; then
-      step "llama.cpp source: llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION sdist"
-      mkdir -p "$SDIST_DIR"
-      [[ -f "$SDIST" ]] || "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$SDIST_DIR" \
-        || die "pip download llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION failed"
-      tar xzf "$SDIST" -C "$SDIST_DIR"
-    fi
+    # the llama suite's tree (build/llama/src), downloaded and unpacked whole or not at all
+    step "llama.cpp source: llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION sdist"
+    LLAMA_SRC="$(LLAMA_CPP_PYTHON_VERSION="$LLAMA_CPP_PYTHON_VERSION" PIP="${PIP:-$PY -m pip}" "$REPO/scripts/build-llama-src.sh" "$REPO/build/llama")" \
+      || die "the llama.cpp source (llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION sdist) failed (see above)"
   fi
   [[ -f "$LLAMA_SRC/src/llama-kv-cache.cpp" && -d "$LLAMA_SRC/tools/server" ]] \
     || die "$LLAMA_SRC is not a llama.cpp tree with tools/server"
@@ -241,7 +244,8 @@ elif [[ $GO_ONLY == 0 ]]; then
   if [[ $FORCE == 0 && -x "$OUT/lib/ollama/llama-server" && -x "$OUT/lib/ollama/llama-quantize" && "$(cat "$STAMP" 2>/dev/null)" == "$LLAMA_KEY" ]]; then
     step "lib/ollama up to date (stamp $LLAMA_KEY)"
   else
-    [[ -d "$WORK/ollama" ]] || prepare_tree
+    rm -f "$STAMP"
+    [[ -f "$WORK/.tree-ok" ]] || prepare_tree
     # Ollama's configure applies llama/compat/*.patch to the source override
     # in place: give it a private copy.
     step "llama.cpp tree -> $WORK/llama.cpp"
@@ -262,7 +266,10 @@ elif [[ $GO_ONLY == 0 ]]; then
       # it; llama-server links its self-contained static form.
       step "C client -> $WORK/kvcached-prefix"
       t=$SECONDS
-      cmake -S "$REPO/clients/c" -B "$WORK/build-c" -DCMAKE_BUILD_TYPE=Release >"$OUT/c-client.log" 2>&1 \
+      [[ -f "$WORK/build-c/.kvc-configured" ]] || rm -rf "$WORK/build-c"   # a configure that did not finish: anew
+      rm -f "$WORK/build-c/.kvc-configured"
+      cmake -S "$REPO/clients/c" -B "$WORK/build-c" -G Ninja -DCMAKE_BUILD_TYPE=Release >"$OUT/c-client.log" 2>&1 \
+        && touch "$WORK/build-c/.kvc-configured" \
         && cmake --build "$WORK/build-c" -j"$JOBS" >>"$OUT/c-client.log" 2>&1 \
         && cmake --install "$WORK/build-c" --prefix "$WORK/kvcached-prefix" >>"$OUT/c-client.log" 2>&1 \
         || { tail -30 "$OUT/c-client.log"; die "building the C client failed (needs gRPC/protobuf dev packages: scripts/setup.sh; log $OUT/c-client.log)"; }
