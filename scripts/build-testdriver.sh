@@ -8,6 +8,9 @@
 # pinned wheel is downloaded into build/ (pip download; no install).
 #
 # Idempotent: rebuilds only when a source, the header or this script changed.
+# Recovers from its own failures: the library is linked to a .tmp and renamed
+# into place, and the stamp is written after it, so a compile that failed or
+# was stopped is redone by the next run; the pinned header likewise.
 # Never installs anything system-wide. Prints the library path last.
 # `--include-dir` prints the directory holding cuda.h instead of building.
 # `--pinned-header` prints build/cuda-runtime-<pin>/nvidia/cu13/include/cuda.h,
@@ -63,15 +66,19 @@ EOF
     fi
     local dir="$PINNED_DIR" hdr="$PINNED_HDR"
     if [[ ! -f "$hdr" ]]; then
-        local pip="$REPO/.venv/bin/pip"
+        # downloaded into a folder of its own and the headers extracted beside
+        # the final place, then renamed into it: a download or extraction that
+        # failed or was stopped leaves no cuda.h, and the next run does it again
+        local pip="$REPO/.venv/bin/pip" tmp="$dir.tmp"
         [[ -x "$pip" ]] || pip="python3 -m pip"
-        mkdir -p "$REPO/build/wheels" "$dir"
+        rm -rf "$tmp" "$dir"
+        mkdir -p "$REPO/build/wheels" "$tmp/dl"
         $pip download --quiet --no-deps --only-binary=:all: \
             --platform manylinux2014_x86_64 --python-version 3.11 \
-            -d "$REPO/build/wheels" "nvidia-cuda-runtime==$CUDA_RUNTIME_VERSION" >&2
+            -d "$tmp/dl" "nvidia-cuda-runtime==$CUDA_RUNTIME_VERSION" >&2
         local whl
-        whl="$(ls "$REPO"/build/wheels/nvidia_cuda_runtime-"$CUDA_RUNTIME_VERSION"-*.whl | head -1)"
-        python3 - "$whl" "$dir" <<'EOF'
+        whl="$(ls "$tmp"/dl/nvidia_cuda_runtime-"$CUDA_RUNTIME_VERSION"-*.whl | head -1)"
+        python3 - "$whl" "$tmp/x" <<'EOF'
 import sys, zipfile
 whl, dest = sys.argv[1], sys.argv[2]
 with zipfile.ZipFile(whl) as z:
@@ -79,6 +86,9 @@ with zipfile.ZipFile(whl) as z:
         if n.startswith("nvidia/cu13/include/"):
             z.extract(n, dest)
 EOF
+        mv -f "$whl" "$REPO/build/wheels/"
+        mv "$tmp/x" "$dir"
+        rm -rf "$tmp"
     fi
     echo "$hdr"
 }
@@ -90,7 +100,9 @@ if [[ ! -f "$HDR" ]]; then
 fi
 INC="$(dirname "$HDR")"
 if [[ "${1:-}" == "--pinned-header" ]]; then
-    if [[ "$HDR" != "$PINNED_HDR" ]]; then mkdir -p "$(dirname "$PINNED_HDR")" && cp "$HDR" "$PINNED_HDR"; fi
+    if [[ "$HDR" != "$PINNED_HDR" ]]; then
+        mkdir -p "$(dirname "$PINNED_HDR")" && cp "$HDR" "$PINNED_HDR.tmp" && mv "$PINNED_HDR.tmp" "$PINNED_HDR"
+    fi
     echo "$PINNED_HDR"
     exit 0
 fi
