@@ -7,10 +7,16 @@
 #   one-page round trip with 1 and 16 clients; reclaim of most of a 4 GiB
 #   budget from an idle session to a new one; decode tokens/s of the patched
 #   llama-server against the unpatched one (the builds stage 3 recorded in
-#   ${BUNDLE}/work/llama/servers.json).
+#   ${BUNDLE}/work/llama/servers.json); then what decides issue 42's design
+#   (tests/helpers/gpu_design_probe.py, a few seconds each): imported handles
+#   (import from a dup'ed fd, release, close of the last fd), set-access and
+#   unmap over runs of 1-64 pages, per-call costs at 2-128 MiB pages, calls
+#   from 1-8 threads and 2-4 processes, asynchronous memset latency, kernel
+#   memory per held exported fd, and decode under a zeroing process.
 # On the test driver (VERIFY_DRIVER=testdriver) the same figures are the test
 # driver's, marked so (reclaim at the bench's quick size, 256 MiB); the decode
-# figure is a skip row ("no CUDA runtime") unless stage 3 ran its CPU mode.
+# figure is a skip row ("no CUDA runtime") unless stage 3 ran its CPU mode;
+# the design figures run with small counts (decode under zeroing: a skip row).
 # STAGE4_FULL=1: bench.suite's full sizes for allocate64 and roundtrip.
 set -uo pipefail
 

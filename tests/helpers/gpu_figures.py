@@ -19,7 +19,16 @@ figures.json ({name: {"value", "unit", "driver", ...}}).
    recorded in --servers (default $BUNDLE/work/llama/servers.json); also
    the patched build without the daemon and both with CUDA graphs off, and
    each one's time split into per-token and per-request parts (128 and
-   1024 tokens, 5 rounds).
+   1024 tokens, 5 rounds);
+6-12. what decides issue 42's design (item 7), each group of driver calls
+   in a process of its own (tests/helpers/gpu_design_probe.py): release of
+   an imported handle, import from a dup'ed fd, close of the last fd;
+   cuMemSetAccess / cuMemUnmap over runs of 1-64 adjacent pages; per-call
+   costs at 2, 8, 32 and 128 MiB pages; the calls from 1-8 threads and 2-4
+   processes at once; an asynchronous memset with an event against memset +
+   cuCtxSynchronize; kernel memory per held exported fd; decode tokens/s of
+   the unpatched llama-server while another process zeroes 256 pages (CUDA
+   builds only). On the test driver the same code runs with small counts.
 On the test driver every figure is the test driver's (marked "driver":
 "testdriver": they say nothing about a GPU); the decode figure needs
 llama-server with ggml-cuda and is a skip row there, unless stage 3 ran
@@ -53,6 +62,25 @@ SECTIONS = [
     "reclaim from an idle session to a new one",
     "decode tokens/s, patched vs unpatched llama-server",
 ]
+# issue 42 item 7: what decides the design (tests/helpers/gpu_design_probe.py measures, one process per group)
+DESIGN = {
+    "handles": ("imported handles: import from a dup'ed fd, release, close of the last fd",
+                "recorded (import and release costs decide the client handle cache; close of the last fd, "
+                "whether a kept export costs and frees)"),
+    "runs": ("cuMemSetAccess and cuMemUnmap over runs of 1-64 adjacent pages",
+             "recorded (per call or per page decides whether clients gain from runs)"),
+    "sizes": ("per-call costs at page sizes 2, 8, 32, 128 MiB",
+              "recorded (per call or per byte decides the large page class)"),
+    "memset": ("asynchronous memset + blocking-sync event vs memset + cuCtxSynchronize",
+               "recorded (decides background zeroing: issue cost and issue-to-complete)"),
+    "concurrency": ("driver calls from 1-8 threads and 2-4 processes at once",
+                    "recorded (aggregate calls/s against 1 thread: does the driver serialise them? decides "
+                    "one worker thread or several, and whether clients contend)"),
+    "fdmem": ("kernel memory per held exported fd",
+              "recorded (decides whether the daemon keeps one export per page for its life)"),
+    "decode_zeroing": ("decode tokens/s of the unpatched llama-server while another process zeroes pages",
+                       "recorded (decides whether background zeroing may run during decode)"),
+}
 
 
 def row(check: str, expected: str, seen: str, verdict: str = "info") -> dict:
@@ -158,6 +186,200 @@ def bench_figures(res: dict, driver: str) -> tuple[dict, list[dict]]:
                         f"p50 {s['p50_us'] / 1e3:.1f} ms over {c['reps']} runs; unload+reload in-process "
                         f"{c['baseline_unload_reload']['p50_us'] / 1e3:.1f} ms" + tag(driver)))
     return figs, rows
+
+
+# ---- issue 42 item 7: the design figures (gpu_design_probe.py's groups -> figures, one row each)
+
+
+def _stat_figs(figs: dict, prefix: str, st: dict, unit: str, driver: str, **extra) -> None:
+    """{"p50_us", "p99_us", "n"} -> prefix_p50_us and prefix_p99_us."""
+    if not st or st.get("n", 0) == 0:
+        return
+    for q in ("p50", "p99"):
+        figs[f"{prefix}_{q}_us"] = fig(st[f"{q}_us"], unit, driver, n=st["n"], **extra)
+
+
+def _pp(st: dict | None) -> str:
+    """'p50/p99' of a stat, in us."""
+    if not st or not st.get("n"):
+        return "-"
+    return f"{st['p50_us']:.1f}/{st['p99_us']:.1f}"
+
+
+def handles_figures(res: dict, driver: str) -> tuple[dict, dict]:
+    c, f = res.get("calls", {}), res.get("facts", {})
+    n = f.get("pages", 0)
+    figs: dict = {}
+    for k, st in c.items():
+        _stat_figs(figs, f"stage4.handle.{k}", st, "us per call (2 MiB page)", driver)
+    freed = []
+    for k, what in (("close_last_fd_freed_at_once_pages", "at once"), ("close_last_fd_freed_after_100ms_pages", "after 100 ms"),
+                    ("release_last_freed_at_once_pages", "release at once")):
+        if k in f:
+            figs[f"stage4.handle.{k}"] = fig(f[k], f"pages of {n} (device free memory, cuMemGetInfo)", driver, n=n)
+            freed.append(f"{what} {f[k]:g}")
+    seen = (f"p50/p99 us over {n} pages: import original fd {_pp(c.get('import_original_fd'))}, dup'ed fd "
+            f"{_pp(c.get('import_dup_fd'))}; release of an imported handle while mapped "
+            f"{_pp(c.get('release_imported_while_mapped'))} (then unmap {_pp(c.get('unmap_after_release'))}), "
+            f"not mapped {_pp(c.get('release_imported_unmapped'))}, the last reference "
+            f"{_pp(c.get('release_imported_last_reference'))}; release of the created handle, last reference "
+            f"{_pp(c.get('release_created_last_reference'))}; close of an exported fd while handles remain "
+            f"{_pp(c.get('close_fd_handles_held'))}, of the last fd {_pp(c.get('close_last_fd'))}"
+            + (f"; pages freed of {n} (close of the last fd {', '.join(freed)})" if freed else ""))
+    return figs, row(DESIGN["handles"][0], DESIGN["handles"][1], seen + tag(driver))
+
+
+def runs_figures(res: dict, driver: str) -> tuple[dict, dict]:
+    c = res.get("calls", {})
+    figs: dict = {}
+    parts = []
+    for call, key in (("cuMemSetAccess", "set_access"), ("cuMemUnmap", "unmap")):
+        one = []
+        for L in res.get("lengths", []):
+            st = c.get(f"{key}_{L}")
+            if not st or not st.get("n"):
+                continue
+            _stat_figs(figs, f"stage4.run.{call}_{L}_pages", st, f"us per call over {L} pages", driver,
+                       per_page_p50_us=round(st["p50_us"] / L, 3))
+            one.append(f"{L}: {st['p50_us']:.1f} ({st['p50_us'] / L:.2f}/page, n {st['n']})")
+        if one:
+            parts.append(f"{call.replace('cuMem', '')} p50 us per call {', '.join(one)}")
+    for L, e in (res.get("errors") or {}).items():
+        parts.append(f"one call over {L} pages refused: {e}")
+        figs[f"stage4.run.refused_{L}_pages"] = fig(1, "refused (1)", driver, error=e)
+    return figs, row(DESIGN["runs"][0], DESIGN["runs"][1],
+                     f"over a {max(res.get('lengths') or [0])}-page reservation, {res.get('reps')} repetitions: "
+                     + "; ".join(parts) + tag(driver))
+
+
+SIZE_CALLS = ("create", "export", "import", "map", "set_access", "unmap", "release_imported", "release")
+
+
+def sizes_figures(res: dict, driver: str) -> tuple[dict, dict]:
+    figs: dict = {}
+    parts = []
+    for mib, calls in (res.get("sizes") or {}).items():
+        one = []
+        for k in SIZE_CALLS:
+            st = calls.get(k)
+            if st and st.get("n"):
+                _stat_figs(figs, f"stage4.size_{mib}mib.{k}", st, f"us per call ({mib} MiB page)", driver,
+                           per_mib_p50_us=round(st["p50_us"] / float(mib), 3))
+                one.append(f"{k.replace('_', '-')} {st['p50_us']:.1f}")
+        if one:
+            parts.append(f"{mib} MiB: " + ", ".join(one))
+    for mib, e in (res.get("errors") or {}).items():
+        parts.append(f"{mib} MiB stopped: {e}")
+    return figs, row(DESIGN["sizes"][0], DESIGN["sizes"][1],
+                     f"p50 us per call, {res.get('pages')} pages a size: " + "; ".join(parts) + tag(driver))
+
+
+def memset_figures(res: dict, driver: str) -> tuple[dict, dict]:
+    c = res.get("calls", {})
+    figs: dict = {}
+    parts = []
+    for n in res.get("pages", []):
+        for kind in ("async", "sync"):
+            for what in ("issue", "complete"):
+                _stat_figs(figs, f"stage4.memset.{kind}_{n}_pages_{what}", c.get(f"{kind}_{n}_{what}"),
+                           f"us ({n} x 2 MiB in one reservation)", driver)
+        parts.append(f"{n} page{'s' if n > 1 else ''}: async {_pp(c.get(f'async_{n}_complete'))} (issue "
+                     f"{_pp(c.get(f'async_{n}_issue'))}), sync {_pp(c.get(f'sync_{n}_complete'))} (issue "
+                     f"{_pp(c.get(f'sync_{n}_issue'))})")
+    return figs, row(DESIGN["memset"][0], DESIGN["memset"][1],
+                     f"issue-to-complete p50/p99 us, {res.get('reps')} repetitions each: " + "; ".join(parts) + tag(driver))
+
+
+def concurrency_figures(res: dict, driver: str) -> tuple[dict, dict]:
+    levels = res.get("levels", {})
+    figs: dict = {}
+    base = (levels.get("threads_1") or {}).get("calls_per_s")
+    parts, lat = [], []
+    for name, lv in levels.items():
+        k, kind = lv.get("workers"), name.split("_")[0]
+        label = f"{k} {kind[:-1] if k == 1 else kind}"
+        if lv.get("errors"):
+            parts.append(f"{label}: {'; '.join(lv['errors'])[:200]}")
+        cps = lv.get("calls_per_s")
+        if not cps:
+            continue
+        figs[f"stage4.concurrency.{name}_calls_per_s"] = fig(cps, "driver calls/s, all workers together", driver,
+                                                              calls=lv["calls"], wall_s=lv["wall_s"])
+        x = ""
+        if base:
+            figs[f"stage4.concurrency.{name}_over_1_thread"] = fig(cps / base, "x (calls/s against 1 thread)", driver)
+            x = f" ({cps / base:.2f}x)"
+        parts.append(f"{label} {cps:,.0f}{x}")
+        for call, st in (lv.get("latency") or {}).items():
+            _stat_figs(figs, f"stage4.concurrency.{name}.{call}", st, "us per call", driver)
+        L = lv.get("latency") or {}
+        lat.append(f"{label}: create {_pp(L.get('create'))}, set-access {_pp(L.get('set_access'))}, "
+                   f"import {_pp(L.get('import'))}")
+    return figs, row(DESIGN["concurrency"][0], DESIGN["concurrency"][1],
+                     f"calls/s over {res.get('seconds_per_level')} s a level (create, export, import, map, set-access, "
+                     f"unmap, 2 releases a cycle): " + ", ".join(parts) + "; p50/p99 us " + "; ".join(lat) + tag(driver))
+
+
+def fdmem_figures(res: dict, driver: str) -> tuple[dict, dict]:
+    st, f = res.get("steps", {}), res.get("facts", {})
+    n = f.get("n") or 0
+    figs: dict = {}
+    parts = []
+    need = ("start", "pages_created", "pages_exported", "fds_closed")
+    if n and all(k in st for k in need):
+        s0, s1, s2, s3 = (st[k] for k in need)
+        for key in ("Slab", "SUnreclaim"):
+            per_fd = (s2[key] - s1[key]) / n
+            per_page = (s1[key] - s0[key]) / n
+            figs[f"stage4.fdmem.{key.lower()}_per_fd_bytes"] = fig(per_fd, "bytes per held exported fd", driver, n=n,
+                                                                   fold=f.get("fold"))
+            figs[f"stage4.fdmem.{key.lower()}_per_created_page_bytes"] = fig(per_page, "bytes per created page", driver,
+                                                                             n=n)
+            figs[f"stage4.fdmem.{key.lower()}_back_after_close_bytes"] = fig(s2[key] - s3[key],
+                                                                             f"bytes back after closing {n} fds",
+                                                                             driver, n=n)
+            parts.append(f"{key} {per_fd:,.0f} B per fd ({(s2[key] - s3[key]) / 1024:,.0f} KiB back after the closes), "
+                         f"{per_page:,.0f} B per created page")
+        figs["stage4.fdmem.fds_held"] = fig(s2["fds"] - s1["fds"], "fds (this process, /proc/self/fd)", driver, n=n,
+                                            rlimit_nofile=f.get("rlimit_nofile"))
+        parts.append(f"fds {s1['fds']} -> {s2['fds']} -> {s3['fds']}")
+    else:
+        parts.append(f"incomplete: steps {sorted(st)}")
+    lim = f" (limited by {f['limited_by']})" if f.get("limited_by") else ""
+    return figs, row(DESIGN["fdmem"][0], DESIGN["fdmem"][1],
+                     f"{n} exported fds of {n} pages held{lim}, /proc/meminfo ({f.get('fold', '?')}, machine-wide): "
+                     + "; ".join(parts) + tag(driver))
+
+
+def median(v: list[float]) -> float:
+    s = sorted(v)
+    if not s:
+        return float("nan")
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
+
+
+def decode_zeroing_figures(res: dict, driver: str) -> tuple[dict, dict]:
+    sm, z = res.get("samples", {}), res.get("zeroer", {})
+    q, w = sm.get("quiet") or [], sm.get("zeroing") or []
+    figs: dict = {}
+    seen = f"{res.get('tokens')} tokens, {res.get('rounds')} rounds: "
+    if q and w:
+        mq, mw = median(q), median(w)
+        figs["stage4.decode_zeroing.tokens_per_s_quiet"] = fig(mq, "tokens/s (median)", driver, samples=q)
+        figs["stage4.decode_zeroing.tokens_per_s_zeroing"] = fig(mw, "tokens/s (median)", driver, samples=w)
+        figs["stage4.decode_zeroing.zeroing_over_quiet"] = fig(mw / mq if mq else float("nan"), "x", driver)
+        seen += f"unpatched {mq:,.0f} tokens/s quiet, {mw:,.0f} while zeroing ({mw / mq:.3f}x)" if mq else "no tokens/s"
+    if z.get("running_s"):
+        gbs = z["bytes"] / z["running_s"] / 1e9
+        figs["stage4.decode_zeroing.zeroer_gb_per_s"] = fig(gbs, "GB/s zeroed (async memset + event)", driver,
+                                                            loops=z["loops"], pages=z.get("pages"))
+        seen += f"; the zeroer: {z['loops']} loops over {z.get('pages')} pages, {gbs:.1f} GB/s"
+    return figs, row(DESIGN["decode_zeroing"][0], DESIGN["decode_zeroing"][1], seen + tag(driver))
+
+
+DESIGN_FIGURES = {"handles": handles_figures, "runs": runs_figures, "sizes": sizes_figures, "memset": memset_figures,
+                  "concurrency": concurrency_figures, "fdmem": fdmem_figures}
 
 
 class Stage:
@@ -279,11 +501,7 @@ print(json.dumps({{"page": p.page, "times": t, "run_error": run_error}}))
             self.emit(row(SECTIONS[4], "recorded", f"skip: {reason}", "skip"))
             return
         rec = json.loads(path.read_text())
-        env = self.env()
-        if rec.get("libdir"):
-            env["LD_LIBRARY_PATH"] = rec["libdir"] + (os.pathsep + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
-        if rec.get("pylib"):  # stage 3's unpacked gguf wheel (the decode run writes its test model)
-            env["PYTHONPATH"] += os.pathsep + rec["pylib"]
+        env = self.llama_env(rec)
         r = subprocess.run([sys.executable, str(HERE / "gpu_llama.py"), "decode", "--device", rec["device"],
                             "--orig", rec["orig"], "--kvc", rec["kvc"], "--out", str(self.out / "decode")],
                            env=env, capture_output=True, text=True, timeout=max(60, self.left() + 30))
@@ -301,11 +519,65 @@ print(json.dumps({{"page": p.page, "times": t, "run_error": run_error}}))
                       "recorded (patched close to unpatched)",
                       res["summary"] + (" [CPU builds, not a GPU]" if dev != "cuda" else "")))
 
+    def llama_env(self, rec: dict) -> dict:
+        env = self.env()
+        if rec.get("libdir"):
+            env["LD_LIBRARY_PATH"] = rec["libdir"] + (os.pathsep + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+        if rec.get("pylib"):  # stage 3's unpacked gguf wheel (the decode run writes its test model)
+            env["PYTHONPATH"] += os.pathsep + rec["pylib"]
+        return env
+
+    # 6-11 (issue 42 item 7)
+    def design(self, group: str) -> None:
+        """One group of gpu_design_probe.py in a process of its own (its raw
+        result kept as design-GROUP.json, its stderr as design-GROUP.log)."""
+        scale = "real" if self.driver == "real" else "small"
+        r = subprocess.run([sys.executable, str(HERE / "gpu_design_probe.py"), group, "--scale", scale], env=self.env(),
+                           capture_output=True, text=True, timeout=min(180, max(20, self.left() + 30)))
+        (self.out / f"design-{group}.log").write_text(r.stderr)
+        lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+        if r.returncode != 0 or not lines:
+            self.emit(row(DESIGN[group][0], "runs", f"exit {r.returncode}: {(r.stderr.strip().splitlines() or [''])[-1][:300]}",
+                          "FAIL"))
+            return
+        (self.out / f"design-{group}.json").write_text(lines[-1])
+        figs, rw = DESIGN_FIGURES[group](json.loads(lines[-1]), self.driver)
+        self.figs.update(figs)
+        self.emit(rw)
+
+    # 12
+    def decode_zeroing(self) -> None:
+        name = DESIGN["decode_zeroing"][0]
+        path = pathlib.Path(self.a.servers) if self.a.servers else None
+        if not path or not path.exists():
+            why = " (no CUDA runtime)" if self.driver != "real" else ""
+            self.emit(row(name, "recorded", f"skip: no llama-server: stage 3 recorded no builds ({path}){why}", "skip"))
+            return
+        rec = json.loads(path.read_text())
+        if rec.get("device") != "cuda":
+            self.emit(row(name, "recorded", "skip: stage 3's builds are CPU builds: a device memset does not compete "
+                          "with their decode", "skip"))
+            return
+        r = subprocess.run([sys.executable, str(HERE / "gpu_design_probe.py"), "decode_zeroing", "--device", "cuda",
+                            "--orig", rec["orig"], "--out", str(self.out / "decode-zeroing"), "--tokens", "512",
+                            "--rounds", "5", "--scale", "real" if self.driver == "real" else "small"],
+                           env=self.llama_env(rec), capture_output=True, text=True, timeout=max(60, self.left() + 30))
+        (self.out / "decode-zeroing.log").write_text(r.stdout + r.stderr)
+        lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+        if r.returncode != 0 or not lines:
+            self.emit(row(name, "runs", f"exit {r.returncode}: {(r.stderr.strip().splitlines() or [''])[-1][:300]}", "FAIL"))
+            return
+        figs, rw = decode_zeroing_figures(json.loads(lines[-1]), self.driver)
+        self.figs.update(figs)
+        self.emit(rw)
+
     def run(self) -> int:
         steps = [(SECTIONS[0], self.driver_calls),
                  (SECTIONS[1] + "; " + SECTIONS[2], lambda: self.bench("allocate64,roundtrip", self.a.full)),
                  (SECTIONS[3], lambda: self.bench("reclaim", self.driver == "real")),
                  (SECTIONS[4], self.decode)]
+        steps += [(DESIGN[g][0], (lambda g=g: self.design(g))) for g in DESIGN_FIGURES]
+        steps += [(DESIGN["decode_zeroing"][0], self.decode_zeroing)]
         for i, (name, fn) in enumerate(steps):
             if self.left() <= 0:
                 for n, _ in steps[i:]:
