@@ -531,3 +531,113 @@ def test_gpu_bundle_refuses_an_unknown_optional_part(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "--with nope: no optional part" in p.stderr, p.stdout + p.stderr
     assert not (tmp_path / "b").exists()
+
+
+# ---- stage 4's design figures (issue 42 item 7): rows and figures.json from each group's result
+
+
+def _helpers():
+    h = str(ROOT / "tests" / "helpers")
+    if h not in sys.path:
+        sys.path.insert(0, h)
+    import gpu_design_probe
+    import gpu_figures
+
+    return gpu_figures, gpu_design_probe
+
+
+def _st(p50, p99=None, n=10):
+    return {"p50_us": p50, "p99_us": p99 if p99 is not None else p50, "n": n}
+
+
+def test_design_figures_name_units_repetitions_and_the_driver():
+    gf, _ = _helpers()
+    cases = {
+        "handles": {"calls": {"import_original_fd": _st(30), "import_dup_fd": _st(31), "close_last_fd": _st(5)},
+                    "facts": {"pages": 10, "close_last_fd_freed_at_once_pages": 10.0}},
+        "runs": {"calls": {"set_access_1": _st(25), "set_access_32": _st(64, n=4), "unmap_32": _st(40, n=4)},
+                 "lengths": [1, 2, 8, 32, 64], "reps": 4, "errors": {"64": "CudaError: NOT_SUPPORTED"}},
+        "sizes": {"sizes": {"2": {"create": _st(11)}, "128": {"create": _st(400)}}, "pages": 8, "errors": {}},
+        "memset": {"calls": {"async_32_complete": _st(90, 120), "async_32_issue": _st(5), "sync_32_complete": _st(150)},
+                   "pages": [32], "reps": 20},
+        "concurrency": {"levels": {"threads_1": {"workers": 1, "calls": 800, "wall_s": 0.5, "calls_per_s": 1600.0,
+                                                 "latency": {"create": _st(12)}, "errors": []},
+                                   "threads_8": {"workers": 8, "calls": 2400, "wall_s": 0.5, "calls_per_s": 4800.0,
+                                                 "latency": {"create": _st(40)}, "errors": []},
+                                   "processes_2": {"workers": 2, "errors": ["RuntimeError: worker not ready"]}},
+                        "seconds_per_level": 0.5},
+        "fdmem": {"steps": {"start": {"Slab": 1000, "SUnreclaim": 500, "fds": 5},
+                            "pages_created": {"Slab": 3000, "SUnreclaim": 1500, "fds": 5},
+                            "pages_exported": {"Slab": 13000, "SUnreclaim": 6500, "fds": 15},
+                            "fds_closed": {"Slab": 4000, "SUnreclaim": 2000, "fds": 5}},
+                  "facts": {"n": 10, "fold": "stat_refresh", "rlimit_nofile": 1024}},
+    }
+    want = {"handles": ("stage4.handle.import_dup_fd_p50_us", "us per call (2 MiB page)", 31.0),
+            "runs": ("stage4.run.cuMemSetAccess_32_pages_p50_us", "us per call over 32 pages", 64.0),
+            "sizes": ("stage4.size_128mib.create_p99_us", "us per call (128 MiB page)", 400.0),
+            "memset": ("stage4.memset.async_32_pages_complete_p99_us", "us (32 x 2 MiB in one reservation)", 120.0),
+            "concurrency": ("stage4.concurrency.threads_8_over_1_thread", "x (calls/s against 1 thread)", 3.0),
+            "fdmem": ("stage4.fdmem.slab_per_fd_bytes", "bytes per held exported fd", 1000.0)}
+    for group, res in cases.items():
+        for driver in ("real", "testdriver"):
+            figs, r = gf.DESIGN_FIGURES[group](res, driver)
+            name, unit, value = want[group]
+            assert figs[name]["value"] == value and figs[name]["unit"] == unit, (group, figs)
+            assert all(isinstance(f["value"], (int, float)) and f["driver"] == driver for f in figs.values()), group
+            assert r["verdict"] == "info" and r["kind"] == "figures" and r["check"] == gf.DESIGN[group][0], r
+            assert r["seen"].endswith("[CUDA test driver]") == (driver == "testdriver"), r
+            if driver == "testdriver":
+                assert all("says nothing about a GPU" in f["note"] for f in figs.values()), group
+    figs, r = gf.runs_figures(cases["runs"], "real")
+    assert figs["stage4.run.cuMemSetAccess_32_pages_p50_us"]["per_page_p50_us"] == 2.0
+    assert figs["stage4.run.cuMemSetAccess_32_pages_p50_us"]["n"] == 4
+    assert "one call over 64 pages refused: CudaError: NOT_SUPPORTED" in r["seen"]
+    figs, r = gf.concurrency_figures(cases["concurrency"], "real")
+    assert "8 threads 4,800 (3.00x)" in r["seen"] and "2 processes: RuntimeError" in r["seen"], r
+    figs, r = gf.fdmem_figures(cases["fdmem"], "real")
+    assert figs["stage4.fdmem.sunreclaim_per_fd_bytes"]["value"] == 500.0
+    assert figs["stage4.fdmem.slab_per_created_page_bytes"]["value"] == 200.0
+    assert figs["stage4.fdmem.fds_held"]["value"] == 10 and "fds 5 -> 15 -> 5" in r["seen"]
+
+
+def test_decode_under_zeroing_alternates_and_turns_the_zeroer_off():
+    gf, dp = _helpers()
+    log = []
+    samples = dp.decode_rounds(lambda k, i: (log.append(("decode", k, i)), 100.0 - 10 * (log[-2] == ("zero", True)))[1],
+                               lambda on: log.append(("zero", on)), 3, 64)
+    assert samples == {"quiet": [100.0] * 3, "zeroing": [90.0] * 3}
+    decodes = [(e, log[i - 1]) for i, e in enumerate(log) if e[0] == "decode"]
+    assert [d[1] for d in decodes] == [("zero", False), ("zero", True), ("zero", True), ("zero", False),
+                                       ("zero", False), ("zero", True)]
+    assert log[-1] == ("zero", False)
+    figs, r = gf.decode_zeroing_figures({"samples": samples, "zeroer": {"loops": 10, "bytes": 10 << 30, "running_s": 2.0,
+                                                                        "pages": 256}, "tokens": 64, "rounds": 3}, "real")
+    assert figs["stage4.decode_zeroing.zeroing_over_quiet"]["value"] == 0.9
+    assert "the zeroer: 10 loops over 256 pages" in r["seen"] and r["verdict"] == "info"
+
+
+def test_the_zeroer_zeroes_while_told_and_reports_at_eof(tmp_path):
+    """decode_zeroing's load process, on the CUDA test driver (the dry run
+    has no llama-server, so this is what runs it without a GPU)."""
+    lib = ROOT / "build" / "testdriver" / "libcuda.so.1"
+    if not lib.exists():
+        pytest.skip("the CUDA test driver is not built (scripts/build-testdriver.sh)")
+    env = dict(os.environ, KVCACHED_LIBCUDA=str(lib), KVCACHED_TESTDRV_STATE=str(tmp_path / "state"),
+               KVCACHED_TESTDRV_MEMORY=str(1 << 30), PYTHONPATH=str(ROOT))
+    p = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "gpu_design_probe.py"), "zeroer", "--scale",
+                          "small"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env)
+    try:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read() if p.poll() is not None else ""
+        p.stdin.write("run\n")
+        p.stdin.flush()
+        time.sleep(0.5)
+        p.stdin.write("pause\n")
+        p.stdin.flush()
+        out, err = p.communicate(timeout=60)  # closes stdin: EOF ends the zeroer
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["loops"] >= 1 and res["bytes"] == res["loops"] * 32 * (2 << 20) and res["pages"] == 32, res
