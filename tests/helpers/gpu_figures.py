@@ -323,31 +323,36 @@ def concurrency_figures(res: dict, driver: str) -> tuple[dict, dict]:
 def fdmem_figures(res: dict, driver: str) -> tuple[dict, dict]:
     st, f = res.get("steps", {}), res.get("facts", {})
     n = f.get("n") or 0
+    nf = f.get("fds", n) or 0  # fds exported (fewer than n when exporting ran out of time)
     figs: dict = {}
     parts = []
     need = ("start", "pages_created", "pages_exported", "fds_closed")
-    if n and all(k in st for k in need):
+    if n and nf and all(k in st for k in need):
         s0, s1, s2, s3 = (st[k] for k in need)
-        for key in ("Slab", "SUnreclaim"):
-            per_fd = (s2[key] - s1[key]) / n
+        for key in ("Slab", "SUnreclaim", "VmallocUsed"):
+            if not all(key in x for x in (s0, s1, s2, s3)):
+                continue
+            per_fd = (s2[key] - s1[key]) / nf
             per_page = (s1[key] - s0[key]) / n
-            figs[f"stage4.fdmem.{key.lower()}_per_fd_bytes"] = fig(per_fd, "bytes per held exported fd", driver, n=n,
+            figs[f"stage4.fdmem.{key.lower()}_per_fd_bytes"] = fig(per_fd, "bytes per held exported fd", driver, n=nf,
                                                                    fold=f.get("fold"))
             figs[f"stage4.fdmem.{key.lower()}_per_created_page_bytes"] = fig(per_page, "bytes per created page", driver,
                                                                              n=n)
             figs[f"stage4.fdmem.{key.lower()}_back_after_close_bytes"] = fig(s2[key] - s3[key],
-                                                                             f"bytes back after closing {n} fds",
-                                                                             driver, n=n)
+                                                                             f"bytes back after closing {nf} fds",
+                                                                             driver, n=nf)
             parts.append(f"{key} {per_fd:,.0f} B per fd ({(s2[key] - s3[key]) / 1024:,.0f} KiB back after the closes), "
                          f"{per_page:,.0f} B per created page")
-        figs["stage4.fdmem.fds_held"] = fig(s2["fds"] - s1["fds"], "fds (this process, /proc/self/fd)", driver, n=n,
+        figs["stage4.fdmem.fds_held"] = fig(s2["fds"] - s1["fds"], "fds (this process, /proc/self/fd)", driver, n=nf,
                                             rlimit_nofile=f.get("rlimit_nofile"))
         parts.append(f"fds {s1['fds']} -> {s2['fds']} -> {s3['fds']}")
     else:
         parts.append(f"incomplete: steps {sorted(st)}")
     lim = f" (limited by {f['limited_by']})" if f.get("limited_by") else ""
+    if f.get("export_stopped_after_s"):
+        lim += f" (exporting stopped after {f['export_stopped_after_s']:g} s)"
     return figs, row(DESIGN["fdmem"][0], DESIGN["fdmem"][1],
-                     f"{n} exported fds of {n} pages held{lim}, /proc/meminfo ({f.get('fold', '?')}, machine-wide): "
+                     f"{nf} exported fds of {n} pages held{lim}, /proc/meminfo ({f.get('fold', '?')}, machine-wide): "
                      + "; ".join(parts) + tag(driver))
 
 
