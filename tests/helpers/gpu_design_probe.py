@@ -65,8 +65,8 @@ SCALES = {
     "handles": {"real": 256, "small": 12},      # pages
     "runs": {"real": 32, "small": 2},           # repetitions over a 64-page reservation
     "sizes": {"real": 32, "small": 3},          # pages per size
-    "concurrency": {"real": 0.5, "small": 0.12},  # seconds per level
-    "processes": {"real": (2, 3, 4), "small": (2,)},
+    "concurrency": {"real": 0.3, "small": 0.12},  # seconds per level
+    "processes": {"real": (2, 4), "small": (2,)},
     "memset": {"real": 20, "small": 2},         # repetitions per size and kind
     "memset_pages": {"real": (1, 32, 256), "small": (1, 4, 16)},  # the test driver's memset is slow
     "fdmem": {"real": 10000, "small": 200},     # fds held
