@@ -67,7 +67,7 @@ SCALES = {
     "sizes": {"real": 32, "small": 3},          # pages per size
     "concurrency": {"real": 0.3, "small": 0.12},  # seconds per level
     "processes": {"real": (2, 4), "small": (2,)},
-    "memset": {"real": 20, "small": 2},         # repetitions per size and kind
+    "memset": {"real": 50, "small": 2},         # repetitions per size and kind
     "memset_pages": {"real": (1, 32, 256), "small": (1, 4, 16)},  # the test driver's memset is slow
     "fdmem": {"real": 10000, "small": 200},     # fds held
     "fold_wait": {"real": True, "small": False},  # wait for the kernel's vmstat fold before each reading
