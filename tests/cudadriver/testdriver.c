@@ -460,6 +460,91 @@ static bool parse_costs(const char *s) {
     return true;
 }
 
+/* Live call counters (KVCACHED_TESTDRV_CALLS=DIR): each process keeps its
+ * per-function counts in the file DIR/<pid>, mapped shared and updated with
+ * relaxed atomics (no syscall per call), so a reader may snapshot it at any
+ * moment, also after the process exited (bench/drivercalls.py reads it).
+ * Layout (little-endian, offsets in bytes):
+ *   0  u64 magic TD_LIVE_MAGIC (stored last, with release order)
+ *   8  u32 version (1), u32 nfn, u32 thread slots, u32 name length (48)
+ *   24 u32 pid, u32 thread slots taken (more threads count in the totals only)
+ *   32 char names[nfn][48]
+ *   then u64 calls[nfn], u64 bytes[nfn] (the process's totals)
+ *   then per thread slot: u32 tid, u32 0, char comm[16], u64 calls[nfn], u64 bytes[nfn]
+ * `bytes` sums the size argument of the calls that take one (cuMemCreate,
+ * cuMemMap, cuMemUnmap, cuMemSetAccess): the pages the calls covered. Every call counts, including failed ones. A fork() child starts
+ * a file of its own. */
+#define TD_LIVE_MAGIC 0x314c4e4344565444ull /* "DTVDCNL1" */
+#define TD_LIVE_THREADS 32
+#define TD_LIVE_NAME 48
+struct td_live_thread {
+    uint32_t tid, zero;
+    char comm[16];
+    uint64_t c[]; /* calls[nfn], then bytes[nfn] */
+};
+static char g_live_dir[PATH_MAX];
+static unsigned char *g_live;   /* the mapped file, NULL: not counting */
+static size_t g_live_size;
+static unsigned g_live_gen;     /* changes when the file does (fork) */
+static __thread unsigned t_live_gen;
+static __thread struct td_live_thread *t_live;
+
+#define TD_LIVE_HEAD 32
+#define TD_LIVE_TOTALS (TD_LIVE_HEAD + (size_t)FN__COUNT * TD_LIVE_NAME)
+#define TD_LIVE_SLOT (sizeof(struct td_live_thread) + 2 * (size_t)FN__COUNT * sizeof(uint64_t))
+#define TD_LIVE_SLOTS (TD_LIVE_TOTALS + 2 * (size_t)FN__COUNT * sizeof(uint64_t))
+
+static bool td_live_open(void) {
+    if (g_live) munmap(g_live, g_live_size);
+    g_live = NULL;
+    g_live_gen++;
+    if (!g_live_dir[0]) return true;
+    char path[PATH_MAX + 16];
+    snprintf(path, sizeof path, "%s/%d", g_live_dir, (int)getpid());
+    (void)mkdir(g_live_dir, 0777);
+    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    size_t size = TD_LIVE_SLOTS + TD_LIVE_THREADS * TD_LIVE_SLOT;
+    if (fd < 0 || ftruncate(fd, (off_t)size) != 0) {
+        if (fd >= 0) close(fd);
+        return false;
+    }
+    unsigned char *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) return false;
+    uint32_t head[6] = {1, FN__COUNT, TD_LIVE_THREADS, TD_LIVE_NAME, (uint32_t)getpid(), 0};
+    memcpy(p + 8, head, sizeof head);
+    for (int f = 0; f < FN__COUNT; f++) snprintf((char *)p + TD_LIVE_HEAD + (size_t)f * TD_LIVE_NAME, TD_LIVE_NAME, "%s", td_fn_names[f]);
+    __atomic_store_n((uint64_t *)p, TD_LIVE_MAGIC, __ATOMIC_RELEASE);
+    g_live = p;
+    g_live_size = size;
+    return true;
+}
+
+static void td_live_add(int fn, uint64_t calls, uint64_t bytes) {
+    unsigned char *p = g_live;
+    if (!p) return;
+    uint64_t *tot = (uint64_t *)(p + TD_LIVE_TOTALS);
+    if (calls) __atomic_fetch_add(&tot[fn], calls, __ATOMIC_RELAXED);
+    if (bytes) __atomic_fetch_add(&tot[FN__COUNT + fn], bytes, __ATOMIC_RELAXED);
+    if (t_live_gen != g_live_gen) { /* this thread's first call (in this file): take a slot */
+        t_live_gen = g_live_gen;
+        t_live = NULL;
+        uint32_t i = __atomic_fetch_add((uint32_t *)(p + 28), 1, __ATOMIC_RELAXED);
+        if (i < TD_LIVE_THREADS) {
+            struct td_live_thread *t = (struct td_live_thread *)(p + TD_LIVE_SLOTS + i * TD_LIVE_SLOT);
+            char comm[16] = {0};
+            (void)pthread_getname_np(pthread_self(), comm, sizeof comm);
+            memcpy(t->comm, comm, sizeof comm);
+            __atomic_store_n(&t->tid, (uint32_t)gettid(), __ATOMIC_RELEASE);
+            t_live = t;
+        }
+    }
+    if (t_live) {
+        if (calls) __atomic_fetch_add(&t_live->c[fn], calls, __ATOMIC_RELAXED);
+        if (bytes) __atomic_fetch_add(&t_live->c[FN__COUNT + fn], bytes, __ATOMIC_RELAXED);
+    }
+}
+
 #ifdef KVCACHED_TESTDRV_PUBLIC_ONLY
 /* Built without its private features (scripts/build-testdriver.sh
  * --public-only): no KVCACHED_TESTDRV_* variable is read (knobs, state
@@ -617,6 +702,11 @@ static void load_config(void) {
     if (strlen(cfg.state) > PATH_MAX - 160) config_fail("KVCACHED_TESTDRV_STATE is too long");
 
     if ((s = getenv("KVCACHED_TESTDRV_REPORT")) && *s) snprintf(cfg.report, sizeof cfg.report, "%s", s);
+    if ((s = getenv("KVCACHED_TESTDRV_CALLS")) && *s) {
+        snprintf(g_live_dir, sizeof g_live_dir, "%s", s);
+        if (strlen(s) > PATH_MAX - 32 || !td_live_open())
+            config_fail("KVCACHED_TESTDRV_CALLS=%s: cannot make the counter file there (%s)", s, strerror(errno));
+    }
 
     if ((s = getenv("KVCACHED_TESTDRV_FAIL")) && *s) {
         char buf[2048];
@@ -703,6 +793,7 @@ static void load_config(void) {
 
 static CUresult td_enter(int fn) {
     unsigned long n = ++g_calls[fn];
+    td_live_add(fn, 1, 0);
     for (int i = 0; i < cfg.nrules; i++) {
         struct td_fail_rule *r = &cfg.rules[i];
         if (r->fn == fn && (n == r->nth || (r->and_after && n > r->nth))) {
@@ -739,6 +830,7 @@ static CUresult td_enter(int fn) {
  * call takes the driver's lock, so threads of one process overlap as they
  * would on a real driver. */
 static void td_cost(int fn, size_t bytes) {
+    if (bytes) td_live_add(fn, 0, bytes);
     uint64_t ns = cfg.cost_ns[fn];
     if (!ns) return;
     if (bytes) ns *= (bytes + cfg.gran - 1) / cfg.gran;
@@ -2617,6 +2709,7 @@ static void td_atfork_child(void) {
     /* the lock was held across fork() by td_atfork_prepare */
     pthread_mutex_init(&g_lock, NULL);
     if (g_inited && cfg.fork_refuse) g_forked = true;
+    if (g_live && !td_live_open()) td_warn("KVCACHED_TESTDRV_CALLS: no counter file for the fork()ed child");
 }
 
 __attribute__((constructor)) static void td_load(void) {
