@@ -19,8 +19,9 @@
 #
 # Recovers from its own failures: a configure that failed (a missing
 # package) or was stopped leaves no stamp, and the next run configures the
-# folder anew (it is emptied first: nothing in it was built from that
-# configure); a build that failed or was stopped is redone by ninja, which
+# folder anew (it is emptied first: a configure that did not finish built
+# nothing worth keeping; a folder without the stamp, made by hand or before
+# it existed, is built once anew); a build that failed or was stopped is redone by ninja, which
 # rebuilds every output whose command did not finish (.ninja_log), a
 # half-written object or archive included.
 set -euo pipefail
