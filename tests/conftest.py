@@ -20,6 +20,69 @@ import pytest
 from kvtest import ROOT, SERVE, Daemon, backends, leak_problems, require_testdriver_features, testdriver_env, testdriver_features, wait_serving
 
 
+# ---------------------------------------------------------------------------
+# The CUDA test set (docs/gpu-check.md, "The CUDA test set"): every test of
+# the CUDA path, whatever file it lives in, carries the `cuda` mark, so that
+# `pytest -m cuda $(grep -v "^#" tests/cuda/suite.txt)` runs on another libcuda
+# (KVCACHED_TEST_LIBCUDA: the public-only test driver, NVIDIA's driver) every
+# test that can run there. Marked: everything under tests/cuda/, the files
+# named in CUDA_FILES, a test whose `backend` parameter is "cuda", and a test
+# that says so itself (@pytest.mark.cuda).
+
+CUDA_FILES = ("test_cuda_faults.py", "test_gpu_check.py")
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: a test of the CUDA path: part of the CUDA test set that runs on any libcuda "
+                                       "(docs/gpu-check.md, \"The CUDA test set\")")
+    config.addinivalue_line("markers", "testdriver(what): what of the CUDA test driver's private features a test needs "
+                                       "(the needs_testdriver fixture's skip reason on another libcuda)")
+
+
+def _is_cuda(item) -> bool:
+    if item.get_closest_marker("cuda") is not None:
+        return True
+    path = pathlib.Path(str(item.fspath)).resolve()
+    if path.parent == HERE / "cuda" or path.name in CUDA_FILES and path.parent == HERE:
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return params.get("backend") == "cuda"
+
+
+def first_ids(path: str) -> list[str]:
+    """The node ids a KVCACHED_TEST_FIRST file names, in order (one a
+    line; `#` comments and blank lines ignored)."""
+    ids = []
+    for line in pathlib.Path(path).read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            ids.append(line)
+    return ids
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the mark must be there by then
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _is_cuda(item) and item.get_closest_marker("cuda") is None:
+            item.add_marker(pytest.mark.cuda)
+    # KVCACHED_TEST_FIRST=FILE: the tests it names run first, in its order (a
+    # name without parameters takes every parametrization), then the rest in
+    # their usual order. The GPU bundle re-verifies a GPU run's failures first
+    # this way (tests/cuda/gpu-first.txt).
+    first = os.environ.get("KVCACHED_TEST_FIRST")
+    if first:
+        order = first_ids(first)
+
+        def rank(item) -> int:
+            for i, nid in enumerate(order):
+                if item.nodeid == nid or item.nodeid.startswith(nid + "["):
+                    return i
+            return len(order)
+
+        items[:] = sorted(items, key=rank)  # stable: the rest keep their order
+
+
 @pytest.fixture
 def daemon_factory(tmp_path):
     started: list[Daemon] = []

@@ -57,7 +57,10 @@ def sim(testdriver, tmp_path) -> Sim:
 
 
 @pytest.fixture
-def needs_testdriver():
+def needs_testdriver(request):
     """For tests of the test driver itself or that need its knobs, fault
-    injection or leak report: skipped, with the reason, on another libcuda."""
-    require_testdriver_features()
+    injection or leak report: skipped, with the reason, on another libcuda.
+    The reason is what the closest @pytest.mark.testdriver("...") says the
+    test needs (docs/gpu-check.md lists them)."""
+    mark = request.node.get_closest_marker("testdriver")
+    require_testdriver_features(*(mark.args if mark else ()))
