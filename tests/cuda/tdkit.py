@@ -52,6 +52,9 @@ class Sim:
             "KVCACHED_TESTDRV_MEMORY": str(64 << 20),
             "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)]),
         }
+        # the suite's own strictness knobs (KVCACHED_TESTDRV_FD_IDENTITY=same pytest ...) reach the children;
+        # False: the driver's defaults, unless a test names a knob (tests/cuda/test_strictness.py)
+        self.inherit_strictness = True
 
     def need_knobs(self, extra: dict[str, str]) -> None:
         """A test that sets a knob of the test driver needs it: on another
@@ -62,6 +65,21 @@ class Sim:
             from kvtest import require_testdriver_features
 
             require_testdriver_features(*knobs)
+
+    def devices(self, n: int) -> dict[str, str]:
+        """The environment for a test of `n` devices (multi-device: a daemon
+        or client on device 1, CUDA_VISIBLE_DEVICES reordering ordinals). On
+        the test driver: its KVCACHED_TESTDRV_DEVICES knob. On another
+        libcuda: nothing to set, the devices are the machine's; with fewer
+        than `n` the test is skipped, naming the count."""
+        if self.private:
+            return {"KVCACHED_TESTDRV_DEVICES": str(n)}
+        have = self.run("d = drv(); d.cuInit(0); c = ctypes.c_int(); d.cuDeviceGetCount(byref(c)); out(n=c.value)")["n"]
+        if have < n:
+            import pytest
+
+            pytest.skip(f"needs {n} CUDA devices; {self.lib} shows {have} here (CUDA_VISIBLE_DEVICES as set)")
+        return {}
 
     def leaks_ok(self, pid: int) -> bool:
         """The process's leak report is clean; vacuous on another libcuda,
@@ -93,8 +111,10 @@ class Sim:
     def proc_env(self, **extra: str) -> dict[str, str]:
         self.need_knobs(extra)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "CUDA_VISIBLE"))}
-        # the driver's strictness knobs (tests/cudadriver/README.md) pass through, so the suite runs in each mode
-        env.update({k: v for k, v in os.environ.items() if k in STRICTNESS_KNOBS})
+        # the driver's strictness knobs (tests/cudadriver/README.md) pass through, so the suite runs in each
+        # mode; a test that compares the modes turns that off (inherit_strictness) and names its own knobs
+        if self.inherit_strictness:
+            env.update({k: v for k, v in os.environ.items() if k in STRICTNESS_KNOBS})
         env.update(self.env)
         env.update(extra)
         return env

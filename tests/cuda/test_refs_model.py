@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-pytestmark = pytest.mark.usefixtures("needs_testdriver")
+pytestmark = [pytest.mark.usefixtures("needs_testdriver"),
+              pytest.mark.testdriver("its reference models (KVCACHED_TESTDRV_REFS), granularity knob and leak report")]
 
 SMALL = 64 << 10  # granularity for these tests: many pages, little memory
 

@@ -4,8 +4,16 @@ here knows what it does (issue 17). Each strictness has a knob
 value and with the lenient one and checks both outcomes, so it shows that
 the check would fail on the lenient driver.
 
-Every run sets all strictness knobs explicitly (`knobs()`), so these tests
-mean the same whatever mode the surrounding suite runs in."""
+These tests compare the test driver's modes: they need it (skipped, with
+the reason, on another libcuda; failed on the test driver without its
+private features). What the same scenarios check of the product or of the
+public driver API runs on any libcuda elsewhere: fork in
+tests/cuda/test_fork.py, a mapper's write seen by another process in
+tests/cuda/test_cuda_mapper.py, exports in tests/cuda/test_public_api.py.
+
+A test names only the knobs it changes (`knobs()`); the rest are the
+driver's defaults, whatever mode the surrounding suite runs in (the
+`isolated` fixture stops the suite's knobs reaching the children)."""
 
 from __future__ import annotations
 
@@ -18,44 +26,26 @@ import pytest
 
 from tdkit import GRAN
 
-# the test driver's strictness knobs: skipped, with the reason, when KVCACHED_TEST_LIBCUDA names another libcuda
-# Most tests here compare the test driver's strict and lenient modes (its
-# knobs): skipped on another libcuda, naming the knob (Sim.need_knobs), failed
-# on the test driver without them. The few whose scenario is the public API's
-# (fork, a write seen by another process) run on any libcuda, the knobs that
-# pin the test driver's defaults only where it has them.
-
-
-def strict(**kw: str) -> dict[str, str]:
-    """knobs(**kw) on the test driver; nothing on another libcuda, where
-    the scenario runs on whatever the driver does."""
-    from kvtest import testdriver_features
-
-    return knobs(**kw) if testdriver_features() else {}
-
 MiB = 1 << 20
 
-DEFAULTS = {
-    "STRICT": "default",
-    "FD_IDENTITY": "distinct",
-    "ASYNC": "memset",
-    "POISON": "full",
-    "FORK": "refuse",
-    "PEERS": "none",
-    "CONTEXT_BYTES": "0",
-    "OTHER_BYTES": "0",
-    "COST": "",
-    "CREATE_US": "",
-}
+KNOBS = ("STRICT", "FD_IDENTITY", "ASYNC", "POISON", "FORK", "PEERS", "CONTEXT_BYTES", "OTHER_BYTES", "COST", "CREATE_US")
+
+
+pytestmark = pytest.mark.testdriver("its strictness modes, compared (knobs, leak report)")
+
+
+@pytest.fixture(autouse=True)
+def isolated(needs_testdriver, sim):
+    """Every test here needs the test driver; its children see the
+    driver's defaults plus the knobs the test names, not the suite's."""
+    sim.inherit_strictness = False
 
 
 def knobs(**kw: str) -> dict[str, str]:
-    """Every strictness knob at its default, except those given."""
-    out = dict(DEFAULTS)
-    for k, v in kw.items():
-        assert k in DEFAULTS, k
-        out[k] = v
-    return {f"KVCACHED_TESTDRV_{k}": v for k, v in out.items()}
+    """The strictness knobs a scenario changes from the driver's defaults."""
+    for k in kw:
+        assert k in KNOBS, k
+    return {f"KVCACHED_TESTDRV_{k}": v for k, v in kw.items()}
 
 
 # The child's view of an exported fd: what read, pread, mmap and write do with it.
@@ -296,53 +286,19 @@ out(**res)
 # fork
 
 
-FORK = """
-import struct
-d = drv(); init()
-h = create(); base = reserve(GRAN); map_rw(base, h); write(base, b"parent"); d.cuCtxSynchronize()
-rfd, wfd = os.pipe()
-pid = os.fork()
-if pid == 0:
-    os.close(rfd)
-    res = {"init": code(d.cuInit, 0), "count": code(d.cuDeviceGetCount, byref(ctypes.c_int())),
-           "create": code(create), "read": code(read, base, 6), "set_current": code(d.cuCtxSetCurrent, None)}
-    os.write(wfd, json.dumps(res).encode())
-    os._exit(0)
-os.close(wfd)
-child = json.loads(os.read(rfd, 4096))
-os.waitpid(pid, 0)
-out(child=child, parent=read(base, 6).decode())
-d.cuMemUnmap(base, GRAN); d.cuMemAddressFree(base, GRAN); d.cuMemRelease(h); fini()
-"""
+from test_fork import FORK  # noqa: E402  (the scenario; its default outcome runs on any libcuda there)
 
 
-def test_use_after_fork_is_refused_in_the_child(sim, tmp_path):
-    r = sim.run("import json\n" + FORK, **strict())
-    assert r["child"] == dict.fromkeys(("init", "count", "create", "read", "set_current"), "CUDA_ERROR_NOT_INITIALIZED")
-    assert r["parent"] == "parent"  # the parent goes on
-    sim.assert_clean(r)
-    if not sim.private:
-        return  # the rest is the test driver's report and its lenient mode
+def test_fork_refuse_and_allow(sim):
+    """refuse (the default): a forked child's calls fail and it writes no
+    leak report (its objects are its parent's); allow (lenient): the child
+    goes on with its parent's state."""
+    r = sim.run(FORK)
+    assert r["child"]["read"] == "CUDA_ERROR_NOT_INITIALIZED" and r["parent"] == "parent"
     reports = sorted(p.name for p in sim.reports.iterdir())
-    assert reports == [f"report-{r.pid}.json"], reports  # the child wrote none: its objects are the parent's
-    lenient = sim.run("import json\n" + FORK, **knobs(FORK="allow"))
+    assert reports == [f"report-{r.pid}.json"], reports
+    lenient = sim.run(FORK, **knobs(FORK="allow"))
     assert lenient["child"]["read"] == "CUDA_SUCCESS" and lenient["child"]["create"] == "CUDA_SUCCESS"
-
-
-def test_a_child_forked_before_cuinit_may_initialise(sim):
-    r = sim.run("""
-import json
-d = drv()
-rfd, wfd = os.pipe()
-pid = os.fork()
-if pid == 0:
-    init(); start = used(); h = create(); res = {"used": used() - start}; drv().cuMemRelease(h); fini()
-    os.write(wfd, json.dumps(res).encode()); os._exit(0)
-os.close(wfd)
-child = json.loads(os.read(rfd, 4096)); os.waitpid(pid, 0)
-out(child=child)
-""", **strict())
-    assert r["child"] == {"used": GRAN}
 
 
 # ---------------------------------------------------------------------------
@@ -705,36 +661,6 @@ def test_profiles_and_report_name_the_mode(sim):
 
 # ---------------------------------------------------------------------------
 # what the strict driver finds in the project (part B of issue 17)
-
-
-def test_cuda_mapper_write_is_visible_to_another_process_when_it_returns(sim):
-    a_sock, b_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    env = strict(ASYNC="all")  # the test driver's strictest copies; a real driver's are what they are
-    writer = sim.spawn(f"""
-b = open_backend(); on_worker(lambda: b.worker_init(0))
-pages = on_worker(lambda: b.create_pages(0, 1, GRAN, zero=True))
-uuid = b.devices()[0].uuid
-m = CudaMapper(uuid); base = m.reserve(GRAN); m.map(base, os.dup(pages[0].fd), GRAN)
-m.write(base, b"written before the fd was sent")
-send_fds({a_sock.fileno()}, [pages[0].fd], uuid.encode())
-out(sent=True)
-wait_line()
-""", pass_fds=(a_sock.fileno(),), **env)
-    reader = sim.spawn(f"""
-msg, fds = recv_fds({b_sock.fileno()})
-m = CudaMapper(msg.decode()); base = m.reserve(GRAN); m.map(base, fds[0], GRAN)
-out(got=m.read(base, 30).hex())
-""", pass_fds=(b_sock.fileno(),), **env)
-    try:
-        assert _line(writer) == {"sent": True}
-        got = _line(reader)["got"]
-    finally:
-        for p in (writer, reader):
-            p.kill()
-            p.wait()
-        a_sock.close()
-        b_sock.close()
-    assert bytes.fromhex(got) == b"written before the fd was sent"
 
 
 def test_chardev_identity_mode(sim):

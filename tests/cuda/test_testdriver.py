@@ -212,6 +212,7 @@ def test_reference_counting_handles_mappings_and_fds(sim):
 
 
 @only_on_testdriver
+@pytest.mark.testdriver('a device of a configured size to fill (KVCACHED_TESTDRV_MEMORY) and its leak report')
 def test_out_of_memory_at_configured_size(sim):
     r = sim.run(f"""
         d = drv(); cu = cu_mod(); init()
@@ -234,6 +235,7 @@ def test_out_of_memory_at_configured_size(sim):
 
 
 @only_on_testdriver
+@pytest.mark.testdriver('a device of a configured size to fill (KVCACHED_TESTDRV_MEMORY)')
 def test_device_memory_is_shared_by_all_processes(sim):
     holder = sim.spawn(f"""
         init()
@@ -264,6 +266,7 @@ def test_device_memory_is_shared_by_all_processes(sim):
 
 
 @only_on_testdriver
+@pytest.mark.testdriver('its fault injection (KVCACHED_TESTDRV_FAIL) and leak report')
 def test_failure_injection_nth_call(sim):
     r = sim.run("""
         d = drv(); init()
@@ -285,6 +288,7 @@ def test_failure_injection_nth_call(sim):
 
 
 @only_on_testdriver
+@pytest.mark.testdriver('its fault injection (KVCACHED_TESTDRV_FAIL)')
 def test_failure_injection_from_nth_call_on(sim):
     r = sim.run("""
         init()
@@ -294,6 +298,7 @@ def test_failure_injection_from_nth_call_on(sim):
 
 
 @only_on_testdriver
+@pytest.mark.testdriver('its configuration check (KVCACHED_TESTDRV_FAIL)')
 def test_bad_configuration_fails_cuinit_with_a_message(sim):
     r = sim.run("out(init=code(drv().cuInit, 0))", KVCACHED_TESTDRV_FAIL="cuMemFrobnicate:1")
     assert r["init"] == "CUDA_ERROR_INVALID_VALUE"
@@ -301,6 +306,7 @@ def test_bad_configuration_fails_cuinit_with_a_message(sim):
 
 
 @only_on_testdriver
+@pytest.mark.testdriver('its leak report (KVCACHED_TESTDRV_REPORT)')
 def test_leak_report_counts_everything_left_behind(sim):
     r = sim.run("""
         d = drv(); init()
@@ -339,7 +345,29 @@ def test_device_addresses_are_not_host_accessible(sim):
     assert r.out == {"ready": True}
 
 
+def test_memset_clears_and_fills_what_it_is_given(sim):
+    """cuMemsetD8 over all but a page's edges, then over 5 bytes: exactly
+    those bytes change (the daemon zeroes pages with it). Any libcuda."""
+    r = sim.run("""
+        d = drv(); init()
+        h = create(); base = reserve(GRAN); map_rw(base, h)
+        write(base, b"x" * 10000); write(base + GRAN - 1, b"y")
+        d.cuMemsetD8_v2(base + 1, 0, GRAN - 2)
+        edges = read(base, 2) + read(base + GRAN - 1, 1)
+        zeros = read(base + 1, GRAN - 2) == bytes(GRAN - 2)
+        d.cuMemsetD8_v2(base, 7, 5)
+        sevens = read(base, 6).hex()
+        d.cuCtxSynchronize()
+        d.cuMemUnmap(base, GRAN); d.cuMemAddressFree(base, GRAN); d.cuMemRelease(h); fini()
+        out(edges=edges.hex(), zeros=zeros, sevens=sevens)
+    """)
+    assert r["edges"] == "780079" and r["zeros"]
+    assert r["sevens"] == "070707070700"
+    sim.assert_clean(r)
+
+
 @only_on_testdriver
+@pytest.mark.testdriver('its poison model of fresh memory (KVCACHED_TESTDRV_POISON)')
 def test_fresh_pages_are_not_zero_and_memset_zero_clears(sim):
     r = sim.run("""
         d = drv(); init()
@@ -362,6 +390,7 @@ def test_fresh_pages_are_not_zero_and_memset_zero_clears(sim):
 
 
 @only_on_testdriver
+@pytest.mark.testdriver('its device model: 3 devices, its UUIDs (KVCACHED_TESTDRV_DEVICES, _UUIDS)')
 def test_cuda_visible_devices_reorders_ordinals_not_uuids(sim):
     body = """
         d = drv(); cu = cu_mod(); d.cuInit(0)
@@ -388,6 +417,7 @@ def test_cuda_visible_devices_reorders_ordinals_not_uuids(sim):
 
 
 @only_on_testdriver
+@pytest.mark.testdriver('devices without VMM or POSIX-fd export (KVCACHED_TESTDRV_NO_VMM, _NO_POSIX_FD)')
 def test_attributes_and_knobs(sim):
     body = """
         d = drv(); cu = cu_mod(); d.cuInit(0)
@@ -422,7 +452,21 @@ def test_import_rejects_foreign_fds_and_unexportable_handles(sim):
     assert r["export"] == "CUDA_ERROR_INVALID_VALUE"
 
 
+def test_error_names_of_known_and_unknown_codes(sim):
+    """driver.py names a result through the driver's cuGetErrorName and
+    cuGetErrorString, and one the driver does not know as `CUresult N`
+    (what every error message of the project shows). Any libcuda."""
+    r = sim.run("""
+        d = drv()
+        out(name=d.error_name(2), string=d.error_string(201), unknown=d.error_name(123456))
+    """)
+    assert r["name"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert "context" in r["string"].lower()
+    assert r["unknown"] == "CUresult 123456"
+
+
 @only_on_testdriver
+@pytest.mark.testdriver('its exact symbol table (tests/cudadriver/exports.txt)')
 def test_error_names_and_exact_exports(sim, testdriver):
     r = sim.run("""
         d = drv()
