@@ -71,10 +71,12 @@ def test_sigkilled_daemon_resumes_every_page_from_the_store(daemon_factory, tmp_
     assert not (state / "keeper.sock").exists()
 
 
-@pytest.mark.parametrize("mode", ["distinct", "file", "same", "chardev"])
+@pytest.mark.cuda  # the CUDA test set: the driver's own identity on any libcuda, the others on the test driver
+@pytest.mark.parametrize("mode", ["distinct", "file", "same", None], ids=["distinct", "file", "same", "this-driver"])
 def test_every_identity_mode_resumes_from_the_store_and_checks_no_client_fd(daemon_factory, tmp_path, mode):
-    """The CUDA test driver in each identity mode (`same` and `chardev`: every
-    export an fd on one device node, as NVIDIA's driver does). A raw client
+    """The CUDA test driver in each identity mode (`same`, and its default
+    `chardev`: every export an fd on one device node, as NVIDIA's driver
+    does), and whatever driver this is (`this-driver`, no knob). A raw client
     claims its pages after a daemon SIGKILL and re-sends NO fds: with the
     store the daemon adopts them all from its keeper (without it, `same` and
     `chardev` refused; tests/cuda/test_identity.py). A claim for a page the
@@ -121,13 +123,14 @@ def test_every_identity_mode_resumes_from_the_store_and_checks_no_client_fd(daem
     c.close()
 
 
-@pytest.mark.parametrize("backend,mode", [("host", None), ("cuda", "same")], ids=["host", "cuda-same"])
+@pytest.mark.parametrize("backend,mode", [("host", None), ("cuda", "same"), ("cuda", None)], ids=["host", "cuda-same", "cuda"])
 def test_keeper_killed_too_falls_back_to_the_clients_fds(daemon_factory, tmp_path, backend, mode):
     """The daemon and its keeper both SIGKILLed: the new daemon starts a new,
     empty keeper and says the pages are not in the store; resumes are
     checked by the fds clients re-send as without a store: adopted where
     fds identify pages (host), refused with the documented error where they
-    do not (`same`): the client reopens and the daemon serves on."""
+    do not (`same`): the client reopens and the daemon serves on. `cuda`:
+    the driver's own identity, whichever it is (no knob: any libcuda)."""
     state = tmp_path / "state"
     d = _start(daemon_factory, backend, mode, state_dir=str(state))
     c = d.client()
@@ -141,8 +144,10 @@ def test_keeper_killed_too_falls_back_to_the_clients_fds(daemon_factory, tmp_pat
     assert wait_until(lambda: "page store: 0 of the 2 pages" in d2.log_text(), timeout=10), d2.log_text()
     assert "2 are not (the store was restarted or gone, or was full)" in d2.log_text()
     resumed = s.wait_resumed(20)
-    if backend == "host":
+    if backend == "host" or (mode is None and resumed):  # fds that identify their pages
         assert resumed and s.my_stats().pages_held == 2 and pages[0].read(0, 4) == b"data"
+        if backend == "cuda":
+            assert "exported fds identify their pages" in d2.log_text()
     else:
         assert not resumed
         with pytest.raises(errors.FailedPrecondition, match="could not be resumed.*same identity"):

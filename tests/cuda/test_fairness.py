@@ -58,3 +58,48 @@ def test_a_big_allocation_does_not_hold_up_a_small_one(daemon_factory):
         sa.close()
         sb.close()
 
+
+
+def test_a_big_allocation_does_not_hold_up_a_small_one_on_this_driver(daemon_factory):
+    """The same on any driver, at its own speed (no knob): a 1-page
+    Allocate started while a big one's pages are being made ends before the
+    big one does. The big one is sized to take a while even where
+    cuMemCreate is fast (a GPU: ~15 us a page, plus export and zeroing):
+    1,024 pages (2 GiB) on a device with room for twice that, else half
+    the device: at least four of the pool's batches of 64, so the small one
+    waits for one batch at most, a quarter of the big one's time."""
+    with daemon_factory("cuda", prealloc="0", memory_limit="64MiB").client() as probe:
+        total = min(dev.total_bytes for dev in probe.info.devices)
+    page = 2 << 20
+    big_n = max(64, min(1024, total // 2 // page))
+    d = daemon_factory("cuda", prealloc="0", memory_limit=f"{(big_n + 8) * 2}MiB", pool_idle_seconds=600)
+    big_done: dict = {}
+    with d.client() as a, d.client() as b:
+        sa = a.open_session("big")
+        sb = b.open_session("small")
+
+        def big():
+            t0 = time.monotonic()
+            _, fds = sa.allocate_fds(big_n)
+            big_done["took"] = time.monotonic() - t0
+            big_done["n"] = len(fds)
+            for fd in fds:
+                os.close(fd)
+
+        t = threading.Thread(target=big)
+        t.start()
+        time.sleep(0.005)  # the big one is on its way to the worker
+        assert "took" not in big_done, f"the {big_n}-page Allocate ended within 5 ms: nothing to see"
+        t0 = time.monotonic()
+        _, fds = sb.allocate_fds(1)
+        small = time.monotonic() - t0
+        during = "took" not in big_done
+        for fd in fds:
+            os.close(fd)
+        t.join(120)
+        assert big_done.get("n") == big_n, big_done
+        print(f"\n1-page Allocate beside a {big_n}-page one: {small * 1000:.1f} ms (the big one: {big_done['took'] * 1000:.0f} ms)")
+        assert small < big_done["took"] / 2, f"a 1-page Allocate waited {small * 1000:.1f} ms beside a {big_n}-page one"
+        assert during, f"the 1-page Allocate ({small * 1000:.1f} ms) ended after the {big_n}-page one ({big_done['took'] * 1000:.0f} ms)"
+        sa.close()
+        sb.close()

@@ -92,8 +92,26 @@ def test_honest_resume_per_identity_mode(daemon_factory, tmp_path, mode, preallo
     with the daemon's own warm pages when it has two, else with two pages
     made and released for it (the fixture's leak report must stay clean);
     the daemon keeps serving new sessions either way."""
+    identified = _honest_resume(daemon_factory, tmp_path, {"KVCACHED_TESTDRV_FD_IDENTITY": mode}, prealloc)
+    assert identified == (mode != "same")
+
+
+@pytest.mark.parametrize("prealloc", ["0", "8MiB"])
+def test_honest_resume_on_this_driver(daemon_factory, tmp_path, prealloc):
+    """No knob, no page store: a client's honest resume on whatever this
+    driver's exports are. Adopted where the daemon finds that fds identify
+    pages, refused with FAILED_PRECONDITION naming why where every export
+    has one identity (NVIDIA's driver on the H200: one /dev/nvidiactl
+    inode), and the daemon serves on either way. (With the page store, the
+    default, resumes do not depend on it: tests/test_keeper.py and
+    tests/test_systemd_store.py, whose CUDA cases are in the CUDA test set.)"""
+    identified = _honest_resume(daemon_factory, tmp_path, {}, prealloc)
+    print(f"\nthis driver's exported fds {'identify' if identified else 'do not identify'} their pages")
+
+
+def _honest_resume(daemon_factory, tmp_path, env: dict, prealloc: str) -> bool:
+    """The honest resume; whether the daemon found that fds identify pages."""
     state = str(tmp_path / "state")
-    env = {"KVCACHED_TESTDRV_FD_IDENTITY": mode}
     d = daemon_factory("cuda", env=env, state_dir=state, page_store="none")
     c = d.client()
     s = c.open_session("a")
@@ -103,12 +121,16 @@ def test_honest_resume_per_identity_mode(daemon_factory, tmp_path, mode, preallo
     d.proc.send_signal(signal.SIGKILL)
     d.proc.wait()
     d2 = daemon_factory("cuda", env=env, socket=d.socket, state_dir=state, prealloc=prealloc, page_store="none")
+    warm = 0 if prealloc == "0" else int(prealloc.removesuffix("MiB")) // 2  # 2 MiB pages
     try:
-        if mode == "same":
-            with pytest.raises(grpc.RpcError) as info:
-                _resume(d2, sid, token, ids, fds)
-            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value.details()
-            assert "same identity" in info.value.details()
+        try:
+            r = _resume(d2, sid, token, ids, fds)
+            identified = True
+        except grpc.RpcError as exc:
+            identified = False
+            assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, exc.details()
+            assert "same identity" in exc.details()
+        if not identified:
             assert "resumes with pages are refused" in d2.log_text()
             # forgotten: a retry is told the session is gone, and why
             with pytest.raises(grpc.RpcError) as again:
@@ -116,16 +138,15 @@ def test_honest_resume_per_identity_mode(daemon_factory, tmp_path, mode, preallo
             assert again.value.code() == grpc.StatusCode.NOT_FOUND, again.value.details()
             assert "do not identify their pages" in again.value.details()
         else:
-            r = _resume(d2, sid, token, ids, fds)
             assert r.pages_adopted == 2 and r.pages_forgotten == 0, r
             assert "exported fds identify their pages" in d2.log_text()
         with d2.client() as c2:
-            if mode != "same":
+            if identified:
                 # the resumed session ended with _resume's channel; its pages come back to the
                 # pool (zeroed on the device worker) asynchronously: "b" must find them there
                 def back():
                     t = c2.stats().total
-                    return (t.pages_pooled, t.pages_in_use) == (2, 0)
+                    return (t.pages_pooled, t.pages_in_use) == (2 + warm, 0)
                 assert wait_until(back, timeout=10), c2.stats().total
             with c2.open_session("b") as s2:  # fds only: this process's driver is in the default mode
                 _, bfds = s2.allocate_fds(2)
@@ -135,9 +156,10 @@ def test_honest_resume_per_identity_mode(daemon_factory, tmp_path, mode, preallo
         # the resumed session ended with _resume's channel: adopted pages went
         # back to the pool and served "b"; refused ones were never booked
         assert st.total.pages_in_use == 0, st.total
-        if mode != "same":
-            assert (st.total.pages_pooled, st.total.pages_created_total) == (2, 0), st.total
+        if identified:
+            assert (st.total.pages_pooled, st.total.pages_created_total) == (2 + warm, warm), st.total
         assert_books(st)
+        return identified
     finally:
         fdchannel.close_fds(fds)
         c.close()
