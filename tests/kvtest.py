@@ -91,6 +91,21 @@ def require_testdriver_features(*what: str) -> None:
                     f"KVCACHED_TEST_LIBCUDA={libcuda()} does not have them")
 
 
+TESTDRIVER_PUBLIC = ROOT / "build" / "testdriver-public" / "libcuda.so.1"
+
+
+def require_uids_share_the_device(backend: str = "cuda") -> None:
+    """For a CUDA test with clients of two uids (one imports pages the
+    other's daemon made): skipped, naming why, on the public-only build of
+    the test driver (scripts/build-testdriver.sh --public-only), which reads
+    no state directory and so simulates one machine per uid; on a GPU, and
+    on the test driver (its state directory is shared, mode 1777), every uid
+    uses the same device."""
+    if backend == "cuda" and libcuda().resolve() == TESTDRIVER_PUBLIC.resolve():
+        pytest.skip("the public-only test driver simulates one machine per uid: another uid cannot import "
+                    "this uid's pages there (on a GPU every uid shares the device)")
+
+
 def backends() -> list[str]:
     """Backends the conformance tests run on. The CUDA test driver must be
     built (scripts/build-testdriver.sh, run by `make test`): if it is

@@ -26,7 +26,7 @@ import subprocess
 
 import pytest
 
-from kvtest import HELPERS, PY, assert_books, wait_until
+from kvtest import HELPERS, PY, assert_books, require_uids_share_the_device, wait_until
 
 NOBODY = pwd.getpwnam("nobody")
 DAEMON_USER = pwd.getpwnam("daemon")
@@ -219,6 +219,7 @@ def test_victim_dies_attacker_takes_whole_budget_gets_only_fresh_zero_pages(daem
     attacker of another uid already waiting allocates the whole budget the
     moment it can: every page it gets is new (not one of the victim's ids)
     and every byte reads zero."""
+    require_uids_share_the_device(backend)
     d = daemon_factory(backend, shared_dir=True, socket_mode="0666", memory_limit="32MiB")  # 16 pages of 2 MiB
     v, info = _victim(d, 16, 0xEE, env=victim_env)
     g = subprocess.Popen([PY, str(HELPERS / "hostile.py"), "grab", "16", "10"], env=dict(d.client_env(), **attacker_env),

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from kvtest import PY, HELPERS, assert_books, wait_until
+from kvtest import PY, HELPERS, assert_books, require_uids_share_the_device, wait_until
 
 NOBODY = pwd.getpwnam("nobody")
 # These tests run a client as another uid, which needs root (CI and the dev
@@ -44,6 +44,7 @@ AS_NOBODY = {"KVCACHED_TEST_AS_UID": f"{NOBODY.pw_uid}:{NOBODY.pw_gid}"}
 
 
 def test_pages_never_cross_uids_while_first_uid_holds_them(daemon_factory, backend):
+    require_uids_share_the_device(backend)
     d = daemon_factory(backend, shared_dir=True, socket_mode="0666", memory_limit="32MiB")  # 16 pages
     env = dict(d.client_env(), **AS_NOBODY)
     other = subprocess.Popen(

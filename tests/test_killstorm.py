@@ -21,6 +21,8 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from kvtest import HELPERS, PY, assert_books, wait_until
 
 
@@ -85,6 +87,7 @@ def test_kill_storm_1000_host(daemon_factory, tmp_path):
     assert rep["storm_seconds"] < 150
 
 
+@pytest.mark.cuda  # the CUDA test set: on any libcuda (docs/gpu-check.md)
 def test_kill_storm_cuda_test_driver(daemon_factory, tmp_path):
     # pages through the test driver: export, import, cuMemMap, bytes by cuMemcpy
     d = daemon_factory("cuda", memory_limit="128MiB", log_level="WARNING", grpc_page_ops=True)
