@@ -26,9 +26,10 @@
 # Environment: KVCACHED_LIBCUDA (driver library, default libcuda.so.1),
 # PYTHON (default: the repo's .venv, else python3), GPU_CHECK_MEMORY (daemon
 # budget, default 256MiB), GPU_CHECK_PAGES (pages the probe creates, default
-# 32), GPU_CHECK_TESTS (pytest arguments for stage 3; default
-# "tests/cuda tests/test_cuda_faults.py tests/test_gpu_check.py", empty skips
-# it), GPU_CHECK_BENCH
+# 32), GPU_CHECK_TESTS (pytest arguments for stage 3; default the CUDA test
+# set, "-m cuda" and the files tests/cuda/suite.txt names; empty skips it),
+# GPU_CHECK_FIRST (node ids to run first, default tests/cuda/gpu-first.txt:
+# the last GPU run's failures; empty: none), GPU_CHECK_BENCH
 # (bench scenarios for stage 4, default allocate64,roundtrip; empty skips
 # it), GPU_CHECK_KEEP=1 (keep the temp dir). With the CUDA test driver
 # (KVCACHED_LIBCUDA=build/testdriver/libcuda.so.1, KVCACHED_TESTDRV_* set) it
@@ -38,7 +39,9 @@
 # (rows.jsonl), the table (table.md), the verdict line (verdict.txt), every
 # number the probe and the bench measured with its unit (figures.json) and
 # the logs (daemon.log, probe.jsonl, probe.err, pytest.log, bench.json,
-# bench.log, the client helpers' *.out / *.err).
+# bench.log, the client helpers' *.out / *.err) and the tests' record
+# (pytest.xml, skips.txt: every skip with its reason, outcomes.txt: every
+# test's outcome in the order they ran, pytest-report.txt).
 set -u
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -137,7 +140,8 @@ save_out() { # copy the results into GPU_CHECK_OUT
     printf '%s\n' "$1" >"$OUTDIR/verdict.txt"
     figures >"$OUTDIR/figures.json"
     local f
-    for f in "$LOG" "$TMP"/probe.jsonl "$TMP"/probe.err "$TMP"/pytest.log "$TMP"/bench.json "$TMP"/bench.log \
+    for f in "$LOG" "$TMP"/probe.jsonl "$TMP"/probe.err "$TMP"/pytest.log "$TMP"/pytest.xml "$TMP"/skips.txt \
+             "$TMP"/outcomes.txt "$TMP"/pytest-report.txt "$TMP"/bench.json "$TMP"/bench.log \
              "$TMP"/*.out "$TMP"/*.err "$TMP"/leaks-*.json; do
         if [[ -f "$f" ]]; then cp "$f" "$OUTDIR/"; fi
     done
@@ -296,7 +300,11 @@ fi
 stage_time daemon
 
 say "== CUDA behaviour tests"
-TESTS="${GPU_CHECK_TESTS-tests/cuda tests/test_cuda_faults.py tests/test_gpu_check.py}"
+# the CUDA test set (tests/cuda/suite.txt, docs/gpu-check.md "The CUDA test set"): every test marked cuda
+TESTS="${GPU_CHECK_TESTS-"-m cuda $(grep -v '^#' "$REPO/tests/cuda/suite.txt" | tr '\n' ' ')"}"
+# the tests that failed on the last GPU run go first (tests/conftest.py orders them); GPU_CHECK_FIRST= turns it off
+FIRST="${GPU_CHECK_FIRST-$REPO/tests/cuda/gpu-first.txt}"
+TLABEL="pytest $TESTS"; [[ -z "${GPU_CHECK_TESTS+set}" ]] && TLABEL="pytest -m cuda, the files of tests/cuda/suite.txt"
 if [[ $TESTDRIVER == 1 && -z "${GPU_CHECK_TESTS+set}" ]]; then
     say "     skipped: this is the project's test driver, which make test runs them on"
     addrow "CUDA behaviour tests" "pass on this driver" "skipped: the test driver (make test runs them)" skip code
@@ -304,15 +312,28 @@ elif [[ -z "$TESTS" ]]; then
     addrow "CUDA behaviour tests" "pass on this driver" "skipped (GPU_CHECK_TESTS empty)" skip code
 else
     # shellcheck disable=SC2086
-    KVCACHED_TEST_LIBCUDA="$LIB" "$PYTHON" -m pytest -q -p no:cacheprovider $TESTS >"$TMP/pytest.log" 2>&1; TRC=$?
-    SUMMARY="$(grep -E '(passed|failed|error)' "$TMP/pytest.log" | tail -1)"
+    # -v: the log names every test in the order it ran (the first ones first); -rs: every skip's reason;
+    # the JUnit XML gives skips.txt (each skip with its reason, by reason) and outcomes.txt (test by test)
+    KVCACHED_TEST_FIRST="$FIRST" KVCACHED_TEST_LIBCUDA="$LIB" "$PYTHON" -m pytest -v -rs -p no:cacheprovider \
+        --junitxml="$TMP/pytest.xml" $TESTS >"$TMP/pytest.log" 2>&1; TRC=$?
+    SUMMARY="$(grep -E '(passed|failed|error)' "$TMP/pytest.log" | tail -1 | sed 's/^=* *//; s/ *=*$//')"
+    "$PYTHON" "$REPO/tests/helpers/pytest_report.py" "$TMP/pytest.xml" --skips "$TMP/skips.txt" \
+        --outcomes "$TMP/outcomes.txt" ${FIRST:+--first "$FIRST"} --label "     pytest" >"$TMP/pytest-report.txt" 2>&1
+    sed -n '1,12p' "$TMP/pytest-report.txt"
+    if [[ -n "$FIRST" ]]; then
+        FIRSTLINE="$(grep -m1 'run first' "$TMP/pytest-report.txt" | sed 's/^.*run first ([^)]*): //')"
+        if [[ -z "$FIRSTLINE" ]]; then addrow "the last GPU run's failures, run first" "pass on this driver" "no report (pytest did not finish)" FAIL code; FAILED=1
+        elif printf '%s' "$FIRSTLINE" | grep -qE ' 0 failed, 0 errors' && ! printf '%s' "$FIRSTLINE" | grep -q 'NOT run first'; then
+            addrow "the last GPU run's failures, run first" "pass on this driver" "$FIRSTLINE" pass code
+        else addrow "the last GPU run's failures, run first" "pass on this driver" "$FIRSTLINE" FAIL code; FAILED=1; fi
+    fi
     for k in passed failed skipped error; do
         n="$(printf '%s' "$SUMMARY" | grep -oE "[0-9]+ ${k}" | grep -oE '^[0-9]+')"
         figure "tests.$k" "${n:-0}" tests
     done
-    say "     pytest $TESTS: ${SUMMARY:-exit $TRC}"
-    if [[ $TRC == 0 ]]; then addrow "CUDA behaviour tests (pytest $TESTS)" "pass on this driver" "$SUMMARY" pass code
-    else FAILED=1; addrow "CUDA behaviour tests (pytest $TESTS)" "pass on this driver" "${SUMMARY:-exit $TRC} (log kept: $TMP/pytest.log)" FAIL code
+    say "     $TLABEL: ${SUMMARY:-exit $TRC}"
+    if [[ $TRC == 0 ]]; then addrow "CUDA behaviour tests ($TLABEL)" "pass on this driver" "$SUMMARY" pass code
+    else FAILED=1; addrow "CUDA behaviour tests ($TLABEL)" "pass on this driver" "${SUMMARY:-exit $TRC} (log kept: $TMP/pytest.log)" FAIL code
         grep -E '^(FAILED|ERROR) ' "$TMP/pytest.log" | head -10 | sed 's/^/     /'; fi
 fi
 

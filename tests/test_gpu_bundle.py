@@ -641,3 +641,35 @@ def test_the_zeroer_zeroes_while_told_and_reports_at_eof(tmp_path):
     assert p.returncode == 0, err
     res = json.loads(out.strip().splitlines()[-1])
     assert res["loops"] >= 1 and res["bytes"] == res["loops"] * 32 * (2 << 20) and res["pages"] == 32, res
+
+
+# ---- stage 1: gpu-check.sh with its whole record in STAGE_OUT
+
+def test_stage1_runs_gpu_check_into_stage_out_with_the_last_failures_first(tmp_path):
+    """stage1.sh runs the repository's scripts/gpu-check.sh (here a stand-in
+    that records what it was given) with GPU_CHECK_OUT=$STAGE_OUT, so the
+    pytest log, JUnit XML, skip list and outcomes (docs/gpu-check.md, "The
+    CUDA test set") land in $VERIFY_OUT/stage1; its dry run selects a test
+    of tests/cuda/gpu-first.txt, so the path that runs those first is taken
+    there too; on a real driver gpu-check.sh's own defaults apply."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    fake = repo / "scripts" / "gpu-check.sh"
+    fake.write_text('#!/usr/bin/env bash\nenv | grep -E "^(GPU_CHECK_|KVCACHED_TESTDRV_STATE)" | sort > "$GPU_CHECK_OUT/env"\n')
+    fake.chmod(0o755)
+    first = [ln for ln in (ROOT / "tests" / "cuda" / "gpu-first.txt").read_text().splitlines() if ln and not ln.startswith("#")]
+    for driver in ("testdriver", "real"):
+        out = tmp_path / driver
+        out.mkdir()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_CHECK_", "KVCACHED_"))}
+        env.update(REPO=str(repo), PYTHON=sys.executable, STAGE_OUT=str(out), KVCACHED_LIBCUDA="libcuda.so.1",
+                   VERIFY_DRIVER=driver)
+        p = subprocess.run(["bash", str(GB / "stage1.sh")], env=env, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stdout + p.stderr
+        got = dict(line.split("=", 1) for line in (out / "env").read_text().splitlines())
+        assert got["GPU_CHECK_OUT"] == str(out)
+        if driver == "testdriver":
+            assert any(t in got["GPU_CHECK_TESTS"].split() for t in first), got
+            assert "KVCACHED_TESTDRV_STATE" in got
+        else:
+            assert "GPU_CHECK_TESTS" not in got and "GPU_CHECK_FIRST" not in got, got  # gpu-check.sh's defaults

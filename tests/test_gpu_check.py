@@ -104,6 +104,17 @@ def test_gpu_check_fails_when_the_driver_is_unusable(tmp_path):
     assert skipped == {"CUDA behaviour tests": True, "CUDA bench": False}, rows
 
 
+def test_gpu_check_fails_when_the_driver_shows_no_device(tmp_path):
+    """Any libcuda with no device visible (CUDA_VISIBLE_DEVICES empty): a
+    FAIL that names the driver's answer, and the verdict FAIL."""
+    res = tmp_path / "out"
+    p = run_check(tmp_path, CUDA_VISIBLE_DEVICES="", GPU_CHECK_OUT=str(res))
+    assert p.returncode == 1, p.stdout
+    assert "CUDA_ERROR_NO_DEVICE" in p.stdout, p.stdout
+    assert p.stdout.rstrip().splitlines()[-1] == "FAIL", p.stdout
+    assert (res / "verdict.txt").read_text() == "FAIL\n"
+
+
 def test_gpu_check_out_holds_rows_table_figures_and_logs(clean_run):
     """GPU_CHECK_OUT=DIR (what the GPU bundle's verify.sh reads): the rows,
     the table with one line per row, the verdict, the logs, and every number

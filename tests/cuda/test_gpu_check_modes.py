@@ -63,8 +63,10 @@ def last_line(p: subprocess.CompletedProcess) -> str:
 def test_default_mode_passes_with_tests_and_bench(testdriver, tmp_path):
     """Every stage runs: the probe, the daemon end to end, a behaviour test
     (stage 3 on the test driver only when asked) and the bench."""
-    p, rows = run_check(testdriver, tmp_path, GPU_CHECK_BENCH="allocate64",
-                        GPU_CHECK_TESTS="tests/cuda/test_testdriver.py::test_granularity_alignment_and_offset_zero")
+    out = tmp_path / "out"
+    first = "tests/cuda/test_testdriver.py::test_granularity_alignment_and_offset_zero"  # in tests/cuda/gpu-first.txt
+    p, rows = run_check(testdriver, tmp_path, GPU_CHECK_BENCH="allocate64", GPU_CHECK_OUT=str(out),
+                        GPU_CHECK_TESTS=f"tests/cuda/test_cuda_backend.py::test_close_releases_pages_the_pool_did_not {first}")
     assert p.returncode == 0, p.stdout + p.stderr
     assert any(line.startswith("PASS: kvcached CUDA path") for line in p.stdout.splitlines()), p.stdout
     assert "FAIL" not in p.stdout, p.stdout
@@ -75,7 +77,17 @@ def test_default_mode_passes_with_tests_and_bench(testdriver, tmp_path):
         diff = verdicts(rows, "DIFF")
         assert all(c.startswith("exported fd: ") for c in diff), diff
         assert last_line(p) == (f"PASS with {len(diff)} DIFF rows" if diff else "PASS"), p.stdout
-    assert "1 passed" in seen(rows, "CUDA behaviour tests"), rows
+    assert "2 passed" in seen(rows, "CUDA behaviour tests"), rows
+    # the last GPU run's failure among them ran first (tests/cuda/gpu-first.txt), and its row says so
+    assert seen(rows, "the last GPU run's failures, run first").startswith("1 tests, 1 passed, 0 failed"), rows
+    # the tests' whole record is in GPU_CHECK_OUT: log, JUnit XML, skip list, outcomes in the order they ran
+    for name in ("pytest.log", "pytest.xml", "skips.txt", "outcomes.txt", "pytest-report.txt", "table.md", "figures.json"):
+        assert (out / name).is_file(), (name, sorted(x.name for x in out.iterdir()))
+    assert (out / "outcomes.txt").read_text().split() == ["passed", first, "passed",
+                                                          "tests/cuda/test_cuda_backend.py::test_close_releases_pages_the_pool_did_not"]
+    assert (out / "skips.txt").read_text().startswith("# 0 of 2 tests skipped")
+    figures = json.loads((out / "figures.json").read_text())
+    assert figures["tests.passed"]["value"] == 2, figures
     assert seen(rows, "bench: Allocate(64").startswith("daemon warm ")
     # the table: one markdown row per check, and the same checks the rows file has
     table = [line for line in p.stdout.splitlines() if line.startswith("| ") and not line.startswith("| #")]
@@ -83,6 +95,7 @@ def test_default_mode_passes_with_tests_and_bench(testdriver, tmp_path):
 
 
 @only_on_testdriver
+@pytest.mark.testdriver('its identity modes (KVCACHED_TESTDRV_FD_IDENTITY)')
 def test_distinct_identity_is_a_model_difference(testdriver, tmp_path):
     """The test driver's default follows what NVIDIA's driver does (one inode
     for every export, a character device: `chardev`). A driver whose exports
@@ -97,6 +110,7 @@ def test_distinct_identity_is_a_model_difference(testdriver, tmp_path):
 
 
 @only_on_testdriver
+@pytest.mark.testdriver('its strictness knobs (ASYNC, DEVICES, CONTEXT_BYTES, OTHER_BYTES, COST)')
 def test_every_other_strictness_at_once_passes(testdriver, tmp_path):
     """Copies that land at synchronize, two devices that are not peers,
     hidden per-context memory with another process's memory taken, and
@@ -116,6 +130,7 @@ def test_every_other_strictness_at_once_passes(testdriver, tmp_path):
 
 
 @only_on_testdriver
+@pytest.mark.testdriver('its lenient mode (KVCACHED_TESTDRV_STRICT=lenient)')
 def test_lenient_driver_shows_as_model_differences(testdriver, tmp_path):
     """On the driver before issue 17 the project's assumptions still hold
     (exit 0), but gpu-check names where that driver differs from the model
