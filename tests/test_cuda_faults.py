@@ -39,7 +39,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvtest import require_testdriver_features, PY, ROOT, SERVE, TESTDRIVER, assert_books, gpu_state, leak_problems, testdriver_env
+from kvtest import require_testdriver_features, PY, ROOT, SERVE, TESTDRIVER, assert_books, gpu_state, leak_problems, testdriver_env, wait_until
 
 
 # the tests here that need neither fault injection nor the leak report
@@ -80,8 +80,13 @@ DAEMON_CALLS = sorted(
         "cuMemMap",
         "cuMemUnmap",
         "cuMemSetAccess",
-        "cuMemsetD8_v2",
-        "cuCtxSynchronize",
+        "cuStreamCreate",
+        "cuEventCreate",
+        "cuMemsetD8Async",
+        "cuEventRecord",
+        "cuEventSynchronize",
+        "cuEventDestroy_v2",
+        "cuStreamDestroy_v2",
         "cuMemRelease",
     ]
 )
@@ -201,6 +206,8 @@ def scenario(daemon_factory, fail: tuple[str, int, str] | None, also: tuple[str,
             ids1 = {p.id for p in first}
             assert s.free(first) == N1  # Free never fails for a driver error: zeroing failures release the pages
             held = 0
+            # answered before zeroing: the pages are zeroed in the background (or released when that fails)
+            wait_until(lambda: c.stats().total.pages_zeroing == 0, timeout=10)
             after = books(0).total
             run.released_by_free = after.pages_released_total - before.pages_released_total
             if run.released_by_free:
@@ -330,9 +337,10 @@ def test_allocate_error_class_follows_the_driver_error(daemon_factory, fn, error
 
 
 def test_fault_in_the_middle_of_a_large_allocate_rolls_everything_back(daemon_factory):
-    """40 pages span two zeroing batches: fail the 37th cuMemCreate, then the
-    second batch's cuMemsetD8_v2; nothing is left allocated or exported."""
-    for fail in ("cuMemCreate:37", "cuMemsetD8_v2:2", "cuMemUnmap:35"):
+    """40 pages made in one batch: fail the 37th cuMemCreate, the 35th map
+    into the zeroing arena, the zeroing memset; nothing is left allocated,
+    exported or mapped."""
+    for fail in ("cuMemCreate:37", "cuMemMap:35", "cuMemsetD8Async:1"):
         d = daemon_factory("cuda", env={"KVCACHED_TESTDRV_FAIL": fail}, shutdown_grace="0")
         with d.client() as c, c.open_session("big") as s:
             with pytest.raises(errors.KVCachedError) as info:

@@ -72,6 +72,34 @@ def test_pages_never_cross_uids_while_first_uid_holds_them(daemon_factory, backe
     other.communicate("\n", timeout=30)
 
 
+def test_free_and_allocate_race_across_uids_and_every_page_reads_zero(daemon_factory, backend):
+    """Two uids free and allocate as fast as they can in a budget too small
+    for both to keep their pages pooled: a Free is answered before its
+    pages are zeroed (the pool's background zeroer), so Allocates of both
+    uids race the zeroing. Every page either receives reads zero in every
+    byte, no page id goes to both uids, and the books add up."""
+    require_uids_share_the_device(backend)
+    d = daemon_factory(backend, shared_dir=True, socket_mode="0666", memory_limit="24MiB")  # 12 pages: 7 + 7 do not fit
+    procs = [
+        subprocess.Popen([PY, str(HELPERS / "client_proc.py"), "churn", "3", "7", str(byte)],
+                         env=dict(d.client_env(), **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for byte, env in ((0xA1, {}), (0x5B, AS_NOBODY))
+    ]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.splitlines()[-1]))
+    for r in results:
+        assert r["rounds"] > 5 and r["dirty"] == 0, r
+    assert not set(results[0]["pages"]) & set(results[1]["pages"]), "a page id went to two uids"
+    with d.client() as c:
+        wait_until(lambda: c.stats().total.pages_in_use == 0, timeout=5)
+        st = c.stats()
+        assert st.total.pages_released_total > 0  # the uids took pages from each other's pool: released, not reused
+        assert_books(st)
+
+
 def test_uid_not_in_allow_list_is_refused(daemon_factory):
     d = daemon_factory("host", shared_dir=True, socket_mode="0666", allowed_uids=str(os.getuid()))
     proc = subprocess.run(

@@ -197,12 +197,15 @@ def test_pool_gives_back_clean_pages_without_the_worker_and_dirty_ones_through_i
         # two clean pages: pooled before give_back returns, no Task, no worker
         assert pool.give_back_now(pages[2:]) is None
         assert pool.n_ready_for(1000) == 2 and be.zeroed == []
-        # one dirty page among the rest: zeroed on the worker, then pooled
-        task = pool.give_back_now(pages[:2])
-        assert task is not None
-        await task
+        # one dirty page among the rest: the clean one pooled at once, the
+        # dirty one zeroed in the background on the worker (the zeroer), then pooled
+        assert pool.give_back_now(pages[:2]) is None
+        assert pool.n_ready_for(1000) == 3 and len(pool.zeroer) == 1
+        assert pool.books().zeroing == 1
+        pool.check()
+        await pool.zeroer.idle()
         assert be.zeroed == [pages[0].handle.fd]
-        assert pool.n_ready_for(1000) == 4
+        assert pool.n_ready_for(1000) == 4 and pool.books().zeroing == 0
         pool.check()
         w.stop()
 

@@ -2,12 +2,15 @@
 
 A backend turns "N pages of this device" into physical allocations, each
 exported as a file descriptor another process can map. It is chosen once at
-start-up (`--backend host|cuda|auto`). The pool calls every method of one
-device on that device's worker thread (see server/worker.py), so a backend
-may keep thread-bound state there (the CUDA backend makes the device's
-primary context current in `worker_init`). No method but `needs_zeroing`
-and `exports_ready` (cheap by contract), and `export_fds` when
-`exports_ready` says it is cheap, is ever called from the event loop.
+start-up (`--backend host|cuda|auto`). The pool calls the methods of one
+device on that device's worker threads (see server/worker.py): `zero_pages`
+on the zeroer's, everything else on the device worker; `worker_init` runs
+once on each, so a backend may keep thread-bound state there (the CUDA
+backend makes the device's primary context current). No method but
+`needs_zeroing` and `exports_ready` (cheap by contract), and `export_fds`
+when `exports_ready` says it is cheap, is ever called from the event loop;
+a warm loan calls none: it sends the descriptor each page keeps
+(`PageHandle.fd`).
 """
 
 from __future__ import annotations
@@ -32,15 +35,17 @@ class DeviceSpec:
 @dataclass(eq=False, slots=True)
 class PageHandle:
     """One physical page. `fd` is a descriptor the backend keeps for it and
-    closes in release_pages: the host backend's memfd (what clients get), or
-    -1 when the backend keeps none (CUDA exports one per delivery:
-    export_fds). Slotted: the daemon holds one per page (100k pages:
+    closes in release_pages, and what a loan sends: the host backend's
+    memfd, a CUDA page's export made once at creation; -1 when the backend
+    keeps none (a CUDA page over the daemon's fd cap: export_fds makes one
+    per delivery). Slotted: the daemon holds one per page (100k pages:
     docs/benchmarks.md, "Scale")."""
 
     fd: int
     size: int
     native: object = None  # backend-private: the CUDA allocation handle, ...
-    ready: bool = False  # CUDA: `fd` is an export made ahead of delivery (CudaBackend._make_ready)
+    ready: bool = False  # CUDA: `fd` is an export the backend keeps for the page's life (CudaBackend._keep_exports)
+    addr: int = 0  # CUDA: the page's slot in the daemon's zeroing arena (0: not mapped there)
 
 
 class Backend(abc.ABC):
@@ -48,11 +53,12 @@ class Backend(abc.ABC):
 
     kind: str = "abstract"
     # Open descriptors the daemon holds for each page it tracks (pooled or
-    # lent). host: 1 (the memfd is the page); cuda: 0 (an fd is exported for
-    # each delivery and closed once sent). docs/architecture.md, "File descriptors".
+    # lent). host: 1 (the memfd is the page); cuda: 1 (the page's export,
+    # kept for its life, up to CudaBackend.kept_export_cap per device).
+    # docs/architecture.md, "File descriptors".
     fds_per_page: int = 1
     # export_fds makes new descriptors (the caller closes them once sent)
-    # rather than lending the pages' own.
+    # rather than returning the pages' own.
     fresh_exports: bool = False
 
     @abc.abstractmethod

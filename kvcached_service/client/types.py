@@ -59,6 +59,8 @@ class PoolStats:
     pages_created_total: int
     pages_released_total: int
     unavailable_bytes: int = 0  # the configured limit the device does not have free (not in budget_bytes)
+    zeroing_bytes: int = 0  # of pooled_bytes: given back, not zeroed yet (lent again once zeroed)
+    pages_zeroing: int = 0
 
 
 @dataclass(frozen=True)

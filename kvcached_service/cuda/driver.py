@@ -39,6 +39,8 @@ CUdevice = c_int  # typedef int CUdevice_v1; typedef CUdevice_v1 CUdevice;
 CUcontext = c_void_p  # typedef struct CUctx_st *CUcontext;
 CUdeviceptr = c_ulonglong  # typedef unsigned long long CUdeviceptr_v2; (64-bit hosts)
 CUmemGenericAllocationHandle = c_ulonglong  # typedef unsigned long long CUmemGenericAllocationHandle_v1;
+CUstream = c_void_p  # typedef struct CUstream_st *CUstream;
+CUevent = c_void_p  # typedef struct CUevent_st *CUevent;
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_INVALID_VALUE = 1
@@ -47,6 +49,8 @@ CUDA_ERROR_NOT_INITIALIZED = 3
 CUDA_ERROR_NO_DEVICE = 100
 CUDA_ERROR_INVALID_DEVICE = 101
 CUDA_ERROR_INVALID_CONTEXT = 201
+CUDA_ERROR_INVALID_HANDLE = 400
+CUDA_ERROR_NOT_READY = 600
 CUDA_ERROR_NOT_SUPPORTED = 801
 
 CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
@@ -61,6 +65,9 @@ CU_MEM_ACCESS_FLAGS_PROT_READ = 0x1
 CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3
 CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0x0
 CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 0x1
+CU_STREAM_NON_BLOCKING = 0x1
+CU_EVENT_BLOCKING_SYNC = 0x1
+CU_EVENT_DISABLE_TIMING = 0x2
 
 
 class CUuuid(Structure):
@@ -171,6 +178,7 @@ _FALLBACK_NAMES = {
     201: "CUDA_ERROR_INVALID_CONTEXT",
     304: "CUDA_ERROR_OPERATING_SYSTEM",
     400: "CUDA_ERROR_INVALID_HANDLE",
+    600: "CUDA_ERROR_NOT_READY",
     700: "CUDA_ERROR_ILLEGAL_ADDRESS",
     800: "CUDA_ERROR_NOT_PERMITTED",
     801: "CUDA_ERROR_NOT_SUPPORTED",
@@ -255,10 +263,27 @@ _FUNCTIONS: list[tuple[str, list]] = [
     ("cuMemcpyHtoD_v2", [CUdeviceptr, c_void_p, c_size_t]),
     # CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount);
     ("cuMemcpyDtoH_v2", [c_void_p, CUdeviceptr, c_size_t]),
+    # CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags);
+    ("cuStreamCreate", [POINTER(CUstream), c_uint]),
+    # CUresult cuStreamDestroy_v2(CUstream hStream);   (#define cuStreamDestroy cuStreamDestroy_v2)
+    ("cuStreamDestroy_v2", [CUstream]),
+    # CUresult cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream);
+    ("cuMemsetD8Async", [CUdeviceptr, c_ubyte, c_size_t, CUstream]),
+    # CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags);
+    ("cuEventCreate", [POINTER(CUevent), c_uint]),
+    # CUresult cuEventRecord(CUevent hEvent, CUstream hStream);
+    ("cuEventRecord", [CUevent, CUstream]),
+    # CUresult cuEventQuery(CUevent hEvent);   (CUDA_ERROR_NOT_READY is an answer, not an error: unchecked)
+    ("cuEventQuery", [CUevent]),
+    # CUresult cuEventSynchronize(CUevent hEvent);
+    ("cuEventSynchronize", [CUevent]),
+    # CUresult cuEventDestroy_v2(CUevent hEvent);   (#define cuEventDestroy cuEventDestroy_v2)
+    ("cuEventDestroy_v2", [CUevent]),
 ]
 
-# These report errors themselves; checking them would recurse.
-_UNCHECKED = {"cuGetErrorName", "cuGetErrorString"}
+# These report errors themselves; checking them would recurse. cuEventQuery
+# answers CUDA_ERROR_NOT_READY for work still running: its caller reads it.
+_UNCHECKED = {"cuGetErrorName", "cuGetErrorString", "cuEventQuery"}
 
 FUNCTION_NAMES: tuple[str, ...] = tuple(name for name, _ in _FUNCTIONS)
 

@@ -542,16 +542,15 @@ class ChannelServer:
         try:
             await conn.deliver(a.allocation_id, a.page_ids, a.fds)
         except BaseException as exc:
-            if a.fresh:
-                fdchannel.close_fds(a.fds)
+            a.close()
             try:
                 d.undelivered(s, a, exc)
                 raise
             except Exception as err:  # noqa: BLE001 - a cancellation goes on up
                 await self._reply_failure(conn, req_id, err, "ALLOCATE")
                 return
-        if a.fresh:  # new exports (CUDA): the client has its own now, ours go
-            fdchannel.close_fds(a.fds)
+        if a.owned:  # exports made for this delivery: the client has its own now, ours go
+            a.close()
         await self._reply(conn, fdchannel.encode_reply(req_id, 0, a.held_bytes))
 
     async def _serve_free(self, conn: Conn, s: Session, req_id: int, page_ids: list[int]) -> None:

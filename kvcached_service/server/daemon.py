@@ -13,7 +13,7 @@ Beside the core, each in its own module:
   refuses a Bearer's mutating requests unless --grpc-page-ops;
 - recovery.py (`self.recovery`): the journal, the sessions of a previous
   daemon (orphans) and ResumeSession, the page store (keeper);
-- pool.py: a loan (`DevicePool.lend`) admits (the budget is the pool's:
+- pool/ (device.py): a loan (`DevicePool.lend`) admits (the budget is the pool's:
   `admit`), acquires and exports pages as one step with one rollback; the
   core decides what a shortage does (`_Patience`: wait, ask other sessions
   for pages), books the loan (the session, then, with --state-dir, the
@@ -73,9 +73,9 @@ class Event:
 class Allocated(NamedTuple):
     """A loan booked to its session, and the answer to its Allocate before
     an adapter encodes it (a NamedTuple: made on every Allocate, and a
-    frozen dataclass costs more to build). `pages`, `fds`, `fresh`: what
-    delivering it takes (pool.Loan: whoever delivers closes `fds` when
-    `fresh`)."""
+    frozen dataclass costs more to build). `pages`, `fds`, `owned`: what
+    delivering it takes (pool.Loan: whoever delivers closes the `owned`
+    descriptors, those made for this delivery, once it is over)."""
 
     allocation_id: int
     device: str
@@ -84,7 +84,12 @@ class Allocated(NamedTuple):
     held_bytes: int
     pages: list[Page]
     fds: list[int]
-    fresh: bool
+    owned: tuple[int, ...]
+
+    def close(self) -> None:
+        """The delivery is over (sent or not): close what was made for it."""
+        if self.owned:
+            fdchannel.close_fds(list(self.owned))
 
 
 class Daemon:
@@ -131,6 +136,10 @@ class Daemon:
             worker = DeviceWorker(self.backend, spec.ordinal, spec.uuid[:12])
             worker.start()
             self.workers.append(worker)
+            # zeroing runs on a thread of its own: never queued ahead of an Allocate's driver work
+            zero_worker = DeviceWorker(self.backend, spec.ordinal, f"{spec.uuid[:7]}-zero")
+            zero_worker.start()
+            self.workers.append(zero_worker)
             pool = DevicePool(
                 self.backend,
                 spec,
@@ -142,6 +151,7 @@ class Daemon:
                 idle_seconds=self.settings.pool_idle_seconds,
                 zero_pages=self.settings.zero_pages,
                 tasks=self._tasks,
+                zero_worker=zero_worker,
             )
             pool.on_pages_returned = self._pages_returned
             self.pools[spec.uuid] = pool
@@ -361,8 +371,7 @@ class Daemon:
                 self.undelivered(s, a, exc)
                 raise
             finally:
-                if a.fresh:  # sent (the client has its own now) or not: ours go
-                    fdchannel.close_fds(a.fds)
+                a.close()  # sent (the client has its own now) or not: exports made for it go
             s.allocations_total += 1
             s.touch()
             return a._replace(held_bytes=s.held_pages(a.device) * a.page_size, fds=[])
@@ -382,13 +391,12 @@ class Daemon:
         pages = loan.pages
         s.add_pages(pages)
         a = Allocated(alloc_id, pool.uuid, pool.page_size, [p.id for p in pages], s.held_pages(pool.uuid) * pool.page_size,
-                      pages, loan.fds, loan.fresh)
+                      pages, loan.fds, loan.owned)
         if self.recovery.journal is not None:  # an attribute, not a call: nothing to book without --state-dir
             try:
                 self.recovery.lent(s, pool, pages, loan.fds)
             except BaseException as exc:
-                if loan.fresh:
-                    fdchannel.close_fds(loan.fds)
+                loan.close()
                 self.undelivered(s, a, exc)
                 raise
         return a
@@ -456,16 +464,11 @@ class Daemon:
             s.frees_total += 1
             s.touch()
             self.recovery.returned(s, pages)
-            # Pages nothing needs to zero are pooled at once; zeroing runs in
-            # tasks of their own: a cancelled Free (its client died) still
-            # returns the pages.
-            zeroing = []
+            # Answered once the books say so: pages nothing needs to zero are
+            # pooled at once, the others are zeroed in the background (the
+            # pool's zeroer) and lent only once that is done.
             for u, g in by_pool.items():
-                t = self.pools[u].give_back_now(g)
-                if t is not None:
-                    zeroing.append(t)
-            if zeroing:
-                await asyncio.wait(zeroing)
+                self.pools[u].give_back_now(g)
             return len(pages), s
 
     def held_bytes(self, s: Session) -> int:

@@ -160,6 +160,12 @@ def snapshot(daemon: "Daemon", control: Any = None) -> dict:
                 "released_total": b.released_total,
                 "allocations_total": b.allocations_total,
                 "allocation_failures_total": b.allocation_failures_total,
+                "zeroing": b.zeroing * b.page_size,
+                "zero_pages_total": pool.zeroer.counters.pages_total,
+                "zero_batches_total": pool.zeroer.counters.batches_total,
+                "zero_failures_total": pool.zeroer.counters.failures_total,
+                "zero_waits_total": pool.zeroer.counters.waits_total,
+                "zero_wait_seconds_total": pool.zeroer.counters.wait_seconds_total,
             }
         )
     by_name: dict[str, dict] = {}
@@ -275,6 +281,17 @@ class DaemonCollector:
             "Allocations the pool could not satisfy (budget exhausted, after any wait)",
             "allocation_failures_total",
         )
+        yield dev_gauge("kvcached_device_zeroing_bytes",
+                        "Bytes of pooled pages given back and not zeroed yet (the background zeroer's queue; part of pooled)",
+                        "zeroing")
+        yield dev_counter("kvcached_device_zeroed_pages", "Pages the background zeroer zeroed", "zero_pages_total")
+        yield dev_counter("kvcached_device_zero_batches", "Zeroing batches (one backend call each)", "zero_batches_total")
+        yield dev_counter("kvcached_device_zero_failures", "Pages released because zeroing them failed", "zero_failures_total")
+        yield dev_counter("kvcached_device_zero_waits",
+                          "Allocates that found no zeroed page and waited for pages of their uid being zeroed",
+                          "zero_waits_total")
+        yield dev_counter("kvcached_device_zero_wait_seconds", "Seconds Allocates spent waiting for zeroing",
+                          "zero_wait_seconds_total")
 
         if self.nvml is not None:
             mem = self.nvml.memory()

@@ -293,12 +293,11 @@ class Recovery:
                     by_pool.setdefault(p.device, []).append(p)
                 for dev, pages in by_pool.items():
                     pool = self.core.pools[dev]
-                    fds = await pool.export_fds(pages)
+                    fds, owned = await pool.export_fds(pages)
                     try:
                         new.put([p.id for p in pages], fds)
                     finally:
-                        if pool.backend.fresh_exports:  # made for this put: ours to close
-                            close_fds(fds)
+                        close_fds(owned)  # made for this put: ours to close
                     put += len(pages)
             if self.stored:  # orphans' pages, still waiting for their clients
                 new.put(list(self.stored), list(self.stored.values()))

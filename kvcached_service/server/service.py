@@ -123,6 +123,8 @@ def pool_stats(books: list[Books]) -> pb.PoolStats:
         out.in_use_bytes += b.in_use_bytes
         out.free_bytes += b.free_bytes
         out.unavailable_bytes += b.unavailable_bytes
+        out.zeroing_bytes += b.zeroing * b.page_size
+        out.pages_zeroing += b.zeroing
         out.pages_pooled += b.pooled
         out.pages_in_use += b.in_use
         out.pages_created_total += b.created_total

@@ -144,6 +144,15 @@ static const char *td_err_name(CUresult code) {
     X(cuMemsetD8_v2, CUDA_ERROR_UNKNOWN)                                                                       \
     X(cuMemcpyHtoD_v2, CUDA_ERROR_UNKNOWN)                                                                     \
     X(cuMemcpyDtoH_v2, CUDA_ERROR_UNKNOWN)                                                                     \
+    X(cuStreamCreate, CUDA_ERROR_UNKNOWN)                                                                      \
+    X(cuStreamDestroy_v2, CUDA_ERROR_UNKNOWN)                                                                  \
+    X(cuStreamSynchronize, CUDA_ERROR_UNKNOWN)                                                                 \
+    X(cuMemsetD8Async, CUDA_ERROR_UNKNOWN)                                                                     \
+    X(cuEventCreate, CUDA_ERROR_UNKNOWN)                                                                       \
+    X(cuEventRecord, CUDA_ERROR_UNKNOWN)                                                                       \
+    X(cuEventQuery, CUDA_ERROR_UNKNOWN)                                                                        \
+    X(cuEventSynchronize, CUDA_ERROR_UNKNOWN)                                                                  \
+    X(cuEventDestroy_v2, CUDA_ERROR_UNKNOWN)                                                                   \
     X(cuGetErrorName, CUDA_ERROR_INVALID_VALUE)                                                                \
     X(cuGetErrorString, CUDA_ERROR_INVALID_VALUE)
 
@@ -234,6 +243,11 @@ struct td_op { /* a memset or copy issued but not landed yet */
     unsigned char *data; /* OP_WRITE: the bytes, copied at issue time */
 };
 
+struct td_queue { /* work issued on one stream, in issue order */
+    struct td_op *ops;
+    size_t nops, capops;
+};
+
 struct CUctx_st {
     uint32_t magic;
     int ordinal;
@@ -242,8 +256,7 @@ struct CUctx_st {
     bool active;
     int overhead_fd;         /* the context's hidden device memory (KVCACHED_TESTDRV_CONTEXT_BYTES) */
     uint32_t overhead_key;
-    struct td_op *ops;       /* pending work, in issue order (one stream) */
-    size_t nops, capops;
+    struct td_queue q;       /* pending work of the context's own (NULL) stream */
 };
 #define TD_CTX_MAGIC 0x6b766378u
 
@@ -1868,35 +1881,115 @@ static void range_do(struct td_resv *r, uintptr_t addr, size_t n, enum td_opkind
 /* --------------------------------------------------------------------- */
 /* work issued on a context's stream                                      */
 
-static CUresult op_push(struct CUctx_st *c, struct td_op op) {
-    if (c->nops == c->capops) {
-        size_t cap = c->capops ? c->capops * 2 : 16;
-        struct td_op *n = realloc(c->ops, cap * sizeof *n);
+static CUresult queue_push(struct td_queue *q, struct td_op op) {
+    if (q->nops == q->capops) {
+        size_t cap = q->capops ? q->capops * 2 : 16;
+        struct td_op *n = realloc(q->ops, cap * sizeof *n);
         if (!n) return CUDA_ERROR_OUT_OF_MEMORY;
-        c->ops = n;
-        c->capops = cap;
+        q->ops = n;
+        q->capops = cap;
     }
-    c->ops[c->nops++] = op;
+    q->ops[q->nops++] = op;
     return CUDA_SUCCESS;
 }
 
-/* Let everything issued on the context land, in order. Work whose range is
- * no longer mapped is lost (it was purged at cuMemUnmap already). */
-static void ctx_flush(struct CUctx_st *c) {
-    for (size_t i = 0; i < c->nops; i++) {
-        struct td_op *op = &c->ops[i];
+static CUresult op_push(struct CUctx_st *c, struct td_op op) { return queue_push(&c->q, op); }
+
+/* Let the first `upto` operations of a queue land, in order (the rest stay
+ * queued). Work whose range is no longer mapped is lost (it was purged at
+ * cuMemUnmap already). */
+static void queue_land(struct td_queue *q, size_t upto) {
+    if (upto > q->nops) upto = q->nops;
+    for (size_t i = 0; i < upto; i++) {
+        struct td_op *op = &q->ops[i];
         struct td_resv *r = range_mapped(op->va, op->n);
         if (r) range_do(r, op->va, op->n, op->kind, op->data, op->val);
         else g_lost_ops++;
         free(op->data);
     }
-    c->nops = 0;
+    memmove(q->ops, q->ops + upto, (q->nops - upto) * sizeof *q->ops);
+    q->nops -= upto;
+}
+
+static void queue_drop(struct td_queue *q) {
+    for (size_t i = 0; i < q->nops; i++) free(q->ops[i].data);
+    g_lost_ops += q->nops;
+    q->nops = 0;
+}
+
+static void queue_purge(struct td_queue *q, uintptr_t va, size_t n) {
+    size_t w = 0;
+    for (size_t i = 0; i < q->nops; i++) {
+        struct td_op *op = &q->ops[i];
+        if (op->va < va + n && va < op->va + op->n) {
+            free(op->data);
+            g_lost_ops++;
+        } else {
+            q->ops[w++] = *op;
+        }
+    }
+    q->nops = w;
+}
+
+/* Streams (cuStreamCreate) and events (cuEventCreate). Each stream has a
+ * queue of its own; an event remembers how much of its stream's queue was
+ * issued when it was recorded. Work lands when something waits for it
+ * (cuEventSynchronize, cuStreamSynchronize, cuCtxSynchronize, a synchronous
+ * copy for the blocking streams), or, for cuEventQuery, once a query has
+ * seen it pending: the first query of pending work answers
+ * CUDA_ERROR_NOT_READY and lets it land, so pollers see both answers. */
+#define TD_STREAM_MAGIC 0x6b767374u
+#define TD_EVENT_MAGIC 0x6b766576u
+struct CUstream_st {
+    uint32_t magic;
+    struct CUctx_st *ctx;
+    unsigned flags;
+    struct td_queue q;
+    uint64_t issued; /* operations ever issued on it */
+    uint64_t landed; /* of those, landed or dropped */
+    struct CUstream_st *next;
+};
+struct CUevent_st {
+    uint32_t magic;
+    unsigned flags;
+    struct CUstream_st *stream; /* where it was last recorded; NULL: the context's own stream */
+    struct CUctx_st *ctx;
+    uint64_t mark;              /* stream->issued at the record */
+    struct CUevent_st *next;
+};
+static struct CUstream_st *g_streams;
+static struct CUevent_st *g_events;
+static size_t g_nstreams, g_nevents;
+
+static void stream_land(struct CUstream_st *s, size_t upto) {
+    if (upto > s->q.nops) upto = s->q.nops;
+    queue_land(&s->q, upto);
+    s->landed += upto;
+}
+
+/* Let everything issued on the context land, in order: its own stream,
+ * then every stream made in it. */
+static void ctx_flush(struct CUctx_st *c) {
+    queue_land(&c->q, c->q.nops);
+    for (struct CUstream_st *s = g_streams; s; s = s->next)
+        if (s->ctx == c) stream_land(s, s->q.nops);
+}
+
+/* A synchronous copy waits for the context's own stream and the streams
+ * that synchronise with it (not CU_STREAM_NON_BLOCKING ones). */
+static void ctx_flush_blocking(struct CUctx_st *c) {
+    queue_land(&c->q, c->q.nops);
+    for (struct CUstream_st *s = g_streams; s; s = s->next)
+        if (s->ctx == c && !(s->flags & CU_STREAM_NON_BLOCKING)) stream_land(s, s->q.nops);
 }
 
 static void ctx_drop(struct CUctx_st *c) {
-    for (size_t i = 0; i < c->nops; i++) free(c->ops[i].data);
-    g_lost_ops += c->nops;
-    c->nops = 0;
+    queue_drop(&c->q);
+    for (struct CUstream_st *s = g_streams; s; s = s->next)
+        if (s->ctx == c) {
+            s->landed += s->q.nops;
+            queue_drop(&s->q);
+        }
 }
 
 /* cuMemUnmap of [va, va+n): pending work on it (in any context of this
@@ -1904,25 +1997,18 @@ static void ctx_drop(struct CUctx_st *c) {
  * documented; here it is lost, so code that unmaps before synchronising
  * loses its memset and the leak report counts it. */
 static void ops_purge(uintptr_t va, size_t n) {
-    for (int o = 0; o < cfg.nvis; o++) {
-        struct CUctx_st *c = &g_ctx[o];
-        size_t w = 0;
-        for (size_t i = 0; i < c->nops; i++) {
-            struct td_op *op = &c->ops[i];
-            if (op->va < va + n && va < op->va + op->n) {
-                free(op->data);
-                g_lost_ops++;
-            } else {
-                c->ops[w++] = *op;
-            }
-        }
-        c->nops = w;
+    for (int o = 0; o < cfg.nvis; o++) queue_purge(&g_ctx[o].q, va, n);
+    for (struct CUstream_st *s = g_streams; s; s = s->next) {
+        size_t before = s->q.nops;
+        queue_purge(&s->q, va, n);
+        s->landed += before - s->q.nops;
     }
 }
 
 static size_t ops_pending(void) {
     size_t n = 0;
-    for (int o = 0; o < TD_MAX_DEVICES; o++) n += g_ctx[o].nops;
+    for (int o = 0; o < TD_MAX_DEVICES; o++) n += g_ctx[o].q.nops;
+    for (struct CUstream_st *s = g_streams; s; s = s->next) n += s->q.nops;
     return n;
 }
 
@@ -2673,7 +2759,7 @@ CUresult CUDAAPI cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, siz
         if (r) free(copy);
         RETURN(r);
     }
-    ctx_flush(c); /* stream order: earlier memsets first */
+    ctx_flush_blocking(c); /* stream order: earlier memsets first */
     range_do(rv, (uintptr_t)dstDevice, ByteCount, OP_WRITE, (unsigned char *)(uintptr_t)srcHost, 0);
     RETURN(CUDA_SUCCESS);
 }
@@ -2689,9 +2775,187 @@ CUresult CUDAAPI cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t By
     r = range_check((uintptr_t)srcDevice, ByteCount, CU_MEM_ACCESS_FLAGS_PROT_READ, c, &rv);
     if (r) RETURN(r);
     /* synchronous, and ordered after the work issued before it on the
-     * context's stream: that work lands first */
-    ctx_flush(c);
+     * context's stream (and the streams that synchronise with it): that work
+     * lands first */
+    ctx_flush_blocking(c);
     range_do(rv, (uintptr_t)srcDevice, ByteCount, OP_READ, dstHost, 0);
+    RETURN(CUDA_SUCCESS);
+}
+
+/* --------------------------------------------------------------------- */
+/* streams and events                                                     */
+
+static struct CUstream_st *stream_get(CUstream h) {
+    for (struct CUstream_st *s = g_streams; s; s = s->next)
+        if (s == h) return s->magic == TD_STREAM_MAGIC ? s : NULL;
+    return NULL;
+}
+
+static struct CUevent_st *event_get(CUevent h) {
+    for (struct CUevent_st *e = g_events; e; e = e->next)
+        if (e == h) return e->magic == TD_EVENT_MAGIC ? e : NULL;
+    return NULL;
+}
+
+/* The stream a call names, for the current context `c`: NULL (and
+ * CU_STREAM_LEGACY / CU_STREAM_PER_THREAD) is the context's own; another
+ * must be a live stream of this context. */
+static CUresult stream_for(CUstream h, struct CUctx_st *c, struct CUstream_st **out) {
+    *out = NULL;
+    if (h == NULL || h == CU_STREAM_LEGACY || h == CU_STREAM_PER_THREAD) return CUDA_SUCCESS;
+    struct CUstream_st *s = stream_get(h);
+    if (!s) return CUDA_ERROR_INVALID_HANDLE;
+    if (s->ctx != c || !c->active) return CUDA_ERROR_INVALID_CONTEXT;
+    *out = s;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuStreamCreate(CUstream *phStream, unsigned int Flags) {
+    ENTER(cuStreamCreate);
+    if (!phStream || (Flags & ~(unsigned)CU_STREAM_NON_BLOCKING)) RETURN(CUDA_ERROR_INVALID_VALUE);
+    struct CUctx_st *c;
+    CUresult r = need_ctx(&c);
+    if (r) RETURN(r);
+    struct CUstream_st *s = calloc(1, sizeof *s);
+    if (!s) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+    *s = (struct CUstream_st){.magic = TD_STREAM_MAGIC, .ctx = c, .flags = Flags, .next = g_streams};
+    g_streams = s;
+    g_nstreams++;
+    *phStream = s;
+    RETURN(CUDA_SUCCESS);
+}
+
+/* Work still queued on a destroyed stream completes (the driver lets it
+ * finish): it lands now. */
+CUresult CUDAAPI cuStreamDestroy_v2(CUstream hStream) {
+    ENTER(cuStreamDestroy_v2);
+    struct CUstream_st *s = stream_get(hStream);
+    if (!s) RETURN(CUDA_ERROR_INVALID_HANDLE);
+    stream_land(s, s->q.nops);
+    for (struct CUstream_st **p = &g_streams; *p; p = &(*p)->next)
+        if (*p == s) {
+            *p = s->next;
+            break;
+        }
+    for (struct CUevent_st *e = g_events; e; e = e->next)
+        if (e->stream == s) e->stream = NULL, e->mark = 0;
+    free(s->q.ops);
+    s->magic = 0;
+    free(s);
+    g_nstreams--;
+    RETURN(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuStreamSynchronize(CUstream hStream) {
+    ENTER(cuStreamSynchronize);
+    struct CUctx_st *c;
+    CUresult r = need_ctx(&c);
+    if (r) RETURN(r);
+    struct CUstream_st *s;
+    if ((r = stream_for(hStream, c, &s))) RETURN(r);
+    if (s) stream_land(s, s->q.nops);
+    else ctx_flush_blocking(c);
+    RETURN(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream) {
+    ENTER(cuMemsetD8Async);
+    struct CUctx_st *c;
+    CUresult r = need_ctx(&c);
+    if (r) RETURN(r);
+    struct CUstream_st *s;
+    if ((r = stream_for(hStream, c, &s))) RETURN(r);
+    if (N == 0) RETURN(CUDA_SUCCESS);
+    struct td_resv *rv;
+    r = range_check((uintptr_t)dstDevice, N, CU_MEM_ACCESS_FLAGS_PROT_READWRITE, c, &rv);
+    if (r) RETURN(r);
+    struct td_op op = {OP_SET, (uintptr_t)dstDevice, N, uc, NULL};
+    if (cfg.async == ASYNC_OFF) {
+        range_do(rv, op.va, N, OP_SET, NULL, uc);
+        RETURN(CUDA_SUCCESS);
+    }
+    if (!s) RETURN(op_push(c, op));
+    if ((r = queue_push(&s->q, op))) RETURN(r);
+    s->issued++;
+    RETURN(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuEventCreate(CUevent *phEvent, unsigned int Flags) {
+    ENTER(cuEventCreate);
+    if (!phEvent || (Flags & ~(unsigned)(CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS)))
+        RETURN(CUDA_ERROR_INVALID_VALUE);
+    if ((Flags & CU_EVENT_INTERPROCESS) && !(Flags & CU_EVENT_DISABLE_TIMING)) RETURN(CUDA_ERROR_INVALID_VALUE);
+    struct CUctx_st *c;
+    CUresult r = need_ctx(&c);
+    if (r) RETURN(r);
+    struct CUevent_st *e = calloc(1, sizeof *e);
+    if (!e) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+    *e = (struct CUevent_st){.magic = TD_EVENT_MAGIC, .flags = Flags, .ctx = c, .next = g_events};
+    g_events = e;
+    g_nevents++;
+    *phEvent = e;
+    RETURN(CUDA_SUCCESS);
+}
+
+/* The event completes when the work issued on the stream before this call
+ * has landed. On the context's own stream the test driver records nothing:
+ * waiting for such an event lets the context's own work land. */
+CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream) {
+    ENTER(cuEventRecord);
+    struct CUevent_st *e = event_get(hEvent);
+    if (!e) RETURN(CUDA_ERROR_INVALID_HANDLE);
+    struct CUctx_st *c;
+    CUresult r = need_ctx(&c);
+    if (r) RETURN(r);
+    if (e->ctx != c) RETURN(CUDA_ERROR_INVALID_CONTEXT);
+    struct CUstream_st *s;
+    if ((r = stream_for(hStream, c, &s))) RETURN(r);
+    e->stream = s;
+    e->mark = s ? s->issued : 0;
+    RETURN(CUDA_SUCCESS);
+}
+
+/* How many of the event's stream's queued operations it waits for. */
+static size_t event_pending(struct CUevent_st *e) {
+    if (!e->stream) return e->ctx->q.nops;
+    uint64_t done = e->stream->landed;
+    return e->mark > done ? (size_t)(e->mark - done) : 0;
+}
+
+static void event_land(struct CUevent_st *e) {
+    if (e->stream) stream_land(e->stream, event_pending(e));
+    else queue_land(&e->ctx->q, e->ctx->q.nops);
+}
+
+CUresult CUDAAPI cuEventQuery(CUevent hEvent) {
+    ENTER(cuEventQuery);
+    struct CUevent_st *e = event_get(hEvent);
+    if (!e) RETURN(CUDA_ERROR_INVALID_HANDLE);
+    if (!event_pending(e)) RETURN(CUDA_SUCCESS);
+    event_land(e); /* seen pending once: done by the next query */
+    RETURN(CUDA_ERROR_NOT_READY);
+}
+
+CUresult CUDAAPI cuEventSynchronize(CUevent hEvent) {
+    ENTER(cuEventSynchronize);
+    struct CUevent_st *e = event_get(hEvent);
+    if (!e) RETURN(CUDA_ERROR_INVALID_HANDLE);
+    event_land(e);
+    RETURN(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuEventDestroy_v2(CUevent hEvent) {
+    ENTER(cuEventDestroy_v2);
+    struct CUevent_st *e = event_get(hEvent);
+    if (!e) RETURN(CUDA_ERROR_INVALID_HANDLE);
+    for (struct CUevent_st **p = &g_events; *p; p = &(*p)->next)
+        if (*p == e) {
+            *p = e->next;
+            break;
+        }
+    e->magic = 0;
+    free(e);
+    g_nevents--;
     RETURN(CUDA_SUCCESS);
 }
 
@@ -2756,7 +3020,8 @@ static void write_report(void) {
     static const char *const refss[] = {"table", "fds"};
 
     fprintf(f, "{\n  \"pid\": %d,\n  \"initialized\": %s,\n", (int)getpid(), g_inited ? "true" : "false");
-    fprintf(f, "  \"leaks\": %zu,\n", g_livehandles + g_nexports + g_livemaps + nres + nctx);
+    fprintf(f, "  \"leaks\": %zu,\n", g_livehandles + g_nexports + g_livemaps + nres + nctx + g_nstreams + g_nevents);
+    fprintf(f, "  \"sync_objects\": {\"streams\": %zu, \"events\": %zu},\n", g_nstreams, g_nevents);
     fprintf(f, "  \"counts\": {\"handles\": %zu, \"exported_fds\": %zu, \"mappings\": %zu, \"reservations\": %zu, "
                "\"primary_contexts\": %zu},\n",
             g_livehandles, g_nexports, g_livemaps, nres, nctx);

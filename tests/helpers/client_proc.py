@@ -10,6 +10,8 @@ Modes (each prints one JSON line on stdout when it reaches its checkpoint):
   raw-allocate N         Allocate over gRPC but never read the fd channel;
                          print and sleep until killed
   loop SECONDS N         allocate/verify/free N pages in a loop; print counts
+  churn SECONDS N BYTE   allocate N pages, check every byte is zero, fill
+                         them with BYTE, free; in a loop; print counts
   sleep-open             open a session, print, sleep until killed
   orphan N               allocate N pages and write every byte of them (all
                          resident), print; then for each stdin line try
@@ -161,6 +163,23 @@ def main() -> int:
             s.free(pages)
             rounds += 1
         out(session=s.id, rounds=rounds, errors=errors)
+    elif mode == "churn":
+        # Allocate, check every byte reads zero, fill with BYTE, Free: as fast
+        # as it can, racing the daemon's background zeroer (and another uid).
+        seconds, n, byte = float(args[0]), int(args[1]), int(args[2])
+        end = time.monotonic() + seconds
+        rounds = dirty = 0
+        seen: set[int] = set()
+        while time.monotonic() < end:
+            pages = s.allocate(n, wait=True, wait_timeout_ms=20000)  # the other uid may hold the rest of the budget
+            for p in pages:
+                seen.add(p.id)
+                if p.read() != bytes(p.size):
+                    dirty += 1
+                p.write(0, bytes([byte]) * p.size)
+            s.free(pages)
+            rounds += 1
+        out(session=s.id, rounds=rounds, dirty=dirty, pages=sorted(seen))
     elif mode == "sleep-open":
         out(session=s.id, pid=os.getpid())
         time.sleep(3600)

@@ -1345,8 +1345,13 @@ type PoolStats struct {
 	// clients still map (after a restart without a usable journal). Not in
 	// budget_bytes: budget_bytes + unavailable_bytes = the configured limit.
 	UnavailableBytes uint64 `protobuf:"varint,10,opt,name=unavailable_bytes,json=unavailableBytes,proto3" json:"unavailable_bytes,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Of pooled_bytes: pages sessions gave back that the daemon has not zeroed
+	// yet (it zeroes in the background after answering the Free); they are
+	// lent again only once zeroed.
+	ZeroingBytes  uint64 `protobuf:"varint,11,opt,name=zeroing_bytes,json=zeroingBytes,proto3" json:"zeroing_bytes,omitempty"`
+	PagesZeroing  uint64 `protobuf:"varint,12,opt,name=pages_zeroing,json=pagesZeroing,proto3" json:"pages_zeroing,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *PoolStats) Reset() {
@@ -1445,6 +1450,20 @@ func (x *PoolStats) GetPagesReleasedTotal() uint64 {
 func (x *PoolStats) GetUnavailableBytes() uint64 {
 	if x != nil {
 		return x.UnavailableBytes
+	}
+	return 0
+}
+
+func (x *PoolStats) GetZeroingBytes() uint64 {
+	if x != nil {
+		return x.ZeroingBytes
+	}
+	return 0
+}
+
+func (x *PoolStats) GetPagesZeroing() uint64 {
+	if x != nil {
+		return x.PagesZeroing
 	}
 	return 0
 }
@@ -2555,7 +2574,7 @@ const file_kvcached_v1_kvcached_proto_rawDesc = "" +
 	"\adevices\x18\x02 \x03(\v2\x18.kvcached.v1.DeviceStatsR\adevices\x125\n" +
 	"\bsessions\x18\x03 \x03(\v2\x19.kvcached.v1.SessionStatsR\bsessions\x12%\n" +
 	"\x0euptime_seconds\x18\x04 \x01(\x01R\ruptimeSeconds\x12#\n" +
-	"\rsessions_open\x18\x05 \x01(\rR\fsessionsOpen\"\x83\x03\n" +
+	"\rsessions_open\x18\x05 \x01(\rR\fsessionsOpen\"\xcd\x03\n" +
 	"\tPoolStats\x12!\n" +
 	"\fbudget_bytes\x18\x01 \x01(\x04R\vbudgetBytes\x12!\n" +
 	"\fpooled_bytes\x18\x02 \x01(\x04R\vpooledBytes\x12 \n" +
@@ -2570,7 +2589,9 @@ const file_kvcached_v1_kvcached_proto_rawDesc = "" +
 	"\x13pages_created_total\x18\b \x01(\x04R\x11pagesCreatedTotal\x120\n" +
 	"\x14pages_released_total\x18\t \x01(\x04R\x12pagesReleasedTotal\x12+\n" +
 	"\x11unavailable_bytes\x18\n" +
-	" \x01(\x04R\x10unavailableBytes\"j\n" +
+	" \x01(\x04R\x10unavailableBytes\x12#\n" +
+	"\rzeroing_bytes\x18\v \x01(\x04R\fzeroingBytes\x12#\n" +
+	"\rpages_zeroing\x18\f \x01(\x04R\fpagesZeroing\"j\n" +
 	"\vDeviceStats\x12/\n" +
 	"\x06device\x18\x01 \x01(\v2\x17.kvcached.v1.DeviceInfoR\x06device\x12*\n" +
 	"\x04pool\x18\x02 \x01(\v2\x16.kvcached.v1.PoolStatsR\x04pool\"\xbc\x06\n" +

@@ -202,7 +202,7 @@ class GetStatsResponse(_message.Message):
     def __init__(self, total: _Optional[_Union[PoolStats, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceStats, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStats, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., sessions_open: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("budget_bytes", "pooled_bytes", "in_use_bytes", "free_bytes", "page_size", "pages_pooled", "pages_in_use", "pages_created_total", "pages_released_total", "unavailable_bytes")
+    __slots__ = ("budget_bytes", "pooled_bytes", "in_use_bytes", "free_bytes", "page_size", "pages_pooled", "pages_in_use", "pages_created_total", "pages_released_total", "unavailable_bytes", "zeroing_bytes", "pages_zeroing")
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     POOLED_BYTES_FIELD_NUMBER: _ClassVar[int]
     IN_USE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,8 @@ class PoolStats(_message.Message):
     PAGES_CREATED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PAGES_RELEASED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     UNAVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ZEROING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_ZEROING_FIELD_NUMBER: _ClassVar[int]
     budget_bytes: int
     pooled_bytes: int
     in_use_bytes: int
@@ -223,7 +225,9 @@ class PoolStats(_message.Message):
     pages_created_total: int
     pages_released_total: int
     unavailable_bytes: int
-    def __init__(self, budget_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., pages_pooled: _Optional[int] = ..., pages_in_use: _Optional[int] = ..., pages_created_total: _Optional[int] = ..., pages_released_total: _Optional[int] = ..., unavailable_bytes: _Optional[int] = ...) -> None: ...
+    zeroing_bytes: int
+    pages_zeroing: int
+    def __init__(self, budget_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., pages_pooled: _Optional[int] = ..., pages_in_use: _Optional[int] = ..., pages_created_total: _Optional[int] = ..., pages_released_total: _Optional[int] = ..., unavailable_bytes: _Optional[int] = ..., zeroing_bytes: _Optional[int] = ..., pages_zeroing: _Optional[int] = ...) -> None: ...
 
 class DeviceStats(_message.Message):
     __slots__ = ("device", "pool")
