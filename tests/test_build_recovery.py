@@ -14,8 +14,12 @@ Covered: scripts/build-c.sh (build/c and build/c-asan), scripts/test-llama.sh
 unpatched, patched and pass-through llama.cpp builds), the GPU bundle's
 scripts/gpu-bundle/llama-build.sh (ggml and the two servers) and its parts'
 cache (scripts/gpu-bundle.sh), integrations/ollama/build.sh (Ollama's work
-tree and bin/ollama), scripts/build-testdriver.sh (the library and the pinned
-header). A few seconds each.
+tree, bin/ollama, and the C client and lib/ollama through Ollama's CMake
+preset), scripts/build-testdriver.sh (the library and the pinned header).
+About 17 s of CPU in all (a minute on a loaded 2-core machine).
+Not run here: scripts/build-hook-cuda.sh (its nvcc step would need a fake
+CUDA compiler CMake accepts); it keeps the same rules (stamp removed first,
+configure from a new cache unless the last one finished).
 """
 
 from __future__ import annotations
@@ -261,7 +265,9 @@ PATCH = f"""diff --git a/{CALL} b/{CALL}
  // llama-kv-cache
 +// kvcached hook
 """
-if "--list" in sys.argv:
+if "--help" in sys.argv:
+    print("usage: apply.py TREE [--list | --emit-patch FILE | --emit-compat DIR]")
+elif "--list" in sys.argv:
     print(CALL); print("src/kvcached_kv.cpp")
 elif "--emit-patch" in sys.argv:
     pathlib.Path(sys.argv[sys.argv.index("--emit-patch") + 1]).write_text(PATCH)
@@ -489,6 +495,70 @@ def test_ollama_build_recovers_from_a_killed_work_tree_and_a_killed_go_build(scr
     ok(run(cmd, env))
     assert "OLLAMA_KVCACHED_SOCKET" in (out / "bin" / "ollama").read_text()
     assert "up to date" in ok(run(cmd, env))
+
+
+def test_ollama_full_build_recovers_from_a_failed_configure_and_a_killed_llama_build(scratch, tmp_path):
+    """integrations/ollama/build.sh without --link-llama: the C client and
+    llama-server through Ollama's CMake preset (faked), after the Go part."""
+    repo, deps, env, trig = scratch
+    copy_scripts(repo, "integrations/ollama/build.sh", "scripts/build-llama-src.sh")
+    fake_c_client(repo)
+    install_dep(deps, "FakeDep")
+    write(repo / "integrations" / "llama.cpp" / "apply.py", FAKE_APPLY)
+    h = repo / "integrations" / "ollama"
+    moddir = tmp_path / "mod"
+    write(moddir / "go.mod", "module github.com/ollama/ollama\n\ngo 1.26.0\n")
+    write(moddir / "llama" / "compat" / "README", "compat\n")
+    write(h / "patches" / "0001-kvcached.patch",
+          "diff --git a/llama/compat/README b/llama/compat/README\n--- a/llama/compat/README\n"
+          "+++ b/llama/compat/README\n@@ -1 +1,2 @@\n compat\n+kvcached\n")
+    write(h / "patches" / "v0.34.4" / "0002-model.patch",
+          "diff --git a/go.mod b/go.mod\n--- a/go.mod\n+++ b/go.mod\n@@ -1,3 +1,4 @@\n"
+          " module github.com/ollama/ollama\n \n go 1.26.0\n+// v0.34.4\n")
+    server = moddir / "llama" / "server"
+    text = fake_project_head("fakeserver", "FakeLlamaDep")
+    for t in ("llama-server", "llama-quantize"):
+        text += output(f"bin/{t}", "FAKE_LLAMA_HANG") + f'add_custom_target({t} ALL DEPENDS "${{CMAKE_BINARY_DIR}}/bin/{t}")\n'
+    text += ('install(PROGRAMS "${CMAKE_BINARY_DIR}/bin/llama-server" "${CMAKE_BINARY_DIR}/bin/llama-quantize" '
+             'DESTINATION lib/ollama COMPONENT llama-server)\n')
+    write(server / "CMakeLists.txt", text)
+    write(server / "tool.sh", TOOL, 0o755)
+    write(server / "CMakePresets.json", json.dumps(
+        {"version": 3, "configurePresets": [{"name": "cpu", "generator": "Ninja", "binaryDir": "${sourceDir}/build"}]}))
+    src = tmp_path / "sdist" / "llama_cpp_python-0.3.36"
+    fake_llama_tree(src / "vendor" / "llama.cpp")
+    sdist = tmp_path / "llama_cpp_python-0.3.36.tar.gz"
+    with tarfile.open(sdist, "w:gz") as t:
+        t.add(src, arcname=src.name)
+    write(tmp_path / "gobin" / "go", FAKE_GO, 0o755)
+    write(tmp_path / "gobin" / "fakepip", FAKE_PIP, 0o755)
+    env = dict(env, PATH=f"{tmp_path / 'gobin'}:{env['PATH']}", FAKE_GO_MODDIR=str(moddir), FAKE_SDIST=str(sdist),
+               PIP=str(tmp_path / "gobin" / "fakepip"))
+    out = tmp_path / "dist"
+    cmd = ["bash", str(h / "build.sh"), "--version", "0.34.4", "--out", str(out)]
+    lib = out / "lib" / "ollama"
+
+    p = run(cmd, env)  # llama-server's configure: a package missing
+    assert p.returncode != 0 and "FakeLlamaDep" in p.stdout + p.stderr, p.stdout + p.stderr
+    assert "OLLAMA_KVCACHED_SOCKET" in (out / "bin" / "ollama").read_text()
+    install_dep(deps, "FakeLlamaDep")
+    env_b = dict(env, FAKE_LLAMA_HANG=str(trig / "build"))
+    (trig / "build").touch()
+    kill_when(cmd, env_b, trig / "build.started")
+    (trig / "build").unlink()
+    o = ok(run(cmd, env_b))
+    assert "bin/ollama up to date" in o and "lib/ollama up to date" not in o
+    whole(lib / "llama-server", lib / "llama-quantize")
+    assert "kvcached" in (out / ".work" / "ollama" / "llama" / "compat" / "010-kvcached-kv-cache.patch").read_text()
+    # a forced rebuild killed in the build: the next run builds again, not "up to date" on the old stamp
+    (trig / "build").touch()
+    kill_when(cmd + ["--force"], env_b, trig / "build.started")
+    (trig / "build").unlink()
+    assert not (out / ".stamp-llama-cpu").exists()
+    o = ok(run(cmd, env))
+    assert "lib/ollama up to date" not in o
+    whole(lib / "llama-server", lib / "llama-quantize")
+    assert "lib/ollama up to date" in ok(run(cmd, env))
 
 
 # ---- the CUDA test driver (scripts/build-testdriver.sh) ---------------------
