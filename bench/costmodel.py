@@ -4,8 +4,12 @@ predicted from this run's host-backend figure and the driver calls counted
 on the CUDA test driver (bench/drivercalls.py).
 
     latency  = host + client + daemon                               (us)
-      client: the calls one client process makes on the operation's path
-              (client processes run in parallel: each pays its own once);
+      client: the calls one client process makes on the operation's path;
+              with N clients each pays its own once if the driver runs
+              processes' calls in parallel (serial 'worker'), or N times
+              if it serialises them on the device (serial 'device', the
+              table's default: run 3's in-process baselines, 16 processes
+              at once, took 16 x one process's pair);
       daemon: the calls the daemon makes on the path. The daemon makes its
               driver calls on one worker thread per device, one queue: with
               N clients each pays the others' work too, so a scenario whose
@@ -74,32 +78,38 @@ def cost_us(counts: dict, table: dict, run_cost: str | None = None) -> dict:
 
 
 def latency(host_us: float, client: dict, daemon: dict, table: dict, queue: int = 1, floor: dict | None = None,
-            floor_n: int = 1, run_cost: str | None = None) -> dict:
+            floor_n: int = 1, run_cost: str | None = None, client_queue: int = 1) -> dict:
     """Predicted latency of one operation (see the module's docstring):
-    host_us + cost(client) + queue x cost(daemon), and at least
-    floor_n x cost(floor) (the daemon's whole work per operation, when the
-    daemon's calls on the path are fewer)."""
+    host_us + client_queue x cost(client) + queue x cost(daemon), and at
+    least floor_n x cost(floor) (the daemon's whole work per operation, when
+    the daemon's calls on the path are fewer). client_queue is N when the
+    driver serialises the N clients' calls on the device (serial 'device'),
+    1 when they run in parallel (serial 'worker')."""
     c, d = cost_us(client, table, run_cost), cost_us(daemon, table, run_cost)
     f = cost_us(floor, table, run_cost) if floor else None
     out = {}
     for b in BOUNDS:
-        v = host_us + c[b] + queue * d[b]
+        v = host_us + client_queue * c[b] + queue * d[b]
         if f is not None:
             v = max(v, floor_n * f[b])
         out[b] = v
-    out["inputs"] = {"host_us": host_us, "client_us": c["mid"], "daemon_us": d["mid"], "queue": queue,
+    out["inputs"] = {"host_us": host_us, "client_us": c["mid"], "daemon_us": d["mid"], "queue": queue, "client_queue": client_queue,
                      "client_calls": c["by_function"], "daemon_calls": d["by_function"], "run_cost": run_cost or table.get("run_cost_default", "page")}
     if f is not None:
         out["inputs"].update({"floor_us": floor_n * f["mid"], "floor_n": floor_n})
     return out
 
 
-def rate(host_per_s: float, n: int, client: dict, daemon: dict, table: dict, run_cost: str | None = None) -> dict:
+def rate(host_per_s: float, n: int, client: dict, daemon: dict, table: dict, run_cost: str | None = None,
+         serial: str = "worker") -> dict:
     """Predicted operations per second of n clients in a closed loop: n over
     the latency of one pair with n clients, whose host part is n / host
-    rate and whose daemon part is paid n times (one queue)."""
+    rate and whose daemon part is paid n times (one queue); the clients'
+    part once (serial 'worker': clients in parallel) or n times (serial
+    'device': the driver serialises every process's calls on the device)."""
     host_us = n / host_per_s * 1e6
-    lat = latency(host_us, client, daemon, table, queue=n, run_cost=run_cost)
+    lat = latency(host_us, client, daemon, table, queue=n, run_cost=run_cost,
+                  client_queue=n if serial == "device" else 1)
     out = {b: n / lat[b] * 1e6 for b in BOUNDS}
     # higher latency is the lower rate: keep low <= mid <= high
     out["low"], out["high"] = out["high"], out["low"]
@@ -122,7 +132,7 @@ def _calls(m: dict, key: str = "path") -> dict | None:
     return dc.get(key)  # scenario 1: "path" (the timed windows) and "all" (every call of the loop)
 
 
-def predict(cuda: dict, host: dict, table: dict, run_cost: str | None = None) -> list[dict]:
+def predict(cuda: dict, host: dict, table: dict, run_cost: str | None = None, serial: str | None = None) -> list[dict]:
     """The predicted GPU figures of scenarios 1-3: `cuda` and `host` are one
     run's `scenarios` of the CUDA test driver (with driver_calls, from
     bench/suite.py) and of the host backend. One row per figure: the test
@@ -134,18 +144,28 @@ def predict(cuda: dict, host: dict, table: dict, run_cost: str | None = None) ->
     2: a pair's daemon work (zeroing, export of the freed page) is on the
        next pair's path, N times with N clients; clients pay their own once;
     3: one chain (holder unmaps, daemon zeroes and exports, new session
-       maps): every call counted during it, in sequence."""
+       maps): every call counted during it, in sequence.
+    serial: with N clients, 'device' (the table's default) has the driver
+    serialise every process's calls on the device, so each pays the other
+    clients' calls too; 'worker' only the daemon's (clients in parallel).
+    Each row carries the prediction under the other choice as well."""
     run_cost = run_cost or table.get("run_cost_default", "page")
     other = "call" if run_cost == "page" else "page"
+    serial = serial or table.get("serial_default", "device")
+    if serial not in ("device", "worker"):
+        raise ValueError(f"serial must be 'device' or 'worker', not {serial!r}")
+    other_serial = "worker" if serial == "device" else "device"
     ref = table.get("reference", {}).get("figures", {})
     rows: list[dict] = []
 
     def add(scenario, figure, kind, unit, measured, host_value, fn, scale=1.0):
-        pred = fn(run_cost)
-        alt = fn(other)
+        pred = fn(run_cost, serial)
+        alt = fn(other, serial)
+        alt_serial = fn(run_cost, other_serial)
         row = {"scenario": scenario, "figure": figure, "kind": kind, "unit": unit, "testdriver": measured, "host": host_value,
                "predicted": pred["mid"] / scale, "low": pred["low"] / scale, "high": pred["high"] / scale,
-               "run_cost": run_cost, f"predicted_run_cost_{other}": alt["mid"] / scale, "inputs": pred["inputs"]}
+               "run_cost": run_cost, f"predicted_run_cost_{other}": alt["mid"] / scale,
+               "serial": serial, f"predicted_serial_{other_serial}": alt_serial["mid"] / scale, "inputs": pred["inputs"]}
         key = f"{scenario}|{figure}"
         if key in ref:
             row["reference"] = ref[key]
@@ -161,7 +181,7 @@ def predict(cuda: dict, host: dict, table: dict, run_cost: str | None = None) ->
                 continue
             for p in ("p50", "p99"):
                 add("1 Allocate 64 pages", f"{label} {p}", "kvcached", "us", c[key][f"{p}_us"], h[key][f"{p}_us"],
-                    lambda rc, path=path, every=every, hv=h[key][f"{p}_us"]: latency(
+                    lambda rc, se, path=path, every=every, hv=h[key][f"{p}_us"]: latency(
                         hv, path["client_per_op"], path["daemon_per_op"], table,
                         floor=every["daemon_per_op"] if every else None, run_cost=rc))
         b = _calls(c["baseline_inproc_create_map"])
@@ -170,7 +190,7 @@ def predict(cuda: dict, host: dict, table: dict, run_cost: str | None = None) ->
                 hv = h["baseline_inproc_create_map"][f"{p}_us"]
                 add("1 Allocate 64 pages", f"in-process create+map of 64 pages {p}", "baseline", "us",
                     c["baseline_inproc_create_map"][f"{p}_us"], hv,
-                    lambda rc, hv=hv: latency(hv, b["client_per_op"], empty, table, run_cost=rc))
+                    lambda rc, se, hv=hv: latency(hv, b["client_per_op"], empty, table, run_cost=rc))
     if "roundtrip" in cuda and "roundtrip" in host:
         c, h = cuda["roundtrip"], host["roundtrip"]
         sc = "2 Allocate+Free 1 page"
@@ -191,8 +211,9 @@ def predict(cuda: dict, host: dict, table: dict, run_cost: str | None = None) ->
                         fig = f"{prefix}{who} {p}" if mode == "daemon" else f"in-process create+map+unmap+release, {who} {p}"
                         hv = hs[key][f"{p}_us"]
                         add(sc, fig, "kvcached" if mode == "daemon" else "baseline", "us", cs[key][f"{p}_us"], hv,
-                            lambda rc, calls=calls, hv=hv, n=n: latency(hv, calls["client_per_op"], calls["daemon_per_op"], table,
-                                                                        queue=n, run_cost=rc))
+                            lambda rc, se, calls=calls, hv=hv, n=n: latency(hv, calls["client_per_op"], calls["daemon_per_op"], table,
+                                                                            queue=n, run_cost=rc,
+                                                                            client_queue=n if se == "device" else 1))
             for mode in ("daemon", "base") if not prefix else ("daemon",):
                 key = "tput_64_" + mode if not prefix else "tput_64"
                 if key not in cs or key not in hs or _calls(cs[key]) is None:
@@ -201,8 +222,8 @@ def predict(cuda: dict, host: dict, table: dict, run_cost: str | None = None) ->
                 fig = ("C client, 64 clients pairs/s" if prefix else "64 clients pairs/s") if mode == "daemon" else \
                     "in-process create+map+unmap+release, 64 clients pairs/s"
                 add(sc, fig, "kvcached" if mode == "daemon" else "baseline", "/s", cs[key]["pairs_per_s"], hs[key]["pairs_per_s"],
-                    lambda rc, calls=calls, hv=hs[key]["pairs_per_s"]: rate(hv, 64, calls["client_per_op"], calls["daemon_per_op"],
-                                                                             table, run_cost=rc))
+                    lambda rc, se, calls=calls, hv=hs[key]["pairs_per_s"]: rate(hv, 64, calls["client_per_op"], calls["daemon_per_op"],
+                                                                                 table, run_cost=rc, serial=se))
     if "reclaim" in cuda and "reclaim" in host:
         c, h = cuda["reclaim"], host["reclaim"]
         calls = _calls(c["daemon_reclaim"])
@@ -210,11 +231,11 @@ def predict(cuda: dict, host: dict, table: dict, run_cost: str | None = None) ->
             gib = c["moved_bytes"] / (1 << 30)
             hv = h["daemon_reclaim"]["p50_us"]
             add("3 Reclaim", f"move {gib:.2f} GiB idle->new (median of {c['reps']})", "kvcached", "ms", c["daemon_reclaim"]["p50_us"] / 1e3,
-                hv / 1e3, lambda rc: latency(hv, calls["client_per_op"], calls["daemon_per_op"], table, run_cost=rc), scale=1e3)
+                hv / 1e3, lambda rc, se: latency(hv, calls["client_per_op"], calls["daemon_per_op"], table, run_cost=rc), scale=1e3)
             b = _calls(c["baseline_unload_reload"])
             if b:
                 hb = h["baseline_unload_reload"]["p50_us"]
                 add("3 Reclaim", f"unload+reload in-process (median of {c['reps']})", "baseline", "ms",
                     c["baseline_unload_reload"]["p50_us"] / 1e3, hb / 1e3,
-                    lambda rc: latency(hb, b["client_per_op"], empty, table, run_cost=rc), scale=1e3)
+                    lambda rc, se: latency(hb, b["client_per_op"], empty, table, run_cost=rc), scale=1e3)
     return rows

@@ -67,6 +67,14 @@ def test_latency_queue_and_floor():
     assert got["mid"] == 1040
 
 
+def test_clients_serialised_on_the_device_or_in_parallel():
+    client = c({"cuMemExportToShareableHandle": 1})  # 40
+    assert costmodel.latency(100, client, c(), TABLE, client_queue=16)["mid"] == 100 + 16 * 40
+    par = costmodel.rate(10000, 64, client, c(), TABLE, serial="worker")["mid"]
+    dev = costmodel.rate(10000, 64, client, c(), TABLE, serial="device")["mid"]
+    assert math.isclose(par, 64 / (6400 + 40) * 1e6) and math.isclose(dev, 64 / (6400 + 64 * 40) * 1e6)
+
+
 def test_rate_of_n_clients_is_n_over_the_latency():
     # host: 10,000 pairs/s with 64 clients -> 6,400 us per pair; + client 40 + 64 x 15 (mid)
     got = costmodel.rate(10000, 64, c({"cuMemExportToShareableHandle": 1}), c({"cuMemCreate": 1}, {"cuMemCreate": 2 * MiB}), TABLE)
@@ -90,12 +98,20 @@ def test_predict_rows_from_counted_calls():
     host = {"roundtrip": {"rtt_1_daemon": {"p50_us": 100, "p99_us": 200}, "rtt_16_daemon": {"p50_us": 1000, "p99_us": 2000},
                           "tput_64_daemon": {"pairs_per_s": 10000}},
             "reclaim": {"daemon_reclaim": {"p50_us": 20000}, "baseline_unload_reload": {"p50_us": 10000}}}
+    cuda["roundtrip"]["rtt_16_base"] = {"p50_us": 1, "p99_us": 2, "driver_calls": per_op(c(), c({"cuMemExportToShareableHandle": 1}))}
+    host["roundtrip"]["rtt_16_base"] = {"p50_us": 30, "p99_us": 60}
     table = {**TABLE, "reference": {"tree": "x", "figures": {"2 Allocate+Free 1 page|1 client p50": [280.0]}}}
     rows = {r["figure"]: r for r in costmodel.predict(cuda, host, table)}
     assert rows["1 client p50"]["predicted"] == 140 and rows["1 client p50"]["host"] == 100
     assert rows["1 client p50"]["error_vs_reference"] == [140 / 280 - 1]
     assert rows["16 clients p50"]["predicted"] == 1000 + 16 * 40  # the daemon's work, once per client ahead in its queue
+    assert rows["16 clients p50"]["serial"] == "device" and rows["16 clients p50"]["predicted_serial_worker"] == 1000 + 16 * 40
     assert math.isclose(rows["64 clients pairs/s"]["predicted"], 64 / (6400 + 64 * 40) * 1e6)
+    # 16 processes' own calls: serialised on the device (the default), or in parallel
+    base = rows["in-process create+map+unmap+release, 16 clients p50"]
+    assert base["predicted"] == 30 + 16 * 40 and base["predicted_serial_worker"] == 30 + 40
+    with pytest.raises(ValueError):
+        costmodel.predict(cuda, host, table, serial="gpu")
     rec = rows["move 1.00 GiB idle->new (median of 1)"]
     # one chain: host 20 ms + 8 pages of set-access (per page) + one create, in ms
     assert math.isclose(rec["predicted"], (20000 + 8 * 30 + 15) / 1e3)
