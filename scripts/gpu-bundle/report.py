@@ -17,7 +17,7 @@ import pathlib
 import tempfile
 
 VERDICTS = ("pass", "FAIL", "DIFF", "info", "skip")
-STAGE_NAMES = {0: "prepare", 1: "gpu-check", 2: "clients", 3: "llama.cpp", 4: "figures"}
+STAGE_NAMES = {0: "prepare", 1: "gpu-check", 2: "clients", 3: "llama.cpp", 4: "figures", 5: "capacity"}
 
 
 def row(check: str, expected: str, seen: str, verdict: str, kind: str, **extra) -> dict:

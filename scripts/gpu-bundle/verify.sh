@@ -2,7 +2,7 @@
 # kvcached-service on this GPU host, in one command, offline (the bundle made
 # by scripts/gpu-bundle.sh; docs/gpu-check.md "The offline GPU bundle"):
 #
-#   ./verify.sh
+#   ./verify.sh                 [--stages "5"]   (one or more stages only)
 #
 # Unpacks the bundle into a work dir, makes a python venv there (this host's
 # python3.12 and its site-packages: torch, grpcio, protobuf, numpy, pytest...;
@@ -12,6 +12,8 @@
 #      behaviour tests, the CUDA bench (about 4 minutes)
 #   2  the Go and C clients' tests against daemons on the CUDA backend
 #   3  the llama.cpp hook on this GPU
+#   5  capacity: 8B models resident at Ollama's defaults, stock against
+#      kvcached (before stage 4: the figures come last)
 #   4  figures for the docs
 # After every stage $VERIFY_OUT holds table.md, results.json (rows, figures,
 # host facts), verify.log and logs.tar.gz: send back logs.tar.gz (it holds
@@ -22,7 +24,8 @@
 #   VERIFY_DEADLINE   seconds from the start (default 540): a stage that would
 #                     start later is reported as skipped, not run; one still
 #                     running VERIFY_GRACE seconds (default 60) after it is stopped
-#   VERIFY_STAGES     the stages to run (default "1 2 3 4")
+#   VERIFY_STAGES     the stages to run, in order (default "1 2 3 5 4"; --stages
+#                     on the command line wins)
 #   PYTHON            the host's python (default python3.12, else python3)
 #   KVCACHED_LIBCUDA  the driver library (default: the libcuda.so.1 the
 #                     dynamic loader finds)
@@ -34,6 +37,15 @@
 #   JOBS              cores for builds (default: all)
 set -u
 T0="$(date +%s)"
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --stages) VERIFY_STAGES="${2:?verify: --stages needs a list, e.g. --stages 5}"; shift 2 ;;
+        --stages=*) VERIFY_STAGES="${1#--stages=}"; shift ;;
+        *) echo "verify: unknown argument $1 (--stages \"N ...\"; the rest are variables: see the top of this file)"; echo FAIL; exit 2 ;;
+    esac
+done
+export VERIFY_STAGES="${VERIFY_STAGES:-1 2 3 5 4}"
+VERIFY_STAGES="${VERIFY_STAGES//,/ }"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 if [[ -z "${PYTHON:-}" ]]; then
@@ -76,6 +88,6 @@ fi
 echo "driver library: $KVCACHED_LIBCUDA (${VERIFY_DRIVER:-real})" | tee -a "$LOG"
 
 "$PYTHON" "$HERE/tools/runner.py" --bundle "$WORK" --repo "$WORK/repo" --python "$WORK/repo/.venv/bin/python" \
-    --out "$VERIFY_OUT" --stages "${VERIFY_STAGES:-1 2 3 4}" --deadline "${VERIFY_DEADLINE:-540}" \
+    --out "$VERIFY_OUT" --stages "$VERIFY_STAGES" --deadline "${VERIFY_DEADLINE:-540}" \
     --grace "${VERIFY_GRACE:-60}" --driver "${VERIFY_DRIVER:-real}" --libcuda "$KVCACHED_LIBCUDA" \
     --jobs "${JOBS:-$(nproc)}" --prepare-rows "$VERIFY_OUT/prepare-rows.jsonl" --start "$T0"
