@@ -89,10 +89,13 @@ def daemon_factory(tmp_path):
     cleanup: list[pathlib.Path] = []
 
     def start(backend: str = "host", *, env: dict | None = None, wait: bool = True, shared_dir: bool = False,
-              socket: str | None = None, wrap: list[str] | None = None, pass_fds: tuple = (), **settings) -> Daemon:
+              socket: str | None = None, wrap: list[str] | None = None, pass_fds: tuple = (),
+              tree: pathlib.Path | None = None, **settings) -> Daemon:
         """shared_dir: put the sockets where other uids can reach them (the
         pytest tmp dir is private to root). wrap: a command the daemon's is
-        appended to (it execs it); pass_fds: fds the daemon (or wrap) inherits."""
+        appended to (it execs it); pass_fds: fds the daemon (or wrap) inherits;
+        tree: run the kvcached_service of this directory (another revision's,
+        tests/test_upgrade.py) instead of this checkout's."""
         n = len(started)
         sock_dir = tmp_path
         if shared_dir:
@@ -123,10 +126,10 @@ def daemon_factory(tmp_path):
         penv.update(extra_env)
         if report is not None:
             penv["KVCACHED_TESTDRV_REPORT"] = str(report)
-        penv["PYTHONPATH"] = str(ROOT)
+        penv["PYTHONPATH"] = str(tree or ROOT)
         with open(log, "w") as logf:
             proc = subprocess.Popen((wrap or []) + SERVE + args, env=penv, stdout=logf, stderr=subprocess.STDOUT,
-                                    pass_fds=pass_fds)
+                                    pass_fds=pass_fds, cwd=tree)  # `-m` looks in the working directory first
         d = Daemon(proc, sock, log, extra_env, report)
         started.append(d)
         if wait:

@@ -10,7 +10,13 @@ it holds, and refuse claims that do not add up.
 Format: `<state_dir>/journal.jsonl`, one JSON object per line, appended and
 flushed (not fsynced: it must survive the daemon's death, not the host's).
 Records: open, alloc, free, close, limits, and a snapshot written at start-up
-and on compaction (when the log grows past twice the live state).
+and on compaction (when the log grows past twice the live state). A journal
+begins with its snapshot, which names the journal's format (`"format"`:
+FORMAT; a snapshot without it is format 1, what daemons wrote before the
+field existed, read the same). A journal of a format newer than this daemon
+reads (READS) is not damage: `JournalTooNew` is raised before anything is
+applied, and the daemon refuses to start, touching nothing (the newer daemon
+that wrote it can still resume from it).
 Compaction writes a new file and renames it over the old one, atomically.
 Writing costs O(pages in the call), never O(pages tracked).
 
@@ -54,6 +60,24 @@ MAX_DIGITS = 20  # every integer a valid record holds fits in 20 digits
 MAX_STRING = 64 << 10  # names, resume hashes, labels, identities
 MAX_LINE = 256 << 20  # a snapshot: ~70 bytes a page, so ~3.8M pages
 MAX_FILE = 1 << 30
+
+
+# The journal format this daemon writes, and the ones it reads. 1: before the
+# snapshot carried "format" (the same records). 2: "format" in the snapshot.
+FORMAT = 2
+READS = (1, 2)
+
+
+class JournalTooNew(Exception):
+    """A journal written in a format this daemon cannot read (by a newer one)."""
+
+    def __init__(self, path: Path, fmt: object):
+        self.path, self.format = path, fmt
+        super().__init__(
+            f"journal {path} is format {fmt!r:.40}, written by a newer kvcached; this daemon reads formats "
+            f"{READS[0]}-{READS[-1]}. Nothing was changed: start the newer daemon again to resume its sessions, or move "
+            f"the journal aside to start this one without them"
+        )
 
 
 class JournalDamaged(Exception):
@@ -121,6 +145,8 @@ def validate(rec) -> None:
     op = rec.get("op")
     _check(op is not None, "a record without 'op'")
     if op == "snapshot":
+        fmt = rec.get("format", 1)
+        _check(_is_int(fmt, 1, MAX_ID), f"snapshot: 'format' must be a positive integer, not {fmt!r:.40}")
         _session_fields(rec, {"next_session_id": "id", "next_page_id": "id"}, "snapshot")
         _check(isinstance(rec.get("sessions"), list), "snapshot: 'sessions' must be an array")
         for i, js in enumerate(rec["sessions"]):
@@ -220,6 +246,15 @@ class Journal:
             else:
                 self._apply(rec)
 
+    def _check_format(self, rec) -> None:
+        """A snapshot (the first record of every journal) of a format this
+        daemon does not read: JournalTooNew, before it is validated (a newer
+        format may have other fields) or anything of it applied."""
+        if isinstance(rec, dict) and rec.get("op") == "snapshot":
+            fmt = rec.get("format", 1)
+            if _is_int(fmt, 1, MAX_ID) and fmt not in READS:
+                raise JournalTooNew(self.path, fmt)
+
     def _parse(self, raw: bytes, n: int) -> dict:
         try:
             text = raw.decode("utf-8")
@@ -233,6 +268,7 @@ class Journal:
             raise JournalDamaged(self.path, n, "JSON nested deeper than any record") from None
         except ValueError as exc:  # _bounded_int
             raise JournalDamaged(self.path, n, str(exc)) from None
+        self._check_format(rec)
         try:
             validate(rec)
         except ValueError as exc:
@@ -298,6 +334,7 @@ class Journal:
     def _write_snapshot(self, sessions: dict[int, JSession], next_session_id: int, next_page_id: int) -> None:
         snap = {
             "op": "snapshot",
+            "format": FORMAT,
             "next_session_id": next_session_id,
             "next_page_id": next_page_id,
             "sessions": [

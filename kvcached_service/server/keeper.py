@@ -30,6 +30,14 @@ Two halves, one module (this module owns the store's boundary):
 Records: one SOCK_SEQPACKET message each, a JSON object plus up to
 `BATCH` fds (SCM_RIGHTS).
 
+Format: what the store holds is page id -> fd, format STORE_FORMAT (1). The
+keeper says its format in every `pages` reply (a keeper without the field
+is format 1); systemd's store says it in the names (`~<id in base 64>` is
+format 1; a later format will name pages `~<format>.<...>`). A store of a
+format this daemon does not read (`StoreTooNew`) stops the daemon's start
+with one line and takes nothing out of the store, so the newer daemon that
+filled it can still resume from it.
+
 - `SystemdStore`: the same store in systemd's own file descriptor store, for
   the daemon run as a unit (systemd ends every process of the unit's
   cgroup when the daemon dies, a keeper too). A page's fd is sent with
@@ -64,6 +72,8 @@ from .sdnotify import notify_address
 log = logging.getLogger("kvcached.keeper")
 
 SOCK = "keeper.sock"
+STORE_FORMAT = 1  # the store's format (module docstring); STORE_READS: the ones this daemon reads
+STORE_READS = (1,)
 BATCH = 250  # fds per record (the kernel's SCM_MAX_FD is 253)
 MAX_MSG = 64 << 10
 START_WAIT = 5.0  # seconds a new keeper waits for its first daemon
@@ -194,8 +204,8 @@ class Keeper:
             items = sorted(self.store.items())
             for i in range(0, max(len(items), 1), BATCH):
                 chunk = items[i:i + BATCH]
-                _send(conn, {"op": "pages", "ids": [p for p, _ in chunk], "last": i + BATCH >= len(items)},
-                      [fd for _, fd in chunk])
+                _send(conn, {"op": "pages", "format": STORE_FORMAT, "ids": [p for p, _ in chunk],
+                             "last": i + BATCH >= len(items)}, [fd for _, fd in chunk])
         elif op == "clear":
             close_fds(self.store.values())
             self.store.clear()
@@ -217,6 +227,17 @@ def main(argv: list[str] | None = None) -> int:
 # ---- the daemon's side ------------------------------------------------------------------
 class StoreUnavailable(Exception):
     pass
+
+
+class StoreTooNew(Exception):
+    """The page store holds pages in a format this daemon does not read."""
+
+    def __init__(self, where: str, fmt: object):
+        self.format = fmt
+        super().__init__(
+            f"the page store ({where}) is format {fmt!r:.40}, written by a newer kvcached; this daemon reads format "
+            f"{STORE_READS[-1]}. Nothing was taken out of it: start the newer daemon again to resume its sessions"
+        )
 
 
 class PageStore:
@@ -266,6 +287,10 @@ class PageStore:
                 msg, fds = _recv(self._sock)
                 if msg is None:
                     raise StoreUnavailable("the keeper closed the connection")
+                if msg.get("format", 1) not in STORE_READS:  # its fds are duplicates: the keeper keeps its own
+                    close_fds(fds)
+                    close_fds(out.values())
+                    raise StoreTooNew(f"the keeper of {self.path}", msg.get("format"))
                 out.update(zip(msg["ids"], fds))
                 if msg.get("last"):
                     return out
@@ -352,6 +377,18 @@ def page_of(name: str) -> int | None:
     return n
 
 
+def store_format_of(name: str) -> int | None:
+    """The store format an fd store name was written in: 1 for `~<id>`, N for
+    `~N.<...>` (a later format), None for a name that is not a page's."""
+    if page_of(name) is not None:
+        return 1
+    if name.startswith("~") and "." in name:
+        head = name[1:].split(".", 1)[0]
+        if head.isdigit() and len(head) <= 6:
+            return int(head)
+    return None
+
+
 def listen_fds(env: dict | None = None, pid: int | None = None) -> list[tuple[str, int]]:
     """The fds systemd passed this process at start (sd_listen_fds(3)):
     [(name, fd)], fds from 3 on, made close-on-exec. Empty unless LISTEN_PID
@@ -417,6 +454,10 @@ class SystemdStore:
         closed: this daemon stores nothing but pages."""
         out: dict[int, int] = {}
         others = 0
+        for name, _fd in self._inherited:
+            fmt = store_format_of(name)
+            if fmt is not None and fmt not in STORE_READS:  # systemd keeps its copies: nothing is lost
+                raise StoreTooNew("systemd's fd store", fmt)
         for name, fd in self._inherited:
             pid = page_of(name)
             if pid is not None and pid not in out:

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Iterable
 from .. import errors
 from ..fdchannel import close_fds
 from ..config import ConfigError
-from .journal import JournalDamaged, JSession, Journal
-from .keeper import PageStore, StoreUnavailable, SystemdStore
+from .journal import JournalDamaged, JournalTooNew, JSession, Journal
+from .keeper import PageStore, StoreTooNew, StoreUnavailable, SystemdStore
 from .pool import DevicePool, Page
 from .sessions import Session
 
@@ -70,6 +70,8 @@ class Recovery:
         j, core = self.journal, self.core
         try:
             j.load()
+        except JournalTooNew as exc:  # not damage: nothing is moved or rewritten
+            raise errors.FailedPrecondition(str(exc)) from None
         except JournalDamaged as exc:
             aside = j.move_aside()
             j.forget()
@@ -93,8 +95,8 @@ class Recovery:
                 pool.hold_orphans(1)
             self.orphans[js.sid] = js
             self._orphan_deadline[js.sid] = deadline
+        self._open_store()  # before the journal is rewritten: a store this daemon cannot read stops it here
         j.start(self.orphans, j.next_session_id, j.next_page_id)
-        self._open_store()
         if self.orphans:
             log.info(
                 "journal: %d session(s) of the previous daemon (%d pages) wait %gs for their clients to resume them",
@@ -124,7 +126,12 @@ class Recovery:
         except StoreUnavailable as exc:
             log.error("page store: %s; resumes are checked by the fds clients re-send (docs/cuda.md, \"Page identity\")", exc)
             return
-        held = self.store.take_all()
+        try:
+            held = self.store.take_all()
+        except StoreTooNew as exc:  # a newer daemon's store: refuse to start, take nothing
+            self.store.close()
+            self.store = None
+            raise errors.FailedPrecondition(str(exc)) from None
         named = {pid for js in self.orphans.values() for pid in js.pages}
         extra = [pid for pid in held if pid not in named]
         if extra:
