@@ -16,7 +16,7 @@ DEV=0
 APT_PACKAGES=(python3-venv gcc libc6-dev)  # gcc: the control socket's relay (kvcached_service/server/relay.c)
 if [ "$DEV" = 1 ]; then
   APT_PACKAGES+=(
-    build-essential cmake pkg-config
+    build-essential cmake ninja-build pkg-config  # ninja: scripts/build-c.sh (a stopped build is redone)
     libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
     libgtest-dev valgrind util-linux nlohmann-json3-dev
     ccache  # scripts/test-llama.sh: the patched llama.cpp build reuses the unpatched one's objects

@@ -1,5 +1,6 @@
 """The trip of one fd channel Allocate, from the Python client's Region.map
-to a mapped page (host backend), traced in both processes:
+to a mapped page (host backend, and the CUDA backend on the test driver),
+traced in both processes:
 
 - the client: sys.setprofile on the thread that calls Region.map (it is
   also the thread that reads its answer: client/channel.py);
@@ -11,8 +12,10 @@ A file is *entered* when a function of it is called from another file. The
 trip is the sequence of entries; an *upcall* is an entry into a file, or
 into a layer (LAYERS) from another layer, that is already on the call stack
 (a lower layer calling back into a higher one).
-The bar (issue 26 item 2): at most 10 files, each one named layer, no
-upcall. It is met: `test_the_trip_meets_the_bar` asserts it, and
+The bar: at most 8 layers, every file in a named layer, no upcall. It is
+met on both backends (`test_the_trip_meets_the_bar`, and the CUDA test,
+which also checks that the daemon enters no backend and no driver binding
+on a warm Allocate), and
 `test_the_trip_is_the_one_documented` holds the trip to the list in
 docs/architecture.md ("One page's trip"), so a new file or upcall on the
 way fails it and the doc stays true.
@@ -29,7 +32,7 @@ import sys
 
 import pytest
 
-from kvtest import HELPERS, PY, ROOT, Daemon, wait_serving, wait_until
+from kvtest import HELPERS, PY, ROOT, Daemon, testdriver_env, wait_serving, wait_until
 
 MiB = 1 << 20
 
@@ -68,35 +71,41 @@ def _layer(path: str) -> str:
 
 def entries(calls: list) -> list[tuple[str, str, bool]]:
     """(file, function, upcall) for each call that enters a file from
-    another one, in order. `calls` holds [depth, file, function, caller's file].
+    another one, in order. `calls` holds [depth, file, function, caller's
+    file, the package's files on the stack below it] (traced_serve.recorder).
     An upcall enters a file already on the stack, or a layer already on the
     stack from another layer (the core calling its own books is no upcall;
     the pool calling them would be)."""
     out = []
-    stack: list[tuple[int, str]] = []  # (depth, file) of the frames still open
-    for depth, path, fn, caller in calls:
-        while stack and stack[-1][0] >= depth:
-            stack.pop()
+    for _depth, path, fn, caller, below in calls:  # below: the package's files on the stack (the recorder's)
         if path != caller:
             layer = _layer(path)
-            up = any(f == path for _, f in stack) or (
-                _layer(caller) != layer and any(_layer(f) == layer for _, f in stack))
+            up = path in below or (_layer(caller) != layer and any(_layer(f) == layer for f in below))
             out.append((path, fn, up))
-        stack.append((depth, path))
     return out
 
 
 @pytest.fixture(scope="module")
 def trip(tmp_path_factory):
-    """The entries of one Region.map of one page: (client's, daemon's)."""
-    tmp = tmp_path_factory.mktemp("trip")
+    """The entries of one Region.map of one page: (client's, daemon's), host backend."""
+    return _trace(tmp_path_factory.mktemp("trip"), "host")
+
+
+@pytest.fixture(scope="module")
+def cuda_trip(tmp_path_factory):
+    """The same on the CUDA backend (the test driver, or KVCACHED_TEST_LIBCUDA)."""
+    return _trace(tmp_path_factory.mktemp("cuda-trip"), "cuda")
+
+
+def _trace(tmp, backend: str):
     sock, log, trace = str(tmp / "kvc.sock"), tmp / "daemon.log", tmp / "trip.jsonl"
-    env = dict(os.environ, KVCACHED_TRIP_LOG=str(trace), PYTHONPATH=str(ROOT))
+    extra = testdriver_env() if backend == "cuda" else {}
+    env = dict(os.environ, **extra, KVCACHED_TRIP_LOG=str(trace), PYTHONPATH=str(ROOT))
     with open(log, "w") as logf:
-        proc = subprocess.Popen([PY, str(HELPERS / "traced_serve.py"), "--socket", sock, "--backend", "host",
+        proc = subprocess.Popen([PY, str(HELPERS / "traced_serve.py"), "--socket", sock, "--backend", backend,
                                  "--memory-limit", "64MiB", "--prealloc", "8MiB", "--shutdown-grace", "0.5"],
                                 env=env, stdout=logf, stderr=subprocess.STDOUT)
-    d = Daemon(proc, sock, log, {}, None)
+    d = Daemon(proc, sock, log, extra, None)
     try:
         wait_serving(sock, proc, log)
         calls: list = []
@@ -116,7 +125,7 @@ def trip(tmp_path_factory):
             assert r.read(0, 4) == b"trip" and r.read(4, 16) == bytes(16)  # a mapped page, zeroed
     finally:
         assert d.stop() == 0, d.log_text()
-    allocate = [seg for seg in served if any(fn == "Daemon.lend" for _, _, fn, _ in seg)]
+    allocate = [seg for seg in served if any(fn == "Daemon.lend" for _, _, fn, *_ in seg)]
     assert len(allocate) == 1, served
     return entries(calls), entries(allocate[0])
 
@@ -141,6 +150,26 @@ def test_the_allocate_is_served_in_one_pass_and_ends_in_a_mapped_page(trip):
 def _show(client, daemon) -> str:
     return "\n".join(["trip (client, then daemon):"]
                      + [f"  {p}:{fn}{' (upcall)' if up else ''}" for p, fn, up in client + daemon])
+
+
+def test_the_cuda_trip_meets_the_bar_and_the_daemon_makes_no_driver_call(cuda_trip):
+    """On the CUDA backend the client's side adds the CUDA mapper and the
+    driver binding (import, map, set access: the client's own driver work),
+    and the daemon's side is the host's: a warm Allocate sends each page's
+    kept export, so the daemon enters neither a backend nor the driver
+    binding between the request and its reply (issue 42 item 2)."""
+    client, daemon = cuda_trip
+    files = {p for p, _, _ in client + daemon}
+    layers = {LAYERS.get(p) for p in files}
+    upcalls = [f"{p}:{fn}" for p, fn, up in client + daemon if up]
+    unnamed = sorted(p for p in files if p not in LAYERS)
+    print(f"\ncuda trip: {len(files)} files, {len(layers)} layers, {len(upcalls)} upcalls, "
+          f"{len(client) + len(daemon)} cross-file calls")
+    assert len(layers) <= 8 and not unnamed and not upcalls, _show(client, daemon)
+    c = {p for p, _, _ in client}
+    assert {"kvcached_service/client/cuda_mapper.py", "kvcached_service/cuda/driver.py"} <= c, _show(client, daemon)
+    d = {p for p, _, _ in daemon}
+    assert not {p for p in d if LAYERS.get(p) in ("backend", "driver binding")}, _show(client, daemon)
 
 
 def test_the_trip_meets_the_bar(trip):

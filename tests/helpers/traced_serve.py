@@ -33,14 +33,20 @@ def recorder(calls: list):
     def profile(frame, event, arg) -> None:
         if event != "call" or not frame.f_code.co_filename.startswith(PKG):
             return
-        depth, f = 0, frame
+        # the package's files on the stack below this frame, nearest first:
+        # the first is the caller (a frame of the standard library between
+        # them, contextlib resuming a @contextmanager generator, is no step
+        # of the trip); all of them tell an upcall
+        depth, f, below = 0, frame.f_back, []
         while f is not None:
             depth += 1
+            name = f.f_code.co_filename
+            if name.startswith(PKG) and (not below or below[-1] != name[len(TREE):]):
+                below.append(name[len(TREE):])
             f = f.f_back
-        back = frame.f_back.f_code.co_filename if frame.f_back is not None else ""
         code = frame.f_code
-        calls.append([depth, code.co_filename[len(TREE):], getattr(code, "co_qualname", code.co_name),
-                      back[len(TREE):] if back.startswith(PKG) else ""])
+        calls.append([depth + 1, code.co_filename[len(TREE):], getattr(code, "co_qualname", code.co_name),
+                      below[0] if below else "", below])
 
     return profile
 
