@@ -71,16 +71,26 @@ using namespace llama_kvcached_impl;
 
 ggml_backend_buffer_t llama_kvcached_alloc_kv(ggml_context * ctx, ggml_backend_buffer_type_t buft,
                                               const llama_kvcached_cache_info & info) {
+    hook_timer kvc_t(HC_ALLOC_KV);
     std::unique_lock<std::mutex> lk(L().reg);
     kvc_session *                s   = session_locked([&](uint64_t page, uint64_t & g, uint64_t & m) {
         plan_limits(ctx, buft, info, page, g, m);
     });
     ggml_backend_buffer_t        buf = s && !LINK().lost ? alloc_kv_locked(s, ctx, buft, info) : nullptr;
+    if (buf && CFG().premap) {  // KVCACHED_PREMAP: the whole buffer now, as stock holds it
+        kv_cache * c = cache_of(info.owner);
+        if (!map_locked(c, std::vector<uint32_t>(c->info.n_stream, c->info.kv_size), lk)) {
+            LLAMA_LOG_WARN("kvcached: KVCACHED_PREMAP: cannot map the whole KV buffer now (%s); mapped as the cells "
+                           "need it\n",
+                           POLICY().last_error.c_str());
+        }
+    }
     lk.unlock();
     return buf ? buf : ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
 }
 
 size_t llama_kvcached_buffer_size(ggml_backend_buffer_t buf) {
+    hook_timer kvc_t(HC_BUFFER_SIZE);
     if (kv_buffer * b = lookup(buf)) {
         return API().kvc_region_mapped_bytes(b->region);
     }
@@ -88,11 +98,13 @@ size_t llama_kvcached_buffer_size(ggml_backend_buffer_t buf) {
 }
 
 bool llama_kvcached_active(const void * owner) {
+    hook_timer kvc_t(HC_ACTIVE);
     std::lock_guard<std::mutex> lk(L().reg);
     return cache_of(owner) != nullptr;
 }
 
 bool llama_kvcached_map(const void * owner, const uint32_t * n_cells, uint32_t n_stream) {
+    hook_timer kvc_t(HC_MAP);
     std::unique_lock<std::mutex> lk(L().reg);
     kv_cache *                   c = cache_of(owner);
     if (!c) {
@@ -111,6 +123,7 @@ bool llama_kvcached_map(const void * owner, const uint32_t * n_cells, uint32_t n
 }
 
 bool llama_kvcached_map_all(const void * owner) {
+    hook_timer kvc_t(HC_MAP_ALL);
     std::unique_lock<std::mutex> lk(L().reg);
     kv_cache *                   c = cache_of(owner);
     if (!c) {
@@ -124,6 +137,7 @@ bool llama_kvcached_map_all(const void * owner) {
 }
 
 bool llama_kvcached_map_used(const void * owner) {
+    hook_timer kvc_t(HC_MAP_USED);
     std::unique_lock<std::mutex> lk(L().reg);
     kv_cache *                   c = cache_of(owner);
     if (!c) {
@@ -137,6 +151,7 @@ bool llama_kvcached_map_used(const void * owner) {
 }
 
 void llama_kvcached_trim(const void * owner) {
+    hook_timer kvc_t(HC_TRIM);
     std::lock_guard<std::mutex> lk(L().reg);
     kv_cache *                  c = cache_of(owner);
     if (!c) {
@@ -150,20 +165,24 @@ void llama_kvcached_trim(const void * owner) {
 extern "C" {
 
 void llama_kvcached_lock(void) {
+    hook_timer kvc_t(HC_LOCK);
     L().server.lock();
 }
 
 void llama_kvcached_unlock(void) {
+    hook_timer kvc_t(HC_UNLOCK);
     L().server.unlock();
 }
 
 void llama_kvcached_set_idle_release(void (*fn)(void *, uint64_t), void * user) {
+    hook_timer kvc_t(HC_SET_IDLE_RELEASE);
     std::lock_guard<std::recursive_mutex> server(L().server);
     RECLAIM().idle_release = fn;
     RECLAIM().idle_user    = user;
 }
 
 uint64_t llama_kvcached_held_bytes(void) {
+    hook_timer kvc_t(HC_HELD_BYTES);
     std::lock_guard<std::mutex> lk(L().reg);
     if (LINK().m != mode::on) {
         return 0;
@@ -172,6 +191,7 @@ uint64_t llama_kvcached_held_bytes(void) {
 }
 
 void llama_kvcached_poll(void) {
+    hook_timer kvc_t(HC_POLL);
     if (RECLAIM().pending.load()) {
         std::lock_guard<std::recursive_mutex> server(L().server);  // the caller holds it: recursive
         serve_reclaim_server_locked();
@@ -179,6 +199,7 @@ void llama_kvcached_poll(void) {
 }
 
 const char * llama_kvcached_decode_error(const char * fallback) {
+    hook_timer kvc_t(HC_DECODE_ERROR);
     thread_local std::string    out;
     std::lock_guard<std::mutex> lk(L().reg);
     if (POLICY().last_error.empty()) {
