@@ -25,6 +25,12 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PY = sys.executable
 TESTDRIVER = ROOT / "build" / "testdriver" / "libcuda.so.1"
+# bench/run.py --tree REF: the daemon and the clients of another revision
+# (its kvcached_service extracted into build/bench/trees/<commit>/), the
+# bench's own code from this checkout. Processes started from that directory
+# import its kvcached_service first (python -m puts the cwd first on the path).
+TREE = pathlib.Path(os.environ["KVCACHED_BENCH_TREE"]) if os.environ.get("KVCACHED_BENCH_TREE") else None
+CODE = TREE or ROOT
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -104,7 +110,8 @@ class Daemon:
                  tree: pathlib.Path | None = None):
         """`tree`: run the daemon of another revision (a directory holding
         its kvcached_service package, bench/run.py --compare) instead of
-        this checkout's."""
+        this checkout's (or bench/run.py --tree's)."""
+        tree = tree or TREE
         self.dir = pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-", dir=workdir))
         self.socket = str(self.dir / "kvc.sock")
         self.log_path = self.dir / "daemon.log"

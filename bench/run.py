@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from . import common
+from . import common, costmodel
 
 LABELS = {
     "host": "host (memfd)",
@@ -359,6 +359,7 @@ def markdown(result: dict) -> str:
                     out.append(f"| {t['target']} | {fmt(t['value'])}{rng} | {'yes' if t['met'] else '**no**'} | {t['runs_met']}/{t['runs']} |")
                 else:
                     out.append(f"| {t['target']} | {fmt(t['value'])} | {'yes' if t['met'] else '**no**'} |")
+        out += predicted_markdown(res.get("predicted_gpu", []), result.get("cost_table") or costmodel.load())
         prof = [(k, v) for k, v in res.get("scenarios", {}).get("roundtrip", {}).items() if k.startswith("profile_")]
         for k, v in prof:
             out.append("")
@@ -374,6 +375,92 @@ def markdown(result: dict) -> str:
     return "\n".join(out)
 
 
+PREDICTED = ("allocate64", "roundtrip", "reclaim")  # the scenarios with a figure predicted for a GPU
+
+
+def predicted_rows(cuda_run: dict, host_run: dict | None, table: dict) -> list[dict]:
+    """The GPU figures bench/costmodel.py predicts from one test-driver run
+    (its counted driver calls) and the host run made beside it."""
+    if not host_run:
+        return []
+    return costmodel.predict(cuda_run.get("scenarios", {}), host_run.get("scenarios", {}), table)
+
+
+def aggregate_predicted(runs: list[list[dict]]) -> list[dict]:
+    """Predictions of repeated runs: each figure's median (min-max) over the runs."""
+    by: dict[tuple, list[dict]] = {}
+    for rows in runs:
+        for r in rows:
+            by.setdefault((r["scenario"], r["figure"]), []).append(r)
+    out = []
+    for rows in by.values():
+        st = _stats([r["predicted"] for r in rows])
+        first = rows[-1]  # its inputs (the last run's) are printed; the figures are the medians
+        med = {k: _stats([r[k] for r in rows])["median"] for k in ("low", "high", "testdriver", "host", "predicted_run_cost_call",
+                                                                   "predicted_run_cost_page", "predicted_serial_worker",
+                                                                   "predicted_serial_device") if k in first}
+        row = {**first, **med, "predicted": st["median"], "predicted_range": [st["min"], st["max"]], "runs": len(rows),
+               "host_range": [min(r["host"] for r in rows), max(r["host"] for r in rows)]}
+        if "error_vs_reference" in first:
+            row["error_vs_reference"] = [costmodel.error(st["median"], v) for v in first["reference"]]
+        out.append(row)
+    return out
+
+
+def predicted_markdown(rows: list[dict], table: dict) -> list[str]:
+    if not rows:
+        return []
+    other = "call" if rows[0]["run_cost"] == "page" else "page"
+    serial = rows[0].get("serial", "worker")
+    other_serial = "worker" if serial == "device" else "device"
+    say = {"device": "clients' calls serialised on the device", "worker": "clients in parallel"}
+    out = ["", f"Predicted on the {table['gpu']} (bench/costmodel.py; per-call costs bench/gpu_costs.json, from {table['source_run'].split(' ')[0]}): "
+           "the host backend's figure of this run plus the driver calls counted here times their costs, the daemon's "
+           f"serialised on its worker, {say[serial]} (docs/benchmarks.md, \"On a GPU\"). cuMemSetAccess/cuMemUnmap over a run of pages: "
+           f"per {rows[0]['run_cost']}. Two columns give the prediction under the other choices. Predictions, not measurements.", "",
+           f"| scenario | figure | test driver | host | predicted (low-high) | per {other} | {say[other_serial]} | client calls{' (x N)' if serial == 'device' else ''} | daemon calls on the path (x queue) | measured on the GPU ({table.get('reference', {}).get('tree', '-')}) | error |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        u = r["unit"]
+        inp = r["inputs"]
+        scale = 1e3 if u == "ms" else 1.0
+        ref = ", ".join(_fmt(v, u) for v in r.get("reference", [])) or "-"
+        err = ", ".join(f"{100 * e:+.0f}%" for e in r.get("error_vs_reference", [])) or "-"
+        q = f" x{inp['queue']}" if inp.get("queue", 1) > 1 else ""
+        if "floor_us" in inp:  # the daemon's whole work per operation, the least the latency can be
+            q += f" (all its work: {_fmt(inp['floor_us'] / scale, 'us' if u != 'ms' else 'ms')})"
+        out.append(f"| {r['scenario']} | {r['figure']}{' (baseline)' if r['kind'] == 'baseline' else ''} | {_fmt(r['testdriver'], u)} | "
+                   f"{_fmt(r['host'], u)} | **{_fmt(r['predicted'], u)}** ({_fmt(r['low'], u)}-{_fmt(r['high'], u)}) | "
+                   f"{_fmt(r['predicted_run_cost_' + other], u)} | {_fmt(r.get('predicted_serial_' + other_serial, float('nan')), u)} | "
+                   f"{_fmt(inp['client_us'] / scale, 'us' if u != 'ms' else 'ms')} | "
+                   f"{_fmt(inp['daemon_us'] / scale, 'us' if u != 'ms' else 'ms')}{q} | {ref} | {err} |")
+    return out
+
+
+def render(out_dir: pathlib.Path) -> int:
+    """--render: the predictions of a finished run again, from its raw
+    results and the current cost table (a newer GPU run's costs)."""
+    result = json.loads((out_dir / "results.json").read_text())
+    table = costmodel.load()
+    result["cost_table"] = table
+    hr, cr = result["backends"].get("host", {}), result["backends"].get("cuda-testdriver", {})
+    if cr and not cr.get("skipped"):
+        hruns, cruns = hr.get("runs") or [hr], cr.get("runs") or [cr]
+        at_ref = result.get("tree", {}).get("commit", "").startswith(table.get("reference", {}).get("tree", "-"))
+        for i, one in enumerate(cruns):
+            one["predicted_gpu"] = predicted_rows(one, hruns[min(i, len(hruns) - 1)] if hr else None, table)
+            if not at_ref:
+                for r in one["predicted_gpu"]:
+                    r.pop("error_vs_reference", None)
+        if "runs" in cr:
+            cr["predicted_gpu"] = aggregate_predicted([r["predicted_gpu"] for r in cruns])
+    (out_dir / "results.json").write_text(json.dumps(result, indent=1))
+    md = markdown(result)
+    (out_dir / "results.md").write_text(md + "\n")
+    print(md)
+    return 0
+
+
 def tree_of(ref: str) -> pathlib.Path:
     """The kvcached_service package of git revision `ref`, extracted once
     into build/bench/trees/<commit>/ (for --compare)."""
@@ -385,6 +472,11 @@ def tree_of(ref: str) -> pathlib.Path:
         tree.mkdir(parents=True, exist_ok=True)
         arch = subprocess.run(["git", "archive", sha.stdout.strip(), "kvcached_service"], cwd=common.ROOT, capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", str(tree)], input=arch.stdout, check=True)
+    relay = tree / "kvcached_service" / "server" / "relay.c"
+    if relay.exists() and not list(relay.parent.glob("_relay*.so")):
+        # the one compiled part (setup.py builds it in a checkout): the same flags
+        subprocess.run(["cc", "-O2", "-Wall", "-shared", "-fPIC", "-o", str(relay.parent / "_relay.abi3.so"), str(relay), "-lpthread"],
+                       check=True)
     return tree
 
 
@@ -403,28 +495,53 @@ def main(argv=None) -> int:
                          "targets judged on the median")
     ap.add_argument("--compare", default="", metavar="REF[,REF]",
                     help="run scenario 2 also against the daemon and client of these git revisions, in the same run")
+    ap.add_argument("--render", default="", metavar="DIR",
+                    help="no run: recompute the GPU predictions of DIR/results.json with the current cost table "
+                         "(bench/gpu_costs.json) and write DIR/results.json and results.md again")
+    ap.add_argument("--tree", default="", metavar="REF",
+                    help="run every scenario with the daemon and clients of this git revision (the bench's code from this "
+                         "checkout): e.g. the tree of a GPU run, to check the GPU model against it")
     a = ap.parse_args(argv)
+    if a.render:
+        return render(pathlib.Path(a.render))
     out_dir = pathlib.Path(a.out or tempfile.mkdtemp(prefix="kvc-bench-out-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     gpu = common.detect_gpu()
     wanted = []
+    only = [x for x in a.only.split(",") if x]
+    host_only = ""  # scenarios the host backend runs only for the GPU prediction (--backend cuda)
     if a.backend in ("host", "all"):
         wanted.append("host")
     if a.backend in ("cuda", "all"):
+        if a.backend == "cuda":
+            need = [x for x in (only or PREDICTED) if x in PREDICTED]
+            if need:
+                wanted.append("host")
+                host_only = ",".join(need)
         wanted += ["cuda-testdriver", "cuda-gpu"]
     cmd = "scripts/bench.sh" + (" --quick" if a.quick else "") + f" --backend {a.backend}" + (f" --only {a.only}" if a.only else "")
     cmd += (" --profile" if a.profile else "") + (f" --compare {a.compare}" if a.compare else "")
     cmd += f" --repeat {a.repeat}" if a.repeat > 1 else ""
+    cmd += f" --tree {a.tree}" if a.tree else ""
     if a.repeat < 1:
         raise SystemExit("--repeat: at least 1")
     trees = [f"{ref}={tree_of(ref)}" for ref in a.compare.split(",") if ref]
+    tree = tree_of(a.tree) if a.tree else None
+    table = costmodel.load()
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": cmd,
-              "quick": a.quick, "machine": machine(), "gpu": gpu, "backends": {}}
+              "quick": a.quick, "machine": machine(), "gpu": gpu, "backends": {}, "cost_table": table}
+    if tree is not None:
+        result["tree"] = {"ref": a.tree, "commit": tree.name, "note": "daemon and clients of this revision; the bench's code from the checkout"}
+    if host_only:
+        result["host_for_prediction"] = f"the host backend ran {host_only} only: the GPU prediction's host figures"
     rc = 0
     t_all = time.monotonic()
     for be in wanted:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(common.ROOT)
+        env.pop("KVCACHED_BENCH_TREE", None)
+        if tree is not None:
+            env["KVCACHED_BENCH_TREE"] = str(tree)
         state = None
         if be == "cuda-gpu":
             if not gpu["gpu"]:
@@ -446,11 +563,15 @@ def main(argv=None) -> int:
             # 64 KiB granularity so the scale scenario can use 64 KiB pages (the
             # others use 2 MiB pages, a multiple of it, as on a GPU)
             env["KVCACHED_TESTDRV_GRANULARITY"] = str(64 << 10)
+            # live call counters per process (tests/cudadriver/README.md): the GPU prediction's inputs
+            env["KVCACHED_TESTDRV_CALLS"] = os.path.join(state, "calls")
         runs = []
         for i in range(a.repeat):
             raw = out_dir / (f"raw-{be}.json" if a.repeat == 1 else f"raw-{be}-{i + 1}.json")
             cmdline = [common.PY, "-m", "bench.suite", "--backend", be, "--out", str(raw)] + (["--quick"] if a.quick else [])
-            if a.only:
+            if be == "host" and host_only:
+                cmdline += ["--only", host_only]
+            elif a.only:
                 cmdline += ["--only", a.only]
             if a.profile:
                 cmdline += ["--profile-dir", str(out_dir / f"profile-{be}")]
@@ -460,7 +581,7 @@ def main(argv=None) -> int:
                 print(f"bench: {be} run {i + 1} of {a.repeat} (load average {os.getloadavg()[0]:.2f})", flush=True)
             load = os.getloadavg()
             t0 = time.monotonic()
-            p = subprocess.run(cmdline, env=env, cwd=common.ROOT)
+            p = subprocess.run(cmdline, env=env, cwd=tree or common.ROOT)
             one = json.loads(raw.read_text()) if raw.exists() else {"errors": {"suite": f"suite exited {p.returncode} without results"}, "scenarios": {}}
             one["seconds"] = time.monotonic() - t0
             one["loadavg_at_start"] = load
@@ -470,6 +591,16 @@ def main(argv=None) -> int:
             except Exception as exc:  # noqa: BLE001
                 one.setdefault("errors", {})["figures"] = f"cannot compute figures: {exc!r}"
                 one["figures"] = []
+            if be == "cuda-testdriver":
+                hr = result["backends"].get("host", {})
+                host_run = (hr.get("runs") or [hr])[min(i, len(hr.get("runs") or [hr]) - 1)] if hr else None
+                try:
+                    one["predicted_gpu"] = predicted_rows(one, host_run, table)
+                    if not (tree is not None and tree.name.startswith(table.get("reference", {}).get("tree", "-"))):
+                        for r in one["predicted_gpu"]:  # errors against the GPU run only at that run's tree
+                            r.pop("error_vs_reference", None)
+                except Exception as exc:  # noqa: BLE001
+                    one.setdefault("errors", {})["predicted_gpu"] = f"cannot predict GPU figures: {exc!r}"
             if p.returncode != 0:
                 one.setdefault("errors", {}).setdefault("suite", f"exited {p.returncode}")
             runs.append(one)
@@ -482,6 +613,7 @@ def main(argv=None) -> int:
         else:
             figs, tgts = aggregate(runs)
             res = {"repeat": a.repeat, "runs": runs, "figures": figs, "targets": tgts,
+                   **({"predicted_gpu": aggregate_predicted([r.get("predicted_gpu", []) for r in runs])} if be == "cuda-testdriver" else {}),
                    "seconds": sum(r["seconds"] for r in runs), "scenarios": runs[-1].get("scenarios", {}),
                    "errors": {f"run {i + 1}: {k}": v for i, r in enumerate(runs) for k, v in r.get("errors", {}).items()}}
         result["backends"][be] = res

@@ -23,10 +23,15 @@ import threading
 import time
 import traceback
 
-from . import common, profile
+from . import common, drivercalls, profile
 from .common import GiB, MiB, Daemon, summary_us
 
 PAGE = 2 * MiB
+# Driver calls counted on the CUDA test driver (KVCACHED_TESTDRV_CALLS, set
+# by bench/run.py for that backend): each figure of scenarios 1-3 records
+# the calls per operation of the daemon and of the clients, which
+# bench/costmodel.py turns into the figure predicted for a GPU.
+CALLS = drivercalls.Counter(os.environ.get("KVCACHED_TESTDRV_CALLS") or None)
 
 
 class Ctx:
@@ -47,6 +52,11 @@ class Ctx:
         env = {}
         if self.testdriver and device_bytes:
             env["KVCACHED_TESTDRV_MEMORY"] = str(device_bytes)
+        if self.testdriver:
+            # the daemon at a GPU's granularity (2 MiB, the page size here): it
+            # sizes its zeroing batches by it, so its calls are counted as a GPU
+            # would see them (the suite's processes keep 64 KiB for scenario 4)
+            env["KVCACHED_TESTDRV_GRANULARITY"] = str(PAGE)
         if self.kind == "host" and device_bytes:
             args = [*args, "--host-memory", str(device_bytes)]
         return Daemon(self.workdir, name, common.daemon_backend(self.kind), ["--page-size", str(PAGE), *args], env, tree=tree)
@@ -63,14 +73,20 @@ def s1_allocate64(c: Ctx) -> dict:
     base = common.inproc(c.kind, PAGE)
     res = base.reserve(size)
     lat = []
+    me = {os.getpid()}
+    path: dict = {}
     for _ in range(iters):
+        b = CALLS.snap(me)
         t0 = time.perf_counter()
         hs = [base.create_map(res + i * PAGE) for i in range(n)]
         lat.append(time.perf_counter() - t0)
+        drivercalls.add(path, CALLS.since(b, me))
         for h in hs:
             base.unmap_release(h)
     base.free_reservation(res, size)
     out["baseline_inproc_create_map"] = summary_us(lat)
+    if CALLS.dir:
+        out["baseline_inproc_create_map"]["driver_calls"] = {"path": drivercalls.split(path, set(), iters)}
     base.close()
 
     # warm: --prealloc keeps created pages ready; freed pages are reused (zeroed on return)
@@ -81,13 +97,26 @@ def s1_allocate64(c: Ctx) -> dict:
             region.unmap(0, size)
             time.sleep(0.3)  # let the warm pool top up
             lat = []
+            pids = {os.getpid(), d.pid}
+            path: dict = {}
+            every = CALLS.snap(pids)
             for _ in range(iters):
+                # counting: the daemon's work queued by the last Free (zeroing)
+                # is done first, so the window holds what this Allocate waits for
+                CALLS.settle(d.pid)
+                b = CALLS.snap(pids)
                 t0 = time.perf_counter()
                 region.map(0, size)
                 lat.append(time.perf_counter() - t0)
+                drivercalls.add(path, CALLS.since(b, pids))
                 region.unmap(0, size)
+            CALLS.settle(d.pid)
+            every = CALLS.since(every, pids)
             region.close()
         out["daemon_warm"] = summary_us(lat)
+        if CALLS.dir:
+            out["daemon_warm"]["driver_calls"] = {"path": drivercalls.split(path, d.pid, iters),
+                                                  "all": drivercalls.split(every, d.pid, iters)}
 
     # cold: no warm pages, pool trimmed at once: every Allocate creates its pages
     hold = 4
@@ -96,17 +125,24 @@ def s1_allocate64(c: Ctx) -> dict:
         with d.client() as cl, cl.open_session("bench-s1-cold") as s:
             region = s.region(hold * size)
             lat = []
+            pids = {os.getpid(), d.pid}
+            path: dict = {}
             for b in range(batches + 1):
                 common_wait_pool_empty(s)
+                CALLS.settle(d.pid)
                 for k in range(hold):
+                    before = CALLS.snap(pids)
                     t0 = time.perf_counter()
                     region.map(k * size, size)
                     dt = time.perf_counter() - t0
                     if b > 0:  # batch 0 warms up the client's mapper / context
                         lat.append(dt)
+                        drivercalls.add(path, CALLS.since(before, pids))
                 region.unmap(0, hold * size)
             region.close()
         out["daemon_cold"] = summary_us(lat)
+        if CALLS.dir:
+            out["daemon_cold"]["driver_calls"] = {"path": drivercalls.split(path, d.pid, len(lat))}
     return out
 
 
@@ -166,10 +202,12 @@ def c_client_run(c: Ctx, d: Daemon, clients: int, mode: str, arg: float) -> dict
                 secret = bytes.fromhex(json.loads(line)["secret"])
                 stub.OpenSession(pb.OpenSessionRequest(channel_secret=secret, name=f"bench-loadc-{i}"), timeout=60)
             cpu0 = common.cpu_seconds(d.pid)
+            calls0 = CALLS.snap()
             p.stdin.write("go\n")
             p.stdin.flush()
             line = p.stdout.readline()
             cpu = common.cpu_seconds(d.pid) - cpu0
+            calls = CALLS.since(calls0)
             rc = p.wait(60)
             if rc != 0 or not line:
                 raise RuntimeError(f"loadc {clients} {mode} exited {rc}: {p.stderr.read()}")
@@ -179,6 +217,8 @@ def c_client_run(c: Ctx, d: Daemon, clients: int, mode: str, arg: float) -> dict
                 p.wait()
     out = json.loads(line)
     out["daemon_cpu_us_per_pair"] = cpu / max(1, out["pairs"]) * 1e6
+    if CALLS.dir:
+        out["driver_calls"] = drivercalls.split(calls, d.pid, out["pairs"], exclude={os.getpid()})
     return out
 
 
@@ -192,12 +232,16 @@ def c_client_rows(c: Ctx, d: Daemon, nproc: int, profile_dir: "pathlib.Path | No
             out["profile_rtt1_cclient"] = spy.finish()
         out[f"rtt_{conc}"] = {"n": r["n"], "p50_us": r["p50_us"], "p99_us": r["p99_us"], "mean_us": r["mean_us"],
                               "daemon_cpu_us_per_pair": r["daemon_cpu_us_per_pair"]}
+        if "driver_calls" in r:
+            out[f"rtt_{conc}"]["driver_calls"] = r["driver_calls"]
     spy = profile.start(d.pid, profile_dir, f"tput{nproc}-cclient") if profile_dir else None
     r = c_client_run(c, d, nproc, "tput", c.q(1.0, 5.0))
     if spy:
         out[f"profile_tput{nproc}_cclient"] = spy.finish()
     out[f"tput_{nproc}"] = {"pairs": r["pairs"], "secs": r["secs"], "pairs_per_s": r["per_s"], "clients": nproc,
                             "daemon_cpu_us_per_pair": r["daemon_cpu_us_per_pair"]}
+    if "driver_calls" in r:
+        out[f"tput_{nproc}"]["driver_calls"] = r["driver_calls"]
     return out
 
 
@@ -224,12 +268,12 @@ def roundtrip_scenario(c: Ctx, tree: "pathlib.Path | None" = None, profile_dir: 
     nproc = 64
     out: dict = {"page_size": PAGE}
     args = ["--memory-limit", str(4 * nproc * PAGE)]
-    config = (tree or common.ROOT) / "kvcached_service" / "config.py"
+    config = (tree or common.CODE) / "kvcached_service" / "config.py"
     if "grpc_page_ops" in config.read_text():
         args.append("--grpc-page-ops")  # the row "vs gRPC calls" makes them (off by default since issue 16)
     with c.daemon("s2", args, device_bytes=8 * nproc * PAGE, tree=tree) as d:
         env = common.client_env(d)
-        cwd = common.ROOT
+        cwd = common.CODE
         if tree is not None:  # that revision's client: its tree first on the path (python -m puts cwd there)
             cwd = tree
         procs = []
@@ -254,23 +298,31 @@ def roundtrip_scenario(c: Ctx, tree: "pathlib.Path | None" = None, profile_dir: 
                 for mode in ("daemon", "grpc", "base") if conc == 1 else ("daemon", "base"):
                     spy = profile.start(d.pid, profile_dir, "rtt1", secs=None) if profile_dir and conc == 1 and mode == "daemon" else None
                     cpu0 = common.cpu_seconds(d.pid)
+                    calls0 = CALLS.snap()
                     lat = [x for r in run(group, {"op": "rtt", "mode": mode, "n": n}) for x in r["lat"]]
                     cpu = common.cpu_seconds(d.pid) - cpu0
+                    calls = CALLS.since(calls0)
                     if spy:
                         out["profile_rtt1"] = spy.finish()
                     out[f"rtt_{conc}_{mode}"] = summary_us(lat)
+                    if CALLS.dir and mode != "grpc":
+                        out[f"rtt_{conc}_{mode}"]["driver_calls"] = drivercalls.split(calls, d.pid, len(lat), exclude={os.getpid()})
                     if mode != "base":  # the daemon's own CPU time per pair (less sensitive to other load than latency)
                         out[f"rtt_{conc}_{mode}"]["daemon_cpu_us_per_pair"] = cpu / len(lat) * 1e6
             secs = c.q(1.0, 5.0)
             for mode in ("daemon", "base"):
                 spy = profile.start(d.pid, profile_dir, f"tput{nproc}", secs=None) if profile_dir and mode == "daemon" else None
                 cpu0 = common.cpu_seconds(d.pid)
+                calls0 = CALLS.snap()
                 got = run(procs, {"op": "tput", "mode": mode, "secs": secs})
                 cpu = common.cpu_seconds(d.pid) - cpu0
+                calls = CALLS.since(calls0)
                 if spy:
                     out[f"profile_tput{nproc}"] = spy.finish()
                 pairs = sum(r["pairs"] for r in got)
                 out[f"tput_{nproc}_{mode}"] = {"pairs": pairs, "secs": secs, "pairs_per_s": pairs / secs, "clients": nproc}
+                if CALLS.dir:
+                    out[f"tput_{nproc}_{mode}"]["driver_calls"] = drivercalls.split(calls, d.pid, pairs, exclude={os.getpid()})
                 if mode == "daemon":
                     out[f"tput_{nproc}_{mode}"]["daemon_cpu_us_per_pair"] = cpu / max(1, pairs) * 1e6
             for p in procs:
@@ -308,10 +360,13 @@ def s3_reclaim(c: Ctx) -> dict:
     reps = c.q(1, 3)
     out: dict = {"budget_bytes": budget, "moved_bytes": move, "page_size": PAGE, "reps": reps}
     daemon_t, base_t, answered = [], [], []
+    daemon_calls: dict = {}
+    base_calls: dict = {}
+    daemon_pid = None
 
     def spawn(env, mode):
         p = subprocess.Popen([common.PY, "-m", "bench.worker", "holder", mode, c.kind, str(PAGE), str(budget)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=common.ROOT)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=common.CODE)
         ready = json.loads(p.stdout.readline())
         return p, ready
 
@@ -324,9 +379,13 @@ def s3_reclaim(c: Ctx) -> dict:
                 assert ready["pages"] == budget // PAGE, ready
                 with cl.open_session("bench-new-model") as s:
                     region = s.region(move)
+                    CALLS.settle(d.pid)
+                    calls0 = CALLS.snap()
                     t0 = time.perf_counter()
                     region.grow_to(move, wait=True, wait_timeout_ms=60000)
                     daemon_t.append(time.perf_counter() - t0)
+                    drivercalls.add(daemon_calls, CALLS.since(calls0))
+                    daemon_pid = d.pid
                     assert region.mapped_bytes == move
                     holder.stdin.write("report\n")
                     holder.stdin.flush()
@@ -344,12 +403,14 @@ def s3_reclaim(c: Ctx) -> dict:
         holder, ready = spawn(env, "base")
         base = common.inproc(c.kind, PAGE)
         res = base.reserve(move)
+        calls0 = CALLS.snap()
         t0 = time.perf_counter()
         holder.stdin.write("free\n")
         holder.stdin.flush()
         json.loads(holder.stdout.readline())
         hs = [base.create_map(res + i * PAGE) for i in range(move // PAGE)]
         base_t.append(time.perf_counter() - t0)
+        drivercalls.add(base_calls, CALLS.since(calls0))
         for h in hs:
             base.unmap_release(h)
         base.free_reservation(res, move)
@@ -359,6 +420,10 @@ def s3_reclaim(c: Ctx) -> dict:
         holder.wait(60)
     out["daemon_reclaim"] = summary_us(daemon_t)
     out["baseline_unload_reload"] = summary_us(base_t)
+    if CALLS.dir:
+        # one chain: the holder unmaps and frees, the daemon zeroes and exports, the new session maps
+        out["daemon_reclaim"]["driver_calls"] = drivercalls.split(daemon_calls, daemon_pid or -1, len(daemon_t))
+        out["baseline_unload_reload"]["driver_calls"] = drivercalls.split(base_calls, set(), len(base_t))
     out["holder_answers"] = [a["answered"] for a in answered]
     return out
 
