@@ -58,8 +58,9 @@ def test_memory_back_row():
 
 def test_plan_and_deadline_rows():
     names = gl.PLAN_NAMES
-    assert len(names) == len(set(names)) == 3 + 7 + 1
+    assert len(names) == len(set(names)) == 3 + 7 + 2 + 1
     assert sum(n.startswith("greedy tokens identical") for n in names) == 7  # the 8th is in the first check
+    assert [n for n in names if n.startswith("8B KV shape")] == gl.KV8B_CHECKS and names[-1].startswith("device memory")
     rows = gl.deadline_rows(names[3:], "stage deadline")
     assert [r["check"] for r in rows] == names[3:]
     assert all(r["verdict"] == "skip" and r["seen"] == "skip: stage deadline" for r in rows)
@@ -91,6 +92,70 @@ def test_decode_figures_split_per_token_and_per_request_costs():
     for part in ("patched without the daemon 2500 (1.000)", "CUDA graphs off: unpatched 1250, patched 1250 (1.000)",
                  "per token 400.0 / 400.0 us, per request 0.00 / 2.00 ms"):
         assert part in line, line
+
+
+def test_kv8b_shape_is_an_8b_models_kv_on_the_gpu_and_scaled_on_the_cpu():
+    import q4_gguf
+
+    gpu, cpu = gl.KV8B_SHAPES["cuda"], gl.KV8B_SHAPES["cpu"]
+    real = q4_gguf.SHAPES["llama3.1-8b"]
+    for k in ("n_layer", "n_head", "n_head_kv", "n_embd"):
+        assert gpu[k] == real[k], k  # the KV (and attention) geometry exactly
+    assert q4_gguf.kv_row_bytes(gpu) == q4_gguf.kv_row_bytes(real) == 2048
+    assert q4_gguf.kv_bytes_per_token(gpu) == 128 * 1024
+    assert q4_gguf.weight_bytes(gpu) < q4_gguf.weight_bytes(real) / 4  # FFN and vocabulary cut
+    # on the CPU: the same row (as many cells per 2 MiB page), fewer layers, a shorter context
+    assert q4_gguf.kv_row_bytes(cpu) == 2048 and cpu["n_layer"] < gpu["n_layer"]
+    assert gl.KV8B_CTX == {"cuda": 32768, "cpu": 8192} and gl.KV8B_SLOTS == 4
+    # the longest prompt needs a second page per K/V tensor, and fits its slot on the CPU
+    assert 1024 < max(gl.KV8B_PROMPT_CHARS) < gl.KV8B_CTX["cpu"] // gl.KV8B_SLOTS
+    assert gl.kv8b_label("cuda") == "8B KV shape (32 layers, 8 KV heads of 128), 32k context, 4 slots"
+    assert gl.kv8b_label("cpu") == "8B KV shape (4 layers, 8 KV heads of 128), 8k context, 4 slots"
+
+
+def test_kv_against_stock_row():
+    bound = 700 * MiB
+    r = gl.kv_against_stock_row("8B", 640 * MiB, 4096.0, bound, 640.0)
+    assert r["verdict"] == "pass" and "15.6 % of stock's 4096 MiB" in r["seen"] and "last KV line 640 MiB" in r["seen"]
+    assert gl.kv_against_stock_row("8B", 0, 4096.0, bound, None)["verdict"] == "FAIL"  # nothing held
+    assert gl.kv_against_stock_row("8B", 800 * MiB, 4096.0, bound, None)["verdict"] == "FAIL"  # above the bound
+    assert gl.kv_against_stock_row("8B", 640 * MiB, 512.0, bound, None)["verdict"] == "FAIL"  # above stock's buffer
+    assert gl.kv_against_stock_row("8B", 640 * MiB, None, bound, None)["verdict"] == "FAIL"  # no stock line
+    assert gl.kv_against_stock_row("8B", 1, 4096.0, bound, None)["check"] == "8B: KV held against stock's KV buffer"
+
+
+def test_hook_stats_line_and_per_token_figures():
+    log = ("srv  log line\n"
+           "kvcached: hook stats: calls 3090 in 1545.0 us; active 1030 / 103.0 us, map 1030 / 1236.0 us, "
+           "lock 1000 / 150.0 us, poll 30 / 6.0 us\nmore\n")
+    st = gl.parse_hook_stats(log)
+    assert st == {"calls": 3090, "us": 1545.0, "entries": {"active": [1030, 103.0], "map": [1030, 1236.0],
+                                                            "lock": [1000, 150.0], "poll": [30, 6.0]}}
+    assert gl.parse_hook_stats("no line") is None
+    empty = gl.parse_hook_stats("kvcached: hook stats: calls 0 in 0.0 us; \n")
+    assert empty == {"calls": 0, "us": 0.0, "entries": {}}
+    figs = gl.hook_figures({"patched": st, "patched_no_daemon": None, "patched_premap": st}, {"patched": 1000,
+                           "patched_premap": 0}, "cuda", "A")
+    assert set(figs) == {"decode_hook_calls_per_token_patched", "decode_hook_us_per_token_patched"}
+    assert figs["decode_hook_us_per_token_patched"]["value"] == 1.545
+    assert figs["decode_hook_us_per_token_patched"]["calls"] == 3090
+    assert figs["decode_hook_calls_per_token_patched"]["value"] == 3.09
+    assert figs["decode_hook_calls_per_token_patched"]["entries"]["map"] == {"calls_per_token": 1.03,
+                                                                             "us_per_token": 1.236}
+    assert all(isinstance(v["value"], float) and v["unit"] in ("us", "calls") for v in figs.values())
+    figs.update(gl.decode_figures({"unpatched": {1024: [2500.0]}, "patched": {1024: [2400.0]},
+                                   "patched_premap": {1024: [2475.0]}}, "cuda", "A"))
+    assert figs["decode_patched_premap_over_unpatched"]["value"] == 0.99
+    line = gl.decode_summary(figs)
+    assert "patched, whole KV mapped at start 2475 (0.990)" in line, line
+    assert "in the hook per token: patched 1.54 us (3.1 calls)" in line, line
+
+
+def test_decode_variants_premap_and_counters():
+    assert gl.DECODE_VARIANTS["patched_premap"] == ("kvc", True, True)
+    assert gl.DECODE_ENV["patched_premap"] == {"KVCACHED_PREMAP": "1"}
+    assert gl.HOOK_STATS_ENV == {"KVCACHED_HOOK_STATS": "1"}
+    assert gl.DECODE_RATIOS["patched_premap"] == ("decode_patched_premap_over_unpatched", "unpatched")
 
 
 def test_skip_mode_names_every_check(tmp_path):

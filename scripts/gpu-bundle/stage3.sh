@@ -28,8 +28,13 @@
 # 2. Runs tests/helpers/gpu_llama.py checks: greedy identity against the
 #    unpatched server (2 models, flash attention on/off, 1 and 4 slots), the
 #    KV buffer in daemon pages, pages following the context, a SIGKILLed
-#    server's pages, two servers over one budget with a reclaim, device memory
-#    back at the end; the long ones last, stopped at STAGE_DEADLINE.
+#    server's pages, two servers over one budget with a reclaim; a real 8B
+#    model's KV shape (32 layers, 8 KV heads of 128; random q4_0 weights from
+#    tests/helpers/q4_gguf.py, FFN and vocabulary cut: 1.0 GiB) at a 32k
+#    context over 4 slots: tokens identical, KV held against stock's KV buffer,
+#    pages back after slot erase and SIGKILL, two such servers over one
+#    budget (--device cpu: 4 layers, 8k); device memory back at the end; the
+#    long ones last, stopped at STAGE_DEADLINE.
 # 3. Records the two servers for stage 4 in ${BUNDLE}/work/llama/servers.json.
 #
 # Device: STAGE3_DEVICE=cuda (default with VERIFY_DRIVER=real) or cpu (the same

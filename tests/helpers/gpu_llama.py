@@ -10,8 +10,11 @@ device, checked against the unpatched llama-server, one row per check.
 --rows (default DIR/rows.jsonl) one at a time, so whatever finished is kept
 when the stage is stopped. Every row's verdict is pass, FAIL, info or skip.
 `decode` prints one JSON object: decode tokens/s of the unpatched server,
-the patched one with and without the daemon and, on CUDA, both with CUDA
-graphs off (stage 4; --tokens, --rounds).
+the patched one with and without the daemon, the patched one with the whole
+KV mapped at start (KVCACHED_PREMAP=1) and, on CUDA, both with CUDA graphs
+off (stage 4; --tokens, --rounds); and, from the hook's own counters
+(KVCACHED_HOOK_STATS=1), the hook's calls and microseconds per generated
+token in each patched server.
 
 --device cuda: kvcached-serve --backend cuda (KVCACHED_LIBCUDA), both
 servers with every layer offloaded (-ngl 99), so the KV cache is a CUDA0
@@ -32,10 +35,19 @@ rest, which then become skip rows):
      from the idle one to the busy one, tokens still identical;
   4. the rest of the greedy matrix: models A and B, flash attention on and
      off, 1 and 4 slots;
-  5. device memory (NVML, else cuMemGetInfo through torch) back to where it
+  5. a real 8B model's KV shape (KV8B_SHAPES: 32 layers, 8 KV heads of 128,
+     random q4_0 weights from tests/helpers/q4_gguf.py with a narrower FFN
+     and a smaller vocabulary) at a 32k context over 4 slots: greedy tokens
+     identical to the unpatched server, the KV held (daemon books) against
+     the unpatched server's "KV buffer size" line, 0 held after every slot
+     is erased; then two such servers over one budget of 1.5 times what one
+     holds (reclaims both ways, tokens identical) and one of them SIGKILLed
+     while holding pages. On --device cpu: 4 layers, an 8k context;
+  6. device memory (NVML, else cuMemGetInfo through torch) back to where it
      was before the first server started.
 Models are the tiny random-weight GGUFs of tests/llama/tiny_model.py, made
-here with the gguf package (the bundle carries its wheel).
+here with the gguf package (the bundle carries its wheel), and the 8B KV
+shape's q4_0 GGUF (in the work dir, removed at the end).
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -71,6 +84,29 @@ CTX = 8192                # -c (all slots together)
 LONG_CHARS = 6000         # ~4800 tokens: more than one 2 MiB page per K/V tensor (512 B per cell)
 RECLAIM_BUDGET = 40 * MiB  # A holds 32 MiB after the long prompt, B needs 16 MiB: reclaim must move pages
 
+# A real 8B model's KV shape (Llama-3.1-8B: 32 layers, 8 KV heads of 128, so 2 KiB per cell of each of the 64
+# K/V tensors and 128 KiB of f16 KV per token; 32 query heads over n_embd 4,096) with random q4_0 weights from
+# stage 5's maker (tests/helpers/q4_gguf.py). On a GPU its FFN is 1,024 wide (not 14,336) and its vocabulary
+# 16,384 (not 128,256): 1.0 GiB of weights instead of 4.3, written and loaded in seconds, the KV exactly an
+# 8B's; at a 32k context over 4 slots (8,192 cells a slot, 8 pages of 2 MiB per tensor and slot) stock's KV
+# buffer is 4 GiB. On a CPU (the dry run in the llama suite) the same KV row on 4 layers, 8 heads of 128 over
+# n_embd 1,024, at an 8k context (2,048 cells a slot): stock's buffer is 128 MiB.
+KV8B_SHAPES = {
+    "cuda": dict(n_vocab=16384, n_embd=4096, n_ff=1024, n_layer=32, n_head=32, n_head_kv=8, n_ctx_train=131072,
+                 rope_base=500000.0),
+    "cpu": dict(n_vocab=4096, n_embd=1024, n_ff=256, n_layer=4, n_head=8, n_head_kv=8, n_ctx_train=131072,
+                rope_base=500000.0),
+}
+KV8B_CTX = {"cuda": 32768, "cpu": 8192}
+KV8B_SLOTS = 4
+KV8B_PROMPT_CHARS = (150, 300, 600, 1400)  # four at once; the longest needs two 2 MiB pages per K/V tensor
+
+
+def kv8b_label(device: str) -> str:
+    sh = KV8B_SHAPES["cuda" if device == "cuda" else "cpu"]
+    return (f"8B KV shape ({sh['n_layer']} layers, {sh['n_head_kv']} KV heads of {sh['n_embd'] // sh['n_head']}), "
+            f"{KV8B_CTX['cuda' if device == 'cuda' else 'cpu'] // 1024}k context, {KV8B_SLOTS} slots")
+
 
 GREEDY = [(m, f, n) for m in ("A", "B") for f in ("on", "off") for n in (1, 4)]
 
@@ -79,12 +115,19 @@ def greedy_name(model: str, fa: str, parallel: int) -> str:
     return f"greedy tokens identical: model {model}, flash attention {fa}, {parallel} slot{'s' if parallel > 1 else ''}"
 
 
+# the 8B KV shape's checks (the first gives three rows, the second two)
+KV8B_CHECKS = [
+    "8B KV shape: greedy tokens identical, KV held against stock's KV buffer, pages back after slot erase",
+    "8B KV shape: two servers share one budget; a SIGKILLed one's pages back",
+]
+
 # every check of `checks`, in the order they run (the skip rows name them too)
 PLAN_NAMES = [
     "KV buffer in daemon pages; greedy tokens model A, fa on, 1 slot; pages follow the context",
     "SIGKILLed server's pages back in the pool",
     f"two servers, one {RECLAIM_BUDGET // MiB} MiB budget: reclaim moves pages",
     *(greedy_name(*k) for k in GREEDY if k != ("A", "on", 1)),
+    *KV8B_CHECKS,
     "device memory back to its start at the end",
 ]
 
@@ -142,6 +185,24 @@ def memory_back_row(before: int | None, after: int | None, source: str, page: in
                     "pass" if d <= page else "FAIL")
 
 
+def kv_against_stock_row(label: str, held: int, stock_mib: float | None, bound: int, kv_line: float | None,
+                         page: int = PAGE) -> dict:
+    """The patched server's KV (daemon books, all slots holding their
+    prompts) against the unpatched server's "KV buffer size" line: some
+    pages, never more than stock's buffer rounded up to a page, never more
+    than the cells read plus a page per tensor and slot."""
+    check = f"{label}: KV held against stock's KV buffer"
+    expected = "0 < held <= stock's KV buffer (+1 page) and <= cells read + 1 page per tensor and slot"
+    if stock_mib is None:
+        return make_row(check, expected, f"held {held / MiB:.0f} MiB; stock's log has no KV buffer line", "FAIL")
+    stock = int(stock_mib * MiB)
+    seen = (f"held {held / MiB:.0f} MiB (daemon books) = {100 * held / stock:.1f} % of stock's {stock_mib:.0f} MiB "
+            f"KV buffer; bound {bound / MiB:.0f} MiB; the patched server's last KV line "
+            + (f"{kv_line:.0f} MiB" if kv_line is not None else "none"))
+    ok = 0 < held <= stock + page and held <= bound
+    return make_row(check, expected, seen, "pass" if ok else "FAIL")
+
+
 def deadline_rows(pending: list[str], reason: str) -> list[dict]:
     return [make_row(c, "runs before the stage deadline", f"skip: {reason}", "skip") for c in pending]
 
@@ -160,13 +221,19 @@ DECODE_VARIANTS = {
     "patched": ("kvc", True, True),               # KV in daemon pages
     "unpatched_graphs_off": ("orig", False, False),  # GGML_CUDA_DISABLE_GRAPHS=1 (cuda only)
     "patched_graphs_off": ("kvc", True, False),
+    "patched_premap": ("kvc", True, True),        # KVCACHED_PREMAP=1: the whole KV mapped at start, never trimmed
 }
+# a variant's own environment (on top of GGML_CUDA_DISABLE_GRAPHS for the graphs-off ones)
+DECODE_ENV = {"patched_premap": {"KVCACHED_PREMAP": "1"}}
+# every patched server counts and times its hook calls (the hook's KVCACHED_HOOK_STATS line at exit)
+HOOK_STATS_ENV = {"KVCACHED_HOOK_STATS": "1"}
 # variant -> (its ratio's figure name, the variant it is divided by)
 DECODE_RATIOS = {
     "patched": ("decode_patched_over_unpatched", "unpatched"),
     "patched_no_daemon": ("decode_patched_no_daemon_over_unpatched", "unpatched"),
     "patched_graphs_off": ("decode_patched_over_unpatched_graphs_off", "unpatched_graphs_off"),
     "unpatched_graphs_off": ("decode_unpatched_graphs_off_over_unpatched", "unpatched"),
+    "patched_premap": ("decode_patched_premap_over_unpatched", "unpatched"),
 }
 
 
@@ -214,6 +281,45 @@ def decode_figures(samples: dict[str, dict[int, list[float]]], device: str, mode
     return figs
 
 
+HOOK_STATS_RE = re.compile(r"kvcached: hook stats: calls (\d+) in ([\d.]+) us; ?(.*)")
+HOOK_ENTRY_RE = re.compile(r"(\w+) (\d+) / ([\d.]+) us")
+
+
+def parse_hook_stats(log: str) -> dict | None:
+    """The hook's KVCACHED_HOOK_STATS line (printed at exit): {"calls", "us",
+    "entries": {entry: [calls, us]}}; None when the log has none (the
+    unpatched server, or a process that did not exit cleanly)."""
+    found = HOOK_STATS_RE.findall(log)
+    if not found:
+        return None
+    calls, us, rest = found[-1]
+    return {"calls": int(calls), "us": float(us),
+            "entries": {m.group(1): [int(m.group(2)), float(m.group(3))] for m in HOOK_ENTRY_RE.finditer(rest)}}
+
+
+def hook_figures(stats: dict[str, dict | None], tokens: dict[str, int], device: str, model: str) -> dict:
+    """figures.json entries from each patched variant's hook counters and the
+    tokens its server generated (every request's, the warm-up included):
+    hook calls and microseconds inside the hook per generated token, with
+    each entry's share. The prompt batches' calls are in the totals too (one
+    per request), so the figures are an upper bound of the per-token cost;
+    the counting itself (two clock reads a call) is inside them."""
+    figs: dict = {}
+    for name, st in stats.items():
+        n = tokens.get(name, 0)
+        if not st or n <= 0:
+            continue
+        note = (f"the hook's own counters (KVCACHED_HOOK_STATS), {device}, tiny model {model}: every call over the "
+                f"{n} tokens the server generated")
+        per = {k: {"calls_per_token": round(c / n, 3), "us_per_token": round(u / n, 3)}
+               for k, (c, u) in sorted(st["entries"].items())}
+        figs[f"decode_hook_calls_per_token_{name}"] = {"value": round(st["calls"] / n, 2), "unit": "calls",
+                                                       "device": device, "note": note, "entries": per}
+        figs[f"decode_hook_us_per_token_{name}"] = {"value": round(st["us"] / n, 3), "unit": "us", "device": device,
+                                                    "note": note, "calls": st["calls"], "tokens": n}
+    return figs
+
+
 def decode_summary(figs: dict) -> str:
     """One line for stage 4's row from decode_figures' entries."""
     def v(k, fmt="{:.0f}"):
@@ -226,6 +332,14 @@ def decode_summary(figs: dict) -> str:
     if "decode_tokens_per_s_unpatched_graphs_off" in figs:
         parts.append(f"CUDA graphs off: unpatched {v('decode_tokens_per_s_unpatched_graphs_off')}, patched "
                      f"{v('decode_tokens_per_s_patched_graphs_off')} ({v('decode_patched_over_unpatched_graphs_off', '{:.3f}')})")
+    if "decode_tokens_per_s_patched_premap" in figs:
+        parts.append(f"patched, whole KV mapped at start {v('decode_tokens_per_s_patched_premap')} "
+                     f"({v('decode_patched_premap_over_unpatched', '{:.3f}')})")
+    hook = [f"{n.removeprefix('decode_hook_us_per_token_')} {figs[n]['value']:.2f} us "
+            f"({v(n.replace('_us_', '_calls_'), '{:.1f}')} calls)"
+            for n in sorted(figs) if n.startswith("decode_hook_us_per_token_")]
+    if hook:
+        parts.append("in the hook per token: " + ", ".join(hook))
     if "decode_us_per_token_patched" in figs:
         parts.append(f"per token {v('decode_us_per_token_unpatched', '{:.1f}')} / {v('decode_us_per_token_patched', '{:.1f}')} us, "
                      f"per request {v('decode_ms_per_request_unpatched', '{:.2f}')} / {v('decode_ms_per_request_patched', '{:.2f}')} ms "
@@ -558,11 +672,138 @@ class Run:
         srv.stop()
         self.servers.remove(srv)
 
+    # -- the 8B KV shape (issue 43 item 3)
+    def kv8b_model(self) -> str:
+        """Writes the 8B-KV-shape GGUF once (into the work dir: it is not
+        output) and returns its name in self.models."""
+        if "kv8b" not in self.models:
+            if str(HERE) not in sys.path:
+                sys.path.insert(0, str(HERE))
+            import q4_gguf
+
+            shape = KV8B_SHAPES["cuda" if self.device == "cuda" else "cpu"]
+            info = q4_gguf.write(self.work / "kv8b.gguf", shape, seed=43, name="random-q4_0-8b-kv-shape")
+            self.models["kv8b"] = pathlib.Path(info["path"])
+            self.kv8b_made = f"{info['bytes'] / MiB:.0f} MiB of q4_0 weights written in {info['seconds']:.1f} s"
+        return "kv8b"
+
+    def kv8b_prompts(self) -> list[str]:
+        return [self.lt.text(n, 80 + i) for i, n in enumerate(KV8B_PROMPT_CHARS)]
+
+    def kv8b_server(self, binary: pathlib.Path, daemon: Daemon | None, tag: str = ""):
+        ctx = KV8B_CTX["cuda" if self.device == "cuda" else "cpu"]
+        return self.server(binary, self.kv8b_model(), daemon=daemon, parallel=KV8B_SLOTS, fa="on", ctx=ctx, tag=tag)
+
+    def kv8b_answers(self, srv) -> list[dict]:
+        res = srv.complete(self.kv8b_prompts(), 16)
+        return res if isinstance(res, list) else [res]
+
+    def kv8b_bound(self, answers: list[dict]) -> int:
+        import q4_gguf
+
+        shape = KV8B_SHAPES["cuda" if self.device == "cuda" else "cpu"]
+        rows = [q4_gguf.kv_row_bytes(shape)] * (2 * shape["n_layer"])
+        return self.lt.held_bound([self.lt.used_cells(r) for r in answers], rows, PAGE)
+
+    def check_kv8b(self) -> None:
+        """Stock's tokens and KV buffer line, then the patched server through
+        the daemon: tokens identical, KV held against stock's, 0 after every
+        slot is erased."""
+        label = kv8b_label(self.device)
+        stock = self.kv8b_server(self.orig, None, tag="orig-kv8b")
+        try:
+            want = [r["tokens"] for r in self.kv8b_answers(stock)]
+            lines = self.lt.kv_line_values(stock.log_text(), self.kv_buffer_name())
+        finally:
+            stock.stop()
+            self.servers.remove(stock)
+        self.ref["kv8b"] = want
+        stock_mib = lines[-1] if lines else None
+        limit = 2 * int(stock_mib * MiB) if stock_mib else 8 << 30
+        d = self.daemon("d8", max(limit, 256 * MiB))
+        srv = self.kv8b_server(self.kvc, d, tag="kvc-kv8b")
+        got = self.kv8b_answers(srv)
+        held = d.held(srv.pid)
+        bound = self.kv8b_bound(got)
+        time.sleep(1.2)  # the hook logs a changed KV line at most once a second
+        kv_lines = self.lt.kv_line_values(srv.log_text(), self.kv_buffer_name())
+        r = greedy_row(label, want, [x["tokens"] for x in got])
+        r["seen"] += f"; {getattr(self, 'kv8b_made', '')}"
+        self.emit(r)
+        self.emit(kv_against_stock_row(label, held, stock_mib, bound, kv_lines[-1] if kv_lines else None))
+        self.kv8b_held = held
+        for i in range(KV8B_SLOTS):
+            srv.erase_slot(i)
+        wait_until(lambda: d.held(srv.pid) == 0, 5)
+        after = d.held(srv.pid)
+        st = d.stats()
+        self.emit(make_row(f"{label}: pages back after slot erase", "0 held once every slot is erased; books add up",
+                           f"{held / MiB:.0f} MiB -> {after / MiB:.0f} MiB after erasing {KV8B_SLOTS} slots; in use "
+                           f"{st.total.in_use_bytes / MiB:.0f} MiB; books {'add up' if books_ok(st) else 'DO NOT add up'}",
+                           "pass" if held > 0 and after == 0 and books_ok(st) else "FAIL"))
+        srv.stop()
+        self.servers.remove(srv)
+        d.stop()
+        self.daemons.remove(d)
+
+    def check_kv8b_shared(self) -> None:
+        """Two patched servers of the 8B KV shape over one budget of 1.5 times
+        what one holds: the second's prompts reclaim from the idle first, the
+        first's again from the second; tokens identical to stock's; then the
+        first, holding pages, is SIGKILLed."""
+        label = kv8b_label(self.device)
+        held1 = getattr(self, "kv8b_held", 0)
+        if held1 <= 0:
+            raise RuntimeError("needs the first 8B KV check's pages held (it did not run or failed)")
+        budget = (held1 + held1 // 2) // PAGE * PAGE
+        want = self.ref.get("kv8b")
+        d = self.daemon("d9", budget)
+        a = self.kv8b_server(self.kvc, d, tag="kvc-kv8b-a")
+        b = self.kv8b_server(self.kvc, d, tag="kvc-kv8b-b")
+        ta = [r["tokens"] for r in self.kv8b_answers(a)]
+        held_a0 = d.held(a.pid)
+        tb = [r["tokens"] for r in self.kv8b_answers(b)]
+        held_a1, held_b1 = d.held(a.pid), d.held(b.pid)
+        st = d.stats()
+        ta2 = [r["tokens"] for r in self.kv8b_answers(a)]
+        held_a2, held_b2 = d.held(a.pid), d.held(b.pid)
+        st2 = d.stats()
+        same = ta == tb == ta2 and (want is None or ta == want)
+        ok = (same and held_a0 > budget - held_a0 and held_a1 < held_a0 and held_b1 > 0 and held_a2 > held_a1
+              and held_b2 < held_b1 and max(st.total.in_use_bytes, st2.total.in_use_bytes) <= budget
+              and books_ok(st) and books_ok(st2))
+        self.emit(make_row(f"{label}: two servers, one {budget / MiB:.0f} MiB budget (1.5 x one server's pages)",
+                           "idle A gives pages to B, then B to A; tokens identical; in use <= budget; books add up",
+                           f"A {held_a0 / MiB:.0f} -> {held_a1 / MiB:.0f} -> {held_a2 / MiB:.0f} MiB, B 0 -> "
+                           f"{held_b1 / MiB:.0f} -> {held_b2 / MiB:.0f} MiB; in use {st.total.in_use_bytes / MiB:.0f} / "
+                           f"{st2.total.in_use_bytes / MiB:.0f} MiB; tokens {'identical' if same else 'DIFFER'}"
+                           f"{'' if want is not None else ' (A, B, A; no stock reference)'}",
+                           "pass" if ok else "FAIL"))
+        pid = a.pid
+        held = d.held(pid)
+        os.kill(pid, signal.SIGKILL)
+        a.proc.wait()
+        t0 = time.monotonic()
+        gone = wait_until(lambda: d.session(pid) is None, 5, 0.01)
+        took = time.monotonic() - t0
+        st = d.stats()
+        live = sum(s.held_bytes for s in st.sessions)
+        ok = bool(gone) and took <= 1.0 and held > 0 and st.total.in_use_bytes == live and books_ok(st)
+        self.emit(make_row(f"{label}: SIGKILLed server's pages back in the pool",
+                           "session gone within 1 s; in use = what live sessions hold; books add up",
+                           f"held {held / MiB:.0f} MiB; session gone after {took:.2f} s; in use "
+                           f"{st.total.in_use_bytes / MiB:.0f} MiB (live sessions {live / MiB:.0f}); books "
+                           f"{'add up' if books_ok(st) else 'DO NOT add up'}", "pass" if ok else "FAIL"))
+        for s in (a, b):
+            s.stop()
+            self.servers.remove(s)
+
     def run(self) -> int:
         greedy = {greedy_name(m, f, n): (m, f, n) for m, f, n in GREEDY}
         fns = [self.check_first, self.check_sigkill, self.check_reclaim]
         plan = list(zip(PLAN_NAMES[:3], fns))
         plan += [(n, lambda k=k: self.check_greedy(*k)) for n, k in greedy.items() if k != ("A", "on", 1)]
+        plan += list(zip(KV8B_CHECKS, [self.check_kv8b, self.check_kv8b_shared]))
         used0, src = (None, "cpu mode: no device") if self.device != "cuda" else device_used()
         t_models = time.monotonic()
         try:
@@ -614,8 +855,12 @@ def tiny_model_row_bytes(model: str) -> int:
 def decode(a) -> int:
     """Decode tokens/s on model A (stage 4) of the unpatched server, the
     patched one through the daemon, the patched one without it (the hook
-    built in but idle: tells the build from the pages) and, on CUDA, the
-    unpatched and patched ones with CUDA graphs off. All run at once; each
+    built in but idle: tells the build from the pages), the patched one with
+    the whole KV mapped at start and never trimmed (KVCACHED_PREMAP: no map
+    or trim after the start) and, on CUDA, the unpatched and patched ones
+    with CUDA graphs off. Every patched server counts and times its hook
+    calls (KVCACHED_HOOK_STATS; read from its log once it exited), giving the
+    calls and microseconds inside the hook per generated token. All run at once; each
     round runs every variant at every length (rotating the order, so that
     other load on the host falls on all alike); llama-server's own timings.
     Two lengths split each variant's time into per-token and per-request
@@ -625,25 +870,32 @@ def decode(a) -> int:
     run.make_models()
     names = [n for n, (_, _, graphs) in DECODE_VARIANTS.items() if graphs or a.device == "cuda"]
     samples: dict[str, dict[int, list[float]]] = {n: {k: [] for k in lengths} for n in names}
+    tokens = dict.fromkeys(names, 0)  # every token each server generated (the hook's counters cover them all)
+    srv = {}
     try:
         d = run.daemon("dd", 256 * MiB)
-        srv = {}
         for n in names:
             build, via_daemon, graphs = DECODE_VARIANTS[n]
+            env = {} if graphs else {"GGML_CUDA_DISABLE_GRAPHS": "1"}
+            env.update(DECODE_ENV.get(n, {}), **(HOOK_STATS_ENV if build == "kvc" else {}))
             srv[n] = run.server(run.orig if build == "orig" else run.kvc, "A", daemon=d if via_daemon else None,
-                                parallel=1, fa="on", ctx=4096, tag=n, env={} if graphs else {"GGML_CUDA_DISABLE_GRAPHS": "1"})
-        for s in srv.values():
-            s.complete("Hello", 8, id_slot=0)  # warm-up
+                                parallel=1, fa="on", ctx=4096, tag=n, env=env)
+        for n, s in srv.items():
+            tokens[n] += s.complete("Hello", 8, id_slot=0)["tokens_predicted"]  # warm-up
         for i in range(a.rounds):
             order = names[i % len(names):] + names[:i % len(names)]
             for k in lengths:
                 for n in order:
                     r = srv[n].complete(f"Hello {i}", k, id_slot=0, cache_prompt=False)
                     samples[n][k].append(float(r["timings"]["predicted_per_second"]))
+                    tokens[n] += r["tokens_predicted"]
     finally:
-        run.close()
+        run.close()  # the servers exit: the patched ones print their hook counters
+    stats = {n: parse_hook_stats(s.log_text()) for n, s in srv.items() if DECODE_VARIANTS[n][0] == "kvc"}
     figs = decode_figures(samples, a.device, "A")
-    print(json.dumps({"figures": figs, "summary": decode_summary(figs), "raw": samples}))
+    figs.update(hook_figures(stats, tokens, a.device, "A"))
+    print(json.dumps({"figures": figs, "summary": decode_summary(figs), "raw": samples, "hook_stats": stats,
+                      "tokens": tokens}))
     return 0
 
 
