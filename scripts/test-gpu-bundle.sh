@@ -13,7 +13,9 @@
 #   - VERIFY_DRIVER=testdriver, KVCACHED_LIBCUDA=build/testdriver/libcuda.so.1.
 # Passes when the stage 1 (gpu-check) and stage 2 (Go and C clients) rows
 # all pass, stage 3's (llama.cpp on a GPU) are skipped with "no CUDA runtime",
-# stage 4's have no FAIL, and verify.sh ends in PASS. The bundle and results
+# stage 4's have no FAIL, stage 5 (capacity) passes its scaled CPU scenario
+# on build/llama's CPU builds (skip rows without them), and verify.sh ends
+# in PASS. The bundle and results
 # stay in build/gpu-bundle/dry-run.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -48,17 +50,27 @@ if [[ "$(cat "$HOST_SITE/.pins" 2>/dev/null)" != "$HOST_PINS" ]]; then
   echo "$HOST_PINS" >"$HOST_SITE/.pins"
 fi
 
+# Stage 5 (capacity, issue 44) runs its scenario scaled for the CPU on the
+# llama suite's builds when they are there (make test builds them first):
+# 1 slot, an emulated device of 176 MiB: 3 stock runners, 10 patched ones, about
+# 10 s here.
+STAGE5_ENV=()
+if [[ -x build/llama/build-orig/bin/llama-server && -x build/llama/build-kvc/bin/llama-server ]]; then
+  STAGE5_ENV=(STAGE5_DEVICE=cpu "STAGE5_BUILD=prebuilt:$ROOT/build/llama" STAGE5_PARALLEL=1
+              STAGE5_CPU_DEVICE_MIB="${STAGE5_CPU_DEVICE_MIB:-176}" STAGE5_MAX_MODELS=12)
+fi
+
 echo "== verify.sh on the CUDA test driver (python $("$py312" --version 2>&1))"
 rm -rf "$DRY/out" "$DRY/work"
 set +e
-PYTHON="$py312" VERIFY_EXTRA_SITE="$HOST_SITE" VERIFY_DRIVER=testdriver \
+env "${STAGE5_ENV[@]}" PYTHON="$py312" VERIFY_EXTRA_SITE="$HOST_SITE" VERIFY_DRIVER=testdriver \
   KVCACHED_LIBCUDA="$ROOT/build/testdriver/libcuda.so.1" VERIFY_OUT="$DRY/out" VERIFY_WORK="$DRY/work" \
   "$DRY/bundle/verify.sh" 2>&1 | tee "$DRY/verify.out"
 set -e
 t2=$(date +%s)
 rm -rf "$DRY/work"
 
-.venv/bin/python - "$DRY/out/results.json" "$DRY/verify.out" "$DRY/out/stage1/verdict.txt" <<'EOF'
+STAGE5_CPU="${#STAGE5_ENV[@]}" .venv/bin/python - "$DRY/out/results.json" "$DRY/verify.out" "$DRY/out/stage1/verdict.txt" <<'EOF'
 import json, os, sys
 res = json.load(open(sys.argv[1]))
 last = open(sys.argv[2]).read().rstrip().splitlines()[-1]
@@ -95,10 +107,31 @@ if not by(4):
 for r in by(4):
     if r["verdict"] == "FAIL":
         bad.append(f"stage 4: {r['check']}: FAIL: {r['seen']}")
+# stage 5: the scaled CPU scenario when the CPU builds are there, else skip rows
+s5 = by(5)
+if not s5:
+    bad.append("stage 5: no rows")
+for r in s5:
+    if r["verdict"] == "FAIL":
+        bad.append(f"stage 5: {r['check']}: FAIL: {r['seen']}")
+if os.environ.get("STAGE5_CPU", "0") != "0":
+    got = {r["check"].removeprefix("cpu, scaled: "): r for r in s5}
+    for name in ("kvcached, 1 slot: models resident", "1 slot: every resident model answers, round robin twice",
+                 "1 slot: greedy tokens identical to stock"):
+        if got.get(name, {}).get("verdict") != "pass":
+            bad.append(f"stage 5: {name}: {got.get(name, {}).get('verdict', 'missing')}, want pass")
+    figs = res.get("figures", {})
+    k, s = figs.get("stage5.models_resident_kvcached_np1", {}).get("value", 0), figs.get("stage5.models_resident_stock_np1", {}).get("value", 0)
+    if not k > s > 0:
+        bad.append(f"stage 5: models resident kvcached {k}, stock {s}: want kvcached > stock > 0")
+else:
+    for r in s5:
+        if r["verdict"] != "skip":
+            bad.append(f"stage 5: {r['check']}: {r['verdict']} (no CPU builds: want skip rows)")
 if last != "PASS":
     bad.append(f"verify.sh's last line: {last!r}, want PASS")
 print()
-print(f"test-gpu-bundle: {len(rows)} rows; stage 1 {len(by(1))}, stage 2 {len(by(2))}, stage 3 {len(s3)}, stage 4 {len(by(4))}; verdict {res['verdict']}")
+print(f"test-gpu-bundle: {len(rows)} rows; stage 1 {len(by(1))}, stage 2 {len(by(2))}, stage 3 {len(s3)}, stage 4 {len(by(4))}, stage 5 {len(s5)}; verdict {res['verdict']}")
 for b in bad:
     print("test-gpu-bundle: FAIL " + b)
 sys.exit(1 if bad else 0)

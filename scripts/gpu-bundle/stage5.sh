@@ -28,7 +28,8 @@
 #
 # Device: STAGE5_DEVICE=cuda (default with VERIFY_DRIVER=real) or cpu: the
 # same scenario scaled for a CPU (the "scaled" shape, the daemon on the host
-# backend, an emulated device of STAGE5_CPU_DEVICE_MIB, default 256) against
+# backend, an emulated device of STAGE5_CPU_DEVICE_MIB, default 256, -b/-ub
+# STAGE5_CPU_BATCH, default 64) against
 # CPU builds (STAGE5_BUILD, default $REPO/build/llama: scripts/test-llama.sh's).
 # With VERIFY_DRIVER=testdriver and no STAGE5_DEVICE every row is a skip row:
 # "no CUDA runtime". STAGE5_PARALLEL (default "1,4"), STAGE5_MAX_MODELS
@@ -149,6 +150,6 @@ WORK="${WORK:-$STAGE_OUT/work}"
 ARGS=(run --device "$DEVICE" --orig "$ORIG_BIN" --kvc "$KVC_BIN" --out "$STAGE_OUT/checks" --rows "$ROWS"
       --figures "$STAGE_OUT/figures.json" --deadline "$DEADLINE" --parallel "$PARALLEL" --work "$WORK"
       --max-models "${STAGE5_MAX_MODELS:-64}")
-[[ "$DEVICE" == cpu ]] && ARGS+=(--device-mib "${STAGE5_CPU_DEVICE_MIB:-256}")
+[[ "$DEVICE" == cpu ]] && ARGS+=(--device-mib "${STAGE5_CPU_DEVICE_MIB:-256}" --batch "${STAGE5_CPU_BATCH:-64}")
 [[ "${STAGE5_KEEP_MODEL:-0}" == 1 ]] && ARGS+=(--keep-model)
 "$PYTHON" "$DRIVER" "${ARGS[@]}"

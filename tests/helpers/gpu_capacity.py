@@ -43,9 +43,12 @@ compute, output; the patched runner's KV as the daemon's books say) and the
 daemon's pages. A kvcached runner "fails to load" when its buffers (the
 first one's, as logged) do not fit in what is free. Ollama's default
 context is the trained context there too (its 262,144 for >= 47 GiB, capped),
--b/-ub 512 without the surcharge (Ollama's surcharges are absolute: 768 MiB
-or 2 GiB would dwarf a scaled device), one thread per runner (-t 1). The
-rows say "cpu, scaled".
+-b/-ub scaled too, 64 by default (--batch): the compute buffer, whose KQ
+mask grows with context x batch, is then about the share of the weights it
+is for an 8B on a GPU (at Ollama's smallest, 512, it is twice the scaled
+weights), and no surcharge (Ollama's are absolute: 768 MiB or 2 GiB would
+dwarf a scaled device); one thread per runner (-t 1). The rows say "cpu,
+scaled".
 """
 
 from __future__ import annotations
@@ -567,7 +570,7 @@ class Run:
             _, nv_free, used_before = self.dev.mem()
             accounted = sum(r.buffers() for r in runners)
             free = ollama_free(nv_free, total, accounted)
-            batch = 512 if self.cpu else auto_batch(ctx_total, predicted, free)
+            batch = self.a.batch if self.cpu else auto_batch(ctx_total, predicted, free)
             pfl = predicted + (0 if self.cpu else batch_surcharge(batch))
             if not ollama_fits(pfl, free, len(runners)):
                 stop = (f"Ollama's rule: runner {i + 1}'s estimate {pfl / GiB:.2f} GiB > 80 % of "
@@ -632,7 +635,7 @@ class Run:
                     stop = (f"runner {i + 1} would not fit: its buffers ({fixed_est / MiB:.1f} MiB, as the first "
                             f"runner logged them) and its first pages > {nv_free / MiB:.1f} MiB free on the emulated device")
                     break
-                batch = 512 if self.cpu else auto_batch(ctx_total, predicted, nv_free)
+                batch = self.a.batch if self.cpu else auto_batch(ctx_total, predicted, nv_free)
                 try:
                     r = self.start_runner(self.a.kvc, True, parallel, num_ctx, batch, daemon=d,
                                           tag=f"kvc-np{parallel}-{i + 1}")
@@ -842,6 +845,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", choices=sorted(q4_gguf.SHAPES), default="")
     ap.add_argument("--parallel", default="1,4", help="slot counts, in order (the later ones if time is left)")
     ap.add_argument("--device-mib", type=int, default=256, help="cpu: the emulated device's size")
+    ap.add_argument("--batch", type=int, default=64,
+                    help="cpu: -b/-ub (default 64: the scaled model's compute buffer is then about the share of its "
+                         "weights an 8B's is on a GPU; 512 is Ollama's smallest)")
     ap.add_argument("--max-models", type=int, default=64)
     ap.add_argument("--work", default="", help="where the GGUF goes (default OUT/work)")
     ap.add_argument("--keep-model", action="store_true", help="leave the GGUF in --work")
