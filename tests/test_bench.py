@@ -73,6 +73,56 @@ def test_quick_bench_produces_every_figure(tmp_path):
         assert cap["elastic"]["reclaim_callbacks"] > 0, cap["elastic"]
         lg = res["scenarios"]["loadgen"]["loadgen"]
         assert lg["pages_bad"] == 0 and lg["errors"] == 0, lg
+    check_predicted_gpu(result, md)
+
+
+# figures of scenarios 1-3 the test-driver run predicts for a GPU (bench/costmodel.py)
+PREDICTED = {
+    "1 Allocate 64 pages": ["warm pool p50", "warm pool p99", "cold (pages created) p50", "cold (pages created) p99",
+                            "in-process create+map of 64 pages p50"],
+    "2 Allocate+Free 1 page": ["1 client p50", "16 clients p50", "16 clients p99", "64 clients pairs/s",
+                               "in-process create+map+unmap+release, 1 client p50",
+                               "C client (bench/loadc.c), 1 client p50", "C client (bench/loadc.c), 16 clients p99",
+                               "C client, 64 clients pairs/s"],
+    "3 Reclaim": ["move ", "unload+reload in-process"],
+}
+
+
+def check_predicted_gpu(result: dict, md: str) -> None:
+    """The predicted GPU rows and every input needed to redo them are in the
+    JSON (and the table); no timing assertion."""
+    table = result["cost_table"]
+    assert table["costs"]["cuMemSetAccess"]["source"] and table["page_size"] == 2 << 20
+    res = result["backends"]["cuda-testdriver"]
+    rows = res["predicted_gpu"]
+    assert f"Predicted on the {table['gpu']}" in md
+    for scenario, figs in PREDICTED.items():
+        for fig in figs:
+            match = [r for r in rows if r["scenario"] == scenario and r["figure"].startswith(fig)]
+            assert match, f"no predicted {fig!r} in {scenario!r}: {[r['figure'] for r in rows if r['scenario'] == scenario]}"
+            for r in match:
+                for k in ("predicted", "low", "high", "host", "testdriver", "predicted_run_cost_call"):
+                    assert isinstance(r[k], (int, float)) and not math.isnan(r[k]), (k, r)
+                assert r["low"] <= r["predicted"] <= r["high"], r
+                inp = r["inputs"]
+                for k in ("host_us", "client_us", "daemon_us", "queue", "client_calls", "daemon_calls", "run_cost"):
+                    assert k in inp, (k, r)
+                for fn, c in {**inp["client_calls"], **inp["daemon_calls"]}.items():
+                    assert {"n", "per", "us_each", "us", "kind"} <= set(c), (fn, c)
+                assert f"| {scenario} | {r['figure']}" in md
+    # the counted calls behind them: what each path must make on the CUDA backend
+    sc = res["scenarios"]
+    cold = sc["allocate64"]["daemon_cold"]["driver_calls"]["path"]
+    assert cold["daemon_per_op"]["calls"].get("cuMemCreate", 0) >= 64, cold  # the cold path creates its 64 pages
+    assert cold["client_per_op"]["calls"].get("cuMemImportFromShareableHandle", 0) == 64, cold
+    assert cold["daemon_threads"], cold
+    base = sc["allocate64"]["baseline_inproc_create_map"]["driver_calls"]["path"]
+    assert base["client_per_op"]["calls"]["cuMemCreate"] == 64 and not base["daemon_per_op"]["calls"], base
+    rtt = sc["roundtrip"]["rtt_1_daemon"]["driver_calls"]
+    assert rtt["client_per_op"]["calls"].get("cuMemMap", 0) == 1 and rtt["client_processes"] == 1, rtt
+    moved = sc["reclaim"]["moved_bytes"] // (2 << 20)
+    rec = sc["reclaim"]["daemon_reclaim"]["driver_calls"]
+    assert rec["client_per_op"]["calls"].get("cuMemImportFromShareableHandle", 0) >= moved, rec
 
 
 def test_request_path_harness_runs_with_and_without_metrics():
