@@ -44,9 +44,9 @@ daemon's pages. A kvcached runner "fails to load" when its buffers (the
 first one's, as logged) do not fit in what is free. Ollama's default
 context is the trained context there too (its 262,144 for >= 47 GiB, capped),
 -b/-ub scaled too, 64 by default (--batch): the compute buffer, whose KQ
-mask grows with context x batch, is then about the share of the weights it
-is for an 8B on a GPU (at Ollama's smallest, 512, it is twice the scaled
-weights), and no surcharge (Ollama's are absolute: 768 MiB or 2 GiB would
+mask grows with context x batch, is then a quarter of the weights, near
+what an 8B's is estimated to be on a GPU (at Ollama's smallest, 512, it is
+twice the scaled weights), and no surcharge (Ollama's are absolute: 768 MiB or 2 GiB would
 dwarf a scaled device); one thread per runner (-t 1). The rows say "cpu,
 scaled".
 """
@@ -846,8 +846,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parallel", default="1,4", help="slot counts, in order (the later ones if time is left)")
     ap.add_argument("--device-mib", type=int, default=256, help="cpu: the emulated device's size")
     ap.add_argument("--batch", type=int, default=64,
-                    help="cpu: -b/-ub (default 64: the scaled model's compute buffer is then about the share of its "
-                         "weights an 8B's is on a GPU; 512 is Ollama's smallest)")
+                    help="cpu: -b/-ub (default 64: the scaled model's compute buffer is then a quarter of its "
+                         "weights, near an 8B's on a GPU; 512 is Ollama's smallest)")
     ap.add_argument("--max-models", type=int, default=64)
     ap.add_argument("--work", default="", help="where the GGUF goes (default OUT/work)")
     ap.add_argument("--keep-model", action="store_true", help="leave the GGUF in --work")
