@@ -673,3 +673,11 @@ def test_stage1_runs_gpu_check_into_stage_out_with_the_last_failures_first(tmp_p
             assert "KVCACHED_TESTDRV_STATE" in got
         else:
             assert "GPU_CHECK_TESTS" not in got and "GPU_CHECK_FIRST" not in got, got  # gpu-check.sh's defaults
+
+
+def test_stage5_capacity_runs_before_the_figures_by_default():
+    """Stage 5 (issue 44) is in verify.sh's default run, after the
+    re-verification and before stage 4's long figures, and has a name."""
+    text = (GB / "verify.sh").read_text()
+    assert 'VERIFY_STAGES="${VERIFY_STAGES:-1 2 3 5 4}"' in text and "--stages)" in text
+    assert report.STAGE_NAMES[5] == "capacity" and (GB / "stage5.sh").exists()
