@@ -724,6 +724,12 @@ class Run:
             self.fig(f"models_resident_stock_np{p}", stock["resident"], "models", f"stock llama-server, Ollama {OLLAMA_VERSION} rules, {self.shape_name}")
             if stock["models"]:
                 self.fig(f"device_mib_per_model_stock_np{p}", round(per_model(stock), 1), "MiB", mem)
+        if kvc is not None and not kvc["resident"] and kvc["stop"].startswith("deadline"):
+            # the stage's time ran out before the first patched runner: nothing to judge
+            for name in plan_names([p])[2:-1]:
+                self.emit(make_row(name, "runs before the stage deadline",
+                                   "skip: the deadline came before the first patched runner", "skip"))
+            return
         if kvc is not None:
             helds = [m["held_end"] for m in kvc["models"]]
             held = statistics.median(helds) / MiB if helds else float("nan")
@@ -743,12 +749,16 @@ class Run:
         if stock is not None and kvc is not None:
             ratio = kvc["resident"] / stock["resident"] if stock["resident"] else float("inf")
             count_cap = min(stock["resident"], DEFAULT_MODELS_PER_GPU)
+            # a side the deadline stopped kept at least that many: say so, the ratio is then not the answer
+            cut = [side for side, ph in (("stock", stock), ("kvcached", kvc)) if ph["stop"].startswith("deadline")]
+            caveat = f"; NOT final: the deadline stopped {' and '.join(cut)} (a lower bound)" if cut else ""
             self.emit(make_row(f"{lab}: models resident, kvcached over stock",
                                "a ratio (issue 44's goal on an H100/H200: >= 4x with 1 slot, >= 10x with 4)",
                                f"{kvc['resident']} / {stock['resident']} = {ratio:.2f}x (Ollama's default count "
                                f"limit, {DEFAULT_MODELS_PER_GPU} per GPU, would keep {count_cap} stock: "
-                               f"{kvc['resident'] / max(count_cap, 1):.2f}x)", "info"))
-            self.fig(f"resident_ratio_np{p}", round(ratio, 2) if math.isfinite(ratio) else 0.0, "ratio", "kvcached / stock")
+                               f"{kvc['resident'] / max(count_cap, 1):.2f}x){caveat}", "info"))
+            self.fig(f"resident_ratio_np{p}", round(ratio, 2) if math.isfinite(ratio) else 0.0, "ratio",
+                     "kvcached / stock" + (f"; the deadline stopped {' and '.join(cut)}" if cut else ""))
         if kvc is not None:
             t = kvc["ttft_s"]
             want = 2 * kvc["resident"]
