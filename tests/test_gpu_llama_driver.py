@@ -106,11 +106,11 @@ def test_kv8b_shape_is_an_8b_models_kv_on_the_gpu_and_scaled_on_the_cpu():
     assert q4_gguf.weight_bytes(gpu) < q4_gguf.weight_bytes(real) / 4  # FFN and vocabulary cut
     # on the CPU: the same row (as many cells per 2 MiB page), fewer layers, a shorter context
     assert q4_gguf.kv_row_bytes(cpu) == 2048 and cpu["n_layer"] < gpu["n_layer"]
-    assert gl.KV8B_CTX == {"cuda": 32768, "cpu": 8192} and gl.KV8B_SLOTS == 4
+    assert gl.KV8B_CTX == {"cuda": 32768, "cpu": 16384} and gl.KV8B_SLOTS == 4
     # the longest prompt needs a second page per K/V tensor, and fits its slot on the CPU
     assert 1024 < max(gl.KV8B_PROMPT_CHARS) < gl.KV8B_CTX["cpu"] // gl.KV8B_SLOTS
     assert gl.kv8b_label("cuda") == "8B KV shape (32 layers, 8 KV heads of 128), 32k context, 4 slots"
-    assert gl.kv8b_label("cpu") == "8B KV shape (4 layers, 8 KV heads of 128), 8k context, 4 slots"
+    assert gl.kv8b_label("cpu") == "8B KV shape (4 layers, 8 KV heads of 128), 16k context, 4 slots"
 
 
 def test_kv_against_stock_row():

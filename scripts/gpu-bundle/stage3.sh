@@ -33,7 +33,7 @@
 #    tests/helpers/q4_gguf.py, FFN and vocabulary cut: 1.0 GiB) at a 32k
 #    context over 4 slots: tokens identical, KV held against stock's KV buffer,
 #    pages back after slot erase and SIGKILL, two such servers over one
-#    budget (--device cpu: 4 layers, 8k); device memory back at the end; the
+#    budget (--device cpu: 4 layers, 16k); device memory back at the end; the
 #    long ones last, stopped at STAGE_DEADLINE.
 # 3. Records the two servers for stage 4 in ${BUNDLE}/work/llama/servers.json.
 #

@@ -42,7 +42,7 @@ rest, which then become skip rows):
      the unpatched server's "KV buffer size" line, 0 held after every slot
      is erased; then two such servers over one budget of 1.5 times what one
      holds (reclaims both ways, tokens identical) and one of them SIGKILLed
-     while holding pages. On --device cpu: 4 layers, an 8k context;
+     while holding pages. On --device cpu: 4 layers, a 16k context;
   6. device memory (NVML, else cuMemGetInfo through torch) back to where it
      was before the first server started.
 Models are the tiny random-weight GGUFs of tests/llama/tiny_model.py, made
@@ -90,14 +90,14 @@ RECLAIM_BUDGET = 40 * MiB  # A holds 32 MiB after the long prompt, B needs 16 Mi
 # 16,384 (not 128,256): 1.0 GiB of weights instead of 4.3, written and loaded in seconds, the KV exactly an
 # 8B's; at a 32k context over 4 slots (8,192 cells a slot, 8 pages of 2 MiB per tensor and slot) stock's KV
 # buffer is 4 GiB. On a CPU (the dry run in the llama suite) the same KV row on 4 layers, 8 heads of 128 over
-# n_embd 1,024, at an 8k context (2,048 cells a slot): stock's buffer is 128 MiB.
+# n_embd 1,024, at a 16k context (4,096 cells a slot, 4 pages per tensor and slot): stock's buffer is 256 MiB.
 KV8B_SHAPES = {
     "cuda": dict(n_vocab=16384, n_embd=4096, n_ff=1024, n_layer=32, n_head=32, n_head_kv=8, n_ctx_train=131072,
                  rope_base=500000.0),
     "cpu": dict(n_vocab=4096, n_embd=1024, n_ff=256, n_layer=4, n_head=8, n_head_kv=8, n_ctx_train=131072,
                 rope_base=500000.0),
 }
-KV8B_CTX = {"cuda": 32768, "cpu": 8192}
+KV8B_CTX = {"cuda": 32768, "cpu": 16384}
 KV8B_SLOTS = 4
 KV8B_PROMPT_CHARS = (150, 300, 600, 1400)  # four at once; the longest needs two 2 MiB pages per K/V tensor
 
@@ -694,8 +694,8 @@ class Run:
         ctx = KV8B_CTX["cuda" if self.device == "cuda" else "cpu"]
         return self.server(binary, self.kv8b_model(), daemon=daemon, parallel=KV8B_SLOTS, fa="on", ctx=ctx, tag=tag)
 
-    def kv8b_answers(self, srv) -> list[dict]:
-        res = srv.complete(self.kv8b_prompts(), 16)
+    def kv8b_answers(self, srv, **kw) -> list[dict]:
+        res = srv.complete(self.kv8b_prompts(), 16, **kw)
         return res if isinstance(res, list) else [res]
 
     def kv8b_bound(self, answers: list[dict]) -> int:
@@ -703,7 +703,10 @@ class Run:
 
         shape = KV8B_SHAPES["cuda" if self.device == "cuda" else "cpu"]
         rows = [q4_gguf.kv_row_bytes(shape)] * (2 * shape["n_layer"])
-        return self.lt.held_bound([self.lt.used_cells(r) for r in answers], rows, PAGE)
+        # the prompts go through in shared ubatches, and a ubatch's graph reads n_kv cells (its longest
+        # stream's, padded) of every stream it touches: each stream may hold what the longest reads
+        longest = max(self.lt.used_cells(r) for r in answers)
+        return self.lt.held_bound([longest] * len(answers), rows, PAGE)
 
     def check_kv8b(self) -> None:
         """Stock's tokens and KV buffer line, then the patched server through
@@ -750,7 +753,11 @@ class Run:
         """Two patched servers of the 8B KV shape over one budget of 1.5 times
         what one holds: the second's prompts reclaim from the idle first, the
         first's again from the second; tokens identical to stock's; then the
-        first, holding pages, is SIGKILLed."""
+        first, holding pages, is SIGKILLed. Every request prefills its whole
+        prompt (cache_prompt off): a slot that kept its prompt would compute
+        only its last token again, alone in a batch, and q4_0's kernels
+        round a batch of one differently from a batch of many (on the CPU
+        that flipped near ties of this random model)."""
         label = kv8b_label(self.device)
         held1 = getattr(self, "kv8b_held", 0)
         if held1 <= 0:
@@ -760,12 +767,12 @@ class Run:
         d = self.daemon("d9", budget)
         a = self.kv8b_server(self.kvc, d, tag="kvc-kv8b-a")
         b = self.kv8b_server(self.kvc, d, tag="kvc-kv8b-b")
-        ta = [r["tokens"] for r in self.kv8b_answers(a)]
+        ta = [r["tokens"] for r in self.kv8b_answers(a, cache_prompt=False)]
         held_a0 = d.held(a.pid)
-        tb = [r["tokens"] for r in self.kv8b_answers(b)]
+        tb = [r["tokens"] for r in self.kv8b_answers(b, cache_prompt=False)]
         held_a1, held_b1 = d.held(a.pid), d.held(b.pid)
         st = d.stats()
-        ta2 = [r["tokens"] for r in self.kv8b_answers(a)]
+        ta2 = [r["tokens"] for r in self.kv8b_answers(a, cache_prompt=False)]
         held_a2, held_b2 = d.held(a.pid), d.held(b.pid)
         st2 = d.stats()
         same = ta == tb == ta2 and (want is None or ta == want)

@@ -4,7 +4,7 @@ suite's two builds, so that the checks a GPU host runs do not rot between
 GPU runs: the same checks (greedy identity over two models, flash attention
 on and off, 1 and 4 slots; KV in daemon pages; pages following the context;
 a SIGKILLed server; two servers and a reclaim; an 8B model's KV row on 4
-layers at an 8k context over 4 slots), with the daemon on the host
+layers at a 16k context over 4 slots), with the daemon on the host
 backend and 2 MiB pages as on a GPU. Only the CUDA-only rows are skipped."""
 
 from __future__ import annotations
