@@ -127,18 +127,22 @@ def test_kv_against_stock_row():
 def test_hook_stats_line_and_per_token_figures():
     log = ("srv  log line\n"
            "kvcached: hook stats: calls 3090 in 1545.0 us; active 1030 / 103.0 us, map 1030 / 1236.0 us, "
-           "lock 1000 / 150.0 us, poll 30 / 6.0 us\nmore\n")
+           "lock 1000 / 150.0 us, poll 30 / 56.0 us\nmore\n")
     st = gl.parse_hook_stats(log)
     assert st == {"calls": 3090, "us": 1545.0, "entries": {"active": [1030, 103.0], "map": [1030, 1236.0],
-                                                            "lock": [1000, 150.0], "poll": [30, 6.0]}}
+                                                            "lock": [1000, 150.0], "poll": [30, 56.0]}}
     assert gl.parse_hook_stats("no line") is None
     empty = gl.parse_hook_stats("kvcached: hook stats: calls 0 in 0.0 us; \n")
     assert empty == {"calls": 0, "us": 0.0, "entries": {}}
-    figs = gl.hook_figures({"patched": st, "patched_no_daemon": None, "patched_premap": st}, {"patched": 1000,
+    # what a server calls while it loads and exits is left out of the per-token figures
+    loaded = dict(st, entries={**st["entries"], "alloc_kv": [1, 6000.0], "buf_clear": [4, 30000.0], "buf_free": [1, 700.0]})
+    figs = gl.hook_figures({"patched": loaded, "patched_no_daemon": None, "patched_premap": st}, {"patched": 1000,
                            "patched_premap": 0}, "cuda", "A")
     assert set(figs) == {"decode_hook_calls_per_token_patched", "decode_hook_us_per_token_patched"}
     assert figs["decode_hook_us_per_token_patched"]["value"] == 1.545
     assert figs["decode_hook_us_per_token_patched"]["calls"] == 3090
+    assert figs["decode_hook_us_per_token_patched"]["load_us"] == 36700.0
+    assert "alloc_kv" not in figs["decode_hook_calls_per_token_patched"]["entries"]
     assert figs["decode_hook_calls_per_token_patched"]["value"] == 3.09
     assert figs["decode_hook_calls_per_token_patched"]["entries"]["map"] == {"calls_per_token": 1.03,
                                                                              "us_per_token": 1.236}

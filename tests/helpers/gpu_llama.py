@@ -297,26 +297,36 @@ def parse_hook_stats(log: str) -> dict | None:
             "entries": {m.group(1): [int(m.group(2)), float(m.group(3))] for m in HOOK_ENTRY_RE.finditer(rest)}}
 
 
+# entries a server calls while it loads or exits, not per batch: left out of the per-token figures
+# (buf_clear: the constructor's clear and the one after llama.cpp's warm-up run)
+HOOK_LOAD_ENTRIES = ("alloc_kv", "buffer_size", "buf_clear", "buf_free", "set_idle_release")
+
+
 def hook_figures(stats: dict[str, dict | None], tokens: dict[str, int], device: str, model: str) -> dict:
     """figures.json entries from each patched variant's hook counters and the
     tokens its server generated (every request's, the warm-up included):
     hook calls and microseconds inside the hook per generated token, with
-    each entry's share. The prompt batches' calls are in the totals too (one
-    per request), so the figures are an upper bound of the per-token cost;
-    the counting itself (two clock reads a call) is inside them."""
+    each entry's share, leaving out what a server calls while it loads and
+    exits (HOOK_LOAD_ENTRIES; their time is `load_us`). The per-request
+    calls (a prompt batch's Allocate in `map`, the trim of a slot's cells
+    in `trim`) are in the figures spread over the tokens, so they are an
+    upper bound of what a decode step pays; the counting itself (two clock
+    reads a call) is inside them."""
     figs: dict = {}
     for name, st in stats.items():
         n = tokens.get(name, 0)
         if not st or n <= 0:
             continue
-        note = (f"the hook's own counters (KVCACHED_HOOK_STATS), {device}, tiny model {model}: every call over the "
-                f"{n} tokens the server generated")
-        per = {k: {"calls_per_token": round(c / n, 3), "us_per_token": round(u / n, 3)}
-               for k, (c, u) in sorted(st["entries"].items())}
-        figs[f"decode_hook_calls_per_token_{name}"] = {"value": round(st["calls"] / n, 2), "unit": "calls",
+        run = {k: v for k, v in st["entries"].items() if k not in HOOK_LOAD_ENTRIES}
+        calls, us = sum(c for c, _ in run.values()), sum(u for _, u in run.values())
+        load_us = round(sum(u for k, (_, u) in st["entries"].items() if k in HOOK_LOAD_ENTRIES), 1)
+        note = (f"the hook's own counters (KVCACHED_HOOK_STATS), {device}, tiny model {model}: its calls over the "
+                f"{n} tokens the server generated, load and exit ({', '.join(HOOK_LOAD_ENTRIES)}) left out")
+        per = {k: {"calls_per_token": round(c / n, 3), "us_per_token": round(u / n, 3)} for k, (c, u) in sorted(run.items())}
+        figs[f"decode_hook_calls_per_token_{name}"] = {"value": round(calls / n, 2), "unit": "calls",
                                                        "device": device, "note": note, "entries": per}
-        figs[f"decode_hook_us_per_token_{name}"] = {"value": round(st["us"] / n, 3), "unit": "us", "device": device,
-                                                    "note": note, "calls": st["calls"], "tokens": n}
+        figs[f"decode_hook_us_per_token_{name}"] = {"value": round(us / n, 3), "unit": "us", "device": device,
+                                                    "note": note, "calls": calls, "tokens": n, "load_us": load_us}
     return figs
 
 
