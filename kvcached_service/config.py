@@ -99,6 +99,7 @@ class Settings(BaseSettings):
     prealloc: str = Field("0", description="warm pages created ahead of demand per device, as a size (256MiB)")
     pool_idle_seconds: float = Field(30.0, ge=0, description="pooled pages beyond the warm target idle this long go back to the device")
     zero_pages: bool = Field(True, description="zero pages before they change session (see docs/architecture.md)")
+    kept_exports: int = Field(-1, ge=-1, description="CUDA: pages per device that keep their exported fd for their life, so a loan makes no driver call (-1: the open-file limit less a quarter of it; 0: export on every delivery; docs/architecture.md, File descriptors)")
     socket_mode: str = Field("0660", description="permission bits of both socket files (octal)")
     socket_group: str = Field("", description="group owning the socket files (name or gid); empty = the daemon's")
     allowed_uids: Annotated[list[int], NoDecode] = Field(default_factory=list, description="uids allowed to open sessions (comma-separated); empty = anyone who can open the socket")

@@ -709,5 +709,10 @@ def open_backend(libcuda: str | None = None) -> CudaBackend:
 
 def from_settings(settings) -> CudaBackend:
     """The registry's factory (backends/__init__.py): open_backend with the
-    library $KVCACHED_LIBCUDA names (default libcuda.so.1)."""
-    return open_backend()
+    library $KVCACHED_LIBCUDA names (default libcuda.so.1); `kept_exports`
+    (>= 0) caps the pages that keep an export, else the fd limit decides."""
+    backend = open_backend()
+    kept = getattr(settings, "kept_exports", -1)
+    if kept >= 0:
+        backend.kept_export_cap = kept
+    return backend

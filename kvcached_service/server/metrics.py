@@ -161,11 +161,11 @@ def snapshot(daemon: "Daemon", control: Any = None) -> dict:
                 "allocations_total": b.allocations_total,
                 "allocation_failures_total": b.allocation_failures_total,
                 "zeroing": b.zeroing * b.page_size,
-                "zero_pages_total": pool.zeroer.counters.pages_total,
-                "zero_batches_total": pool.zeroer.counters.batches_total,
-                "zero_failures_total": pool.zeroer.counters.failures_total,
-                "zero_waits_total": pool.zeroer.counters.waits_total,
-                "zero_wait_seconds_total": pool.zeroer.counters.wait_seconds_total,
+                "zero_pages_total": b.zeroed_total,
+                "zero_batches_total": b.zero_batches_total,
+                "zero_failures_total": b.zero_failures_total,
+                "zero_waits_total": b.zero_waits_total,
+                "zero_wait_seconds_total": b.zero_wait_seconds_total,
             }
         )
     by_name: dict[str, dict] = {}

@@ -173,6 +173,12 @@ class Books:
     allocation_failures_total: int
     unavailable: int = 0  # pages of the configured limit the device does not have (not in budget)
     zeroing: int = 0  # of `pooled`: freed pages waiting for (or in) background zeroing
+    # the background zeroer's counters (ZeroCounters), as of this snapshot
+    zeroed_total: int = 0
+    zero_batches_total: int = 0
+    zero_failures_total: int = 0
+    zero_waits_total: int = 0
+    zero_wait_seconds_total: float = 0.0
 
     @property
     def device(self) -> str:

@@ -143,11 +143,12 @@ class DevicePool:
 
     def books(self) -> Books:
         """A frozen snapshot of the books (see Books)."""
-        c, n = self.counters, self.counts
+        c, n, z = self.counters, self.counts, self.zeroer.counters
         return Books(
             self.budget, n.pooled, n.in_use, n.free,
             c.created_total, c.released_total, c.allocations_total, c.allocation_failures_total,
             max(0, n.limit_pages - n.budget_pages), len(self.zeroer),
+            z.pages_total, z.batches_total, z.failures_total, z.waits_total, z.wait_seconds_total,
         )
 
     # ---- supply: what the device really has ---------------------------
