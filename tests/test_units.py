@@ -662,3 +662,38 @@ def test_a_registered_mapper_is_chosen_without_editing_dispatch_code(monkeypatch
         Session.mapper(s, "FAKE-1")
     assert isinstance(mapping.mapper_for("host", "HOST-0"), mapping.HostMapper)
     assert mapping.Mapper.view_device(m) is None  # a mapper that says nothing gets no views
+
+
+def test_pool_waits_for_zeroing_only_when_those_pages_cover_the_request():
+    """A Free is answered before its pages are zeroed (the pool's zeroer, in
+    the background). An Allocate of the same uid that those pages cover
+    waits for them instead of creating new ones (counted in the books); one
+    they cannot cover is not held up by them: a request the budget cannot
+    cover fails at once."""
+    import time as _time
+
+    class SlowZero(FakeBackend):
+        def zero_pages(self, device, pages):
+            _time.sleep(0.5)
+
+    async def run():
+        be = SlowZero()
+        pool = _pool(be, budget_pages=8)
+        s = _S(1, 1000)
+        first = await pool.acquire(s, 4)
+        pool.give_back_now(first)  # dirty (FakeBackend: every page needs zeroing): to the zeroer
+        assert pool.books().zeroing == 4 and pool.n_ready_for(1000) == 0
+        pool.check()
+        t0 = _time.monotonic()
+        with pytest.raises(errors.ResourceExhausted, match="cannot allocate 9 pages"):
+            await pool.acquire(s, 9)  # more than the budget: not held up by the zeroing
+        assert _time.monotonic() - t0 < 0.3
+        created = pool.counters.created_total
+        again = await pool.acquire(s, 3)  # covered by the 4 being zeroed: waits for them
+        assert pool.counters.created_total == created and {p.id for p in again} <= {p.id for p in first}
+        b = pool.books()
+        assert b.zero_waits_total == 1 and b.zero_wait_seconds_total > 0.2 and b.zeroed_total == 4
+        pool.check()
+        pool.worker.stop()
+
+    asyncio.run(run())

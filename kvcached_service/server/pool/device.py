@@ -340,7 +340,8 @@ class DevicePool:
         """Hand `count` pages to `session`, all or nothing: they come back
         HELD by it (in these books; the session's own are the caller's).
         Ready pages first; when they are not enough and pages of this uid
-        are being zeroed, it waits for those rather than making new ones;
+        being zeroed cover the rest, it waits for those rather than making
+        new ones;
         then new pages within the free budget, then another uid's pooled
         pages released to make room. Raises Shortage when the budget cannot
         cover it right now."""
@@ -362,8 +363,10 @@ class DevicePool:
             while True:
                 ready = self.ready.for_uid(uid)
                 take = min(count, ready)
-                if take < count and self.zeroer.for_uid(uid):
-                    # Pages of this uid on their way back: cheaper than new ones.
+                if take < count and count - take <= self.zeroer.for_uid(uid):
+                    # Pages of this uid on their way back cover the rest:
+                    # cheaper than new ones. (When they cannot, waiting for
+                    # them helps no more than the budget below says.)
                     if waited_since is None:
                         waited_since = time.monotonic()
                         self.zeroer.counters.waits_total += 1
