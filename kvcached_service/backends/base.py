@@ -7,9 +7,8 @@ device on that device's worker threads (see server/worker.py): `zero_pages`
 on the zeroer's, everything else on the device worker; `worker_init` runs
 once on each, so a backend may keep thread-bound state there (the CUDA
 backend makes the device's primary context current). No method but
-`needs_zeroing` and `exports_ready` (cheap by contract), and `export_fds`
-when `exports_ready` says it is cheap, is ever called from the event loop;
-a warm loan calls none: it sends the descriptor each page keeps
+`needs_zeroing` (cheap by contract) is ever called from the event loop; a
+warm loan calls none: it sends the descriptor each page keeps
 (`PageHandle.fd`).
 """
 
@@ -88,14 +87,10 @@ class Backend(abc.ABC):
         page's own fd, which the backend keeps (the caller must not close
         it). With `fresh_exports`, new descriptors the caller owns and
         closes after sending; all or nothing (on failure none is left
-        open). Runs on the event loop thread when `exports_ready(pages)`
-        (no driver call), on the device worker otherwise."""
+        open). The pool calls it on the device worker, only for pages
+        that keep no descriptor (a loan sends a kept one as it is) and for
+        readers that want their own (the page store)."""
         return [p.fd for p in pages]
-
-    def exports_ready(self, pages: list[PageHandle]) -> bool:
-        """Whether export_fds of these pages is cheap (may run on the event
-        loop). By default always (the pages' own fds)."""
-        return True
 
     def needs_zeroing(self, pages: list[PageHandle]) -> list[PageHandle]:
         """The pages among these that zero_pages must clear. The one method

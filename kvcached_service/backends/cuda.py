@@ -323,7 +323,8 @@ class CudaBackend(Backend):
         return pages
 
     def exports_ready(self, pages: list[PageHandle]) -> bool:
-        """Whether export_fds of these pages needs no driver call (each keeps an export)."""
+        """Whether export_fds of these pages needs no driver call (each keeps
+        an export to duplicate; export_fds then needs no current context)."""
         return all(p.fd >= 0 for p in pages)
 
     def export_fds(self, device: int, pages: list[PageHandle]) -> list[int]:

@@ -198,9 +198,8 @@ class Recovery:
         if self.journal is None:
             return
         be = pool.backend
-        fresh = be.fresh_exports  # an export per delivery: its identity, not a kept one
         for p, fd in zip(pages, fds):
-            if fresh or not p.ident:
+            if not p.ident:  # a page's identity is the same for every fd of it (Backend.identity): once
                 p.ident = be.identity(fd)
         self.record({"op": "alloc", "sid": s.id, "dev": pool.uuid, "pages": [[p.id, p.ident] for p in pages]})
         if self.store is not None:  # in the store before the client can hold it

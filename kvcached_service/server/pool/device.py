@@ -120,16 +120,8 @@ class DevicePool:
         return self.counts.pooled
 
     @property
-    def n_held(self) -> int:
-        return self.counts.held
-
-    @property
     def n_in_use(self) -> int:
         return self.counts.in_use
-
-    @property
-    def n_free(self) -> int:
-        return self.counts.free
 
     def n_ready_for(self, uid: int) -> int:
         return self.ready.for_uid(uid)

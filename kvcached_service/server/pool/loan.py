@@ -25,11 +25,6 @@ class Loan(NamedTuple):
     fds: list[int]
     owned: tuple[int, ...] = ()
 
-    @property
-    def fresh(self) -> bool:
-        """Whether some descriptor was made for this delivery."""
-        return bool(self.owned)
-
     def close(self) -> None:
         """The delivery is over (sent, or given up): close what the loan owns.
         Idempotent only in the sense that the caller calls it once."""
