@@ -343,13 +343,7 @@ class DevicePool:
             got = self.ready.take(uid, count)
             n.pooled -= count
             n.held += count
-            for page in got:
-                page.state = PageState.HELD
-                page.session = session
-                page.uid = uid
-            self.counters.allocations_total += 1
-            self._maybe_refill()
-            return got
+            return self._handed(got, session)
         waited_since: float | None = None
         try:
             while True:
@@ -407,11 +401,15 @@ class DevicePool:
             self.pages[page.id] = page
             got.append(page)
         self.counters.created_total += len(new_handles)
+        n.held += len(new_handles)
+        return self._handed(got, session)
+
+    def _handed(self, got: list[Page], session: "Session") -> list[Page]:
+        """The pages of an Allocate, counted HELD already: now the session's."""
         for page in got:
             page.state = PageState.HELD
             page.session = session
-            page.uid = uid
-        n.held += len(new_handles)
+            page.uid = session.uid
         self.counters.allocations_total += 1
         self._maybe_refill()
         return got
