@@ -31,9 +31,12 @@ REQ_FREE = 7
 REQ_CLOSE = 8
 REPLY = 9  # daemon to client: the answer to a request record
 REQ_ANSWER = 10  # client to daemon: a session's answer to a reclaim request
+DROP = 11  # daemon to client: release your kept handles of these pages (docs/protocol.md, "Kept handles")
+REQ_DROPPED = 12  # client to daemon: it keeps no handle of these pages any more
 NAMES = {HELLO: "HELLO", PAGES: "PAGES", ERROR: "ERROR", GOODBYE: "GOODBYE", ADOPT: "ADOPT", REQ_ALLOCATE: "ALLOCATE",
-         REQ_FREE: "FREE", REQ_CLOSE: "CLOSE", REPLY: "REPLY", REQ_ANSWER: "ANSWER"}
-REQUESTS = frozenset({REQ_ALLOCATE, REQ_FREE, REQ_CLOSE, REQ_ANSWER})  # answered by REPLY, req_id first
+         REQ_FREE: "FREE", REQ_CLOSE: "CLOSE", REPLY: "REPLY", REQ_ANSWER: "ANSWER", DROP: "DROP",
+         REQ_DROPPED: "DROPPED"}
+REQUESTS = frozenset({REQ_ALLOCATE, REQ_FREE, REQ_CLOSE, REQ_ANSWER, REQ_DROPPED})  # answered by REPLY, req_id first
 # Allocations asked for on the channel are delivered with allocation_id =
 # req_id | CHANNEL_ALLOC_BIT, so they never collide with gRPC Allocate ids.
 CHANNEL_ALLOC_BIT = 1 << 63
@@ -44,13 +47,15 @@ _HELLO = struct.Struct("<QIIII32s")  # channel_id, pid, uid, gid, max_fds, secre
 _PAGES = struct.Struct("<QIIII")  # allocation_id, first_index, count, total, reserved
 _ERROR = struct.Struct("<I")  # code, then message
 _REQ_ALLOC = struct.Struct("<QIIII")  # req_id, num_pages, flags, wait_timeout_ms, device_len; then device
-_REQ_FREE = struct.Struct("<QII")  # req_id, count, reserved; then page ids
+_REQ_FREE = struct.Struct("<QII")  # req_id, count, flags; then page ids (DROPPED: the same layout)
+_DROP = struct.Struct("<II")  # count, reserved; then page ids
 _REQ_CLOSE = struct.Struct("<Q")  # req_id
 _REPLY = struct.Struct("<QIIQ")  # req_id, code, reserved, value; then message
 _REQ_ANSWER = struct.Struct("<QQQQ")  # req_id, reclaim_id, bytes_given, bytes_kept; then reason
 _REQ_ID = struct.Struct("<Q")  # the first field of every request
 ALLOC_WAIT = 1
 ALLOC_NOTIFY = 2
+FREE_KEEP = 1  # FREE flags: the sender keeps the imported handle of every page it names
 HEADER_SIZE = _HEADER.size
 SECRET_SIZE = 32
 # Largest record a client sends (a FREE with MAX_FREE_IDS ids), and the
@@ -131,6 +136,28 @@ class AllocateReq:
 class FreeReq:
     req_id: int
     page_ids: tuple[int, ...]
+    flags: int = 0  # FREE_KEEP; other bits ignored
+
+    @property
+    def keep(self) -> bool:
+        return bool(self.flags & FREE_KEEP)
+
+
+@dataclass(frozen=True)
+class DroppedReq:
+    """The client keeps no handle of these pages any more (an answer to
+    DROP, or on its own)."""
+
+    req_id: int
+    page_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Drop:
+    """The daemon asks the client to release its kept handles of these
+    pages, then to say so with DROPPED."""
+
+    page_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -169,7 +196,7 @@ class Goodbye:
     pass
 
 
-Record = Hello | Pages | Adopt | Error | Goodbye | AllocateReq | FreeReq | CloseReq | AnswerReq | Reply
+Record = Hello | Pages | Adopt | Error | Goodbye | AllocateReq | FreeReq | CloseReq | AnswerReq | Reply | Drop | DroppedReq
 
 
 def _frame(kind: int, payload: bytes) -> bytes:
@@ -203,10 +230,21 @@ def encode_allocate(req_id: int, num_pages: int, device: str = "", wait: bool = 
     return _frame(REQ_ALLOCATE, _REQ_ALLOC.pack(req_id, num_pages, flags, wait_timeout_ms, len(dev)) + dev)
 
 
-def encode_free(req_id: int, page_ids: list[int]) -> bytes:
+def encode_free(req_id: int, page_ids: list[int], keep: bool = False, kind: int = REQ_FREE) -> bytes:
     if not 1 <= len(page_ids) <= MAX_FREE_IDS:
-        raise ValueError(f"a FREE record carries 1..{MAX_FREE_IDS} page ids, not {len(page_ids)}")
-    return _frame(REQ_FREE, _REQ_FREE.pack(req_id, len(page_ids), 0) + struct.pack(f"<{len(page_ids)}Q", *page_ids))
+        raise ValueError(f"a {NAMES[kind]} record carries 1..{MAX_FREE_IDS} page ids, not {len(page_ids)}")
+    flags = FREE_KEEP if keep else 0
+    return _frame(kind, _REQ_FREE.pack(req_id, len(page_ids), flags) + struct.pack(f"<{len(page_ids)}Q", *page_ids))
+
+
+def encode_dropped(req_id: int, page_ids: list[int]) -> bytes:
+    return encode_free(req_id, page_ids, kind=REQ_DROPPED)
+
+
+def encode_drop(page_ids: list[int]) -> bytes:
+    if not 1 <= len(page_ids) <= MAX_FREE_IDS:
+        raise ValueError(f"a DROP record carries 1..{MAX_FREE_IDS} page ids, not {len(page_ids)}")
+    return _frame(DROP, _DROP.pack(len(page_ids), 0) + struct.pack(f"<{len(page_ids)}Q", *page_ids))
 
 
 def encode_close(req_id: int) -> bytes:
@@ -290,6 +328,13 @@ def decode(data: bytes, fds: list[int] | tuple[int, ...], truncated: bool = Fals
             raise ProtocolError("malformed ERROR")
         (code,) = _ERROR.unpack_from(payload)
         return Error(code, payload[_ERROR.size :].decode("utf-8", "replace"))
+    if kind == DROP:
+        if length < _DROP.size or fds:
+            raise ProtocolError("DROP record too short" if length < _DROP.size else "DROP record carries descriptors")
+        count, _ = _DROP.unpack_from(payload)
+        if not 1 <= count <= MAX_FREE_IDS or length != _DROP.size + 8 * count:
+            raise ProtocolError(f"DROP record says {count} page ids and has {length - _DROP.size} bytes of them")
+        return Drop(struct.unpack_from(f"<{count}Q", payload, _DROP.size))
     assert kind == GOODBYE
     if length or fds:
         raise ProtocolError("malformed GOODBYE")
@@ -313,15 +358,16 @@ def _decode_request(kind: int, name: str, payload: bytes, fds, fds_truncated: bo
             raise MalformedRequest(name, req, f"device_len {dev_len} but {length - _REQ_ALLOC.size} bytes of device")
         dev = payload[_REQ_ALLOC.size :].decode("utf-8", "replace")
         return AllocateReq(req, n, bool(flags & ALLOC_WAIT), bool(flags & ALLOC_NOTIFY), wait_ms, dev)
-    if kind == REQ_FREE:
+    if kind in (REQ_FREE, REQ_DROPPED):
         if length < _REQ_FREE.size:
             raise MalformedRequest(name, req, f"{length} payload bytes, fewer than its fixed {_REQ_FREE.size}")
-        _, count, _ = _REQ_FREE.unpack_from(payload)
+        _, count, flags = _REQ_FREE.unpack_from(payload)
         if count > MAX_FREE_IDS:
             raise MalformedRequest(name, req, f"{count} page ids, more than {MAX_FREE_IDS}")
         if length != _REQ_FREE.size + 8 * count:
             raise MalformedRequest(name, req, f"count {count} but {length - _REQ_FREE.size} bytes of page ids")
-        return FreeReq(req, struct.unpack_from(f"<{count}Q", payload, _REQ_FREE.size))
+        ids = struct.unpack_from(f"<{count}Q", payload, _REQ_FREE.size)
+        return FreeReq(req, ids, flags) if kind == REQ_FREE else DroppedReq(req, ids)
     if kind == REQ_CLOSE:
         if length != _REQ_CLOSE.size:
             raise MalformedRequest(name, req, f"{length} payload bytes, not {_REQ_CLOSE.size}")
@@ -365,7 +411,7 @@ def send_record(sock: socket.socket, data: bytes, fds: list[int] | tuple[int, ..
 # The daemon's hot path (recv_request): the two requests a client sends on
 # every grow and trim, in their common 40-byte form, read with one unpack:
 # header, req_id, then ALLOCATE's num_pages, flags, wait_timeout_ms and
-# device_len (0: the first device), or FREE's count (1), reserved, page id.
+# device_len (0: the first device), or FREE's count (1), flags, page id.
 _HOT = struct.Struct("<IHHIIQIIQ")
 HOT_SIZE = _HOT.size  # 40
 _HOT_LEN = HOT_SIZE - HEADER_SIZE
@@ -374,7 +420,7 @@ _HOT_LEN = HOT_SIZE - HEADER_SIZE
 def decode_hot(data: bytes) -> tuple | None:
     """A one-page FREE or an ALLOCATE without a device name, as a plain
     tuple: (REQ_ALLOCATE, req_id, num_pages, flags, wait_timeout_ms) or
-    (REQ_FREE, req_id, page_id). None for anything else (decode() then
+    (REQ_FREE, req_id, page_id, flags). None for anything else (decode() then
     parses it, and classifies any fault). Meant for records that came with
     no descriptors and no MSG_TRUNC/MSG_CTRUNC; what it accepts, decode()
     reads the same way (tests/test_fdchannel.py checks it on every vector)."""
@@ -388,7 +434,7 @@ def decode_hot(data: bytes) -> tuple | None:
             return None
         return (REQ_ALLOCATE, req, a, b, c)
     if kind == REQ_FREE and a == 1:
-        return (REQ_FREE, req, c)
+        return (REQ_FREE, req, c, b)
     return None
 
 

@@ -61,7 +61,12 @@ def as_spec(rec) -> dict:
         return {"type": "ALLOCATE", "req_id": u(rec.req_id), "num_pages": rec.num_pages, "wait": rec.wait,
                 "notify": rec.notify, "wait_timeout_ms": rec.wait_timeout_ms, "device": rec.device}
     if isinstance(rec, fdchannel.FreeReq):
-        return {"type": "FREE", "req_id": u(rec.req_id), "count": len(rec.page_ids), "page_ids": [u(i) for i in rec.page_ids]}
+        return {"type": "FREE", "req_id": u(rec.req_id), "count": len(rec.page_ids), "page_ids": [u(i) for i in rec.page_ids],
+                "flags": rec.flags, "keep": rec.keep}
+    if isinstance(rec, fdchannel.DroppedReq):
+        return {"type": "DROPPED", "req_id": u(rec.req_id), "count": len(rec.page_ids), "page_ids": [u(i) for i in rec.page_ids]}
+    if isinstance(rec, fdchannel.Drop):
+        return {"type": "DROP", "count": len(rec.page_ids), "page_ids": [u(i) for i in rec.page_ids]}
     if isinstance(rec, fdchannel.CloseReq):
         return {"type": "CLOSE", "req_id": u(rec.req_id)}
     if isinstance(rec, fdchannel.AnswerReq):
@@ -88,8 +93,13 @@ def encode(r: dict) -> bytes:
         return fdchannel.encode_goodbye()
     if t == "ALLOCATE":
         return fdchannel.encode_allocate(int(r["req_id"]), r["num_pages"], r["device"], r["wait"], r["notify"], r["wait_timeout_ms"])
-    if t == "FREE":
-        return fdchannel.encode_free(int(r["req_id"]), ids) if ids else fdchannel._frame(fdchannel.REQ_FREE, struct.pack("<QII", int(r["req_id"]), 0, 0))
+    if t in ("FREE", "DROPPED"):
+        kind = fdchannel.REQ_FREE if t == "FREE" else fdchannel.REQ_DROPPED
+        if not ids:
+            return fdchannel._frame(kind, struct.pack("<QII", int(r["req_id"]), 0, 0))
+        return fdchannel.encode_free(int(r["req_id"]), ids, keep=r.get("keep", False), kind=kind)
+    if t == "DROP":
+        return fdchannel.encode_drop(ids)
     if t == "CLOSE":
         return fdchannel.encode_close(int(r["req_id"]))
     if t == "ANSWER":
@@ -114,15 +124,18 @@ def test_constants_match_the_spec():
     assert lim["max_client_record"] == fdchannel.MAX_CLIENT_RECORD
     assert int(lim["channel_alloc_bit"]) == fdchannel.CHANNEL_ALLOC_BIT
     assert SPEC["flags"]["ALLOCATE"] == {"wait": fdchannel.ALLOC_WAIT, "notify": fdchannel.ALLOC_NOTIFY}
+    assert SPEC["flags"]["FREE"] == {"keep": fdchannel.FREE_KEEP}
     types = {"HELLO": fdchannel.HELLO, "PAGES": fdchannel.PAGES, "ERROR": fdchannel.ERROR, "GOODBYE": fdchannel.GOODBYE,
              "ADOPT": fdchannel.ADOPT, "ALLOCATE": fdchannel.REQ_ALLOCATE, "FREE": fdchannel.REQ_FREE,
-             "CLOSE": fdchannel.REQ_CLOSE, "REPLY": fdchannel.REPLY, "ANSWER": fdchannel.REQ_ANSWER}
+             "CLOSE": fdchannel.REQ_CLOSE, "REPLY": fdchannel.REPLY, "ANSWER": fdchannel.REQ_ANSWER,
+             "DROP": fdchannel.DROP, "DROPPED": fdchannel.REQ_DROPPED}
     assert {n: r["type"] for n, r in RECORDS.items()} == types
     assert {types[n] for n, r in RECORDS.items() if r.get("answer_malformed")} == fdchannel.REQUESTS
     assert {v: k for k, v in types.items()} == fdchannel.NAMES
     fixed = {"HELLO": fdchannel._HELLO.size, "PAGES": fdchannel._PAGES.size, "ADOPT": fdchannel._PAGES.size,
              "ERROR": fdchannel._ERROR.size, "ALLOCATE": fdchannel._REQ_ALLOC.size, "FREE": fdchannel._REQ_FREE.size,
-             "CLOSE": fdchannel._REQ_CLOSE.size, "REPLY": fdchannel._REPLY.size, "ANSWER": fdchannel._REQ_ANSWER.size}
+             "CLOSE": fdchannel._REQ_CLOSE.size, "REPLY": fdchannel._REPLY.size, "ANSWER": fdchannel._REQ_ANSWER.size,
+             "DROP": fdchannel._DROP.size, "DROPPED": fdchannel._REQ_FREE.size}
     for name, size in fixed.items():
         s = RECORDS[name]["size"]
         assert s.get("exact", s.get("fixed", s.get("min"))) == size, name
@@ -165,7 +178,7 @@ def test_vector_is_the_fault_it_says(v):
 def test_every_request_type_has_both_kinds_of_fault():
     """The vectors cover, for each request type, a malformed request the
     daemon answers and one it cannot (no req_id or broken framing)."""
-    for name in ("ALLOCATE", "FREE", "CLOSE", "ANSWER"):
+    for name in ("ALLOCATE", "FREE", "CLOSE", "ANSWER", "DROPPED"):
         t = RECORDS[name]["type"]
         kinds = {v["error"] for v in NEGATIVE if bytes.fromhex(v["hex"])[6:8] == t.to_bytes(2, "little")}
         assert "malformed_request" in kinds, name
@@ -450,7 +463,7 @@ def _as_hot(rec) -> tuple | None:
         flags = (fdchannel.ALLOC_WAIT if rec.wait else 0) | (fdchannel.ALLOC_NOTIFY if rec.notify else 0)
         return (fdchannel.REQ_ALLOCATE, rec.req_id, rec.num_pages, flags, rec.wait_timeout_ms)
     if isinstance(rec, fdchannel.FreeReq) and len(rec.page_ids) == 1:
-        return (fdchannel.REQ_FREE, rec.req_id, rec.page_ids[0])
+        return (fdchannel.REQ_FREE, rec.req_id, rec.page_ids[0], rec.flags)
     return None
 
 
@@ -506,7 +519,7 @@ def test_recv_request_reads_hot_requests_as_tuples_and_the_rest_as_records():
         a.send(fdchannel.encode_allocate(1, 1, wait=True))
         assert fdchannel.recv_request(b) == (fdchannel.REQ_ALLOCATE, 1, 1, fdchannel.ALLOC_WAIT, 0)
         a.send(fdchannel.encode_free(2, [77]))
-        assert fdchannel.recv_request(b) == (fdchannel.REQ_FREE, 2, 77)
+        assert fdchannel.recv_request(b) == (fdchannel.REQ_FREE, 2, 77, 0)
         a.send(fdchannel.encode_free(3, [77, 78]))
         assert fdchannel.recv_request(b) == fdchannel.FreeReq(3, (77, 78))
         a.send(fdchannel.encode_allocate(4, 2, device="HOST-0"))

@@ -101,7 +101,7 @@ class Fake(pb_grpc.KVCachedServicer):
             version="fake", api_version=1, fd_socket=self.fd_path, fd_protocol_version=fdchannel.VERSION, backend="host",
             devices=[pb.DeviceInfo(uuid=DEVICE, name="fake device", kind="host", page_size=self.page_size, granularity=4096,
                                    total_bytes=1 << 30, budget_bytes=1 << 28)],
-            max_pages_per_request=65536, fd_channel_requests=True, fd_channel_requests_only=True)
+            max_pages_per_request=65536, fd_channel_requests=True, fd_channel_requests_only=True, fd_channel_keep_handles=True)
 
     def OpenSession(self, request, context):
         self.rpcs.put(("OpenSession", request))
@@ -180,14 +180,17 @@ class Fake(pb_grpc.KVCachedServicer):
         elif do == "expect":
             rec = self.recv(timeout)
             got = type(rec).__name__ if rec is not None else "end of stream"
-            want = {"ALLOCATE": fdchannel.AllocateReq, "FREE": fdchannel.FreeReq, "CLOSE": fdchannel.CloseReq, "ADOPT": fdchannel.Adopt}[st["record"]]
+            want = {"ALLOCATE": fdchannel.AllocateReq, "FREE": fdchannel.FreeReq, "CLOSE": fdchannel.CloseReq, "ADOPT": fdchannel.Adopt,
+                    "DROPPED": fdchannel.DroppedReq}[st["record"]]
             if not isinstance(rec, want):
                 raise ScriptFailed(f"expected {st['record']}, got {got}: {rec!r}")
             fields = {"req_id": getattr(rec, "req_id", 0)}
             if isinstance(rec, fdchannel.AllocateReq):
                 fields.update(num_pages=rec.num_pages, device=rec.device, wait=rec.wait, notify=rec.notify)
-            if isinstance(rec, (fdchannel.FreeReq, fdchannel.Adopt)):
+            if isinstance(rec, (fdchannel.FreeReq, fdchannel.Adopt, fdchannel.DroppedReq)):
                 fields["page_ids"] = sorted(rec.page_ids)
+            if isinstance(rec, fdchannel.FreeReq):
+                fields["keep"] = rec.keep
             if isinstance(rec, fdchannel.Adopt):
                 fields["session_id"] = rec.session_id
                 for pid, fd in zip(rec.page_ids, rec.fds):  # the descriptor is the page it names
@@ -279,6 +282,8 @@ class Fake(pb_grpc.KVCachedServicer):
             data = fdchannel.encode_error(int(v["code"]), v.get("message", ""))
         elif kind == "GOODBYE":
             data = fdchannel.encode_goodbye()
+        elif kind == "DROP":
+            data = fdchannel.encode_drop([int(i) for i in v["page_ids"]])
         elif kind == "HELLO":
             data = fdchannel.encode_hello(fdchannel.Hello(1, 1, 0, 0, fdchannel.MAX_FDS, bytes(32)))
         else:

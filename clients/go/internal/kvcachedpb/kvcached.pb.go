@@ -302,8 +302,14 @@ type GetInfoResponse struct {
 	// served, so a SessionRef cannot change another process's pages. False
 	// only with kvcached-serve --grpc-page-ops.
 	FdChannelRequestsOnly bool `protobuf:"varint,9,opt,name=fd_channel_requests_only,json=fdChannelRequestsOnly,proto3" json:"fd_channel_requests_only,omitempty"`
-	unknownFields         protoimpl.UnknownFields
-	sizeCache             protoimpl.SizeCache
+	// True: a client may keep the imported handle of a page it frees (FREE
+	// record flag keep) and map it again without an import when the page
+	// comes back; the daemon then asks for the handle (DROP) before it
+	// releases the page, and waits for DROPPED (docs/protocol.md, "Kept
+	// handles"). Daemons before this field never send DROP.
+	FdChannelKeepHandles bool `protobuf:"varint,10,opt,name=fd_channel_keep_handles,json=fdChannelKeepHandles,proto3" json:"fd_channel_keep_handles,omitempty"`
+	unknownFields        protoimpl.UnknownFields
+	sizeCache            protoimpl.SizeCache
 }
 
 func (x *GetInfoResponse) Reset() {
@@ -395,6 +401,13 @@ func (x *GetInfoResponse) GetFdChannelRequests() bool {
 func (x *GetInfoResponse) GetFdChannelRequestsOnly() bool {
 	if x != nil {
 		return x.FdChannelRequestsOnly
+	}
+	return false
+}
+
+func (x *GetInfoResponse) GetFdChannelKeepHandles() bool {
+	if x != nil {
+		return x.FdChannelKeepHandles
 	}
 	return false
 }
@@ -2491,7 +2504,7 @@ const file_kvcached_v1_kvcached_proto_rawDesc = "" +
 	"SessionRef\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12\x14\n" +
 	"\x05token\x18\x02 \x01(\fR\x05token\"\x10\n" +
-	"\x0eGetInfoRequest\"\x82\x03\n" +
+	"\x0eGetInfoRequest\"\xb9\x03\n" +
 	"\x0fGetInfoResponse\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12\x1f\n" +
 	"\vapi_version\x18\x02 \x01(\rR\n" +
@@ -2502,7 +2515,9 @@ const file_kvcached_v1_kvcached_proto_rawDesc = "" +
 	"\adevices\x18\x06 \x03(\v2\x17.kvcached.v1.DeviceInfoR\adevices\x121\n" +
 	"\x15max_pages_per_request\x18\a \x01(\rR\x12maxPagesPerRequest\x12.\n" +
 	"\x13fd_channel_requests\x18\b \x01(\bR\x11fdChannelRequests\x127\n" +
-	"\x18fd_channel_requests_only\x18\t \x01(\bR\x15fdChannelRequestsOnly\"\xcb\x01\n" +
+	"\x18fd_channel_requests_only\x18\t \x01(\bR\x15fdChannelRequestsOnly\x125\n" +
+	"\x17fd_channel_keep_handles\x18\n" +
+	" \x01(\bR\x14fdChannelKeepHandles\"\xcb\x01\n" +
 	"\n" +
 	"DeviceInfo\x12\x12\n" +
 	"\x04uuid\x18\x01 \x01(\tR\x04uuid\x12\x12\n" +

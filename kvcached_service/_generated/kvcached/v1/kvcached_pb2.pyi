@@ -21,7 +21,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("version", "api_version", "fd_socket", "fd_protocol_version", "backend", "devices", "max_pages_per_request", "fd_channel_requests", "fd_channel_requests_only")
+    __slots__ = ("version", "api_version", "fd_socket", "fd_protocol_version", "backend", "devices", "max_pages_per_request", "fd_channel_requests", "fd_channel_requests_only", "fd_channel_keep_handles")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     FD_SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class GetInfoResponse(_message.Message):
     MAX_PAGES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     FD_CHANNEL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FD_CHANNEL_REQUESTS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    FD_CHANNEL_KEEP_HANDLES_FIELD_NUMBER: _ClassVar[int]
     version: str
     api_version: int
     fd_socket: str
@@ -40,7 +41,8 @@ class GetInfoResponse(_message.Message):
     max_pages_per_request: int
     fd_channel_requests: bool
     fd_channel_requests_only: bool
-    def __init__(self, version: _Optional[str] = ..., api_version: _Optional[int] = ..., fd_socket: _Optional[str] = ..., fd_protocol_version: _Optional[int] = ..., backend: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., max_pages_per_request: _Optional[int] = ..., fd_channel_requests: _Optional[bool] = ..., fd_channel_requests_only: _Optional[bool] = ...) -> None: ...
+    fd_channel_keep_handles: bool
+    def __init__(self, version: _Optional[str] = ..., api_version: _Optional[int] = ..., fd_socket: _Optional[str] = ..., fd_protocol_version: _Optional[int] = ..., backend: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., max_pages_per_request: _Optional[int] = ..., fd_channel_requests: _Optional[bool] = ..., fd_channel_requests_only: _Optional[bool] = ..., fd_channel_keep_handles: _Optional[bool] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
     __slots__ = ("uuid", "name", "kind", "page_size", "granularity", "total_bytes", "budget_bytes")
