@@ -1,8 +1,9 @@
 // Package fdchan implements the client side of the fd channel: the
 // SOCK_SEQPACKET socket on which the daemon sends a HELLO with the channel
 // secret, then page descriptors (SCM_RIGHTS) in PAGES records, and on which
-// a client may send ALLOCATE, FREE and CLOSE requests answered by REPLY
-// records (when GetInfo().fd_channel_requests is true). The framing
+// a client may send ALLOCATE, FREE, CLOSE, ANSWER and DROPPED requests
+// answered by REPLY records (when GetInfo().fd_channel_requests is true),
+// and on which the daemon asks for kept handles with DROP. The framing
 // is specified in docs/protocol.md; kvcached_service/fdchannel.py is the
 // daemon's implementation of the same format.
 package fdchan
@@ -43,21 +44,30 @@ const (
 	TypeClose    = 8
 	TypeReply    = 9
 	TypeAnswer   = 10 // a session's answer to a reclaim request
+	// Kept handles (docs/protocol.md, "Kept handles").
+	TypeDrop    = 11 // daemon to client: release your kept handles of these pages
+	TypeDropped = 12 // client to daemon: it keeps no handle of these pages any more
 
 	// AllocBit is set in the allocation id of the PAGES records that answer
 	// an ALLOCATE record: allocation_id = req_id | AllocBit, so they never
 	// collide with the ids of gRPC Allocate calls.
 	AllocBit = uint64(1) << 63
-	// MaxFreeIDs is the most page ids one FREE record carries.
+	// MaxFreeIDs is the most page ids one FREE, DROP or DROPPED record
+	// carries.
 	MaxFreeIDs = 16384
 	// ALLOCATE flags.
 	AllocWait   = 1
 	AllocNotify = 2
+	// FreeKeep is FREE's flag keep: the sender keeps the imported handle
+	// of every page it names (only to a daemon whose
+	// GetInfo().fd_channel_keep_handles is true).
+	FreeKeep = 1
 
 	helloSize   = 56
 	pagesFixed  = 24
 	allocFixed  = 24
-	freeFixed   = 16
+	freeFixed   = 16 // FREE and DROPPED
+	dropFixed   = 8
 	closeSize   = 8
 	replyFixed  = 24
 	answerFixed = 32
@@ -75,8 +85,9 @@ func protoErr(format string, a ...any) error {
 	return fmt.Errorf("%w: %s", ErrProtocol, fmt.Sprintf(format, a...))
 }
 
-// Record is one of Hello, Pages, Error, Goodbye, Reply (daemon to client)
-// or Adopt, AllocateReq, FreeReq, CloseReq, AnswerReq (client to daemon).
+// Record is one of Hello, Pages, Error, Goodbye, Reply, Drop (daemon to
+// client) or Adopt, AllocateReq, FreeReq, CloseReq, AnswerReq, DroppedReq
+// (client to daemon).
 type Record interface{ recordType() uint16 }
 
 // Hello is the first record on a channel.
@@ -134,6 +145,26 @@ type AllocateReq struct {
 type FreeReq struct {
 	ReqID   uint64
 	PageIDs []uint64
+	// Keep: the sender keeps the imported handle of every page named
+	// (flags bit 0). Decode sets it from Flags; Encode sets the bit when
+	// Keep is true.
+	Keep bool
+	// Flags is the raw flags field as decoded (other bits are ignored);
+	// Encode writes it, with FreeKeep added when Keep is set.
+	Flags uint32
+}
+
+// DroppedReq: the session keeps no handle of these pages any more (the
+// answer to a Drop, naming every page of it). Same layout as FreeReq.
+type DroppedReq struct {
+	ReqID   uint64
+	PageIDs []uint64
+}
+
+// Drop asks the client to release every handle it kept of these pages
+// (1..MaxFreeIDs), then to say so with DroppedReq.
+type Drop struct {
+	PageIDs []uint64
 }
 
 // CloseReq ends the session; after its Reply the daemon closes the channel.
@@ -172,7 +203,9 @@ func (AllocateReq) recordType() uint16 { return TypeAllocate }
 func (FreeReq) recordType() uint16     { return TypeFree }
 func (CloseReq) recordType() uint16    { return TypeClose }
 func (AnswerReq) recordType() uint16   { return TypeAnswer }
+func (DroppedReq) recordType() uint16  { return TypeDropped }
 func (Reply) recordType() uint16       { return TypeReply }
+func (Drop) recordType() uint16        { return TypeDrop }
 
 func frame(typ uint16, payload []byte) []byte {
 	b := make([]byte, HeaderSize+len(payload))
@@ -186,8 +219,8 @@ func frame(typ uint16, payload []byte) []byte {
 
 // Encode builds the bytes of a record (requests and ADOPT for the client;
 // the daemon's records for tests and fakes). The fds of a Pages or Adopt
-// record travel separately. It panics on a FreeReq of more than MaxFreeIDs
-// ids (Conn.Send checks first).
+// record travel separately. It panics on a FreeReq, DroppedReq or Drop of
+// more than MaxFreeIDs ids (Conn.Send checks first).
 func Encode(r Record) []byte {
 	switch r := r.(type) {
 	case Hello:
@@ -227,16 +260,23 @@ func Encode(r Record) []byte {
 		copy(p[allocFixed:], r.Device)
 		return frame(TypeAllocate, p)
 	case FreeReq:
+		flags := r.Flags
+		if r.Keep {
+			flags |= FreeKeep
+		}
+		return frame(TypeFree, encodeIDs(r.ReqID, flags, r.PageIDs, "FREE"))
+	case DroppedReq:
+		return frame(TypeDropped, encodeIDs(r.ReqID, 0, r.PageIDs, "DROPPED"))
+	case Drop:
 		if len(r.PageIDs) > MaxFreeIDs {
-			panic(fmt.Sprintf("fdchan: FREE of %d page ids, at most %d", len(r.PageIDs), MaxFreeIDs))
+			panic(fmt.Sprintf("fdchan: DROP of %d page ids, at most %d", len(r.PageIDs), MaxFreeIDs))
 		}
-		p := make([]byte, freeFixed+8*len(r.PageIDs))
-		binary.LittleEndian.PutUint64(p[0:], r.ReqID)
-		binary.LittleEndian.PutUint32(p[8:], uint32(len(r.PageIDs)))
+		p := make([]byte, dropFixed+8*len(r.PageIDs))
+		binary.LittleEndian.PutUint32(p[0:], uint32(len(r.PageIDs)))
 		for i, id := range r.PageIDs {
-			binary.LittleEndian.PutUint64(p[freeFixed+8*i:], id)
+			binary.LittleEndian.PutUint64(p[dropFixed+8*i:], id)
 		}
-		return frame(TypeFree, p)
+		return frame(TypeDrop, p)
 	case CloseReq:
 		p := make([]byte, closeSize)
 		binary.LittleEndian.PutUint64(p, r.ReqID)
@@ -260,6 +300,22 @@ func Encode(r Record) []byte {
 	panic(fmt.Sprintf("fdchan: unknown record %T", r))
 }
 
+// encodeIDs is the payload of FREE and DROPPED: req_id, count, flags
+// (DROPPED: reserved, 0), page ids.
+func encodeIDs(req uint64, flags uint32, ids []uint64, name string) []byte {
+	if len(ids) > MaxFreeIDs {
+		panic(fmt.Sprintf("fdchan: %s of %d page ids, at most %d", name, len(ids), MaxFreeIDs))
+	}
+	p := make([]byte, freeFixed+8*len(ids))
+	binary.LittleEndian.PutUint64(p[0:], req)
+	binary.LittleEndian.PutUint32(p[8:], uint32(len(ids)))
+	binary.LittleEndian.PutUint32(p[12:], flags)
+	for i, id := range ids {
+		binary.LittleEndian.PutUint64(p[freeFixed+8*i:], id)
+	}
+	return p
+}
+
 func encodePages(first uint64, index, total uint32, ids []uint64) []byte {
 	p := make([]byte, pagesFixed+8*len(ids))
 	binary.LittleEndian.PutUint64(p[0:], first)
@@ -273,13 +329,13 @@ func encodePages(first uint64, index, total uint32, ids []uint64) []byte {
 }
 
 // MalformedRequest is the error for a request record (ALLOCATE, FREE,
-// CLOSE, ANSWER) whose framing is sound and whose ReqID can be read but
+// CLOSE, ANSWER, DROPPED) whose framing is sound and whose ReqID can be read but
 // which breaks its type's own rules (the spec's on_malformed_request: the
 // daemon answers it with REPLY INVALID_ARGUMENT and Error() as the
 // message). It matches ErrProtocol with errors.Is: a client never receives
 // requests, so for a client it is a protocol error like any other.
 type MalformedRequest struct {
-	Kind  string // "ALLOCATE", "FREE", "CLOSE", "ANSWER"
+	Kind  string // "ALLOCATE", "FREE", "CLOSE", "ANSWER", "DROPPED"
 	ReqID uint64
 	Fault string
 }
@@ -296,6 +352,7 @@ func malformed(kind string, req uint64, format string, a ...any) error {
 var typeNames = map[uint16]string{
 	TypeHello: "HELLO", TypePages: "PAGES", TypeError: "ERROR", TypeGoodbye: "GOODBYE", TypeAdopt: "ADOPT",
 	TypeAllocate: "ALLOCATE", TypeFree: "FREE", TypeClose: "CLOSE", TypeReply: "REPLY", TypeAnswer: "ANSWER",
+	TypeDrop: "DROP", TypeDropped: "DROPPED",
 }
 
 // text decodes a message or reason: invalid UTF-8 is replaced, not an error.
@@ -331,8 +388,24 @@ func Decode(data []byte, nfds int) (Record, error) {
 		return nil, protoErr("unknown record type %d", typ)
 	}
 	switch typ {
-	case TypeAllocate, TypeFree, TypeClose, TypeAnswer:
+	case TypeAllocate, TypeFree, TypeClose, TypeAnswer, TypeDropped:
 		return decodeRequest(typ, name, p, nfds)
+	case TypeDrop:
+		if len(p) < dropFixed {
+			return nil, protoErr("DROP record too short (%d bytes)", len(p))
+		}
+		if nfds != 0 {
+			return nil, protoErr("DROP record carries descriptors (%d)", nfds)
+		}
+		count := binary.LittleEndian.Uint32(p[0:])
+		if count == 0 || count > MaxFreeIDs || uint64(len(p)) != dropFixed+8*uint64(count) {
+			return nil, protoErr("DROP record says %d page ids and has %d bytes of them", count, len(p)-dropFixed)
+		}
+		r := Drop{PageIDs: make([]uint64, count)}
+		for i := range r.PageIDs {
+			r.PageIDs[i] = binary.LittleEndian.Uint64(p[dropFixed+8*i:])
+		}
+		return r, nil
 	case TypeHello:
 		if len(p) != helloSize || nfds != 0 {
 			return nil, protoErr("malformed HELLO (%d bytes, %d fds)", len(p), nfds)
@@ -416,7 +489,7 @@ func decodeRequest(typ uint16, name string, p []byte, nfds int) (Record, error) 
 			Wait: flags&AllocWait != 0, Notify: flags&AllocNotify != 0,
 			WaitTimeoutMs: binary.LittleEndian.Uint32(p[16:]), Device: text(p[allocFixed:]),
 		}, nil
-	case TypeFree:
+	case TypeFree, TypeDropped:
 		if len(p) < freeFixed {
 			return nil, malformed(name, req, "%d payload bytes, fewer than its fixed %d", len(p), freeFixed)
 		}
@@ -427,11 +500,15 @@ func decodeRequest(typ uint16, name string, p []byte, nfds int) (Record, error) 
 		if uint64(len(p)) != freeFixed+8*uint64(count) {
 			return nil, malformed(name, req, "count %d but %d bytes of page ids", count, len(p)-freeFixed)
 		}
-		r := FreeReq{ReqID: req, PageIDs: make([]uint64, count)}
-		for i := range r.PageIDs {
-			r.PageIDs[i] = binary.LittleEndian.Uint64(p[freeFixed+8*i:])
+		ids := make([]uint64, count)
+		for i := range ids {
+			ids[i] = binary.LittleEndian.Uint64(p[freeFixed+8*i:])
 		}
-		return r, nil
+		if typ == TypeDropped {
+			return DroppedReq{ReqID: req, PageIDs: ids}, nil
+		}
+		flags := binary.LittleEndian.Uint32(p[12:])
+		return FreeReq{ReqID: req, PageIDs: ids, Keep: flags&FreeKeep != 0, Flags: flags}, nil
 	case TypeClose:
 		if len(p) != closeSize {
 			return nil, malformed(name, req, "%d payload bytes, not %d", len(p), closeSize)
@@ -508,7 +585,7 @@ func (c *Conn) Recv() (Record, error) {
 	case Pages:
 		p.FDs = fds
 		return p, nil
-	case Adopt, AllocateReq, FreeReq, CloseReq, AnswerReq:
+	case Adopt, AllocateReq, FreeReq, CloseReq, AnswerReq, DroppedReq:
 		closeAll(fds)
 		return nil, protoErr("%T record from the daemon (only clients send it)", r)
 	}
@@ -542,6 +619,9 @@ func (c *Conn) send(ctx context.Context, r Record, fds []int, deadline time.Time
 	}
 	if f, ok := r.(FreeReq); ok && (len(f.PageIDs) == 0 || len(f.PageIDs) > MaxFreeIDs) {
 		return fmt.Errorf("fdchan: a FREE record carries 1..%d page ids, not %d", MaxFreeIDs, len(f.PageIDs))
+	}
+	if d, ok := r.(DroppedReq); ok && (len(d.PageIDs) == 0 || len(d.PageIDs) > MaxFreeIDs) {
+		return fmt.Errorf("fdchan: a DROPPED record carries 1..%d page ids, not %d", MaxFreeIDs, len(d.PageIDs))
 	}
 	if a, ok := r.(AnswerReq); ok && len(a.Reason) > MaxReason {
 		return fmt.Errorf("fdchan: an ANSWER's reason is at most %d bytes, not %d", MaxReason, len(a.Reason))

@@ -220,6 +220,8 @@ for line in sys.stdin.read().split():
 		AllocateReq{ReqID: AllocBit - 1, NumPages: 1 << 20, WaitTimeoutMs: 1},
 		FreeReq{ReqID: 2, PageIDs: []uint64{1<<64 - 1}},
 		CloseReq{ReqID: 3},
+		FreeReq{ReqID: 4, PageIDs: []uint64{7, 8}, Keep: true},
+		DroppedReq{ReqID: 5, PageIDs: []uint64{7, 99}},
 	}
 	var in strings.Builder
 	for _, r := range recs {
@@ -233,8 +235,10 @@ for line in sys.stdin.read().split():
 		t.Fatalf("python decode: %v\n%s", err, out)
 	}
 	want := "AllocateReq(req_id=9223372036854775807, num_pages=1048576, wait=False, notify=False, wait_timeout_ms=1, device='')\n" +
-		"FreeReq(req_id=2, page_ids=(18446744073709551615,))\n" +
-		"CloseReq(req_id=3)\n"
+		"FreeReq(req_id=2, page_ids=(18446744073709551615,), flags=0)\n" +
+		"CloseReq(req_id=3)\n" +
+		"FreeReq(req_id=4, page_ids=(7, 8), flags=1)\n" +
+		"DroppedReq(req_id=5, page_ids=(7, 99))\n"
 	if string(out) != want {
 		t.Errorf("python decodes Go's requests as\n%s\nwant\n%s", out, want)
 	}
@@ -248,6 +252,9 @@ func TestSendRequests(t *testing.T) {
 	for _, n := range []int{0, MaxFreeIDs + 1} {
 		if err := c.Send(FreeReq{ReqID: 1, PageIDs: make([]uint64, n)}, nil, time.Time{}); err == nil {
 			t.Errorf("FREE of %d ids accepted", n)
+		}
+		if err := c.Send(DroppedReq{ReqID: 1, PageIDs: make([]uint64, n)}, nil, time.Time{}); err == nil {
+			t.Errorf("DROPPED of %d ids accepted", n)
 		}
 	}
 	ids := make([]uint64, MaxFreeIDs)
