@@ -653,7 +653,7 @@ def test_a_registered_mapper_is_chosen_without_editing_dispatch_code(monkeypatch
     assert isinstance(m, FakeMapper) and m.device_uuid == "FAKE-0" and m.view_device() == "cpu"
 
     dev = SimpleNamespace(kind="fake")
-    s = SimpleNamespace(_lock=threading.Lock(), _mappers={}, client=SimpleNamespace(device=lambda uuid: dev))
+    s = SimpleNamespace(_lock=threading.Lock(), _mappers={}, client=SimpleNamespace(device=lambda uuid: dev, info=SimpleNamespace(fd_channel_keep_handles=False)))
     got = Session.mapper(s, "FAKE-0")
     assert isinstance(got, FakeMapper) and Session.mapper(s, "FAKE-0") is got  # one per device
 

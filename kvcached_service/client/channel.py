@@ -85,7 +85,8 @@ class _Waiter:
 class Channel:
     """A connected fd channel, after HELLO."""
 
-    def __init__(self, path: str, timeout: float, on_hangup: Callable[["Channel"], None] | None = None):
+    def __init__(self, path: str, timeout: float, on_hangup: Callable[["Channel"], None] | None = None,
+                 on_drop: Callable[[list[int]], None] | None = None):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout)
         self.timeout = timeout
@@ -118,6 +119,7 @@ class Channel:
         self._reading = False  # someone holds the reading role (under _cond)
         self._poller: select.poll | None = None  # the reading role's poll object
         self.on_hangup = on_hangup
+        self.on_drop = on_drop  # releases kept handles of the pages a DROP names (before DROPPED goes out)
         self._reader = threading.Thread(target=self._watch, name="kvcached-fdchannel", daemon=True)
         self._reader.start()
 
@@ -147,6 +149,9 @@ class Channel:
                         return True
                     if isinstance(rec, fdchannel.Reply):
                         self._reply(rec)
+                        return True
+                    if isinstance(rec, fdchannel.Drop):
+                        self._drop(rec)
                         return True
                 except ProtocolViolation as exc:
                     ended = exc
@@ -285,6 +290,18 @@ class Channel:
                 w.pages = self._pending.pop(rec.req_id | fdchannel.CHANNEL_ALLOC_BIT, None)
             self._cond.notify_all()
 
+    def _drop(self, rec: fdchannel.Drop) -> None:
+        """DROP: let the kept handles of these pages go, then say so with
+        DROPPED, at once and without waiting for its REPLY (which waits for
+        no request, and is dropped): docs/protocol.md, "Kept handles"."""
+        ids = list(rec.page_ids)
+        if self.on_drop is not None:
+            self.on_drop(ids)
+        try:
+            fdchannel.send_record(self.sock, fdchannel.encode_dropped(next(self._req_ids), ids))
+        except OSError:
+            pass  # the channel is going: the session ends, and its keeps with it
+
     def _give_back_locked(self, alloc_id: int) -> None:
         """An allocation nobody will claim: close its fds, FREE its pages
         (the answer is not waited for)."""
@@ -360,13 +377,14 @@ class Channel:
         assert p is not None
         return alloc_id, rep.value, [p.ids[i] for i in range(p.total)], [p.fds[i] for i in range(p.total)]
 
-    def free(self, page_ids: list[int], timeout: float) -> int:
+    def free(self, page_ids: list[int], timeout: float, keep: bool = False) -> int:
         """FREE (all or nothing per record of at most MAX_FREE_IDS ids).
-        Returns pages freed."""
+        Returns pages freed. `keep`: this process keeps the pages' imported
+        handles (the FREE record's keep flag)."""
         n = 0
         for i in range(0, len(page_ids), fdchannel.MAX_FREE_IDS):
             chunk = page_ids[i : i + fdchannel.MAX_FREE_IDS]
-            rep = self._call("Free", lambda r: fdchannel.encode_free(r, chunk), timeout)[1].reply
+            rep = self._call("Free", lambda r: fdchannel.encode_free(r, chunk, keep), timeout)[1].reply
             assert rep is not None
             if rep.code:
                 raise errors.from_code(rep.code, rep.message)

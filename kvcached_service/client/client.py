@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from .. import errors, fdchannel
 from .channel import Channel
-from .mapping import Mapper, mapper_for
+from .mapping import Mapper, keep_handles_limit, mapper_for
 from .resume import Keeper, Resumer
 from .rpc import Rpc, WatchStream
 from .types import Allocation, Device, Event, Info, Opened, PoolStats, ReclaimOutcome, SessionStats, Shrink, Stats
@@ -113,7 +113,7 @@ class Session:
     def __init__(self, client: "Client", name: str, guaranteed_bytes: int, max_bytes: int, priority: int, labels: dict[str, str] | None):
         self.client = client
         self.name = name
-        self._channel = Channel(client.info.fd_socket, client.timeout, self._hangup)
+        self._channel = Channel(client.info.fd_socket, client.timeout, self._hangup, self._drop_kept)
         try:
             opened = client._rpc.open_session(self._channel.hello.secret, name, guaranteed_bytes, max_bytes, priority, labels)
         except BaseException:
@@ -208,6 +208,9 @@ class Session:
         never a retryable UNAVAILABLE (docs/protocol.md, Client semantics)."""
         if self._closed or ch is not self._channel:
             return
+        # The daemon that recorded our kept handles is gone: let them go (a
+        # restarted daemon's page ids promise nothing about the old pages).
+        self._drop_kept(None)
         if not self.resumable:
             self._dead = self._ended_by_hangup()
             self._state = "dead"
@@ -220,7 +223,7 @@ class Session:
                 connect=self._connect_for_resume, done=self._resume_done, closed=lambda: self._closed).start()
 
     def _connect_for_resume(self) -> Channel:
-        ch = Channel(self.client.info.fd_socket, self.client.timeout, self._hangup)
+        ch = Channel(self.client.info.fd_socket, self.client.timeout, self._hangup, self._drop_kept)
         # Page requests of the old channel settle first (pages kept, frees
         # deferred): they fail or finish at once, its channel has ended.
         deadline = time.monotonic() + self.client.timeout
@@ -269,8 +272,26 @@ class Session:
             m = self._mappers.get(device)
             if m is None:
                 m = mapper_for(self.client.device(device).kind, device)
+                if self.client.info.fd_channel_keep_handles:
+                    m.keep_handles(keep_handles_limit())
                 self._mappers[device] = m
             return m
+
+    def _drop_kept(self, page_ids: list[int] | None) -> None:
+        """Let kept handles go: of these pages (a DROP), or all (None: the
+        session's daemon went away)."""
+        with self._lock:
+            mappers = list(self._mappers.values())
+        for m in mappers:
+            try:
+                m.drop_kept(page_ids)
+            except Exception as exc:  # noqa: BLE001 - the reader thread must go on
+                log.warning("session %d: releasing kept handles failed: %s", self.id, exc)
+
+    def _keeps_any(self, page_ids: list[int]) -> bool:
+        with self._lock:
+            mappers = list(self._mappers.values())
+        return any(m.keeps_any(page_ids) for m in mappers)
 
     # -- raw pages (fds; the caller maps them)
     def allocate_fds(self, num_pages: int, device: str = "", wait: bool = False, wait_timeout_ms: int = 0, notify: bool = False) -> tuple[Allocation, list[int]]:
@@ -309,7 +330,7 @@ class Session:
             self._check_state()
             ch = self._channel
             try:
-                n = ch.free(ids, self.client.timeout)
+                n = ch.free(ids, self.client.timeout, self._keeps_any(ids))
             except errors.Unavailable as exc:
                 if k is not None and ch.hung_up and not self._closed:
                     return self._defer(ids, seqs)
@@ -347,7 +368,7 @@ class Session:
             res = _Reservation(mapper, size * len(fds))
             run_fds = list(fds)
             fds[:] = [-1] * len(fds)  # map_run closes them, whatever happens
-            tokens = mapper.map_run(res.base, run_fds, size)
+            tokens = mapper.map_run(res.base, run_fds, size, list(a.page_ids))
             for i, (pid, token) in enumerate(zip(a.page_ids, tokens)):
                 res.live += 1
                 pages.append(Page(pid, a.device, size, res.base + i * size, mapper, token, res))

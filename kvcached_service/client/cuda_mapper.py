@@ -8,6 +8,12 @@ cuMemRelease the imported handle (the mapping keeps the memory alive), and
 cuMemSetAccess READWRITE for this process's ordinal, once for each run of
 adjacent pages mapped together (map_run). Unmapping is cuMemUnmap.
 
+Kept handles (docs/protocol.md, "Kept handles"): when the daemon honours
+FREE's keep flag, the mapper keeps the imported handle of each page it maps
+(by page id, up to the session's limit) instead of releasing it, and maps a
+page that comes back from its kept handle: no import, no release, the fd
+that came with it closed. A DROP (or the session's end) releases them.
+
 Every call runs with the device's primary context current (retained for the
 mapper's lifetime); the calling thread's previous context is restored after.
 Every driver call goes through kvcached_service.cuda.driver.
@@ -39,6 +45,9 @@ class CudaMapper(Mapper):
         self._lock = threading.Lock()
         self._reservations: dict[int, int] = {}  # base -> reserved size
         self._mappings: dict[int, int] = {}  # addr -> size
+        self._kept: dict[int, int] = {}  # page id -> kept imported handle
+        self._keep_limit = 0  # handles kept at most (keep_handles); 0: release after mapping
+        self.kept_hits = 0  # pages mapped from a kept handle (no import)
         self._closed = False
         try:
             gran = ctypes.c_size_t()
@@ -114,18 +123,29 @@ class CudaMapper(Mapper):
     def map(self, addr: int, fd: int, size: int) -> object:
         return self.map_run(addr, [fd], size)[0]
 
-    def map_run(self, addr: int, fds: list[int], size: int) -> list[object]:
-        """Import and map each page, then one cuMemSetAccess over the run (the
-        driver sets access on a fully mapped range of several mappings: one
-        call instead of one per page, 25 us p50 each on an H200). All or
-        nothing; every fd is closed in every case."""
+    def map_run(self, addr: int, fds: list[int], size: int, page_ids: list[int] | None = None) -> list[object]:
+        """Import and map each page (or map its kept handle), then one
+        cuMemSetAccess over the run (the driver sets access on a fully
+        mapped range of several mappings: one call instead of one per page,
+        25 us p50 each on an H200). All or nothing; every fd is closed in
+        every case."""
         if not fds:
             return []
         drv = self._drv
         closed = mapped = 0
         try:
             with self._current():
-                for fd in fds:
+                for i, fd in enumerate(fds):
+                    pid = page_ids[i] if page_ids is not None else None
+                    with self._lock:
+                        kept = self._kept.get(pid) if pid is not None else None
+                    if kept is not None:  # mapped before: the kept handle, no import
+                        closed += 1
+                        os.close(fd)
+                        drv.cuMemMap(addr + mapped * size, size, 0, kept, 0)
+                        self.kept_hits += 1
+                        mapped += 1
+                        continue
                     handle = cu.CUmemGenericAllocationHandle()
                     try:
                         # the fd travels by value in the void* argument
@@ -135,12 +155,15 @@ class CudaMapper(Mapper):
                     finally:
                         closed += 1
                         os.close(fd)
+                    keep = False
                     try:
                         drv.cuMemMap(addr + mapped * size, size, 0, handle, 0)
+                        keep = pid is not None and self._keep(pid, handle.value)
                     finally:
-                        # the mapping (if any) keeps the memory; the handle is not needed
-                        with contextlib.suppress(cu.CudaDriverError):
-                            drv.cuMemRelease(handle)
+                        # the mapping (if any) keeps the memory; the handle is not needed unless kept
+                        if not keep:
+                            with contextlib.suppress(cu.CudaDriverError):
+                                drv.cuMemRelease(handle)
                     mapped += 1
                 desc = cu.access_desc(self.ordinal)
                 drv.cuMemSetAccess(addr, size * len(fds), ctypes.byref(desc), 1)
@@ -163,6 +186,49 @@ class CudaMapper(Mapper):
             self._drv.cuMemUnmap(addr, size)
         with self._lock:
             self._mappings.pop(addr, None)
+
+    # ---- kept handles ---------------------------------------------------
+    def _keep(self, page_id: int, handle: int) -> bool:
+        with self._lock:
+            if len(self._kept) >= self._keep_limit or page_id in self._kept:
+                return False
+            self._kept[page_id] = handle
+            return True
+
+    def keep_handles(self, limit: int) -> None:
+        with self._lock:
+            self._keep_limit = max(0, limit)
+
+    def keeps_any(self, page_ids: list[int]) -> bool:
+        with self._lock:
+            kept = self._kept
+            return bool(kept) and any(pid in kept for pid in page_ids)
+
+    @property
+    def kept(self) -> int:
+        """Handles kept now."""
+        return len(self._kept)
+
+    def drop_kept(self, page_ids: list[int] | None) -> None:
+        """Release the kept handles of these pages (None: all). A page mapped
+        now stays mapped: its mapping keeps the memory, not the handle."""
+        with self._lock:
+            if page_ids is None:
+                handles = list(self._kept.values())
+                self._kept.clear()
+            else:
+                handles = [h for h in (self._kept.pop(pid, None) for pid in page_ids) if h is not None]
+        if not handles or self._closed:
+            return
+        first: BaseException | None = None
+        with self._current():
+            for h in handles:
+                try:
+                    self._drv.cuMemRelease(h)
+                except cu.CudaDriverError as exc:
+                    first = first or exc
+        if first is not None:
+            raise first
 
     def write(self, addr: int, data: bytes) -> None:
         """Copy `data` to a mapped address. Complete when it returns: from
@@ -208,6 +274,10 @@ class CudaMapper(Mapper):
                 self.release(base, size)
             except BaseException as exc:
                 first = first or exc
+        try:
+            self.drop_kept(None)
+        except BaseException as exc:
+            first = first or exc
         self._closed = True
         try:
             self._drv.cuDevicePrimaryCtxRelease_v2(self.ordinal)

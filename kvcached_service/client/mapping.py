@@ -42,6 +42,25 @@ class MappingError(OSError):
     pass
 
 
+KEEP_HANDLES_ENV = "KVCACHED_KEEP_HANDLES"
+KEEP_HANDLES_DEFAULT = 8192  # pages per session (16 GiB of 2 MiB pages)
+
+
+def keep_handles_limit() -> int:
+    """How many imported handles a session keeps (docs/protocol.md, "Kept
+    handles"): KVCACHED_KEEP_HANDLES, default 8192; 0 keeps none."""
+    raw = os.environ.get(KEEP_HANDLES_ENV, "")
+    if not raw.strip():
+        return KEEP_HANDLES_DEFAULT
+    try:
+        n = int(raw)
+    except ValueError:
+        raise errors.InvalidArgument(f"{KEEP_HANDLES_ENV}={raw!r} is not a number of pages") from None
+    if n < 0:
+        raise errors.InvalidArgument(f"{KEEP_HANDLES_ENV}={raw!r}: must be 0 or more pages")
+    return n
+
+
 def _check_mmap(addr: int | None, what: str) -> int:
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
@@ -71,11 +90,12 @@ class Mapper(abc.ABC):
         """Map the page behind `fd` at `addr` (inside a reservation) and close
         the fd. Returns a token that unmap() takes back."""
 
-    def map_run(self, addr: int, fds: list[int], size: int) -> list[object]:
+    def map_run(self, addr: int, fds: list[int], size: int, page_ids: list[int] | None = None) -> list[object]:
         """Map len(fds) pages of `size` bytes, fds[i] at addr + i * size, all
         or nothing; every fd is closed in every case. Their tokens, in order.
         Page by page here; a backend that pays per call rather than per byte
-        overrides it (CUDA: one cuMemSetAccess for the run)."""
+        overrides it (CUDA: one cuMemSetAccess for the run). `page_ids`
+        names the pages, for a mapper that keeps handles."""
         tokens: list[object] = []
         try:
             for i, fd in enumerate(fds):
@@ -106,6 +126,22 @@ class Mapper(abc.ABC):
     @abc.abstractmethod
     def read(self, addr: int, size: int) -> bytes:
         """Copy bytes out of mapped memory (tests, demos)."""
+
+    # ---- kept handles (docs/protocol.md, "Kept handles") -------------------
+    # A mapper whose import of a page costs (CUDA) may keep the imported
+    # handle of each page it mapped, by page id, and map a page that comes
+    # back from it. The host mapper keeps nothing: a memfd's mmap costs the
+    # same either way.
+    def keep_handles(self, limit: int) -> None:
+        """Keep up to `limit` imported handles from now on (the daemon
+        honours FREE's keep flag)."""
+
+    def keeps_any(self, page_ids: list[int]) -> bool:
+        """Whether a handle of any of these pages is kept."""
+        return False
+
+    def drop_kept(self, page_ids: list[int] | None) -> None:
+        """Release the kept handles of these pages (None: all)."""
 
     def view_device(self) -> str | None:
         """What views of the mapped bytes are (client/torch_views.py): "cpu"

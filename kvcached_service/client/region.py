@@ -100,7 +100,8 @@ class Region:
                     run_fds = [fds[i] for _, _, i in run]
                     for _, _, i in run:
                         fds[i] = -1  # map_run closes them, whatever happens
-                    tokens = self._mapper.map_run(self.base + run[0][0] * self.page_size, run_fds, self.page_size)
+                    tokens = self._mapper.map_run(self.base + run[0][0] * self.page_size, run_fds, self.page_size,
+                                                  [pid for _, pid, _ in run])
                     for (slot, pid, _), token in zip(run, tokens):
                         self._slots[slot] = (pid, token)
                         done.append(slot)

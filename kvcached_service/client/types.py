@@ -34,6 +34,7 @@ class Info:
     max_pages_per_request: int
     fd_channel_requests: bool
     fd_channel_requests_only: bool
+    fd_channel_keep_handles: bool = False  # FREE's keep flag is honoured (docs/protocol.md, "Kept handles")
 
 
 class Allocation(NamedTuple):

@@ -67,6 +67,8 @@ log = logging.getLogger("kvcached.channel")
 # sends requests and reads no replies): past this its session ends at once,
 # rather than after fd_send_timeout with a queue that grew all that time.
 MAX_WAITING_SENDS = 256
+_REQUEST_TYPES = {fdchannel.CloseReq: fdchannel.REQ_CLOSE, fdchannel.AnswerReq: fdchannel.REQ_ANSWER,
+                  fdchannel.DroppedReq: fdchannel.REQ_DROPPED}  # the requests _serve_request answers
 
 
 # ---- running a handler at once ------------------------------------------------
@@ -200,6 +202,13 @@ class Conn:
         else:
             self.send_nowait(fdchannel.encode_error(error.code, error.message))
         self.close()
+
+    def ask_drop(self, page_ids: list[int]) -> None:
+        step = fdchannel.MAX_FREE_IDS
+        for first in range(0, len(page_ids), step):
+            rec = fdchannel.encode_drop(page_ids[first : first + step])
+            if not self.send_now(rec):
+                self._server.send_later(self, rec)
 
     # ---- sending --------------------------------------------------------
     def send_now(self, data: bytes, fds: list[int] | tuple = ()) -> bool:
@@ -475,12 +484,12 @@ class ChannelServer:
                 eager_start(self._serve_allocate(conn, s, req, n, bool(flags & fdchannel.ALLOC_WAIT), wait_ms,
                                                  bool(flags & fdchannel.ALLOC_NOTIFY), ""), self._tasks)
             else:
-                eager_start(self._serve_free(conn, s, rec[1], [rec[2]]), self._tasks)
+                eager_start(self._serve_free(conn, s, rec[1], [rec[2]], rec[3] & fdchannel.FREE_KEEP), self._tasks)
             return True
         if rec is None:
             self._lost(conn, crashed=conn.session is not None)
             return False
-        if isinstance(rec, (fdchannel.AllocateReq, fdchannel.FreeReq, fdchannel.CloseReq, fdchannel.AnswerReq)):
+        if isinstance(rec, (fdchannel.AllocateReq, fdchannel.FreeReq, fdchannel.CloseReq, fdchannel.AnswerReq, fdchannel.DroppedReq)):
             if conn.session is None:
                 self._refuse_before_session(conn, rec.req_id)
             elif isinstance(rec, fdchannel.AllocateReq):
@@ -488,7 +497,7 @@ class ChannelServer:
                 eager_start(self._serve_allocate(conn, conn.session, rec.req_id, rec.num_pages, rec.wait, rec.wait_timeout_ms,
                                                  rec.notify, rec.device), self._tasks)
             elif isinstance(rec, fdchannel.FreeReq):
-                eager_start(self._serve_free(conn, conn.session, rec.req_id, list(rec.page_ids)), self._tasks)
+                eager_start(self._serve_free(conn, conn.session, rec.req_id, list(rec.page_ids), rec.keep), self._tasks)
             else:
                 eager_start(self._serve_request(conn, conn.session, rec), self._tasks)
             return True
@@ -553,27 +562,29 @@ class ChannelServer:
             a.close()
         await self._reply(conn, fdchannel.encode_reply(req_id, 0, a.held_bytes))
 
-    async def _serve_free(self, conn: Conn, s: Session, req_id: int, page_ids: list[int]) -> None:
+    async def _serve_free(self, conn: Conn, s: Session, req_id: int, page_ids: list[int], keep: bool = False) -> None:
         try:
-            freed, _ = await self.daemon.free(s, page_ids)
+            freed, _ = await self.daemon.free(s, page_ids, keep)
         except Exception as exc:  # noqa: BLE001
             await self._reply_failure(conn, req_id, exc, "FREE")
             return
         await self._reply(conn, fdchannel.encode_reply(req_id, 0, freed))
 
     async def _serve_request(self, conn: Conn, s: Session, rec) -> None:
-        """CLOSE and ANSWER."""
+        """CLOSE, ANSWER and DROPPED."""
         d = self.daemon
         try:
             if isinstance(rec, fdchannel.AnswerReq):
                 value = d.answer_reclaim(s, rec.reclaim_id, rec.bytes_given, rec.bytes_kept, rec.reason)
+            elif isinstance(rec, fdchannel.DroppedReq):
+                value = d.dropped(s, list(rec.page_ids))
             else:
                 conn.closing_req = rec.req_id
                 await d.close_session(s)
                 return
         except Exception as exc:  # noqa: BLE001
             conn.closing_req = None
-            await self._reply_failure(conn, rec.req_id, exc, "ANSWER" if isinstance(rec, fdchannel.AnswerReq) else "CLOSE")
+            await self._reply_failure(conn, rec.req_id, exc, fdchannel.NAMES[_REQUEST_TYPES[type(rec)]])
             return
         await self._reply(conn, fdchannel.encode_reply(rec.req_id, 0, value))
 
@@ -600,6 +611,22 @@ class ChannelServer:
             self.daemon.count("fd_channel_errors")
             log.warning("fd channel %d (pid %d uid %d): %s; ending its session", conn.id, conn.pid, conn.uid, exc)
             self._drop(conn, errors.Unavailable(f"session ended: {exc}"))
+
+    def send_later(self, conn: Conn, data: bytes) -> None:
+        """A record the daemon sends on its own (DROP) that found no room:
+        sent when there is, within fd_send_timeout, or the session ends."""
+        async def send() -> None:
+            try:
+                await conn.send(data, [], self.settings.fd_send_timeout)
+            except DeliveryFailed as exc:
+                if conn.closed:
+                    return
+                self.daemon.count("fd_channel_errors")
+                log.warning("fd channel %d (pid %d uid %d): %s; ending its session", conn.id, conn.pid, conn.uid, exc)
+                self._drop(conn, errors.Unavailable(f"session ended: {exc}"))
+        task = asyncio.get_running_loop().create_task(send())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # ---- hang-up ----------------------------------------------------------
     def _peer_exited(self, conn: Conn) -> None:

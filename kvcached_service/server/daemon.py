@@ -154,6 +154,9 @@ class Daemon:
                 zero_worker=zero_worker,
             )
             pool.on_pages_returned = self._pages_returned
+            pool.keepers.ask = self._ask_drop
+            pool.keepers.silent = self._keeper_silent
+            pool.keepers.timeout = self.settings.fd_send_timeout
             self.pools[spec.uuid] = pool
             log.info(
                 "device %s (%s): budget %s of %s, page %s, warm pages %d",
@@ -323,6 +326,8 @@ class Daemon:
         for page in s.pages.values():
             by_pool.setdefault(page.device, []).append(page)
         n = len(s.pages)
+        for pool in self.pools.values():
+            pool.keepers.forget(s)  # its client lets its kept handles go with the session
         for uuid, pages in by_pool.items():
             pool = self.pools[uuid]
             s.remove_pages(pages)
@@ -435,8 +440,10 @@ class Daemon:
                 keep.append((s, dev, want))
         self._notify = keep
 
-    async def free(self, who: Who, page_ids: list[int]) -> tuple[int, Session]:
-        """Free: all or nothing. Returns (pages freed, the session)."""
+    async def free(self, who: Who, page_ids: list[int], keep: bool = False) -> tuple[int, Session]:
+        """Free: all or nothing. Returns (pages freed, the session). `keep`:
+        the client keeps the pages' imported handles (a FREE record with the
+        keep flag): the session becomes their keeper (pool/keepers.py)."""
         with _Observation(self, "Free"):
             s = self.identity.resolve(who, "Free")
             if not page_ids:
@@ -468,8 +475,26 @@ class Daemon:
             # pooled at once, the others are zeroed in the background (the
             # pool's zeroer) and lent only once that is done.
             for u, g in by_pool.items():
-                self.pools[u].give_back_now(g)
+                self.pools[u].give_back_now(g, keeper=s if keep else None)
             return len(pages), s
+
+    def dropped(self, s: Session, page_ids: list[int]) -> int:
+        """DROPPED on the session's fd channel: its client keeps no handle of
+        these pages any more. Returns how many of them it was keeping."""
+        if not page_ids:
+            raise errors.InvalidArgument("page_ids is empty: name the pages dropped")
+        return sum(pool.keepers.dropped(s, page_ids) for pool in self.pools.values())
+
+    def _ask_drop(self, s: Session, page_ids: list[int]) -> None:
+        """A pool is about to release pages `s` keeps handles of: ask its client."""
+        if not s.closed:
+            s.port.ask_drop(page_ids)
+
+    def _keeper_silent(self, s: Session, pages: int) -> None:
+        """A keeper did not answer DROP in time: its session ends."""
+        why = f"did not answer DROP of {pages} pages within {self.settings.fd_send_timeout:g} s"
+        self.count("fd_channel_errors")
+        self.end_session(s, why, farewell=errors.Unavailable(f"session ended: {why}"))
 
     def held_bytes(self, s: Session) -> int:
         return sum(n * self.pools[u].page_size for u, n in s.held_by_device.items())

@@ -203,6 +203,7 @@ class KVCachedService(pb_grpc.KVCachedServicer):
             max_pages_per_request=d.settings.max_pages_per_request,
             fd_channel_requests=True,
             fd_channel_requests_only=d.settings.page_ops_on_channel_only,
+            fd_channel_keep_handles=True,
         )
 
     @_rpc

@@ -53,6 +53,11 @@ class SessionPort(Protocol):
         """The session ended: tell the client (GOODBYE when error is None,
         else ERROR with it) and close. A no-op once closed."""
 
+    def ask_drop(self, page_ids: list[int]) -> None:
+        """Ask the client to let go of its kept handles of these pages (DROP
+        records; it answers DROPPED, a request). Without waiting; a failed
+        send ends the session."""
+
 
 @dataclass
 class Adoption:

@@ -10,6 +10,8 @@ of parts that each own their state:
     Zeroer      the pages given back, zeroed in the background on a worker
                 of its own (zeroer.py)
     Loan        the pages lent and the descriptors that deliver them (loan.py)
+    Keepers     who keeps an imported handle of which pooled page, and the
+                DROP asks answered before such a page is released (keepers.py)
 
 and DevicePool, which composes them: a loan (`lend`) is one step with one
 rollback: admitted (`admit`: may the session hold that much on this device),
@@ -44,6 +46,7 @@ from ...config import format_size
 from ...fdchannel import close_fds
 from ..worker import DeviceWorker
 from .books import Books, Budget, Counts, PageIds, PoolCounters, Shortage, admit
+from .keepers import Keepers
 from .loan import Loan
 from .pages import Page, PageState, ReadyPages
 from .zeroer import Zeroer
@@ -95,6 +98,7 @@ class DevicePool:
         self.tasks: set[asyncio.Task] = tasks if tasks is not None else set()
         self.zeroer = Zeroer(backend, spec.ordinal, zero_worker or worker, done=self._zeroed, failed=self._zero_failed,
                              tasks=self.tasks)
+        self.keepers = Keepers(spec.uuid)  # the daemon sets its ask/silent/timeout
         self._changed: asyncio.Event | None = None  # made by the first waiter, set and dropped by _notify
         self._refilling = False
         self._no_refill = False  # set at shutdown: no more warm pages
@@ -387,6 +391,7 @@ class DevicePool:
         n.creating += create
         try:
             if victims:
+                await self.keepers.release_ready(victims)
                 await self._release(victims)
             new_handles = await self._create(create) if create else []
         except BaseException:
@@ -474,15 +479,18 @@ class DevicePool:
         return sorted((tuple(v) for v in counts.values()), key=lambda e: -e[3])  # type: ignore[misc]
 
     # ---- returning pages -----------------------------------------------
-    def give_back_now(self, pages: list[Page]) -> None:
+    def give_back_now(self, pages: list[Page], keeper: "Session | None" = None) -> None:
         """Pages a session freed (or held when it ended), given back without
         waiting: they leave in_use at once. Pages nothing needs to zero
         (nobody wrote them, or --no-zero-pages) are pooled for their uid
         before this returns; the others go to the zeroer, which pools them
         once zeroed (in the background: nobody waits for it, and it finishes
-        even if the client that freed them died)."""
+        even if the client that freed them died). `keeper`: the session
+        freed them with keep (it keeps their imported handles: keepers.py)."""
         if not pages:
             return
+        if keeper is not None:
+            self.keepers.keep(keeper, pages)
         for page in pages:
             page.state = PageState.ZEROING
             page.session = None
@@ -517,6 +525,7 @@ class DevicePool:
 
     async def _zero_failed(self, pages: list[Page], exc: Exception) -> None:
         log.error("device %s: zeroing %d pages failed (%s); releasing them", self.uuid, len(pages), exc)
+        await self.keepers.release_ready(pages)  # counted pooled meanwhile
         self.counts.pooled -= len(pages)
         await self._release(pages)
         self._notify(0)
@@ -609,16 +618,37 @@ class DevicePool:
             return 0
         victims = self.ready.take_idle(excess, now - self.idle_seconds)
         if victims:
-            self.counts.pooled -= len(victims)
-            await self._release(victims)
+            await self._release_pooled(victims)
         return len(victims)
 
     async def release_all_pooled(self) -> int:
         victims = self.ready.take_all()
-        self.counts.pooled -= len(victims)
         if victims:
-            await self._release(victims)
+            await self._release_pooled(victims)
         return len(victims)
+
+    async def _release_pooled(self, victims: list[Page]) -> None:
+        """Release pages taken out of the ready lists. Pages a client keeps a
+        handle of are released in the background once their keepers let go
+        (keepers.py): they stay counted as pooled meanwhile, since their
+        memory is still there, so nobody may use their budget yet."""
+        kept = [p for p in victims if p.keepers]
+        rest = [p for p in victims if not p.keepers] if kept else victims
+        if kept:
+            task = asyncio.get_running_loop().create_task(self._release_kept(kept))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        if rest:
+            self.counts.pooled -= len(rest)
+            await self._release(rest)
+
+    async def _release_kept(self, pages: list[Page]) -> None:
+        try:
+            await self.keepers.release_ready(pages)
+        finally:
+            self.counts.pooled -= len(pages)
+            await self._release(pages)
+            self._notify(0)  # an Allocate waiting for pooled pages to come: they went
 
     def release_everything_sync(self) -> None:
         """Shutdown: every page still known (pooled or held) is released."""

@@ -40,6 +40,7 @@ class Page:
     uid: int | None = None  # last uid it was handed to; None = never handed out
     pooled_at: float = 0.0
     ident: str = ""  # backend identity, recorded in the journal
+    keepers: "set[Session] | None" = None  # sessions keeping an imported handle of it (pool.keepers)
 
 
 class ReadyPages:
