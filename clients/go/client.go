@@ -31,6 +31,9 @@ const (
 	EnvSocket = "KVCACHED_SOCKET"
 	// EnvLibCUDA selects the CUDA driver library (default libcuda.so.1).
 	EnvLibCUDA = "KVCACHED_LIBCUDA"
+	// EnvKeepHandles: the most CUDA page handles a session keeps for pages
+	// it freed (default 8192; 0: never keep). See Session's doc.
+	EnvKeepHandles = "KVCACHED_KEEP_HANDLES"
 )
 
 // Client is a connection to the daemon's control plane. It is safe for
@@ -156,6 +159,11 @@ type Info struct {
 	// FDChannelRequestsOnly: the daemon refuses the gRPC versions of those
 	// calls (kvcached-serve --channel-ops-only).
 	FDChannelRequestsOnly bool
+	// FDChannelKeepHandles: the daemon honours FREE's keep flag and asks
+	// for kept handles with DROP before it releases a page
+	// (docs/protocol.md, "Kept handles"); sessions then keep the imported
+	// handles of CUDA pages (KVCACHED_KEEP_HANDLES).
+	FDChannelKeepHandles bool
 }
 
 func deviceFromPB(d *pb.DeviceInfo) Device {
@@ -171,7 +179,8 @@ func (c *Client) Info(ctx context.Context) (*Info, error) {
 	}
 	info := &Info{Version: r.GetVersion(), APIVersion: r.GetApiVersion(), FDSocket: r.GetFdSocket(),
 		FDProtocolVersion: r.GetFdProtocolVersion(), Backend: r.GetBackend(), MaxPagesPerRequest: r.GetMaxPagesPerRequest(),
-		FDChannelRequests: r.GetFdChannelRequests(), FDChannelRequestsOnly: r.GetFdChannelRequestsOnly()}
+		FDChannelRequests: r.GetFdChannelRequests(), FDChannelRequestsOnly: r.GetFdChannelRequestsOnly(),
+		FDChannelKeepHandles: r.GetFdChannelKeepHandles()}
 	for _, d := range r.GetDevices() {
 		info.Devices = append(info.Devices, deviceFromPB(d))
 	}

@@ -27,6 +27,9 @@ var (
 	// Set by TestMain before any test runs: the CUDA test driver's state is
 	// one simulated machine for the daemon and this process alike.
 	cudaState string
+	// Set by TestMain: the test driver's live call counters
+	// (KVCACHED_TESTDRV_CALLS), one file per process (driverCalls).
+	cudaCalls string
 )
 
 var (
@@ -95,6 +98,11 @@ func TestMain(m *testing.M) {
 		cudaState = dir
 		os.Setenv(EnvLibCUDA, drv)
 		os.Setenv("KVCACHED_TESTDRV_STATE", dir)
+		if cudaCalls, err = os.MkdirTemp("", "kvcgo-cuda-calls-"); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(2)
+		}
+		os.Setenv("KVCACHED_TESTDRV_CALLS", cudaCalls)
 	}
 	code := m.Run()
 	for _, d := range daemons {
@@ -102,6 +110,7 @@ func TestMain(m *testing.M) {
 	}
 	if cudaState != "" {
 		os.RemoveAll(cudaState)
+		os.RemoveAll(cudaCalls)
 	}
 	os.Exit(code)
 }

@@ -215,7 +215,7 @@ func TestPythonReadsGoWrites(t *testing.T) {
 				t.Fatal(err)
 			}
 			dups = append(dups, os.NewFile(uintptr(fd), "dup"))
-			if err := m.mapRun(base+uintptr(uint64(i)*ps), []*os.File{p.File}, ps); err != nil {
+			if err := m.mapRun(base+uintptr(uint64(i)*ps), pageRun{files: []*os.File{p.File}}, ps); err != nil {
 				t.Fatal(err)
 			}
 			if err := m.write(base+uintptr(uint64(i)*ps), pattern(100+i, int(ps))); err != nil {

@@ -12,11 +12,13 @@ type mapper interface {
 	reserve(size uint64) (uintptr, error)
 	// release a reservation; everything in it must be unmapped.
 	release(base uintptr, size uint64) error
-	// mapRun maps the pages behind files (each of size bytes) at addr,
+	// mapRun maps the pages of run (each of size bytes) at addr,
 	// addr+size, ... (inside a reservation), all or nothing, and closes every
 	// file, on success and on failure. One call per run of adjacent pages:
-	// the CUDA mapper sets access for the run with one cuMemSetAccess.
-	mapRun(addr uintptr, files []*os.File, size uint64) error
+	// the CUDA mapper sets access for the run with one cuMemSetAccess, and
+	// maps a page whose handle the session kept without an import
+	// (keptHandles).
+	mapRun(addr uintptr, run pageRun, size uint64) error
 	// unmapPage unmaps a page; the range stays reserved.
 	unmapPage(addr uintptr, size uint64) error
 	// write and read copy bytes to and from mapped memory.
@@ -25,21 +27,31 @@ type mapper interface {
 	close()
 }
 
+// pageRun is what mapRun maps: the pages' descriptors, and (when known)
+// their ids and the fd channel generation they came on, which the CUDA
+// mapper's cache of kept handles needs.
+type pageRun struct {
+	files []*os.File
+	ids   []uint64 // nil: unknown (nothing is kept or mapped from a kept handle)
+	gen   uint64
+}
+
 // mapperBackends is the one place that maps a device kind (Device.Kind, as
 // the daemon's GetInfo reports it) to the backend that maps its pages. A
 // new backend is a mapper in a file of its own and one line here.
-var mapperBackends = map[string]func(dev Device) (mapper, error){
+var mapperBackends = map[string]func(dev Device, kept *keptHandles) (mapper, error){
 	"host": newHostMapper, // mapper_host.go: memfd pages, mmap
 	"cuda": newCUDAMapper, // mapper_cuda.go: CUDA VMM through internal/cuda
 }
 
-// newMapper makes the mapper for the pages of dev.
-func newMapper(dev Device) (mapper, error) {
+// newMapper makes the mapper for the pages of dev; kept is the session's
+// cache of kept handles (used by the CUDA mapper).
+func newMapper(dev Device, kept *keptHandles) (mapper, error) {
 	open, ok := mapperBackends[dev.Kind]
 	if !ok {
 		return nil, newError(ErrInvalidArgument, "NewRegion", "device %s has unknown kind %q", dev.UUID, dev.Kind)
 	}
-	return open(dev)
+	return open(dev, kept)
 }
 
 // mapEach is mapRun for a mapper that maps page by page (mapPage closes its

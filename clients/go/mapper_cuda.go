@@ -3,7 +3,6 @@ package kvcached
 import (
 	"errors"
 	"fmt"
-	"os"
 
 	"github.com/kvcached/kvcached-service/clients/go/internal/cuda"
 )
@@ -11,18 +10,23 @@ import (
 // cudaMapper maps CUDA pages: import the fd (by value), cuMemMap at offset 0
 // into our own reservation, cuMemRelease the imported handle, close the fd;
 // then one cuMemSetAccess for our ordinal over the run of pages mapped
-// together. The driver is loaded with dlopen
-// (KVCACHED_LIBCUDA, default libcuda.so.1) the first time it is needed.
+// together. With the session's cache of kept handles (keptHandles,
+// docs/protocol.md "Kept handles") a page whose handle the session kept is
+// mapped from it (the fd is closed, nothing imported or released), and an
+// imported handle is kept instead of released while the cache has room.
+// The driver is loaded with dlopen (KVCACHED_LIBCUDA, default
+// libcuda.so.1) the first time it is needed.
 type cudaMapper struct {
-	dev *cuda.Device
+	dev  *cuda.Device
+	kept *keptHandles // the session's (nil: keep nothing)
 }
 
-func newCUDAMapper(dev Device) (mapper, error) {
+func newCUDAMapper(dev Device, kept *keptHandles) (mapper, error) {
 	d, err := cuda.Open(dev.UUID)
 	if err != nil {
 		return nil, cudaErr("opening device "+dev.UUID, err)
 	}
-	return &cudaMapper{dev: d}, nil
+	return &cudaMapper{dev: d, kept: kept}, nil
 }
 
 func cudaErr(what string, err error) error {
@@ -47,14 +51,20 @@ func (m *cudaMapper) release(base uintptr, size uint64) error {
 	return nil
 }
 
-func (m *cudaMapper) mapRun(addr uintptr, files []*os.File, size uint64) error {
-	fds := make([]int, len(files))
-	for i, f := range files {
+func (m *cudaMapper) mapRun(addr uintptr, run pageRun, size uint64) error {
+	fds := make([]int, len(run.files))
+	for i, f := range run.files {
 		defer f.Close()
 		fds[i] = int(f.Fd())
 	}
-	if err := m.dev.MapRun(uint64(addr), size, fds); err != nil {
-		return cudaErr(fmt.Sprintf("mapping %d page(s)", len(files)), err)
+	var err error
+	if m.kept != nil {
+		err = m.kept.mapRun(m.dev, uint64(addr), size, fds, run)
+	} else {
+		err = m.dev.MapRun(uint64(addr), size, fds)
+	}
+	if err != nil {
+		return cudaErr(fmt.Sprintf("mapping %d page(s)", len(run.files)), err)
 	}
 	return nil
 }

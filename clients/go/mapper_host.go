@@ -12,7 +12,7 @@ import (
 // unmapped by putting PROT_NONE anonymous memory back.
 type hostMapper struct{}
 
-func newHostMapper(Device) (mapper, error) { return hostMapper{}, nil }
+func newHostMapper(Device, *keptHandles) (mapper, error) { return hostMapper{}, nil }
 
 // ptr turns an address we got from mmap back into a pointer. The memory is
 // outside the Go heap, so the GC does not care.
@@ -38,8 +38,10 @@ func (hostMapper) release(base uintptr, size uint64) error {
 	return nil
 }
 
-func (m hostMapper) mapRun(addr uintptr, files []*os.File, size uint64) error {
-	return mapEach(m.mapPage, m.unmapPage, addr, files, size) // mmap costs the same page by page
+// mapRun maps page by page (mmap costs the same); host pages are never
+// kept (a mapping costs one mmap either way).
+func (m hostMapper) mapRun(addr uintptr, run pageRun, size uint64) error {
+	return mapEach(m.mapPage, m.unmapPage, addr, run.files, size)
 }
 
 func (hostMapper) mapPage(addr uintptr, f *os.File, size uint64) error {

@@ -175,12 +175,12 @@ func (r *Region) Map(ctx context.Context, off, length uint64) error {
 		for k+n < len(missing) && missing[k+n] == missing[k+n-1]+1 {
 			n++
 		}
-		files := make([]*os.File, n)
-		for x := range files {
-			files[x] = a.Pages[k+x].File
+		run := pageRun{files: make([]*os.File, n), ids: make([]uint64, n), gen: a.gen}
+		for x := range run.files {
+			run.files[x], run.ids[x] = a.Pages[k+x].File, a.Pages[k+x].ID
 			a.Pages[k+x].File = nil
 		}
-		if err := r.m.mapRun(r.addr(missing[k]), files, r.page); err != nil {
+		if err := r.m.mapRun(r.addr(missing[k]), run, r.page); err != nil {
 			// Roll back: unmap what this call mapped, give everything back.
 			for _, j := range missing[:k] {
 				_ = r.m.unmapPage(r.addr(j), r.page)

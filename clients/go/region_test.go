@@ -60,9 +60,9 @@ func (m *fakeMapper) release(base uintptr, size uint64) error {
 	m.released = true
 	return nil
 }
-func (m *fakeMapper) mapRun(addr uintptr, files []*os.File, size uint64) error {
+func (m *fakeMapper) mapRun(addr uintptr, run pageRun, size uint64) error {
 	m.runs++
-	return mapEach(m.mapPage, m.unmapPage, addr, files, size)
+	return mapEach(m.mapPage, m.unmapPage, addr, run.files, size)
 }
 func (m *fakeMapper) mapPage(addr uintptr, f *os.File, size uint64) error {
 	m.maps++

@@ -48,7 +48,7 @@ func (rs *regionSet) mapperLocked(dev Device) (mapper, error) {
 	if m, ok := rs.mappers[dev.UUID]; ok {
 		return m, nil
 	}
-	m, err := newMapper(dev)
+	m, err := newMapper(dev, rs.s.kept)
 	if err != nil {
 		return nil, err
 	}
@@ -68,10 +68,11 @@ func (rs *regionSet) list() []*Region {
 }
 
 // closeMappers closes every mapper (the session is closed: no region is
-// added any more).
+// added any more), after releasing every kept handle.
 func (rs *regionSet) closeMappers() {
 	rs.mu.Lock()
 	defer rs.mu.Unlock()
+	rs.s.kept.Reset(0, true)
 	for _, m := range rs.mappers {
 		m.close()
 	}

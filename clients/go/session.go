@@ -86,6 +86,7 @@ type Session struct {
 	log   *slog.Logger
 	m     *chanmux.Mux // the fd channel: requests, reader, resume
 	regs  *regionSet   // the regions and mappers
+	kept  *keptHandles // kept handles of CUDA pages (handles.go)
 	watch *watcher     // the Watch goroutine (nil without handlers)
 }
 
@@ -131,9 +132,11 @@ func (c *Client) OpenSession(ctx context.Context, name string, opts ...SessionOp
 	}
 	s.regs = newRegionSet(s)
 	s.log = c.log.With("session_id", s.id, "session_name", name)
+	s.kept = newKeptHandles(info.FDChannelKeepHandles, keepLimitFromEnv(s.log), s.log)
 	id, token := s.id, resp.GetResumeToken()
 	s.m = chanmux.New(ch, resp.GetSession(), chanmux.Config{
 		ID: s.id, FDSocket: info.FDSocket, Log: s.log, ResumeToken: token, ResumeTimeout: o.resumeTimeout,
+		Handles: s.kept,
 		Resume: func(ctx context.Context, secret []byte, ids []uint64) (*pb.ResumeSessionResponse, error) {
 			return c.rpc.ResumeSession(ctx, &pb.ResumeSessionRequest{
 				ChannelSecret: secret, SessionId: id, ResumeToken: token, PageIds: ids,
@@ -191,6 +194,7 @@ type Allocation struct {
 	PageSize  uint64
 	Pages     []Page
 	HeldBytes uint64 // bytes the session holds on the device afterwards
+	gen       uint64 // the fd channel generation the pages came on (kept handles)
 }
 
 // Close closes every page descriptor still open (not the pages: Free them).
@@ -243,7 +247,7 @@ func (s *Session) Allocate(ctx context.Context, n int, opts ...AllocOption) (*Al
 	if err != nil {
 		return nil, err
 	}
-	a := &Allocation{ID: got.ID, Device: rec.Device, HeldBytes: got.HeldBytes}
+	a := &Allocation{ID: got.ID, Device: rec.Device, HeldBytes: got.HeldBytes, gen: got.Gen}
 	for _, d := range s.info.Devices {
 		if d.UUID == rec.Device || rec.Device == "" {
 			a.Device, a.PageSize = d.UUID, d.PageSize

@@ -45,6 +45,10 @@ type Config struct {
 	// Resume calls ResumeSession after the ADOPT records went out on the
 	// new channel (whose HELLO secret is secret), claiming ids.
 	Resume func(ctx context.Context, secret []byte, ids []uint64) (*pb.ResumeSessionResponse, error)
+	// Handles is the session's cache of kept handles (handles.go); nil:
+	// the session keeps none (its FREEs never carry keep; a DROP is
+	// answered all the same).
+	Handles Handles
 }
 
 // Mux is one session's fd channel: requests, the reader goroutine, resume.
@@ -64,6 +68,8 @@ type Mux struct {
 	ops  pageOps  // Allocate and FREE requests in progress
 	rd   *reader  // the reader goroutine
 	res  *resumer // the resume loop (run by the reader)
+
+	handles Handles // kept handles of pages (handles.go)
 
 	wg sync.WaitGroup // the reader, and a free of pages released during a resume
 
@@ -98,6 +104,10 @@ func New(ch *fdchan.Conn, ref *pb.SessionRef, cfg Config) *Mux {
 		resumed: make(chan struct{}),
 	}
 	close(m.resumed)
+	m.handles = cfg.Handles
+	if m.handles == nil {
+		m.handles = noHandles{}
+	}
 	m.res = newResumer(m, cfg)
 	m.rd = &reader{m: m, done: make(chan struct{})}
 	m.wg.Add(1)

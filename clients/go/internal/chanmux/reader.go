@@ -2,6 +2,7 @@ package chanmux
 
 import (
 	"errors"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -52,6 +53,8 @@ func (rd *reader) readChannel(ch *fdchan.Conn) (end error, hangup bool) {
 			end = rd.deliver(r)
 		case fdchan.Reply:
 			rd.replied(r)
+		case fdchan.Drop:
+			rd.drop(ch, r)
 		case fdchan.Error:
 			end = errs.FromStatus("fd channel", status.Error(codes.Code(r.Code), r.Message))
 		case fdchan.Goodbye:
@@ -109,6 +112,20 @@ func (rd *reader) replied(r fdchan.Reply) {
 	}
 }
 
+// drop answers a DROP at once (docs/protocol.md, "DROP is answered at
+// once"): the kept handles of its pages are released, then DROPPED names
+// every page of the DROP, kept or not. Nobody waits for the REPLY to it
+// (a REPLY to no request is dropped). A send that fails is only logged:
+// the daemon ends a session that does not answer.
+func (rd *reader) drop(ch *fdchan.Conn, r fdchan.Drop) {
+	m := rd.m
+	m.handles.Drop(r.PageIDs)
+	req := m.reqs.nextID()
+	if err := ch.Send(fdchan.DroppedReq{ReqID: req, PageIDs: r.PageIDs}, nil, time.Now().Add(time.Second)); err != nil {
+		m.log.Warn("kvcached: answering DROP failed", "pages", len(r.PageIDs), "err", err)
+	}
+}
+
 // finish ends the session for good: pending allocations and kept page
 // descriptors are closed, done is closed.
 func (rd *reader) finish(ch *fdchan.Conn, end error) {
@@ -125,7 +142,9 @@ func (rd *reader) finish(ch *fdchan.Conn, end error) {
 		close(m.resumed)
 	}
 	logged := m.resumeErr != nil // the resumer said why
+	gen := m.gen
 	m.mu.Unlock()
+	m.handles.Reset(gen, true)
 	if !closing && !logged {
 		m.log.Warn("kvcached session ended by the daemon", "err", end)
 	}

@@ -130,6 +130,7 @@ func (c *chanCall) await(ctx context.Context, op string, late func(fdchan.Reply)
 // descriptors, in order (the caller owns the descriptors).
 type Allocation struct {
 	ID        uint64 // allocation id: the request id | fdchan.AllocBit
+	Gen       uint64 // the fd channel generation the pages came on (Handles.Reset)
 	IDs       []uint64
 	FDs       []int
 	HeldBytes uint64 // the REPLY's value: bytes held on the device afterwards
@@ -189,7 +190,7 @@ func (m *Mux) Allocate(ctx context.Context, rec fdchan.AllocateReq) (*Allocation
 		}
 		return nil, err
 	}
-	return &Allocation{ID: o.key.id, IDs: ids, FDs: fds, HeldBytes: rep.Value}, nil
+	return &Allocation{ID: o.key.id, Gen: c.gen, IDs: ids, FDs: fds, HeldBytes: rep.Value}, nil
 }
 
 // Free sends FREE records of at most fdchan.MaxFreeIDs ids. All
@@ -226,7 +227,8 @@ func (m *Mux) freeChunk(ctx context.Context, ids []uint64) (uint64, error) {
 		seqs := m.keep.seqs(ids)
 		c, gen, err := m.startRequest(op, false, false)
 		if err == nil {
-			err = c.send(ctx, op, fdchan.FreeReq{ReqID: c.req, PageIDs: ids})
+			// keep: the session keeps a handle of one of the pages.
+			err = c.send(ctx, op, fdchan.FreeReq{ReqID: c.req, PageIDs: ids, Keep: m.handles.Keeps(ids)})
 		}
 		if err == nil {
 			var rep fdchan.Reply
@@ -357,7 +359,8 @@ func (m *Mux) giveBackLocked(ids []uint64) {
 				m.log.Warn("kvcached: giving back pages nobody waits for failed", "pages", len(chunk), "code", r.Code, "message", r.Message)
 			}
 		})
-		if err := m.ch.Send(fdchan.FreeReq{ReqID: req, PageIDs: chunk}, nil, time.Now().Add(time.Second)); err != nil {
+		rec := fdchan.FreeReq{ReqID: req, PageIDs: chunk, Keep: m.handles.Keeps(chunk)}
+		if err := m.ch.Send(rec, nil, time.Now().Add(time.Second)); err != nil {
 			m.reqs.remove(req)
 			m.keep.deferIDs(chunk)
 			m.log.Warn("kvcached: giving back pages nobody waits for failed", "pages", len(chunk), "err", err)

@@ -166,7 +166,13 @@ func (r *resumer) run(old *fdchan.Conn, cause error) (*fdchan.Conn, error) {
 	// are ALLOCATE requests not answered yet: their callers get
 	// ErrUnavailable.
 	m.reqs.dropUndelivered(m.keep)
+	next := m.gen + 1 // the new channel's generation
 	m.mu.Unlock()
+	// Kept handles go before anything is claimed: a restarted daemon
+	// never saw the FREEs that kept them, and its page ids are no promise
+	// about the old daemon's pages. Pages of the old channel still being
+	// mapped are neither kept nor mapped from a handle (generation).
+	m.handles.Reset(next, false)
 	held := m.keep.count()
 	old.Close()
 	// Before it claims anything, the resume waits for the page requests in

@@ -71,6 +71,15 @@ func (t *table) add(gen uint64, late func(fdchan.Reply)) (uint64, *waiter) {
 	return t.seq, w
 }
 
+// nextID takes a request id for a request nobody waits for (its REPLY,
+// answering no request, is dropped).
+func (t *table) nextID() uint64 {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.seq++
+	return t.seq
+}
+
 // addAlloc stashes the allocation an ALLOCATE request req will bring.
 func (t *table) addAlloc(gen, req uint64) (allocKey, *pendingAlloc) {
 	t.mu.Lock()

@@ -141,12 +141,19 @@ static CUresult kvc_free(kvc_cuda *t, CUcontext ctx, CUdeviceptr p, size_t size,
 	return t->cuMemAddressFree(p, size);
 }
 
-// Import each of fds[0..n) (passed by value) and map it at p + i*size with
-// offset 0, releasing each imported handle (the mapping keeps the page
-// alive); then give dev read-write access to the whole run with one
-// cuMemSetAccess. All or nothing: on failure nothing of the run stays
-// mapped. The caller closes the fds afterwards.
-static CUresult kvc_map_run(kvc_cuda *t, CUcontext ctx, int dev, CUdeviceptr p, size_t size, const int *fds, size_t n,
+// How kvc_map_run maps page i of a run (modes[i]).
+enum { KVC_MAP_IMPORT = 0,      // import fds[i], map, release the imported handle
+       KVC_MAP_IMPORT_KEEP = 1, // import fds[i], map, keep the handle: handles[i] = it
+       KVC_MAP_KEPT = 2 };      // map handles[i], a handle kept earlier (no import, not released)
+
+// Map each page of a run at p + i*size with offset 0, as modes[i] says (a
+// released handle's page stays alive through its mapping); then give dev
+// read-write access to the whole run with one cuMemSetAccess. All or
+// nothing: on failure nothing of the run stays mapped, and the handles
+// this call imported to keep are released (handles[i] = 0 for them); kept
+// handles given in stay. The caller closes the fds afterwards.
+static CUresult kvc_map_run(kvc_cuda *t, CUcontext ctx, int dev, CUdeviceptr p, size_t size, const int *fds,
+                            const unsigned char *modes, CUmemGenericAllocationHandle *handles, size_t n,
                             const char **where) {
 	CUresult r;
 	size_t mapped = 0;
@@ -154,12 +161,23 @@ static CUresult kvc_map_run(kvc_cuda *t, CUcontext ctx, int dev, CUdeviceptr p, 
 	if ((r = t->cuCtxSetCurrent(ctx)) != 0) return r;
 	for (; mapped < n; mapped++) {
 		CUmemGenericAllocationHandle h = 0;
-		*where = "cuMemImportFromShareableHandle";
-		if ((r = t->cuMemImportFromShareableHandle(&h, (void *)(uintptr_t)fds[mapped], KVC_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) != 0) break;
+		if (modes[mapped] == KVC_MAP_KEPT) {
+			h = handles[mapped];
+		} else {
+			*where = "cuMemImportFromShareableHandle";
+			if ((r = t->cuMemImportFromShareableHandle(&h, (void *)(uintptr_t)fds[mapped], KVC_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) != 0) break;
+		}
 		*where = "cuMemMap";
-		if ((r = t->cuMemMap(p + mapped * size, size, 0, h, 0)) != 0) { t->cuMemRelease(h); break; }
-		*where = "cuMemRelease";
-		if ((r = t->cuMemRelease(h)) != 0) { mapped++; break; }
+		if ((r = t->cuMemMap(p + mapped * size, size, 0, h, 0)) != 0) {
+			if (modes[mapped] != KVC_MAP_KEPT) t->cuMemRelease(h);
+			break;
+		}
+		if (modes[mapped] == KVC_MAP_IMPORT_KEEP) {
+			handles[mapped] = h;
+		} else if (modes[mapped] == KVC_MAP_IMPORT) {
+			*where = "cuMemRelease";
+			if ((r = t->cuMemRelease(h)) != 0) { mapped++; break; }
+		}
 	}
 	if (r == 0 && n > 0) {
 		CUmemAccessDesc d;
@@ -171,7 +189,26 @@ static CUresult kvc_map_run(kvc_cuda *t, CUcontext ctx, int dev, CUdeviceptr p, 
 		if ((r = t->cuMemSetAccess(p, n * size, &d, 1)) == 0) return 0;
 	}
 	for (size_t i = 0; i < mapped; i++) t->cuMemUnmap(p + i * size, size);
+	for (size_t i = 0; i < mapped; i++) {
+		if (modes[i] == KVC_MAP_IMPORT_KEEP) { t->cuMemRelease(handles[i]); handles[i] = 0; }
+	}
 	return r;
+}
+
+// Release handles[0..n) (kept handles); every one is released, the first
+// failure is returned.
+static CUresult kvc_release(kvc_cuda *t, CUcontext ctx, const CUmemGenericAllocationHandle *handles, size_t n,
+                            const char **where) {
+	CUresult r, first = 0;
+	*where = "cuCtxSetCurrent";
+	if ((r = t->cuCtxSetCurrent(ctx)) != 0) return r;
+	for (size_t i = 0; i < n; i++) {
+		if ((r = t->cuMemRelease(handles[i])) != 0 && first == 0) {
+			first = r;
+			*where = "cuMemRelease";
+		}
+	}
+	return first;
 }
 
 static CUresult kvc_unmap(kvc_cuda *t, CUcontext ctx, CUdeviceptr p, size_t size, const char **where) {
@@ -336,19 +373,73 @@ func (d *Device) Free(p, size uint64) error {
 }
 
 // MapRun maps the pages behind fds (each of size bytes) at p, p+size, ...,
-// with one cuMemSetAccess for the run. All or nothing; the fds stay open
-// (the caller closes them).
+// with one cuMemSetAccess for the run: each imported, mapped, and its
+// imported handle released. All or nothing; the fds stay open (the caller
+// closes them).
 func (d *Device) MapRun(p, size uint64, fds []int) error {
-	if len(fds) == 0 {
+	return d.MapRunKept(p, size, fds, make([]MapMode, len(fds)), make([]Handle, len(fds)))
+}
+
+// Handle is an imported allocation handle (CUmemGenericAllocationHandle)
+// that the caller keeps, to map its page again without an import.
+type Handle uint64
+
+// MapMode says how MapRunKept maps one page.
+type MapMode uint8
+
+const (
+	// Import the page's fd, map it, release the imported handle.
+	Import MapMode = iota
+	// ImportKeep imports the page's fd, maps it and keeps the handle
+	// (written to handles[i]: the caller releases it with Release).
+	ImportKeep
+	// Kept maps handles[i], a handle kept earlier: no import, no release
+	// (fds[i] is not used).
+	Kept
+)
+
+// MapRunKept is MapRun with a mode per page (modes[i], handles[i] for page
+// i). All or nothing: on failure nothing of the run stays mapped and the
+// handles imported to keep are released (handles[i] = 0); kept handles
+// given in stay the caller's. The fds stay open.
+func (d *Device) MapRunKept(p, size uint64, fds []int, modes []MapMode, handles []Handle) error {
+	n := len(fds)
+	if n == 0 {
 		return nil
 	}
-	cfds := make([]C.int, len(fds))
-	for i, fd := range fds {
-		cfds[i] = C.int(fd)
+	if len(modes) != n || len(handles) != n {
+		return fmt.Errorf("cuda: %d fds, %d modes, %d handles", n, len(modes), len(handles))
+	}
+	cfds := make([]C.int, n)
+	cmodes := make([]C.uchar, n)
+	chandles := make([]C.CUmemGenericAllocationHandle, n)
+	for i := range fds {
+		cfds[i], cmodes[i], chandles[i] = C.int(fds[i]), C.uchar(modes[i]), C.CUmemGenericAllocationHandle(handles[i])
 	}
 	var where *C.char
-	err := check(d.t, C.kvc_map_run(d.t, d.ctx, C.int(d.ordinal), C.CUdeviceptr(p), C.size_t(size), &cfds[0], C.size_t(len(cfds)), &where), where)
+	err := check(d.t, C.kvc_map_run(d.t, d.ctx, C.int(d.ordinal), C.CUdeviceptr(p), C.size_t(size), &cfds[0], &cmodes[0],
+		&chandles[0], C.size_t(n), &where), where)
+	for i := range handles {
+		handles[i] = Handle(chandles[i])
+	}
 	runtime.KeepAlive(cfds)
+	runtime.KeepAlive(cmodes)
+	return err
+}
+
+// Release releases kept handles (cuMemRelease): every one, returning the
+// first failure. A page still mapped stays alive through its mapping.
+func (d *Device) Release(handles []Handle) error {
+	if len(handles) == 0 {
+		return nil
+	}
+	ch := make([]C.CUmemGenericAllocationHandle, len(handles))
+	for i, h := range handles {
+		ch[i] = C.CUmemGenericAllocationHandle(h)
+	}
+	var where *C.char
+	err := check(d.t, C.kvc_release(d.t, d.ctx, &ch[0], C.size_t(len(ch)), &where), where)
+	runtime.KeepAlive(ch)
 	return err
 }
 

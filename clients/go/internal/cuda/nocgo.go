@@ -34,6 +34,19 @@ func LibraryPath() string {
 	return "libcuda.so.1"
 }
 
+// Handle is an imported allocation handle the caller keeps.
+type Handle uint64
+
+// MapMode says how MapRunKept maps one page.
+type MapMode uint8
+
+// The modes of MapRunKept.
+const (
+	Import MapMode = iota
+	ImportKeep
+	Kept
+)
+
 // Device is never opened in a build without cgo.
 type Device struct{}
 
@@ -47,8 +60,14 @@ func (d *Device) Close() error                               { return ErrNoDrive
 func (d *Device) Reserve(size, align uint64) (uint64, error) { return 0, ErrNoDriver }
 func (d *Device) Free(p, size uint64) error                  { return ErrNoDriver }
 func (d *Device) MapRun(p, size uint64, fds []int) error     { return ErrNoDriver }
+func (d *Device) Release(handles []Handle) error             { return ErrNoDriver }
 func (d *Device) Unmap(p, size uint64) error                 { return ErrNoDriver }
 func (d *Device) CopyToDevice(dst uint64, src []byte) error  { return ErrNoDriver }
 func (d *Device) CopyFromDevice(dst []byte, src uint64) error {
+	return ErrNoDriver
+}
+
+// MapRunKept always fails without cgo.
+func (d *Device) MapRunKept(p, size uint64, fds []int, modes []MapMode, handles []Handle) error {
 	return ErrNoDriver
 }

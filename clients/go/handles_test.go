@@ -1,0 +1,213 @@
+package kvcached
+
+import (
+	"bytes"
+	"fmt"
+	"log/slog"
+	"os"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// The CUDA mapper's cache of kept handles, on the CUDA test driver, with
+// pages of the CUDA daemon (the cache is driven directly here: whether
+// the daemon offers keep does not matter to it). The driver's live call
+// counters show what each map costs: a page whose handle is kept is mapped
+// without cuMemImportFromShareableHandle and without cuMemRelease.
+func TestKeptHandleCache(t *testing.T) {
+	_, c := connect(t, "cuda")
+	ctx := testCtx(t)
+	s, err := c.OpenSession(ctx, "go-kept-handles")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close(ctx)
+	dev := s.Info().Devices[0]
+	ps := dev.PageSize
+	a, err := s.Allocate(ctx, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	ids := a.IDs()
+
+	k := newKeptHandles(true, 2, nil) // room for two of the three
+	mm, err := newCUDAMapper(dev, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := mm.(*cudaMapper)
+	defer m.close()
+	base, err := m.reserve(3 * ps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.release(base, 3*ps)
+	addr := func(i int) uintptr { return base + uintptr(uint64(i)*ps) }
+	// run dups the descriptors of pages idx (mapRun closes what it is
+	// given), as the pages of generation gen.
+	run := func(gen uint64, idx ...int) pageRun {
+		r := pageRun{gen: gen}
+		for _, i := range idx {
+			fd, err := unix.FcntlInt(a.Pages[i].File.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			r.files = append(r.files, os.NewFile(uintptr(fd), "page"))
+			r.ids = append(r.ids, ids[i])
+		}
+		return r
+	}
+	unmapAll := func(n int) {
+		t.Helper()
+		for i := 0; i < n; i++ {
+			if err := m.unmapPage(addr(i), ps); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	// mapped maps r at page 0 and checks the calls it made.
+	mapped := func(what string, r pageRun, imports, releases uint64, kept int) {
+		t.Helper()
+		before := driverCalls(t)
+		if err := m.mapRun(addr(0), r, ps); err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		d := callDelta(driverCalls(t), before)
+		n := uint64(len(r.files))
+		if d["cuMemImportFromShareableHandle"] != imports || d["cuMemRelease"] != releases ||
+			d["cuMemMap"] != n || d["cuMemSetAccess"] != 1 {
+			t.Fatalf("%s: driver calls %v; want %d imports, %d releases, %d maps, 1 cuMemSetAccess", what, d, imports, releases, n)
+		}
+		if got := k.count(); got != kept {
+			t.Fatalf("%s: %d handles kept, want %d", what, got, kept)
+		}
+	}
+	start := driverCalls(t)
+
+	// A miss imports; the first two handles are kept, the third (the cache
+	// is full) released after mapping, as without a cache.
+	mapped("first map", run(0, 0, 1, 2), 3, 1, 2)
+	for i := 0; i < 3; i++ {
+		if err := m.write(addr(i), pattern(40+i, int(ps))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !k.Keeps(ids[:1]) || !k.Keeps(ids[1:2]) || k.Keeps(ids[2:]) {
+		t.Fatalf("kept: %v %v %v; want the first two only", k.Keeps(ids[:1]), k.Keeps(ids[1:2]), k.Keeps(ids[2:]))
+	}
+	unmapAll(3)
+
+	// A hit: the kept handles are mapped (the descriptor is closed, no
+	// import, no release), the page full: the third is imported again.
+	mapped("second map", run(0, 0, 1, 2), 1, 1, 2)
+	for i := 0; i < 3; i++ {
+		got := make([]byte, ps)
+		if err := m.read(addr(i), got); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, pattern(40+i, int(ps))) {
+			t.Fatalf("page %d mapped again does not hold its bytes", i)
+		}
+	}
+	unmapAll(3)
+
+	// A DROP releases the handles named (99 is nothing to the cache); the
+	// page is imported next time, and kept again.
+	before := driverCalls(t)
+	k.Drop([]uint64{ids[0], 99})
+	if d := callDelta(driverCalls(t), before); d["cuMemRelease"] != 1 || k.count() != 1 || k.Keeps(ids[:1]) {
+		t.Fatalf("after DROP: calls %v, %d kept", d, k.count())
+	}
+	mapped("map after DROP", run(0, 0), 1, 0, 2)
+	unmapAll(1)
+
+	// A resume releases every handle; pages of the old channel are then
+	// neither mapped from a handle nor kept, the new channel's are.
+	before = driverCalls(t)
+	k.Reset(1, false)
+	if d := callDelta(driverCalls(t), before); d["cuMemRelease"] != 2 || k.count() != 0 {
+		t.Fatalf("after a resume: calls %v, %d kept", d, k.count())
+	}
+	mapped("old channel's page after a resume", run(0, 0), 1, 1, 0)
+	unmapAll(1)
+	mapped("new channel's pages", run(1, 0, 1), 2, 0, 2)
+	unmapAll(2)
+	mapped("new channel's pages again", run(1, 0, 1), 0, 0, 2)
+	unmapAll(2)
+
+	// The session's end releases every handle and keeps nothing after.
+	before = driverCalls(t)
+	k.Reset(1, true)
+	if d := callDelta(driverCalls(t), before); d["cuMemRelease"] != 2 || k.count() != 0 {
+		t.Fatalf("after the session's end: calls %v, %d kept", d, k.count())
+	}
+	mapped("after the end", run(1, 0), 1, 1, 0)
+	unmapAll(1)
+
+	// Every handle imported was released.
+	d := callDelta(driverCalls(t), start)
+	if d["cuMemImportFromShareableHandle"] != d["cuMemRelease"] {
+		t.Fatalf("%d imports, %d releases", d["cuMemImportFromShareableHandle"], d["cuMemRelease"])
+	}
+}
+
+// KVCACHED_KEEP_HANDLES 0, or a daemon that does not offer keep: nothing
+// is kept, every map imports and releases.
+func TestKeptHandleCacheOff(t *testing.T) {
+	_, c := connect(t, "cuda")
+	ctx := testCtx(t)
+	s, err := c.OpenSession(ctx, "go-kept-handles-off")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close(ctx)
+	dev := s.Info().Devices[0]
+	ps := dev.PageSize
+	for _, k := range []*keptHandles{newKeptHandles(true, 0, nil), newKeptHandles(false, 8, nil)} {
+		a, err := s.Allocate(ctx, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mm, err := newCUDAMapper(dev, k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		base, err := mm.reserve(ps)
+		if err != nil {
+			t.Fatal(err)
+		}
+		before := driverCalls(t)
+		f := a.Pages[0].File
+		a.Pages[0].File = nil
+		if err := mm.mapRun(base, pageRun{files: []*os.File{f}, ids: a.IDs()}, ps); err != nil {
+			t.Fatal(err)
+		}
+		d := callDelta(driverCalls(t), before)
+		if d["cuMemImportFromShareableHandle"] != 1 || d["cuMemRelease"] != 1 || k.count() != 0 || k.Keeps(a.IDs()) {
+			t.Fatalf("limit %d, on %v: calls %v, %d kept", k.limit, k.on, d, k.count())
+		}
+		if err := mm.unmapPage(base, ps); err != nil {
+			t.Fatal(err)
+		}
+		if err := mm.release(base, ps); err != nil {
+			t.Fatal(err)
+		}
+		mm.close()
+		if _, err := s.Free(ctx, a.IDs()); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func TestKeepLimitFromEnv(t *testing.T) {
+	for v, want := range map[string]int{"": defaultKeepHandles, "0": 0, "12": 12, "-1": defaultKeepHandles, "x": defaultKeepHandles} {
+		t.Run(fmt.Sprintf("%q", v), func(t *testing.T) {
+			t.Setenv(EnvKeepHandles, v)
+			if got := keepLimitFromEnv(slog.New(slog.DiscardHandler)); got != want {
+				t.Fatalf("%s=%q: %d, want %d", EnvKeepHandles, v, got, want)
+			}
+		})
+	}
+}
