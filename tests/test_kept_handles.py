@@ -69,7 +69,9 @@ def test_getinfo_offers_kept_handles(host_daemon):
 
 
 def test_a_kept_page_is_released_only_after_its_keeper_dropped_it(daemon_factory):
-    d = daemon_factory("host", pool_idle_seconds=0)
+    from test_metrics import scrape, value
+
+    d = daemon_factory("host", pool_idle_seconds=0, metrics_address="127.0.0.1:0")
     with d.client() as c:
         s, _ = _channel(d, c)
         ids = _allocate(s, 1, 3)
@@ -80,8 +82,13 @@ def test_a_kept_page_is_released_only_after_its_keeper_dropped_it(daemon_factory
         st = c.stats()
         assert st.total.pages_pooled == 3, "released before the keeper dropped its handles"
         assert_books(st)
+        text = scrape(d)
+        dev = st.devices and next(iter(st.devices))
+        assert value(text, "kvcached_device_kept_bytes", device=dev) == 3 * c.device().page_size
+        assert value(text, "kvcached_device_drops_total", device=dev) == 3
         assert _call(s, fdchannel.encode_dropped(3, list(drop.page_ids)), 3).value == 3
         assert wait_until(lambda: _pooled(c) == 0), "not released after DROPPED"
+        assert value(scrape(d), "kvcached_device_kept_bytes", device=dev) == 0
         assert _call(s, fdchannel.encode_dropped(4, ids), 4).value == 0  # kept no more: no error
         assert_books(c.stats())
         s.close()
@@ -101,7 +108,9 @@ def test_pages_freed_without_keep_are_released_without_asking(daemon_factory):
 
 
 def test_a_silent_keeper_loses_its_session_and_the_page_is_released(daemon_factory):
-    d = daemon_factory("host", pool_idle_seconds=0, fd_send_timeout=1)
+    from test_metrics import scrape, value
+
+    d = daemon_factory("host", pool_idle_seconds=0, fd_send_timeout=1, metrics_address="127.0.0.1:0")
     with d.client() as c:
         s, ref = _channel(d, c)
         ids = _allocate(s, 1, 2)
@@ -115,6 +124,7 @@ def test_a_silent_keeper_loses_its_session_and_the_page_is_released(daemon_facto
         assert wait_until(lambda: c.stats().total.pages_in_use == 0 and _pooled(c) == 0), c.stats().total
         assert other and all(x.id != ref.id for x in c.stats().sessions)
         assert_books(c.stats())
+        assert value(scrape(d), "kvcached_device_drop_silent_total", device=next(iter(c.stats().devices))) == 1
         s.close()
 
 

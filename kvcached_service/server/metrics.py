@@ -166,6 +166,9 @@ def snapshot(daemon: "Daemon", control: Any = None) -> dict:
                 "zero_failures_total": b.zero_failures_total,
                 "zero_waits_total": b.zero_waits_total,
                 "zero_wait_seconds_total": b.zero_wait_seconds_total,
+                "kept": b.kept * b.page_size,
+                "drops_total": b.drops_total,
+                "drop_silent_total": b.drop_silent_total,
             }
         )
     by_name: dict[str, dict] = {}
@@ -292,6 +295,13 @@ class DaemonCollector:
                           "zero_waits_total")
         yield dev_counter("kvcached_device_zero_wait_seconds", "Seconds Allocates spent waiting for zeroing",
                           "zero_wait_seconds_total")
+        yield dev_gauge("kvcached_device_kept_bytes",
+                        "Bytes of pooled pages whose imported handles a client keeps (FREE with keep; part of pooled): "
+                        "released only after the client answers DROP", "kept")
+        yield dev_counter("kvcached_device_drops", "Pages the daemon asked keepers to drop (DROP) before releasing them",
+                          "drops_total")
+        yield dev_counter("kvcached_device_drop_silent", "Keepers that lost their session for not answering DROP in time",
+                          "drop_silent_total")
 
         if self.nvml is not None:
             mem = self.nvml.memory()

@@ -179,6 +179,10 @@ class Books:
     zero_failures_total: int = 0
     zero_waits_total: int = 0
     zero_wait_seconds_total: float = 0.0
+    # kept handles (pool/keepers.py): of `pooled`, pages a client keeps a handle of
+    kept: int = 0
+    drops_total: int = 0  # pages DROP asked keepers for
+    drop_silent_total: int = 0  # keepers that lost their session for not answering
 
     @property
     def device(self) -> str:

@@ -145,6 +145,7 @@ class DevicePool:
             c.created_total, c.released_total, c.allocations_total, c.allocation_failures_total,
             max(0, n.limit_pages - n.budget_pages), len(self.zeroer),
             z.pages_total, z.batches_total, z.failures_total, z.waits_total, z.wait_seconds_total,
+            len(self.keepers), self.keepers.counters.drops_total, self.keepers.counters.silent_total,
         )
 
     # ---- supply: what the device really has ---------------------------
