@@ -308,8 +308,13 @@ type GetInfoResponse struct {
 	// releases the page, and waits for DROPPED (docs/protocol.md, "Kept
 	// handles"). Daemons before this field never send DROP.
 	FdChannelKeepHandles bool `protobuf:"varint,10,opt,name=fd_channel_keep_handles,json=fdChannelKeepHandles,proto3" json:"fd_channel_keep_handles,omitempty"`
-	unknownFields        protoimpl.UnknownFields
-	sizeCache            protoimpl.SizeCache
+	// True: a client may keep freed pages mapped as standby (FREE record flag
+	// standby) and take them back into use without an Allocate (USE record);
+	// standby pages stay the session's until it frees them, and a reclaim
+	// asks for them first (docs/protocol.md, "Standby pages").
+	FdChannelStandby bool `protobuf:"varint,11,opt,name=fd_channel_standby,json=fdChannelStandby,proto3" json:"fd_channel_standby,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *GetInfoResponse) Reset() {
@@ -408,6 +413,13 @@ func (x *GetInfoResponse) GetFdChannelRequestsOnly() bool {
 func (x *GetInfoResponse) GetFdChannelKeepHandles() bool {
 	if x != nil {
 		return x.FdChannelKeepHandles
+	}
+	return false
+}
+
+func (x *GetInfoResponse) GetFdChannelStandby() bool {
+	if x != nil {
+		return x.FdChannelStandby
 	}
 	return false
 }
@@ -1361,8 +1373,12 @@ type PoolStats struct {
 	// Of pooled_bytes: pages sessions gave back that the daemon has not zeroed
 	// yet (it zeroes in the background after answering the Free); they are
 	// lent again only once zeroed.
-	ZeroingBytes  uint64 `protobuf:"varint,11,opt,name=zeroing_bytes,json=zeroingBytes,proto3" json:"zeroing_bytes,omitempty"`
-	PagesZeroing  uint64 `protobuf:"varint,12,opt,name=pages_zeroing,json=pagesZeroing,proto3" json:"pages_zeroing,omitempty"`
+	ZeroingBytes uint64 `protobuf:"varint,11,opt,name=zeroing_bytes,json=zeroingBytes,proto3" json:"zeroing_bytes,omitempty"`
+	PagesZeroing uint64 `protobuf:"varint,12,opt,name=pages_zeroing,json=pagesZeroing,proto3" json:"pages_zeroing,omitempty"`
+	// Of in_use_bytes: pages sessions keep mapped as standby (freed by them
+	// with the standby flag, not in use by their engine); a reclaim asks for
+	// these first.
+	StandbyBytes  uint64 `protobuf:"varint,13,opt,name=standby_bytes,json=standbyBytes,proto3" json:"standby_bytes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1481,6 +1497,13 @@ func (x *PoolStats) GetPagesZeroing() uint64 {
 	return 0
 }
 
+func (x *PoolStats) GetStandbyBytes() uint64 {
+	if x != nil {
+		return x.StandbyBytes
+	}
+	return 0
+}
+
 type DeviceStats struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Device        *DeviceInfo            `protobuf:"bytes,1,opt,name=device,proto3" json:"device,omitempty"`
@@ -1561,8 +1584,10 @@ type SessionStats struct {
 	ReclaimPendingPages uint64 `protobuf:"varint,17,opt,name=reclaim_pending_pages,json=reclaimPendingPages,proto3" json:"reclaim_pending_pages,omitempty"`
 	// Reclaim requests sent to this session over its life.
 	ReclaimRequests uint64 `protobuf:"varint,18,opt,name=reclaim_requests,json=reclaimRequests,proto3" json:"reclaim_requests,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// Of held_bytes: pages this session keeps mapped as standby.
+	StandbyBytes  uint64 `protobuf:"varint,19,opt,name=standby_bytes,json=standbyBytes,proto3" json:"standby_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SessionStats) Reset() {
@@ -1717,6 +1742,13 @@ func (x *SessionStats) GetReclaimPendingPages() uint64 {
 func (x *SessionStats) GetReclaimRequests() uint64 {
 	if x != nil {
 		return x.ReclaimRequests
+	}
+	return 0
+}
+
+func (x *SessionStats) GetStandbyBytes() uint64 {
+	if x != nil {
+		return x.StandbyBytes
 	}
 	return 0
 }
@@ -2504,7 +2536,7 @@ const file_kvcached_v1_kvcached_proto_rawDesc = "" +
 	"SessionRef\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12\x14\n" +
 	"\x05token\x18\x02 \x01(\fR\x05token\"\x10\n" +
-	"\x0eGetInfoRequest\"\xb9\x03\n" +
+	"\x0eGetInfoRequest\"\xe7\x03\n" +
 	"\x0fGetInfoResponse\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12\x1f\n" +
 	"\vapi_version\x18\x02 \x01(\rR\n" +
@@ -2517,7 +2549,8 @@ const file_kvcached_v1_kvcached_proto_rawDesc = "" +
 	"\x13fd_channel_requests\x18\b \x01(\bR\x11fdChannelRequests\x127\n" +
 	"\x18fd_channel_requests_only\x18\t \x01(\bR\x15fdChannelRequestsOnly\x125\n" +
 	"\x17fd_channel_keep_handles\x18\n" +
-	" \x01(\bR\x14fdChannelKeepHandles\"\xcb\x01\n" +
+	" \x01(\bR\x14fdChannelKeepHandles\x12,\n" +
+	"\x12fd_channel_standby\x18\v \x01(\bR\x10fdChannelStandby\"\xcb\x01\n" +
 	"\n" +
 	"DeviceInfo\x12\x12\n" +
 	"\x04uuid\x18\x01 \x01(\tR\x04uuid\x12\x12\n" +
@@ -2589,7 +2622,7 @@ const file_kvcached_v1_kvcached_proto_rawDesc = "" +
 	"\adevices\x18\x02 \x03(\v2\x18.kvcached.v1.DeviceStatsR\adevices\x125\n" +
 	"\bsessions\x18\x03 \x03(\v2\x19.kvcached.v1.SessionStatsR\bsessions\x12%\n" +
 	"\x0euptime_seconds\x18\x04 \x01(\x01R\ruptimeSeconds\x12#\n" +
-	"\rsessions_open\x18\x05 \x01(\rR\fsessionsOpen\"\xcd\x03\n" +
+	"\rsessions_open\x18\x05 \x01(\rR\fsessionsOpen\"\xf2\x03\n" +
 	"\tPoolStats\x12!\n" +
 	"\fbudget_bytes\x18\x01 \x01(\x04R\vbudgetBytes\x12!\n" +
 	"\fpooled_bytes\x18\x02 \x01(\x04R\vpooledBytes\x12 \n" +
@@ -2606,10 +2639,11 @@ const file_kvcached_v1_kvcached_proto_rawDesc = "" +
 	"\x11unavailable_bytes\x18\n" +
 	" \x01(\x04R\x10unavailableBytes\x12#\n" +
 	"\rzeroing_bytes\x18\v \x01(\x04R\fzeroingBytes\x12#\n" +
-	"\rpages_zeroing\x18\f \x01(\x04R\fpagesZeroing\"j\n" +
+	"\rpages_zeroing\x18\f \x01(\x04R\fpagesZeroing\x12#\n" +
+	"\rstandby_bytes\x18\r \x01(\x04R\fstandbyBytes\"j\n" +
 	"\vDeviceStats\x12/\n" +
 	"\x06device\x18\x01 \x01(\v2\x17.kvcached.v1.DeviceInfoR\x06device\x12*\n" +
-	"\x04pool\x18\x02 \x01(\v2\x16.kvcached.v1.PoolStatsR\x04pool\"\xbc\x06\n" +
+	"\x04pool\x18\x02 \x01(\v2\x16.kvcached.v1.PoolStatsR\x04pool\"\xe1\x06\n" +
 	"\fSessionStats\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x10\n" +
@@ -2633,7 +2667,8 @@ const file_kvcached_v1_kvcached_proto_rawDesc = "" +
 	"openedUnix\x12a\n" +
 	"\x14held_bytes_by_device\x18\x10 \x03(\v20.kvcached.v1.SessionStats.HeldBytesByDeviceEntryR\x11heldBytesByDevice\x122\n" +
 	"\x15reclaim_pending_pages\x18\x11 \x01(\x04R\x13reclaimPendingPages\x12)\n" +
-	"\x10reclaim_requests\x18\x12 \x01(\x04R\x0freclaimRequests\x1a9\n" +
+	"\x10reclaim_requests\x18\x12 \x01(\x04R\x0freclaimRequests\x12#\n" +
+	"\rstandby_bytes\x18\x13 \x01(\x04R\fstandbyBytes\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1aD\n" +

@@ -21,7 +21,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("version", "api_version", "fd_socket", "fd_protocol_version", "backend", "devices", "max_pages_per_request", "fd_channel_requests", "fd_channel_requests_only", "fd_channel_keep_handles")
+    __slots__ = ("version", "api_version", "fd_socket", "fd_protocol_version", "backend", "devices", "max_pages_per_request", "fd_channel_requests", "fd_channel_requests_only", "fd_channel_keep_handles", "fd_channel_standby")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     FD_SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class GetInfoResponse(_message.Message):
     FD_CHANNEL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FD_CHANNEL_REQUESTS_ONLY_FIELD_NUMBER: _ClassVar[int]
     FD_CHANNEL_KEEP_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    FD_CHANNEL_STANDBY_FIELD_NUMBER: _ClassVar[int]
     version: str
     api_version: int
     fd_socket: str
@@ -42,7 +43,8 @@ class GetInfoResponse(_message.Message):
     fd_channel_requests: bool
     fd_channel_requests_only: bool
     fd_channel_keep_handles: bool
-    def __init__(self, version: _Optional[str] = ..., api_version: _Optional[int] = ..., fd_socket: _Optional[str] = ..., fd_protocol_version: _Optional[int] = ..., backend: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., max_pages_per_request: _Optional[int] = ..., fd_channel_requests: _Optional[bool] = ..., fd_channel_requests_only: _Optional[bool] = ..., fd_channel_keep_handles: _Optional[bool] = ...) -> None: ...
+    fd_channel_standby: bool
+    def __init__(self, version: _Optional[str] = ..., api_version: _Optional[int] = ..., fd_socket: _Optional[str] = ..., fd_protocol_version: _Optional[int] = ..., backend: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., max_pages_per_request: _Optional[int] = ..., fd_channel_requests: _Optional[bool] = ..., fd_channel_requests_only: _Optional[bool] = ..., fd_channel_keep_handles: _Optional[bool] = ..., fd_channel_standby: _Optional[bool] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
     __slots__ = ("uuid", "name", "kind", "page_size", "granularity", "total_bytes", "budget_bytes")
@@ -204,7 +206,7 @@ class GetStatsResponse(_message.Message):
     def __init__(self, total: _Optional[_Union[PoolStats, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceStats, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStats, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., sessions_open: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("budget_bytes", "pooled_bytes", "in_use_bytes", "free_bytes", "page_size", "pages_pooled", "pages_in_use", "pages_created_total", "pages_released_total", "unavailable_bytes", "zeroing_bytes", "pages_zeroing")
+    __slots__ = ("budget_bytes", "pooled_bytes", "in_use_bytes", "free_bytes", "page_size", "pages_pooled", "pages_in_use", "pages_created_total", "pages_released_total", "unavailable_bytes", "zeroing_bytes", "pages_zeroing", "standby_bytes")
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     POOLED_BYTES_FIELD_NUMBER: _ClassVar[int]
     IN_USE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +219,7 @@ class PoolStats(_message.Message):
     UNAVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ZEROING_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGES_ZEROING_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_BYTES_FIELD_NUMBER: _ClassVar[int]
     budget_bytes: int
     pooled_bytes: int
     in_use_bytes: int
@@ -229,7 +232,8 @@ class PoolStats(_message.Message):
     unavailable_bytes: int
     zeroing_bytes: int
     pages_zeroing: int
-    def __init__(self, budget_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., pages_pooled: _Optional[int] = ..., pages_in_use: _Optional[int] = ..., pages_created_total: _Optional[int] = ..., pages_released_total: _Optional[int] = ..., unavailable_bytes: _Optional[int] = ..., zeroing_bytes: _Optional[int] = ..., pages_zeroing: _Optional[int] = ...) -> None: ...
+    standby_bytes: int
+    def __init__(self, budget_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., pages_pooled: _Optional[int] = ..., pages_in_use: _Optional[int] = ..., pages_created_total: _Optional[int] = ..., pages_released_total: _Optional[int] = ..., unavailable_bytes: _Optional[int] = ..., zeroing_bytes: _Optional[int] = ..., pages_zeroing: _Optional[int] = ..., standby_bytes: _Optional[int] = ...) -> None: ...
 
 class DeviceStats(_message.Message):
     __slots__ = ("device", "pool")
@@ -240,7 +244,7 @@ class DeviceStats(_message.Message):
     def __init__(self, device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., pool: _Optional[_Union[PoolStats, _Mapping]] = ...) -> None: ...
 
 class SessionStats(_message.Message):
-    __slots__ = ("id", "name", "pid", "uid", "held_bytes", "pages_held", "guaranteed_bytes", "max_bytes", "priority", "last_active_unix", "reclaim_ignored", "allocations_total", "frees_total", "labels", "opened_unix", "held_bytes_by_device", "reclaim_pending_pages", "reclaim_requests")
+    __slots__ = ("id", "name", "pid", "uid", "held_bytes", "pages_held", "guaranteed_bytes", "max_bytes", "priority", "last_active_unix", "reclaim_ignored", "allocations_total", "frees_total", "labels", "opened_unix", "held_bytes_by_device", "reclaim_pending_pages", "reclaim_requests", "standby_bytes")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +277,7 @@ class SessionStats(_message.Message):
     HELD_BYTES_BY_DEVICE_FIELD_NUMBER: _ClassVar[int]
     RECLAIM_PENDING_PAGES_FIELD_NUMBER: _ClassVar[int]
     RECLAIM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_BYTES_FIELD_NUMBER: _ClassVar[int]
     id: int
     name: str
     pid: int
@@ -291,7 +296,8 @@ class SessionStats(_message.Message):
     held_bytes_by_device: _containers.ScalarMap[str, int]
     reclaim_pending_pages: int
     reclaim_requests: int
-    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., held_bytes: _Optional[int] = ..., pages_held: _Optional[int] = ..., guaranteed_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., last_active_unix: _Optional[float] = ..., reclaim_ignored: _Optional[int] = ..., allocations_total: _Optional[int] = ..., frees_total: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., opened_unix: _Optional[float] = ..., held_bytes_by_device: _Optional[_Mapping[str, int]] = ..., reclaim_pending_pages: _Optional[int] = ..., reclaim_requests: _Optional[int] = ...) -> None: ...
+    standby_bytes: int
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., held_bytes: _Optional[int] = ..., pages_held: _Optional[int] = ..., guaranteed_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., last_active_unix: _Optional[float] = ..., reclaim_ignored: _Optional[int] = ..., allocations_total: _Optional[int] = ..., frees_total: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., opened_unix: _Optional[float] = ..., held_bytes_by_device: _Optional[_Mapping[str, int]] = ..., reclaim_pending_pages: _Optional[int] = ..., reclaim_requests: _Optional[int] = ..., standby_bytes: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("session",)
