@@ -32,7 +32,7 @@ const (
 	// EnvLibCUDA selects the CUDA driver library (default libcuda.so.1).
 	EnvLibCUDA = "KVCACHED_LIBCUDA"
 	// EnvKeepHandles: the most CUDA page handles a session keeps for pages
-	// it freed (default 8192; 0: never keep). See Session's doc.
+	// it freed (default 8192; 0: never keep): README.md, "Kept handles (CUDA)".
 	EnvKeepHandles = "KVCACHED_KEEP_HANDLES"
 )
 

@@ -105,10 +105,21 @@ func resumeScenario(t *testing.T, backend string, args ...string) {
 	if got := keptFDs(s); got != 8 {
 		t.Fatalf("%d page descriptors kept for resume, want 8 (6 region + 2 loose)", got)
 	}
+	// Kept handles (CUDA only): the 8 region pages' (the 2 trimmed were
+	// freed with keep); none of host pages.
+	keptHandles := map[string]int{"cuda": 8, "host": 0}[backend]
+	if got := s.kept.count(); got != keptHandles {
+		t.Fatalf("%d page handles kept, want %d", got, keptHandles)
+	}
 
 	d.Kill()
 	waitFor(t, 5*time.Second, "the session notices the daemon went away", func() (bool, string) {
 		return s.m.Resuming(), ""
+	})
+	// Every kept handle goes before the resume claims pages.
+	waitFor(t, 5*time.Second, "kept handles released when the daemon went away", func() (bool, string) {
+		n := s.kept.count()
+		return n == 0, fmt.Sprintf("%d kept", n)
 	})
 	// The memory is still there and the region still readable.
 	for i := 0; i < 6; i++ {
@@ -186,6 +197,10 @@ func resumeScenario(t *testing.T, backend string, args ...string) {
 	// Fully usable again.
 	if err := r.Grow(ctx, 12*ps); err != nil {
 		t.Fatal(err)
+	}
+	// The new daemon's pages are kept again (7 new ones on CUDA).
+	if got, want := s.kept.count(), map[string]int{"cuda": 7, "host": 0}[backend]; got != want {
+		t.Fatalf("%d page handles kept after the resume, want %d", got, want)
 	}
 	zero := make([]byte, 64)
 	got := make([]byte, 64)
