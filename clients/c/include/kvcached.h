@@ -38,7 +38,7 @@
 /* API version: KVC_API_VERSION = major * 10000 + minor * 100 + patch.
  * kvc_api_version() returns the version of the library actually loaded. */
 #define KVC_API_VERSION_MAJOR 1
-#define KVC_API_VERSION_MINOR 5
+#define KVC_API_VERSION_MINOR 6
 #define KVC_API_VERSION_PATCH 0
 #define KVC_API_VERSION \
     (KVC_API_VERSION_MAJOR * 10000 + KVC_API_VERSION_MINOR * 100 + KVC_API_VERSION_PATCH)
@@ -204,6 +204,18 @@ KVC_API uint64_t kvc_session_held_bytes(const kvc_session *session);
  * and message, KVC_ERR_INTERNAL ("fd channel protocol error: ...").
  * Thread-safe. */
 KVC_API int kvc_session_ended(const kvc_session *session);
+
+/* Kept handles (since 1.6; docs/protocol.md "Kept handles"): on a CUDA
+ * device of a daemon that offers it (GetInfo().fd_channel_keep_handles),
+ * the session keeps the imported handle of each page it maps, up to
+ * $KVCACHED_KEEP_HANDLES pages (default 8192; 0: never keep), and maps a
+ * page that comes back to it from that handle, without an import. Its
+ * Frees say so (FREE's keep flag); the daemon asks for a handle back (DROP)
+ * before it releases the page, and the library answers at once from its
+ * reader. Every kept handle is released when the session ends and before a
+ * resume. This says how many page handles the session keeps now (0 on host
+ * devices). Thread-safe. */
+KVC_API uint64_t kvc_session_kept_handles(const kvc_session *session);
 
 /* ---- resume after a daemon restart (since 1.1) -----------------------
  *

@@ -263,6 +263,11 @@ KVC_API kvc_status kvc_session_open(kvc_client *client, const kvc_session_option
         s->link.admin = resp.admin();
         s->resume_token = resp.resume_token();
         s->resumable = !s->resume_token.empty();
+        // Kept handles only where the daemon honours the keep flag (an older
+        // one could release a page whose memory a kept handle holds); the
+        // mapper keeps them on CUDA only.
+        s->keep_limit = keep_limit_from_env();
+        kvc_mapper_keep_reset(s->mapper, info.fd_channel_keep_handles() ? s->keep_limit : 0);
         s->monitor.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
         if (s->monitor.wake_fd < 0) {
             int e = errno;
@@ -310,6 +315,7 @@ KVC_API kvc_status kvc_session_close(kvc_session *s)
         s->link.chan.reset();  // closes the fd channel
         s->link.fd = -1;
         s->kept.drop_all();
+        kvc_mapper_keep_reset(s->mapper, 0);  // every kept handle ends with the session
         kvc_mapper_destroy(s->mapper);
         delete s;
         return KVC_OK;
@@ -323,6 +329,10 @@ KVC_API const char *kvc_session_kind(const kvc_session *s) { return s ? s->kind.
 KVC_API uint64_t kvc_session_held_bytes(const kvc_session *s)
 {
     return s ? s->books.held_pages.load() * s->page_size : 0;
+}
+KVC_API uint64_t kvc_session_kept_handles(const kvc_session *s)
+{
+    return s && s->mapper ? kvc_mapper_kept_total(s->mapper) : 0;
 }
 KVC_API int kvc_session_ended(const kvc_session *s) { return s && s->life.ended.load() ? 1 : 0; }
 KVC_API int kvc_session_is_admin(const kvc_session *s) { return s && s->link.admin.load() ? 1 : 0; }

@@ -7,10 +7,36 @@ namespace kvc_impl {
 
 // ---- requests on the fd channel ---------------------------------------
 
+// A FREE of n ids into buf: with keep when the session keeps the handle of
+// any page it names (docs/protocol.md "Kept handles": a page is never
+// freed without keep while its handle is kept). The length, 0 on failure.
+size_t chan_encode_free(kvc_session *s, std::vector<uint8_t> &buf, uint64_t req, const uint64_t *ids,
+                        uint32_t n)
+{
+    buf.resize(KVC_FD_HEADER_SIZE + KVC_FD_FREE_FIXED + 8u * n);
+    uint32_t flags = kvc_mapper_kept(s->mapper, ids, n) ? KVC_FD_FREE_KEEP : 0;
+    return kvc_fd_encode_free_flags(buf.data(), buf.size(), req, ids, n, flags);
+}
+
+// The answer to a DROP, at once, from the reader (docs/protocol.md "DROP is
+// answered at once"): release the kept handles of the pages named, then
+// send DROPPED naming every page of the DROP, without waiting for its
+// REPLY (nobody waits for its id: the REPLY is dropped).
+void chan_answer_drop(kvc_session *s, Chan *ch, const std::vector<uint64_t> &ids)
+{
+    kvc_mapper_drop(s->mapper, ids.data(), ids.size());
+    std::vector<uint8_t> buf(KVC_FD_HEADER_SIZE + KVC_FD_FREE_FIXED + 8u * ids.size());
+    size_t len = kvc_fd_encode_dropped(buf.data(), buf.size(), chan_next_req(ch), ids.data(),
+                                       static_cast<uint32_t>(ids.size()));
+    char err[256];
+    if (len)
+        kvc_fd_send(ch->fd, buf.data(), len, nullptr, 0, err, sizeof err);  // gone: the session ends anyway
+}
+
 // Send a FREE for pages nobody will use (an allocation whose requester gave
 // up waiting, or stray pages) without waiting for its REPLY (dropped: no
 // one waits for its id).
-void chan_free_nowait(Chan *ch, const std::vector<uint64_t> &ids)
+void chan_free_nowait(kvc_session *s, Chan *ch, const std::vector<uint64_t> &ids)
 {
     std::vector<uint8_t> buf;
     char err[256];
@@ -21,8 +47,7 @@ void chan_free_nowait(Chan *ch, const std::vector<uint64_t> &ids)
             std::lock_guard<std::mutex> g(ch->mu);
             req = ch->next_req++;
         }
-        buf.resize(KVC_FD_HEADER_SIZE + KVC_FD_FREE_FIXED + 8u * n);
-        size_t len = kvc_fd_encode_free(buf.data(), buf.size(), req, &ids[i], n);
+        size_t len = chan_encode_free(s, buf, req, &ids[i], n);
         if (!len || kvc_fd_send(ch->fd, buf.data(), len, nullptr, 0, err, sizeof err) != KVC_OK)
             return;  // the channel is gone: the session's pages go back anyway
     }
@@ -124,6 +149,7 @@ void chan_file(kvc_session *s, Chan *ch, kvc_status st, int eof, const char *err
     if (st == KVC_ERR_DEADLINE_EXCEEDED)
         return;  // nothing yet
     std::vector<uint64_t> unwanted;  // pages to give back
+    std::vector<uint64_t> dropped;   // a DROP's pages
     {
         std::lock_guard<std::mutex> g(ch->mu);
         if (ch->end != Chan::kOpen) {
@@ -176,6 +202,11 @@ void chan_file(kvc_session *s, Chan *ch, kvc_status st, int eof, const char *err
             chan_take_unwanted_locked(ch, rec->allocation_id, unwanted);
             break;
         }
+        case KVC_FD_DROP:  // answered below, without ch->mu
+            dropped.resize(rec->count);
+            for (uint32_t i = 0; i < rec->count; i++)
+                dropped[i] = kvc_fd_record_id(rec, i);
+            break;
         case KVC_FD_GOODBYE:
             chan_end_locked(s, ch, Chan::kGoodbye);
             break;
@@ -193,8 +224,10 @@ void chan_file(kvc_session *s, Chan *ch, kvc_status st, int eof, const char *err
         }
         ch->cv.notify_all();
     }
+    if (!dropped.empty())
+        chan_answer_drop(s, ch, dropped);
     if (!unwanted.empty())
-        chan_free_nowait(ch, unwanted);
+        chan_free_nowait(s, ch, unwanted);
 }
 
 // Why the channel ended, as the status a request on it fails with.
@@ -316,7 +349,7 @@ kvc_status chan_request(kvc_session *s, Chan *ch, uint64_t req, const uint8_t *b
             give_up();
             g.unlock();
             if (!unwanted.empty())
-                chan_free_nowait(ch, unwanted);
+                chan_free_nowait(s, ch, unwanted);
             if (!sent)
                 return kvc_fail(KVC_ERR_UNAVAILABLE, "%s: fd channel: %s", what, send_err.c_str());
             return kvc_fail(KVC_ERR_DEADLINE_EXCEEDED,
@@ -357,8 +390,7 @@ kvc_status chan_free(kvc_session *s, Chan *ch, const std::vector<uint64_t> &ids,
     for (size_t i = 0; i < ids.size(); i += KVC_FD_MAX_FREE_IDS) {
         uint32_t n = static_cast<uint32_t>(std::min<size_t>(KVC_FD_MAX_FREE_IDS, ids.size() - i));
         uint64_t req = chan_next_req(ch);
-        buf.resize(KVC_FD_HEADER_SIZE + KVC_FD_FREE_FIXED + 8u * n);
-        size_t len = kvc_fd_encode_free(buf.data(), buf.size(), req, &ids[i], n);
+        size_t len = chan_encode_free(s, buf, req, &ids[i], n);
         Chan::Reply rep;
         kvc_status st = chan_request(s, ch, req, buf.data(), len, t, "Free", &rep, nullptr);
         if (st != KVC_OK)

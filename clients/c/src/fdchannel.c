@@ -164,8 +164,8 @@ size_t kvc_fd_encode_allocate(uint8_t *buf, size_t cap, uint64_t req_id, uint32_
     return len;
 }
 
-size_t kvc_fd_encode_free(uint8_t *buf, size_t cap, uint64_t req_id, const uint64_t *page_ids,
-                          uint32_t count)
+static size_t encode_ids(uint8_t *buf, size_t cap, uint16_t type, uint64_t req_id,
+                         const uint64_t *page_ids, uint32_t count, uint32_t flags)
 {
     if (!buf || (!page_ids && count) || count > KVC_FD_MAX_FREE_IDS) /* count 0: well formed (the daemon refuses it) */
         return 0;
@@ -173,13 +173,52 @@ size_t kvc_fd_encode_free(uint8_t *buf, size_t cap, uint64_t req_id, const uint6
     size_t len = KVC_FD_HEADER_SIZE + payload;
     if (cap < len)
         return 0;
-    uint8_t *p = buf + put_header(buf, KVC_FD_FREE, payload);
+    uint8_t *p = buf + put_header(buf, type, payload);
     put64(p, req_id);
     put32(p + 8, count);
-    put32(p + 12, 0);
+    put32(p + 12, flags);
     for (uint32_t i = 0; i < count; i++)
         put64(p + KVC_FD_FREE_FIXED + 8u * i, page_ids[i]);
     return len;
+}
+
+size_t kvc_fd_encode_free(uint8_t *buf, size_t cap, uint64_t req_id, const uint64_t *page_ids,
+                          uint32_t count)
+{
+    return encode_ids(buf, cap, KVC_FD_FREE, req_id, page_ids, count, 0);
+}
+
+size_t kvc_fd_encode_free_flags(uint8_t *buf, size_t cap, uint64_t req_id, const uint64_t *page_ids,
+                                uint32_t count, uint32_t flags)
+{
+    return encode_ids(buf, cap, KVC_FD_FREE, req_id, page_ids, count, flags);
+}
+
+size_t kvc_fd_encode_dropped(uint8_t *buf, size_t cap, uint64_t req_id, const uint64_t *page_ids,
+                             uint32_t count)
+{
+    return encode_ids(buf, cap, KVC_FD_DROPPED, req_id, page_ids, count, 0);
+}
+
+size_t kvc_fd_encode_drop(uint8_t *buf, size_t cap, const uint64_t *page_ids, uint32_t count)
+{
+    if (!buf || !page_ids || count == 0 || count > KVC_FD_MAX_FREE_IDS)
+        return 0;
+    uint32_t payload = KVC_FD_DROP_FIXED + 8u * count;
+    size_t len = KVC_FD_HEADER_SIZE + payload;
+    if (cap < len)
+        return 0;
+    uint8_t *p = buf + put_header(buf, KVC_FD_DROP, payload);
+    put32(p, count);
+    put32(p + 4, 0);
+    for (uint32_t i = 0; i < count; i++)
+        put64(p + KVC_FD_DROP_FIXED + 8u * i, page_ids[i]);
+    return len;
+}
+
+uint64_t kvc_fd_record_id(const kvc_fd_record *rec, uint32_t i)
+{
+    return get64(rec->free_ids + 8u * i);
 }
 
 size_t kvc_fd_encode_close(uint8_t *buf, size_t cap, uint64_t req_id)
@@ -219,6 +258,7 @@ static const char *type_name(uint16_t type)
     case KVC_FD_FREE: return "FREE";
     case KVC_FD_CLOSE: return "CLOSE";
     case KVC_FD_ANSWER: return "ANSWER";
+    case KVC_FD_DROPPED: return "DROPPED";
     default: return "?";
     }
 }
@@ -226,7 +266,13 @@ static const char *type_name(uint16_t type)
 static int is_request(uint16_t type)
 {
     return type == KVC_FD_ALLOCATE || type == KVC_FD_FREE || type == KVC_FD_CLOSE ||
-           type == KVC_FD_ANSWER;
+           type == KVC_FD_ANSWER || type == KVC_FD_DROPPED;
+}
+
+/* Types only clients send (a client receiving one: a protocol error). */
+static int from_client(uint16_t type)
+{
+    return type == KVC_FD_ADOPT || is_request(type);
 }
 
 /* A request record (header sound, payload p of plen bytes): no req_id is a
@@ -268,7 +314,8 @@ static kvc_status decode_request(uint16_t type, const uint8_t *p, uint32_t plen,
         out->device[n] = 0;
         return KVC_OK;
     }
-    case KVC_FD_FREE: {
+    case KVC_FD_FREE:
+    case KVC_FD_DROPPED: {
         if (plen < KVC_FD_FREE_FIXED)
             MALFORMED("%u payload bytes, fewer than its fixed %u", plen, KVC_FD_FREE_FIXED);
         uint32_t count = get32(p + 8);
@@ -277,6 +324,7 @@ static kvc_status decode_request(uint16_t type, const uint8_t *p, uint32_t plen,
         if ((uint64_t)plen != (uint64_t)KVC_FD_FREE_FIXED + 8ull * count)
             MALFORMED("count %u but %u bytes of page ids", count, plen - KVC_FD_FREE_FIXED);
         out->count = count;
+        out->flags = type == KVC_FD_FREE ? get32(p + 12) : 0;
         out->free_ids = p + KVC_FD_FREE_FIXED;
         return KVC_OK;
     }
@@ -308,8 +356,7 @@ kvc_status kvc_fd_decode(const uint8_t *buf, size_t len, const int *fds, size_t 
     kvc_status st = kvc_fd_decode_any(buf, len, fds, num_fds, out, &req, err, err_len);
     if (st == KVC_ERR_INVALID_ARGUMENT)
         return KVC_ERR_PROTOCOL; /* err already names the fault */
-    if (st == KVC_OK && out->type >= KVC_FD_ADOPT && out->type <= KVC_FD_ANSWER &&
-        out->type != KVC_FD_REPLY) {
+    if (st == KVC_OK && from_client(out->type)) {
         out->num_fds = 0; /* the caller still owns (and closes) the fds */
         set_err(err, err_len, "a %s record, which only clients send", type_name(out->type));
         return KVC_ERR_PROTOCOL;
@@ -427,6 +474,26 @@ kvc_status kvc_fd_decode_any(const uint8_t *buf, size_t len, const int *fds, siz
             return KVC_ERR_PROTOCOL;
         }
         return KVC_OK;
+    case KVC_FD_DROP: {
+        if (plen < KVC_FD_DROP_FIXED) {
+            set_err(err, err_len, "DROP record too short (%u bytes)", plen);
+            return KVC_ERR_PROTOCOL;
+        }
+        if (num_fds) {
+            set_err(err, err_len, "DROP record carries descriptors (%zu)", num_fds);
+            return KVC_ERR_PROTOCOL;
+        }
+        uint32_t count = get32(p);
+        if (count == 0 || count > KVC_FD_MAX_FREE_IDS ||
+            (uint64_t)plen != KVC_FD_DROP_FIXED + 8ull * count) {
+            set_err(err, err_len, "DROP record says %u page ids and has %u bytes of them", count,
+                    plen - KVC_FD_DROP_FIXED);
+            return KVC_ERR_PROTOCOL;
+        }
+        out->count = count;
+        out->free_ids = p + KVC_FD_DROP_FIXED;
+        return KVC_OK;
+    }
     default:
         set_err(err, err_len, "unknown record type %u", (unsigned)type);
         return KVC_ERR_PROTOCOL;
@@ -487,13 +554,14 @@ kvc_status kvc_fd_recv(int fd, int timeout_ms, kvc_fd_record *out, int *eof, cha
         }
     }
 
-    /* One byte more than the largest record, to detect an oversized one. */
-    uint8_t buf[KVC_FD_MAX_RECORD + 1];
+    /* One byte more than the largest record, to detect an oversized one
+     * (in the record: a DROP's ids stay there). */
+    uint8_t *buf = out->raw;
     union {
         char space[CMSG_SPACE(sizeof(int) * KVC_FD_MAX_FDS)];
         struct cmsghdr align;
     } ctl;
-    struct iovec iov = {.iov_base = buf, .iov_len = sizeof buf};
+    struct iovec iov = {.iov_base = buf, .iov_len = sizeof out->raw};
     struct msghdr msg;
     memset(&msg, 0, sizeof msg);
     memset(&ctl, 0, sizeof ctl);

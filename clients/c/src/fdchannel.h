@@ -25,6 +25,8 @@ extern "C" {
 /* Largest record the daemon sends: a full PAGES record (2064 bytes) or a
  * REPLY/ERROR with its message (fdchannel.py MAX_RECORD). */
 #define KVC_FD_MAX_RECORD (KVC_FD_HEADER_SIZE + 4096u + 64u)
+/* DROP (daemon to client): count, reserved, then the ids. */
+#define KVC_FD_DROP_FIXED 8u
 #define KVC_FD_MAX_MESSAGE 4096u
 #define KVC_FD_REPLY_FIXED 24u
 #define KVC_FD_ALLOCATE_FIXED 24u
@@ -35,11 +37,22 @@ extern "C" {
 /* Page ids in one FREE record, and the largest record a client sends. */
 #define KVC_FD_MAX_FREE_IDS 16384u
 #define KVC_FD_MAX_CLIENT_RECORD (KVC_FD_HEADER_SIZE + KVC_FD_FREE_FIXED + 8u * KVC_FD_MAX_FREE_IDS)
+/* What a client receives at most: the spec's max_daemon_record, or a DROP
+ * of KVC_FD_MAX_FREE_IDS ids (131096 bytes: a DROP may name as many pages
+ * as a FREE; the spec's max_daemon_record does not count it). A longer
+ * record is cut on receipt: a protocol error. */
+#define KVC_FD_MAX_RECV                                                                    \
+    (KVC_FD_HEADER_SIZE + KVC_FD_DROP_FIXED + 8u * KVC_FD_MAX_FREE_IDS > KVC_FD_MAX_RECORD \
+         ? KVC_FD_HEADER_SIZE + KVC_FD_DROP_FIXED + 8u * KVC_FD_MAX_FREE_IDS               \
+         : KVC_FD_MAX_RECORD)
 /* Allocations asked for on the channel arrive as PAGES with
  * allocation_id = req_id | KVC_FD_CHANNEL_ALLOC_BIT. */
 #define KVC_FD_CHANNEL_ALLOC_BIT (1ull << 63)
 #define KVC_FD_ALLOC_WAIT 1u
 #define KVC_FD_ALLOC_NOTIFY 2u
+/* FREE flags: the sender keeps the imported handle of every page it names
+ * (docs/protocol.md "Kept handles"); other bits written 0, ignored. */
+#define KVC_FD_FREE_KEEP 1u
 
 enum {
     KVC_FD_HELLO = 1,
@@ -52,7 +65,10 @@ enum {
     KVC_FD_FREE = 7,
     KVC_FD_CLOSE = 8,
     KVC_FD_REPLY = 9,
-    KVC_FD_ANSWER = 10 /* client to daemon: the answer to a reclaim request */
+    KVC_FD_ANSWER = 10, /* client to daemon: the answer to a reclaim request */
+    /* Kept handles (docs/protocol.md "Kept handles"). */
+    KVC_FD_DROP = 11,   /* daemon to client: release your kept handles of these pages */
+    KVC_FD_DROPPED = 12 /* client to daemon: it keeps no handle of these pages (a request) */
 };
 
 typedef struct kvc_fd_record {
@@ -75,15 +91,21 @@ typedef struct kvc_fd_record {
     char message[KVC_FD_MAX_MESSAGE + 1];
     /* Requests (client to daemon; kvc_fd_decode_any only). ADOPT uses the
      * PAGES fields (allocation_id = the session id). ALLOCATE: num_pages,
-     * flags (raw), wait_timeout_ms, device. FREE: count and the ids' bytes
-     * (free_ids: 8 * count little-endian bytes inside the decoded buffer,
-     * valid while it is). ANSWER: reclaim_id, bytes_given, bytes_kept,
-     * reason (as sent, NUL-terminated). */
+     * flags (raw), wait_timeout_ms, device. FREE: count, flags (raw; bit
+     * KVC_FD_FREE_KEEP) and the ids' bytes (free_ids: 8 * count
+     * little-endian bytes inside the decoded buffer, valid while it is;
+     * for kvc_fd_recv that buffer is `raw` below). DROPPED: count and
+     * free_ids as FREE. ANSWER: reclaim_id, bytes_given, bytes_kept,
+     * reason (as sent, NUL-terminated).
+     * DROP (daemon to client): count (1..KVC_FD_MAX_FREE_IDS) and free_ids. */
     uint32_t num_pages, flags, wait_timeout_ms;
     char device[KVC_FD_MAX_MESSAGE + 1];
     const uint8_t *free_ids;
     uint64_t reclaim_id, bytes_given, bytes_kept;
     char reason[KVC_FD_MAX_REASON + 1];
+    /* kvc_fd_recv's receive buffer (one byte more than the largest record,
+     * to detect an oversized one): a received DROP's free_ids point here. */
+    uint8_t raw[KVC_FD_MAX_RECV + 1];
 } kvc_fd_record;
 
 /* Parse one record from `buf` as a client receives it (docs/protocol.md
@@ -91,8 +113,8 @@ typedef struct kvc_fd_record {
  * record on success; on failure the caller still owns and must close
  * them). Returns KVC_OK or KVC_ERR_PROTOCOL with `err` saying why: every
  * malformed record is a protocol error for a client, and so is any record
- * of a type only clients send (ADOPT, ALLOCATE, FREE, CLOSE, ANSWER), well
- * formed or not (clients never receive requests). */
+ * of a type only clients send (ADOPT, ALLOCATE, FREE, CLOSE, ANSWER,
+ * DROPPED), well formed or not (clients never receive requests). */
 kvc_status kvc_fd_decode(const uint8_t *buf, size_t len, const int *fds, size_t num_fds,
                          kvc_fd_record *out, char *err, size_t err_len);
 
@@ -131,6 +153,17 @@ size_t kvc_fd_encode_allocate(uint8_t *buf, size_t cap, uint64_t req_id, uint32_
                               uint32_t flags, uint32_t wait_timeout_ms, const char *device);
 size_t kvc_fd_encode_free(uint8_t *buf, size_t cap, uint64_t req_id, const uint64_t *page_ids,
                           uint32_t count);
+/* FREE with its flags (KVC_FD_FREE_KEEP: only to a daemon whose
+ * GetInfo().fd_channel_keep_handles is true). */
+size_t kvc_fd_encode_free_flags(uint8_t *buf, size_t cap, uint64_t req_id, const uint64_t *page_ids,
+                                uint32_t count, uint32_t flags);
+/* DROPPED: FREE's layout (reserved written 0), 0..KVC_FD_MAX_FREE_IDS ids. */
+size_t kvc_fd_encode_dropped(uint8_t *buf, size_t cap, uint64_t req_id, const uint64_t *page_ids,
+                             uint32_t count);
+/* DROP (daemon to client; tests and fake daemons): 1..KVC_FD_MAX_FREE_IDS ids. */
+size_t kvc_fd_encode_drop(uint8_t *buf, size_t cap, const uint64_t *page_ids, uint32_t count);
+/* The i-th page id of a decoded FREE, DROPPED or DROP (free_ids). */
+uint64_t kvc_fd_record_id(const kvc_fd_record *rec, uint32_t i);
 size_t kvc_fd_encode_close(uint8_t *buf, size_t cap, uint64_t req_id);
 /* ANSWER: the session's answer to the RECLAIM event `reclaim_id` (the
  * bytes it gave back for it, the bytes it keeps, why). `reason` may be NULL;

@@ -348,6 +348,12 @@ struct kvc_session {
     kvc_mapper *mapper = nullptr;
     bool resumable = false;  // OpenSession gave a resume token
     std::string resume_token;
+    // Kept handles (docs/protocol.md "Kept handles"): how many page handles
+    // the mapper may keep ($KVCACHED_KEEP_HANDLES, default 8192; 0: never),
+    // used where the daemon offers it (GetInfo().fd_channel_keep_handles;
+    // the mapper keeps them: on CUDA only). The cache itself is the
+    // mapper's, with its own (leaf) lock.
+    size_t keep_limit = 0;
     // Allocate's wait flag and timeout (kvc_session_set_wait may change them
     // while other threads allocate).
     std::atomic<bool> wait{false};
@@ -373,6 +379,9 @@ struct kvc_session {
     void mark_ended(kvc_status code, const std::string &why)
     {
         life.end(code, why);
+        // Where handles end: every kept handle with the session.
+        if (mapper)
+            kvc_mapper_keep_reset(mapper, 0);
         notify();
     }
 
@@ -459,7 +468,11 @@ struct kvc_region {
 namespace kvc_impl {
 
 // ---- channel.cc
-void chan_free_nowait(Chan *ch, const std::vector<uint64_t> &ids);
+void chan_free_nowait(kvc_session *s, Chan *ch, const std::vector<uint64_t> &ids);
+size_t chan_encode_free(kvc_session *s, std::vector<uint8_t> &buf, uint64_t req, const uint64_t *ids,
+                        uint32_t n);
+void chan_answer_drop(kvc_session *s, Chan *ch, const std::vector<uint64_t> &ids);
+size_t keep_limit_from_env();
 void chan_end_status_locked(kvc_session *s, Chan *ch, kvc_status *code, std::string *msg);
 void chan_end_locked(kvc_session *s, Chan *ch, Chan::End end);
 kvc_status chan_protocol_error(kvc_session *s, Chan *ch, const std::string &fault);

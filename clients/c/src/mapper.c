@@ -77,6 +77,35 @@ kvc_status kvc_mapper_map_run(kvc_mapper *m, uintptr_t addr, const int *fds, siz
     return KVC_OK;
 }
 
+kvc_status kvc_mapper_map_run_ids(kvc_mapper *m, uintptr_t addr, const uint64_t *ids,
+                                  const int *fds, size_t n, uint64_t page)
+{
+    if (m->ops->map_run_ids && ids)
+        return m->ops->map_run_ids(m, addr, ids, fds, n, page);
+    return kvc_mapper_map_run(m, addr, fds, n, page);
+}
+
+void kvc_mapper_keep_reset(kvc_mapper *m, size_t limit)
+{
+    if (m && m->ops->keep_reset)
+        m->ops->keep_reset(m, limit);
+}
+
+size_t kvc_mapper_kept(kvc_mapper *m, const uint64_t *ids, size_t n)
+{
+    return m && m->ops->kept && n ? m->ops->kept(m, ids, n) : 0;
+}
+
+size_t kvc_mapper_drop(kvc_mapper *m, const uint64_t *ids, size_t n)
+{
+    return m && m->ops->drop && n ? m->ops->drop(m, ids, n) : 0;
+}
+
+size_t kvc_mapper_kept_total(kvc_mapper *m)
+{
+    return m && m->ops->kept_total ? m->ops->kept_total(m) : 0;
+}
+
 kvc_status kvc_mapper_map_local(kvc_mapper *m, uintptr_t addr, uint64_t size)
 {
     return m->ops->map_local(m, addr, size);

@@ -46,6 +46,26 @@ struct kvc_mapper_ops {
     kvc_status (*read)(kvc_mapper *m, uintptr_t addr, void *dst, uint64_t size);
     /* Wait for the memsets/copies issued so far. */
     kvc_status (*sync)(kvc_mapper *m);
+
+    /* Kept handles (docs/protocol.md "Kept handles"): optional, all NULL
+     * for a backend whose pages are never kept (host: a mapping costs one
+     * mmap either way). The mapper is its session's, so the cache is per
+     * session, keyed by page id; every op is thread-safe (the session's
+     * reader answers DROP while other threads map).
+     * map_run_ids: map_run, knowing the pages' ids: a page whose handle is
+     * kept is mapped from it (its fd closed: no import), one imported is
+     * kept instead of released while fewer than the limit are kept. */
+    kvc_status (*map_run_ids)(kvc_mapper *m, uintptr_t addr, const uint64_t *ids, const int *fds,
+                              size_t n, uint64_t page);
+    /* Release every kept handle, then keep up to `limit` (0: never keep). */
+    void (*keep_reset)(kvc_mapper *m, size_t limit);
+    /* How many of these pages have a kept handle. */
+    size_t (*kept)(kvc_mapper *m, const uint64_t *ids, size_t n);
+    /* Release the kept handles of these pages (others are nothing to it);
+     * returns how many there were. */
+    size_t (*drop)(kvc_mapper *m, const uint64_t *ids, size_t n);
+    /* How many handles are kept now. */
+    size_t (*kept_total)(kvc_mapper *m);
 };
 
 /* Every backend's mapper starts with this (its own state follows). */
@@ -76,6 +96,14 @@ kvc_status kvc_mapper_reserve(kvc_mapper *m, uint64_t size, uint64_t alignment, 
 kvc_status kvc_mapper_release(kvc_mapper *m, uintptr_t base, uint64_t size);
 kvc_status kvc_mapper_unmap(kvc_mapper *m, uintptr_t addr, uint64_t size);
 kvc_status kvc_mapper_map_run(kvc_mapper *m, uintptr_t addr, const int *fds, size_t n, uint64_t page);
+/* map_run with the pages' ids (kept handles); map_run where the backend keeps none. */
+kvc_status kvc_mapper_map_run_ids(kvc_mapper *m, uintptr_t addr, const uint64_t *ids,
+                                  const int *fds, size_t n, uint64_t page);
+/* Kept handles (see the ops); no-ops (0) for a backend that keeps none. */
+void kvc_mapper_keep_reset(kvc_mapper *m, size_t limit);
+size_t kvc_mapper_kept(kvc_mapper *m, const uint64_t *ids, size_t n);
+size_t kvc_mapper_drop(kvc_mapper *m, const uint64_t *ids, size_t n);
+size_t kvc_mapper_kept_total(kvc_mapper *m);
 kvc_status kvc_mapper_map_local(kvc_mapper *m, uintptr_t addr, uint64_t size);
 kvc_status kvc_mapper_memset(kvc_mapper *m, uintptr_t addr, uint8_t value, uint64_t size);
 kvc_status kvc_mapper_write(kvc_mapper *m, uintptr_t addr, const void *src, uint64_t size);

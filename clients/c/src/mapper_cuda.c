@@ -172,11 +172,125 @@ static kvc_status cu_fail(const char *call, CUresult r)
             return cu_fail(call, r_);          \
     } while (0)
 
+/* Kept handles (docs/protocol.md "Kept handles"): page id -> the handle
+ * imported for it, kept instead of released so that the page, when it
+ * comes back to this session, is mapped without an import. An open-
+ * addressing table (linear probing, backward-shift deletion). */
+struct keep_table {
+    uint64_t *ids;
+    CUmemGenericAllocationHandle *handles;
+    unsigned char *used;
+    size_t cap, n; /* cap: 0 or a power of two, at most half full */
+};
+
+#define KT_NONE ((size_t)-1)
+
+static size_t kt_slot(uint64_t id, size_t cap)
+{
+    id ^= id >> 33; /* splitmix64's finalizer */
+    id *= 0xff51afd7ed558ccdull;
+    id ^= id >> 33;
+    id *= 0xc4ceb9fe1a85ec53ull;
+    id ^= id >> 33;
+    return (size_t)id & (cap - 1);
+}
+
+static size_t kt_find(const struct keep_table *t, uint64_t id)
+{
+    if (!t->cap)
+        return KT_NONE;
+    for (size_t i = kt_slot(id, t->cap);; i = (i + 1) & (t->cap - 1)) {
+        if (!t->used[i])
+            return KT_NONE;
+        if (t->ids[i] == id)
+            return i;
+    }
+}
+
+static int kt_grow(struct keep_table *t)
+{
+    size_t cap = t->cap ? 2 * t->cap : 64;
+    struct keep_table nt = {calloc(cap, sizeof(uint64_t)),
+                            calloc(cap, sizeof(CUmemGenericAllocationHandle)), calloc(cap, 1), cap,
+                            0};
+    if (!nt.ids || !nt.handles || !nt.used) {
+        free(nt.ids);
+        free(nt.handles);
+        free(nt.used);
+        return -1;
+    }
+    for (size_t i = 0; i < t->cap; i++)
+        if (t->used[i]) {
+            size_t j = kt_slot(t->ids[i], cap);
+            while (nt.used[j])
+                j = (j + 1) & (cap - 1);
+            nt.used[j] = 1;
+            nt.ids[j] = t->ids[i];
+            nt.handles[j] = t->handles[i];
+            nt.n++;
+        }
+    free(t->ids);
+    free(t->handles);
+    free(t->used);
+    *t = nt;
+    return 0;
+}
+
+/* Add id (not in the table). -1: no memory. */
+static int kt_put(struct keep_table *t, uint64_t id, CUmemGenericAllocationHandle h)
+{
+    if (2 * (t->n + 1) > t->cap && kt_grow(t) != 0)
+        return -1;
+    size_t i = kt_slot(id, t->cap);
+    while (t->used[i])
+        i = (i + 1) & (t->cap - 1);
+    t->used[i] = 1;
+    t->ids[i] = id;
+    t->handles[i] = h;
+    t->n++;
+    return 0;
+}
+
+static void kt_del(struct keep_table *t, size_t i)
+{
+    size_t mask = t->cap - 1;
+    t->used[i] = 0;
+    t->n--;
+    /* backward shift: move up every entry of the run after i that may sit in the hole */
+    for (size_t j = (i + 1) & mask; t->used[j]; j = (j + 1) & mask) {
+        size_t home = kt_slot(t->ids[j], t->cap);
+        /* the entry at j may move to i if its home is not in (i, j] (cyclically) */
+        int stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
+        if (stays)
+            continue;
+        t->used[i] = 1;
+        t->ids[i] = t->ids[j];
+        t->handles[i] = t->handles[j];
+        t->used[j] = 0;
+        i = j;
+    }
+}
+
+static void kt_free(struct keep_table *t)
+{
+    free(t->ids);
+    free(t->handles);
+    free(t->used);
+    memset(t, 0, sizeof *t);
+}
+
 struct cuda_mapper {
     kvc_mapper base; /* first: a kvc_mapper * is a struct cuda_mapper * */
     CUdevice device;
     int ordinal;
     CUcontext ctx;
+    /* Kept handles: keep_mu guards what follows; it is a leaf lock (no
+     * other lock is taken under it), held for a cuMemMap from a kept
+     * handle so that a DROP cannot release the handle under the map. */
+    pthread_mutex_t keep_mu;
+    struct keep_table kept;
+    size_t keep_limit; /* 0: never keep */
+    uint64_t keep_gen; /* counts keep_resets: a map that began before one keeps nothing */
 };
 
 static struct cuda_mapper *cm(kvc_mapper *m) { return (struct cuda_mapper *)m; }
@@ -202,8 +316,10 @@ static kvc_status cuda_create(const char *uuid, kvc_mapper **out)
             return kvc_fail(KVC_ERR_NO_MEMORY, "out of memory");
         m->device = dev;
         m->ordinal = i;
+        pthread_mutex_init(&m->keep_mu, NULL);
         CUresult r = g_cu.DevicePrimaryCtxRetain(&m->ctx, dev);
         if (r != CUDA_SUCCESS) {
+            pthread_mutex_destroy(&m->keep_mu);
             free(m);
             return cu_fail("cuDevicePrimaryCtxRetain", r);
         }
@@ -216,8 +332,13 @@ static kvc_status cuda_create(const char *uuid, kvc_mapper **out)
                     uuid, count);
 }
 
+static void cuda_keep_reset(kvc_mapper *m, size_t limit);
+
 static void cuda_destroy(kvc_mapper *m)
 {
+    cuda_keep_reset(m, 0);
+    kt_free(&cm(m)->kept);
+    pthread_mutex_destroy(&cm(m)->keep_mu);
     g_cu.DevicePrimaryCtxRelease(cm(m)->device);
     free(cm(m));
 }
@@ -279,17 +400,67 @@ static kvc_status cuda_map_handle(kvc_mapper *m, uintptr_t addr, CUmemGenericAll
 /* n pages in a row: import and map each, then one cuMemSetAccess over the
  * whole run (the driver sets access on a fully mapped range of several
  * mappings; one call instead of n, each of which measured 25 us p50 per
- * 2 MiB page on an H200, docs/gpu-check.md). All or nothing. */
-static kvc_status cuda_map_run(kvc_mapper *m, uintptr_t addr, const int *fds, size_t n, uint64_t page)
+ * 2 MiB page on an H200, docs/gpu-check.md). All or nothing.
+ *
+ * With ids (kept handles on): a page whose handle is kept is mapped from it
+ * (its fd closed, no import, no release); a page imported here is kept,
+ * once the run is mapped, while fewer than keep_limit handles are kept
+ * (else released, as without a cache: the cache never evicts). A failed run
+ * leaves the cache as it was. */
+static kvc_status cuda_map_pages(kvc_mapper *m, uintptr_t addr, const uint64_t *ids,
+                                 const int *fds, size_t n, uint64_t page)
 {
+    struct cuda_mapper *c = cm(m);
     size_t closed = 0, mapped = 0; /* fds closed, pages mapped: both prefixes */
     kvc_status st = KVC_OK;
     if (n == 0)
         return KVC_OK;
-    CUresult r = g_cu.CtxSetCurrent(cm(m)->ctx);
+    int keeping = 0;
+    uint64_t gen = 0;
+    if (ids) {
+        pthread_mutex_lock(&c->keep_mu);
+        keeping = c->keep_limit > 0;
+        gen = c->keep_gen;
+        pthread_mutex_unlock(&c->keep_mu);
+    }
+    /* Handles imported by this call and not released yet (keeping only). */
+    CUmemGenericAllocationHandle *fresh = NULL;
+    unsigned char *is_fresh = NULL;
+    if (keeping) {
+        fresh = calloc(n, sizeof *fresh);
+        is_fresh = calloc(n, 1);
+        if (!fresh || !is_fresh) {
+            free(fresh);
+            free(is_fresh);
+            for (size_t i = 0; i < n; i++)
+                close(fds[i]);
+            return kvc_fail(KVC_ERR_NO_MEMORY, "out of memory");
+        }
+    }
+    CUresult r = g_cu.CtxSetCurrent(c->ctx);
     if (r != CUDA_SUCCESS)
         st = cu_fail("cuCtxSetCurrent", r);
     while (st == KVC_OK && closed < n) {
+        const CUdeviceptr at = (CUdeviceptr)(addr + mapped * page);
+        if (keeping) {
+            int hit = 0;
+            pthread_mutex_lock(&c->keep_mu);
+            size_t k = kt_find(&c->kept, ids[closed]);
+            if (k != KT_NONE) {
+                hit = 1; /* under the lock: a DROP cannot release it meanwhile */
+                r = g_cu.MemMap(at, (size_t)page, 0, c->kept.handles[k], 0);
+            }
+            pthread_mutex_unlock(&c->keep_mu);
+            if (hit) {
+                close(fds[closed++]);
+                if (r != CUDA_SUCCESS) {
+                    st = cu_fail("cuMemMap", r);
+                    break;
+                }
+                mapped++;
+                continue;
+            }
+        }
         CUmemGenericAllocationHandle h = 0;
         /* the fd travels BY VALUE in the void* argument */
         r = g_cu.MemImportFromShareableHandle(&h, (void *)(uintptr_t)fds[closed],
@@ -299,13 +470,18 @@ static kvc_status cuda_map_run(kvc_mapper *m, uintptr_t addr, const int *fds, si
             st = cu_fail("cuMemImportFromShareableHandle", r);
             break;
         }
-        r = g_cu.MemMap((CUdeviceptr)(addr + mapped * page), (size_t)page, 0, h, 0);
+        r = g_cu.MemMap(at, (size_t)page, 0, h, 0);
         if (r != CUDA_SUCCESS) {
             g_cu.MemRelease(h);
             st = cu_fail("cuMemMap", r);
             break;
         }
         mapped++;
+        if (keeping) {
+            fresh[mapped - 1] = h;
+            is_fresh[mapped - 1] = 1;
+            continue;
+        }
         r = g_cu.MemRelease(h); /* the mapping keeps the page */
         if (r != CUDA_SUCCESS)
             st = cu_fail("cuMemRelease", r);
@@ -314,18 +490,138 @@ static kvc_status cuda_map_run(kvc_mapper *m, uintptr_t addr, const int *fds, si
         CUmemAccessDesc desc;
         memset(&desc, 0, sizeof desc);
         desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-        desc.location.id = cm(m)->ordinal;
+        desc.location.id = c->ordinal;
         desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
         r = g_cu.MemSetAccess((CUdeviceptr)addr, (size_t)(n * page), &desc, 1);
-        if (r == CUDA_SUCCESS)
-            return KVC_OK;
-        st = cu_fail("cuMemSetAccess", r);
+        if (r != CUDA_SUCCESS)
+            st = cu_fail("cuMemSetAccess", r);
+    }
+    if (st == KVC_OK && keeping) {
+        /* Keep what fits; a reset since the run began (session end, resume)
+         * keeps nothing. */
+        pthread_mutex_lock(&c->keep_mu);
+        for (size_t i = 0; i < n; i++)
+            if (is_fresh[i] && c->keep_gen == gen && c->kept.n < c->keep_limit &&
+                kt_find(&c->kept, ids[i]) == KT_NONE && kt_put(&c->kept, ids[i], fresh[i]) == 0)
+                is_fresh[i] = 0;
+        pthread_mutex_unlock(&c->keep_mu);
+        for (size_t i = 0; i < n; i++)
+            if (is_fresh[i]) {
+                is_fresh[i] = 0;
+                r = g_cu.MemRelease(fresh[i]); /* the mapping keeps the page */
+                if (r != CUDA_SUCCESS && st == KVC_OK)
+                    st = cu_fail("cuMemRelease", r);
+            }
     }
     for (; closed < n; closed++)
         close(fds[closed]);
-    for (size_t i = 0; i < mapped; i++)
-        g_cu.MemUnmap((CUdeviceptr)(addr + i * page), (size_t)page);
+    if (st != KVC_OK)
+        for (size_t i = 0; i < mapped; i++)
+            g_cu.MemUnmap((CUdeviceptr)(addr + i * page), (size_t)page);
+    if (keeping)
+        for (size_t i = 0; i < mapped; i++)
+            if (is_fresh[i])
+                g_cu.MemRelease(fresh[i]); /* a failed run: after its unmap */
+    free(fresh);
+    free(is_fresh);
     return st;
+}
+
+static kvc_status cuda_map_run(kvc_mapper *m, uintptr_t addr, const int *fds, size_t n, uint64_t page)
+{
+    return cuda_map_pages(m, addr, NULL, fds, n, page);
+}
+
+static kvc_status cuda_map_run_ids(kvc_mapper *m, uintptr_t addr, const uint64_t *ids,
+                                   const int *fds, size_t n, uint64_t page)
+{
+    return cuda_map_pages(m, addr, ids, fds, n, page);
+}
+
+/* Release handles taken out of the table (keep_mu not held). */
+static void release_handles(struct cuda_mapper *c, const CUmemGenericAllocationHandle *hs, size_t n)
+{
+    if (!n)
+        return;
+    g_cu.CtxSetCurrent(c->ctx);
+    for (size_t i = 0; i < n; i++)
+        g_cu.MemRelease(hs[i]); /* a mapping of the page (if any) keeps it */
+}
+
+static void cuda_keep_reset(kvc_mapper *m, size_t limit)
+{
+    struct cuda_mapper *c = cm(m);
+    pthread_mutex_lock(&c->keep_mu);
+    struct keep_table old = c->kept;
+    memset(&c->kept, 0, sizeof c->kept);
+    c->keep_limit = limit;
+    c->keep_gen++;
+    pthread_mutex_unlock(&c->keep_mu);
+    for (size_t i = 0; i < old.cap; i++)
+        if (old.used[i])
+            release_handles(c, &old.handles[i], 1);
+    kt_free(&old);
+}
+
+static size_t cuda_kept(kvc_mapper *m, const uint64_t *ids, size_t n)
+{
+    struct cuda_mapper *c = cm(m);
+    size_t k = 0;
+    pthread_mutex_lock(&c->keep_mu);
+    for (size_t i = 0; i < n && c->kept.n; i++)
+        k += kt_find(&c->kept, ids[i]) != KT_NONE;
+    pthread_mutex_unlock(&c->keep_mu);
+    return k;
+}
+
+static size_t cuda_drop(kvc_mapper *m, const uint64_t *ids, size_t n)
+{
+    struct cuda_mapper *c = cm(m);
+    CUmemGenericAllocationHandle one[16], *hs = one;
+    size_t k = 0;
+    pthread_mutex_lock(&c->keep_mu);
+    if (c->kept.n > 16)
+        hs = malloc((c->kept.n < n ? c->kept.n : n) * sizeof *hs);
+    for (size_t i = 0; hs && i < n && c->kept.n; i++) {
+        size_t at = kt_find(&c->kept, ids[i]);
+        if (at == KT_NONE)
+            continue;
+        hs[k++] = c->kept.handles[at];
+        kt_del(&c->kept, at);
+    }
+    pthread_mutex_unlock(&c->keep_mu);
+    if (!hs) { /* no memory for the list: release one at a time */
+        for (size_t i = 0; i < n; i++) {
+            CUmemGenericAllocationHandle h = 0;
+            int found = 0;
+            pthread_mutex_lock(&c->keep_mu);
+            size_t at = kt_find(&c->kept, ids[i]);
+            if (at != KT_NONE) {
+                h = c->kept.handles[at];
+                kt_del(&c->kept, at);
+                found = 1;
+            }
+            pthread_mutex_unlock(&c->keep_mu);
+            if (found) {
+                release_handles(c, &h, 1);
+                k++;
+            }
+        }
+        return k;
+    }
+    release_handles(c, hs, k);
+    if (hs != one)
+        free(hs);
+    return k;
+}
+
+static size_t cuda_kept_total(kvc_mapper *m)
+{
+    struct cuda_mapper *c = cm(m);
+    pthread_mutex_lock(&c->keep_mu);
+    size_t n = c->kept.n;
+    pthread_mutex_unlock(&c->keep_mu);
+    return n;
 }
 
 static kvc_status cuda_map(kvc_mapper *m, uintptr_t addr, int fd, uint64_t size)
@@ -414,4 +710,9 @@ const struct kvc_mapper_ops kvc_mapper_cuda_ops = {
     .write = cuda_write,
     .read = cuda_read,
     .sync = cuda_sync,
+    .map_run_ids = cuda_map_run_ids,
+    .keep_reset = cuda_keep_reset,
+    .kept = cuda_kept,
+    .drop = cuda_drop,
+    .kept_total = cuda_kept_total,
 };

@@ -57,7 +57,9 @@ kvc_status region_map_slots(kvc_region *r, const std::vector<uint64_t> &slots)
     for (size_t i = 0, j = 0; i < slots.size(); i = j) {
         for (j = i + 1; j < slots.size() && slots[j] == slots[j - 1] + 1; j++) {
         }
-        st = kvc_mapper_map_run(s->mapper, r->base + slots[i] * r->page, &fds[i], j - i, r->page);
+        // (by id: a page whose handle the session kept is mapped from it)
+        st = kvc_mapper_map_run_ids(s->mapper, r->base + slots[i] * r->page, &ids[i], &fds[i], j - i,
+                                    r->page);
         if (st != KVC_OK) {
             std::string msg = kvc_last_error();
             for (size_t k = j; k < fds.size(); k++)

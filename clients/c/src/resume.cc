@@ -104,6 +104,11 @@ bool session_resume(kvc_session *s)
 
         // No channel allocation between its answer and keeping its fds.
         std::unique_lock<std::shared_mutex> rw(s->link.rw);
+        // Kept handles end before the claim: the restarted daemon never saw
+        // the FREEs that made this session a keeper, and its page ids are no
+        // promise about the old daemon's pages (docs/protocol.md "Kept
+        // handles"). Kept again only where it offers it.
+        kvc_mapper_keep_reset(s->mapper, info.fd_channel_keep_handles() ? s->keep_limit : 0);
         std::vector<uint64_t> ids;
         bool sent = true;
         {

@@ -7,6 +7,23 @@ namespace kvc_impl {
 
 // ---- pages from the daemon -------------------------------------------
 
+// $KVCACHED_KEEP_HANDLES: how many page handles a session keeps (docs/protocol.md
+// "Kept handles"); default 8192 (16 GiB of 2 MiB pages), 0: never keep. A
+// value that is not a number is the default.
+size_t keep_limit_from_env()
+{
+    const size_t def = 8192;
+    const char *v = std::getenv("KVCACHED_KEEP_HANDLES");
+    if (!v || !*v)
+        return def;
+    char *end = nullptr;
+    errno = 0;
+    unsigned long long n = std::strtoull(v, &end, 10);
+    if (errno || !end || *end || *v == '-')
+        return def;
+    return static_cast<size_t>(n);
+}
+
 void close_fds(std::vector<int> &fds)
 {
     for (int &fd : fds)

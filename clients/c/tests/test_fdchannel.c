@@ -195,8 +195,9 @@ static void test_transport(void)
     CHECK(after == before); /* the received fd was closed again */
     close(after);
 
-    /* an oversized record is truncated: PROTOCOL */
-    static uint8_t big[KVC_FD_MAX_RECORD + 64];
+    /* an oversized record is truncated: PROTOCOL (the largest a client
+     * takes is a DROP of 16384 ids) */
+    static uint8_t big[KVC_FD_MAX_RECV + 64];
     memset(big, 0, sizeof big);
     CHECK(kvc_fd_send(sv[0], big, sizeof big, NULL, 0, err, sizeof err) == KVC_OK);
     CHECK(kvc_fd_recv(sv[1], 1000, &rec, &eof, err, sizeof err) == KVC_ERR_PROTOCOL);
@@ -321,8 +322,57 @@ static void test_request_vectors(void)
     CHECK(kvc_fd_send(sv[1], big, n, NULL, 0, err, sizeof err) == KVC_OK);
     static uint8_t got[KVC_FD_MAX_CLIENT_RECORD + 8];
     CHECK(recv(sv[0], got, sizeof got, 0) == (ssize_t)n && memcmp(got, big, n) == 0);
+    /* the largest DROP (16384 ids, 131096 bytes) is received whole */
+    n = kvc_fd_encode_drop(big, sizeof big, many, KVC_FD_MAX_FREE_IDS);
+    CHECK(n == 16 + 8 + 8 * KVC_FD_MAX_FREE_IDS && n <= KVC_FD_MAX_RECV);
+    CHECK(kvc_fd_send(sv[0], big, n, NULL, 0, err, sizeof err) == KVC_OK);
+    CHECK(kvc_fd_recv(sv[1], 1000, &rec, &eof, err, sizeof err) == KVC_OK);
+    CHECK(!eof && rec.type == KVC_FD_DROP && rec.count == KVC_FD_MAX_FREE_IDS);
+    CHECK(kvc_fd_record_id(&rec, 0) == 1 && kvc_fd_record_id(&rec, KVC_FD_MAX_FREE_IDS - 1) == KVC_FD_MAX_FREE_IDS);
+    CHECK(kvc_fd_encode_drop(big, sizeof big, many, KVC_FD_MAX_FREE_IDS + 1) == 0);
+    CHECK(kvc_fd_encode_drop(big, sizeof big, many, 0) == 0);
     close(sv[0]);
     close(sv[1]);
+}
+
+/* Kept handles: FREE with keep, DROP, DROPPED (the bytes of the shared
+ * vectors free_keep, drop and dropped; kvcached_service/fdchannel.py). */
+static void test_keep_vectors(void)
+{
+    uint8_t buf[256];
+    uint64_t ids[2] = {7, 8};
+    static const uint8_t fk[] = {0x4b, 0x56, 0x43, 0x46, 0x01, 0x00, 0x07, 0x00, 0x20, 0x00, 0x00, 0x00,
+                                 0x00, 0x00, 0x00, 0x00, 0x09, 0, 0, 0, 0, 0, 0, 0, 0x02, 0, 0, 0,
+                                 0x01, 0, 0, 0, 0x07, 0, 0, 0, 0, 0, 0, 0, 0x08, 0, 0, 0, 0, 0, 0, 0};
+    size_t n = kvc_fd_encode_free_flags(buf, sizeof buf, 9, ids, 2, KVC_FD_FREE_KEEP);
+    CHECK(n == sizeof fk && memcmp(buf, fk, n) == 0);
+    uint64_t req = 0;
+    CHECK(kvc_fd_decode_any(buf, n, NULL, 0, &rec, &req, err, sizeof err) == KVC_OK);
+    CHECK(rec.type == KVC_FD_FREE && rec.flags == KVC_FD_FREE_KEEP && rec.count == 2 &&
+          kvc_fd_record_id(&rec, 1) == 8);
+    /* without keep: the plain FREE's bytes */
+    CHECK(kvc_fd_encode_free_flags(buf, sizeof buf, 9, ids, 2, 0) == sizeof fk);
+    CHECK(buf[28] == 0);
+    static const uint8_t dropped[] = {0x4b, 0x56, 0x43, 0x46, 0x01, 0x00, 0x0c, 0x00, 0x20, 0x00, 0x00,
+                                      0x00, 0x00, 0x00, 0x00, 0x00, 0x0b, 0, 0, 0, 0, 0, 0, 0,
+                                      0x02, 0, 0, 0, 0, 0, 0, 0, 0x07, 0, 0, 0, 0, 0, 0, 0,
+                                      0x08, 0, 0, 0, 0, 0, 0, 0};
+    n = kvc_fd_encode_dropped(buf, sizeof buf, 11, ids, 2);
+    CHECK(n == sizeof dropped && memcmp(buf, dropped, n) == 0);
+    CHECK(kvc_fd_encode_dropped(buf, sizeof buf, 12, NULL, 0) == 32);
+    /* a client refuses DROPPED (only clients send it) */
+    CHECK(kvc_fd_decode(dropped, sizeof dropped, NULL, 0, &rec, err, sizeof err) == KVC_ERR_PROTOCOL);
+    static const uint8_t drop[] = {0x4b, 0x56, 0x43, 0x46, 0x01, 0x00, 0x0b, 0x00, 0x18, 0x00, 0x00, 0x00,
+                                   0x00, 0x00, 0x00, 0x00, 0x02, 0, 0, 0, 0, 0, 0, 0,
+                                   0x07, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
+    uint64_t dids[2] = {7, ~0ull};
+    n = kvc_fd_encode_drop(buf, sizeof buf, dids, 2);
+    CHECK(n == sizeof drop && memcmp(buf, drop, n) == 0);
+    CHECK(kvc_fd_decode(drop, sizeof drop, NULL, 0, &rec, err, sizeof err) == KVC_OK);
+    CHECK(rec.type == KVC_FD_DROP && rec.count == 2 && kvc_fd_record_id(&rec, 1) == ~0ull);
+    int fake = 99;
+    CHECK(kvc_fd_decode(drop, sizeof drop, &fake, 1, &rec, err, sizeof err) == KVC_ERR_PROTOCOL);
+    CHECK(strstr(err, "descriptors") != NULL);
 }
 
 /* ---- the shared vectors: protos/kvcached/v1/fdchannel.vectors.json ----
@@ -584,8 +634,9 @@ static void utf8_replace(const char *in, char *out, size_t cap)
 static const char *rec_type_name(uint16_t t)
 {
     static const char *names[] = {"?",    "HELLO", "PAGES", "ERROR", "GOODBYE", "ADOPT",
-                                  "ALLOCATE", "FREE", "CLOSE", "REPLY", "ANSWER"};
-    return t <= 10 ? names[t] : "?";
+                                  "ALLOCATE", "FREE", "CLOSE", "REPLY", "ANSWER", "DROP",
+                                  "DROPPED"};
+    return t <= 12 ? names[t] : "?";
 }
 
 static int vec_failures;
@@ -638,6 +689,9 @@ static void check_record_fields(const char *name, const jv *want, const kvc_fd_r
             VCHECK(name, r->num_pages == ju64(v));
         } else if (!strcmp(k, "flags")) {
             VCHECK(name, r->flags == ju64(v));
+        } else if (!strcmp(k, "keep")) {
+            VCHECK(name, r->type == KVC_FD_FREE);
+            VCHECK(name, !!(r->flags & KVC_FD_FREE_KEEP) == v->b);
         } else if (!strcmp(k, "wait")) {
             VCHECK(name, !!(r->flags & KVC_FD_ALLOC_WAIT) == v->b);
         } else if (!strcmp(k, "notify")) {
@@ -652,11 +706,11 @@ static void check_record_fields(const char *name, const jv *want, const kvc_fd_r
                              !memcmp(sec, r->secret, KVC_FD_SECRET_SIZE));
         } else if (!strcmp(k, "page_ids")) {
             VCHECK(name, v->t == J_ARR);
+            const int by_bytes = r->type == KVC_FD_FREE || r->type == KVC_FD_DROPPED ||
+                                 r->type == KVC_FD_DROP;
+            VCHECK(name, !by_bytes || v->n == r->count);
             for (size_t j = 0; j < v->n; j++) {
-                uint64_t id = r->type == KVC_FD_FREE ? 0 : r->page_ids[j];
-                if (r->type == KVC_FD_FREE)
-                    for (int b = 7; b >= 0; b--)
-                        id = (id << 8) | r->free_ids[8 * j + (size_t)b];
+                uint64_t id = by_bytes ? kvc_fd_record_id(r, (uint32_t)j) : r->page_ids[j];
                 VCHECK(name, id == ju64(v->items[j]));
             }
         } else if (!strcmp(k, "message") || !strcmp(k, "device") || !strcmp(k, "reason")) {
@@ -695,15 +749,20 @@ static size_t reencode(const kvc_fd_record *r, uint8_t *buf, size_t cap)
     case KVC_FD_ALLOCATE:
         return kvc_fd_encode_allocate(buf, cap, r->req_id, r->num_pages, r->flags,
                                       r->wait_timeout_ms, r->device);
-    case KVC_FD_FREE: {
+    case KVC_FD_FREE:
+    case KVC_FD_DROPPED:
+    case KVC_FD_DROP: {
         static uint64_t ids[KVC_FD_MAX_FREE_IDS];
-        for (uint32_t j = 0; j < r->count; j++) {
-            uint64_t id = 0;
-            for (int b = 7; b >= 0; b--)
-                id = (id << 8) | r->free_ids[8 * j + (size_t)b];
-            ids[j] = id;
-        }
-        return kvc_fd_encode_free(buf, cap, r->req_id, r->count ? ids : NULL, r->count);
+        for (uint32_t j = 0; j < r->count; j++)
+            ids[j] = kvc_fd_record_id(r, j);
+        if (r->type == KVC_FD_DROP)
+            return kvc_fd_encode_drop(buf, cap, ids, r->count);
+        if (r->type == KVC_FD_DROPPED)
+            return kvc_fd_encode_dropped(buf, cap, r->req_id, r->count ? ids : NULL, r->count);
+        if (r->flags == 0) /* the plain encoder, as before flags */
+            return kvc_fd_encode_free(buf, cap, r->req_id, r->count ? ids : NULL, r->count);
+        return kvc_fd_encode_free_flags(buf, cap, r->req_id, r->count ? ids : NULL, r->count,
+                                        r->flags);
     }
     case KVC_FD_CLOSE:
         return kvc_fd_encode_close(buf, cap, r->req_id);
@@ -831,6 +890,7 @@ int main(int argc, char **argv)
     test_adopt_vector();
     test_error_goodbye_vectors();
     test_request_vectors();
+    test_keep_vectors();
     test_malformed();
     test_transport();
     test_shared_vectors(argc > 1 ? argv[1] : "protos/kvcached/v1/fdchannel.vectors.json");

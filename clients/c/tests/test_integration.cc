@@ -2084,6 +2084,193 @@ TEST(KvcOwnDaemon, TestDriverFaultsOnCuda)
     kvc_client_destroy(c);
 }
 
+// Kept handles (docs/protocol.md "Kept handles", API 1.6) against a real
+// daemon on CUDA. This process's driver calls are read from the test
+// driver's live call counters (KVCACHED_TESTDRV_CALLS, set in main for the
+// CUDA run); on another libcuda the file is absent and only the session's
+// own count (kvc_session_kept_handles) is checked.
+struct DriverCalls {
+    uint64_t import = 0, map = 0, release = 0;
+    bool known = false;
+};
+
+DriverCalls driver_calls()
+{
+    DriverCalls c;
+    const char *dir = std::getenv("KVCACHED_TESTDRV_CALLS");
+    if (!dir)
+        return c;
+    std::ifstream f(std::string(dir) + "/" + std::to_string(getpid()), std::ios::binary);
+    std::string b((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    if (b.size() < 32)
+        return c;
+    uint32_t nfn, namelen;
+    std::memcpy(&nfn, b.data() + 12, 4);
+    std::memcpy(&namelen, b.data() + 20, 4);
+    if (b.size() < 32 + size_t(nfn) * (namelen + 8))
+        return c;
+    for (uint32_t i = 0; i < nfn; i++) {
+        std::string name(b.data() + 32 + size_t(i) * namelen);
+        uint64_t v;
+        std::memcpy(&v, b.data() + 32 + size_t(nfn) * namelen + 8 * size_t(i), 8);
+        if (name == "cuMemImportFromShareableHandle")
+            c.import = v;
+        else if (name == "cuMemMap")
+            c.map = v;
+        else if (name == "cuMemRelease")
+            c.release = v;
+    }
+    c.known = true;
+    return c;
+}
+
+// The CUDA run's libcuda is the project's test driver: its counters must be there.
+bool on_test_driver()
+{
+    const char *lib = std::getenv("KVCACHED_LIBCUDA");
+    return lib && std::string(lib).find("testdriver") != std::string::npos;
+}
+
+// A page that comes back to the session that freed it is mapped from the
+// handle it kept: no import, no release; its bytes are the daemon's zeros
+// all the same. The session's end releases every kept handle.
+TEST(KvcOwnDaemon, KeptHandleMapsAReturningPageWithoutImportOnCuda)
+{
+    ASSERT_EQ(g_backend, "cuda") << "kept handles are CUDA's";
+    Daemon d;
+    ASSERT_NO_FATAL_FAILURE(d.start({"--prealloc", "0"}));
+    kvc_client *c = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c));
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "kept";
+    kvc_session *s = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &s));
+    const uint64_t page = kvc_session_page_size(s);
+    kvc_region *r = nullptr;
+    KVC_OK_OR_FAIL(kvc_region_create(s, 4 * page, &r));
+    EXPECT_EQ(kvc_session_kept_handles(s), 0u);
+
+    DriverCalls a = driver_calls();
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 4 * page));
+    DriverCalls b = driver_calls();
+    ASSERT_TRUE(a.known || !on_test_driver()) << "no live call counters from the test driver";
+    EXPECT_EQ(kvc_session_kept_handles(s), 4u);  // imported and kept
+    if (a.known) {
+        EXPECT_EQ(b.import - a.import, 4u);
+        EXPECT_EQ(b.release - a.release, 0u);  // kept, not released
+    }
+    const char stamp[] = "first loan";
+    KVC_OK_OR_FAIL(kvc_region_write(r, 0, stamp, sizeof stamp));
+    KVC_OK_OR_FAIL(kvc_region_unmap(r, 0, 4 * page));  // FREE with keep
+    EXPECT_EQ(kvc_session_kept_handles(s), 4u);
+
+    a = driver_calls();
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 4 * page));  // the same pages come back (last in, first out)
+    b = driver_calls();
+    EXPECT_EQ(kvc_session_kept_handles(s), 4u);
+    if (a.known) {
+        EXPECT_EQ(b.import - a.import, 0u) << "a returning page was imported again";
+        EXPECT_EQ(b.release - a.release, 0u);
+        EXPECT_EQ(b.map - a.map, 4u);
+    } else {
+        GTEST_LOG_(INFO) << "no test driver call counters: imports not counted";
+    }
+    char got[sizeof stamp];
+    KVC_OK_OR_FAIL(kvc_region_read(r, 0, got, sizeof got));
+    EXPECT_EQ(std::string(got, sizeof got), std::string(sizeof got, '\0'));  // zeroed all the same
+    const char again[] = "second loan";
+    KVC_OK_OR_FAIL(kvc_region_write(r, page, again, sizeof again));
+    char got2[sizeof again];
+    KVC_OK_OR_FAIL(kvc_region_read(r, page, got2, sizeof got2));
+    EXPECT_STREQ(got2, again);
+    kvc_stats st;
+    std::memset(&st, 0, sizeof st);
+    st.struct_size = sizeof st;
+    KVC_OK_OR_FAIL(kvc_session_get_stats(s, &st));
+    EXPECT_EQ(st.pages_held, 4u);
+    kvc_region_destroy(r);  // unmapped and freed (with keep)
+    EXPECT_EQ(kvc_session_kept_handles(s), 4u);
+    a = driver_calls();
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s));  // every kept handle released
+    b = driver_calls();
+    if (a.known)
+        EXPECT_EQ(b.release - a.release, 4u);
+
+    // KVCACHED_KEEP_HANDLES=0 (read at session open): nothing is kept.
+    setenv("KVCACHED_KEEP_HANDLES", "0", 1);
+    o.name = "unkept";
+    s = nullptr;
+    kvc_status opened = kvc_session_open(c, &o, &s);
+    unsetenv("KVCACHED_KEEP_HANDLES");
+    KVC_OK_OR_FAIL(opened);
+    KVC_OK_OR_FAIL(kvc_region_create(s, 2 * page, &r));
+    a = driver_calls();
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 2 * page));
+    KVC_OK_OR_FAIL(kvc_region_unmap(r, 0, 2 * page));
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 2 * page));
+    b = driver_calls();
+    EXPECT_EQ(kvc_session_kept_handles(s), 0u);
+    if (a.known) {
+        EXPECT_EQ(b.import - a.import, 4u);
+        EXPECT_EQ(b.release - a.release, 4u);
+    }
+    kvc_region_destroy(r);
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s));
+    kvc_client_destroy(c);
+}
+
+// The daemon asks for kept handles before it releases the pages (here the
+// idle trim, --pool-idle-seconds 0): the session's reader answers the DROP
+// by itself, with no call waiting: it releases the handles and sends
+// DROPPED, and the daemon then releases the pages. A page mapped later is
+// imported (and kept) anew.
+TEST(KvcOwnDaemon, DropReleasesKeptHandlesOnCuda)
+{
+    ASSERT_EQ(g_backend, "cuda") << "kept handles are CUDA's";
+    Daemon d;
+    ASSERT_NO_FATAL_FAILURE(d.start({"--prealloc", "0", "--pool-idle-seconds", "0"}));
+    kvc_client *c = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c));
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "dropped";
+    kvc_session *s = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &s));
+    const uint64_t page = kvc_session_page_size(s);
+    kvc_region *r = nullptr;
+    KVC_OK_OR_FAIL(kvc_region_create(s, 3 * page, &r));
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 3 * page));
+    EXPECT_EQ(kvc_session_kept_handles(s), 3u);
+    DriverCalls a = driver_calls();
+    KVC_OK_OR_FAIL(kvc_region_unmap(r, 0, 3 * page));  // kept; the trim asks for them
+    EXPECT_TRUE(wait_until([&] { return kvc_session_kept_handles(s) == 0; }, 5000))
+        << "the DROP was not answered: " << kvc_session_kept_handles(s) << " handles kept";
+    DriverCalls b = driver_calls();
+    if (a.known)
+        EXPECT_EQ(b.release - a.release, 3u);
+    auto pooled = [&] {
+        kvc_stats st;
+        std::memset(&st, 0, sizeof st);
+        st.struct_size = sizeof st;
+        if (kvc_session_get_stats(s, &st) != KVC_OK)
+            return ~0ull;
+        return static_cast<unsigned long long>(st.device.pooled_bytes);
+    };
+    EXPECT_TRUE(wait_until([&] { return pooled() == 0; }, 5000))
+        << "the pages were not released after DROPPED: " << pooled() << " bytes pooled";
+    EXPECT_EQ(kvc_session_ended(s), 0) << kvc_last_error();  // answered in time
+    a = driver_calls();
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, page));  // a new page: imported and kept
+    b = driver_calls();
+    EXPECT_EQ(kvc_session_kept_handles(s), 1u);
+    if (a.known)
+        EXPECT_EQ(b.import - a.import, 1u);
+    kvc_region_destroy(r);
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s));
+    kvc_client_destroy(c);
+}
+
 }  // namespace
 
 int main(int argc, char **argv)
@@ -2106,6 +2293,13 @@ int main(int argc, char **argv)
         mkdir(state.c_str(), 0700);
         chmod(state.c_str(), 01777);  // clients of other uids share the machine
         setenv("KVCACHED_TESTDRV_STATE", state.c_str(), 1);
+        // Live call counters (the test driver's; DropReleasesKeptHandles and
+        // KeptHandleMaps... count this process's driver calls).
+        // Every process of the run inherits it: clients of other uids too.
+        std::string calls = g_tmp + "/calls";
+        mkdir(calls.c_str(), 0700);
+        chmod(calls.c_str(), 01777);
+        setenv("KVCACHED_TESTDRV_CALLS", calls.c_str(), 1);
         if (!std::getenv("KVCACHED_LIBCUDA")) {
             std::fprintf(stderr, "KVC_TEST_BACKEND=cuda needs KVCACHED_LIBCUDA (the test driver)\n");
             return 1;
