@@ -33,10 +33,11 @@ REPLY = 9  # daemon to client: the answer to a request record
 REQ_ANSWER = 10  # client to daemon: a session's answer to a reclaim request
 DROP = 11  # daemon to client: release your kept handles of these pages (docs/protocol.md, "Kept handles")
 REQ_DROPPED = 12  # client to daemon: it keeps no handle of these pages any more
+REQ_USE = 13  # client to daemon: standby pages in use again (docs/protocol.md, "Standby pages")
 NAMES = {HELLO: "HELLO", PAGES: "PAGES", ERROR: "ERROR", GOODBYE: "GOODBYE", ADOPT: "ADOPT", REQ_ALLOCATE: "ALLOCATE",
          REQ_FREE: "FREE", REQ_CLOSE: "CLOSE", REPLY: "REPLY", REQ_ANSWER: "ANSWER", DROP: "DROP",
-         REQ_DROPPED: "DROPPED"}
-REQUESTS = frozenset({REQ_ALLOCATE, REQ_FREE, REQ_CLOSE, REQ_ANSWER, REQ_DROPPED})  # answered by REPLY, req_id first
+         REQ_DROPPED: "DROPPED", REQ_USE: "USE"}
+REQUESTS = frozenset({REQ_ALLOCATE, REQ_FREE, REQ_CLOSE, REQ_ANSWER, REQ_DROPPED, REQ_USE})  # answered by REPLY, req_id first
 # Allocations asked for on the channel are delivered with allocation_id =
 # req_id | CHANNEL_ALLOC_BIT, so they never collide with gRPC Allocate ids.
 CHANNEL_ALLOC_BIT = 1 << 63
@@ -47,7 +48,7 @@ _HELLO = struct.Struct("<QIIII32s")  # channel_id, pid, uid, gid, max_fds, secre
 _PAGES = struct.Struct("<QIIII")  # allocation_id, first_index, count, total, reserved
 _ERROR = struct.Struct("<I")  # code, then message
 _REQ_ALLOC = struct.Struct("<QIIII")  # req_id, num_pages, flags, wait_timeout_ms, device_len; then device
-_REQ_FREE = struct.Struct("<QII")  # req_id, count, flags; then page ids (DROPPED: the same layout)
+_REQ_FREE = struct.Struct("<QII")  # req_id, count, flags; then page ids (DROPPED and USE: the same layout)
 _DROP = struct.Struct("<II")  # count, reserved; then page ids
 _REQ_CLOSE = struct.Struct("<Q")  # req_id
 _REPLY = struct.Struct("<QIIQ")  # req_id, code, reserved, value; then message
@@ -56,6 +57,7 @@ _REQ_ID = struct.Struct("<Q")  # the first field of every request
 ALLOC_WAIT = 1
 ALLOC_NOTIFY = 2
 FREE_KEEP = 1  # FREE flags: the sender keeps the imported handle of every page it names
+FREE_STANDBY = 2  # FREE flags: the pages stay the session's, mapped, as standby (not given back)
 HEADER_SIZE = _HEADER.size
 SECRET_SIZE = 32
 # Largest record a client sends (a FREE with MAX_FREE_IDS ids), and the
@@ -142,11 +144,23 @@ class FreeReq:
     def keep(self) -> bool:
         return bool(self.flags & FREE_KEEP)
 
+    @property
+    def standby(self) -> bool:
+        return bool(self.flags & FREE_STANDBY)
+
 
 @dataclass(frozen=True)
 class DroppedReq:
     """The client keeps no handle of these pages any more (an answer to
     DROP, or on its own)."""
+
+    req_id: int
+    page_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class UseReq:
+    """Standby pages of the session in use again (no Allocate needed)."""
 
     req_id: int
     page_ids: tuple[int, ...]
@@ -196,7 +210,7 @@ class Goodbye:
     pass
 
 
-Record = Hello | Pages | Adopt | Error | Goodbye | AllocateReq | FreeReq | CloseReq | AnswerReq | Reply | Drop | DroppedReq
+Record = Hello | Pages | Adopt | Error | Goodbye | AllocateReq | FreeReq | CloseReq | AnswerReq | Reply | Drop | DroppedReq | UseReq
 
 
 def _frame(kind: int, payload: bytes) -> bytes:
@@ -230,15 +244,19 @@ def encode_allocate(req_id: int, num_pages: int, device: str = "", wait: bool = 
     return _frame(REQ_ALLOCATE, _REQ_ALLOC.pack(req_id, num_pages, flags, wait_timeout_ms, len(dev)) + dev)
 
 
-def encode_free(req_id: int, page_ids: list[int], keep: bool = False, kind: int = REQ_FREE) -> bytes:
+def encode_free(req_id: int, page_ids: list[int], keep: bool = False, kind: int = REQ_FREE, standby: bool = False) -> bytes:
     if not 1 <= len(page_ids) <= MAX_FREE_IDS:
         raise ValueError(f"a {NAMES[kind]} record carries 1..{MAX_FREE_IDS} page ids, not {len(page_ids)}")
-    flags = FREE_KEEP if keep else 0
+    flags = (FREE_KEEP if keep else 0) | (FREE_STANDBY if standby else 0)
     return _frame(kind, _REQ_FREE.pack(req_id, len(page_ids), flags) + struct.pack(f"<{len(page_ids)}Q", *page_ids))
 
 
 def encode_dropped(req_id: int, page_ids: list[int]) -> bytes:
     return encode_free(req_id, page_ids, kind=REQ_DROPPED)
+
+
+def encode_use(req_id: int, page_ids: list[int]) -> bytes:
+    return encode_free(req_id, page_ids, kind=REQ_USE)
 
 
 def encode_drop(page_ids: list[int]) -> bytes:
@@ -358,7 +376,7 @@ def _decode_request(kind: int, name: str, payload: bytes, fds, fds_truncated: bo
             raise MalformedRequest(name, req, f"device_len {dev_len} but {length - _REQ_ALLOC.size} bytes of device")
         dev = payload[_REQ_ALLOC.size :].decode("utf-8", "replace")
         return AllocateReq(req, n, bool(flags & ALLOC_WAIT), bool(flags & ALLOC_NOTIFY), wait_ms, dev)
-    if kind in (REQ_FREE, REQ_DROPPED):
+    if kind in (REQ_FREE, REQ_DROPPED, REQ_USE):
         if length < _REQ_FREE.size:
             raise MalformedRequest(name, req, f"{length} payload bytes, fewer than its fixed {_REQ_FREE.size}")
         _, count, flags = _REQ_FREE.unpack_from(payload)
@@ -367,7 +385,9 @@ def _decode_request(kind: int, name: str, payload: bytes, fds, fds_truncated: bo
         if length != _REQ_FREE.size + 8 * count:
             raise MalformedRequest(name, req, f"count {count} but {length - _REQ_FREE.size} bytes of page ids")
         ids = struct.unpack_from(f"<{count}Q", payload, _REQ_FREE.size)
-        return FreeReq(req, ids, flags) if kind == REQ_FREE else DroppedReq(req, ids)
+        if kind == REQ_FREE:
+            return FreeReq(req, ids, flags)
+        return DroppedReq(req, ids) if kind == REQ_DROPPED else UseReq(req, ids)
     if kind == REQ_CLOSE:
         if length != _REQ_CLOSE.size:
             raise MalformedRequest(name, req, f"{length} payload bytes, not {_REQ_CLOSE.size}")

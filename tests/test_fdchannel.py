@@ -62,7 +62,9 @@ def as_spec(rec) -> dict:
                 "notify": rec.notify, "wait_timeout_ms": rec.wait_timeout_ms, "device": rec.device}
     if isinstance(rec, fdchannel.FreeReq):
         return {"type": "FREE", "req_id": u(rec.req_id), "count": len(rec.page_ids), "page_ids": [u(i) for i in rec.page_ids],
-                "flags": rec.flags, "keep": rec.keep}
+                "flags": rec.flags, "keep": rec.keep, "standby": rec.standby}
+    if isinstance(rec, fdchannel.UseReq):
+        return {"type": "USE", "req_id": u(rec.req_id), "count": len(rec.page_ids), "page_ids": [u(i) for i in rec.page_ids]}
     if isinstance(rec, fdchannel.DroppedReq):
         return {"type": "DROPPED", "req_id": u(rec.req_id), "count": len(rec.page_ids), "page_ids": [u(i) for i in rec.page_ids]}
     if isinstance(rec, fdchannel.Drop):
@@ -93,11 +95,11 @@ def encode(r: dict) -> bytes:
         return fdchannel.encode_goodbye()
     if t == "ALLOCATE":
         return fdchannel.encode_allocate(int(r["req_id"]), r["num_pages"], r["device"], r["wait"], r["notify"], r["wait_timeout_ms"])
-    if t in ("FREE", "DROPPED"):
-        kind = fdchannel.REQ_FREE if t == "FREE" else fdchannel.REQ_DROPPED
+    if t in ("FREE", "DROPPED", "USE"):
+        kind = {"FREE": fdchannel.REQ_FREE, "DROPPED": fdchannel.REQ_DROPPED, "USE": fdchannel.REQ_USE}[t]
         if not ids:
             return fdchannel._frame(kind, struct.pack("<QII", int(r["req_id"]), 0, 0))
-        return fdchannel.encode_free(int(r["req_id"]), ids, keep=r.get("keep", False), kind=kind)
+        return fdchannel.encode_free(int(r["req_id"]), ids, keep=r.get("keep", False), kind=kind, standby=r.get("standby", False))
     if t == "DROP":
         return fdchannel.encode_drop(ids)
     if t == "CLOSE":
@@ -124,18 +126,18 @@ def test_constants_match_the_spec():
     assert lim["max_client_record"] == fdchannel.MAX_CLIENT_RECORD
     assert int(lim["channel_alloc_bit"]) == fdchannel.CHANNEL_ALLOC_BIT
     assert SPEC["flags"]["ALLOCATE"] == {"wait": fdchannel.ALLOC_WAIT, "notify": fdchannel.ALLOC_NOTIFY}
-    assert SPEC["flags"]["FREE"] == {"keep": fdchannel.FREE_KEEP}
+    assert SPEC["flags"]["FREE"] == {"keep": fdchannel.FREE_KEEP, "standby": fdchannel.FREE_STANDBY}
     types = {"HELLO": fdchannel.HELLO, "PAGES": fdchannel.PAGES, "ERROR": fdchannel.ERROR, "GOODBYE": fdchannel.GOODBYE,
              "ADOPT": fdchannel.ADOPT, "ALLOCATE": fdchannel.REQ_ALLOCATE, "FREE": fdchannel.REQ_FREE,
              "CLOSE": fdchannel.REQ_CLOSE, "REPLY": fdchannel.REPLY, "ANSWER": fdchannel.REQ_ANSWER,
-             "DROP": fdchannel.DROP, "DROPPED": fdchannel.REQ_DROPPED}
+             "DROP": fdchannel.DROP, "DROPPED": fdchannel.REQ_DROPPED, "USE": fdchannel.REQ_USE}
     assert {n: r["type"] for n, r in RECORDS.items()} == types
     assert {types[n] for n, r in RECORDS.items() if r.get("answer_malformed")} == fdchannel.REQUESTS
     assert {v: k for k, v in types.items()} == fdchannel.NAMES
     fixed = {"HELLO": fdchannel._HELLO.size, "PAGES": fdchannel._PAGES.size, "ADOPT": fdchannel._PAGES.size,
              "ERROR": fdchannel._ERROR.size, "ALLOCATE": fdchannel._REQ_ALLOC.size, "FREE": fdchannel._REQ_FREE.size,
              "CLOSE": fdchannel._REQ_CLOSE.size, "REPLY": fdchannel._REPLY.size, "ANSWER": fdchannel._REQ_ANSWER.size,
-             "DROP": fdchannel._DROP.size, "DROPPED": fdchannel._REQ_FREE.size}
+             "DROP": fdchannel._DROP.size, "DROPPED": fdchannel._REQ_FREE.size, "USE": fdchannel._REQ_FREE.size}
     for name, size in fixed.items():
         s = RECORDS[name]["size"]
         assert s.get("exact", s.get("fixed", s.get("min"))) == size, name
@@ -178,7 +180,7 @@ def test_vector_is_the_fault_it_says(v):
 def test_every_request_type_has_both_kinds_of_fault():
     """The vectors cover, for each request type, a malformed request the
     daemon answers and one it cannot (no req_id or broken framing)."""
-    for name in ("ALLOCATE", "FREE", "CLOSE", "ANSWER", "DROPPED"):
+    for name in ("ALLOCATE", "FREE", "CLOSE", "ANSWER", "DROPPED", "USE"):
         t = RECORDS[name]["type"]
         kinds = {v["error"] for v in NEGATIVE if bytes.fromhex(v["hex"])[6:8] == t.to_bytes(2, "little")}
         assert "malformed_request" in kinds, name

@@ -377,19 +377,30 @@ class Channel:
         assert p is not None
         return alloc_id, rep.value, [p.ids[i] for i in range(p.total)], [p.fds[i] for i in range(p.total)]
 
-    def free(self, page_ids: list[int], timeout: float, keep: bool = False) -> int:
+    def free(self, page_ids: list[int], timeout: float, keep: bool = False, standby: bool = False) -> int:
         """FREE (all or nothing per record of at most MAX_FREE_IDS ids).
         Returns pages freed. `keep`: this process keeps the pages' imported
-        handles (the FREE record's keep flag)."""
+        handles (the FREE record's keep flag); `standby`: the pages stay the
+        session's, kept mapped as standby (the standby flag)."""
         n = 0
         for i in range(0, len(page_ids), fdchannel.MAX_FREE_IDS):
             chunk = page_ids[i : i + fdchannel.MAX_FREE_IDS]
-            rep = self._call("Free", lambda r: fdchannel.encode_free(r, chunk, keep), timeout)[1].reply
+            rep = self._call("Free", lambda r: fdchannel.encode_free(r, chunk, keep, standby=standby), timeout)[1].reply
             assert rep is not None
             if rep.code:
                 raise errors.from_code(rep.code, rep.message)
             n += rep.value
         return n
+
+    def send_use(self, page_ids: list[int]) -> None:
+        """USE: standby pages in use again. Not waited for (its REPLY waits
+        for no request and is dropped): the pages were the session's all
+        along, the record only corrects the daemon's books."""
+        for i in range(0, len(page_ids), fdchannel.MAX_FREE_IDS):
+            try:
+                fdchannel.send_record(self.sock, fdchannel.encode_use(next(self._req_ids), page_ids[i : i + fdchannel.MAX_FREE_IDS]))
+            except OSError:
+                return  # the channel is going; a resumed session's pages are all in use again
 
     def close_session(self, timeout: float) -> int:
         """CLOSE: the session ends; returns the pages it gave back."""

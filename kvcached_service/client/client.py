@@ -341,6 +341,28 @@ class Session:
         finally:
             self._request_ends()
 
+    def standby_ids(self, page_ids: Iterable[int]) -> int:
+        """Keep held pages as standby (still this session's, still mapped
+        here; a reclaim asks for them first): a FREE with the standby flag.
+        All or nothing, checked as a Free. Returns pages named."""
+        ids = list(page_ids)
+        if not ids:
+            raise errors.InvalidArgument("page_ids is empty: name the pages to keep as standby")
+        if not self.client.info.fd_channel_standby:
+            raise errors.FailedPrecondition(f"kvcached-serve {self.client.info.version} keeps no standby pages (GetInfo().fd_channel_standby is false)")
+        self._check_state()
+        self._request_begins()
+        try:
+            return self._on_channel(lambda ch: ch.free(ids, self.client.timeout, standby=True))
+        finally:
+            self._request_ends()
+
+    def use_ids(self, page_ids: Iterable[int]) -> None:
+        """Standby pages in use again (USE, not waited for)."""
+        ids = list(page_ids)
+        if ids and self._state == "ok":
+            self._channel.send_use(ids)
+
     def _defer(self, ids: list[int], seqs: dict[int, int]) -> int:
         """Free while the daemon is away: checked here as the daemon would
         (all or nothing), then deferred (resume.Keeper.defer)."""

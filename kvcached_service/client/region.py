@@ -6,6 +6,12 @@ longer needed. Growing a prefix is the common case, but llama.cpp keeps all
 layers' K and V tensors in one buffer and each needs its own prefix
 [0, n_kv) mapped, so a Region maps and unmaps arbitrary page-aligned ranges,
 and `map_ranges` backs several ranges with one Allocate.
+
+Standby (docs/protocol.md, "Standby pages"): `unmap(..., standby=True)`
+keeps the range's pages mapped and the session's, but not in use; mapping
+the range again takes them back with no Allocate and no driver call (a USE
+record, not waited for). A reclaim (`release_pages`) gives standby pages
+first. From the caller's view a standby range is unmapped.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class Region:
         self._slots: list[tuple[int, object] | None] = [None] * self.n_slots  # (page id, map token)
         self._lock = threading.Lock()
         self._pending: set[int] = set()  # slots whose pages are being allocated
+        self._standby: set[int] = set()  # slots whose pages are mapped but kept as standby (not in use)
         self._closed = False
 
     # ---- ranges ---------------------------------------------------------
@@ -73,14 +80,20 @@ class Region:
             self._check_open()
             want: list[int] = []
             seen: set[int] = set()  # not `i not in want`: that made a big grow quadratic (1,843 pages: ~1.7M compares)
-            slots, pending = self._slots, self._pending
+            slots, pending, standby = self._slots, self._pending, self._standby
+            back: list[int] = []  # page ids of standby slots taken back into use
             for off, length in ranges:
                 for i in self._slot_range(off, length):
-                    if slots[i] is None and i not in pending and i not in seen:
+                    if standby and i in standby:
+                        standby.discard(i)
+                        back.append(slots[i][0])  # type: ignore[index]
+                    elif slots[i] is None and i not in pending and i not in seen:
                         seen.add(i)
                         want.append(i)
+            if back:
+                self.session.use_ids(back)
             if not want:
-                return 0
+                return len(back)
             self._pending.update(want)
         try:
             resp, fds = self.session.allocate_fds(len(want), self.device.uuid, wait, wait_timeout_ms)
@@ -114,20 +127,34 @@ class Region:
                 except errors.KVCachedError:
                     pass
                 raise
-            return len(want)
+            return len(want) + len(back)
 
-    def unmap(self, offset: int, length: int) -> int:
+    def unmap(self, offset: int, length: int, *, standby: bool = False) -> int:
         """Unmap the pages of [offset, offset+length) and give them back with
         one Free. The range stays reserved. A range that runs to the region's
         end (the size it was created with, or the page-rounded size) releases
-        its last page too. Returns pages given back."""
+        its last page too. Returns pages given back. standby: keep them
+        mapped as standby instead (still the session's; mapping the range
+        again takes them back at no cost; a reclaim gives them first) on a
+        daemon that offers it (else they are given back)."""
         with self._lock:
             self._check_open()
             if length % self.page_size and offset + length not in (self.size, self.requested):
                 raise errors.InvalidArgument(f"length {length} is not a multiple of the page size {self.page_size}")
-            return self._unmap_slots(list(self._slot_range(offset, length)))
+            slots = list(self._slot_range(offset, length))
+            if standby and self.session.client.info.fd_channel_standby:
+                return self._to_standby(slots)
+            return self._unmap_slots(slots)
+
+    def _to_standby(self, slots: list[int]) -> int:
+        picked = [i for i in dict.fromkeys(slots) if self._slots[i] is not None and i not in self._standby]
+        if picked:
+            self.session.standby_ids([self._slots[i][0] for i in picked])  # type: ignore[index]
+            self._standby.update(picked)
+        return len(picked)
 
     def _unmap_slots(self, slots: list[int]) -> int:
+        self._standby.difference_update(slots)
         ids = []
         if self._mapper.unmaps_runs:
             live = []
@@ -162,39 +189,52 @@ class Region:
         """Make sure the prefix [0, nbytes) is mapped."""
         return self.map(0, nbytes, wait=wait, wait_timeout_ms=wait_timeout_ms)
 
-    def trim_to(self, nbytes: int) -> int:
-        """Give back every page past the first `nbytes` (rounded up to pages)."""
+    def trim_to(self, nbytes: int, *, standby: bool = False) -> int:
+        """Give back every page past the first `nbytes` (rounded up to pages);
+        standby: keep them mapped as standby instead (see unmap)."""
         keep = -(-nbytes // self.page_size) * self.page_size
         if keep >= self.size:
             return 0
-        return self.unmap(keep, self.size - keep)
+        return self.unmap(keep, self.size - keep, standby=standby)
 
     def release_pages(self, pages: int, keep_bytes: int = 0) -> int:
-        """Answer a reclaim request: give back up to `pages` pages from the
-        end of the mapped area, never below the first `keep_bytes`. Returns
-        pages given back."""
+        """Answer a reclaim request: give back up to `pages` pages, standby
+        ones first, then from the end of the mapped area, never below the
+        first `keep_bytes`. Returns pages given back."""
         with self._lock:
             floor = -(-keep_bytes // self.page_size)
-            slots = [i for i in range(self.n_slots - 1, floor - 1, -1) if self._slots[i] is not None][:pages]
+            slots = sorted(self._standby, reverse=True)[:pages]
+            if len(slots) < pages:
+                used = [i for i in range(self.n_slots - 1, floor - 1, -1) if self._slots[i] is not None and i not in self._standby]
+                slots += used[: pages - len(slots)]
             return self._unmap_slots(slots)
 
     # ---- inspection -----------------------------------------------------
+    def _live(self, i: int) -> bool:
+        """Slot i is mapped and in use (not standby)."""
+        return self._slots[i] is not None and i not in self._standby
+
     @property
     def mapped_pages(self) -> int:
-        return sum(1 for s in self._slots if s is not None)
+        return sum(1 for s in self._slots if s is not None) - len(self._standby)
+
+    @property
+    def standby_pages(self) -> int:
+        """Pages kept mapped as standby (not in use)."""
+        return len(self._standby)
 
     @property
     def mapped_bytes(self) -> int:
         return self.mapped_pages * self.page_size
 
     def is_mapped(self, offset: int) -> bool:
-        return self._slots[offset // self.page_size] is not None
+        return self._live(offset // self.page_size)
 
     def mapped_ranges(self) -> list[tuple[int, int]]:
         """[(offset, length)] of the mapped runs, in order."""
         out: list[tuple[int, int]] = []
         for i, s in enumerate(self._slots):
-            if s is None:
+            if s is None or i in self._standby:
                 continue
             off = i * self.page_size
             if out and out[-1][0] + out[-1][1] == off:
@@ -204,14 +244,15 @@ class Region:
         return out
 
     def page_ids(self) -> list[int]:
-        return [s[0] for s in self._slots if s is not None]
+        """Ids of the pages mapped and in use."""
+        return [s[0] for i, s in enumerate(self._slots) if s is not None and i not in self._standby]
 
     # ---- data (tests, demos; engines use the address directly) ----------
     def _check_mapped(self, offset: int, size: int) -> None:
         if offset < 0 or size < 0 or offset + size > self.size:
             raise errors.InvalidArgument(f"range [{offset}, {offset + size}) is outside the region")
         for i in range(offset // self.page_size, -(-(offset + size) // self.page_size)):
-            if self._slots[i] is None:
+            if not self._live(i):
                 raise errors.FailedPrecondition(f"byte {max(offset, i * self.page_size)} of the region is not mapped")
 
     def write(self, offset: int, data: bytes) -> None:
@@ -226,7 +267,7 @@ class Region:
         """Zero every mapped page (and only those: unmapped ranges stay unbacked)."""
         zero = bytes(self.page_size)
         for i, s in enumerate(self._slots):
-            if s is not None:
+            if s is not None and i not in self._standby:
                 self._mapper.write(self.base + i * self.page_size, zero)
 
     # ---- life cycle -----------------------------------------------------

@@ -107,7 +107,8 @@ class Rpc:
         m = self._call("GetInfo", pb.GetInfoRequest())
         devices = tuple(Device(d.uuid, d.name, d.kind, d.page_size, d.granularity, d.total_bytes, d.budget_bytes) for d in m.devices)
         return Info(m.version, m.api_version, m.fd_socket, m.fd_protocol_version, m.backend, devices,
-                    m.max_pages_per_request, m.fd_channel_requests, m.fd_channel_requests_only, m.fd_channel_keep_handles)
+                    m.max_pages_per_request, m.fd_channel_requests, m.fd_channel_requests_only, m.fd_channel_keep_handles,
+                    m.fd_channel_standby)
 
     def open_session(self, secret: bytes, name: str, guaranteed_bytes: int, max_bytes: int, priority: int,
                      labels: dict[str, str] | None) -> Opened:

@@ -35,6 +35,7 @@ class Info:
     fd_channel_requests: bool
     fd_channel_requests_only: bool
     fd_channel_keep_handles: bool = False  # FREE's keep flag is honoured (docs/protocol.md, "Kept handles")
+    fd_channel_standby: bool = False  # FREE's standby flag and USE are honoured (docs/protocol.md, "Standby pages")
 
 
 class Allocation(NamedTuple):
@@ -62,6 +63,7 @@ class PoolStats:
     unavailable_bytes: int = 0  # the configured limit the device does not have free (not in budget_bytes)
     zeroing_bytes: int = 0  # of pooled_bytes: given back, not zeroed yet (lent again once zeroed)
     pages_zeroing: int = 0
+    standby_bytes: int = 0  # of in_use_bytes: kept mapped by sessions as standby
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class SessionStats:
     held_bytes_by_device: dict
     reclaim_pending_pages: int
     reclaim_requests: int
+    standby_bytes: int = 0  # of held_bytes: kept mapped as standby (docs/protocol.md, "Standby pages")
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ log = logging.getLogger("kvcached.channel")
 # rather than after fd_send_timeout with a queue that grew all that time.
 MAX_WAITING_SENDS = 256
 _REQUEST_TYPES = {fdchannel.CloseReq: fdchannel.REQ_CLOSE, fdchannel.AnswerReq: fdchannel.REQ_ANSWER,
-                  fdchannel.DroppedReq: fdchannel.REQ_DROPPED}  # the requests _serve_request answers
+                  fdchannel.DroppedReq: fdchannel.REQ_DROPPED, fdchannel.UseReq: fdchannel.REQ_USE}  # the requests _serve_request answers
 
 
 # ---- running a handler at once ------------------------------------------------
@@ -484,12 +484,13 @@ class ChannelServer:
                 eager_start(self._serve_allocate(conn, s, req, n, bool(flags & fdchannel.ALLOC_WAIT), wait_ms,
                                                  bool(flags & fdchannel.ALLOC_NOTIFY), ""), self._tasks)
             else:
-                eager_start(self._serve_free(conn, s, rec[1], [rec[2]], rec[3] & fdchannel.FREE_KEEP), self._tasks)
+                eager_start(self._serve_free(conn, s, rec[1], [rec[2]], rec[3]), self._tasks)
             return True
         if rec is None:
             self._lost(conn, crashed=conn.session is not None)
             return False
-        if isinstance(rec, (fdchannel.AllocateReq, fdchannel.FreeReq, fdchannel.CloseReq, fdchannel.AnswerReq, fdchannel.DroppedReq)):
+        if isinstance(rec, (fdchannel.AllocateReq, fdchannel.FreeReq, fdchannel.CloseReq, fdchannel.AnswerReq, fdchannel.DroppedReq,
+                            fdchannel.UseReq)):
             if conn.session is None:
                 self._refuse_before_session(conn, rec.req_id)
             elif isinstance(rec, fdchannel.AllocateReq):
@@ -497,7 +498,7 @@ class ChannelServer:
                 eager_start(self._serve_allocate(conn, conn.session, rec.req_id, rec.num_pages, rec.wait, rec.wait_timeout_ms,
                                                  rec.notify, rec.device), self._tasks)
             elif isinstance(rec, fdchannel.FreeReq):
-                eager_start(self._serve_free(conn, conn.session, rec.req_id, list(rec.page_ids), rec.keep), self._tasks)
+                eager_start(self._serve_free(conn, conn.session, rec.req_id, list(rec.page_ids), rec.flags), self._tasks)
             else:
                 eager_start(self._serve_request(conn, conn.session, rec), self._tasks)
             return True
@@ -562,22 +563,29 @@ class ChannelServer:
             a.close()
         await self._reply(conn, fdchannel.encode_reply(req_id, 0, a.held_bytes))
 
-    async def _serve_free(self, conn: Conn, s: Session, req_id: int, page_ids: list[int], keep: bool = False) -> None:
+    async def _serve_free(self, conn: Conn, s: Session, req_id: int, page_ids: list[int], flags: int = 0) -> None:
+        """FREE: the pages go back (with keep: this session keeps their
+        handles), or with standby stay the session's as standby."""
         try:
-            freed, _ = await self.daemon.free(s, page_ids, keep)
+            if flags & fdchannel.FREE_STANDBY:
+                freed = self.daemon.standby(s, page_ids)
+            else:
+                freed, _ = await self.daemon.free(s, page_ids, bool(flags & fdchannel.FREE_KEEP))
         except Exception as exc:  # noqa: BLE001
             await self._reply_failure(conn, req_id, exc, "FREE")
             return
         await self._reply(conn, fdchannel.encode_reply(req_id, 0, freed))
 
     async def _serve_request(self, conn: Conn, s: Session, rec) -> None:
-        """CLOSE, ANSWER and DROPPED."""
+        """CLOSE, ANSWER, DROPPED and USE."""
         d = self.daemon
         try:
             if isinstance(rec, fdchannel.AnswerReq):
                 value = d.answer_reclaim(s, rec.reclaim_id, rec.bytes_given, rec.bytes_kept, rec.reason)
             elif isinstance(rec, fdchannel.DroppedReq):
                 value = d.dropped(s, list(rec.page_ids))
+            elif isinstance(rec, fdchannel.UseReq):
+                value = d.use(s, list(rec.page_ids))
             else:
                 conn.closing_req = rec.req_id
                 await d.close_session(s)

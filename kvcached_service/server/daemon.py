@@ -446,21 +446,7 @@ class Daemon:
         keep flag): the session becomes their keeper (pool/keepers.py)."""
         with _Observation(self, "Free"):
             s = self.identity.resolve(who, "Free")
-            if not page_ids:
-                raise errors.InvalidArgument("page_ids is empty: name the pages to free")
-            seen: set[int] = set()
-            busy = s.port.delivering  # pages whose PAGES still wait for room in the channel
-            pages: list[Page] = []
-            for pid in page_ids:
-                if pid in seen:
-                    raise errors.InvalidArgument(f"page {pid} appears more than once; nothing was freed")
-                seen.add(pid)
-                page = s.pages.get(pid)
-                if page is None:
-                    raise errors.NotFound(f"page {pid} is not held by session {s.id}; nothing was freed")
-                if busy and pid in busy:
-                    raise errors.FailedPrecondition(f"page {pid} is still being delivered; nothing was freed")
-                pages.append(page)
+            pages = self._held(s, page_ids)
             by_pool: dict[str, list[Page]] = {}
             for page in pages:
                 by_pool.setdefault(page.device, []).append(page)
@@ -477,6 +463,53 @@ class Daemon:
             for u, g in by_pool.items():
                 self.pools[u].give_back_now(g, keeper=s if keep else None)
             return len(pages), s
+
+    def standby(self, s: Session, page_ids: list[int]) -> int:
+        """A FREE with the standby flag: the pages stay the session's, kept
+        mapped by its client as standby (docs/protocol.md, "Standby pages");
+        all or nothing, checked as a Free. Returns pages named."""
+        with _Observation(self, "Free"):
+            pages = self._held(s, page_ids)
+            by_pool: dict[str, list[Page]] = {}
+            for page in pages:
+                by_pool.setdefault(page.device, []).append(page)
+            for uuid, group in by_pool.items():
+                self.pools[uuid].set_standby(group, True)
+            s.frees_total += 1
+            s.touch()
+            return len(pages)
+
+    def use(self, s: Session, page_ids: list[int]) -> int:
+        """USE: standby pages of the session in use again. Pages it does not
+        hold, or holds in use, are no error. Returns pages changed."""
+        if not page_ids:
+            raise errors.InvalidArgument("page_ids is empty: name the pages to use")
+        by_pool: dict[str, list[Page]] = {}
+        for pid in page_ids:
+            page = s.pages.get(pid)
+            if page is not None and page.standby:
+                by_pool.setdefault(page.device, []).append(page)
+        s.touch()
+        return sum(self.pools[u].set_standby(g, False) for u, g in by_pool.items())
+
+    def _held(self, s: Session, page_ids: list[int]) -> list[Page]:
+        """The pages a Free names, checked (all or nothing)."""
+        if not page_ids:
+            raise errors.InvalidArgument("page_ids is empty: name the pages to free")
+        seen: set[int] = set()
+        busy = s.port.delivering  # pages whose PAGES still wait for room in the channel
+        pages: list[Page] = []
+        for pid in page_ids:
+            if pid in seen:
+                raise errors.InvalidArgument(f"page {pid} appears more than once; nothing was freed")
+            seen.add(pid)
+            page = s.pages.get(pid)
+            if page is None:
+                raise errors.NotFound(f"page {pid} is not held by session {s.id}; nothing was freed")
+            if busy and pid in busy:
+                raise errors.FailedPrecondition(f"page {pid} is still being delivered; nothing was freed")
+            pages.append(page)
+        return pages
 
     def dropped(self, s: Session, page_ids: list[int]) -> int:
         """DROPPED on the session's fd channel: its client keeps no handle of

@@ -19,8 +19,9 @@ Victim policy (docs/elasticity.md has a worked example):
   1. never below a session's guarantee: only held - guaranteed is reclaimable;
   2. a requester asks sessions of its own priority or lower, unless it is
      below its own guarantee (then anyone above theirs may be asked);
-  3. order: sessions that ignored an ask before first, then lower priority
-     first, then least recently active first.
+  3. order: sessions that ignored an ask before first, then sessions keeping
+     standby pages (mapped, not in use: docs/protocol.md, "Standby pages"),
+     then lower priority first, then least recently active first.
 """
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ class Reclaimer:
             and reclaimable(s, pool, now) > 0
             and (below_guarantee or s.priority <= requester.priority)
         ]
-        out.sort(key=lambda s: (-min(s.reclaim_ignored, 1), s.priority, s.last_active))
+        # sessions keeping standby pages give those first (nothing of theirs is in use)
+        out.sort(key=lambda s: (-min(s.reclaim_ignored, 1), -min(s.standby_pages(pool.uuid), 1), s.priority, s.last_active))
         return out
 
     def request(self, pool: "DevicePool", requester: "Session", missing: int, deadline: float) -> list[tuple["Session", int]]:

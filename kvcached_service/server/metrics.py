@@ -169,6 +169,7 @@ def snapshot(daemon: "Daemon", control: Any = None) -> dict:
                 "kept": b.kept * b.page_size,
                 "drops_total": b.drops_total,
                 "drop_silent_total": b.drop_silent_total,
+                "standby": b.standby * b.page_size,
             }
         )
     by_name: dict[str, dict] = {}
@@ -300,6 +301,9 @@ class DaemonCollector:
                         "released only after the client answers DROP", "kept")
         yield dev_counter("kvcached_device_drops", "Pages the daemon asked keepers to drop (DROP) before releasing them",
                           "drops_total")
+        yield dev_gauge("kvcached_device_standby_bytes",
+                        "Bytes of pages sessions keep mapped as standby (FREE with standby; part of in_use): asked for first "
+                        "by a reclaim", "standby")
         yield dev_counter("kvcached_device_drop_silent", "Keepers that lost their session for not answering DROP in time",
                           "drop_silent_total")
 

@@ -125,6 +125,7 @@ def pool_stats(books: list[Books]) -> pb.PoolStats:
         out.unavailable_bytes += b.unavailable_bytes
         out.zeroing_bytes += b.zeroing * b.page_size
         out.pages_zeroing += b.zeroing
+        out.standby_bytes += b.standby * b.page_size
         out.pages_pooled += b.pooled
         out.pages_in_use += b.in_use
         out.pages_created_total += b.created_total
@@ -165,6 +166,7 @@ def session_stats(daemon: Daemon, s: Session) -> pb.SessionStats:
         held_bytes_by_device={u: n * daemon.pools[u].page_size for u, n in s.held_by_device.items() if n},
         reclaim_pending_pages=sum(pending_pages(s, p, time.time()) for p in daemon.pools.values()),
         reclaim_requests=s.reclaim_requests,
+        standby_bytes=sum(n * daemon.pools[u].page_size for u, n in s.standby_by_device.items()),
     )
 
 
@@ -204,6 +206,7 @@ class KVCachedService(pb_grpc.KVCachedServicer):
             fd_channel_requests=True,
             fd_channel_requests_only=d.settings.page_ops_on_channel_only,
             fd_channel_keep_handles=True,
+            fd_channel_standby=True,
         )
 
     @_rpc

@@ -116,6 +116,7 @@ class Session:
     priority: int = 0
     pages: dict[int, "Page"] = field(default_factory=dict)
     held_by_device: collections.Counter = field(default_factory=collections.Counter)
+    standby_by_device: collections.Counter = field(default_factory=collections.Counter)  # of held: kept as standby
     opened_unix: float = field(default_factory=time.time)
     last_active_unix: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)
@@ -156,6 +157,11 @@ class Session:
 
     def held_pages(self, uuid: str) -> int:
         return self.held_by_device.get(uuid, 0)
+
+    def standby_pages(self, uuid: str | None = None) -> int:
+        if uuid is None:
+            return sum(self.standby_by_device.values())
+        return self.standby_by_device.get(uuid, 0)
 
     def post(self, event) -> None:
         for q in self.watchers:

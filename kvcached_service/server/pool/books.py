@@ -94,12 +94,13 @@ class Counts:
     """The pool's page counts (see the module docstring). Plain fields: the
     request path reads them on every Allocate."""
 
-    __slots__ = ("pooled", "held", "creating", "budget_pages", "limit_pages")
+    __slots__ = ("pooled", "held", "creating", "budget_pages", "limit_pages", "standby")
 
     def __init__(self, limit_pages: int):
         self.pooled = 0  # held by no session: ready, being zeroed, being created for the warm pool
         self.held = 0  # held by sessions (orphans of a previous daemon included)
         self.creating = 0  # being created for an Allocate
+        self.standby = 0  # of held: kept mapped by their sessions as standby (FREE with standby)
         self.limit_pages = limit_pages  # the configured limit
         self.budget_pages = limit_pages  # the limit capped by supply (set_supply)
 
@@ -183,6 +184,7 @@ class Books:
     kept: int = 0
     drops_total: int = 0  # pages DROP asked keepers for
     drop_silent_total: int = 0  # keepers that lost their session for not answering
+    standby: int = 0  # of `in_use`: pages sessions keep mapped as standby
 
     @property
     def device(self) -> str:
@@ -220,6 +222,7 @@ class Books:
         """Assert the books add up (GetStats calls it on every snapshot)."""
         assert self.pooled + self.in_use + self.free == self.budget_pages, self
         assert self.free >= 0, f"budget overdrawn by {-self.free} pages"
+        assert 0 <= self.standby <= self.in_use, self
         assert 0 <= self.zeroing <= self.pooled, self
 
 

@@ -145,7 +145,7 @@ class DevicePool:
             c.created_total, c.released_total, c.allocations_total, c.allocation_failures_total,
             max(0, n.limit_pages - n.budget_pages), len(self.zeroer),
             z.pages_total, z.batches_total, z.failures_total, z.waits_total, z.wait_seconds_total,
-            len(self.keepers), self.keepers.counters.drops_total, self.keepers.counters.silent_total,
+            len(self.keepers), self.keepers.counters.drops_total, self.keepers.counters.silent_total, n.standby,
         )
 
     # ---- supply: what the device really has ---------------------------
@@ -492,6 +492,8 @@ class DevicePool:
             return
         if keeper is not None:
             self.keepers.keep(keeper, pages)
+        if self.counts.standby:
+            self.set_standby(pages, False)
         for page in pages:
             page.state = PageState.ZEROING
             page.session = None
@@ -507,6 +509,18 @@ class DevicePool:
         ids = set(map(id, dirty))
         self._pooled_now([p for p in pages if id(p.handle) not in ids])
         self.zeroer.add([p for p in pages if id(p.handle) in ids])
+
+    def set_standby(self, pages: list[Page], on: bool) -> int:
+        """Held pages their session keeps mapped as standby (on), or uses
+        again (off): still the session's either way. Returns pages changed."""
+        n = 0
+        for page in pages:
+            if page.standby != on and page.session is not None:
+                page.standby = on
+                page.session.standby_by_device[self.uuid] += 1 if on else -1
+                n += 1
+        self.counts.standby += n if on else -n
+        return n
 
     async def give_back(self, pages: list[Page]) -> None:
         """give_back_now, then wait until nothing waits for zeroing."""

@@ -41,6 +41,7 @@ class Page:
     pooled_at: float = 0.0
     ident: str = ""  # backend identity, recorded in the journal
     keepers: "set[Session] | None" = None  # sessions keeping an imported handle of it (pool.keepers)
+    standby: bool = False  # HELD, but kept mapped by its session as standby (not in use by its engine)
 
 
 class ReadyPages:
