@@ -87,6 +87,9 @@ func TestMain(m *testing.M) {
 	if os.Getenv(helperEnv) != "" {
 		os.Exit(helperMain())
 	}
+	if os.Getenv(keptRollbackEnv) != "" {
+		os.Exit(keptRollbackMain())
+	}
 	// The CUDA driver is loaded once per process, so its environment is
 	// fixed here for every test (and inherited by helper processes).
 	if drv, err := testDriver(); err == nil {

@@ -2,10 +2,17 @@ package kvcached
 
 import (
 	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -210,4 +217,120 @@ func TestKeepLimitFromEnv(t *testing.T) {
 			}
 		})
 	}
+}
+
+// keptRollbackEnv makes the test binary run keptRollbackMain (a process of
+// its own: the test driver's failure injection counts calls from load).
+const keptRollbackEnv = "KVCACHED_GO_TEST_KEPT_ROLLBACK"
+
+// A map that fails part way is all or nothing with kept handles too: the
+// handles it imported to keep are released and not kept, the kept ones
+// given in stay. Run in a child process whose fourth cuMemMap fails
+// (KVCACHED_TESTDRV_FAIL); its test driver's leak report at exit must show
+// nothing left and as many releases as imports.
+func TestKeptHandleCacheMapFailure(t *testing.T) {
+	d, _ := connect(t, "cuda")
+	report := filepath.Join(t.TempDir(), "report.json")
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(append([]string{}, d.Env...), keptRollbackEnv+"=1", EnvOllamaSocket+"="+d.Socket,
+		"KVCACHED_TESTDRV_FAIL=cuMemMap:4", "KVCACHED_TESTDRV_REPORT="+report)
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "OK") {
+		t.Fatalf("child: %v\n%s", err, out)
+	}
+	data, err := os.ReadFile(report)
+	if err != nil {
+		t.Fatalf("the child's leak report: %v\n%s", err, out)
+	}
+	var rep struct {
+		Leaks int               `json:"leaks"`
+		Calls map[string]uint64 `json:"calls"`
+	}
+	if err := json.Unmarshal(data, &rep); err != nil {
+		t.Fatal(err)
+	}
+	if rep.Leaks != 0 || rep.Calls["cuMemImportFromShareableHandle"] != 5 || rep.Calls["cuMemRelease"] != 5 {
+		t.Fatalf("the child's driver: %d leaks, calls %v; want none, 5 imports and 5 releases\n%s", rep.Leaks, rep.Calls, data)
+	}
+}
+
+// keptRollbackMain is the child of TestKeptHandleCacheMapFailure.
+func keptRollbackMain() int {
+	fail := func(format string, a ...any) int {
+		fmt.Printf("ERROR "+format+"\n", a...)
+		return 1
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	c, err := FromEnv(ctx)
+	if err != nil {
+		return fail("%v", err)
+	}
+	defer c.Close()
+	s, err := c.OpenSession(ctx, "go-kept-rollback")
+	if err != nil {
+		return fail("%v", err)
+	}
+	defer s.Close(ctx)
+	dev := s.Info().Devices[0]
+	ps := dev.PageSize
+	a, err := s.Allocate(ctx, 3)
+	if err != nil {
+		return fail("%v", err)
+	}
+	defer a.Close()
+	k := newKeptHandles(true, 8, nil)
+	mm, err := newCUDAMapper(dev, k)
+	if err != nil {
+		return fail("%v", err)
+	}
+	defer mm.close()
+	base, err := mm.reserve(3 * ps)
+	if err != nil {
+		return fail("%v", err)
+	}
+	defer mm.release(base, 3*ps)
+	run := func(idx ...int) pageRun {
+		r := pageRun{}
+		for _, i := range idx {
+			fd, err := unix.FcntlInt(a.Pages[i].File.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+			if err != nil {
+				panic(err)
+			}
+			r.files = append(r.files, os.NewFile(uintptr(fd), "page"))
+			r.ids = append(r.ids, a.Pages[i].ID)
+		}
+		return r
+	}
+	// Page 0 kept by a first map (cuMemMap 1), unmapped.
+	if err := mm.mapRun(base, run(0), ps); err != nil {
+		return fail("first map: %v", err)
+	}
+	if err := mm.unmapPage(base, ps); err != nil {
+		return fail("%v", err)
+	}
+	// Pages 0 (kept: cuMemMap 2), 1 (imported to keep: 3) and 2 (4
+	// fails): 1's new handle is released, 0's stays kept.
+	var ce *Error
+	if err := mm.mapRun(base, run(0, 1, 2), ps); !errors.As(err, &ce) || !errors.Is(err, ErrMapping) {
+		return fail("the map with cuMemMap 4 failing: %v", err)
+	}
+	if k.count() != 1 || !k.Keeps(a.IDs()[:1]) {
+		return fail("after the failed map %d kept; want page 0's only", k.count())
+	}
+	// Again: every page mapped, 1 and 2 imported and kept.
+	if err := mm.mapRun(base, run(0, 1, 2), ps); err != nil {
+		return fail("the map again: %v", err)
+	}
+	if k.count() != 3 {
+		return fail("%d kept, want 3", k.count())
+	}
+	for i := 0; i < 3; i++ {
+		if err := mm.unmapPage(base+uintptr(uint64(i)*ps), ps); err != nil {
+			return fail("%v", err)
+		}
+	}
+	k.Reset(0, true)
+	fmt.Println("OK")
+	return 0
 }

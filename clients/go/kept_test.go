@@ -6,6 +6,8 @@ import (
 	"slices"
 	"testing"
 	"time"
+
+	pb "github.com/kvcached/kvcached-service/clients/go/internal/kvcachedpb"
 )
 
 // Kept handles against a real daemon on the CUDA test driver
@@ -28,11 +30,16 @@ func regionPageIDs(r *Region) []uint64 {
 }
 
 func TestKeptHandlesAgainstDaemon(t *testing.T) {
-	sharedDaemon(t, "cuda")
+	// A daemon of its own: no pages of earlier tests in its pool.
+	d := sharedDaemonWith(t, "cuda-kept", "cuda")
 	checkGoroutines(t)
-	d, c := connect(t, "cuda")
 	d.LogOnFailure(t)
 	ctx := testCtx(t)
+	c, err := Dial(ctx, d.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
 	s, err := c.OpenSession(ctx, "go-kept")
 	if err != nil {
 		t.Fatal(err)
@@ -68,6 +75,16 @@ func TestKeptHandlesAgainstDaemon(t *testing.T) {
 	if err != nil || own.PagesHeld != 0 {
 		t.Fatalf("after Unmap the daemon says %d pages held (%v)", own.PagesHeld, err)
 	}
+	// Once zeroed, the uid's most recent pages are the first it gets back
+	// (while they are being zeroed an Allocate takes ready pages instead).
+	waitFor(t, 10*time.Second, "the freed pages zeroed", func() (bool, string) {
+		st, err := c.rpc.GetStats(ctx, &pb.GetStatsRequest{})
+		if err != nil {
+			return false, err.Error()
+		}
+		z := st.GetTotal().GetPagesZeroing()
+		return z == 0, fmt.Sprintf("%d pages being zeroed", z)
+	})
 
 	before := driverCalls(t)
 	if err := r.Map(ctx, 0, n*ps); err != nil {
