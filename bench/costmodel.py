@@ -175,7 +175,10 @@ def predict(cuda: dict, host: dict, table: dict, run_cost: str | None = None, se
     empty = {"calls": {}, "bytes": {}}
     if "allocate64" in cuda and "allocate64" in host:
         c, h = cuda["allocate64"], host["allocate64"]
-        for key, label in (("daemon_warm", "warm pool"), ("daemon_cold", "cold (pages created)")):
+        for key, label in (("daemon_warm", "warm pool"), ("daemon_cold", "cold (pages created)"),
+                           ("daemon_standby", "re-grow from standby")):
+            if key not in c or key not in h:
+                continue
             path, every = _calls(c[key]), _calls(c[key], "all")
             if not path:
                 continue

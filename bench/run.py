@@ -64,7 +64,10 @@ def figures(res: dict) -> list[dict]:
         s = sc["allocate64"]
         b = s["baseline_inproc_create_map"]
         bw = "in-process create+map of 64 pages"
-        for key, label in (("daemon_warm", "warm pool"), ("daemon_cold", "cold (pages created)")):
+        for key, label in (("daemon_warm", "warm pool"), ("daemon_cold", "cold (pages created)"),
+                           ("daemon_standby", "re-grow from standby")):
+            if key not in s:  # a tree before standby pages (--tree)
+                continue
             for p in ("p50", "p99"):
                 rows.append(_row("1 Allocate 64 pages", f"{label} {p}", s[key][f"{p}_us"], b[f"{p}_us"], "us", "lower", bw))
     if "roundtrip" in sc:

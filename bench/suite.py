@@ -103,6 +103,9 @@ def s1_allocate64(c: Ctx) -> dict:
             for _ in range(iters):
                 # counting: the daemon's work queued by the last Free (zeroing)
                 # is done first, so the window holds what this Allocate waits for
+                # (and the Allocate finds the pages it freed ready, not fresh
+                # warm ones: a long zeroing call looks quiet to settle())
+                common_wait_zeroed(s)
                 CALLS.settle(d.pid)
                 b = CALLS.snap(pids)
                 t0 = time.perf_counter()
@@ -112,11 +115,26 @@ def s1_allocate64(c: Ctx) -> dict:
                 region.unmap(0, size)
             CALLS.settle(d.pid)
             every = CALLS.since(every, pids)
+            # re-grow from standby: the same 64 pages kept mapped as standby
+            # (docs/protocol.md, "Standby pages"), mapped again (a USE record)
+            region.map(0, size)
+            lat_sb = []
+            path_sb: dict = {}
+            for _ in range(iters):
+                region.unmap(0, size, standby=True)
+                CALLS.settle(d.pid)
+                b = CALLS.snap(pids)
+                t0 = time.perf_counter()
+                region.map(0, size)
+                lat_sb.append(time.perf_counter() - t0)
+                drivercalls.add(path_sb, CALLS.since(b, pids))
             region.close()
         out["daemon_warm"] = summary_us(lat)
+        out["daemon_standby"] = summary_us(lat_sb)
         if CALLS.dir:
             out["daemon_warm"]["driver_calls"] = {"path": drivercalls.split(path, d.pid, iters),
                                                   "all": drivercalls.split(every, d.pid, iters)}
+            out["daemon_standby"]["driver_calls"] = {"path": drivercalls.split(path_sb, d.pid, iters)}
 
     # cold: no warm pages, pool trimmed at once: every Allocate creates its pages
     hold = 4
@@ -144,6 +162,16 @@ def s1_allocate64(c: Ctx) -> dict:
         if CALLS.dir:
             out["daemon_cold"]["driver_calls"] = {"path": drivercalls.split(path, d.pid, len(lat))}
     return out
+
+
+def common_wait_zeroed(session, timeout: float = 10.0) -> None:
+    """Wait until the daemon zeroed every page given back."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if session.stats().total.pages_zeroing == 0:
+            return
+        time.sleep(0.002)
+    raise RuntimeError("the daemon did not finish zeroing the pages given back")
 
 
 def common_wait_pool_empty(session, timeout: float = 5.0) -> None:
