@@ -47,6 +47,7 @@ const (
 	// Kept handles (docs/protocol.md, "Kept handles").
 	TypeDrop    = 11 // daemon to client: release your kept handles of these pages
 	TypeDropped = 12 // client to daemon: it keeps no handle of these pages any more
+	TypeUse     = 13 // client to daemon: standby pages in use again ("Standby pages")
 
 	// AllocBit is set in the allocation id of the PAGES records that answer
 	// an ALLOCATE record: allocation_id = req_id | AllocBit, so they never
@@ -62,11 +63,15 @@ const (
 	// of every page it names (only to a daemon whose
 	// GetInfo().fd_channel_keep_handles is true).
 	FreeKeep = 1
+	// FreeStandby is FREE's flag standby: the pages stay the session's,
+	// mapped, as standby (only where GetInfo().fd_channel_standby; this
+	// client does not send it yet).
+	FreeStandby = 2
 
 	helloSize   = 56
 	pagesFixed  = 24
 	allocFixed  = 24
-	freeFixed   = 16 // FREE and DROPPED
+	freeFixed   = 16 // FREE, DROPPED and USE
 	dropFixed   = 8
 	closeSize   = 8
 	replyFixed  = 24
@@ -86,8 +91,8 @@ func protoErr(format string, a ...any) error {
 }
 
 // Record is one of Hello, Pages, Error, Goodbye, Reply, Drop (daemon to
-// client) or Adopt, AllocateReq, FreeReq, CloseReq, AnswerReq, DroppedReq
-// (client to daemon).
+// client) or Adopt, AllocateReq, FreeReq, CloseReq, AnswerReq, DroppedReq,
+// UseReq (client to daemon).
 type Record interface{ recordType() uint16 }
 
 // Hello is the first record on a channel.
@@ -149,9 +154,21 @@ type FreeReq struct {
 	// (flags bit 0). Decode sets it from Flags; Encode sets the bit when
 	// Keep is true.
 	Keep bool
+	// Standby: the pages stay the session's, as standby (flags bit 1),
+	// set by Decode; Encode sets the bit when it is true.
+	Standby bool
 	// Flags is the raw flags field as decoded (other bits are ignored);
-	// Encode writes it, with FreeKeep added when Keep is set.
+	// Encode writes it, with FreeKeep and FreeStandby added when Keep and
+	// Standby are set.
 	Flags uint32
+}
+
+// UseReq: standby pages of the session in use again (docs/protocol.md,
+// "Standby pages"). Same layout as DroppedReq. Codec only: this client
+// does not send it yet.
+type UseReq struct {
+	ReqID   uint64
+	PageIDs []uint64
 }
 
 // DroppedReq: the session keeps no handle of these pages any more (the
@@ -204,6 +221,7 @@ func (FreeReq) recordType() uint16     { return TypeFree }
 func (CloseReq) recordType() uint16    { return TypeClose }
 func (AnswerReq) recordType() uint16   { return TypeAnswer }
 func (DroppedReq) recordType() uint16  { return TypeDropped }
+func (UseReq) recordType() uint16      { return TypeUse }
 func (Reply) recordType() uint16       { return TypeReply }
 func (Drop) recordType() uint16        { return TypeDrop }
 
@@ -264,9 +282,14 @@ func Encode(r Record) []byte {
 		if r.Keep {
 			flags |= FreeKeep
 		}
+		if r.Standby {
+			flags |= FreeStandby
+		}
 		return frame(TypeFree, encodeIDs(r.ReqID, flags, r.PageIDs, "FREE"))
 	case DroppedReq:
 		return frame(TypeDropped, encodeIDs(r.ReqID, 0, r.PageIDs, "DROPPED"))
+	case UseReq:
+		return frame(TypeUse, encodeIDs(r.ReqID, 0, r.PageIDs, "USE"))
 	case Drop:
 		if len(r.PageIDs) > MaxFreeIDs {
 			panic(fmt.Sprintf("fdchan: DROP of %d page ids, at most %d", len(r.PageIDs), MaxFreeIDs))
@@ -300,8 +323,8 @@ func Encode(r Record) []byte {
 	panic(fmt.Sprintf("fdchan: unknown record %T", r))
 }
 
-// encodeIDs is the payload of FREE and DROPPED: req_id, count, flags
-// (DROPPED: reserved, 0), page ids.
+// encodeIDs is the payload of FREE, DROPPED and USE: req_id, count, flags
+// (DROPPED, USE: reserved, 0), page ids.
 func encodeIDs(req uint64, flags uint32, ids []uint64, name string) []byte {
 	if len(ids) > MaxFreeIDs {
 		panic(fmt.Sprintf("fdchan: %s of %d page ids, at most %d", name, len(ids), MaxFreeIDs))
@@ -329,13 +352,13 @@ func encodePages(first uint64, index, total uint32, ids []uint64) []byte {
 }
 
 // MalformedRequest is the error for a request record (ALLOCATE, FREE,
-// CLOSE, ANSWER, DROPPED) whose framing is sound and whose ReqID can be read but
+// CLOSE, ANSWER, DROPPED, USE) whose framing is sound and whose ReqID can be read but
 // which breaks its type's own rules (the spec's on_malformed_request: the
 // daemon answers it with REPLY INVALID_ARGUMENT and Error() as the
 // message). It matches ErrProtocol with errors.Is: a client never receives
 // requests, so for a client it is a protocol error like any other.
 type MalformedRequest struct {
-	Kind  string // "ALLOCATE", "FREE", "CLOSE", "ANSWER", "DROPPED"
+	Kind  string // "ALLOCATE", "FREE", "CLOSE", "ANSWER", "DROPPED", "USE"
 	ReqID uint64
 	Fault string
 }
@@ -352,7 +375,7 @@ func malformed(kind string, req uint64, format string, a ...any) error {
 var typeNames = map[uint16]string{
 	TypeHello: "HELLO", TypePages: "PAGES", TypeError: "ERROR", TypeGoodbye: "GOODBYE", TypeAdopt: "ADOPT",
 	TypeAllocate: "ALLOCATE", TypeFree: "FREE", TypeClose: "CLOSE", TypeReply: "REPLY", TypeAnswer: "ANSWER",
-	TypeDrop: "DROP", TypeDropped: "DROPPED",
+	TypeDrop: "DROP", TypeDropped: "DROPPED", TypeUse: "USE",
 }
 
 // text decodes a message or reason: invalid UTF-8 is replaced, not an error.
@@ -388,7 +411,7 @@ func Decode(data []byte, nfds int) (Record, error) {
 		return nil, protoErr("unknown record type %d", typ)
 	}
 	switch typ {
-	case TypeAllocate, TypeFree, TypeClose, TypeAnswer, TypeDropped:
+	case TypeAllocate, TypeFree, TypeClose, TypeAnswer, TypeDropped, TypeUse:
 		return decodeRequest(typ, name, p, nfds)
 	case TypeDrop:
 		if len(p) < dropFixed {
@@ -489,7 +512,7 @@ func decodeRequest(typ uint16, name string, p []byte, nfds int) (Record, error) 
 			Wait: flags&AllocWait != 0, Notify: flags&AllocNotify != 0,
 			WaitTimeoutMs: binary.LittleEndian.Uint32(p[16:]), Device: text(p[allocFixed:]),
 		}, nil
-	case TypeFree, TypeDropped:
+	case TypeFree, TypeDropped, TypeUse:
 		if len(p) < freeFixed {
 			return nil, malformed(name, req, "%d payload bytes, fewer than its fixed %d", len(p), freeFixed)
 		}
@@ -504,11 +527,14 @@ func decodeRequest(typ uint16, name string, p []byte, nfds int) (Record, error) 
 		for i := range ids {
 			ids[i] = binary.LittleEndian.Uint64(p[freeFixed+8*i:])
 		}
-		if typ == TypeDropped {
+		switch typ {
+		case TypeDropped:
 			return DroppedReq{ReqID: req, PageIDs: ids}, nil
+		case TypeUse:
+			return UseReq{ReqID: req, PageIDs: ids}, nil
 		}
 		flags := binary.LittleEndian.Uint32(p[12:])
-		return FreeReq{ReqID: req, PageIDs: ids, Keep: flags&FreeKeep != 0, Flags: flags}, nil
+		return FreeReq{ReqID: req, PageIDs: ids, Keep: flags&FreeKeep != 0, Standby: flags&FreeStandby != 0, Flags: flags}, nil
 	case TypeClose:
 		if len(p) != closeSize {
 			return nil, malformed(name, req, "%d payload bytes, not %d", len(p), closeSize)
@@ -585,7 +611,7 @@ func (c *Conn) Recv() (Record, error) {
 	case Pages:
 		p.FDs = fds
 		return p, nil
-	case Adopt, AllocateReq, FreeReq, CloseReq, AnswerReq, DroppedReq:
+	case Adopt, AllocateReq, FreeReq, CloseReq, AnswerReq, DroppedReq, UseReq:
 		closeAll(fds)
 		return nil, protoErr("%T record from the daemon (only clients send it)", r)
 	}
@@ -622,6 +648,9 @@ func (c *Conn) send(ctx context.Context, r Record, fds []int, deadline time.Time
 	}
 	if d, ok := r.(DroppedReq); ok && (len(d.PageIDs) == 0 || len(d.PageIDs) > MaxFreeIDs) {
 		return fmt.Errorf("fdchan: a DROPPED record carries 1..%d page ids, not %d", MaxFreeIDs, len(d.PageIDs))
+	}
+	if u, ok := r.(UseReq); ok && (len(u.PageIDs) == 0 || len(u.PageIDs) > MaxFreeIDs) {
+		return fmt.Errorf("fdchan: a USE record carries 1..%d page ids, not %d", MaxFreeIDs, len(u.PageIDs))
 	}
 	if a, ok := r.(AnswerReq); ok && len(a.Reason) > MaxReason {
 		return fmt.Errorf("fdchan: an ANSWER's reason is at most %d bytes, not %d", MaxReason, len(a.Reason))

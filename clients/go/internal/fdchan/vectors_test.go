@@ -93,9 +93,11 @@ func asVector(r Record) map[string]any {
 	case AllocateReq:
 		m = map[string]any{"type": "ALLOCATE", "req_id": u(r.ReqID), "num_pages": r.NumPages, "wait": r.Wait, "notify": r.Notify, "wait_timeout_ms": r.WaitTimeoutMs, "device": r.Device}
 	case FreeReq:
-		m = map[string]any{"type": "FREE", "req_id": u(r.ReqID), "count": len(r.PageIDs), "page_ids": u64s(r.PageIDs), "flags": r.Flags, "keep": r.Keep}
+		m = map[string]any{"type": "FREE", "req_id": u(r.ReqID), "count": len(r.PageIDs), "page_ids": u64s(r.PageIDs), "flags": r.Flags, "keep": r.Keep, "standby": r.Standby}
 	case DroppedReq:
 		m = map[string]any{"type": "DROPPED", "req_id": u(r.ReqID), "count": len(r.PageIDs), "page_ids": u64s(r.PageIDs)}
+	case UseReq:
+		m = map[string]any{"type": "USE", "req_id": u(r.ReqID), "count": len(r.PageIDs), "page_ids": u64s(r.PageIDs)}
 	case Drop:
 		m = map[string]any{"type": "DROP", "count": len(r.PageIDs), "page_ids": u64s(r.PageIDs)}
 	case CloseReq:
