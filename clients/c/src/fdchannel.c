@@ -200,6 +200,12 @@ size_t kvc_fd_encode_dropped(uint8_t *buf, size_t cap, uint64_t req_id, const ui
     return encode_ids(buf, cap, KVC_FD_DROPPED, req_id, page_ids, count, 0);
 }
 
+size_t kvc_fd_encode_use(uint8_t *buf, size_t cap, uint64_t req_id, const uint64_t *page_ids,
+                         uint32_t count)
+{
+    return encode_ids(buf, cap, KVC_FD_USE, req_id, page_ids, count, 0);
+}
+
 size_t kvc_fd_encode_drop(uint8_t *buf, size_t cap, const uint64_t *page_ids, uint32_t count)
 {
     if (!buf || !page_ids || count == 0 || count > KVC_FD_MAX_FREE_IDS)
@@ -259,6 +265,7 @@ static const char *type_name(uint16_t type)
     case KVC_FD_CLOSE: return "CLOSE";
     case KVC_FD_ANSWER: return "ANSWER";
     case KVC_FD_DROPPED: return "DROPPED";
+    case KVC_FD_USE: return "USE";
     default: return "?";
     }
 }
@@ -266,7 +273,7 @@ static const char *type_name(uint16_t type)
 static int is_request(uint16_t type)
 {
     return type == KVC_FD_ALLOCATE || type == KVC_FD_FREE || type == KVC_FD_CLOSE ||
-           type == KVC_FD_ANSWER || type == KVC_FD_DROPPED;
+           type == KVC_FD_ANSWER || type == KVC_FD_DROPPED || type == KVC_FD_USE;
 }
 
 /* Types only clients send (a client receiving one: a protocol error). */
@@ -315,7 +322,8 @@ static kvc_status decode_request(uint16_t type, const uint8_t *p, uint32_t plen,
         return KVC_OK;
     }
     case KVC_FD_FREE:
-    case KVC_FD_DROPPED: {
+    case KVC_FD_DROPPED:
+    case KVC_FD_USE: {
         if (plen < KVC_FD_FREE_FIXED)
             MALFORMED("%u payload bytes, fewer than its fixed %u", plen, KVC_FD_FREE_FIXED);
         uint32_t count = get32(p + 8);

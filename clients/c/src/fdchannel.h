@@ -53,6 +53,9 @@ extern "C" {
 /* FREE flags: the sender keeps the imported handle of every page it names
  * (docs/protocol.md "Kept handles"); other bits written 0, ignored. */
 #define KVC_FD_FREE_KEEP 1u
+/* FREE flags: the pages stay the sender's, mapped, as standby
+ * (docs/protocol.md "Standby pages"; codec only, the library sends none). */
+#define KVC_FD_FREE_STANDBY 2u
 
 enum {
     KVC_FD_HELLO = 1,
@@ -68,7 +71,8 @@ enum {
     KVC_FD_ANSWER = 10, /* client to daemon: the answer to a reclaim request */
     /* Kept handles (docs/protocol.md "Kept handles"). */
     KVC_FD_DROP = 11,   /* daemon to client: release your kept handles of these pages */
-    KVC_FD_DROPPED = 12 /* client to daemon: it keeps no handle of these pages (a request) */
+    KVC_FD_DROPPED = 12, /* client to daemon: it keeps no handle of these pages (a request) */
+    KVC_FD_USE = 13      /* client to daemon: standby pages in use again (a request) */
 };
 
 typedef struct kvc_fd_record {
@@ -95,7 +99,7 @@ typedef struct kvc_fd_record {
      * KVC_FD_FREE_KEEP) and the ids' bytes (free_ids: 8 * count
      * little-endian bytes inside the decoded buffer, valid while it is;
      * for kvc_fd_recv that buffer is `raw` below). DROPPED: count and
-     * free_ids as FREE. ANSWER: reclaim_id, bytes_given, bytes_kept,
+     * free_ids as FREE; USE the same. ANSWER: reclaim_id, bytes_given, bytes_kept,
      * reason (as sent, NUL-terminated).
      * DROP (daemon to client): count (1..KVC_FD_MAX_FREE_IDS) and free_ids. */
     uint32_t num_pages, flags, wait_timeout_ms;
@@ -114,7 +118,7 @@ typedef struct kvc_fd_record {
  * them). Returns KVC_OK or KVC_ERR_PROTOCOL with `err` saying why: every
  * malformed record is a protocol error for a client, and so is any record
  * of a type only clients send (ADOPT, ALLOCATE, FREE, CLOSE, ANSWER,
- * DROPPED), well formed or not (clients never receive requests). */
+ * DROPPED, USE), well formed or not (clients never receive requests). */
 kvc_status kvc_fd_decode(const uint8_t *buf, size_t len, const int *fds, size_t num_fds,
                          kvc_fd_record *out, char *err, size_t err_len);
 
@@ -160,9 +164,12 @@ size_t kvc_fd_encode_free_flags(uint8_t *buf, size_t cap, uint64_t req_id, const
 /* DROPPED: FREE's layout (reserved written 0), 0..KVC_FD_MAX_FREE_IDS ids. */
 size_t kvc_fd_encode_dropped(uint8_t *buf, size_t cap, uint64_t req_id, const uint64_t *page_ids,
                              uint32_t count);
+/* USE: FREE's layout (reserved written 0), 0..KVC_FD_MAX_FREE_IDS ids. */
+size_t kvc_fd_encode_use(uint8_t *buf, size_t cap, uint64_t req_id, const uint64_t *page_ids,
+                         uint32_t count);
 /* DROP (daemon to client; tests and fake daemons): 1..KVC_FD_MAX_FREE_IDS ids. */
 size_t kvc_fd_encode_drop(uint8_t *buf, size_t cap, const uint64_t *page_ids, uint32_t count);
-/* The i-th page id of a decoded FREE, DROPPED or DROP (free_ids). */
+/* The i-th page id of a decoded FREE, DROPPED, USE or DROP (free_ids). */
 uint64_t kvc_fd_record_id(const kvc_fd_record *rec, uint32_t i);
 size_t kvc_fd_encode_close(uint8_t *buf, size_t cap, uint64_t req_id);
 /* ANSWER: the session's answer to the RECLAIM event `reclaim_id` (the

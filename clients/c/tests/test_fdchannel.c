@@ -635,8 +635,8 @@ static const char *rec_type_name(uint16_t t)
 {
     static const char *names[] = {"?",    "HELLO", "PAGES", "ERROR", "GOODBYE", "ADOPT",
                                   "ALLOCATE", "FREE", "CLOSE", "REPLY", "ANSWER", "DROP",
-                                  "DROPPED"};
-    return t <= 12 ? names[t] : "?";
+                                  "DROPPED", "USE"};
+    return t <= 13 ? names[t] : "?";
 }
 
 static int vec_failures;
@@ -692,6 +692,9 @@ static void check_record_fields(const char *name, const jv *want, const kvc_fd_r
         } else if (!strcmp(k, "keep")) {
             VCHECK(name, r->type == KVC_FD_FREE);
             VCHECK(name, !!(r->flags & KVC_FD_FREE_KEEP) == v->b);
+        } else if (!strcmp(k, "standby")) {
+            VCHECK(name, r->type == KVC_FD_FREE);
+            VCHECK(name, !!(r->flags & KVC_FD_FREE_STANDBY) == v->b);
         } else if (!strcmp(k, "wait")) {
             VCHECK(name, !!(r->flags & KVC_FD_ALLOC_WAIT) == v->b);
         } else if (!strcmp(k, "notify")) {
@@ -707,7 +710,7 @@ static void check_record_fields(const char *name, const jv *want, const kvc_fd_r
         } else if (!strcmp(k, "page_ids")) {
             VCHECK(name, v->t == J_ARR);
             const int by_bytes = r->type == KVC_FD_FREE || r->type == KVC_FD_DROPPED ||
-                                 r->type == KVC_FD_DROP;
+                                 r->type == KVC_FD_USE || r->type == KVC_FD_DROP;
             VCHECK(name, !by_bytes || v->n == r->count);
             for (size_t j = 0; j < v->n; j++) {
                 uint64_t id = by_bytes ? kvc_fd_record_id(r, (uint32_t)j) : r->page_ids[j];
@@ -751,12 +754,15 @@ static size_t reencode(const kvc_fd_record *r, uint8_t *buf, size_t cap)
                                       r->wait_timeout_ms, r->device);
     case KVC_FD_FREE:
     case KVC_FD_DROPPED:
+    case KVC_FD_USE:
     case KVC_FD_DROP: {
         static uint64_t ids[KVC_FD_MAX_FREE_IDS];
         for (uint32_t j = 0; j < r->count; j++)
             ids[j] = kvc_fd_record_id(r, j);
         if (r->type == KVC_FD_DROP)
             return kvc_fd_encode_drop(buf, cap, ids, r->count);
+        if (r->type == KVC_FD_USE)
+            return kvc_fd_encode_use(buf, cap, r->req_id, r->count ? ids : NULL, r->count);
         if (r->type == KVC_FD_DROPPED)
             return kvc_fd_encode_dropped(buf, cap, r->req_id, r->count ? ids : NULL, r->count);
         if (r->flags == 0) /* the plain encoder, as before flags */
