@@ -115,8 +115,8 @@ func TestKeptHandlesAgainstDaemon(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The session's end released every handle: as many releases as imports.
-	if s.kept.count() != 0 {
-		t.Fatalf("%d handles kept after Close", s.kept.count())
+	if s.KeptHandles() != 0 {
+		t.Fatalf("%d handles kept after Close", s.KeptHandles())
 	}
 	if dd := callDelta(driverCalls(t), start); dd["cuMemImportFromShareableHandle"] != n || dd["cuMemRelease"] != n {
 		t.Fatalf("the whole session: calls %v; want %d imports and %d releases", dd, n, n)

@@ -328,6 +328,12 @@ func (s *Session) AnswerReclaim(ctx context.Context, id, bytesGiven, bytesKept u
 	return s.m.Answer(ctx, fdchan.AnswerReq{ReclaimID: id, BytesGiven: bytesGiven, BytesKept: bytesKept, Reason: reason})
 }
 
+// KeptHandles is how many imported CUDA page handles the session keeps for
+// pages it freed or holds (README.md, "Kept handles (CUDA)"); 0 where the
+// daemon does not offer it, with KVCACHED_KEEP_HANDLES=0, on host devices,
+// and once the session has ended.
+func (s *Session) KeptHandles() int { return s.kept.count() }
+
 // Resumable reports whether the session survives a daemon restart (the
 // daemon keeps a journal: kvcached-serve --state-dir). See
 // docs/reliability.md, "Daemon restart with clients alive", and
