@@ -65,6 +65,7 @@ SECRET_SIZE = 32
 MAX_CLIENT_RECORD = HEADER_SIZE + 16 + 8 * MAX_FREE_IDS
 MAX_RECORD = HEADER_SIZE + 4096 + 64
 MAX_MESSAGE = 4000  # bytes of an ERROR or REPLY message the daemon sends (cut there)
+MAX_DROP_IDS = (MAX_RECORD - HEADER_SIZE - 8) // 8  # 519: page ids in one DROP (the record fits MAX_RECORD)
 MAX_REASON = 1024  # bytes of an ANSWER's reason
 
 
@@ -260,8 +261,8 @@ def encode_use(req_id: int, page_ids: list[int]) -> bytes:
 
 
 def encode_drop(page_ids: list[int]) -> bytes:
-    if not 1 <= len(page_ids) <= MAX_FREE_IDS:
-        raise ValueError(f"a DROP record carries 1..{MAX_FREE_IDS} page ids, not {len(page_ids)}")
+    if not 1 <= len(page_ids) <= MAX_DROP_IDS:
+        raise ValueError(f"a DROP record carries 1..{MAX_DROP_IDS} page ids, not {len(page_ids)}")
     return _frame(DROP, _DROP.pack(len(page_ids), 0) + struct.pack(f"<{len(page_ids)}Q", *page_ids))
 
 
@@ -350,7 +351,7 @@ def decode(data: bytes, fds: list[int] | tuple[int, ...], truncated: bool = Fals
         if length < _DROP.size or fds:
             raise ProtocolError("DROP record too short" if length < _DROP.size else "DROP record carries descriptors")
         count, _ = _DROP.unpack_from(payload)
-        if not 1 <= count <= MAX_FREE_IDS or length != _DROP.size + 8 * count:
+        if not 1 <= count <= MAX_DROP_IDS or length != _DROP.size + 8 * count:
             raise ProtocolError(f"DROP record says {count} page ids and has {length - _DROP.size} bytes of them")
         return Drop(struct.unpack_from(f"<{count}Q", payload, _DROP.size))
     assert kind == GOODBYE

@@ -79,7 +79,7 @@ def test_quick_bench_produces_every_figure(tmp_path):
 # figures of scenarios 1-3 the test-driver run predicts for a GPU (bench/costmodel.py)
 PREDICTED = {
     "1 Allocate 64 pages": ["warm pool p50", "warm pool p99", "cold (pages created) p50", "cold (pages created) p99",
-                            "in-process create+map of 64 pages p50"],
+                            "in-process create+map of 64 pages p50", "re-grow from standby p50"],
     "2 Allocate+Free 1 page": ["1 client p50", "16 clients p50", "16 clients p99", "64 clients pairs/s",
                                "in-process create+map+unmap+release, 1 client p50",
                                "C client (bench/loadc.c), 1 client p50", "C client (bench/loadc.c), 16 clients p99",
@@ -116,6 +116,10 @@ def check_predicted_gpu(result: dict, md: str) -> None:
     assert cold["daemon_per_op"]["calls"].get("cuMemCreate", 0) >= 64, cold  # the cold path creates its 64 pages
     assert cold["client_per_op"]["calls"].get("cuMemImportFromShareableHandle", 0) == 64, cold
     assert cold["daemon_threads"], cold
+    warm = sc["allocate64"]["daemon_warm"]["driver_calls"]["path"]
+    assert warm["client_per_op"]["calls"].get("cuMemImportFromShareableHandle", 0) == 0, warm  # kept handles: no import
+    sb = sc["allocate64"]["daemon_standby"]["driver_calls"]["path"]
+    assert not sb["client_per_op"]["calls"] and not sb["daemon_per_op"]["calls"], sb  # standby: no driver call at all
     base = sc["allocate64"]["baseline_inproc_create_map"]["driver_calls"]["path"]
     assert base["client_per_op"]["calls"]["cuMemCreate"] == 64 and not base["daemon_per_op"]["calls"], base
     rtt = sc["roundtrip"]["rtt_1_daemon"]["driver_calls"]

@@ -122,6 +122,8 @@ def test_constants_match_the_spec():
     assert lim["max_free_ids"] == fdchannel.MAX_FREE_IDS
     assert lim["max_message"] == fdchannel.MAX_MESSAGE
     assert lim["max_reason"] == fdchannel.MAX_REASON
+    assert lim["max_drop_ids"] == fdchannel.MAX_DROP_IDS == 519
+    assert len(fdchannel.encode_drop(list(range(fdchannel.MAX_DROP_IDS)))) == fdchannel.MAX_RECORD  # the largest DROP fits
     assert lim["max_daemon_record"] == fdchannel.MAX_RECORD
     assert lim["max_client_record"] == fdchannel.MAX_CLIENT_RECORD
     assert int(lim["channel_alloc_bit"]) == fdchannel.CHANNEL_ALLOC_BIT

@@ -204,7 +204,7 @@ class Conn:
         self.close()
 
     def ask_drop(self, page_ids: list[int]) -> None:
-        step = fdchannel.MAX_FREE_IDS
+        step = fdchannel.MAX_DROP_IDS  # a DROP fits the daemon's largest record (max_daemon_record)
         for first in range(0, len(page_ids), step):
             rec = fdchannel.encode_drop(page_ids[first : first + step])
             if not self.send_now(rec):
