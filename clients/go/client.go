@@ -164,6 +164,11 @@ type Info struct {
 	// (docs/protocol.md, "Kept handles"); sessions then keep the imported
 	// handles of CUDA pages (KVCACHED_KEEP_HANDLES).
 	FDChannelKeepHandles bool
+	// FDChannelStandby: the daemon honours FREE's standby flag and USE
+	// (docs/protocol.md, "Standby pages"); Region.UnmapStandby and
+	// Region.TrimStandby then keep pages mapped as standby (else they
+	// give them back as Unmap and Trim do).
+	FDChannelStandby bool
 }
 
 func deviceFromPB(d *pb.DeviceInfo) Device {
@@ -180,7 +185,7 @@ func (c *Client) Info(ctx context.Context) (*Info, error) {
 	info := &Info{Version: r.GetVersion(), APIVersion: r.GetApiVersion(), FDSocket: r.GetFdSocket(),
 		FDProtocolVersion: r.GetFdProtocolVersion(), Backend: r.GetBackend(), MaxPagesPerRequest: r.GetMaxPagesPerRequest(),
 		FDChannelRequests: r.GetFdChannelRequests(), FDChannelRequestsOnly: r.GetFdChannelRequestsOnly(),
-		FDChannelKeepHandles: r.GetFdChannelKeepHandles()}
+		FDChannelKeepHandles: r.GetFdChannelKeepHandles(), FDChannelStandby: r.GetFdChannelStandby()}
 	for _, d := range r.GetDevices() {
 		info.Devices = append(info.Devices, deviceFromPB(d))
 	}
@@ -211,6 +216,9 @@ type PoolStats struct {
 	PagesInUse         uint64
 	PagesCreatedTotal  uint64
 	PagesReleasedTotal uint64
+	// StandbyBytes: held pages that their sessions keep mapped as standby
+	// (docs/protocol.md, "Standby pages"), part of InUseBytes.
+	StandbyBytes uint64
 }
 
 // DeviceStats pairs a device with its pool numbers.
@@ -242,6 +250,9 @@ type SessionStats struct {
 	// still waits for; ReclaimRequests: reclaim requests sent over its life.
 	ReclaimPendingPages uint64
 	ReclaimRequests     uint64
+	// StandbyBytes: held bytes the session keeps mapped as standby, not in
+	// use (docs/protocol.md, "Standby pages"), part of HeldBytes.
+	StandbyBytes uint64
 }
 
 // Stats is a GetStats snapshot.
@@ -256,7 +267,8 @@ type Stats struct {
 func poolFromPB(p *pb.PoolStats) PoolStats {
 	return PoolStats{BudgetBytes: p.GetBudgetBytes(), PooledBytes: p.GetPooledBytes(), InUseBytes: p.GetInUseBytes(),
 		FreeBytes: p.GetFreeBytes(), PageSize: p.GetPageSize(), PagesPooled: p.GetPagesPooled(), PagesInUse: p.GetPagesInUse(),
-		PagesCreatedTotal: p.GetPagesCreatedTotal(), PagesReleasedTotal: p.GetPagesReleasedTotal()}
+		PagesCreatedTotal: p.GetPagesCreatedTotal(), PagesReleasedTotal: p.GetPagesReleasedTotal(),
+		StandbyBytes: p.GetStandbyBytes()}
 }
 
 func unixTime(f float64) time.Time {
@@ -282,7 +294,7 @@ func sessionStatsFromPB(s *pb.SessionStats) SessionStats {
 		MaxBytes: s.GetMaxBytes(), Priority: s.GetPriority(), LastActive: unixTime(s.GetLastActiveUnix()),
 		Opened: unixTime(s.GetOpenedUnix()), ReclaimIgnored: s.GetReclaimIgnored(), AllocationsTotal: s.GetAllocationsTotal(),
 		FreesTotal: s.GetFreesTotal(), Labels: labels, ReclaimPendingPages: s.GetReclaimPendingPages(),
-		ReclaimRequests: s.GetReclaimRequests()}
+		ReclaimRequests: s.GetReclaimRequests(), StandbyBytes: s.GetStandbyBytes()}
 }
 
 func statsFromPB(r *pb.GetStatsResponse) *Stats {

@@ -16,13 +16,14 @@ import (
 // are mapped from their kept handles: no cuMemImportFromShareableHandle
 // (the test driver's live call counters of this process).
 
-// regionPageIDs is the ids of a region's mapped pages, in slot order.
+// regionPageIDs is the ids of a region's mapped pages in use (not
+// standby), in slot order.
 func regionPageIDs(r *Region) []uint64 {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	var ids []uint64
 	for _, s := range r.slots {
-		if s.mapped {
+		if s.live() {
 			ids = append(ids, s.id)
 		}
 	}

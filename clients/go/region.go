@@ -11,6 +11,12 @@ import (
 type pager interface {
 	allocatePages(ctx context.Context, n int, device string) (*Allocation, error)
 	freePages(ctx context.Context, ids []uint64) error
+	// standbyOK: the daemon keeps standby pages (Info.FDChannelStandby).
+	standbyOK() bool
+	// standbyPages: a FREE with the standby flag (Session.Standby).
+	standbyPages(ctx context.Context, ids []uint64) error
+	// usePages: USE, not waited for (Session.Use).
+	usePages(ids []uint64)
 	forget(r *Region)
 }
 
@@ -19,23 +25,39 @@ type pager interface {
 // The common use is a prefix that grows and shrinks, one Region per
 // tensor or one Region holding many tensors at page-aligned offsets. A
 // Region is safe for concurrent use; its methods are serialised.
+//
+// Standby (docs/protocol.md, "Standby pages"): UnmapStandby and
+// TrimStandby keep the range's pages mapped and the session's, but not in
+// use; mapping the range again takes them back with no Allocate and no
+// driver call (a USE record, not waited for), allocating only what is
+// missing. From the caller's view a standby range is unmapped
+// (MappedBytes, IsMapped, ReadAt and WriteAt); StandbyBytes counts it.
+// Unmap, Trim and Close free standby pages like mapped ones, and
+// ReleasePages gives them first.
 type Region struct {
-	p      pager
-	m      mapper
-	dev    Device
-	base   uintptr
-	size   uint64
-	page   uint64
-	mu     sync.Mutex
-	slots  []slot
-	mapped int
-	closed bool
+	p       pager
+	m       mapper
+	dev     Device
+	base    uintptr
+	size    uint64
+	page    uint64
+	mu      sync.Mutex
+	slots   []slot
+	mapped  int // slots mapped, standby ones included
+	standby int // slots mapped as standby
+	closed  bool
 }
 
+// slot is one page of the region: mapped (with page id), and standby when
+// the page stays mapped but is not in use (the caller unmapped it).
 type slot struct {
-	mapped bool
-	id     uint64
+	mapped  bool
+	standby bool
+	id      uint64
 }
+
+// live: mapped and in use (not standby).
+func (s slot) live() bool { return s.mapped && !s.standby }
 
 // RegionOption configures NewRegion.
 type RegionOption func(*regionOptions)
@@ -100,14 +122,25 @@ func (r *Region) PageSize() uint64 { return r.page }
 // Device is the device whose pages back the region.
 func (r *Region) Device() Device { return r.dev }
 
-// MappedBytes is how much of the region is backed by pages.
+// MappedBytes is how much of the region is backed by pages in use
+// (standby pages left out).
 func (r *Region) MappedBytes() uint64 {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return uint64(r.mapped) * r.page
+	return uint64(r.mapped-r.standby) * r.page
 }
 
-// IsMapped reports whether every page of [off, off+length) is mapped.
+// StandbyBytes is how much of the region is kept mapped as standby
+// (UnmapStandby, TrimStandby): unmapped from the caller's view, taken back
+// by Map at no cost.
+func (r *Region) StandbyBytes() uint64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return uint64(r.standby) * r.page
+}
+
+// IsMapped reports whether every page of [off, off+length) is mapped (and
+// not standby).
 func (r *Region) IsMapped(off, length uint64) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -116,7 +149,7 @@ func (r *Region) IsMapped(off, length uint64) bool {
 		return false
 	}
 	for i := first; i < end; i++ {
-		if !r.slots[i].mapped {
+		if !r.slots[i].live() {
 			return false
 		}
 	}
@@ -141,9 +174,12 @@ func (r *Region) pagesOf(op string, off, length uint64, aligned bool) (int, int,
 }
 
 // Map backs [off, off+length) with pages: off must be page aligned; the end
-// is rounded up to a page. Pages already mapped stay; exactly the missing
-// pages are borrowed, in one Allocate call, and mapped. All or nothing: on
-// error nothing new is mapped and nothing is held.
+// is rounded up to a page. Pages already mapped stay; standby pages of the
+// range are taken back into use (no Allocate, no driver call: one USE
+// record, not waited for); exactly the missing pages are borrowed, in one
+// Allocate call, and mapped. All or nothing: on error nothing new is
+// mapped and nothing more is held (standby pages taken back are kept as
+// standby again).
 func (r *Region) Map(ctx context.Context, off, length uint64) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -151,22 +187,32 @@ func (r *Region) Map(ctx context.Context, off, length uint64) error {
 	if err != nil {
 		return err
 	}
-	var missing []int
+	var missing, back []int
 	for i := first; i < end; i++ {
-		if !r.slots[i].mapped {
+		switch {
+		case r.slots[i].standby:
+			back = append(back, i)
+		case !r.slots[i].mapped:
 			missing = append(missing, i)
 		}
+	}
+	if len(back) > 0 {
+		// In use again, and the daemon told before the ALLOCATE (the same
+		// channel, in order): a reclaim it starts does not count them.
+		r.p.usePages(r.setStandby(back, false))
 	}
 	if len(missing) == 0 {
 		return nil
 	}
 	a, err := r.p.allocatePages(ctx, len(missing), r.dev.UUID)
 	if err != nil {
+		r.restandby(ctx, back)
 		return err
 	}
 	if len(a.Pages) != len(missing) {
 		a.Close()
 		_ = r.p.freePages(context.WithoutCancel(ctx), a.IDs())
+		r.restandby(ctx, back)
 		return newError(ErrProtocol, "Region.Map", "asked for %d pages, got %d", len(missing), len(a.Pages))
 	}
 	// each run of adjacent missing pages with one mapRun (CUDA: one cuMemSetAccess per run)
@@ -189,6 +235,7 @@ func (r *Region) Map(ctx context.Context, off, length uint64) error {
 			}
 			a.Close()
 			_ = r.p.freePages(context.WithoutCancel(ctx), a.IDs())
+			r.restandby(ctx, back)
 			return err
 		}
 		for x := 0; x < n; x++ {
@@ -200,9 +247,42 @@ func (r *Region) Map(ctx context.Context, off, length uint64) error {
 	return nil
 }
 
-// Unmap unmaps the pages of [off, off+length) that are mapped (off page
-// aligned, the end rounded up to a page) and frees them in one Free call. A
-// range that runs to the region's end therefore releases its last page too.
+// setStandby marks slots idx standby (or in use again) and returns their
+// page ids.
+func (r *Region) setStandby(idx []int, standby bool) []uint64 {
+	ids := make([]uint64, len(idx))
+	for k, i := range idx {
+		r.slots[i].standby = standby
+		ids[k] = r.slots[i].id
+	}
+	if standby {
+		r.standby += len(idx)
+	} else {
+		r.standby -= len(idx)
+	}
+	return ids
+}
+
+// restandby: a Map failed after it took slots idx back from standby; they
+// are made standby again (if the daemon refuses, they stay in use: still
+// held and mapped).
+func (r *Region) restandby(ctx context.Context, idx []int) {
+	if len(idx) == 0 {
+		return
+	}
+	ids := make([]uint64, len(idx))
+	for k, i := range idx {
+		ids[k] = r.slots[i].id
+	}
+	if r.p.standbyPages(context.WithoutCancel(ctx), ids) == nil {
+		r.setStandby(idx, true)
+	}
+}
+
+// Unmap unmaps the pages of [off, off+length) that are mapped, standby
+// ones included (off page aligned, the end rounded up to a page), and
+// frees them in one Free call. A range that runs to the region's end
+// therefore releases its last page too.
 func (r *Region) Unmap(ctx context.Context, off, length uint64) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -214,17 +294,30 @@ func (r *Region) Unmap(ctx context.Context, off, length uint64) error {
 }
 
 func (r *Region) unmapLocked(ctx context.Context, first, end int, free bool) error {
+	var idx []int
+	for i := first; i < end; i++ {
+		if r.slots[i].mapped {
+			idx = append(idx, i)
+		}
+	}
+	_, err := r.unmapSlotsLocked(ctx, idx, free)
+	return err
+}
+
+// unmapSlotsLocked unmaps the mapped slots idx (standby or not) and, with
+// free, frees their pages in one Free call. It returns the pages unmapped.
+func (r *Region) unmapSlotsLocked(ctx context.Context, idx []int, free bool) (int, error) {
 	var ids []uint64
 	var errs []error
-	for i := first; i < end; i++ {
-		if !r.slots[i].mapped {
-			continue
-		}
+	for _, i := range idx {
 		if err := r.m.unmapPage(r.addr(i), r.page); err != nil {
 			errs = append(errs, err) // still mapped: keep it (and do not Free it)
 			continue
 		}
 		ids = append(ids, r.slots[i].id)
+		if r.slots[i].standby {
+			r.standby--
+		}
 		r.slots[i] = slot{}
 		r.mapped--
 	}
@@ -233,7 +326,49 @@ func (r *Region) unmapLocked(ctx context.Context, first, end int, free bool) err
 			errs = append(errs, err)
 		}
 	}
-	return errors.Join(errs...)
+	return len(ids), errors.Join(errs...)
+}
+
+// UnmapStandby is Unmap that keeps the pages mapped as standby
+// (docs/protocol.md, "Standby pages"): still the session's and still
+// mapped in this process, but not in use. From the caller's view the range
+// is unmapped; Map takes the pages back with no Allocate and no driver
+// call; a reclaim asks a session with standby pages first and
+// ReleasePages gives them first. One FREE with the standby flag, all or
+// nothing: on error nothing changes. Where the daemon does not offer
+// standby pages (Info.FDChannelStandby false) it is Unmap.
+func (r *Region) UnmapStandby(ctx context.Context, off, length uint64) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	first, end, err := r.pagesOf("Region.UnmapStandby", off, length, true)
+	if err != nil {
+		return err
+	}
+	return r.standbyLocked(ctx, first, end)
+}
+
+func (r *Region) standbyLocked(ctx context.Context, first, end int) error {
+	if !r.p.standbyOK() {
+		return r.unmapLocked(ctx, first, end, true)
+	}
+	var idx []int
+	for i := first; i < end; i++ {
+		if r.slots[i].live() {
+			idx = append(idx, i)
+		}
+	}
+	if len(idx) == 0 {
+		return nil
+	}
+	ids := make([]uint64, len(idx))
+	for k, i := range idx {
+		ids[k] = r.slots[i].id
+	}
+	if err := r.p.standbyPages(ctx, ids); err != nil {
+		return err
+	}
+	r.setStandby(idx, true)
+	return nil
 }
 
 // Grow makes sure [0, n) is mapped (n rounded up to a page).
@@ -253,6 +388,47 @@ func (r *Region) Trim(ctx context.Context, n uint64) error {
 	return r.unmapLocked(ctx, int((n+r.page-1)/r.page), len(r.slots), true)
 }
 
+// TrimStandby is Trim that keeps the pages beyond the first n bytes mapped
+// as standby (see UnmapStandby), keeping [0, n) in use.
+func (r *Region) TrimStandby(ctx context.Context, n uint64) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return newError(ErrClosed, "Region.TrimStandby", "region is closed")
+	}
+	if n > r.size {
+		n = r.size
+	}
+	return r.standbyLocked(ctx, int((n+r.page-1)/r.page), len(r.slots))
+}
+
+// ReleasePages answers a reclaim request (a ReclaimHandler's helper): it
+// unmaps and frees up to pages pages in one Free, standby pages first
+// (from the region's end), then pages in use from the end of the region,
+// never one of the first keepBytes (rounded up to a page; standby pages
+// there are given all the same: nobody uses them). It returns the pages
+// given back.
+func (r *Region) ReleasePages(ctx context.Context, pages int, keepBytes uint64) (int, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return 0, newError(ErrClosed, "Region.ReleasePages", "region is closed")
+	}
+	var idx []int
+	for i := len(r.slots) - 1; i >= 0 && len(idx) < pages; i-- {
+		if r.slots[i].standby {
+			idx = append(idx, i)
+		}
+	}
+	floor := int(min((keepBytes+r.page-1)/r.page, uint64(len(r.slots))))
+	for i := len(r.slots) - 1; i >= floor && len(idx) < pages; i-- {
+		if r.slots[i].live() {
+			idx = append(idx, i)
+		}
+	}
+	return r.unmapSlotsLocked(ctx, idx, true)
+}
+
 func (r *Region) addr(i int) uintptr { return r.base + uintptr(uint64(i)*r.page) }
 
 func (r *Region) checkMapped(op string, off uint64, n int) error {
@@ -261,7 +437,7 @@ func (r *Region) checkMapped(op string, off uint64, n int) error {
 		return err
 	}
 	for i := first; i < end; i++ {
-		if !r.slots[i].mapped {
+		if !r.slots[i].live() {
 			return newError(ErrNotMapped, op, "page %d (offset %d) is not mapped", i, uint64(i)*r.page)
 		}
 	}
@@ -301,7 +477,8 @@ func (r *Region) ReadAt(p []byte, off int64) (int, error) {
 	return len(p), nil
 }
 
-// Close unmaps and frees every page and releases the reservation.
+// Close unmaps and frees every page (standby ones included) and releases
+// the reservation.
 func (r *Region) Close(ctx context.Context) error {
 	r.mu.Lock()
 	if r.closed {

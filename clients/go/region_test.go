@@ -7,13 +7,50 @@ import (
 	"testing"
 )
 
-// fakePager hands out page ids and records every call.
+// fakePager hands out page ids and records every call. With standby it
+// keeps standby pages as the daemon does (checked as a Free).
 type fakePager struct {
 	next     uint64
 	held     map[uint64]bool
 	allocs   []int
 	frees    [][]uint64
 	failNext error
+
+	standby     bool            // the daemon offers standby pages
+	standbyIDs  map[uint64]bool // pages held as standby
+	standbys    [][]uint64      // standby FREEs
+	uses        [][]uint64      // USE records
+	failStandby error
+}
+
+func (f *fakePager) standbyOK() bool { return f.standby }
+
+func (f *fakePager) standbyPages(_ context.Context, ids []uint64) error {
+	if f.failStandby != nil {
+		err := f.failStandby
+		f.failStandby = nil
+		return err
+	}
+	for _, id := range ids {
+		if !f.held[id] {
+			return newError(ErrNotFound, "Standby", "page %d not held", id)
+		}
+	}
+	f.standbys = append(f.standbys, ids)
+	if f.standbyIDs == nil {
+		f.standbyIDs = map[uint64]bool{}
+	}
+	for _, id := range ids {
+		f.standbyIDs[id] = true
+	}
+	return nil
+}
+
+func (f *fakePager) usePages(ids []uint64) {
+	f.uses = append(f.uses, ids)
+	for _, id := range ids {
+		delete(f.standbyIDs, id)
+	}
 }
 
 func (f *fakePager) allocatePages(_ context.Context, n int, _ string) (*Allocation, error) {
@@ -39,6 +76,7 @@ func (f *fakePager) freePages(_ context.Context, ids []uint64) error {
 			return newError(ErrNotFound, "Free", "page %d not held", id)
 		}
 		delete(f.held, id)
+		delete(f.standbyIDs, id)
 	}
 	return nil
 }

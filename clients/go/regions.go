@@ -90,6 +90,15 @@ func (rs *regionSet) freePages(ctx context.Context, ids []uint64) error {
 	return err
 }
 
+func (rs *regionSet) standbyOK() bool { return rs.s.info.FDChannelStandby }
+
+func (rs *regionSet) standbyPages(ctx context.Context, ids []uint64) error {
+	_, err := rs.s.Standby(ctx, ids)
+	return err
+}
+
+func (rs *regionSet) usePages(ids []uint64) { rs.s.Use(ids) }
+
 func (rs *regionSet) forget(r *Region) {
 	rs.mu.Lock()
 	delete(rs.regions, r)

@@ -280,6 +280,35 @@ func (s *Session) Free(ctx context.Context, ids []uint64) (FreeResult, error) {
 	return FreeResult{PagesFreed: n}, err
 }
 
+// Standby keeps held pages as standby (docs/protocol.md, "Standby
+// pages"): a FREE with the standby flag. The pages stay the session's and
+// mapped wherever they are mapped, not in use: the daemon counts them as
+// standby (SessionStats.StandbyBytes) and a reclaim asks sessions with
+// standby pages first. Checked as a Free (all or nothing, ErrNotFound for
+// a page not held, ErrInvalidArgument for an id named twice), but it does
+// not succeed while the daemon is away (ErrUnavailable: the pages stay in
+// use). It returns the pages named; ErrFailedPrecondition where the
+// daemon does not offer standby pages (Info.FDChannelStandby is false).
+// Use takes them back. Most programs use Region.UnmapStandby or
+// Region.TrimStandby instead.
+func (s *Session) Standby(ctx context.Context, ids []uint64) (uint64, error) {
+	if !s.info.FDChannelStandby {
+		return 0, newError(ErrFailedPrecondition, "Standby", "kvcached-serve %q keeps no standby pages (GetInfo().fd_channel_standby is false)", s.info.Version)
+	}
+	return s.m.Standby(ctx, ids)
+}
+
+// Use tells the daemon that standby pages are in use again: USE records,
+// not waited for (their REPLY is dropped; the pages were the session's all
+// along, the record only corrects the daemon's books). Nothing is sent
+// while the session is closed or resuming (the restarted daemon counts
+// every page in use), nor where the daemon does not offer standby pages.
+func (s *Session) Use(ids []uint64) {
+	if len(ids) > 0 && s.info.FDChannelStandby {
+		s.m.Use(ids)
+	}
+}
+
 // Close ends the session: its regions are unmapped and released, the
 // daemon is told (a CLOSE request on the fd channel, or CloseSession), the
 // fd channel is closed and every

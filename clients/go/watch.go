@@ -32,8 +32,9 @@ type Reclaim struct {
 
 // ReclaimHandler is called (one call at a time, on the session's watch
 // goroutine) for every reclaim request. ctx ends at the deadline or when
-// the session closes. The handler gives pages back with Region.Unmap /
-// Region.Trim (or Session.Free); what it cannot give back it simply keeps
+// the session closes. The handler gives pages back with
+// Region.ReleasePages (standby pages first), Region.Unmap / Region.Trim
+// (or Session.Free); what it cannot give back it simply keeps
 // (the daemon cannot take mapped pages by force, it reports the session).
 type ReclaimHandler func(ctx context.Context, r Reclaim)
 

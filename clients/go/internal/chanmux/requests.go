@@ -13,7 +13,7 @@ import (
 )
 
 // Requests on the fd channel (docs/protocol.md, "Requests on the channel"):
-// ALLOCATE, FREE, CLOSE and ANSWER records on the session's own fd
+// ALLOCATE, FREE, CLOSE, ANSWER and USE records on the session's own fd
 // channel; no token travels, the kernel names the sender. Every request
 // has an id of its own (the table, table.go); the reader goroutine hands
 // each REPLY to the goroutine waiting for it. An ALLOCATE's pages arrive
@@ -265,6 +265,71 @@ func (m *Mux) freeChunk(ctx context.Context, ids []uint64) (uint64, error) {
 		// A resume completed during the call and claimed these pages:
 		// free them at the daemon that has them now.
 	}
+}
+
+// Standby sends FREE records with the standby flag (docs/protocol.md,
+// "Standby pages"), at most fdchan.MaxFreeIDs ids each: the pages stay the
+// session's, mapped, counted as standby by the daemon. It is checked as a
+// Free (all or nothing for each record) and returns the pages named.
+// Unlike a Free it does not succeed while the daemon is away (nothing to
+// defer: the pages stay held either way, and the restarted daemon counts
+// them in use): it fails with ErrUnavailable then. The keep flag is never
+// set (standby wins: nothing is given back).
+func (m *Mux) Standby(ctx context.Context, ids []uint64) (uint64, error) {
+	const op = "Standby"
+	if len(ids) == 0 {
+		return 0, errs.New(errs.ErrInvalidArgument, op, "page_ids is empty: name the pages to keep as standby")
+	}
+	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		return 0, errs.New(errs.ErrFailedPrecondition, op, "session %d is closed", m.id)
+	}
+	m.mu.Unlock()
+	var named uint64
+	for i := 0; i < len(ids); i += fdchan.MaxFreeIDs {
+		c, _, err := m.startRequest(op, false, false)
+		if err != nil {
+			return named, err
+		}
+		chunk := ids[i:min(i+fdchan.MaxFreeIDs, len(ids))]
+		if err := c.send(ctx, op, fdchan.FreeReq{ReqID: c.req, PageIDs: chunk, Standby: true}); err != nil {
+			return named, err
+		}
+		rep, err := c.await(ctx, op, nil)
+		if err != nil {
+			return named, err
+		}
+		named += rep.Value
+	}
+	return named, nil
+}
+
+// Use sends USE records naming standby pages the session uses again, and
+// waits for nothing: each has a request id of its own that nobody waits
+// for, so its REPLY is dropped (docs/protocol.md, "Standby pages": the
+// record only corrects the daemon's books). Nothing is sent while the
+// session is closed, ended or resuming (a resumed session's pages are all
+// in use at the restarted daemon); a send that fails is only logged. It
+// returns the USE records sent.
+func (m *Mux) Use(ids []uint64) int {
+	m.mu.Lock()
+	ch := m.ch
+	if ch == nil || m.closed || m.resuming || m.endErr != nil || m.resumeErr != nil {
+		m.mu.Unlock()
+		return 0
+	}
+	m.mu.Unlock()
+	sent := 0
+	for i := 0; i < len(ids); i += fdchan.MaxFreeIDs {
+		chunk := ids[i:min(i+fdchan.MaxFreeIDs, len(ids))]
+		if err := ch.Send(fdchan.UseReq{ReqID: m.reqs.nextID(), PageIDs: chunk}, nil, time.Now().Add(time.Second)); err != nil {
+			m.log.Warn("kvcached: sending USE failed (the daemon's books count the pages as standby)", "pages", len(chunk), "err", err)
+			return sent
+		}
+		sent++
+	}
+	return sent
 }
 
 // checkAwayFree is the daemon's check of a Free, made by the client while

@@ -64,8 +64,8 @@ const (
 	// GetInfo().fd_channel_keep_handles is true).
 	FreeKeep = 1
 	// FreeStandby is FREE's flag standby: the pages stay the session's,
-	// mapped, as standby (only where GetInfo().fd_channel_standby; this
-	// client does not send it yet).
+	// mapped, as standby (only where GetInfo().fd_channel_standby;
+	// chanmux.Mux.Standby sends it).
 	FreeStandby = 2
 
 	helloSize   = 56
@@ -164,8 +164,8 @@ type FreeReq struct {
 }
 
 // UseReq: standby pages of the session in use again (docs/protocol.md,
-// "Standby pages"). Same layout as DroppedReq. Codec only: this client
-// does not send it yet.
+// "Standby pages"). Same layout as DroppedReq. Sent by chanmux.Mux.Use,
+// whose REPLY nobody waits for.
 type UseReq struct {
 	ReqID   uint64
 	PageIDs []uint64
