@@ -263,3 +263,34 @@ def test_kept_handles_go_when_the_daemon_goes(daemon_factory):
     assert wait_until(lambda: m.kept == 0, timeout=5), "kept handles outlived the daemon that recorded them"
     s.close()  # ended already: closing is quiet
     c.close()
+
+
+def test_kept_handles_are_let_go_across_a_resume_and_kept_again_after(daemon_factory, tmp_path):
+    """The handle cache is invalidated when the daemon restarts: a resumed
+    session keeps nothing of the old daemon's (its page ids promise nothing
+    now), its mapped pages stay usable, and it keeps handles again after."""
+    state = str(tmp_path / "state")
+    d = _cuda(daemon_factory, state_dir=state)
+    c = d.client()
+    s = c.open_session("resumer")
+    r = s.region(8 << 20)
+    r.map(0, 8 << 20)
+    r.write(0, b"mapped across")
+    r.unmap(4 << 20, 4 << 20)  # 2 pages freed with keep, 2 held
+    m = s.mapper(r.device.uuid)
+    assert m.kept == 4
+    d.sigkill()
+    assert wait_until(lambda: m.kept == 0, timeout=5), "kept handles outlived the daemon that recorded them"
+    d2 = _cuda(daemon_factory, state_dir=state, socket=d.socket)
+    assert s.wait_resumed(20), d2.log_text()  # the test driver's exported fds identify their pages
+    assert r.read(0, 13) == b"mapped across"
+    hits = m.kept_hits
+    r.map(4 << 20, 4 << 20)  # the restarted daemon's pages: imported (no stale handle used), kept again
+    assert m.kept_hits == hits and m.kept == 2
+    r.unmap(4 << 20, 4 << 20)
+    r.map(4 << 20, 4 << 20)
+    assert m.kept_hits == hits + 2  # and mapped from them when they come back
+    r.close()
+    assert_books(c.stats())
+    s.close()
+    c.close()
