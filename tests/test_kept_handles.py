@@ -200,6 +200,7 @@ def _cuda(daemon_factory, **settings):
     return daemon_factory("cuda", memory_limit="64MiB", page_size="2MiB", **settings)
 
 
+@pytest.mark.cuda
 def test_a_returning_page_is_mapped_from_its_kept_handle(daemon_factory):
     d = _cuda(daemon_factory)
     with d.client() as c, c.open_session("kept") as s:
@@ -221,6 +222,7 @@ def test_a_returning_page_is_mapped_from_its_kept_handle(daemon_factory):
         assert_books(c.stats())
 
 
+@pytest.mark.cuda
 def test_no_kept_handles_when_the_limit_is_zero(daemon_factory, monkeypatch):
     monkeypatch.setenv("KVCACHED_KEEP_HANDLES", "0")
     d = _cuda(daemon_factory)
@@ -234,6 +236,7 @@ def test_no_kept_handles_when_the_limit_is_zero(daemon_factory, monkeypatch):
         r.close()
 
 
+@pytest.mark.cuda
 def test_a_drop_releases_the_kept_handles_and_then_the_pages(daemon_factory):
     d = _cuda(daemon_factory, pool_idle_seconds=0)
     with d.client() as c, c.open_session("dropped") as s:
@@ -249,6 +252,7 @@ def test_a_drop_releases_the_kept_handles_and_then_the_pages(daemon_factory):
         assert_books(c.stats())
 
 
+@pytest.mark.cuda
 def test_kept_handles_go_when_the_daemon_goes(daemon_factory):
     d = _cuda(daemon_factory)
     c = d.client()
@@ -265,6 +269,7 @@ def test_kept_handles_go_when_the_daemon_goes(daemon_factory):
     c.close()
 
 
+@pytest.mark.cuda
 def test_kept_handles_are_let_go_across_a_resume_and_kept_again_after(daemon_factory, tmp_path):
     """The handle cache is invalidated when the daemon restarts: a resumed
     session keeps nothing of the old daemon's (its page ids promise nothing
