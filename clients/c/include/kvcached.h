@@ -38,7 +38,7 @@
 /* API version: KVC_API_VERSION = major * 10000 + minor * 100 + patch.
  * kvc_api_version() returns the version of the library actually loaded. */
 #define KVC_API_VERSION_MAJOR 1
-#define KVC_API_VERSION_MINOR 6
+#define KVC_API_VERSION_MINOR 7
 #define KVC_API_VERSION_PATCH 0
 #define KVC_API_VERSION \
     (KVC_API_VERSION_MAJOR * 10000 + KVC_API_VERSION_MINOR * 100 + KVC_API_VERSION_PATCH)
@@ -283,6 +283,12 @@ typedef struct kvc_stats {
     uint32_t pid;           /* the session's peer pid as the daemon saw it */
     uint32_t sessions_open;
     double uptime_seconds;
+    /* Since 1.7 (read them only when the returned struct_size covers them):
+     * standby pages (kvc_region_unmap_ranges_standby) as the daemon counts
+     * them, this session's (SessionStats.standby_bytes, part of held_bytes)
+     * and its device's (PoolStats.standby_bytes, part of in_use_bytes). */
+    uint64_t standby_bytes;
+    uint64_t device_standby_bytes;
 } kvc_stats;
 
 /* GetStats for this session and its device. Thread-safe. */
@@ -435,7 +441,8 @@ KVC_API void kvc_region_destroy(kvc_region *region);
 KVC_API void *kvc_region_base(const kvc_region *region);
 KVC_API uint64_t kvc_region_size(const kvc_region *region);
 KVC_API uint64_t kvc_region_page_size(const kvc_region *region);
-/* Physical bytes mapped now (pages mapped * page size). */
+/* Physical bytes mapped now (pages mapped * page size); standby pages
+ * (since 1.7) are not counted: kvc_region_standby_bytes. */
 KVC_API uint64_t kvc_region_mapped_bytes(const kvc_region *region);
 
 typedef struct kvc_range {
@@ -504,6 +511,54 @@ KVC_API kvc_status kvc_region_unmap_ranges_local(kvc_region *region, const kvc_r
 /* Bytes of the region mapped with local pages now (kvc_region_map_ranges_local).
  * Since 1.5. Thread-safe. */
 KVC_API uint64_t kvc_region_local_bytes(const kvc_region *region);
+
+/* ---- standby pages (since 1.7; docs/protocol.md "Standby pages") -------
+ *
+ * A KV cache's slot grows, is trimmed when its request ends, and grows again
+ * with the next request. Instead of giving the trimmed pages back and
+ * allocating them again (a round trip, and on CUDA an unmap and a map per
+ * page), a region may keep them mapped as standby: still the session's
+ * pages, counted by the daemon as held (SessionStats.standby_bytes), but
+ * unmapped from the caller's view: kvc_region_mapped_bytes and
+ * kvc_region_is_mapped leave them out, kvc_region_read/write refuse them
+ * (KVC_ERR_FAILED_PRECONDITION), kvc_region_memset/clear skip them. A later
+ * kvc_region_map* of their range takes them back with no Allocate and no
+ * driver call (one USE record, not waited for) and allocates only what is
+ * missing; their bytes are what they were (standby pages are not zeroed).
+ * A plain kvc_region_unmap* of their range unmaps and frees them, and so do
+ * kvc_region_destroy and kvc_region_release_standby. A daemon's reclaim asks
+ * sessions with standby pages first: give them first
+ * (kvc_region_release_standby). Standby needs a daemon that offers it
+ * (GetInfo().fd_channel_standby); without it, with a limit of 0 (the
+ * default), or while the session is being resumed or ended,
+ * kvc_region_unmap_ranges_standby acts exactly as kvc_region_unmap_ranges.
+ * After a resume the restarted daemon counts the standby pages in use (they
+ * stay standby here). All thread-safe (calls on one region serialise). */
+
+/* The most bytes of standby pages the region keeps (0, the default: none).
+ * Lowering it below what is kept frees the excess (the highest pages). */
+KVC_API kvc_status kvc_region_set_standby_limit(kvc_region *region, uint64_t bytes);
+KVC_API uint64_t kvc_region_standby_limit(const kvc_region *region);
+
+/* kvc_region_unmap_ranges, but the daemon pages lying wholly inside the
+ * ranges stay mapped as standby, within the region's standby limit: taken
+ * from the front of every range in turn (the pages a range that grows again
+ * maps first), sent as one FREE with the standby flag (up to 16384 pages per
+ * record; all or nothing). Pages beyond the limit, and local pages, are
+ * unmapped and freed as kvc_region_unmap_ranges does; standby pages in the
+ * ranges stay standby. */
+KVC_API kvc_status kvc_region_unmap_ranges_standby(kvc_region *region, const kvc_range *ranges,
+                                                   size_t num_ranges);
+
+/* Bytes of the region's pages kept as standby now. */
+KVC_API uint64_t kvc_region_standby_bytes(const kvc_region *region);
+
+/* Unmap and give back standby pages covering `bytes` (rounded up to whole
+ * pages, the highest pages first; UINT64_MAX: all), in one Free. *released
+ * (may be NULL) gets the bytes given back. For answering a reclaim from
+ * standby first. */
+KVC_API kvc_status kvc_region_release_standby(kvc_region *region, uint64_t bytes,
+                                              uint64_t *released);
 
 /* Nonzero if every byte of [offset, offset+size) is mapped. Thread-safe. */
 KVC_API int kvc_region_is_mapped(kvc_region *region, uint64_t offset, uint64_t size);

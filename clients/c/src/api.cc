@@ -268,6 +268,7 @@ KVC_API kvc_status kvc_session_open(kvc_client *client, const kvc_session_option
         // mapper keeps them on CUDA only.
         s->keep_limit = keep_limit_from_env();
         kvc_mapper_keep_reset(s->mapper, info.fd_channel_keep_handles() ? s->keep_limit : 0);
+        s->standby_ok = info.fd_channel_standby();
         s->monitor.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
         if (s->monitor.wake_fd < 0) {
             int e = errno;
@@ -635,7 +636,10 @@ KVC_API uint64_t kvc_region_size(const kvc_region *r) { return r ? r->size : 0; 
 KVC_API uint64_t kvc_region_page_size(const kvc_region *r) { return r ? r->page : 0; }
 KVC_API uint64_t kvc_region_mapped_bytes(const kvc_region *r)
 {
-    return r ? r->mapped_pages.load() * r->page : 0;
+    // standby pages are unmapped from the caller's view (kvc_region_standby_bytes)
+    return r ? (r->mapped_pages.load() - std::min(r->mapped_pages.load(), r->standby_pages.load())) *
+                   r->page
+             : 0;
 }
 
 KVC_API kvc_status kvc_region_map(kvc_region *r, uint64_t offset, uint64_t size)
@@ -693,6 +697,42 @@ KVC_API kvc_status kvc_region_unmap_ranges(kvc_region *r, const kvc_range *range
     });
 }
 
+KVC_API kvc_status kvc_region_unmap_ranges_standby(kvc_region *r, const kvc_range *ranges, size_t n)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(r, "region is NULL");
+        return region_unmap_ranges_standby(r, ranges, n);
+    });
+}
+
+KVC_API kvc_status kvc_region_set_standby_limit(kvc_region *r, uint64_t bytes)
+{
+    return guarded([&]() -> kvc_status {
+        NEED(r, "region is NULL");
+        return region_set_standby_limit(r, bytes);
+    });
+}
+
+KVC_API uint64_t kvc_region_standby_limit(const kvc_region *r)
+{
+    return r ? r->standby_limit.load() : 0;
+}
+
+KVC_API uint64_t kvc_region_standby_bytes(const kvc_region *r)
+{
+    return r ? r->standby_pages.load() * r->page : 0;
+}
+
+KVC_API kvc_status kvc_region_release_standby(kvc_region *r, uint64_t bytes, uint64_t *released)
+{
+    return guarded([&]() -> kvc_status {
+        if (released)
+            *released = 0;
+        NEED(r, "region is NULL");
+        return region_release_standby(r, bytes, released);
+    });
+}
+
 KVC_API kvc_status kvc_region_rebind(kvc_region *r, kvc_session *to)
 {
     return guarded([&]() -> kvc_status {
@@ -716,7 +756,9 @@ KVC_API kvc_status kvc_region_rebind(kvc_region *r, kvc_session *to)
                             from->kind.c_str(), (unsigned long long)r->page,
                             from->device.c_str());
         std::lock_guard<std::mutex> g(r->mu);
-        uint64_t owned = 0;
+        uint64_t owned = r->standby_pages.load();  // held by the old session's books too
+        region_orphan_standby_locked(r);
+        owned -= r->standby_pages.load();
         for (uint64_t k = 0; k < r->mapped.size(); k++)
             if (r->mapped[k] == kSlotMapped) {
                 r->mapped[k] = kSlotOrphan;
@@ -748,7 +790,7 @@ KVC_API int kvc_region_is_mapped(kvc_region *r, uint64_t offset, uint64_t size)
         return 0;
     std::lock_guard<std::mutex> g(r->mu);
     for (uint64_t k = f; k < e; k++)
-        if (!r->mapped[k])
+        if (!slot_in_use(r->mapped[k]))
             return 0;
     return 1;
 }

@@ -54,7 +54,7 @@ extern "C" {
  * (docs/protocol.md "Kept handles"); other bits written 0, ignored. */
 #define KVC_FD_FREE_KEEP 1u
 /* FREE flags: the pages stay the sender's, mapped, as standby
- * (docs/protocol.md "Standby pages"; codec only, the library sends none). */
+ * (docs/protocol.md "Standby pages": kvc_region_unmap_ranges_standby). */
 #define KVC_FD_FREE_STANDBY 2u
 
 enum {

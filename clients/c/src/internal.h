@@ -354,6 +354,10 @@ struct kvc_session {
     // the mapper keeps them: on CUDA only). The cache itself is the
     // mapper's, with its own (leaf) lock.
     size_t keep_limit = 0;
+    // Standby pages (docs/protocol.md "Standby pages"): the daemon honours
+    // FREE's standby flag and USE (GetInfo().fd_channel_standby; set at open
+    // and at each resume).
+    std::atomic<bool> standby_ok{false};
     // Allocate's wait flag and timeout (kvc_session_set_wait may change them
     // while other threads allocate).
     std::atomic<bool> wait{false};
@@ -450,7 +454,12 @@ enum : uint8_t {
                       // counts it; unmapping it is local only
     kSlotLocal = 3,   // this process's own memory (kvc_region_map_ranges_local): no daemon
                       // lent it; unmapping frees it
+    kSlotStandby = 4, // a page of r->session kept mapped as standby (FREE with the standby
+                      // flag): unmapped from the caller's view, taken back by a map
 };
+
+// Mapped and in use, from the caller's view (a standby slot is not).
+inline bool slot_in_use(uint8_t state) { return state != kSlotFree && state != kSlotStandby; }
 
 struct kvc_region {
     kvc_session *session = nullptr;
@@ -461,8 +470,10 @@ struct kvc_region {
     std::mutex mu;
     std::vector<uint64_t> ids;    // page id per slot
     std::vector<uint8_t> mapped;  // slot state (nonzero: mapped)
-    std::atomic<uint64_t> mapped_pages{0};  // every mapped slot, local ones included
+    std::atomic<uint64_t> mapped_pages{0};  // every mapped slot, local and standby ones included
     std::atomic<uint64_t> local_pages{0};
+    std::atomic<uint64_t> standby_pages{0};  // slots kept mapped as standby
+    std::atomic<uint64_t> standby_limit{0};  // bytes of standby pages at most (0: no standby)
 };
 
 namespace kvc_impl {
@@ -492,6 +503,8 @@ void close_fds(std::vector<int> &fds);
 kvc_status from_grpc(const grpc::Status &st, const char *what);
 kvc_status check_free_locked(kvc_session *s, const std::vector<uint64_t> &ids);
 kvc_status session_free_ids(kvc_session *s, const std::vector<uint64_t> &ids, size_t *freed = nullptr);
+kvc_status session_standby_ids(kvc_session *s, const std::vector<uint64_t> &ids, size_t *done);
+void session_use_nowait(kvc_session *s, const std::vector<uint64_t> &ids);
 kvc_status keep_fds(kvc_session *s, const std::vector<uint64_t> &ids, const std::vector<int> &fds);
 kvc_status chan_allocate_chunk(kvc_session *s, Chan *ch, uint32_t chunk, std::vector<uint64_t> &ids,
                                std::vector<int> &fds);
@@ -510,6 +523,10 @@ kvc_status check_ranges(const kvc_region *r, const kvc_range *ranges, size_t n);
 kvc_status region_map_ranges(kvc_region *r, const kvc_range *ranges, size_t n);
 kvc_status region_map_ranges_local(kvc_region *r, const kvc_range *ranges, size_t n);
 kvc_status region_unmap_ranges(kvc_region *r, const kvc_range *ranges, size_t n, bool only_local);
+kvc_status region_unmap_ranges_standby(kvc_region *r, const kvc_range *ranges, size_t n);
+kvc_status region_release_standby(kvc_region *r, uint64_t bytes, uint64_t *released);
+kvc_status region_set_standby_limit(kvc_region *r, uint64_t bytes);
+void region_orphan_standby_locked(kvc_region *r);
 void region_delete(kvc_region *r);
 
 // ---- watch.cc
@@ -541,13 +558,13 @@ kvc_status region_each_piece(kvc_region *r, uint64_t offset, uint64_t size, bool
     std::lock_guard<std::mutex> g(r->mu);
     if (require_mapped)
         for (uint64_t k = f; k < e; k++)
-            if (!r->mapped[k])
+            if (!slot_in_use(r->mapped[k]))
                 return kvc_fail(KVC_ERR_FAILED_PRECONDITION,
                                 "byte %llu of the region is not mapped (page %llu)",
                                 (unsigned long long)std::max(offset, k * r->page),
                                 (unsigned long long)k);
     for (uint64_t k = f; k < e; k++) {
-        if (!r->mapped[k])
+        if (!slot_in_use(r->mapped[k]))
             continue;
         uint64_t lo = std::max(offset, k * r->page);
         uint64_t hi = std::min(offset + size, (k + 1) * r->page);

@@ -85,7 +85,7 @@ kvc_status region_unmap_slots(kvc_region *r, const std::vector<uint64_t> &slots)
     kvc_status first = KVC_OK;
     std::string msg;
     for (uint64_t k : slots) {
-        if (!r->mapped[k])
+        if (r->mapped[k] == kSlotFree)
             continue;
         kvc_status st = kvc_mapper_unmap(s->mapper, r->base + k * r->page, r->page);
         if (st != KVC_OK) {
@@ -100,8 +100,10 @@ kvc_status region_unmap_slots(kvc_region *r, const std::vector<uint64_t> &slots)
         r->mapped_pages--;
         if (was == kSlotLocal)
             r->local_pages--;
-        else if (was == kSlotMapped)
-            ids.push_back(r->ids[k]);
+        else if (was == kSlotMapped || was == kSlotStandby)
+            ids.push_back(r->ids[k]);  // a standby page is given back as any page
+        if (was == kSlotStandby)
+            r->standby_pages--;
     }
     kvc_status st = session_free_ids(s, ids);
     // After the session ended the daemon took its pages back: unmapping is
@@ -129,21 +131,42 @@ kvc_status check_ranges(const kvc_region *r, const kvc_range *ranges, size_t n)
     return KVC_OK;
 }
 
-// The unmapped slots of the pages covering the ranges, sorted and unique.
+// The slots of the pages covering the ranges that are not in use, sorted
+// and unique: `fresh` unmapped, `back` standby (mapped, to be taken back).
 // r->mu held.
-static std::vector<uint64_t> unmapped_slots(const kvc_region *r, const kvc_range *ranges, size_t n)
+static void slots_to_map(const kvc_region *r, const kvc_range *ranges, size_t n,
+                         std::vector<uint64_t> &fresh, std::vector<uint64_t> &back)
 {
-    std::vector<uint64_t> slots;
     for (size_t i = 0; i < n; i++) {
         uint64_t f = 0, e = 0;
         kvc_pages_covering(ranges[i].offset, ranges[i].size, r->size, r->page, &f, &e);
-        for (uint64_t k = f; k < e; k++)
-            if (!r->mapped[k])
-                slots.push_back(k);
+        for (uint64_t k = f; k < e; k++) {
+            if (r->mapped[k] == kSlotFree)
+                fresh.push_back(k);
+            else if (r->mapped[k] == kSlotStandby)
+                back.push_back(k);
+        }
     }
-    std::sort(slots.begin(), slots.end());
-    slots.erase(std::unique(slots.begin(), slots.end()), slots.end());
-    return slots;
+    for (auto *v : {&fresh, &back}) {
+        std::sort(v->begin(), v->end());
+        v->erase(std::unique(v->begin(), v->end()), v->end());
+    }
+}
+
+// Standby slots in use again: no Allocate, no driver call (they stayed
+// mapped); one USE record tells the daemon, not waited for. r->mu held.
+static void take_back_standby(kvc_region *r, const std::vector<uint64_t> &slots)
+{
+    if (slots.empty())
+        return;
+    std::vector<uint64_t> ids;
+    ids.reserve(slots.size());
+    for (uint64_t k : slots) {
+        r->mapped[k] = kSlotMapped;
+        ids.push_back(r->ids[k]);
+    }
+    r->standby_pages -= slots.size();
+    session_use_nowait(r->session, ids);
 }
 
 kvc_status region_map_ranges(kvc_region *r, const kvc_range *ranges, size_t n)
@@ -152,7 +175,13 @@ kvc_status region_map_ranges(kvc_region *r, const kvc_range *ranges, size_t n)
     if (st != KVC_OK)
         return st;
     std::lock_guard<std::mutex> g(r->mu);
-    return region_map_slots(r, unmapped_slots(r, ranges, n));
+    std::vector<uint64_t> fresh, back;
+    slots_to_map(r, ranges, n, fresh, back);
+    st = region_map_slots(r, fresh);  // all or nothing: standby slots stay standby on failure
+    if (st != KVC_OK)
+        return st;
+    take_back_standby(r, back);
+    return KVC_OK;
 }
 
 // Local pages: the process's own memory, no daemon asked (all or nothing).
@@ -163,7 +192,8 @@ kvc_status region_map_ranges_local(kvc_region *r, const kvc_range *ranges, size_
         return st;
     std::lock_guard<std::mutex> g(r->mu);
     kvc_mapper *m = r->session->mapper;
-    std::vector<uint64_t> slots = unmapped_slots(r, ranges, n);
+    std::vector<uint64_t> slots, back;
+    slots_to_map(r, ranges, n, slots, back);  // standby slots: the daemon's pages, taken back
     for (size_t i = 0; i < slots.size(); i++) {
         st = kvc_mapper_map_local(m, r->base + slots[i] * r->page, r->page);
         if (st != KVC_OK) {
@@ -179,6 +209,7 @@ kvc_status region_map_ranges_local(kvc_region *r, const kvc_range *ranges, size_
     }
     r->mapped_pages += slots.size();
     r->local_pages += slots.size();
+    take_back_standby(r, back);
     return KVC_OK;
 }
 
@@ -205,6 +236,139 @@ kvc_status region_unmap_ranges(kvc_region *r, const kvc_range *ranges, size_t n,
     std::sort(slots.begin(), slots.end());
     slots.erase(std::unique(slots.begin(), slots.end()), slots.end());
     return region_unmap_slots(r, slots);
+}
+
+// The in-use daemon pages lying wholly inside the ranges (as
+// region_unmap_ranges narrows them), per range in offset order, and every
+// other slot in use there (local and orphan pages). r->mu held.
+static void slots_inside(const kvc_region *r, const kvc_range *ranges, size_t n,
+                         std::vector<std::vector<uint64_t>> &daemon_pages,
+                         std::vector<uint64_t> &others)
+{
+    daemon_pages.assign(n, {});
+    for (size_t i = 0; i < n; i++) {
+        uint64_t f = 0, e = 0;
+        uint64_t size = ranges[i].size;
+        if (size > 0 && ranges[i].offset + size >= r->requested)
+            size = r->size - ranges[i].offset;
+        kvc_pages_inside(ranges[i].offset, size, r->size, r->page, &f, &e);
+        for (uint64_t k = f; k < e; k++) {
+            if (r->mapped[k] == kSlotMapped)
+                daemon_pages[i].push_back(k);
+            else if (r->mapped[k] == kSlotLocal || r->mapped[k] == kSlotOrphan)
+                others.push_back(k);
+        }
+    }
+}
+
+// Unmap as standby (docs/protocol.md "Standby pages"): the daemon pages in
+// the ranges stay mapped and the session's, up to the region's standby
+// limit, picked from the front of every range in turn (the pages a range
+// that grows again needs first); sent as FREE records with the standby
+// flag. Every other page in the ranges is unmapped and freed as
+// region_unmap_ranges does; so is everything where the daemon does not
+// offer standby, the limit is 0, or the session is not live.
+kvc_status region_unmap_ranges_standby(kvc_region *r, const kvc_range *ranges, size_t n)
+{
+    kvc_status st = check_ranges(r, ranges, n);
+    if (st != KVC_OK)
+        return st;
+    std::lock_guard<std::mutex> g(r->mu);
+    kvc_session *s = r->session;
+    const uint64_t cap = r->standby_limit.load() / r->page;
+    uint64_t room = cap > r->standby_pages.load() ? cap - r->standby_pages.load() : 0;
+    if (!s->standby_ok.load() || s->life.ended.load() || s->resuming())
+        room = 0;
+    std::vector<std::vector<uint64_t>> per;
+    std::vector<uint64_t> rest;
+    slots_inside(r, ranges, n, per, rest);
+    std::vector<uint64_t> picked;
+    std::vector<uint8_t> taken(room ? r->mapped.size() : 0, 0);
+    for (size_t depth = 0, left = 1; room && left; depth++) {
+        left = 0;
+        for (size_t i = 0; i < n && picked.size() < room; i++) {
+            if (depth >= per[i].size())
+                continue;
+            left = 1;
+            uint64_t k = per[i][depth];
+            if (!taken[k]) {
+                taken[k] = 1;
+                picked.push_back(k);
+            }
+        }
+        if (picked.size() >= room)
+            break;
+    }
+    for (auto &v : per)
+        for (uint64_t k : v)
+            if (taken.empty() || !taken[k])
+                rest.push_back(k);
+    if (!picked.empty()) {
+        std::vector<uint64_t> ids;
+        ids.reserve(picked.size());
+        for (uint64_t k : picked)
+            ids.push_back(r->ids[k]);
+        size_t done = 0;
+        session_standby_ids(s, ids, &done);  // what the daemon did not take is freed below
+        for (size_t i = 0; i < picked.size(); i++) {
+            if (i < done)
+                r->mapped[picked[i]] = kSlotStandby;
+            else
+                rest.push_back(picked[i]);
+        }
+        r->standby_pages += done;
+    }
+    std::sort(rest.begin(), rest.end());
+    rest.erase(std::unique(rest.begin(), rest.end()), rest.end());
+    return region_unmap_slots(r, rest);
+}
+
+// Unmap and free up to `want` standby pages, the highest slots first;
+// *released (may be NULL) gets the bytes given back. r->mu held.
+static kvc_status release_standby_locked(kvc_region *r, uint64_t want, uint64_t *released)
+{
+    std::vector<uint64_t> slots;
+    for (uint64_t k = r->mapped.size(); k-- > 0 && slots.size() < want;)
+        if (r->mapped[k] == kSlotStandby)
+            slots.push_back(k);
+    std::sort(slots.begin(), slots.end());
+    const uint64_t before = r->standby_pages.load();
+    kvc_status st = region_unmap_slots(r, slots);
+    if (released)
+        *released = (before - r->standby_pages.load()) * r->page;
+    return st;
+}
+
+kvc_status region_release_standby(kvc_region *r, uint64_t bytes, uint64_t *released)
+{
+    std::lock_guard<std::mutex> g(r->mu);
+    uint64_t want = bytes / r->page + (bytes % r->page != 0);
+    return release_standby_locked(r, want, released);
+}
+
+kvc_status region_set_standby_limit(kvc_region *r, uint64_t bytes)
+{
+    std::lock_guard<std::mutex> g(r->mu);
+    r->standby_limit = bytes;
+    const uint64_t cap = bytes / r->page;
+    if (r->standby_pages.load() <= cap)
+        return KVC_OK;
+    return release_standby_locked(r, r->standby_pages.load() - cap, nullptr);
+}
+
+// The region's session ended (kvc_region_rebind): its standby pages are
+// unmapped here (no daemon counts them; the caller sees them unmapped
+// already). r->mu held.
+void region_orphan_standby_locked(kvc_region *r)
+{
+    for (uint64_t k = 0; k < r->mapped.size(); k++)
+        if (r->mapped[k] == kSlotStandby &&
+            kvc_mapper_unmap(r->session->mapper, r->base + k * r->page, r->page) == KVC_OK) {
+            r->mapped[k] = kSlotFree;
+            r->ids[k] = 0;
+            r->mapped_pages--;
+            r->standby_pages--;
+        }
 }
 
 void region_delete(kvc_region *r)

@@ -109,6 +109,7 @@ bool session_resume(kvc_session *s)
         // promise about the old daemon's pages (docs/protocol.md "Kept
         // handles"). Kept again only where it offers it.
         kvc_mapper_keep_reset(s->mapper, info.fd_channel_keep_handles() ? s->keep_limit : 0);
+        s->standby_ok = info.fd_channel_standby();
         std::vector<uint64_t> ids;
         bool sent = true;
         {

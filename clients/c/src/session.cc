@@ -167,6 +167,70 @@ kvc_status session_free_ids(kvc_session *s, const std::vector<uint64_t> &ids, si
     return st;
 }
 
+// Standby (docs/protocol.md "Standby pages"): FREE records with the standby
+// flag (at most 16384 ids each, each all or nothing): the pages stay held
+// and mapped, counted as standby by the daemon. *done gets how many of `ids`
+// (from the front) the daemon took as standby. Only while the session is
+// live (the caller unmaps and frees the pages plainly otherwise).
+kvc_status session_standby_ids(kvc_session *s, const std::vector<uint64_t> &ids, size_t *done)
+{
+    *done = 0;
+    if (ids.empty())
+        return KVC_OK;
+    kvc_status live = s->check_live();
+    if (live != KVC_OK)
+        return live;
+    std::shared_lock<std::shared_mutex> rw(s->link.rw);
+    live = s->check_live();
+    if (live != KVC_OK)
+        return live;
+    std::shared_ptr<Chan> ch = s->link.chan_copy();
+    std::vector<uint8_t> buf;
+    uint32_t t = s->conn->timeout_ms.load();
+    for (size_t i = 0; i < ids.size(); i += KVC_FD_MAX_FREE_IDS) {
+        uint32_t n = static_cast<uint32_t>(std::min<size_t>(KVC_FD_MAX_FREE_IDS, ids.size() - i));
+        buf.resize(KVC_FD_HEADER_SIZE + KVC_FD_FREE_FIXED + 8u * n);
+        uint64_t req = chan_next_req(ch.get());
+        size_t len = kvc_fd_encode_free_flags(buf.data(), buf.size(), req, &ids[i], n,
+                                              KVC_FD_FREE_STANDBY);
+        Chan::Reply rep;
+        kvc_status st =
+            chan_request(s, ch.get(), req, buf.data(), len, t, "Free (standby)", &rep, nullptr);
+        if (st != KVC_OK)
+            return st;
+        if (rep.code != 0) {
+            kvc_status k = kvc_status_from_grpc_code(static_cast<int>(rep.code));
+            return kvc_fail(k == KVC_OK ? KVC_ERR_PROTOCOL : k, "Free (standby): %s",
+                            rep.message.c_str());
+        }
+        *done = i + n;
+    }
+    return KVC_OK;
+}
+
+// USE records naming standby pages taken back into use, not waited for
+// (fresh request ids nobody waits for: their REPLYs are dropped). The record
+// only corrects the daemon's books, so nothing is sent while the session is
+// resuming or ended (a resume claims standby pages in use anyway).
+void session_use_nowait(kvc_session *s, const std::vector<uint64_t> &ids)
+{
+    if (ids.empty() || s->life.ended.load() || s->resuming())
+        return;
+    std::shared_lock<std::shared_mutex> rw(s->link.rw);
+    if (s->life.ended.load() || s->resuming())
+        return;
+    std::shared_ptr<Chan> ch = s->link.chan_copy();
+    std::vector<uint8_t> buf;
+    char err[256];
+    for (size_t i = 0; i < ids.size(); i += KVC_FD_MAX_FREE_IDS) {
+        uint32_t n = static_cast<uint32_t>(std::min<size_t>(KVC_FD_MAX_FREE_IDS, ids.size() - i));
+        buf.resize(KVC_FD_HEADER_SIZE + KVC_FD_FREE_FIXED + 8u * n);
+        size_t len = kvc_fd_encode_use(buf.data(), buf.size(), chan_next_req(ch.get()), &ids[i], n);
+        if (!len || kvc_fd_send(ch->fd, buf.data(), len, nullptr, 0, err, sizeof err) != KVC_OK)
+            return;  // the channel is gone: the session resumes (or ends) without it
+    }
+}
+
 // Keep a duplicate of each page fd (resumable sessions): ADOPT re-sends them.
 kvc_status keep_fds(kvc_session *s, const std::vector<uint64_t> &ids, const std::vector<int> &fds)
 {
@@ -365,7 +429,11 @@ kvc_status session_stats(kvc_session *s, kvc_stats *out)
             o.allocations_total = ss.allocations_total();
             o.frees_total = ss.frees_total();
             o.pid = ss.pid();
+            o.standby_bytes = ss.standby_bytes();
         }
+    for (const auto &d : resp.devices())
+        if (d.device().uuid() == s->device)
+            o.device_standby_bytes = d.pool().standby_bytes();
     o.sessions_open = resp.sessions_open();
     o.uptime_seconds = resp.uptime_seconds();
     std::memcpy(out, &o, std::min(sizeof o, out->struct_size ? out->struct_size : sizeof o));

@@ -2091,6 +2091,7 @@ TEST(KvcOwnDaemon, TestDriverFaultsOnCuda)
 // own count (kvc_session_kept_handles) is checked.
 struct DriverCalls {
     uint64_t import = 0, map = 0, release = 0;
+    uint64_t total = 0;  // every driver call of this process
     bool known = false;
 };
 
@@ -2113,6 +2114,7 @@ DriverCalls driver_calls()
         std::string name(b.data() + 32 + size_t(i) * namelen);
         uint64_t v;
         std::memcpy(&v, b.data() + 32 + size_t(nfn) * namelen + 8 * size_t(i), 8);
+        c.total += v;
         if (name == "cuMemImportFromShareableHandle")
             c.import = v;
         else if (name == "cuMemMap")
@@ -2267,6 +2269,135 @@ TEST(KvcOwnDaemon, DropReleasesKeptHandlesOnCuda)
     if (a.known)
         EXPECT_EQ(b.import - a.import, 1u);
     kvc_region_destroy(r);
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s));
+    kvc_client_destroy(c);
+}
+
+// Standby pages (docs/protocol.md "Standby pages", API 1.7), on the host
+// backend and on CUDA (the test driver's call counters): pages unmapped as
+// standby stay mapped and the session's (SessionStats.standby_bytes), keep
+// their bytes, and come back with no Allocate and no driver call; the limit
+// is honoured; release_standby, a plain unmap and destroy give them back.
+TEST(KvcOwnDaemon, StandbyPagesComeBackWithoutAllocate)
+{
+    Daemon d;
+    ASSERT_NO_FATAL_FAILURE(d.start({"--prealloc", "0"}));
+    kvc_client *c = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c));
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "standby";
+    kvc_session *s = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &s));
+    const uint64_t page = kvc_session_page_size(s);
+    auto stats = [&] {
+        kvc_stats st;
+        std::memset(&st, 0, sizeof st);
+        st.struct_size = sizeof st;
+        EXPECT_EQ(kvc_session_get_stats(s, &st), KVC_OK) << kvc_last_error();
+        EXPECT_EQ(st.struct_size, sizeof st);
+        return st;
+    };
+    kvc_region *r = nullptr;
+    KVC_OK_OR_FAIL(kvc_region_create(s, 8 * page, &r));
+    EXPECT_EQ(kvc_region_standby_limit(r), 0u);
+    KVC_OK_OR_FAIL(kvc_region_set_standby_limit(r, 4 * page));
+    EXPECT_EQ(kvc_region_standby_limit(r), 4 * page);
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 8 * page));
+    const char stamp[] = "kept as standby";
+    KVC_OK_OR_FAIL(kvc_region_write(r, page, stamp, sizeof stamp));
+
+    // One range of 8 pages, room for 4: the first 4 stay as standby.
+    kvc_range all = {0, 8 * page};
+    kvc_stats s0 = stats();
+    KVC_OK_OR_FAIL(kvc_region_unmap_ranges_standby(r, &all, 1));
+    EXPECT_EQ(kvc_region_standby_bytes(r), 4 * page);
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 0u);  // unmapped from the caller's view
+    EXPECT_EQ(kvc_region_is_mapped(r, 0, page), 0);
+    char got[sizeof stamp];
+    EXPECT_STATUS(KVC_ERR_FAILED_PRECONDITION, kvc_region_read(r, page, got, sizeof got));
+    KVC_OK_OR_FAIL(kvc_region_clear(r, 0xff));  // skips standby pages
+    kvc_stats s1 = stats();
+    EXPECT_EQ(s1.standby_bytes, 4 * page);
+    EXPECT_EQ(s1.device_standby_bytes, 4 * page);
+    EXPECT_EQ(s1.held_bytes, 4 * page);  // standby pages are held
+    EXPECT_EQ(s1.allocations_total, s0.allocations_total);
+    EXPECT_EQ(kvc_session_held_bytes(s), 4 * page);
+
+    // Mapped again: no Allocate, no driver call, the bytes as they were.
+    DriverCalls a = driver_calls();
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 4 * page));
+    DriverCalls b = driver_calls();
+    if (g_backend == "cuda") {
+        ASSERT_TRUE(a.known || !on_test_driver()) << "no live call counters from the test driver";
+        if (a.known)
+            EXPECT_EQ(b.total - a.total, 0u) << "a re-map from standby called the driver";
+    }
+    EXPECT_EQ(kvc_region_standby_bytes(r), 0u);
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 4 * page);
+    KVC_OK_OR_FAIL(kvc_region_read(r, page, got, sizeof got));
+    EXPECT_STREQ(got, stamp);  // not zeroed (and not cleared by kvc_region_clear)
+    EXPECT_TRUE(wait_until([&] { return stats().standby_bytes == 0; }, 5000))
+        << "the USE record did not reach the daemon";
+    kvc_stats s2 = stats();
+    EXPECT_EQ(s2.allocations_total, s1.allocations_total) << "a re-map from standby allocated";
+    EXPECT_EQ(s2.held_bytes, 4 * page);
+
+    // A map of standby and missing pages allocates only the missing ones.
+    KVC_OK_OR_FAIL(kvc_region_unmap_ranges_standby(r, &all, 1));
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 6 * page));
+    kvc_stats s3 = stats();
+    EXPECT_EQ(s3.allocations_total, s2.allocations_total + 1);
+    EXPECT_EQ(s3.held_bytes, 6 * page);
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 6 * page);
+
+    // Several ranges: the front of every range in turn.
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 8 * page));
+    kvc_range two[2] = {{0, 4 * page}, {4 * page, 4 * page}};
+    KVC_OK_OR_FAIL(kvc_region_unmap_ranges_standby(r, two, 2));
+    EXPECT_EQ(kvc_region_standby_bytes(r), 4 * page);
+    kvc_stats s4 = stats();
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 2 * page));
+    KVC_OK_OR_FAIL(kvc_region_map(r, 4 * page, 2 * page));
+    EXPECT_EQ(kvc_region_standby_bytes(r), 0u);
+    EXPECT_EQ(stats().allocations_total, s4.allocations_total);
+
+    // release_standby gives back what was asked (rounded up to pages).
+    KVC_OK_OR_FAIL(kvc_region_unmap_ranges_standby(r, &all, 1));
+    EXPECT_EQ(kvc_region_standby_bytes(r), 4 * page);
+    uint64_t released = 0;
+    KVC_OK_OR_FAIL(kvc_region_release_standby(r, page + 1, &released));
+    EXPECT_EQ(released, 2 * page);
+    EXPECT_EQ(kvc_region_standby_bytes(r), 2 * page);
+    EXPECT_EQ(stats().held_bytes, 2 * page);
+    // A lower limit frees the excess; a plain unmap frees standby pages.
+    KVC_OK_OR_FAIL(kvc_region_set_standby_limit(r, page));
+    EXPECT_EQ(kvc_region_standby_bytes(r), page);
+    EXPECT_EQ(stats().held_bytes, page);
+    KVC_OK_OR_FAIL(kvc_region_unmap(r, 0, 8 * page));
+    EXPECT_EQ(kvc_region_standby_bytes(r), 0u);
+    kvc_stats s5 = stats();
+    EXPECT_EQ(s5.held_bytes, 0u);
+    EXPECT_EQ(s5.standby_bytes, 0u);
+
+    // Limit 0: exactly kvc_region_unmap_ranges.
+    KVC_OK_OR_FAIL(kvc_region_set_standby_limit(r, 0));
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 8 * page));
+    KVC_OK_OR_FAIL(kvc_region_unmap_ranges_standby(r, &all, 1));
+    EXPECT_EQ(kvc_region_standby_bytes(r), 0u);
+    EXPECT_EQ(stats().held_bytes, 0u);
+
+    // Destroy gives standby pages back too.
+    KVC_OK_OR_FAIL(kvc_region_set_standby_limit(r, 8 * page));
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 8 * page));
+    KVC_OK_OR_FAIL(kvc_region_unmap_ranges_standby(r, &all, 1));
+    EXPECT_EQ(kvc_region_standby_bytes(r), 8 * page);
+    EXPECT_EQ(stats().standby_bytes, 8 * page);
+    kvc_region_destroy(r);
+    kvc_stats s6 = stats();
+    EXPECT_EQ(s6.held_bytes, 0u);
+    EXPECT_EQ(s6.standby_bytes, 0u);
+    EXPECT_EQ(kvc_session_held_bytes(s), 0u);
     EXPECT_STATUS(KVC_OK, kvc_session_close(s));
     kvc_client_destroy(c);
 }
