@@ -92,7 +92,7 @@ ggml_backend_buffer_t llama_kvcached_alloc_kv(ggml_context * ctx, ggml_backend_b
 size_t llama_kvcached_buffer_size(ggml_backend_buffer_t buf) {
     hook_timer kvc_t(HC_BUFFER_SIZE);
     if (kv_buffer * b = lookup(buf)) {
-        return API().kvc_region_mapped_bytes(b->region);
+        return API().kvc_region_mapped_bytes(b->region) + standby_of(b);  // physical: standby pages too
     }
     return ggml_backend_buffer_get_size(buf);
 }
