@@ -157,6 +157,10 @@ void llama_kvcached_trim(const void * owner) {
     if (!c) {
         return;
     }
+    // seq_rm / clear: a new prompt trims the old one's cells to standby just before its batch maps
+    // them again; the idle clock starts here too, so the hook's thread never gives that standby back
+    // in between (KVCACHED_STANDBY_IDLE_MS)
+    POLICY().last_batch = now_ms();
     if (!trim_owed_locked()) {
         trim_locked(c);
     }

@@ -37,6 +37,12 @@ LLAMA_CPP_ORIG = pathlib.Path(
 
 MiB = 1 << 20
 PAD = 256  # llama.cpp pads n_kv to 256 cells
+# KVCACHED_STANDBY_IDLE_MS's default, in seconds: a trim (warm-up, slot erase,
+# a shorter prompt) keeps pages as standby until no batch ran for this long
+# (docs/llama-cpp.md "Standby pages"). A check that needs every page back when
+# idle waits for that release: at most IDLE_RELEASE_WAIT seconds.
+STANDBY_IDLE_S = 1.0
+IDLE_RELEASE_WAIT = STANDBY_IDLE_S + 3
 
 # Ollama's llm/llama_server.go (v0.34.0) bufferSizeRegex, verbatim: it reads
 # these lines from the child's stderr as long as the child lives and keys

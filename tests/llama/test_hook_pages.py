@@ -16,8 +16,8 @@ import pytest
 
 import tiny_model
 from kvtest import ROOT, assert_books, wait_until
-from llamatest import (KVC, HTTPError, MiB, OLLAMA_LOG_FLAGS, ORIG, held, held_bound, kv_line_values, observe, ollama_buffers,
-                       session_of, text, used_cells)
+from llamatest import (IDLE_RELEASE_WAIT, KVC, HTTPError, MiB, OLLAMA_LOG_FLAGS, ORIG, held, held_bound, kv_line_values,
+                       observe, ollama_buffers, session_of, text, used_cells)
 
 PAGE2M = 2 << 20
 
@@ -43,11 +43,11 @@ def kv_cells(log: str) -> int:
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_every_page_comes_back_after_erase_and_reclaim(daemon_factory, servers, tmp_path, shape):
-    """2 MiB pages, tensors that are not whole pages: held is 0 after warm-up,
-    never above the cells read plus one page per tensor (nor stock rounded
-    up to one page) while serving, and
-    0 again after a slot erase and after a reclaim; the tokens are the
-    unpatched build's."""
+    """2 MiB pages, tensors that are not whole pages: held is 0 after warm-up
+    (once the idle release gave its standby back), never above the cells read
+    plus one page per tensor (nor stock rounded up to one page) while serving,
+    and 0 again after a slot erase (standby: after the idle release) and after
+    a reclaim; the tokens are the unpatched build's."""
     kw, ctx, kv_type, fa = SHAPES[shape]
     model = tiny_model.write(tmp_path / f"{shape}.gguf", seed=5, **kw)
     row = tiny_model.kv_row_bytes(kw["n_embd"], kw["n_head"], kw["n_head_kv"], kv_type)
@@ -73,7 +73,9 @@ def test_every_page_comes_back_after_erase_and_reclaim(daemon_factory, servers, 
               "tensor_bytes": tensor_bytes, "unpatched_bytes": 2 * n_layer * tensor_bytes, "rows": []}
     with observe(d) as c:
         assert session_of(c, srv.pid) is not None, srv.log_text()[-3000:]
-        assert held(c, srv.pid) == 0, "pages held after warm-up (nothing is cached then)"
+        # warm-up's pages stay as standby until KVCACHED_STANDBY_IDLE_MS passed without a batch
+        assert wait_until(lambda: held(c, srv.pid) == 0, timeout=IDLE_RELEASE_WAIT), \
+            ("pages held after warm-up (nothing is cached then)", session_of(c, srv.pid))
         report["rows"].append({"step": "after start", "cells_used": 0, "held_bytes": 0, "bound_bytes": 0})
         for p, w in zip(prompts, want):
             r = srv.complete(p, 12, id_slot=0)
@@ -84,9 +86,10 @@ def test_every_page_comes_back_after_erase_and_reclaim(daemon_factory, servers, 
             bound = min(held_bound([used], rows, PAGE2M) + whole_v_pages, stock_bound)
             report["rows"].append({"step": "prompt", "cells_used": used, "held_bytes": h, "bound_bytes": bound})
             assert used * row * len(rows) + whole_v <= h <= bound, (shape, used, h, bound)
-        # slot erase (needs --slot-save-path): the cache is empty, every page goes back
+        # slot erase (needs --slot-save-path): the cache is empty, every page goes back (what it keeps as
+        # standby once no batch ran for the idle time)
         srv.erase_slot(0)
-        assert wait_until(lambda: held(c, srv.pid) == 0, timeout=5), (shape, held(c, srv.pid))
+        assert wait_until(lambda: held(c, srv.pid) == 0, timeout=IDLE_RELEASE_WAIT), (shape, session_of(c, srv.pid))
         report["rows"].append({"step": "after erase", "cells_used": 0, "held_bytes": held(c, srv.pid), "bound_bytes": 0})
         # fill again, then the daemon asks for everything (admin shrink = a reclaim request)
         r = srv.complete(prompts[1], 12, id_slot=0)
@@ -110,7 +113,9 @@ def test_kv_line_follows_held_bytes_as_ollama_reads_it(daemon_factory, servers, 
     """With Ollama's log flags, the "KV buffer size" value Ollama's parser
     keeps (the last line per key) equals what the daemon says is held, after
     start, after growth, after erase and after a reclaim; at most one line
-    per second; memory_breakdown at exit agrees."""
+    per second; memory_breakdown at exit agrees. Held includes standby pages;
+    after start and after the erase it is 0 once the idle release gave them
+    back (KVCACHED_STANDBY_IDLE_MS, well inside WAIT)."""
     d = daemon_factory("host", memory_limit="256MiB", page_size=str(64 << 10))
     srv = servers(KVC, models[0], kvc_socket=d.socket, ctx=8192, parallel=1, log_flags=OLLAMA_LOG_FLAGS,
                   extra=["--slot-save-path", str(tmp_path)])

@@ -20,7 +20,7 @@ import pytest
 
 import tiny_model
 from kvtest import ROOT, assert_books, wait_until
-from llamatest import KVC, ORIG, PAD, PROMPTS, held, observe, session_of, text, tokens_of
+from llamatest import IDLE_RELEASE_WAIT, KVC, ORIG, PAD, PROMPTS, held, observe, session_of, text, tokens_of
 
 PAGE = 64 << 10          # daemon page size in these tests (a multiple of the host granularity)
 ROW = tiny_model.N_EMBD * 2   # bytes per cell of one K (or V) tensor, F16
@@ -67,7 +67,9 @@ def test_pages_grow_with_context_and_shrink(daemon_factory, servers, models):
     srv = servers(KVC, models[0], kvc_socket=d.socket, ctx=8192, parallel=2)
     with observe(d) as c:
         assert session_of(c, srv.pid) is not None, "llama-server opened no daemon session"
-        assert held(c, srv.pid) == 0, "warm-up pages were not given back"
+        # warm-up's pages stay as standby until no batch ran for KVCACHED_STANDBY_IDLE_MS
+        assert wait_until(lambda: held(c, srv.pid) == 0, timeout=IDLE_RELEASE_WAIT), \
+            ("warm-up pages were not given back", session_of(c, srv.pid))
         # the KV buffer size line reports physical bytes (nothing mapped yet)
         assert re.search(r"CPU KV buffer size =\s+0\.00 MiB", srv.log_text())
         seen = []
@@ -82,13 +84,19 @@ def test_pages_grow_with_context_and_shrink(daemon_factory, servers, models):
         r1 = srv.complete(text(1000, 5), 16, id_slot=1)
         h2 = held(c, srv.pid)
         assert h2 > seen[2]
-        # slot 0 takes a short unrelated prompt: its cells past the new prompt go back
+        # slot 0 takes a short unrelated prompt: its cells past the new prompt are no longer in use at
+        # once (kept as standby for the next grow), and go back once no batch ran for the idle time
         r = srv.complete("Zzz short", 8, id_slot=0)
-        h3 = held(c, srv.pid)
-        assert h3 < h2, (h2, h3)
+        s3 = session_of(c, srv.pid)
         used1 = r1["tokens_evaluated"] + r1["tokens_predicted"]
         used0 = r["tokens_evaluated"] + r["tokens_predicted"]
-        assert h3 <= need_bytes([used0 + PAD, used1 + PAD])
+        in_use = s3.held_bytes - s3.standby_bytes
+        assert in_use < h2, (h2, s3)
+        assert in_use <= need_bytes([used0 + PAD, used1 + PAD]), (in_use, s3)
+        assert wait_until(lambda: session_of(c, srv.pid).standby_bytes == 0, timeout=IDLE_RELEASE_WAIT), \
+            session_of(c, srv.pid)
+        h3 = held(c, srv.pid)
+        assert h3 == in_use < h2, (h2, h3, in_use)
         # the daemon asks for pages (admin shrink = a reclaim request): the
         # idle slots are cleared and everything goes back
         sid = session_of(c, srv.pid).id
@@ -205,6 +213,8 @@ def test_report_kv_bytes_held_vs_context(daemon_factory, servers, models, page):
     reserved = tiny_model.KV_BYTES_PER_TOKEN_F16 * 8192
     rows = []
     with observe(d) as c:
+        # after start: 0 once the idle release gave warm-up's standby pages back
+        wait_until(lambda: held(c, srv.pid) == 0, timeout=IDLE_RELEASE_WAIT)
         rows.append({"tokens": 0, "held_bytes": held(c, srv.pid)})
         for n_chars in (100, 600, 1200, 2500, 5000, 9000):
             r = srv.complete(text(n_chars, 100 + n_chars), 8, id_slot=0)
