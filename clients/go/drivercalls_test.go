@@ -20,7 +20,14 @@ func driverCalls(t *testing.T) map[string]uint64 {
 	if cudaCalls == "" {
 		t.Fatal("no CUDA test driver: its call counters are not on")
 	}
-	data, err := os.ReadFile(filepath.Join(cudaCalls, strconv.Itoa(os.Getpid())))
+	return driverCallsOf(t, cudaCalls, os.Getpid())
+}
+
+// driverCallsOf reads the call counters process pid left in dir (its
+// KVCACHED_TESTDRV_CALLS): they stay after the process exits.
+func driverCallsOf(t *testing.T, dir string, pid int) map[string]uint64 {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join(dir, strconv.Itoa(pid)))
 	if errors.Is(err, fs.ErrNotExist) {
 		return map[string]uint64{} // the driver is not loaded yet: no call so far
 	}
