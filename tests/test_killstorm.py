@@ -35,9 +35,14 @@ def run_storm(d, tmp_path, *, kills: int, concurrency: int, max_pages: int, max_
         # descriptors per page (host: the memfd; cuda test driver: its memfd
         # and the exported fd), measured, after a first allocation opened
         # whatever the backend opens once
+        # (each measured at rest: the pages given back are zeroed in the
+        # background, after the Free is answered, and that work may hold a
+        # descriptor of its own for a moment)
         s.free(s.allocate(1))
+        assert wait_until(lambda: c.stats().total.pages_zeroing == 0, timeout=10)
         f0, n0 = daemon_fds(d), c.stats().total.pages_pooled
         s.free(s.allocate(n0 + 8))
+        assert wait_until(lambda: c.stats().total.pages_zeroing == 0, timeout=10)
         st = c.stats()
         base_pages = st.total.pages_pooled + st.total.pages_in_use
         base_fds = daemon_fds(d)
