@@ -39,7 +39,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 from .. import errors, fdchannel
 from ..backends.base import Backend
@@ -90,6 +90,14 @@ class Allocated(NamedTuple):
         """The delivery is over (sent or not): close what was made for it."""
         if self.owned:
             fdchannel.close_fds(list(self.owned))
+
+
+def _by_device(pages: Iterable[Page]) -> dict[str, list[Page]]:
+    """Pages grouped by their device (pool uuid), in order."""
+    out: dict[str, list[Page]] = {}
+    for page in pages:
+        out.setdefault(page.device, []).append(page)
+    return out
 
 
 class Daemon:
@@ -322,9 +330,7 @@ class Daemon:
         self.counters["sessions_crashed" if crashed else "sessions_closed"] += 1
         if not self.shutting_down:
             self.recovery.ended(s)
-        by_pool: dict[str, list[Page]] = {}
-        for page in s.pages.values():
-            by_pool.setdefault(page.device, []).append(page)
+        by_pool = _by_device(s.pages.values())
         n = len(s.pages)
         for pool in self.pools.values():
             pool.keepers.forget(s)  # its client lets its kept handles go with the session
@@ -447,9 +453,7 @@ class Daemon:
         with _Observation(self, "Free"):
             s = self.identity.resolve(who, "Free")
             pages = self._held(s, page_ids)
-            by_pool: dict[str, list[Page]] = {}
-            for page in pages:
-                by_pool.setdefault(page.device, []).append(page)
+            by_pool = _by_device(pages)
             for uuid, group in by_pool.items():
                 s.remove_pages(group)
                 if s.asks:
@@ -470,10 +474,7 @@ class Daemon:
         all or nothing, checked as a Free. Returns pages named."""
         with _Observation(self, "Free"):
             pages = self._held(s, page_ids)
-            by_pool: dict[str, list[Page]] = {}
-            for page in pages:
-                by_pool.setdefault(page.device, []).append(page)
-            for uuid, group in by_pool.items():
+            for uuid, group in _by_device(pages).items():
                 self.pools[uuid].set_standby(group, True)
             s.frees_total += 1
             s.touch()
@@ -484,13 +485,9 @@ class Daemon:
         hold, or holds in use, are no error. Returns pages changed."""
         if not page_ids:
             raise errors.InvalidArgument("page_ids is empty: name the pages to use")
-        by_pool: dict[str, list[Page]] = {}
-        for pid in page_ids:
-            page = s.pages.get(pid)
-            if page is not None and page.standby:
-                by_pool.setdefault(page.device, []).append(page)
+        standby = (p for p in map(s.pages.get, page_ids) if p is not None and p.standby)
         s.touch()
-        return sum(self.pools[u].set_standby(g, False) for u, g in by_pool.items())
+        return sum(self.pools[u].set_standby(g, False) for u, g in _by_device(standby).items())
 
     def _held(self, s: Session, page_ids: list[int]) -> list[Page]:
         """The pages a Free names, checked (all or nothing)."""
