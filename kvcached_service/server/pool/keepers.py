@@ -50,12 +50,13 @@ class Keepers:
         self.silent = silent  # ends a session that did not answer (session, pages asked)
         self.timeout = timeout
         self._by_session: dict["Session", dict[int, Page]] = {}
+        self._kept = 0  # pages with at least one keeper (GetStats and metrics read it: no walk over every keep)
         self._changed: asyncio.Event | None = None
         self.counters = KeepCounters()
 
     def __len__(self) -> int:
         """Pages with at least one keeper."""
-        return len({id(p) for pages in self._by_session.values() for p in pages.values()})
+        return self._kept
 
     def keeps(self, session: "Session") -> int:
         """Pages `session` keeps a handle of."""
@@ -68,6 +69,8 @@ class Keepers:
         for p in pages:
             if p.keepers is None:
                 p.keepers = set()
+            if not p.keepers:
+                self._kept += 1
             p.keepers.add(session)
             mine[p.id] = p
 
@@ -80,7 +83,7 @@ class Keepers:
         for pid in page_ids:
             p = mine.pop(pid, None)
             if p is not None:
-                p.keepers.discard(session)  # type: ignore[union-attr]
+                self._unkeep(p, session)
                 n += 1
         if not mine:
             del self._by_session[session]
@@ -94,8 +97,13 @@ class Keepers:
         mine = self._by_session.pop(session, None)
         if mine:
             for p in mine.values():
-                p.keepers.discard(session)  # type: ignore[union-attr]
+                self._unkeep(p, session)
             self._wake()
+
+    def _unkeep(self, p: Page, session: "Session") -> None:
+        p.keepers.discard(session)  # type: ignore[union-attr]
+        if not p.keepers:
+            self._kept -= 1
 
     async def release_ready(self, pages: list[Page]) -> None:
         """Return once no page of `pages` has a keeper: each keeper is sent
