@@ -623,16 +623,7 @@ class ChannelServer:
     def send_later(self, conn: Conn, data: bytes) -> None:
         """A record the daemon sends on its own (DROP) that found no room:
         sent when there is, within fd_send_timeout, or the session ends."""
-        async def send() -> None:
-            try:
-                await conn.send(data, [], self.settings.fd_send_timeout)
-            except DeliveryFailed as exc:
-                if conn.closed:
-                    return
-                self.daemon.count("fd_channel_errors")
-                log.warning("fd channel %d (pid %d uid %d): %s; ending its session", conn.id, conn.pid, conn.uid, exc)
-                self._drop(conn, errors.Unavailable(f"session ended: {exc}"))
-        task = asyncio.get_running_loop().create_task(send())
+        task = asyncio.get_running_loop().create_task(self._reply(conn, data))  # a REPLY's path: room, or the session ends
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
