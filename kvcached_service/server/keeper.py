@@ -367,14 +367,19 @@ def fdname(page_id: int) -> str:
             return "~" + digits
 
 
+_MAX_NAME = 1 + 11  # "~" and a u64 in base 64 (64^11 = 2^66)
+
+
 def page_of(name: str) -> int | None:
-    """The page id of an fd store name, or None for a name that is not one."""
-    if len(name) < 2 or name[0] != "~" or any(ch not in _B64_VALUE for ch in name[1:]):
+    """The page id of an fd store name, or None for a name that is not one
+    (also a name longer than any page's, or naming an id beyond 2^64-1:
+    systemd hands back whatever names it holds, up to 128 KiB of them)."""
+    if not 2 <= len(name) <= _MAX_NAME or name[0] != "~" or any(ch not in _B64_VALUE for ch in name[1:]):
         return None
     n = 0
     for ch in name[1:]:
         n = n * 64 + _B64_VALUE[ch]
-    return n
+    return n if n < 1 << 64 else None
 
 
 def store_format_of(name: str) -> int | None:
@@ -384,7 +389,7 @@ def store_format_of(name: str) -> int | None:
         return 1
     if name.startswith("~") and "." in name:
         head = name[1:].split(".", 1)[0]
-        if head.isdigit() and len(head) <= 6:
+        if head.isascii() and head.isdigit() and len(head) <= 6:  # int() takes other scripts' digits too
             return int(head)
     return None
 
@@ -400,11 +405,15 @@ def listen_fds(env: dict | None = None, pid: int | None = None) -> list[tuple[st
         if int(env.get("LISTEN_PID", "0")) != pid:
             return []
         n = int(env.get("LISTEN_FDS", "0"))
-    except ValueError:
-        return []
+    except ValueError:  # sd_listen_fds unsets them on this failure too
+        n = 0
     names = env.get("LISTEN_FDNAMES", "").split(":") if env.get("LISTEN_FDNAMES") else []
     for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
         env.pop(var, None)
+    # no fd can be numbered at or above the hard open-file limit (fs.nr_open
+    # caps it): LISTEN_FDS=99999999999 is not a minute of failed syscalls
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    n = min(n, (1 << 20 if hard == resource.RLIM_INFINITY else hard) - LISTEN_FDS_START)
     out = []
     for i in range(max(0, n)):
         fd = LISTEN_FDS_START + i

@@ -1,0 +1,72 @@
+"""The fuzz targets' committed corpora, replayed without a fuzzing engine
+(tests/fuzz/targets.py; docs/fuzzing.md), and the findings of the fuzz runs
+as regression tests. Every input must pass its target: no exception but the
+decoder's documented errors, every contract check holding."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fuzz"))
+import targets  # noqa: E402
+
+
+@pytest.mark.parametrize("target", targets.TARGETS)
+def test_corpus_and_seeds_pass(target):
+    fn = getattr(targets, target)
+    inputs = [p.read_bytes() for p in sorted((targets.CORPUS / target).glob("*"))] + targets.seeds(target)
+    assert len(inputs) >= 5
+    for data in inputs:
+        fn(data)
+
+
+def test_fd_channel_corpora_pass_the_python_decoder():
+    """The C and Go targets' corpora are in the same format: the Python decoder must hold on them too."""
+    for name in ("c_fdchannel", "go_fdchannel"):
+        for p in sorted((targets.CORPUS / name).glob("*")):
+            targets.fdchannel(p.read_bytes())
+
+
+def test_store_names_in_other_scripts_digits_are_not_a_format():
+    """Found by inspection while writing the keeper_names target: "~²3.x"
+    made store_format_of call int("²3") (str.isdigit is true for it): a
+    ValueError out of SystemdStore.take_all, so a daemon given that fd name
+    by systemd failed to start."""
+    from kvcached_service.server.keeper import store_format_of
+
+    assert store_format_of("~²3.x") is None
+    assert store_format_of("~٣.x") is None  # int() would read it as 3
+    assert store_format_of("~3.x") == 3
+    targets.keeper_names(b"\x02~\xc2\xb23.x:~1")
+
+
+def test_store_names_longer_than_any_page_are_not_pages():
+    """page_of read a name of any length as a number: one 128 KiB name (as
+    much as LISTEN_FDNAMES holds) cost 4 s of big-integer arithmetic and
+    gave an id far beyond 2^64."""
+    from kvcached_service.server.keeper import fdname, page_of
+
+    t0 = time.monotonic()
+    assert page_of("~" + "_" * (128 << 10)) is None
+    assert time.monotonic() - t0 < 0.1
+    assert page_of(fdname((1 << 64) - 1)) == (1 << 64) - 1
+    assert page_of("~" + "_" * 11) is None  # 2^66 - 1
+    assert page_of("~0") == 0
+
+
+def test_listen_fds_bounds_its_count_and_unsets_on_a_bad_one():
+    """LISTEN_FDS=99999999999 made listen_fds try 10^11 descriptors (a
+    hang at start); a LISTEN_FDS that is not a number left the LISTEN_*
+    variables for children (sd_listen_fds unsets them on that failure too)."""
+    from kvcached_service.server.keeper import listen_fds
+
+    t0 = time.monotonic()
+    env = {"LISTEN_PID": "9", "LISTEN_FDS": "99999999999", "LISTEN_FDNAMES": "~1"}
+    listen_fds(env, pid=9)
+    assert time.monotonic() - t0 < 5 and env == {}
+    env = {"LISTEN_PID": "9", "LISTEN_FDS": "x", "LISTEN_FDNAMES": "~1"}
+    assert listen_fds(env, pid=9) == [] and env == {}
