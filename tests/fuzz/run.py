@@ -1,0 +1,44 @@
+"""Run one Python fuzz target under atheris (libFuzzer's engine, coverage of
+the kvcached_service modules it imports). docs/fuzzing.md says how.
+
+  python tests/fuzz/run.py TARGET [libFuzzer flags] [CORPUS_DIR...]
+
+With no corpus dir given, the target's committed corpus
+(tests/fuzz/corpus/TARGET) and its seeds (written to build/fuzz/seeds/TARGET)
+are read and nothing is written back; new inputs then go nowhere. The first
+directory given is where libFuzzer writes new inputs (and -merge=1 output).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import atheris
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import targets  # noqa: E402  (not instrumented: the harness, not the code under test)
+
+with atheris.instrument_imports(include=["kvcached_service"]):
+    import kvcached_service.config  # noqa: F401
+    import kvcached_service.fdchannel  # noqa: F401
+    import kvcached_service.server.journal  # noqa: F401
+    import kvcached_service.server.keeper  # noqa: F401
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in targets.TARGETS:
+        sys.exit(f"usage: run.py {{{','.join(targets.TARGETS)}}} [libFuzzer flags] [CORPUS_DIR...]")
+    name = sys.argv[1]
+    args = [sys.argv[0]] + sys.argv[2:]
+    dirs = [a for a in args[1:] if not a.startswith("-")]
+    if not dirs:
+        args += [str(targets.CORPUS / name), str(targets.write_seeds(name, targets.ROOT / "build" / "fuzz" / "seeds" / name))]
+    elif "-merge=1" not in args:
+        args.append(str(targets.write_seeds(name, targets.ROOT / "build" / "fuzz" / "seeds" / name)))
+    atheris.Setup(args, getattr(targets, name))
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()
