@@ -1,10 +1,10 @@
 # kvcached-service: two commands for a fresh machine.
 #   make serve   set up, then run the daemon on /tmp/kvcached.sock
-#   make test    set up, then run every test suite (Python, Go, C, llama.cpp, Ollama, GPU bundle dry run)
+#   make test    set up, then run every test suite (Python, Go, C, llama.cpp, Ollama, GPU bundle dry run, fuzzing)
 SOCKET ?= /tmp/kvcached.sock
 ARGS ?=
 
-.PHONY: serve test setup testdriver test-python test-go test-c test-packaging test-llama test-ollama test-gpu-bundle
+.PHONY: serve test setup testdriver test-python test-go test-c test-packaging test-llama test-ollama test-gpu-bundle test-fuzz
 
 setup:
 	@scripts/setup.sh --dev
@@ -37,6 +37,9 @@ test-ollama: setup testdriver
 
 test-gpu-bundle: setup testdriver
 	scripts/test-gpu-bundle.sh
+
+test-fuzz: setup
+	scripts/test-fuzz.sh
 
 test: setup testdriver
 	scripts/test-all.sh

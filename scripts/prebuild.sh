@@ -19,6 +19,8 @@
 #     ollama      Ollama's Go binaries, its test packages compiled
 #                 (test-ollama.sh --build-only)
 #     gpu-bundle  the dry run's bundle (scripts/gpu-bundle.sh)         -> test-gpu-bundle.sh
+#     fuzz        atheris, the C fuzz target, Go's fuzzing build
+#                 (test-fuzz.sh --build-only)
 #
 # Each step's output goes to build/prebuild/STEP.log; build/prebuild/STEP.rc
 # holds its exit status once it ended (test-all.sh waits for that file).
@@ -33,7 +35,7 @@ chrt --idle -p 0 $$ 2>/dev/null || renice -n 19 -p $$ >/dev/null 2>&1 || true
 ionice -c 3 -p $$ 2>/dev/null || true
 
 steps=("$@")
-[[ ${#steps[@]} -gt 0 ]] || steps=(go c packaging llama ollama gpu-bundle)
+[[ ${#steps[@]} -gt 0 ]] || steps=(go c packaging llama ollama gpu-bundle fuzz)
 mkdir -p "$S"
 for s in "${steps[@]}"; do rm -f "$S/$s.rc"; done
 
@@ -45,7 +47,8 @@ run_step() {
     llama) scripts/test-llama.sh --build-only ;;
     ollama) scripts/test-ollama.sh --build-only ;;
     gpu-bundle) scripts/gpu-bundle.sh "$ROOT/build/gpu-bundle/dry-run/bundle" ;;
-    *) echo "prebuild: no step $1 (go, c, packaging, llama, ollama, gpu-bundle)" >&2; return 2 ;;
+    fuzz) scripts/test-fuzz.sh --build-only ;;
+    *) echo "prebuild: no step $1 (go, c, packaging, llama, ollama, gpu-bundle, fuzz)" >&2; return 2 ;;
   esac
 }
 

@@ -4,6 +4,7 @@
 #   scripts/test-python.sh  scripts/test-go.sh  scripts/test-c.sh  scripts/test-packaging.sh
 #   scripts/test-llama.sh  scripts/test-ollama.sh (after test-llama.sh: it reuses its llama.cpp builds)
 #   scripts/test-gpu-bundle.sh (the offline GPU bundle's dry run; reuses build/c and the Go build cache)
+#   scripts/test-fuzz.sh (a short run of every decoder's coverage-guided fuzz target, docs/fuzzing.md)
 # Meanwhile scripts/prebuild.sh makes the later suites' builds in the
 # background at idle priority (KVC_PREBUILD=0: no prebuild); before a suite
 # it feeds, this waits until the prebuild's step for that suite has ended.
@@ -11,8 +12,8 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 
-suites=(python go c packaging llama ollama gpu-bundle)
-prebuilt=(go c packaging llama ollama gpu-bundle)   # scripts/prebuild.sh's steps, one per suite
+suites=(python go c packaging llama ollama gpu-bundle fuzz)
+prebuilt=(go c packaging llama ollama gpu-bundle fuzz)   # scripts/prebuild.sh's steps, one per suite
 declare -A result seconds
 failed=0
 T0=$SECONDS
