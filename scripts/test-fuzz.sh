@@ -70,6 +70,15 @@ if want c_fdchannel; then
       -Iclients/c/include -Iclients/c/src "${src[@]}" -o "$bin" || { echo "test-fuzz: the C target did not build" >&2; exit 1; }
   fi
 fi
+if want fdchannel; then
+  # the C decoder as a shared library: the Python target's differential check
+  so="$B/c/libkvcfd.so"
+  if [[ ! -f "$so" ]] || [[ -n "$(find tests/fuzz/c/classify.c clients/c/src/fdchannel.[ch] clients/c/include/kvcached.h -newer "$so")" ]]; then
+    mkdir -p "$B/c"
+    gcc -O1 -shared -fPIC -Iclients/c/include -Iclients/c/src tests/fuzz/c/classify.c clients/c/src/fdchannel.c -o "$so" \
+      || { echo "test-fuzz: the C decoder library did not build" >&2; exit 1; }
+  fi
+fi
 # seeds of every target from the shared vectors and fixtures (the Go target
 # reads the vectors itself)
 .venv/bin/python - <<'EOF' || exit 1

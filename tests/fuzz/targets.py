@@ -84,6 +84,8 @@ def fdchannel(data: bytes) -> None:
         if ids is not None:
             _check(all(0 <= i < 1 << 64 for i in ids), "a page id out of u64")
             _check(len(ids) <= fc.MAX_FREE_IDS, f"{len(ids)} page ids")
+    if not flags & 3:  # (the C decoder has no MSG_TRUNC/MSG_CTRUNC inputs)
+        _c_agrees(rec, nfds)
     # decode_hot reads what it accepts as decode() does (its docstring; the
     # daemon calls it only for records without descriptors or MSG_*TRUNC)
     hot = fc.decode_hot(rec)
@@ -98,6 +100,56 @@ def fdchannel(data: bytes) -> None:
             _, req, pid, fl = hot
             _check(isinstance(full, fc.FreeReq) and (full.req_id, full.page_ids, full.flags) == (req, (pid,), fl),
                    f"decode_hot {hot} but decode {full}")
+
+
+_CLIB = ROOT / "build" / "fuzz" / "c" / "libkvcfd.so"  # tests/fuzz/c/classify.c, built by scripts/test-fuzz.sh
+_clib = None
+
+
+def _c_agrees(rec: bytes, nfds: int) -> None:
+    """Differential check: the C client's decoder (kvc_fd_decode_any, loaded
+    from _CLIB when it was built) answers as this one: ok with the same type
+    and page count, or the same malformed request (req_id, REPLY message),
+    or a protocol error."""
+    global _clib
+    if _clib is None:
+        import ctypes
+
+        if not _CLIB.exists():
+            _clib = False
+            return
+        _clib = ctypes.CDLL(str(_CLIB))
+        _clib.kvc_fuzz_err.restype = ctypes.c_char_p
+    if _clib is False:
+        return
+    import ctypes
+
+    from kvcached_service import fdchannel as fc
+
+    req, typ, count = ctypes.c_uint64(), ctypes.c_uint32(), ctypes.c_uint32()
+    st = _clib.kvc_fuzz_classify(rec, len(rec), nfds, ctypes.byref(req), ctypes.byref(typ), ctypes.byref(count))
+    try:
+        out = fc.decode(rec, list(range(nfds)))
+    except fc.MalformedRequest as exc:
+        _check(st == 1 and req.value == exc.req_id and _clib.kvc_fuzz_err().decode("utf-8", "replace") == exc.message,
+               f"Python: {exc.message!r} (req_id {exc.req_id}); C: status {st}, req_id {req.value}, {_clib.kvc_fuzz_err()!r}")
+        return
+    except fc.ProtocolError as exc:
+        # The one known difference: the C client takes a DROP of up to
+        # max_free_ids (16,384) ids, by design (clients/c/src/fdchannel.h,
+        # KVC_FD_MAX_RECV); the spec and this decoder stop at max_drop_ids
+        # (519), which is all the daemon sends (docs/fuzzing.md).
+        if st == 0 and typ.value == fc.DROP and fc.MAX_DROP_IDS < count.value <= fc.MAX_FREE_IDS:
+            return
+        _check(st == 10, f"Python: protocol error {exc}; C: status {st} ({_clib.kvc_fuzz_err()!r})")
+        return
+    kind = {v: k for k, v in fc.NAMES.items()}
+    name = {"AllocateReq": "ALLOCATE", "FreeReq": "FREE", "CloseReq": "CLOSE", "AnswerReq": "ANSWER",
+            "DroppedReq": "DROPPED", "UseReq": "USE"}.get(type(out).__name__, type(out).__name__.upper())
+    _check(st == 0 and typ.value == kind[name], f"Python: {out!r:.200}; C: status {st}, type {typ.value} ({_clib.kvc_fuzz_err()!r})")
+    ids = getattr(out, "page_ids", None)
+    if ids is not None:
+        _check(count.value == len(ids), f"Python: {len(ids)} page ids; C: count {count.value}")
 
 
 # ---------------------------------------------------------------- journal
