@@ -90,6 +90,9 @@ func TestMain(m *testing.M) {
 	if os.Getenv(keptRollbackEnv) != "" {
 		os.Exit(keptRollbackMain())
 	}
+	if os.Getenv(unmapRunsEnv) != "" {
+		os.Exit(unmapRunsMain())
+	}
 	// The CUDA driver is loaded once per process, so its environment is
 	// fixed here for every test (and inherited by helper processes).
 	if drv, err := testDriver(); err == nil {

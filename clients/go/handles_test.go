@@ -67,7 +67,7 @@ func TestKeptHandleCache(t *testing.T) {
 	unmapAll := func(n int) {
 		t.Helper()
 		for i := 0; i < n; i++ {
-			if err := m.unmapPage(addr(i), ps); err != nil {
+			if err := m.unmap(addr(i), ps); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -193,7 +193,7 @@ func TestKeptHandleCacheOff(t *testing.T) {
 		if d["cuMemImportFromShareableHandle"] != 1 || d["cuMemRelease"] != 1 || k.count() != 0 || k.Keeps(a.IDs()) {
 			t.Fatalf("limit %d, on %v: calls %v, %d kept", k.limit, k.on, d, k.count())
 		}
-		if err := mm.unmapPage(base, ps); err != nil {
+		if err := mm.unmap(base, ps); err != nil {
 			t.Fatal(err)
 		}
 		if err := mm.release(base, ps); err != nil {
@@ -297,7 +297,7 @@ func keptRollbackMain() int {
 	if err := mm.mapRun(base, run(0), ps); err != nil {
 		return fail("first map: %v", err)
 	}
-	if err := mm.unmapPage(base, ps); err != nil {
+	if err := mm.unmap(base, ps); err != nil {
 		return fail("%v", err)
 	}
 	// Pages 0 (kept: cuMemMap 2), 1 (imported to keep: 3) and 2 (4
@@ -317,7 +317,7 @@ func keptRollbackMain() int {
 		return fail("%d kept, want 3", k.count())
 	}
 	for i := 0; i < 3; i++ {
-		if err := mm.unmapPage(base+uintptr(uint64(i)*ps), ps); err != nil {
+		if err := mm.unmap(base+uintptr(uint64(i)*ps), ps); err != nil {
 			return fail("%v", err)
 		}
 	}

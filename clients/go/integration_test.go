@@ -262,7 +262,7 @@ s.close()
 			}
 		}
 		for i := 0; i < n; i++ {
-			if err := m.unmapPage(base+uintptr(uint64(i)*ps), ps); err != nil {
+			if err := m.unmap(base+uintptr(uint64(i)*ps), ps); err != nil {
 				t.Fatal(err)
 			}
 		}

@@ -19,8 +19,12 @@ type mapper interface {
 	// maps a page whose handle the session kept without an import
 	// (keptHandles).
 	mapRun(addr uintptr, run pageRun, size uint64) error
-	// unmapPage unmaps a page; the range stays reserved.
-	unmapPage(addr uintptr, size uint64) error
+	// unmap unmaps [addr, addr+size): one page, or a run of adjacent pages
+	// (whole mappings, as mapRun made them) with one call (CUDA: one
+	// cuMemUnmap over the run's mappings); the range stays reserved.
+	// Region unmaps each run of adjacent pages it gives back with one call,
+	// and a run refused page by page.
+	unmap(addr uintptr, size uint64) error
 	// write and read copy bytes to and from mapped memory.
 	write(addr uintptr, p []byte) error
 	read(addr uintptr, p []byte) error
@@ -56,15 +60,15 @@ func newMapper(dev Device, kept *keptHandles) (mapper, error) {
 
 // mapEach is mapRun for a mapper that maps page by page (mapPage closes its
 // file in every case): all or nothing, every file closed.
-func mapEach(mapPage func(uintptr, *os.File, uint64) error, unmapPage func(uintptr, uint64) error,
+func mapEach(mapPage func(uintptr, *os.File, uint64) error, unmap func(uintptr, uint64) error,
 	addr uintptr, files []*os.File, size uint64) error {
 	for i, f := range files {
 		if err := mapPage(addr+uintptr(uint64(i)*size), f, size); err != nil {
 			for _, rest := range files[i+1:] {
 				_ = rest.Close()
 			}
-			for j := 0; j < i; j++ {
-				_ = unmapPage(addr+uintptr(uint64(j)*size), size)
+			if i > 0 {
+				_ = unmap(addr, uint64(i)*size) // the pages mapped so far: one run
 			}
 			return err
 		}

@@ -10,7 +10,8 @@ import (
 // cudaMapper maps CUDA pages: import the fd (by value), cuMemMap at offset 0
 // into our own reservation, cuMemRelease the imported handle, close the fd;
 // then one cuMemSetAccess for our ordinal over the run of pages mapped
-// together. With the session's cache of kept handles (keptHandles,
+// together; unmapping is one cuMemUnmap per page or run of adjacent pages
+// unmapped together. With the session's cache of kept handles (keptHandles,
 // docs/protocol.md "Kept handles") a page whose handle the session kept is
 // mapped from it (the fd is closed, nothing imported or released), and an
 // imported handle is kept instead of released while the cache has room.
@@ -69,9 +70,13 @@ func (m *cudaMapper) mapRun(addr uintptr, run pageRun, size uint64) error {
 	return nil
 }
 
-func (m *cudaMapper) unmapPage(addr uintptr, size uint64) error {
+// unmap is one cuMemUnmap over [addr, addr+size): a page or a run of
+// adjacent pages (the driver unmaps a range made of several whole
+// mappings in one call). Nothing is kept per address: kept handles are by
+// page id.
+func (m *cudaMapper) unmap(addr uintptr, size uint64) error {
 	if err := m.dev.Unmap(uint64(addr), size); err != nil {
-		return cudaErr("unmapping a page", err)
+		return cudaErr(fmt.Sprintf("unmapping %d bytes", size), err)
 	}
 	return nil
 }

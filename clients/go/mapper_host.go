@@ -9,7 +9,8 @@ import (
 
 // hostMapper maps memfd pages: a reservation is a PROT_NONE anonymous
 // mapping; a page is mapped over its slot with MAP_FIXED|MAP_SHARED and
-// unmapped by putting PROT_NONE anonymous memory back.
+// unmapped by putting PROT_NONE anonymous memory back (one mmap over a
+// page or a run of adjacent pages).
 type hostMapper struct{}
 
 func newHostMapper(Device, *keptHandles) (mapper, error) { return hostMapper{}, nil }
@@ -41,7 +42,7 @@ func (hostMapper) release(base uintptr, size uint64) error {
 // mapRun maps page by page (mmap costs the same); host pages are never
 // kept (a mapping costs one mmap either way).
 func (m hostMapper) mapRun(addr uintptr, run pageRun, size uint64) error {
-	return mapEach(m.mapPage, m.unmapPage, addr, run.files, size)
+	return mapEach(m.mapPage, m.unmap, addr, run.files, size)
 }
 
 func (hostMapper) mapPage(addr uintptr, f *os.File, size uint64) error {
@@ -57,11 +58,11 @@ func (hostMapper) mapPage(addr uintptr, f *os.File, size uint64) error {
 	return nil
 }
 
-func (hostMapper) unmapPage(addr uintptr, size uint64) error {
+func (hostMapper) unmap(addr uintptr, size uint64) error {
 	_, err := unix.MmapPtr(-1, 0, ptr(addr), uintptr(size), unix.PROT_NONE,
 		unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_FIXED|unix.MAP_NORESERVE)
 	if err != nil {
-		return mappingErr("unmapping a page", err)
+		return mappingErr("unmapping pages", err)
 	}
 	return nil
 }

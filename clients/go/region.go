@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"slices"
 	"sync"
 )
 
@@ -227,14 +228,22 @@ func (r *Region) Map(ctx context.Context, off, length uint64) error {
 			a.Pages[k+x].File = nil
 		}
 		if err := r.m.mapRun(r.addr(missing[k]), run, r.page); err != nil {
-			// Roll back: unmap what this call mapped, give everything back.
+			// Roll back: unmap what this call mapped (by runs), give back
+			// everything but a page whose unmap failed (still mapped: it
+			// stays on the books, as unmapSlotsLocked keeps it).
+			_, _ = r.unmapSlotsLocked(ctx, missing[:k], false)
+			stuck := map[uint64]bool{}
 			for _, j := range missing[:k] {
-				_ = r.m.unmapPage(r.addr(j), r.page)
-				r.slots[j] = slot{}
-				r.mapped--
+				if r.slots[j].mapped {
+					stuck[r.slots[j].id] = true
+				}
+			}
+			ids := a.IDs()
+			if len(stuck) > 0 {
+				ids = slices.DeleteFunc(ids, func(id uint64) bool { return stuck[id] })
 			}
 			a.Close()
-			_ = r.p.freePages(context.WithoutCancel(ctx), a.IDs())
+			_ = r.p.freePages(context.WithoutCancel(ctx), ids)
 			r.restandby(ctx, back)
 			return err
 		}
@@ -304,16 +313,48 @@ func (r *Region) unmapLocked(ctx context.Context, first, end int, free bool) err
 	return err
 }
 
-// unmapSlotsLocked unmaps the mapped slots idx (standby or not) and, with
-// free, frees their pages in one Free call. It returns the pages unmapped.
+// unmapSlotsLocked unmaps the mapped slots idx (standby or not, in any
+// order) and, with free, frees their pages in one Free call, in the order
+// of idx. Each run of adjacent slots is unmapped with one mapper call over
+// the run (on CUDA one cuMemUnmap over the run's mappings); a run the
+// mapper refuses is unmapped page by page, and a page whose unmap fails
+// stays mapped and on the books (not freed). It returns the pages unmapped
+// and the first unmap error (joined with Free's).
 func (r *Region) unmapSlotsLocked(ctx context.Context, idx []int, free bool) (int, error) {
-	var ids []uint64
-	var errs []error
-	for _, i := range idx {
-		if err := r.m.unmapPage(r.addr(i), r.page); err != nil {
-			errs = append(errs, err) // still mapped: keep it (and do not Free it)
+	sorted := slices.Clone(idx)
+	slices.Sort(sorted)
+	sorted = slices.Compact(sorted)
+	gone := make(map[int]bool, len(sorted))
+	var first error
+	for k := 0; k < len(sorted); {
+		n := 1
+		for k+n < len(sorted) && sorted[k+n] == sorted[k+n-1]+1 {
+			n++
+		}
+		run := sorted[k : k+n]
+		k += n
+		if n > 1 && r.m.unmap(r.addr(run[0]), uint64(n)*r.page) == nil {
+			for _, i := range run {
+				gone[i] = true
+			}
 			continue
 		}
+		for _, i := range run { // one page, or a run refused: page by page
+			if err := r.m.unmap(r.addr(i), r.page); err != nil {
+				if first == nil {
+					first = err
+				}
+				continue // still mapped: keep it (and do not Free it)
+			}
+			gone[i] = true
+		}
+	}
+	ids := make([]uint64, 0, len(gone))
+	for _, i := range idx {
+		if !gone[i] {
+			continue
+		}
+		delete(gone, i)
 		ids = append(ids, r.slots[i].id)
 		if r.slots[i].standby {
 			r.standby--
@@ -321,10 +362,9 @@ func (r *Region) unmapSlotsLocked(ctx context.Context, idx []int, free bool) (in
 		r.slots[i] = slot{}
 		r.mapped--
 	}
+	errs := []error{first}
 	if free && len(ids) > 0 {
-		if err := r.p.freePages(ctx, ids); err != nil {
-			errs = append(errs, err)
-		}
+		errs = append(errs, r.p.freePages(ctx, ids))
 	}
 	return len(ids), errors.Join(errs...)
 }

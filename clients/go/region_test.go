@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"slices"
 	"testing"
 )
 
@@ -83,7 +84,8 @@ func (f *fakePager) freePages(_ context.Context, ids []uint64) error {
 
 func (f *fakePager) forget(*Region) {}
 
-// fakeMapper tracks which addresses are mapped; can fail the Nth map.
+// fakeMapper tracks which addresses are mapped; can fail the Nth map, and
+// refuse unmaps (as the CUDA test driver's KVCACHED_TESTDRV_FAIL would).
 type fakeMapper struct {
 	mapped   map[uintptr]bool
 	maps     int
@@ -91,6 +93,10 @@ type fakeMapper struct {
 	failAt   int
 	released bool
 	mem      map[uintptr][]byte
+
+	unmaps      []int            // pages per unmap call, refused ones included
+	refuseRuns  bool             // refuse every unmap of more than one page
+	refuseUnmap map[uintptr]bool // refuse every unmap that covers this page
 }
 
 func (m *fakeMapper) reserve(size uint64) (uintptr, error) { return 1 << 30, nil }
@@ -100,7 +106,7 @@ func (m *fakeMapper) release(base uintptr, size uint64) error {
 }
 func (m *fakeMapper) mapRun(addr uintptr, run pageRun, size uint64) error {
 	m.runs++
-	return mapEach(m.mapPage, m.unmapPage, addr, run.files, size)
+	return mapEach(m.mapPage, m.unmap, addr, run.files, size)
 }
 func (m *fakeMapper) mapPage(addr uintptr, f *os.File, size uint64) error {
 	m.maps++
@@ -113,11 +119,25 @@ func (m *fakeMapper) mapPage(addr uintptr, f *os.File, size uint64) error {
 	m.mapped[addr] = true
 	return nil
 }
-func (m *fakeMapper) unmapPage(addr uintptr, size uint64) error {
-	if !m.mapped[addr] {
-		return errors.New("unmap of unmapped page")
+
+// unmap of one page or a run of adjacent ones: every page of the range
+// must be mapped (the test driver's cuMemUnmap: whole mappings, no holes).
+func (m *fakeMapper) unmap(addr uintptr, size uint64) error {
+	m.unmaps = append(m.unmaps, int(size/pg))
+	if m.refuseRuns && size > pg {
+		return newError(ErrMapping, "fake", "run unmap refused")
 	}
-	delete(m.mapped, addr)
+	for a := addr; a < addr+uintptr(size); a += pg {
+		if !m.mapped[a] {
+			return errors.New("unmap of unmapped page")
+		}
+		if m.refuseUnmap[a] {
+			return newError(ErrMapping, "fake", "unmap refused")
+		}
+	}
+	for a := addr; a < addr+uintptr(size); a += pg {
+		delete(m.mapped, a)
+	}
 	return nil
 }
 func (m *fakeMapper) write(addr uintptr, p []byte) error {
@@ -337,12 +357,123 @@ func TestHostMapperMemfd(t *testing.T) {
 	if string(got) != "span" {
 		t.Fatalf("read back %q", got)
 	}
-	for i := 0; i < 2; i++ {
-		if err := m.unmapPage(base+uintptr(i*pg), pg); err != nil {
-			t.Fatal(err)
-		}
+	// The two pages unmapped with one call (a run): fresh pages mapped there
+	// again read zeros, not "span".
+	if err := m.unmap(base, 2*pg); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.mapRun(base, pageRun{files: []*os.File{memfdPage(t, pg), memfdPage(t, pg)}}, pg); err != nil {
+		t.Fatal(err)
+	}
+	_ = m.read(base+pg-2, got)
+	if string(got) != "\x00\x00\x00\x00" {
+		t.Fatalf("after unmapping the run and mapping fresh pages: read %q", got)
+	}
+	if err := m.unmap(base, 2*pg); err != nil {
+		t.Fatal(err)
 	}
 	if err := m.release(base, 4*pg); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// Unmapping gives back each run of adjacent pages with one mapper unmap
+// (one cuMemUnmap on CUDA): one run is one call, two runs two calls; a
+// refused run is unmapped page by page and everything freed; a page that
+// cannot be unmapped stays mapped, on the books and not freed, and the
+// error is returned.
+func TestRegionUnmapsRunsOfAdjacentPages(t *testing.T) {
+	ctx := context.Background()
+	r, p, m := newFakeRegion(t, 8*pg)
+	if err := r.Map(ctx, 0, 8*pg); err != nil {
+		t.Fatal(err)
+	}
+	// One run: one call.
+	m.unmaps = nil
+	if err := r.Unmap(ctx, 0, 3*pg); err != nil {
+		t.Fatal(err)
+	}
+	if !equalInts(m.unmaps, []int{3}) || len(p.frees) != 1 || len(p.frees[0]) != 3 || len(p.held) != 5 {
+		t.Fatalf("Unmap of one run: unmap calls (pages each) %v, frees %v, %d held", m.unmaps, p.frees, len(p.held))
+	}
+	// Two runs (pages 0-1 and 3-7, page 2 unmapped before): two calls.
+	if err := r.Map(ctx, 0, 8*pg); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Unmap(ctx, 2*pg, pg); err != nil {
+		t.Fatal(err)
+	}
+	m.unmaps, p.frees = nil, nil
+	if err := r.Trim(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !equalInts(m.unmaps, []int{2, 5}) || len(p.frees) != 1 || len(p.frees[0]) != 7 || len(p.held) != 0 || len(m.mapped) != 0 {
+		t.Fatalf("Trim of two runs: unmap calls %v, frees %v, %d held, %d mapped", m.unmaps, p.frees, len(p.held), len(m.mapped))
+	}
+	// ReleasePages: standby pages 2, 3 and the page in use 4 are one run
+	// (the Free still names them in the order given: standby first).
+	p.standby = true
+	if err := r.Map(ctx, 0, 5*pg); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.UnmapStandby(ctx, 2*pg, 2*pg); err != nil {
+		t.Fatal(err)
+	}
+	want := idsOf(r, 3, 2, 4)
+	m.unmaps, p.frees = nil, nil
+	if n, err := r.ReleasePages(ctx, 3, 0); err != nil || n != 3 || !equalInts(m.unmaps, []int{3}) || !slices.Equal(p.frees[0], want) {
+		t.Fatalf("ReleasePages(3): %d, %v; unmap calls %v, freed %v (want %v)", n, err, m.unmaps, p.frees, want)
+	}
+	// A refused run: page by page, everything unmapped and freed.
+	if err := r.Map(ctx, 0, 8*pg); err != nil {
+		t.Fatal(err)
+	}
+	m.unmaps, p.frees, m.refuseRuns = nil, nil, true
+	if err := r.Unmap(ctx, 0, 4*pg); err != nil {
+		t.Fatalf("Unmap with the run refused: %v", err)
+	}
+	if !equalInts(m.unmaps, []int{4, 1, 1, 1, 1}) || len(p.frees) != 1 || len(p.frees[0]) != 4 || r.MappedBytes() != 4*pg || len(m.mapped) != 4 {
+		t.Fatalf("refused run: unmap calls %v, frees %v, %d mapped", m.unmaps, p.frees, r.MappedBytes())
+	}
+	// A page that cannot be unmapped (5, in the run 4-6): kept and not
+	// freed; the others go; the error says so.
+	stuck := idsOf(r, 5)[0]
+	m.unmaps, p.frees, m.refuseUnmap = nil, nil, map[uintptr]bool{r.addr(5): true}
+	if err := r.Unmap(ctx, 4*pg, 3*pg); !errors.Is(err, ErrMapping) {
+		t.Fatalf("Unmap with page 5 refused: %v", err)
+	}
+	if !equalInts(m.unmaps, []int{3, 1, 1, 1}) || len(p.frees) != 1 || slices.Contains(p.frees[0], stuck) || len(p.frees[0]) != 2 {
+		t.Fatalf("a stuck page: unmap calls %v, frees %v (page %d must not be freed)", m.unmaps, p.frees, stuck)
+	}
+	if !r.IsMapped(5*pg, pg) || r.MappedBytes() != 2*pg || !p.held[stuck] || !m.mapped[r.addr(5)] {
+		t.Fatalf("a stuck page: mapped %v, %d bytes mapped, held %v", r.IsMapped(5*pg, pg), r.MappedBytes(), p.held[stuck])
+	}
+	// Once the mapper lets go, Close gives it back with the rest.
+	m.refuseUnmap, m.refuseRuns = nil, false
+	if err := r.Close(ctx); err != nil || len(p.held) != 0 || len(m.mapped) != 0 || !m.released {
+		t.Fatalf("Close: %v, %d held, %d mapped", err, len(p.held), len(m.mapped))
+	}
+}
+
+// A Map that fails rolls back by runs; a page it cannot unmap stays
+// mapped and held (not freed), the others are given back.
+func TestRegionMapRollbackKeepsAPageItCannotUnmap(t *testing.T) {
+	ctx := context.Background()
+	r, p, m := newFakeRegion(t, 8*pg)
+	if err := r.Map(ctx, 2*pg, pg); err != nil { // pages 0-3 are then runs 0-1 and 3
+		t.Fatal(err)
+	}
+	m.failAt = m.maps + 3 // page 3
+	m.refuseUnmap = map[uintptr]bool{r.addr(0): true}
+	m.unmaps = nil
+	if err := r.Map(ctx, 0, 4*pg); !errors.Is(err, ErrMapping) {
+		t.Fatalf("got %v", err)
+	}
+	if !equalInts(m.unmaps, []int{2, 1, 1}) || !r.IsMapped(0, pg) || r.IsMapped(pg, pg) || r.MappedBytes() != 2*pg || len(p.held) != 2 {
+		t.Fatalf("after rollback: unmap calls %v, %d bytes mapped, %d held", m.unmaps, r.MappedBytes(), len(p.held))
+	}
+	m.refuseUnmap = nil
+	if err := r.Close(ctx); err != nil || len(p.held) != 0 || len(m.mapped) != 0 {
+		t.Fatalf("Close: %v, %d held, %d mapped", err, len(p.held), len(m.mapped))
 	}
 }

@@ -443,7 +443,8 @@ func (d *Device) Release(handles []Handle) error {
 	return err
 }
 
-// Unmap unmaps [p, p+size).
+// Unmap unmaps [p, p+size) with one cuMemUnmap: one mapping, or several
+// whole adjacent ones (a run of pages).
 func (d *Device) Unmap(p, size uint64) error {
 	var where *C.char
 	return check(d.t, C.kvc_unmap(d.t, d.ctx, C.CUdeviceptr(p), C.size_t(size), &where), where)
