@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Coverage-guided fuzzing of every decoder (docs/fuzzing.md): six targets,
-#   fdchannel, journal, keeper_names, config   Python, atheris (tests/fuzz/run.py)
-#   c_fdchannel                                C client, libFuzzer + ASan + UBSan (tests/fuzz/c)
-#   go_fdchannel                               Go client, go test -fuzz (clients/go/internal/fdchan)
+# Coverage-guided fuzzing of every decoder (docs/fuzzing.md): seven targets,
+#   fdchannel, journal, keeper_names, keeper_records, config   Python, atheris (tests/fuzz/run.py)
+#   c_fdchannel                                                C client, libFuzzer + ASan + UBSan (tests/fuzz/c)
+#   go_fdchannel                                               Go client, go test -fuzz (clients/go/internal/fdchan)
 # each seeded with the shared wire vectors (or fixtures) and its committed
 # corpus (tests/fuzz/corpus/TARGET). Any crash, hang (an input over -timeout
 # seconds) or memory over the limits fails the run; libFuzzer leaves the
@@ -36,14 +36,14 @@ case "${1:-}" in
   *) echo "usage: scripts/test-fuzz.sh [--long SECONDS | --merge | --build-only]" >&2; exit 2 ;;
 esac
 ATHERIS=atheris==3.0.0
-PY_TARGETS=(fdchannel journal keeper_names config)
-ALL=(fdchannel journal keeper_names config c_fdchannel go_fdchannel)
+PY_TARGETS=(fdchannel journal keeper_names keeper_records config)
+ALL=(fdchannel journal keeper_names keeper_records config c_fdchannel go_fdchannel)
 read -r -a TARGETS <<<"${FUZZ_TARGETS:-${ALL[*]}}"
 # seconds of the short run per target (about 60 in all)
-declare -A SHORT=([fdchannel]=8 [journal]=10 [keeper_names]=8 [config]=12 [c_fdchannel]=8 [go_fdchannel]=12)
+declare -A SHORT=([fdchannel]=8 [journal]=9 [keeper_names]=7 [keeper_records]=7 [config]=10 [c_fdchannel]=7 [go_fdchannel]=12)
 # per-target input size limit (bytes): the fd channel's largest record is a
 # FREE of 16,384 ids (131,104 bytes)
-declare -A MAXLEN=([fdchannel]=140000 [journal]=16384 [keeper_names]=4096 [config]=4096 [c_fdchannel]=140000)
+declare -A MAXLEN=([fdchannel]=140000 [journal]=16384 [keeper_names]=4096 [keeper_records]=66000 [config]=4096 [c_fdchannel]=140000)
 B="$ROOT/build/fuzz"
 mkdir -p "$B/artifacts" "$B/seeds"
 log() { printf '\033[1m[fuzz]\033[0m %s\n' "$*"; }

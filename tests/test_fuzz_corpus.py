@@ -99,3 +99,53 @@ def test_listen_fds_bounds_its_count_and_unsets_on_a_bad_one():
     assert time.monotonic() - t0 < 5 and env == {}
     env = {"LISTEN_PID": "9", "LISTEN_FDS": "x", "LISTEN_FDNAMES": "~1"}
     assert listen_fds(env, pid=9) == [] and env == {}
+
+
+def test_keeper_survives_records_it_cannot_read():
+    """Found by the keeper_records target: a record of 64 KiB of "[" raised
+    RecursionError out of the keeper's _recv and {"op": "drop", "ids": [[1]]}
+    a TypeError out of its handling; either ended the keeper process, and
+    with it every page fd it held. Now both are refused and the store kept.
+    A TAKE that came with descriptors leaked them."""
+    import os
+    import socket
+
+    from kvcached_service.server import keeper as kp
+
+    with pytest.raises(ValueError):
+        kp.decode(b"[" * 65000, [])
+    k = kp.Keeper.__new__(kp.Keeper)
+    fd = os.open(os.devnull, os.O_RDONLY)
+    k.store = {1: fd}
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        for msg in ({"op": "drop", "ids": [[1]]}, {"op": "put", "ids": 5}, {"op": "drop", "ids": [True]}):
+            k.handle(a, msg, [])
+            assert k.store == {1: fd}
+        extra = os.open(os.devnull, os.O_RDONLY)
+        k.handle(a, {"op": "take"}, [extra])
+        with pytest.raises(OSError):
+            os.fstat(extra)
+    finally:
+        kp.close_fds(k.store.values())
+        a.close()
+        b.close()
+
+
+def test_daemon_refuses_a_take_answer_that_is_not_pages():
+    """The daemon's side (take_reply): "ids" that are not a list raised a
+    TypeError out of PageStore.take_all (a failed start); ids and fds of
+    different counts leaked the extra fds (zip). Now ValueError, fds closed."""
+    import os
+
+    from kvcached_service.server import keeper as kp
+
+    for msg, n in (({"op": "pages", "ids": 5}, 1), ({"op": "pages", "ids": [1]}, 2), ({"op": "pages", "ids": [1, 1]}, 2)):
+        fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(n)]
+        with pytest.raises(ValueError):
+            kp.take_reply(msg, fds, {})
+        for fd in fds:
+            with pytest.raises(OSError):
+                os.fstat(fd)
+    with pytest.raises(kp.StoreTooNew):
+        kp.take_reply({"op": "pages", "format": 2, "ids": []}, [], {})

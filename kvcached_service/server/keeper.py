@@ -88,14 +88,30 @@ def _recv(sock: socket.socket) -> tuple[dict | None, list[int]]:
     if not data:
         close_fds(fds)
         return None, []
+    return decode(data, fds), fds
+
+
+def decode(data: bytes, fds: list[int]) -> dict:
+    """One record's JSON object; ValueError (its fds closed) for anything
+    else, also JSON nested too deep for the parser (64 KiB of "[")."""
     try:
-        obj = json.loads(data)
+        try:
+            obj = json.loads(data)
+        except RecursionError:
+            raise ValueError("JSON nested too deep") from None
         if not isinstance(obj, dict):
             raise ValueError("not an object")
     except ValueError:
         close_fds(fds)
         raise
-    return obj, fds
+    return obj
+
+
+def _page_ids(v) -> list[int] | None:
+    """A record's "ids": a list of page ids (integers, 0 to 2^64-1), else None."""
+    if isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1 << 64 for i in v):
+        return v
+    return None
 
 
 # ---- the keeper process -----------------------------------------------------------------
@@ -190,8 +206,16 @@ class Keeper:
             if self.store:
                 log.info("daemon gone: holding %d page fds for %.0f s", len(self.store), self.grace)
             return
-        op, ids = msg.get("op"), msg.get("ids", [])
-        if op == "put" and len(ids) == len(fds):
+        self.handle(conn, msg, fds)
+
+    def handle(self, conn: socket.socket, msg: dict, fds: list[int]) -> None:
+        """One record from the daemon (its fds are the keeper's now: stored
+        or closed). A record of the wrong shape is logged and ignored."""
+        op, ids = msg.get("op"), _page_ids(msg.get("ids", []))
+        if ids is None:
+            log.warning("ignored a record whose ids are not page ids: %.80s with %d fds", msg, len(fds))
+            close_fds(fds)
+        elif op == "put" and len(ids) == len(fds):
             for pid, fd in zip(ids, fds):
                 old = self.store.pop(pid, None)
                 if old is not None:
@@ -201,6 +225,7 @@ class Keeper:
             close_fds([self.store.pop(pid) for pid in ids if pid in self.store])
             close_fds(fds)
         elif op == "take":
+            close_fds(fds)
             items = sorted(self.store.items())
             for i in range(0, max(len(items), 1), BATCH):
                 chunk = items[i:i + BATCH]
@@ -238,6 +263,24 @@ class StoreTooNew(Exception):
             f"the page store ({where}) is format {fmt!r:.40}, written by a newer kvcached; this daemon reads format "
             f"{STORE_READS[-1]}. Nothing was taken out of it: start the newer daemon again to resume its sessions"
         )
+
+
+def take_reply(msg: dict, fds: list[int], out: dict[int, int], where: str = "the keeper") -> bool:
+    """One `pages` record of the keeper's answer to TAKE, added to `out`
+    ({id: fd}); True when it was the last. Its fds are the caller's: in
+    `out`, or closed when the record is refused (ValueError: not the pages
+    it says; StoreTooNew: a format this daemon does not read, the keeper
+    keeping its own fds)."""
+    fmt = msg.get("format", 1)
+    if isinstance(fmt, bool) or fmt not in STORE_READS:
+        close_fds(fds)
+        raise StoreTooNew(where, fmt)
+    ids = _page_ids(msg.get("ids"))
+    if msg.get("op") != "pages" or ids is None or len(ids) != len(fds) or len(set(ids)) != len(ids) or set(ids) & out.keys():
+        close_fds(fds)
+        raise ValueError(f"not a pages record: {json.dumps(msg)[:80]} with {len(fds)} fds")
+    out.update(zip(ids, fds))
+    return bool(msg.get("last"))
 
 
 class PageStore:
@@ -287,14 +330,14 @@ class PageStore:
                 msg, fds = _recv(self._sock)
                 if msg is None:
                     raise StoreUnavailable("the keeper closed the connection")
-                if msg.get("format", 1) not in STORE_READS:  # its fds are duplicates: the keeper keeps its own
-                    close_fds(fds)
+                try:
+                    last = take_reply(msg, fds, out, f"the keeper of {self.path}")
+                except StoreTooNew:
                     close_fds(out.values())
-                    raise StoreTooNew(f"the keeper of {self.path}", msg.get("format"))
-                out.update(zip(msg["ids"], fds))
-                if msg.get("last"):
+                    raise
+                if last:
                     return out
-        except (OSError, ValueError, KeyError, StoreUnavailable) as exc:
+        except (OSError, ValueError, StoreUnavailable) as exc:
             close_fds(out.values())
             self._lost(exc)
             return {}

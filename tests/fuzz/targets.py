@@ -13,6 +13,9 @@ that breaks the decoder's own contract (the checks below). The engine
   keeper_names  kvcached_service.server.keeper: systemd's fd store names
                 (page_of, store_format_of, SystemdStore.take_all) and the
                 LISTEN_* variables they come in (listen_fds)
+  keeper_records  kvcached_service.server.keeper: the keeper's records
+                (decode; Keeper.handle, as the keeper reads the daemon's;
+                take_reply, as the daemon reads the keeper's answer to TAKE)
   config        kvcached_service.config.load_settings: a TOML file and
                 KVCACHED_* variables
 
@@ -26,6 +29,7 @@ fixtures):
   keeper_names  [LISTEN_FDS u8][LISTEN_FDNAMES bytes, UTF-8 with
                 replacement]; LISTEN_FDS 255 means "the text before the
                 first ':' of the rest is LISTEN_FDS itself"
+  keeper_records  [nfds u8 (mod 8)][the record's JSON bytes]
   config        TOML text, then optionally b"\\0ENV\\0" and NAME=VALUE lines
                 (KVCACHED_ is prepended to each NAME)
 """
@@ -42,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 VECTORS = ROOT / "protos" / "kvcached" / "v1" / "fdchannel.vectors.json"
 CORPUS = Path(__file__).resolve().parent / "corpus"
-TARGETS = ("fdchannel", "journal", "keeper_names", "config")
+TARGETS = ("fdchannel", "journal", "keeper_names", "keeper_records", "config")
 
 # The decoders log what they refuse (a torn journal line, fds that are not
 # pages): nothing a fuzz run wants to print a million times.
@@ -228,6 +232,67 @@ def keeper_names(data: bytes) -> None:
             raise Finding(f"take_all neither returned nor closed fd {fd}")
 
 
+# ---------------------------------------------------------------- page store records
+def _fds_closed_or_in(fds: list[int], kept, what: str) -> None:
+    kept = set(kept)
+    for fd in fds:
+        if fd in kept:
+            continue
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue
+        os.close(fd)
+        raise Finding(f"{what}: fd {fd} neither kept nor closed")
+
+
+def keeper_records(data: bytes) -> None:
+    import socket
+
+    from kvcached_service.server import keeper as kp
+
+    if not data:
+        return
+    nfds, raw = data[0] % 8, data[1:]
+    devnull = lambda: os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)  # noqa: E731
+    fds = [devnull() for _ in range(nfds)]
+    try:
+        msg = kp.decode(raw, fds)
+    except ValueError:
+        _fds_closed_or_in(fds, (), "decode refused the record")
+        return
+    _check(isinstance(msg, dict), f"decode gave {type(msg).__name__}")
+    # the keeper reads it: a store of two pages, the daemon at the other end
+    k = kp.Keeper.__new__(kp.Keeper)
+    k.store = {1: devnull(), 2: devnull()}
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        k.handle(a, msg, fds)
+        _fds_closed_or_in(fds, k.store.values(), f"Keeper.handle({msg!r:.80})")
+        b.setblocking(False)
+        while True:
+            try:
+                _, got, _, _ = socket.recv_fds(b, kp.MAX_MSG, kp.BATCH)
+            except BlockingIOError:
+                break
+            kp.close_fds(got)
+    finally:
+        kp.close_fds(k.store.values())
+        a.close()
+        b.close()
+    # the daemon reads it as an answer to TAKE
+    fds = [devnull() for _ in range(nfds)]
+    out = {7: devnull()}
+    try:
+        last = kp.take_reply(msg, fds, out)
+        _check(isinstance(last, bool), f"last {last!r}")
+    except (ValueError, kp.StoreTooNew):
+        pass
+    _check(all(isinstance(p, int) and 0 <= p < 1 << 64 for p in out), f"page ids {list(out)[:5]}")
+    _fds_closed_or_in(fds, out.values(), f"take_reply({msg!r:.80})")
+    kp.close_fds(out.values())
+
+
 # ---------------------------------------------------------------- config
 _CONFIG_FILE: Path | None = None
 
@@ -308,6 +373,13 @@ def _keeper_seeds() -> list[bytes]:
     return [b"\x06" + names.encode(), b"\x03~1:~2.Zm9v:stored-socket", b"\xff12:~1:~1:~A", b"\x02~:~~", b"\x01~3.x"]
 
 
+def _keeper_record_seeds() -> list[bytes]:
+    recs = [({"op": "put", "ids": [5, 6]}, 2), ({"op": "drop", "ids": [1, 5]}, 0), ({"op": "take"}, 0),
+            ({"op": "clear"}, 0), ({"op": "pages", "format": 1, "ids": [3, 4], "last": True}, 2),
+            ({"op": "pages", "format": 2, "ids": [], "last": True}, 0), ({"op": "put", "ids": [1]}, 3)]
+    return [bytes([n]) + json.dumps(r).encode() for r, n in recs] + [b"\x01[[[[", b"\x00{}"]
+
+
 def _config_seeds() -> list[bytes]:
     return [
         b'memory_limit = "8GiB"\npage_size = "2MiB"\nprealloc = "256MiB"\nsocket_mode = "0660"\n',
@@ -321,7 +393,7 @@ def _config_seeds() -> list[bytes]:
 
 def seeds(target: str) -> list[bytes]:
     return {"fdchannel": _vector_seeds, "journal": _journal_seeds, "keeper_names": _keeper_seeds,
-            "config": _config_seeds}[target]()
+            "keeper_records": _keeper_record_seeds, "config": _config_seeds}[target]()
 
 
 def write_seeds(target: str, into: Path) -> Path:
