@@ -228,17 +228,21 @@ def predict(cuda: dict, host: dict, table: dict, run_cost: str | None = None, se
                     lambda rc, se, calls=calls, hv=hs[key]["pairs_per_s"]: rate(hv, 64, calls["client_per_op"], calls["daemon_per_op"],
                                                                                  table, run_cost=rc, serial=se))
     if "reclaim" in cuda and "reclaim" in host:
-        c, h = cuda["reclaim"], host["reclaim"]
-        calls = _calls(c["daemon_reclaim"])
-        if calls:
+        for c, h in ((cuda["reclaim"], host["reclaim"]), (cuda["reclaim"].get("large"), host["reclaim"].get("large"))):
+            calls = _calls(c["daemon_reclaim"]) if c and h else None
+            if not calls:
+                continue
             gib = c["moved_bytes"] / (1 << 30)
+            pages = "" if c.get("page_size", table["page_size"]) == table["page_size"] else f", {c['page_size'] >> 20} MiB pages"
             hv = h["daemon_reclaim"]["p50_us"]
-            add("3 Reclaim", f"move {gib:.2f} GiB idle->new (median of {c['reps']})", "kvcached", "ms", c["daemon_reclaim"]["p50_us"] / 1e3,
-                hv / 1e3, lambda rc, se: latency(hv, calls["client_per_op"], calls["daemon_per_op"], table, run_cost=rc), scale=1e3)
+            add("3 Reclaim", f"move {gib:.2f} GiB idle->new{pages} (median of {c['reps']})", "kvcached", "ms",
+                c["daemon_reclaim"]["p50_us"] / 1e3, hv / 1e3,
+                lambda rc, se, calls=calls, hv=hv: latency(hv, calls["client_per_op"], calls["daemon_per_op"], table, run_cost=rc),
+                scale=1e3)
             b = _calls(c["baseline_unload_reload"])
             if b:
                 hb = h["baseline_unload_reload"]["p50_us"]
-                add("3 Reclaim", f"unload+reload in-process (median of {c['reps']})", "baseline", "ms",
+                add("3 Reclaim", f"unload+reload in-process{pages} (median of {c['reps']})", "baseline", "ms",
                     c["baseline_unload_reload"]["p50_us"] / 1e3, hb / 1e3,
-                    lambda rc, se: latency(hb, b["client_per_op"], empty, table, run_cost=rc), scale=1e3)
+                    lambda rc, se, b=b, hb=hb: latency(hb, b["client_per_op"], empty, table, run_cost=rc), scale=1e3)
     return rows

@@ -137,11 +137,14 @@ def figures(res: dict) -> list[dict]:
                 rows.append(_row("2 Allocate+Free 1 page", f"C client: this tree vs {ref}, 64 clients pairs/s",
                                  cc["tput_64"]["pairs_per_s"], occ["tput_64"]["pairs_per_s"], "/s", "higher", bw))
     if "reclaim" in sc:
-        s = sc["reclaim"]
-        gib = s["moved_bytes"] / (1 << 30)
-        rows.append(_row("3 Reclaim", f"move {gib:.2f} GiB idle->new (median of {s['reps']})", s["daemon_reclaim"]["p50_us"] / 1e3,
-                         s["baseline_unload_reload"]["p50_us"] / 1e3, "ms", "lower",
-                         "idle process frees all, new one creates+maps in-process"))
+        for s in (sc["reclaim"], sc["reclaim"].get("large")):
+            if not s:
+                continue
+            gib = s["moved_bytes"] / (1 << 30)
+            pages = f", {s['page_size'] >> 20} MiB pages" if s.get("page_size", 2 << 20) != 2 << 20 else ""
+            rows.append(_row("3 Reclaim", f"move {gib:.2f} GiB idle->new{pages} (median of {s['reps']})",
+                             s["daemon_reclaim"]["p50_us"] / 1e3, s["baseline_unload_reload"]["p50_us"] / 1e3, "ms", "lower",
+                             "idle process frees all, new one creates+maps in-process" + (" (same page size)" if pages else "")))
     if "scale" in sc:
         s = sc["scale"]
         lv = s["levels"]

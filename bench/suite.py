@@ -48,7 +48,8 @@ class Ctx:
     def q(self, quick, full):
         return quick if self.quick else full
 
-    def daemon(self, name: str, args: list[str], device_bytes: int | None = None, tree: pathlib.Path | None = None) -> Daemon:
+    def daemon(self, name: str, args: list[str], device_bytes: int | None = None, tree: pathlib.Path | None = None,
+               page: int = PAGE) -> Daemon:
         env = {}
         if self.testdriver and device_bytes:
             env["KVCACHED_TESTDRV_MEMORY"] = str(device_bytes)
@@ -59,7 +60,7 @@ class Ctx:
             env["KVCACHED_TESTDRV_GRANULARITY"] = str(PAGE)
         if self.kind == "host" and device_bytes:
             args = [*args, "--host-memory", str(device_bytes)]
-        return Daemon(self.workdir, name, common.daemon_backend(self.kind), ["--page-size", str(PAGE), *args], env, tree=tree)
+        return Daemon(self.workdir, name, common.daemon_backend(self.kind), ["--page-size", str(page), *args], env, tree=tree)
 
 
 # ---- 1. Allocate(64 pages) end to end ------------------------------------------------------
@@ -382,29 +383,41 @@ def s2_roundtrip(c: Ctx) -> dict:
 
 
 # ---- 3. reclaim: most of the budget from an idle session to a new one ------------------------------------------
+LARGE_PAGE = 32 * MiB  # the large page figure: the same reclaim on a daemon whose pages are 16 granules
+
+
 def s3_reclaim(c: Ctx) -> dict:
+    """The reclaim at the GPU's 2 MiB pages, and the same move on a daemon
+    run with 32 MiB pages (`--page-size 32MiB`: 16x fewer pages, each one
+    allocation of 16 granules) under "large"."""
+    out = _reclaim(c, PAGE)
+    out["large"] = _reclaim(c, LARGE_PAGE)
+    return out
+
+
+def _reclaim(c: Ctx, page: int) -> dict:
     budget = c.q(256 * MiB, 4 * GiB)
-    move = budget * 9 // 10 // PAGE * PAGE
+    move = budget * 9 // 10 // page * page
     reps = c.q(1, 3)
-    out: dict = {"budget_bytes": budget, "moved_bytes": move, "page_size": PAGE, "reps": reps}
+    out: dict = {"budget_bytes": budget, "moved_bytes": move, "page_size": page, "reps": reps}
     daemon_t, base_t, answered = [], [], []
     daemon_calls: dict = {}
     base_calls: dict = {}
     daemon_pid = None
 
     def spawn(env, mode):
-        p = subprocess.Popen([common.PY, "-m", "bench.worker", "holder", mode, c.kind, str(PAGE), str(budget)],
+        p = subprocess.Popen([common.PY, "-m", "bench.worker", "holder", mode, c.kind, str(page), str(budget)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=common.CODE)
         ready = json.loads(p.stdout.readline())
         return p, ready
 
     with c.daemon("s3", ["--memory-limit", str(budget), "--reclaim-timeout-ms", "30000", "--default-wait-ms", "60000"],
-                  device_bytes=budget + 64 * MiB) as d:
+                  device_bytes=budget + 64 * MiB, page=page) as d:
         env = common.client_env(d)
         with d.client(timeout=120) as cl:
             for _ in range(reps):
                 holder, ready = spawn(env, "daemon")
-                assert ready["pages"] == budget // PAGE, ready
+                assert ready["pages"] == budget // page, ready
                 with cl.open_session("bench-new-model") as s:
                     region = s.region(move)
                     CALLS.settle(d.pid)
@@ -429,14 +442,14 @@ def s3_reclaim(c: Ctx) -> dict:
         env["KVCACHED_TESTDRV_MEMORY"] = str(budget + 64 * MiB)
     for _ in range(reps):
         holder, ready = spawn(env, "base")
-        base = common.inproc(c.kind, PAGE)
+        base = common.inproc(c.kind, page)
         res = base.reserve(move)
         calls0 = CALLS.snap()
         t0 = time.perf_counter()
         holder.stdin.write("free\n")
         holder.stdin.flush()
         json.loads(holder.stdout.readline())
-        hs = [base.create_map(res + i * PAGE) for i in range(move // PAGE)]
+        hs = [base.create_map(res + i * page) for i in range(move // page)]
         base_t.append(time.perf_counter() - t0)
         drivercalls.add(base_calls, CALLS.since(calls0))
         for h in hs:
