@@ -183,14 +183,19 @@ def test_decode_and_bench_figures_have_the_figures_json_shape():
         "allocate64": {"daemon_warm": s(300, 500), "baseline_inproc_create_map": s(9000, 12000), "daemon_cold": s(8000, 9000)},
         "roundtrip": {"rtt_1_daemon": s(40, 90), "rtt_16_daemon": s(200, 900), "cclient": {"rtt_1": s(20, 30)}},
         "reclaim": {"daemon_reclaim": s(25000, 26000), "baseline_unload_reload": s(400000, 410000),
-                    "moved_bytes": 3686 * MiB, "budget_bytes": 4096 * MiB, "reps": 3}},
+                    "moved_bytes": 3686 * MiB, "budget_bytes": 4096 * MiB, "reps": 3,
+                    "large": {"daemon_reclaim": s(9000, 9500), "baseline_unload_reload": s(20000, 21000),
+                              "moved_bytes": 3680 * MiB, "budget_bytes": 4096 * MiB, "page_size": 32 * MiB, "reps": 3}}},
         "errors": {"scale": "Traceback\nRuntimeError: boom"}}
     figs2, rows = gpu_figures.bench_figures(res, "testdriver")
     for f in (figs, figs2):
         assert all(isinstance(v["value"], (int, float)) and isinstance(v["unit"], str) for v in f.values())
     assert figs2["stage4.reclaim_p50_ms"]["value"] == 25.0
     assert all(v["driver"] == "testdriver" and "says nothing about a GPU" in v["note"] for v in figs2.values())
-    assert [r["verdict"] for r in rows] == ["FAIL", "info", "info", "info"]
+    assert figs2["stage4.reclaim_32mib_pages_p50_ms"]["value"] == 9.0
+    assert figs2["stage4.reclaim_32mib_pages_unload_reload_p50_ms"]["value"] == 20.0
+    assert [r["verdict"] for r in rows] == ["FAIL", "info", "info", "info", "info"]
+    assert "32 MiB pages" in rows[-1]["check"] and "p50 9.0 ms over 3 runs" in rows[-1]["seen"]
     assert "RuntimeError: boom" in rows[0]["seen"] and all(r["kind"] == "figures" for r in rows)
     assert all("[CUDA test driver]" in r["seen"] for r in rows[1:])
     calls, r = gpu_figures.driver_call_figures({"cuMemCreate": [1e-4] * 99 + [1e-2], "cuMemMap": [2e-6] * 100}, 2 * MiB, "real")

@@ -5,7 +5,8 @@
 #   cuMemCreate / Map / SetAccess / Unmap per 2 MiB page (p50/p99); warm
 #   Allocate(64) through the daemon against in-process create+map; the
 #   one-page round trip with 1 and 16 clients; reclaim of most of a 4 GiB
-#   budget from an idle session to a new one; decode tokens/s of the patched
+#   budget from an idle session to a new one, at 2 MiB and at 32 MiB pages;
+#   decode tokens/s of the patched
 #   llama-server against the unpatched one (the builds stage 3 recorded in
 #   ${BUNDLE}/work/llama/servers.json); then what decides issue 42's design
 #   (tests/helpers/gpu_design_probe.py, a few seconds each): imported handles
