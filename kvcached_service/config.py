@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import grp
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -24,19 +25,36 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 from . import backends
 
 _BYTE_SIZE = TypeAdapter(ByteSize)
+# The whole text must be a number and a unit: pydantic's ByteSize matches a
+# prefix only ("1e-9" was 1 EB, its unit "e" and the rest ignored).
+_SIZE_FORM = re.compile(r"(\d*\.?\d+)\s*([A-Za-z]*)", re.ASCII)
+MAX_SIZE = (1 << 63) - 1  # no device or page is larger; the driver and the kernel take sizes as int64/size_t
 
 
 def parse_size(text: str | int) -> int:
     """'2MiB' -> 2097152; '1.5GB' -> 1500000000; 4096 -> 4096 (pydantic's
-    ByteSize: decimal units are powers of 1000, binary ones of 1024)."""
+    ByteSize: decimal units are powers of 1000, binary ones of 1024). At
+    most MAX_SIZE."""
     if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"size must not be negative: {text}")
+        if not 0 <= text <= MAX_SIZE:
+            raise ValueError(f"size must be 0 to 2^63-1: {text}")
         return text
+    t = str(text).strip()
     try:
-        return int(_BYTE_SIZE.validate_python(str(text).strip()))
-    except ValidationError:
-        raise ValueError(f"not a size: {text!r} (examples: 4096, 512MiB, 8GiB, 20GB)") from None
+        if not _SIZE_FORM.fullmatch(t):
+            raise ValueError
+        n = int(_BYTE_SIZE.validate_python(t))
+    except (ValidationError, ValueError):
+        raise ValueError(f"not a size: {text!r:.80} (examples: 4096, 512MiB, 8GiB, 20GB)") from None
+    if n > MAX_SIZE:
+        raise ValueError(f"not a size: {text!r:.80} is more than 8 EiB")
+    return n
+
+
+def _is_number(text: str) -> bool:
+    """ASCII digits only (str.isdigit is true for "²" and other scripts'
+    digits, which int() refuses or reads as numbers)."""
+    return text.isascii() and text.isdigit() and len(text) <= 20
 
 
 def format_size(n: int) -> str:
@@ -189,11 +207,14 @@ class Settings(BaseSettings):
     @field_validator("socket_group")
     @classmethod
     def _group(cls, v: str) -> str:
-        if v and not v.isdigit():
+        if v and _is_number(v):
+            if int(v) >= 1 << 32:
+                raise ValueError(f"not a gid (0 to 2^32-1): {v!r:.40}")
+        elif v:
             try:
                 grp.getgrnam(v)
             except KeyError:
-                raise ValueError(f"no such group: {v!r}") from None
+                raise ValueError(f"no such group: {v!r:.80}") from None
         return v
 
     @field_validator("metrics_address")
@@ -201,7 +222,7 @@ class Settings(BaseSettings):
     def _address(cls, v: str) -> str:
         if v:
             host, sep, port = v.rpartition(":")
-            if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+            if not sep or not _is_number(port) or not 0 <= int(port) <= 65535:
                 raise ValueError(f"expected host:port, got {v!r}")
         return v
 
@@ -248,7 +269,7 @@ class Settings(BaseSettings):
     def socket_gid(self) -> int | None:
         if not self.socket_group:
             return None
-        if self.socket_group.isdigit():
+        if _is_number(self.socket_group):
             return int(self.socket_group)
         return grp.getgrnam(self.socket_group).gr_gid
 

@@ -149,3 +149,32 @@ def test_daemon_refuses_a_take_answer_that_is_not_pages():
                 os.fstat(fd)
     with pytest.raises(kp.StoreTooNew):
         kp.take_reply({"op": "pages", "format": 2, "ids": []}, [], {})
+
+
+def test_config_sizes_are_whole_and_bounded():
+    """Found writing the config target: pydantic's ByteSize reads a prefix,
+    so memory_limit "1e-9" was 1 EB (unit "e", the rest ignored) and
+    "8GiB-x" 8 GiB; a size of 10^56 bytes was taken. Now the whole text must
+    be a number and a unit, at most 2^63-1 bytes."""
+    from kvcached_service.config import ConfigError, load_settings, parse_size
+
+    for bad in ("1e-9", "8GiB-x", "99999999999999999999999999999999999999 EiB", "8EiB"):
+        with pytest.raises(ValueError, match="not a size"):
+            parse_size(bad)
+    assert parse_size(" 8 GiB ") == 8 << 30 and parse_size(".5KiB") == 512 and parse_size("7EiB") == 7 << 60
+    with pytest.raises(ConfigError, match="memory_limit.*not a size"):
+        load_settings({"memory_limit": "1e-9"})
+
+
+def test_socket_group_and_metrics_port_are_ascii_numbers():
+    """socket_group "²" passed validation (str.isdigit) and then raised
+    ValueError from int() when the daemon read socket_gid at start; a gid of
+    2^32 or more would fail in chown. metrics_address ":²" got int()'s own
+    message. Now each is refused naming the setting."""
+    from kvcached_service.config import ConfigError, load_settings
+
+    for kw, what in (({"socket_group": "²"}, "socket_group"), ({"socket_group": "4294967296"}, "not a gid"),
+                     ({"metrics_address": "localhost:²"}, "expected host:port")):
+        with pytest.raises(ConfigError, match=what):
+            load_settings(kw)
+    assert load_settings({"socket_group": "0"}).socket_gid == 0

@@ -326,7 +326,11 @@ def config(data: bytes) -> None:
     # what the daemon reads from valid settings must not fail later
     lim = s.memory_limit_value
     _check(lim.resolve(80 << 30) >= 0, f"memory_limit {lim} resolves below 0")
-    _check(s.page_size_bytes > 0 and s.prealloc_bytes >= 0, f"page_size {s.page_size!r}, prealloc {s.prealloc!r}")
+    _check(0 < s.page_size_bytes <= cfg.MAX_SIZE and 0 <= s.prealloc_bytes <= cfg.MAX_SIZE
+           and 0 <= lim.resolve(1 << 40) <= max(cfg.MAX_SIZE, 1 << 40),
+           f"page_size {s.page_size!r}, prealloc {s.prealloc!r}, memory_limit {s.memory_limit!r}")
+    if s.host_memory:
+        _check(0 <= cfg.parse_size(s.host_memory) <= cfg.MAX_SIZE, f"host_memory {s.host_memory!r}")
     _check(0 <= s.socket_mode_bits <= 0o777, f"socket_mode {s.socket_mode!r}")
     gid = s.socket_gid
     _check(gid is None or (isinstance(gid, int) and gid >= 0), f"socket_group {s.socket_group!r}")
