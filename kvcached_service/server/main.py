@@ -177,10 +177,46 @@ def reload_settings(settings: Settings, load) -> None:
 
 
 async def serve(settings: Settings, ready_hook=None, reload=None) -> int:
+    """The daemon's life, as its steps: the core (devices, journal), the
+    front door and gRPC, the sockets open and the warm pool filled, ready,
+    then on a signal the shutdown. Returns the exit code."""
     nofile = raise_fd_limit()
     backend = open_backend(settings)
     daemon = Daemon(settings, backend)
     channels = ChannelServer(daemon, settings)  # the fd channel adapter, beside the gRPC one
+    _start_core(settings, daemon, backend)
+    front = _open_front(settings, daemon, backend)
+    metrics = Metrics(daemon, control=front) if settings.metrics_address else None
+    server, health = await _start_grpc(settings, daemon, front, metrics)
+    stop = _stop_on_signals(settings, reload)
+    try:
+        await front.start()
+        channels.start()
+        if metrics:
+            metrics.start_http(settings.metrics_address)
+        await _prefill(daemon, stop)
+    except Exception:
+        await server.stop(None)
+        channels.shutdown(errors.Unavailable("the daemon failed to start"))  # also removes the fd socket file
+        front.close()
+        raise
+    daemon.start_background()
+    # A warm pool whose pages could not be created is not filled: health
+    # stays NOT_SERVING (the log and systemd's STATUS= say why) and the
+    # creation is retried until it works or a signal comes.
+    await _fill_warm_pools(daemon, stop)
+    notifier = await _announce_ready(settings, daemon, health, stop)
+    _warn_fd_limit(daemon, backend, nofile)
+    if ready_hook is not None:
+        ready_hook(daemon)
+    await stop.wait()
+    return await _shut_down(daemon, server, health, channels, front, metrics, notifier)
+
+
+def _start_core(settings: Settings, daemon: Daemon, backend: Backend) -> None:
+    """The devices, and what the journal says to restore; a failure is
+    StartupError (systemd retries) or SettingsError (it does not), with the
+    devices stopped."""
     try:
         daemon.start_devices()
         daemon.recovery.recover()
@@ -195,19 +231,26 @@ async def serve(settings: Settings, ready_hook=None, reload=None) -> int:
         raise SettingsError(f"state_dir (--state-dir, KVCACHED_STATE_DIR) {settings.state_dir}: {exc.strerror or exc}"
                             + (f": {exc.filename}" if exc.filename else "")) from None
 
+
+def _open_front(settings: Settings, daemon: Daemon, backend: Backend) -> ControlFront:
+    """The control socket's front door. grpcio listens on a private socket;
+    the control socket is the front door's (control.py: per-uid connection
+    limits, the caller's uid; relay.c copies the bytes)."""
     prepare_socket_path(settings.socket)
-    # grpcio listens on a private socket; the control socket is the front
-    # door's (control.py: per-uid connection limits, the caller's uid;
-    # relay.c copies the bytes).
     try:
-        front = ControlFront(settings)
+        return ControlFront(settings)
     except RelayUnavailable as exc:
         _stop_devices(daemon, backend)
         raise StartupError(str(exc)) from None
     except OSError as exc:
         _stop_devices(daemon, backend)
         raise StartupError(f"cannot make grpcio's private socket directory beside {settings.socket}: {exc}") from None
-    metrics = Metrics(daemon, control=front) if settings.metrics_address else None
+
+
+async def _start_grpc(settings: Settings, daemon: Daemon, front: ControlFront,
+                      metrics: Metrics | None) -> tuple[grpc.aio.Server, HealthService]:
+    """grpcio's server on the front door's private socket, with the
+    service, health (NOT_SERVING until ready) and reflection."""
     server = grpc.aio.server(
         interceptors=metrics.interceptors() if metrics else None,
         options=[
@@ -222,10 +265,10 @@ async def serve(settings: Settings, ready_hook=None, reload=None) -> int:
     add_to_server(KVCachedService(daemon, peers=front.peer), server)
     # grpc's servicer starts with "" SERVING: not ready until the devices are
     # set up and the warm pool is filled (a slow cuMemCreate takes seconds).
-    health_servicer = HealthService(settings, front)  # grpcio's, with Health.Watch capped per uid (health.py)
+    health = HealthService(settings, front)  # grpcio's, with Health.Watch capped per uid (health.py)
     for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
@@ -235,65 +278,68 @@ async def serve(settings: Settings, ready_hook=None, reload=None) -> int:
         await server.start()
     finally:
         os.umask(old_umask)
+    return server, health
+
+
+def _stop_on_signals(settings: Settings, reload) -> asyncio.Event:
+    """SIGTERM and SIGINT set the event it returns; SIGHUP reloads the
+    settings (its default was to die, sockets left behind)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, reload_settings, settings, reload)  # was the default: die, sockets left behind
-    try:
-        await front.start()
-        channels.start()
-        if metrics:
-            metrics.start_http(settings.metrics_address)
-        # Health stays NOT_SERVING while the warm pool fills; a signal now
-        # stops the filling after the batch in progress and shuts down.
-        t0 = time.monotonic()
-        filling = asyncio.ensure_future(daemon.prefill())
-        stopped = asyncio.ensure_future(stop.wait())
-        try:
-            await asyncio.wait((filling, stopped), return_when=asyncio.FIRST_COMPLETED)
-            if not filling.done():
-                log.info("stop requested while the warm pool was filling")
-                for pool in daemon.pools.values():
-                    pool.stop_refilling()
-            await filling
-        finally:
-            stopped.cancel()
-        warm = {p.uuid: (p.n_ready_total(), p.warm_pages) for p in daemon.pools.values() if p.warm_pages}
-        if warm:
-            log.info("warm pool after %.2f s: %s", time.monotonic() - t0,
-                     ", ".join(f"{uuid} {have}/{want} pages" for uuid, (have, want) in warm.items()))
-    except Exception:
-        await server.stop(None)
-        channels.shutdown(errors.Unavailable("the daemon failed to start"))  # also removes the fd socket file
-        front.close()
-        raise
-    daemon.start_background()
-    # A warm pool whose pages could not be created is not filled: health
-    # stays NOT_SERVING (the log and systemd's STATUS= say why) and the
-    # creation is retried until it works or a signal comes.
-    await _fill_warm_pools(daemon, stop)
+    loop.add_signal_handler(signal.SIGHUP, reload_settings, settings, reload)
+    return stop
 
-    # Ready: health SERVING and systemd's READY=1 together (devices ready,
-    # warm pool filled, both sockets accepting), unless a signal came first.
+
+async def _prefill(daemon: Daemon, stop: asyncio.Event) -> None:
+    """Fill the warm pools. Health stays NOT_SERVING meanwhile; a signal
+    stops the filling after the batch in progress."""
+    t0 = time.monotonic()
+    filling = asyncio.ensure_future(daemon.prefill())
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((filling, stopped), return_when=asyncio.FIRST_COMPLETED)
+        if not filling.done():
+            log.info("stop requested while the warm pool was filling")
+            for pool in daemon.pools.values():
+                pool.stop_refilling()
+        await filling
+    finally:
+        stopped.cancel()
+    warm = {p.uuid: (p.n_ready_total(), p.warm_pages) for p in daemon.pools.values() if p.warm_pages}
+    if warm:
+        log.info("warm pool after %.2f s: %s", time.monotonic() - t0,
+                 ", ".join(f"{uuid} {have}/{want} pages" for uuid, (have, want) in warm.items()))
+
+
+async def _announce_ready(settings: Settings, daemon: Daemon, health: HealthService,
+                          stop: asyncio.Event) -> sdnotify.Notifier:
+    """Ready: health SERVING and systemd's READY=1 together (devices ready,
+    warm pool filled, both sockets accepting), unless a signal came first."""
     if stop.is_set():
-        notifier = sdnotify.Notifier(None)
-    else:
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        notifier = sdnotify.start_for(daemon)
-        log.info("serving on %s (fd channel %s), pid %d", settings.socket, settings.fd_socket, os.getpid())
+        return sdnotify.Notifier(None)
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    notifier = sdnotify.start_for(daemon)
+    log.info("serving on %s (fd channel %s), pid %d", settings.socket, settings.fd_socket, os.getpid())
+    return notifier
+
+
+def _warn_fd_limit(daemon: Daemon, backend: Backend, nofile: int) -> None:
     pages = sum(p.budget.pages for p in daemon.pools.values())
     if backend.fds_per_page and pages * backend.fds_per_page + 256 > nofile:
         log.warning("the budget is %d pages but the open-file limit is %d: every %s page is one fd in the daemon; "
                     "raise LimitNOFILE (systemd) or ulimit -n, or use larger pages", pages, nofile, backend.kind)
-    if ready_hook is not None:
-        ready_hook(daemon)
-    await stop.wait()
-    notifier.stopping("stopping: telling sessions")
 
+
+async def _shut_down(daemon: Daemon, server: grpc.aio.Server, health: HealthService, channels: ChannelServer,
+                     front: ControlFront, metrics: Metrics | None, notifier: sdnotify.Notifier) -> int:
+    """Tell the sessions, stop accepting, release every page. 0, or 1
+    when the shutdown could not release everything."""
+    notifier.stopping("stopping: telling sessions")
     log.info("shutting down: telling %d sessions", len(daemon.sessions))
-    await health_servicer.enter_graceful_shutdown()
+    await health.enter_graceful_shutdown()
     channels.stop_accepting()
     await daemon.begin_shutdown("daemon stopping (signal)")
     front.stop_accepting()
