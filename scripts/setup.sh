@@ -20,7 +20,7 @@ if [ "$DEV" = 1 ]; then
     libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
     libgtest-dev valgrind util-linux nlohmann-json3-dev
     ccache  # scripts/test-llama.sh: the patched llama.cpp build reuses the unpatched one's objects
-    clang   # scripts/test-fuzz.sh: libFuzzer (-fsanitize=fuzzer) for the C decoder's fuzz target
+    clang   # scripts/test-fuzz.sh: the C decoder's fuzz target (it installs libFuzzer's runtime, libclang-rt-N-dev)
   )
 fi
 

@@ -49,12 +49,20 @@ mkdir -p "$B/artifacts" "$B/seeds"
 log() { printf '\033[1m[fuzz]\033[0m %s\n' "$*"; }
 
 # ---- what it needs
-if ! command -v clang >/dev/null; then
-  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  log "installing clang (Debian) for libFuzzer"
-  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends clang >/dev/null \
-    || { echo "test-fuzz: could not install clang" >&2; exit 1; }
+apt_install() {
+  local SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  log "installing $* (Debian)"
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "$@" >/dev/null \
+    || { echo "test-fuzz: could not install $*" >&2; exit 1; }
+}
+command -v clang >/dev/null || apt_install clang
+# libFuzzer's runtime is libclang-rt-N-dev, only a recommendation of clang's
+# packages (setup.sh installs none)
+if ! echo 'int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { return 0; }' \
+     | clang -x c -fsanitize=fuzzer - -o "$B/probe" 2>/dev/null; then
+  apt_install "libclang-rt-$(clang -dumpversion | cut -d. -f1)-dev"
 fi
+rm -f "$B/probe"
 if ! .venv/bin/python -c 'import atheris' 2>/dev/null; then
   log "installing $ATHERIS into .venv"
   .venv/bin/pip install -q "$ATHERIS" || { echo "test-fuzz: could not install $ATHERIS" >&2; exit 1; }
