@@ -244,145 +244,156 @@ class DaemonCollector:
 
     def collect(self):
         snap = self._snapshot()
-        info = InfoMetricFamily("kvcached_build", "kvcached-serve version and page backend", labels=["version", "backend"])
-        info.add_metric([__version__, snap["backend"]], {})
-        yield info
-        yield GaugeMetricFamily("kvcached_uptime_seconds", "Seconds since the daemon started", value=snap["uptime"])
-
-        def dev_gauge(name: str, doc: str, key: str) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=["device"])
-            for d in snap["devices"]:
-                g.add_metric([d["uuid"]], d[key])
-            return g
-
-        def dev_counter(name: str, doc: str, key: str) -> CounterMetricFamily:
-            g = CounterMetricFamily(name, doc, labels=["device"])
-            for d in snap["devices"]:
-                g.add_metric([d["uuid"]], d[key])
-            return g
-
-        dinfo = InfoMetricFamily("kvcached_device", "A device the daemon serves", labels=["device", "name", "kind"])
-        for d in snap["devices"]:
-            dinfo.add_metric([d["uuid"], d["name"], d["kind"]], {})
-        yield dinfo
-        yield dev_gauge("kvcached_device_total_bytes", "Device memory as the backend reports it", "total")
-        yield dev_gauge("kvcached_device_budget_bytes", "The daemon's budget on the device", "budget")
-        yield dev_gauge("kvcached_device_in_use_bytes", "Bytes in pages held by sessions (or being delivered or created)", "in_use")
-        yield dev_gauge("kvcached_device_pooled_bytes", "Bytes in created pages held by no session (warm pool)", "pooled")
-        yield dev_gauge("kvcached_device_free_bytes", "Budget not backed by any page (pooled + in_use + free = budget)", "free")
-        yield dev_gauge(
-            "kvcached_device_unavailable_bytes",
-            "Bytes of the configured limit the device does not have free (other processes, pages of a previous daemon "
-            "still mapped by its clients); not in the budget (budget + unavailable = the configured limit)",
-            "unavailable",
-        )
-        yield dev_gauge("kvcached_device_page_size_bytes", "Bytes per page", "page_size")
-        yield dev_counter("kvcached_device_pages_created", "Pages created on the device", "created_total")
-        yield dev_counter("kvcached_device_pages_released", "Pages released back to the device", "released_total")
-        yield dev_counter("kvcached_device_allocations", "Allocations the pool satisfied", "allocations_total")
-        yield dev_counter(
-            "kvcached_device_allocation_failures",
-            "Allocations the pool could not satisfy (budget exhausted, after any wait)",
-            "allocation_failures_total",
-        )
-        yield dev_gauge("kvcached_device_zeroing_bytes",
-                        "Bytes of pooled pages given back and not zeroed yet (the background zeroer's queue; part of pooled)",
-                        "zeroing")
-        yield dev_counter("kvcached_device_zeroed_pages", "Pages the background zeroer zeroed", "zero_pages_total")
-        yield dev_counter("kvcached_device_zero_batches", "Zeroing batches (one backend call each)", "zero_batches_total")
-        yield dev_counter("kvcached_device_zero_failures", "Pages released because zeroing them failed", "zero_failures_total")
-        yield dev_counter("kvcached_device_zero_waits",
-                          "Allocates that found no zeroed page and waited for pages of their uid being zeroed",
-                          "zero_waits_total")
-        yield dev_counter("kvcached_device_zero_wait_seconds", "Seconds Allocates spent waiting for zeroing",
-                          "zero_wait_seconds_total")
-        yield dev_gauge("kvcached_device_kept_bytes",
-                        "Bytes of pooled pages whose imported handles a client keeps (FREE with keep; part of pooled): "
-                        "released only after the client answers DROP", "kept")
-        yield dev_counter("kvcached_device_drops", "Pages the daemon asked keepers to drop (DROP) before releasing them",
-                          "drops_total")
-        yield dev_gauge("kvcached_device_standby_bytes",
-                        "Bytes of pages sessions keep mapped as standby (FREE with standby; part of in_use): asked for first "
-                        "by a reclaim", "standby")
-        yield dev_counter("kvcached_device_drop_silent", "Keepers that lost their session for not answering DROP in time",
-                          "drop_silent_total")
-
+        yield from _build_families(snap)
+        yield from _device_families(snap["devices"])
         if self.nvml is not None:
-            mem = self.nvml.memory()
-            if mem:
-                for i, (name, doc) in enumerate(
-                    (
-                        ("kvcached_gpu_memory_total_bytes", "GPU memory in total (NVML)"),
-                        ("kvcached_gpu_memory_used_bytes", "GPU memory used by every process (NVML)"),
-                        ("kvcached_gpu_memory_free_bytes", "GPU memory free (NVML)"),
-                    )
-                ):
-                    g = GaugeMetricFamily(name, doc, labels=["device"])
-                    for uuid, vals in sorted(mem.items()):
-                        g.add_metric([uuid], vals[i])
-                    yield g
+            yield from _gpu_families(self.nvml.memory())
+        yield from _session_families(snap)
+        yield from _daemon_counter_families(snap)
+        if snap["control"] is not None:
+            yield from _control_families(snap["control"])
+        yield from _reclaim_families(snap["reclaim"])
 
-        sessions = snap["sessions"]
-        yield GaugeMetricFamily("kvcached_sessions_open", "Open sessions", value=snap["sessions_open"])
-        g = GaugeMetricFamily("kvcached_session_open", "Open sessions with this name", labels=["session"])
-        for name, agg in sorted(sessions.items()):
-            g.add_metric([name], agg["open"])
-        yield g
-        g = GaugeMetricFamily("kvcached_session_held_bytes", "Bytes held by the sessions of this name on the device", labels=["session", "device"])
-        for (name, uuid), n in sorted(snap["held"].items()):
-            g.add_metric([name, uuid], n)
-        yield g
-        g = GaugeMetricFamily("kvcached_session_guaranteed_bytes", "Guaranteed bytes per device (summed over sessions of this name)", labels=["session"])
-        for name, agg in sorted(sessions.items()):
-            g.add_metric([name], agg["guaranteed"])
-        yield g
-        g = GaugeMetricFamily("kvcached_session_max_bytes", "Maximum bytes per device (summed over sessions of this name; 0 = the device budget)", labels=["session"])
-        for name, agg in sorted(sessions.items()):
-            g.add_metric([name], agg["max"])
-        yield g
-        g = GaugeMetricFamily(
-            "kvcached_session_reclaim_ignored",
-            "Reclaim requests the open sessions of this name let expire (resets when a session ends)",
-            labels=["session"],
-        )
-        for name, agg in sorted(sessions.items()):
-            g.add_metric([name], agg["ignored"])
-        yield g
 
-        c = snap["counters"]
-        yield CounterMetricFamily("kvcached_sessions_opened", "Sessions opened", value=c.get("sessions_opened", 0))
-        yield CounterMetricFamily("kvcached_sessions_closed", "Sessions ended normally (CloseSession, channel closed, shutdown)", value=c.get("sessions_closed", 0))
-        yield CounterMetricFamily("kvcached_sessions_crashed", "Sessions ended because the client process exited without closing", value=c.get("sessions_crashed", 0))
-        yield CounterMetricFamily("kvcached_fd_channel_errors", "fd channel failures (accept, set-up, page delivery, protocol errors that closed a channel)", value=c.get("fd_channel_errors", 0))
-        yield CounterMetricFamily("kvcached_fd_channel_malformed_requests", "Malformed request records answered INVALID_ARGUMENT (the session went on)",
-                                  value=c.get("fd_channel_malformed_requests", 0))
-        yield GaugeMetricFamily("kvcached_journal_damaged", "1 when this daemon found its journal damaged at start and moved it aside (no resumes)",
-                                value=snap["journal_damaged"])
-        yield GaugeMetricFamily("kvcached_journal_stale", "1 while the journal cannot be written (state dir full or read-only): "
-                                "the books stay right, but sessions are not resumable after a restart until it is rewritten",
-                                value=snap["journal_stale"])
-        ctl = snap["control"]
-        if ctl is not None:
-            yield GaugeMetricFamily("kvcached_control_connections", "Open connections on the control (gRPC) socket", value=ctl["open"])
-            refused = CounterMetricFamily("kvcached_control_connections_refused",
-                                          "Control connections refused by a limit (per_uid: max_grpc_connections_per_uid, total: max_grpc_connections)",
-                                          labels=["limit"])
-            for kind, n in sorted(ctl["refused"].items()):
-                refused.add_metric([kind], n)
-            yield refused
-            yield CounterMetricFamily("kvcached_control_connections_closed_idle",
-                                      "Control connections the daemon closed (idle for grpc_idle_timeout, or at shutdown)", value=ctl["closed_by_server"])
+# The per-device series: (name, kind, help, the key of the snapshot's device dict).
+_DEVICE_SERIES = (
+    ("kvcached_device_total_bytes", "gauge", "Device memory as the backend reports it", "total"),
+    ("kvcached_device_budget_bytes", "gauge", "The daemon's budget on the device", "budget"),
+    ("kvcached_device_in_use_bytes", "gauge", "Bytes in pages held by sessions (or being delivered or created)", "in_use"),
+    ("kvcached_device_pooled_bytes", "gauge", "Bytes in created pages held by no session (warm pool)", "pooled"),
+    ("kvcached_device_free_bytes", "gauge", "Budget not backed by any page (pooled + in_use + free = budget)", "free"),
+    ("kvcached_device_unavailable_bytes", "gauge",
+     "Bytes of the configured limit the device does not have free (other processes, pages of a previous daemon "
+     "still mapped by its clients); not in the budget (budget + unavailable = the configured limit)", "unavailable"),
+    ("kvcached_device_page_size_bytes", "gauge", "Bytes per page", "page_size"),
+    ("kvcached_device_pages_created", "counter", "Pages created on the device", "created_total"),
+    ("kvcached_device_pages_released", "counter", "Pages released back to the device", "released_total"),
+    ("kvcached_device_allocations", "counter", "Allocations the pool satisfied", "allocations_total"),
+    ("kvcached_device_allocation_failures", "counter",
+     "Allocations the pool could not satisfy (budget exhausted, after any wait)", "allocation_failures_total"),
+    ("kvcached_device_zeroing_bytes", "gauge",
+     "Bytes of pooled pages given back and not zeroed yet (the background zeroer's queue; part of pooled)", "zeroing"),
+    ("kvcached_device_zeroed_pages", "counter", "Pages the background zeroer zeroed", "zero_pages_total"),
+    ("kvcached_device_zero_batches", "counter", "Zeroing batches (one backend call each)", "zero_batches_total"),
+    ("kvcached_device_zero_failures", "counter", "Pages released because zeroing them failed", "zero_failures_total"),
+    ("kvcached_device_zero_waits", "counter",
+     "Allocates that found no zeroed page and waited for pages of their uid being zeroed", "zero_waits_total"),
+    ("kvcached_device_zero_wait_seconds", "counter", "Seconds Allocates spent waiting for zeroing", "zero_wait_seconds_total"),
+    ("kvcached_device_kept_bytes", "gauge",
+     "Bytes of pooled pages whose imported handles a client keeps (FREE with keep; part of pooled): "
+     "released only after the client answers DROP", "kept"),
+    ("kvcached_device_drops", "counter", "Pages the daemon asked keepers to drop (DROP) before releasing them", "drops_total"),
+    ("kvcached_device_standby_bytes", "gauge",
+     "Bytes of pages sessions keep mapped as standby (FREE with standby; part of in_use): asked for first "
+     "by a reclaim", "standby"),
+    ("kvcached_device_drop_silent", "counter", "Keepers that lost their session for not answering DROP in time",
+     "drop_silent_total"),
+)
 
-        r = snap["reclaim"]
-        yield CounterMetricFamily("kvcached_reclaim_requests", "Reclaim requests sent to sessions", value=r["requests"])
-        yield CounterMetricFamily("kvcached_reclaim_asked_pages", "Pages asked back by reclaim requests", value=r["pages_asked"])
-        yield CounterMetricFamily("kvcached_reclaim_ignored", "Reclaim requests that expired without the pages coming back", value=r["ignored"])
-        yield CounterMetricFamily("kvcached_reclaim_returned_pages", "Pages freed in answer to an open reclaim request", value=r["pages_returned"])
-        yield CounterMetricFamily("kvcached_reclaim_answers", "Reclaim requests a session answered (ANSWER: what it gave, what it keeps)", value=r["answers"])
-        by_reason = CounterMetricFamily("kvcached_reclaim_requests_by_reason", "Reclaim requests by reason (allocate, idle, admin)", labels=["reason"])
-        for reason, n in sorted(r["by_reason"].items()):
-            by_reason.add_metric([reason], n)
-        yield by_reason
+# The daemon's own counters: (name, help, the key of snap["counters"]).
+_DAEMON_COUNTERS = (
+    ("kvcached_sessions_opened", "Sessions opened", "sessions_opened"),
+    ("kvcached_sessions_closed", "Sessions ended normally (CloseSession, channel closed, shutdown)", "sessions_closed"),
+    ("kvcached_sessions_crashed", "Sessions ended because the client process exited without closing", "sessions_crashed"),
+    ("kvcached_fd_channel_errors",
+     "fd channel failures (accept, set-up, page delivery, protocol errors that closed a channel)", "fd_channel_errors"),
+    ("kvcached_fd_channel_malformed_requests", "Malformed request records answered INVALID_ARGUMENT (the session went on)",
+     "fd_channel_malformed_requests"),
+)
+
+# The reclaimer's counters: (name, help, the key of snap["reclaim"]).
+_RECLAIM_COUNTERS = (
+    ("kvcached_reclaim_requests", "Reclaim requests sent to sessions", "requests"),
+    ("kvcached_reclaim_asked_pages", "Pages asked back by reclaim requests", "pages_asked"),
+    ("kvcached_reclaim_ignored", "Reclaim requests that expired without the pages coming back", "ignored"),
+    ("kvcached_reclaim_returned_pages", "Pages freed in answer to an open reclaim request", "pages_returned"),
+    ("kvcached_reclaim_answers", "Reclaim requests a session answered (ANSWER: what it gave, what it keeps)", "answers"),
+)
+
+_FAMILY = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
+
+
+def _labelled(kind: str, name: str, doc: str, labels: list[str], samples) -> GaugeMetricFamily | CounterMetricFamily:
+    """A family of `kind` with one sample per (label values, value) of `samples`."""
+    fam = _FAMILY[kind](name, doc, labels=labels)
+    for values, v in samples:
+        fam.add_metric(list(values), v)
+    return fam
+
+
+def _build_families(snap: dict):
+    info = InfoMetricFamily("kvcached_build", "kvcached-serve version and page backend", labels=["version", "backend"])
+    info.add_metric([__version__, snap["backend"]], {})
+    yield info
+    yield GaugeMetricFamily("kvcached_uptime_seconds", "Seconds since the daemon started", value=snap["uptime"])
+
+
+def _device_families(devices: list[dict]):
+    dinfo = InfoMetricFamily("kvcached_device", "A device the daemon serves", labels=["device", "name", "kind"])
+    for d in devices:
+        dinfo.add_metric([d["uuid"], d["name"], d["kind"]], {})
+    yield dinfo
+    for name, kind, doc, key in _DEVICE_SERIES:
+        yield _labelled(kind, name, doc, ["device"], (([d["uuid"]], d[key]) for d in devices))
+
+
+def _gpu_families(mem: dict | None):
+    """Device memory from NVML, per GPU UUID (absent without a driver)."""
+    if not mem:
+        return
+    for i, (name, doc) in enumerate((
+        ("kvcached_gpu_memory_total_bytes", "GPU memory in total (NVML)"),
+        ("kvcached_gpu_memory_used_bytes", "GPU memory used by every process (NVML)"),
+        ("kvcached_gpu_memory_free_bytes", "GPU memory free (NVML)"),
+    )):
+        yield _labelled("gauge", name, doc, ["device"], (([uuid], vals[i]) for uuid, vals in sorted(mem.items())))
+
+
+def _session_families(snap: dict):
+    sessions = sorted(snap["sessions"].items())
+    yield GaugeMetricFamily("kvcached_sessions_open", "Open sessions", value=snap["sessions_open"])
+    yield _labelled("gauge", "kvcached_session_open", "Open sessions with this name", ["session"],
+                    (([name], agg["open"]) for name, agg in sessions))
+    yield _labelled("gauge", "kvcached_session_held_bytes", "Bytes held by the sessions of this name on the device",
+                    ["session", "device"], (([name, uuid], n) for (name, uuid), n in sorted(snap["held"].items())))
+    yield _labelled("gauge", "kvcached_session_guaranteed_bytes",
+                    "Guaranteed bytes per device (summed over sessions of this name)", ["session"],
+                    (([name], agg["guaranteed"]) for name, agg in sessions))
+    yield _labelled("gauge", "kvcached_session_max_bytes",
+                    "Maximum bytes per device (summed over sessions of this name; 0 = the device budget)", ["session"],
+                    (([name], agg["max"]) for name, agg in sessions))
+    yield _labelled("gauge", "kvcached_session_reclaim_ignored",
+                    "Reclaim requests the open sessions of this name let expire (resets when a session ends)", ["session"],
+                    (([name], agg["ignored"]) for name, agg in sessions))
+
+
+def _daemon_counter_families(snap: dict):
+    c = snap["counters"]
+    for name, doc, key in _DAEMON_COUNTERS:
+        yield CounterMetricFamily(name, doc, value=c.get(key, 0))
+    yield GaugeMetricFamily("kvcached_journal_damaged",
+                            "1 when this daemon found its journal damaged at start and moved it aside (no resumes)",
+                            value=snap["journal_damaged"])
+    yield GaugeMetricFamily("kvcached_journal_stale", "1 while the journal cannot be written (state dir full or read-only): "
+                            "the books stay right, but sessions are not resumable after a restart until it is rewritten",
+                            value=snap["journal_stale"])
+
+
+def _control_families(ctl: dict):
+    yield GaugeMetricFamily("kvcached_control_connections", "Open connections on the control (gRPC) socket", value=ctl["open"])
+    yield _labelled("counter", "kvcached_control_connections_refused",
+                    "Control connections refused by a limit (per_uid: max_grpc_connections_per_uid, total: max_grpc_connections)",
+                    ["limit"], (([kind], n) for kind, n in sorted(ctl["refused"].items())))
+    yield CounterMetricFamily("kvcached_control_connections_closed_idle",
+                              "Control connections the daemon closed (idle for grpc_idle_timeout, or at shutdown)",
+                              value=ctl["closed_by_server"])
+
+
+def _reclaim_families(r: dict):
+    for name, doc, key in _RECLAIM_COUNTERS:
+        yield CounterMetricFamily(name, doc, value=r[key])
+    yield _labelled("counter", "kvcached_reclaim_requests_by_reason", "Reclaim requests by reason (allocate, idle, admin)",
+                    ["reason"], (([reason], n) for reason, n in sorted(r["by_reason"].items())))
 
 
 def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
