@@ -2,8 +2,9 @@
 # Packaging suite (issue 20): the install forms as a user meets them.
 #   1. tools: scripts/setup-ops.sh (podman, mmdebstrap, promtool, ...), the
 #      CUDA test driver (scripts/build-testdriver.sh)
-#   2. sdist and wheel: python -m build (the wheel is built from the sdist)
-#      into build/packaging/dist
+#   2. sdist and wheel: python -m build (the wheel is built from the sdist),
+#      the wheel repaired by auditwheel to manylinux_2_17 (the lowest tag its
+#      glibc symbols allow); both into build/packaging/dist
 #   3. a Debian base image: mmdebstrap --variant=minbase with python3 from
 #      the Debian mirrors apt uses here, podman import; cached by the hash of
 #      its inputs (build/packaging/base-<hash>.tar and the image tag)
@@ -32,10 +33,23 @@ step "tools"
 scripts/setup-ops.sh
 scripts/build-testdriver.sh >/dev/null
 
-step "sdist and wheel (python -m build)"
+step "sdist and wheel (python -m build), the wheel repaired to manylinux (auditwheel)"
 t=$SECONDS
-rm -rf "$B/dist"
-"$PY" -m build --outdir "$B/dist" . >"$B/build.log" 2>&1 || { tail -40 "$B/build.log"; exit 1; }
+rm -rf "$B/dist" "$B/wheel-built"
+# LDSHARED: the interpreter's own link line may carry an rpath into its
+# prefix (pyenv's does: -Wl,-rpath,~/.pyenv/versions/...), which would end up
+# in _relay.abi3.so; a plain `cc -shared` links nothing of the build machine in.
+LDSHARED="${CC:-cc} -shared" "$PY" -m build --outdir "$B/wheel-built" . >"$B/build.log" 2>&1 || { tail -40 "$B/build.log"; exit 1; }
+mkdir -p "$B/dist"
+mv "$B"/wheel-built/*.tar.gz "$B/dist/"
+# The lowest tag the relay's symbols allow (relay.c binds the pthread calls to
+# their original versions: glibc 2.17 is the floor). A change that needs a
+# newer glibc symbol makes the repair fail here, naming the symbol's version.
+MANYLINUX="manylinux_2_17_$(uname -m)"
+RAW_WHEEL=("$B"/wheel-built/*.whl)
+{ PATH="$REPO/.venv/bin:$PATH" "$PY" -m auditwheel show "${RAW_WHEEL[0]}" \
+    && PATH="$REPO/.venv/bin:$PATH" "$PY" -m auditwheel repair --plat "$MANYLINUX" -w "$B/dist" "${RAW_WHEEL[0]}"; } \
+  >"$B/auditwheel.log" 2>&1 || { cat "$B/auditwheel.log"; exit 1; }
 ls "$B/dist"
 echo "built in $((SECONDS - t)) s"
 

@@ -35,6 +35,25 @@
 #include <time.h>
 #include <unistd.h>
 
+/* The wheel is manylinux_2_17 (auditwheel repair; the packaging suite):
+ * glibc 2.34 moved pthread_create and pthread_join into libc at version
+ * GLIBC_2.34, and 2.32 pthread_sigmask at GLIBC_2.32, so a build on a newer
+ * glibc would ask for those and refuse to load on an older one. The same
+ * functions under their original versions (in libpthread.so.0 before 2.34,
+ * kept in libc since: setup.py links libpthread.so.0 in) serve every glibc;
+ * what is left, clock_gettime@GLIBC_2.17 and memcpy@GLIBC_2.14, sets the
+ * floor at 2.17. */
+#if defined(__GLIBC__) && defined(__x86_64__)
+#define KVC_GLIBC_BASE "GLIBC_2.2.5"
+#elif defined(__GLIBC__) && defined(__aarch64__)
+#define KVC_GLIBC_BASE "GLIBC_2.17"
+#endif
+#ifdef KVC_GLIBC_BASE
+__asm__(".symver pthread_create,pthread_create@" KVC_GLIBC_BASE);
+__asm__(".symver pthread_join,pthread_join@" KVC_GLIBC_BASE);
+__asm__(".symver pthread_sigmask,pthread_sigmask@" KVC_GLIBC_BASE);
+#endif
+
 #define READ_SIZE (64 * 1024)
 #define FLUSH_NS (5LL * 1000 * 1000 * 1000) /* a closing connection's kept bytes get this long */
 

@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -37,6 +38,15 @@ SDIST_STEPS = [
     "/opt/kvcached/bin/pip install dist/{sdist}",
     "/opt/kvcached/bin/kvcached-serve --version",
 ]
+
+
+# What scripts/test-packaging.sh's auditwheel repair makes: any CPython >= 3.10
+# (abi3) on a glibc >= 2.17 (manylinux2014 is the legacy name of the same tag).
+M = platform.machine()
+WHEEL_TAG = f"cp310-abi3-manylinux2014_{M}.manylinux_2_17_{M}"
+# What _relay.abi3.so may need at run time: libc and libpthread (glibc's own;
+# auditwheel's manylinux policy allows both), nothing of the build machine.
+RELAY_NEEDED = {"libc.so.6", "libpthread.so.0"}
 
 
 def system_python() -> str:
@@ -78,7 +88,8 @@ def test_docs_show_the_install_commands_this_suite_runs(wheel, sdist):
 def test_the_distribution_name_and_metadata(wheel, sdist):
     version = subprocess.run([sys.executable, "-c", "import kvcached_service; print(kvcached_service.__version__)"],
                              capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.strip()
-    assert wheel.name == f"kvcached_service-{version}-cp310-abi3-linux_{platform.machine()}.whl"  # relay.c, built
+    # relay.c, built, and repaired by auditwheel to the lowest tag its symbols allow
+    assert wheel.name == f"kvcached_service-{version}-{WHEEL_TAG}.whl"
     assert sdist.name == f"kvcached_service-{version}.tar.gz"
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
@@ -102,6 +113,29 @@ def test_the_distribution_name_and_metadata(wheel, sdist):
     assert "kvcached_service/_generated/kvcached/v1/kvcached_pb2.py" in members
     assert "kvcached_service/server/relay.c" in members and not [m for m in members if m.endswith(".so")]
     assert not [m for m in members if m.startswith((".venv", "build/", "tests/", ".git"))]
+
+
+def test_the_wheel_is_manylinux_2_17(wheel, tmp_path):
+    """auditwheel's own reading of the wheel, and the relay library's ELF
+    needs: no glibc symbol version above 2.17, only libc and libpthread, no
+    rpath (a pyenv interpreter's link line carries one; the suite builds with
+    a plain LDSHARED)."""
+    with zipfile.ZipFile(wheel) as z:
+        wheel_meta = z.read(f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info/WHEEL").decode()
+        so = tmp_path / "_relay.abi3.so"
+        so.write_bytes(z.read("kvcached_service/server/_relay.abi3.so"))
+    assert f"Tag: cp310-abi3-manylinux_2_17_{M}" in wheel_meta and f"Tag: cp310-abi3-manylinux2014_{M}" in wheel_meta, wheel_meta
+    r = subprocess.run([sys.executable, "-m", "auditwheel", "show", str(wheel)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    said = " ".join(r.stdout.split())  # auditwheel wraps its lines by their length
+    assert f'is consistent with the following platform tag: "manylinux_2_17_{M}"' in said, r.stdout
+    dyn = subprocess.run(["readelf", "-d", "-W", str(so)], capture_output=True, text=True, check=True).stdout
+    needed = {l.split("[", 1)[1].rstrip("]") for l in dyn.splitlines() if "(NEEDED)" in l}
+    assert needed == RELAY_NEEDED, dyn
+    assert "(RPATH)" not in dyn and "(RUNPATH)" not in dyn, dyn
+    syms = subprocess.run(["objdump", "-T", str(so)], capture_output=True, text=True, check=True).stdout
+    versions = {tuple(int(x) for x in v.split(".")) for v in re.findall(r"\bGLIBC_([0-9.]+)\b", syms)}
+    assert versions and max(versions) <= (2, 17), sorted(versions)
 
 
 def wait_healthy(ctl: str, sock: str, proc: subprocess.Popen, log: pathlib.Path, cwd: pathlib.Path) -> None:
