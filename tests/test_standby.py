@@ -119,3 +119,31 @@ def test_use_and_standby_records_are_checked(host_daemon):
         assert st.total.standby_bytes == 0 and st.total.pages_in_use == 0
         assert_books(st)
         s.close()
+
+
+def test_standby_is_said_again_to_a_restarted_daemon(daemon_factory, backend, tmp_path):
+    """The daemon does not journal standby: a resumed session says again
+    which of its adopted pages it keeps as standby, so a reclaim still asks
+    for those first; a page taken back while the daemon was away is not."""
+    state = str(tmp_path / "state")
+    d = daemon_factory(backend, memory_limit="64MiB", page_size="2MiB", state_dir=state)
+    c = d.client()
+    s = c.open_session("standby-resume")
+    r = s.region(16 * MiB)
+    r.map(0, 8 * MiB)
+    r.write(0, b"kept across")
+    assert r.trim_to(2 * MiB, standby=True) == 3
+    assert _session_stats(s).standby_bytes == 6 * MiB
+    d.sigkill()
+    d2 = daemon_factory(backend, memory_limit="64MiB", page_size="2MiB", state_dir=state, socket=d.socket)
+    assert s.wait_resumed(20), d2.log_text()
+    assert wait_until(lambda: _session_stats(s).standby_bytes == 6 * MiB, timeout=5), _session_stats(s)
+    me = _session_stats(s)
+    assert me.pages_held == 4
+    assert r.read(0, 11) == b"kept across"
+    assert r.map(0, 4 * MiB) == 1  # one page back from standby: the restarted daemon's books follow
+    assert wait_until(lambda: _session_stats(s).standby_bytes == 4 * MiB, timeout=5)
+    assert_books(c.stats())
+    r.close()
+    s.close()
+    c.close()

@@ -139,6 +139,8 @@ class Session:
         # page requests in flight (see _request_begins)
         self._inflight = 0
         self._inflight_lock = threading.Lock()
+        # held pages kept as standby (standby_ids; a use or a free ends it): said again to a restarted daemon
+        self._standby: set[int] = set()
 
     # -- plumbing
     def _ref(self) -> tuple[int, bytes]:
@@ -222,6 +224,23 @@ class Session:
         Resumer(self.id, self.resume_token, self._keeper, self.client._rpc, self.client.info.fd_socket, self.client.timeout,
                 connect=self._connect_for_resume, done=self._resume_done, closed=lambda: self._closed).start()
 
+    def _after_resume(self, ch: Channel, late: dict[int, int], standby: list[int]) -> None:
+        """On the new channel: free the pages freed while the resume was in
+        flight (so adopted), and keep as standby again those that were."""
+        if late:
+            try:
+                ch.free(sorted(late), self.client.timeout)
+                self._keeper.forget(late)  # type: ignore[union-attr]
+            except errors.KVCachedError as exc:
+                log.warning("session %d: freeing %d pages released during the resume failed: %s", self.id, len(late), exc.message)
+        standby = [pid for pid in standby if pid in self._standby]  # not taken back meanwhile
+        if standby:
+            try:
+                ch.free(standby, self.client.timeout, standby=True)
+            except errors.KVCachedError as exc:  # they stay in use in the books: correct, only not asked for first
+                log.warning("session %d: keeping %d pages as standby again after the resume failed: %s", self.id, len(standby),
+                            exc.message)
+
     def _connect_for_resume(self) -> Channel:
         ch = Channel(self.client.info.fd_socket, self.client.timeout, self._hangup, self._drop_kept)
         # Page requests of the old channel settle first (pages kept, frees
@@ -251,15 +270,11 @@ class Session:
         self._state = "ok"
         self._resumed.set()
         late = self._keeper.late()
-        if late:  # freed while the resume was in flight, so adopted: free them here
-            def free_late() -> None:
-                try:
-                    ch.free(sorted(late), self.client.timeout)
-                    self._keeper.forget(late)  # type: ignore[union-attr]
-                except errors.KVCachedError as exc:
-                    log.warning("session %d: freeing %d pages released during the resume failed: %s", self.id, len(late), exc.message)
-
-            threading.Thread(target=free_late, name=f"kvcached-late-free-{self.id}", daemon=True).start()
+        # standby pages the restarted daemon adopted: its books say so again (it does not journal standby)
+        standby = sorted((self._standby & self._keeper.ids()) - set(late)) if self.client.info.fd_channel_standby else []
+        if late or standby:
+            threading.Thread(target=self._after_resume, args=(ch, late, standby), name=f"kvcached-after-resume-{self.id}",
+                             daemon=True).start()
         if ch.ended is not None and ch.hung_up:  # the daemon went away again before the swap
             self._hangup(ch)
 
@@ -337,6 +352,7 @@ class Session:
                 raise self._unreachable(exc, ch) from None
             if k is not None:
                 k.forget(seqs)
+            self._standby.difference_update(ids)
             return n
         finally:
             self._request_ends()
@@ -353,13 +369,16 @@ class Session:
         self._check_state()
         self._request_begins()
         try:
-            return self._on_channel(lambda ch: ch.free(ids, self.client.timeout, standby=True))
+            n = self._on_channel(lambda ch: ch.free(ids, self.client.timeout, standby=True))
         finally:
             self._request_ends()
+        self._standby.update(ids)
+        return n
 
     def use_ids(self, page_ids: Iterable[int]) -> None:
         """Standby pages in use again (USE, not waited for)."""
         ids = list(page_ids)
+        self._standby.difference_update(ids)
         if ids and self._state == "ok":
             self._channel.send_use(ids)
 
