@@ -6,9 +6,24 @@ ARGS ?=
 
 .PHONY: serve test setup testdriver test-python test-go test-c test-packaging test-llama test-ollama test-gpu-bundle test-fuzz
 
+# PREFLIGHT: the suites the target asked for; scripts/preflight.sh checks in
+# seconds what they need that set-up cannot install (root, python3.12, Go,
+# bookworm sources) and stops before set-up downloads anything.
+PREFLIGHT ?=
 setup:
+	@scripts/preflight.sh $(PREFLIGHT)
 	@scripts/setup.sh --dev
 	@scripts/setup-ops.sh
+
+test: PREFLIGHT = all
+test-python: PREFLIGHT = python
+test-go: PREFLIGHT = go
+test-c: PREFLIGHT = c
+test-packaging: PREFLIGHT = packaging
+test-llama: PREFLIGHT = llama
+test-ollama: PREFLIGHT = ollama
+test-gpu-bundle: PREFLIGHT = gpu-bundle
+test-fuzz: PREFLIGHT = fuzz
 
 serve:
 	@scripts/setup.sh

@@ -4,6 +4,13 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
+# The python3.12 of the 3.12 run below, looked for first: without one the
+# suite stops now, not after the half hour the first run takes.
+py312="$(scripts/preflight.sh --python312)" || {
+  scripts/preflight.sh python || true   # says what is missing and how to get it
+  echo "test-python: no python3.12 found (set PYTHON312): the 3.12 run cannot be skipped" >&2
+  exit 1
+}
 set +e
 # tests/llama needs llama-server builds: scripts/test-llama.sh runs it;
 # tests/packaging needs the sdist, wheel and image: scripts/test-packaging.sh;
@@ -30,14 +37,6 @@ rcpub=$?
 # The daemon's request path again on Python 3.12 (what GPU hosts run): a real
 # python3.12 found a 3.12-only bug there (eager_start, server/channel.py). build/py312 holds
 # the package and the test tools; remade when pyproject.toml changes.
-py312=""
-for c in "${PYTHON312:-}" python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
-  [ -n "$c" ] && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { py312=$c; break; }
-done
-if [ -z "$py312" ]; then
-  echo "test-python: no python3.12 found (set PYTHON312): the 3.12 run cannot be skipped" >&2
-  exit 1
-fi
 if [ ! -f build/py312/.installed ] || [ pyproject.toml -nt build/py312/.installed ]; then
   echo "test-python: making build/py312 with $("$py312" --version)"
   rm -rf build/py312 && "$py312" -m venv build/py312 &&
