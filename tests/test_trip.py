@@ -12,8 +12,14 @@ A file is *entered* when a function of it is called from another file. The
 trip is the sequence of entries; an *upcall* is an entry into a file, or
 into a layer (LAYERS) from another layer, that is already on the call stack
 (a lower layer calling back into a higher one).
-The bar: at most 8 layers, every file in a named layer, no upcall. It is
-met on both backends (`test_the_trip_meets_the_bar`, and the CUDA test,
+The layers are read from docs/architecture.md (the table under "One
+page's trip"). Four trips are traced: host and CUDA, warm pool and cold
+(traced_serve follows a cold Allocate to the device worker and back until
+its REPLY), each counted in layers and cross-file calls and held at or
+below the counts measured before issue 47's work on them
+(`test_every_trip_is_counted_and_grows_no_further`).
+The bar for the warm trips: at most 8 layers, every file in a named layer,
+no upcall. It is met on both backends (`test_the_trip_meets_the_bar`, and the CUDA test,
 which also checks that the daemon enters no backend and no driver binding
 on a warm Allocate), and
 `test_the_trip_is_the_one_documented` holds the trip to the list in
@@ -27,6 +33,7 @@ import gc
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -36,26 +43,25 @@ from kvtest import HELPERS, PY, ROOT, Daemon, testdriver_env, wait_serving, wait
 
 MiB = 1 << 20
 
-LAYERS = {  # file -> the named layer it is
-    "kvcached_service/client/region.py": "client API",
-    "kvcached_service/client/client.py": "client API",
-    "kvcached_service/client/channel.py": "client channel",
-    "kvcached_service/fdchannel.py": "wire codec",
-    "kvcached_service/server/channel.py": "server channel",
-    "kvcached_service/server/daemon.py": "core",
-    "kvcached_service/server/sessions.py": "core",  # the core's books: Session
-    "kvcached_service/server/pool/device.py": "pool",
-    "kvcached_service/server/pool/pages.py": "pool",  # the pool's ready lists
-    "kvcached_service/server/pool/books.py": "pool",
-    "kvcached_service/server/pool/loan.py": "pool",
-    "kvcached_service/server/pool/zeroer.py": "pool",
-    "kvcached_service/backends/base.py": "backend",
-    "kvcached_service/backends/host.py": "backend",
-    "kvcached_service/backends/cuda.py": "backend",
-    "kvcached_service/cuda/driver.py": "driver binding",
-    "kvcached_service/client/mapping.py": "mapper",
-    "kvcached_service/client/cuda_mapper.py": "mapper",
-}
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def read_layers(text: str) -> dict[str, str]:
+    """file -> layer, from the table under "### One page's trip" in
+    docs/architecture.md (the one list of the layers)."""
+    section = text.split("### One page's trip", 1)[1]
+    out: dict[str, str] = {}
+    for line in section.splitlines():
+        m = re.match(r"^\| ([A-Za-z ]+) \| (`[^|]+`) \|$", line)
+        if m:
+            for f in re.findall(r"`([^`]+)`", m.group(2)):
+                out["kvcached_service/" + f] = m.group(1)
+        elif out and not line.startswith("|"):
+            break  # the table's end
+    return out
+
+
+LAYERS = read_layers(ARCHITECTURE.read_text())  # file -> the named layer it is
 
 
 def _recorder():
@@ -86,24 +92,39 @@ def entries(calls: list) -> list[tuple[str, str, bool]]:
 
 
 @pytest.fixture(scope="module")
-def trip(tmp_path_factory):
-    """The entries of one Region.map of one page: (client's, daemon's), host backend."""
-    return _trace(tmp_path_factory.mktemp("trip"), "host")
+def traced(tmp_path_factory):
+    """trips(backend, pool): the entries of one Region.map of one page,
+    (client's, daemon's), on a warm pool (--prealloc) or a cold one (the
+    page made for the Allocate on the device worker); each traced once."""
+    done: dict = {}
+
+    def get(backend: str, pool: str = "warm"):
+        if (backend, pool) not in done:
+            done[backend, pool] = _trace(tmp_path_factory.mktemp(f"trip-{backend}-{pool}"), backend, pool == "warm")
+        return done[backend, pool]
+
+    return get
 
 
-@pytest.fixture(scope="module")
-def cuda_trip(tmp_path_factory):
-    """The same on the CUDA backend (the test driver, or KVCACHED_TEST_LIBCUDA)."""
-    return _trace(tmp_path_factory.mktemp("cuda-trip"), "cuda")
+@pytest.fixture
+def trip(traced):
+    """Host backend, warm pool."""
+    return traced("host")
 
 
-def _trace(tmp, backend: str):
+@pytest.fixture
+def cuda_trip(traced):
+    """The CUDA backend (the test driver, or KVCACHED_TEST_LIBCUDA), warm pool."""
+    return traced("cuda")
+
+
+def _trace(tmp, backend: str, warm: bool = True):
     sock, log, trace = str(tmp / "kvc.sock"), tmp / "daemon.log", tmp / "trip.jsonl"
     extra = testdriver_env() if backend == "cuda" else {}
     env = dict(os.environ, **extra, KVCACHED_TRIP_LOG=str(trace), PYTHONPATH=str(ROOT))
     with open(log, "w") as logf:
         proc = subprocess.Popen([PY, str(HELPERS / "traced_serve.py"), "--socket", sock, "--backend", backend,
-                                 "--memory-limit", "64MiB", "--prealloc", "8MiB", "--shutdown-grace", "0.5"],
+                                 "--memory-limit", "64MiB", "--prealloc", "8MiB" if warm else "0", "--shutdown-grace", "0.5"],
                                 env=env, stdout=logf, stderr=subprocess.STDOUT)
     d = Daemon(proc, sock, log, extra, None)
     try:
@@ -200,3 +221,31 @@ def test_the_trip_is_the_one_documented(trip):
     client, daemon = trip
     files = list(dict.fromkeys(p for p, _, _ in client + daemon))  # each file where the trip first enters it
     assert files == TRIP_FILES, _show(client, daemon)
+
+
+# Every trip counted: cross-file calls (client and daemon together) and
+# layers, as measured on 2026-11-29 before any change for issue 47 item 5
+# (docs/architecture.md, "What a trip costs"). A trip may not grow past
+# these; issue 47's budget, at most 16 calls and 8 layers on every trip, is
+# not met yet by the cold trips and the warm CUDA one.
+TRIP_COUNTS = {  # (backend, pool) -> (cross-file calls, layers)
+    ("host", "warm"): (24, 7),
+    ("host", "cold"): (31, 8),
+    ("cuda", "warm"): (31, 8),
+    ("cuda", "cold"): (50, 9),
+}
+
+
+@pytest.mark.parametrize("backend,pool", sorted(TRIP_COUNTS))
+def test_every_trip_is_counted_and_grows_no_further(traced, backend, pool):
+    client, daemon = traced(backend, pool)
+    files = {p for p, _, _ in client + daemon}
+    layers = {LAYERS.get(p) for p in files}
+    upcalls = [f"{p}:{fn}" for p, fn, up in client + daemon if up]
+    unnamed = sorted(p for p in files if p not in LAYERS)
+    calls = len(client) + len(daemon)
+    print(f"\n{backend} {pool} trip: {calls} cross-file calls (client {len(client)}, daemon {len(daemon)}), "
+          f"{len(layers)} layers, {len(files)} files, {len(upcalls)} upcalls")
+    assert not unnamed and not upcalls, _show(client, daemon)
+    most_calls, most_layers = TRIP_COUNTS[backend, pool]
+    assert calls <= most_calls and len(layers) <= most_layers, (calls, len(layers), _show(client, daemon))
