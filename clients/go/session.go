@@ -289,8 +289,9 @@ func (s *Session) Free(ctx context.Context, ids []uint64) (FreeResult, error) {
 // not succeed while the daemon is away (ErrUnavailable: the pages stay in
 // use). It returns the pages named; ErrFailedPrecondition where the
 // daemon does not offer standby pages (Info.FDChannelStandby is false).
-// Use takes them back. Most programs use Region.UnmapStandby or
-// Region.TrimStandby instead.
+// Use takes them back. After a resume the session says again which of its
+// pages it keeps as standby (the restarted daemon does not journal it).
+// Most programs use Region.UnmapStandby or Region.TrimStandby instead.
 func (s *Session) Standby(ctx context.Context, ids []uint64) (uint64, error) {
 	if !s.info.FDChannelStandby {
 		return 0, newError(ErrFailedPrecondition, "Standby", "kvcached-serve %q keeps no standby pages (GetInfo().fd_channel_standby is false)", s.info.Version)

@@ -86,6 +86,9 @@ type Mux struct {
 	resumed   chan struct{} // closed whenever not resuming
 	resumes   uint64
 	resumeErr error // the resume was refused or timed out: the session is dead
+	// standby: held pages kept as standby (Standby adds, Use and Free end
+	// it), said again to a restarted daemon, which does not journal standby.
+	standby map[uint64]struct{}
 }
 
 // New starts the multiplexer of a session bound to ch (HELLO read) with
@@ -102,6 +105,7 @@ func New(ch *fdchan.Conn, ref *pb.SessionRef, cfg Config) *Mux {
 		ref: ref, ch: ch,
 		lost:    make(chan struct{}),
 		resumed: make(chan struct{}),
+		standby: map[uint64]struct{}{},
 	}
 	close(m.resumed)
 	m.handles = cfg.Handles

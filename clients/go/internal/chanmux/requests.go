@@ -239,6 +239,7 @@ func (m *Mux) freeChunk(ctx context.Context, ids []uint64) (uint64, error) {
 			})
 			if err == nil {
 				m.keep.release(seqs)
+				m.markStandby(ids, false)
 				return rep.Value, nil
 			}
 		}
@@ -260,6 +261,7 @@ func (m *Mux) freeChunk(ctx context.Context, ids []uint64) (uint64, error) {
 		}
 		m.mu.Unlock()
 		if deferred {
+			m.markStandby(ids, false)
 			return uint64(len(ids)), nil
 		}
 		// A resume completed during the call and claimed these pages:
@@ -301,8 +303,39 @@ func (m *Mux) Standby(ctx context.Context, ids []uint64) (uint64, error) {
 			return named, err
 		}
 		named += rep.Value
+		m.markStandby(chunk, true)
 	}
 	return named, nil
+}
+
+// markStandby records held pages as kept as standby (on) or not.
+func (m *Mux) markStandby(ids []uint64, on bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, id := range ids {
+		if on {
+			m.standby[id] = struct{}{}
+		} else {
+			delete(m.standby, id)
+		}
+	}
+}
+
+// standbyAmong returns the ids of `ids` kept as standby, minus `except`.
+func (m *Mux) standbyAmong(ids, except []uint64) []uint64 {
+	skip := make(map[uint64]bool, len(except))
+	for _, id := range except {
+		skip[id] = true
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var out []uint64
+	for _, id := range ids {
+		if _, ok := m.standby[id]; ok && !skip[id] {
+			out = append(out, id)
+		}
+	}
+	return out
 }
 
 // Use sends USE records naming standby pages the session uses again, and
@@ -313,6 +346,7 @@ func (m *Mux) Standby(ctx context.Context, ids []uint64) (uint64, error) {
 // in use at the restarted daemon); a send that fails is only logged. It
 // returns the USE records sent.
 func (m *Mux) Use(ids []uint64) int {
+	m.markStandby(ids, false)
 	m.mu.Lock()
 	ch := m.ch
 	if ch == nil || m.closed || m.resuming || m.endErr != nil || m.resumeErr != nil {

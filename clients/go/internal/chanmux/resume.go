@@ -273,7 +273,10 @@ func (r *resumer) finish(ch *fdchan.Conn, resp *pb.ResumeSessionResponse, claime
 	m.mu.Unlock()
 	m.log.Warn("kvcached session resumed", "pages_adopted", resp.GetPagesAdopted(),
 		"pages_forgotten", resp.GetPagesForgotten(), "attempts", attempts, "took", took)
-	if len(late) > 0 {
+	// Standby pages the restarted daemon adopted: it counts them in use (it
+	// does not journal standby), so they are said again.
+	standby := m.standbyAmong(claimed, late)
+	if len(late) > 0 || len(standby) > 0 {
 		// Over the new channel, whose REPLY this (reader) goroutine reads:
 		// from another goroutine.
 		m.wg.Add(1)
@@ -281,8 +284,17 @@ func (r *resumer) finish(ch *fdchan.Conn, resp *pb.ResumeSessionResponse, claime
 			defer m.wg.Done()
 			ctx, cancel := context.WithTimeout(r.stopCtx, resumeAttempt)
 			defer cancel()
-			if _, err := m.Free(ctx, late); err != nil {
-				m.log.Warn("kvcached: freeing pages released during the resume failed", "pages", len(late), "err", err)
+			if len(late) > 0 {
+				if _, err := m.Free(ctx, late); err != nil {
+					m.log.Warn("kvcached: freeing pages released during the resume failed", "pages", len(late), "err", err)
+				}
+			}
+			// not taken back meanwhile (Use ends it)
+			if again := m.standbyAmong(standby, nil); len(again) > 0 {
+				if _, err := m.Standby(ctx, again); err != nil {
+					// they stay in use in the books: right, only not asked for first by a reclaim
+					m.log.Warn("kvcached: keeping pages as standby again after the resume failed", "pages", len(again), "err", err)
+				}
 			}
 		}()
 	}
