@@ -5,8 +5,9 @@ the kvcached_service modules it imports). docs/fuzzing.md says how.
 
 With no corpus dir given, the target's committed corpus
 (tests/fuzz/corpus/TARGET) and its seeds (written to build/fuzz/seeds/TARGET)
-are read and nothing is written back; new inputs then go nowhere. The first
-directory given is where libFuzzer writes new inputs (and -merge=1 output).
+are read and new inputs go to build/fuzz/work/TARGET. The first directory
+given is where libFuzzer writes new inputs (and -merge=1 its output); the
+seeds are added after the directories given, except with -merge=1.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def main() -> None:
     args = [sys.argv[0]] + sys.argv[2:]
     dirs = [a for a in args[1:] if not a.startswith("-")]
     if not dirs:
-        args += [str(targets.CORPUS / name), str(targets.write_seeds(name, targets.ROOT / "build" / "fuzz" / "seeds" / name))]
+        work = targets.ROOT / "build" / "fuzz" / "work" / name
+        work.mkdir(parents=True, exist_ok=True)
+        args += [str(work), str(targets.CORPUS / name), str(targets.write_seeds(name, targets.ROOT / "build" / "fuzz" / "seeds" / name))]
     elif "-merge=1" not in args:
         args.append(str(targets.write_seeds(name, targets.ROOT / "build" / "fuzz" / "seeds" / name)))
     atheris.Setup(args, getattr(targets, name))
