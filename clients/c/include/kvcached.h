@@ -469,7 +469,10 @@ KVC_API kvc_status kvc_region_map_ranges(kvc_region *region, const kvc_range *ra
  * (offset + size >= the max_bytes it was created with) runs to the end of
  * its last page: the bytes past max_bytes are the region's own padding, so
  * every page can be given back (since 1.2). Unmapped pages in the range are
- * skipped. Thread-safe (calls on one region serialise). */
+ * skipped. Each run of adjacent pages is unmapped with one call (on CUDA one
+ * cuMemUnmap over the run), a run the driver refuses page by page; a page
+ * that cannot be unmapped stays mapped and is not given back, and the first
+ * error is returned. Thread-safe (calls on one region serialise). */
 KVC_API kvc_status kvc_region_unmap(kvc_region *region, uint64_t offset, uint64_t size);
 KVC_API kvc_status kvc_region_unmap_ranges(kvc_region *region, const kvc_range *ranges,
                                            size_t num_ranges);

@@ -69,8 +69,8 @@ kvc_status kvc_mapper_map_run(kvc_mapper *m, uintptr_t addr, const int *fds, siz
             snprintf(msg, sizeof msg, "%s", kvc_last_error());
             for (size_t j = i + 1; j < n; j++)
                 close(fds[j]);
-            for (size_t j = 0; j < i; j++)
-                m->ops->unmap(m, addr + j * page, page);
+            if (i > 0)
+                m->ops->unmap(m, addr, i * page); /* the pages mapped so far: one run */
             return kvc_fail(st, "%s", msg);
         }
     }

@@ -32,6 +32,11 @@ struct kvc_mapper_ops {
     /* Map the page behind `fd` (of `size` bytes) at addr; the fd is closed in
      * every case. */
     kvc_status (*map)(kvc_mapper *m, uintptr_t addr, int fd, uint64_t size);
+    /* Unmap [addr, addr+size): one page, or a run of adjacent pages (each
+     * a whole mapping: map, map_run or map_local made it) with one call;
+     * regions unmap each run they give back so (CUDA: one cuMemUnmap over
+     * the run's mappings, host: one mmap of PROT_NONE), and a run refused
+     * page by page. Nothing is kept per address (kept handles are by id). */
     kvc_status (*unmap)(kvc_mapper *m, uintptr_t addr, uint64_t size);
     /* Map n pages of `page` bytes, fds[i] at addr + i * page, all or
      * nothing; every fd is closed in every case. For a backend whose cost

@@ -660,6 +660,9 @@ static kvc_status cuda_map_local(kvc_mapper *m, uintptr_t addr, uint64_t size)
     return KVC_OK;
 }
 
+/* One cuMemUnmap: a page, or a run of adjacent pages (the driver unmaps a
+ * range made of several whole mappings in one call, as it sets access over
+ * one). */
 static kvc_status cuda_unmap(kvc_mapper *m, uintptr_t addr, uint64_t size)
 {
     CU_CURRENT(m);

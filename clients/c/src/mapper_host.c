@@ -57,13 +57,15 @@ static kvc_status host_map(kvc_mapper *m, uintptr_t addr, int fd, uint64_t size)
     return KVC_OK;
 }
 
+/* One page or a run of adjacent ones: PROT_NONE anonymous memory over the range. */
 static kvc_status host_unmap(kvc_mapper *m, uintptr_t addr, uint64_t size)
 {
     (void)m;
     void *p = mmap((void *)addr, (size_t)size, PROT_NONE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED)
-        return kvc_fail(KVC_ERR_SYSTEM, "unmapping a page: %s", strerror(errno));
+        return kvc_fail(KVC_ERR_SYSTEM, "unmapping %llu bytes: %s", (unsigned long long)size,
+                        strerror(errno));
     return KVC_OK;
 }
 

@@ -42,6 +42,45 @@ kvc_status region_new(kvc_session *s, uint64_t max_bytes, kvc_region **out)
     return KVC_OK;
 }
 
+// Unmap the slots (sorted, unique, every one mapped: daemon, standby,
+// orphan or local pages alike, each a whole mapping) by runs: each run of
+// adjacent slots with one mapper call over the run (on CUDA one cuMemUnmap
+// over the run's mappings); a run the mapper refuses is unmapped page by
+// page. The slots unmapped are appended to `done`, in order; a slot whose
+// unmap failed is still mapped. Returns the first page's error. No books
+// are touched: the caller's job.
+static kvc_status unmap_runs(kvc_region *r, const std::vector<uint64_t> &slots,
+                             std::vector<uint64_t> &done)
+{
+    kvc_mapper *m = r->session->mapper;
+    kvc_status first = KVC_OK;
+    std::string msg;
+    done.reserve(done.size() + slots.size());
+    for (size_t i = 0, j = 0; i < slots.size(); i = j) {
+        for (j = i + 1; j < slots.size() && slots[j] == slots[j - 1] + 1; j++) {
+        }
+        if (j - i > 1 &&
+            kvc_mapper_unmap(m, r->base + slots[i] * r->page, (j - i) * r->page) == KVC_OK) {
+            done.insert(done.end(), slots.begin() + i, slots.begin() + j);
+            continue;
+        }
+        for (size_t k = i; k < j; k++) {  // one page, or a run refused: page by page
+            kvc_status st = kvc_mapper_unmap(m, r->base + slots[k] * r->page, r->page);
+            if (st != KVC_OK) {
+                if (first == KVC_OK) {
+                    first = st;
+                    msg = kvc_last_error();
+                }
+                continue;
+            }
+            done.push_back(slots[k]);
+        }
+    }
+    if (first != KVC_OK)
+        return kvc_fail(first, "%s", msg.c_str());
+    return KVC_OK;
+}
+
 // Map a sorted, unique list of unmapped slots with one allocation.
 kvc_status region_map_slots(kvc_region *r, const std::vector<uint64_t> &slots)
 {
@@ -64,9 +103,21 @@ kvc_status region_map_slots(kvc_region *r, const std::vector<uint64_t> &slots)
             std::string msg = kvc_last_error();
             for (size_t k = j; k < fds.size(); k++)
                 close(fds[k]);
-            for (size_t k = 0; k < i; k++)
-                kvc_mapper_unmap(s->mapper, r->base + slots[k] * r->page, r->page);
-            session_free_ids(s, ids);
+            // Roll back the earlier runs (by runs). A page that cannot be
+            // unmapped stays mapped and on the books, not freed.
+            std::vector<uint64_t> done, give;
+            unmap_runs(r, std::vector<uint64_t>(slots.begin(), slots.begin() + i), done);
+            for (size_t k = 0, d = 0; k < slots.size(); k++) {
+                if (k < i && !(d < done.size() && done[d] == slots[k])) {
+                    r->ids[slots[k]] = ids[k];
+                    r->mapped[slots[k]] = kSlotMapped;
+                    r->mapped_pages++;
+                    continue;
+                }
+                d += k < i;
+                give.push_back(ids[k]);
+            }
+            session_free_ids(s, give);
             return kvc_fail(st, "%s", msg.c_str());
         }
     }
@@ -78,23 +129,24 @@ kvc_status region_map_slots(kvc_region *r, const std::vector<uint64_t> &slots)
     return KVC_OK;
 }
 
+// Unmap the slots in use (free ones skipped) and give the daemon's pages
+// among them back in one Free. Each run of adjacent slots is unmapped with
+// one mapper call (unmap_runs); a page whose unmap fails stays mapped and
+// on the books (not freed); the first error is returned.
 kvc_status region_unmap_slots(kvc_region *r, const std::vector<uint64_t> &slots)
 {
     kvc_session *s = r->session;
-    std::vector<uint64_t> ids;
-    kvc_status first = KVC_OK;
-    std::string msg;
-    for (uint64_t k : slots) {
-        if (r->mapped[k] == kSlotFree)
-            continue;
-        kvc_status st = kvc_mapper_unmap(s->mapper, r->base + k * r->page, r->page);
-        if (st != KVC_OK) {
-            if (first == KVC_OK) {
-                first = st;
-                msg = kvc_last_error();
-            }
-            continue;  // still mapped: keep it on the books
-        }
+    std::vector<uint64_t> live, done, ids;
+    live.reserve(slots.size());
+    for (uint64_t k : slots)
+        if (r->mapped[k] != kSlotFree)
+            live.push_back(k);
+    std::sort(live.begin(), live.end());
+    live.erase(std::unique(live.begin(), live.end()), live.end());
+    const kvc_status first = unmap_runs(r, live, done);
+    const std::string msg = first != KVC_OK ? kvc_last_error() : "";
+    ids.reserve(done.size());
+    for (uint64_t k : done) {
         const uint8_t was = r->mapped[k];
         r->mapped[k] = kSlotFree;
         r->mapped_pages--;
@@ -198,8 +250,20 @@ kvc_status region_map_ranges_local(kvc_region *r, const kvc_range *ranges, size_
         st = kvc_mapper_map_local(m, r->base + slots[i] * r->page, r->page);
         if (st != KVC_OK) {
             std::string msg = kvc_last_error();
-            for (size_t j = 0; j < i; j++)
-                kvc_mapper_unmap(m, r->base + slots[j] * r->page, r->page);
+            // Roll back by runs; a page that cannot be unmapped stays a
+            // local page on the books.
+            std::vector<uint64_t> done;
+            unmap_runs(r, std::vector<uint64_t>(slots.begin(), slots.begin() + i), done);
+            for (size_t j = 0, d = 0; j < i; j++) {
+                if (d < done.size() && done[d] == slots[j]) {
+                    d++;
+                    continue;
+                }
+                r->ids[slots[j]] = 0;
+                r->mapped[slots[j]] = kSlotLocal;
+                r->mapped_pages++;
+                r->local_pages++;
+            }
             return kvc_fail(st, "%s", msg.c_str());
         }
     }
@@ -361,14 +425,17 @@ kvc_status region_set_standby_limit(kvc_region *r, uint64_t bytes)
 // already). r->mu held.
 void region_orphan_standby_locked(kvc_region *r)
 {
+    std::vector<uint64_t> standby, done;
     for (uint64_t k = 0; k < r->mapped.size(); k++)
-        if (r->mapped[k] == kSlotStandby &&
-            kvc_mapper_unmap(r->session->mapper, r->base + k * r->page, r->page) == KVC_OK) {
-            r->mapped[k] = kSlotFree;
-            r->ids[k] = 0;
-            r->mapped_pages--;
-            r->standby_pages--;
-        }
+        if (r->mapped[k] == kSlotStandby)
+            standby.push_back(k);
+    unmap_runs(r, standby, done);  // by runs; a page that fails stays standby
+    for (uint64_t k : done) {
+        r->mapped[k] = kSlotFree;
+        r->ids[k] = 0;
+        r->mapped_pages--;
+        r->standby_pages--;
+    }
 }
 
 void region_delete(kvc_region *r)

@@ -5,6 +5,11 @@
  *                               status of the map and the bytes still held
  *                               after the region is destroyed
  *   helper hold SOCK PAGES      open, map PAGES pages, print "READY", sleep
+ *   helper unmapruns SOCK       open, map 4 pages of a region (page 2 a local
+ *                               page), unmap pages 0-2 (one run); prints
+ *                               the unmap's status, what is mapped and held
+ *                               then and after the region is destroyed, and
+ *                               the pid (for the driver's call counters)
  *   helper shrink SOCK ID       open, RequestShrink(session ID, 0); prints the status
  *   helper cycle SOCK N         N x (connect, open, alloc, free, close,
  *                               disconnect); exit 0 if all succeeded; prints
@@ -135,6 +140,27 @@ int main(int argc, char **argv)
     }
     if (strcmp(cmd, "shrink") == 0) {
         print_status(kvc_session_request_shrink(s, n, 0, 1000, NULL));
+        kvc_session_close(s);
+        kvc_client_destroy(client);
+        return 0;
+    }
+    if (strcmp(cmd, "unmapruns") == 0) {
+        kvc_region *r = NULL;
+        uint64_t page = kvc_session_page_size(s);
+        kvc_range daemon_pages[2] = {{0, 2 * page}, {3 * page, page}}, local = {2 * page, page};
+        st = kvc_region_create(s, 4 * page, &r);
+        if (st == KVC_OK)
+            st = kvc_region_map_ranges(r, daemon_pages, 2);
+        if (st == KVC_OK)
+            st = kvc_region_map_ranges_local(r, &local, 1);
+        if (st == KVC_OK)
+            st = kvc_region_unmap(r, 0, 3 * page);
+        print_status(st);
+        printf("PID %d\nMAPPED %" PRIu64 " LOCAL %" PRIu64 " HELD %" PRIu64 " PAGES\n", (int)getpid(),
+               kvc_region_mapped_bytes(r) / page, kvc_region_local_bytes(r) / page,
+               kvc_session_held_bytes(s) / page);
+        kvc_region_destroy(r);
+        printf("DESTROYED HELD %" PRIu64 "\n", kvc_session_held_bytes(s));
         kvc_session_close(s);
         kvc_client_destroy(client);
         return 0;

@@ -2090,18 +2090,20 @@ TEST(KvcOwnDaemon, TestDriverFaultsOnCuda)
 // CUDA run); on another libcuda the file is absent and only the session's
 // own count (kvc_session_kept_handles) is checked.
 struct DriverCalls {
-    uint64_t import = 0, map = 0, release = 0;
+    uint64_t import = 0, map = 0, release = 0, unmap = 0;
     uint64_t total = 0;  // every driver call of this process
     bool known = false;
 };
 
-DriverCalls driver_calls()
+// This process's calls, or (pid) another's of this run: the counters stay
+// after it exited.
+DriverCalls driver_calls(pid_t pid = getpid())
 {
     DriverCalls c;
     const char *dir = std::getenv("KVCACHED_TESTDRV_CALLS");
     if (!dir)
         return c;
-    std::ifstream f(std::string(dir) + "/" + std::to_string(getpid()), std::ios::binary);
+    std::ifstream f(std::string(dir) + "/" + std::to_string(pid), std::ios::binary);
     std::string b((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
     if (b.size() < 32)
         return c;
@@ -2121,6 +2123,8 @@ DriverCalls driver_calls()
             c.map = v;
         else if (name == "cuMemRelease")
             c.release = v;
+        else if (name == "cuMemUnmap")
+            c.unmap = v;
     }
     c.known = true;
     return c;
@@ -2400,6 +2404,105 @@ TEST(KvcOwnDaemon, StandbyPagesComeBackWithoutAllocate)
     EXPECT_EQ(kvc_session_held_bytes(s), 0u);
     EXPECT_STATUS(KVC_OK, kvc_session_close(s));
     kvc_client_destroy(c);
+}
+
+// A region gives back each run of adjacent pages with one cuMemUnmap over
+// the run (kvc_region_unmap*, the standby variants, release_standby,
+// destroy), local pages in a run too (the test driver's live call
+// counters). The failure cases run in helper processes whose cuMemUnmap
+// calls are refused (KVCACHED_TESTDRV_FAIL): a refused run is unmapped
+// page by page and everything freed; a page that cannot be unmapped stays
+// mapped and held (not freed), and the error is returned.
+TEST(KvcOwnDaemon, UnmapsRunsOfAdjacentPagesOnCuda)
+{
+    ASSERT_EQ(g_backend, "cuda") << "this test counts the CUDA test driver's calls";
+    ASSERT_TRUE(on_test_driver()) << "needs the test driver's call counters";
+    Daemon d;
+    ASSERT_NO_FATAL_FAILURE(d.start({"--prealloc", "0"}));
+    kvc_client *c = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c));
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "unmap-runs";
+    kvc_session *s = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &s));
+    const uint64_t page = kvc_session_page_size(s);
+    kvc_region *r = nullptr;
+    KVC_OK_OR_FAIL(kvc_region_create(s, 8 * page, &r));
+    auto unmaps = [&](const std::function<kvc_status()> &f) {
+        DriverCalls a = driver_calls();
+        kvc_status st = f();
+        EXPECT_EQ(st, KVC_OK) << kvc_last_error();
+        return driver_calls().unmap - a.unmap;
+    };
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 8 * page));
+    // One run: one call.
+    EXPECT_EQ(unmaps([&] { return kvc_region_unmap(r, page, 3 * page); }), 1u);
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 5 * page);
+    EXPECT_EQ(kvc_session_held_bytes(s), 5 * page);
+    // Two runs (pages 0-1 and 3-7): two calls.
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 8 * page));
+    kvc_range two[2] = {{0, 2 * page}, {3 * page, 5 * page}};
+    EXPECT_EQ(unmaps([&] { return kvc_region_unmap_ranges(r, two, 2); }), 2u);
+    EXPECT_EQ(kvc_region_mapped_bytes(r), page);
+    // A local page in a run (page 1 between daemon pages 0 and 2): one call,
+    // its count right.
+    kvc_range local = {page, page};
+    KVC_OK_OR_FAIL(kvc_region_map_ranges_local(r, &local, 1));
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 3 * page));
+    EXPECT_EQ(kvc_region_local_bytes(r), page);
+    EXPECT_EQ(unmaps([&] { return kvc_region_unmap(r, 0, 3 * page); }), 1u);
+    EXPECT_EQ(kvc_region_local_bytes(r), 0u);
+    EXPECT_EQ(kvc_region_mapped_bytes(r), 0u);
+    EXPECT_EQ(kvc_session_held_bytes(s), 0u);
+    // Standby: the pages past the limit (4-7) go in one call; release_standby
+    // of adjacent standby pages is one call; destroy of everything is one.
+    KVC_OK_OR_FAIL(kvc_region_set_standby_limit(r, 4 * page));
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 8 * page));
+    kvc_range all = {0, 8 * page};
+    EXPECT_EQ(unmaps([&] { return kvc_region_unmap_ranges_standby(r, &all, 1); }), 1u);
+    EXPECT_EQ(kvc_region_standby_bytes(r), 4 * page);
+    uint64_t released = 0;
+    EXPECT_EQ(unmaps([&] { return kvc_region_release_standby(r, 2 * page, &released); }), 1u);
+    EXPECT_EQ(released, 2 * page);
+    KVC_OK_OR_FAIL(kvc_region_map(r, 2 * page, 6 * page));
+    EXPECT_EQ(unmaps([&] {
+                  kvc_region_destroy(r);
+                  return KVC_OK;
+              }),
+              1u);
+    EXPECT_EQ(kvc_session_held_bytes(s), 0u);
+    EXPECT_STATUS(KVC_OK, kvc_session_close(s));
+    kvc_client_destroy(c);
+
+    // The helper maps pages 0, 1, 3 from the daemon and 2 as a local page,
+    // unmaps pages 0-2 (one run), then destroys the region.
+    struct Case {
+        const char *fail;
+        const char *status, *books;
+        uint64_t unmaps;
+    } cases[] = {
+        // the run (1, refused), pages 0, 1, 2 (2-4); destroy: page 3 (5)
+        {"cuMemUnmap:1", "STATUS KVC_OK", "MAPPED 1 LOCAL 0 HELD 1 PAGES", 5},
+        // the run (1, refused), page 0 (2), page 1 (3, refused: still
+        // mapped and held), page 2 (4); destroy: pages 1 and 3 (5, 6)
+        {"cuMemUnmap:1,cuMemUnmap:3", "STATUS KVC_ERR_DRIVER", "MAPPED 2 LOCAL 0 HELD 2 PAGES", 6},
+    };
+    for (const Case &k : cases) {
+        int code = 0;
+        std::string out = run({g_helper, "unmapruns", d.sock}, {std::string("KVCACHED_TESTDRV_FAIL=") + k.fail},
+                              &code);
+        EXPECT_EQ(out.rfind(k.status, 0), 0u) << k.fail << ": " << out;
+        EXPECT_NE(out.find(k.books), std::string::npos) << k.fail << ": " << out;
+        EXPECT_NE(out.find("DESTROYED HELD 0"), std::string::npos) << k.fail << ": " << out;
+        if (std::string(k.status) != "STATUS KVC_OK")
+            EXPECT_NE(out.find("cuMemUnmap"), std::string::npos) << out;
+        size_t at = out.find("PID ");
+        ASSERT_NE(at, std::string::npos) << out;
+        DriverCalls got = driver_calls(static_cast<pid_t>(std::stol(out.substr(at + 4))));
+        ASSERT_TRUE(got.known) << "no call counters of the helper: " << out;
+        EXPECT_EQ(got.unmap, k.unmaps) << k.fail << ": " << out;
+    }
 }
 
 }  // namespace
