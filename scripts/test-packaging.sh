@@ -8,13 +8,18 @@
 #   3. a Debian base image: mmdebstrap --variant=minbase with python3 from
 #      the Debian mirrors apt uses here, podman import; cached by the hash of
 #      its inputs (build/packaging/base-<hash>.tar and the image tag)
-#   4. the Dockerfile's image: podman build --isolation chroot --format docker
+#   4. a fresh Debian 12 root (mmdebstrap --variant=minbase, what the
+#      debian:12 image has), cached by the hash of its inputs
+#      (build/packaging/fresh-bookworm-<hash>.tar)
+#   5. the Dockerfile's image: podman build --isolation chroot --format docker
 #      on that base; cached by the hash of the build context and the base
-#   5. pytest tests/packaging: the wheel and the sdist installed into clean
+#   6. pytest tests/packaging: the wheel and the sdist installed into clean
 #      venvs and run from there; the image run from its filesystem as its
-#      user (tests/packaging/imagerun.py)
+#      user (tests/packaging/imagerun.py); in the fresh root, the README's
+#      first commands (make serve; make test stops at once naming what
+#      Debian 12 lacks) and the manylinux wheel (test_fresh_root.py)
 # podman keeps its images in build/packaging/podman (not the machine's
-# default store). With --build-only (first argument) it stops after 4:
+# default store). With --build-only (first argument) it stops after 5:
 # scripts/prebuild.sh runs that in the background while the earlier suites
 # run. Exits non-zero on any failure. Extra arguments go to pytest.
 set -euo pipefail
@@ -90,6 +95,24 @@ else
   echo "$BASE_IMAGE: made in $((SECONDS - t)) s"
 fi
 
+step "a fresh Debian 12 root for first contact (mmdebstrap --variant=minbase, cached by input hash)"
+# Only what the debian:12 image has (minbase: no python, no make, no
+# compiler); tests/packaging/test_fresh_root.py unpacks it, copies the
+# checkout in and runs the README's commands there with chroot.
+FRESH_ARGS=(--variant=minbase)
+FRESH_KEY=$(hash_of "$(mmdebstrap --version)" "${FRESH_ARGS[*]}" "${MIRRORS[*]}" bookworm fresh)
+FRESH_TAR="$B/fresh-bookworm-$FRESH_KEY.tar"
+t=$SECONDS
+if [[ -f "$FRESH_TAR" ]]; then
+  echo "$FRESH_TAR: up to date"
+else
+  rm -f "$B"/fresh-bookworm-*.tar
+  mmdebstrap --format=tar "${FRESH_ARGS[@]}" bookworm "$FRESH_TAR.tmp" "${MIRRORS[@]}" >"$B/mmdebstrap-fresh.log" 2>&1 \
+    || { tail -30 "$B/mmdebstrap-fresh.log"; rm -f "$FRESH_TAR.tmp"; exit 1; }
+  mv "$FRESH_TAR.tmp" "$FRESH_TAR"
+  echo "$FRESH_TAR: made in $((SECONDS - t)) s"
+fi
+
 step "the Dockerfile's image (podman build --isolation chroot --format docker)"
 # The build context as .dockerignore leaves it: Dockerfile, pyproject.toml,
 # setup.py, README.md, kvcached_service/ (without bytecode or built libraries).
@@ -118,7 +141,7 @@ fi
 if [[ $BUILD_ONLY == 1 ]]; then step "done: builds only"; exit 0; fi
 
 step "pytest tests/packaging"
-export KVC_PKG_DIST="$B/dist" KVC_PKG_IMAGE="$IMAGE" KVC_PKG_WORK="$B" KVC_PKG_PODMAN="${PODMAN[*]}"
+export KVC_PKG_DIST="$B/dist" KVC_PKG_IMAGE="$IMAGE" KVC_PKG_WORK="$B" KVC_PKG_PODMAN="${PODMAN[*]}" KVC_PKG_FRESH_ROOT="$FRESH_TAR"
 status=0
 "$PY" -m pytest -v -p no:cacheprovider tests/packaging "$@" || status=$?
 step "done (exit $status)"
