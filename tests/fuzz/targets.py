@@ -366,7 +366,8 @@ def _journal_seeds() -> list[bytes]:
         {"op": "close", "sid": 1},
     ]
     text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in lines).encode()
-    out += [text, text[:-7], text.replace(b'"format":2', b'"format":3'), b'{"op":"snapshot"}\n']
+    out += [text, text[:-7], text[:-1], text.replace(b'"format":2', b'"format":3'), b'{"op":"snapshot"}\n',
+            text + b"[" * 3000 + b"\n"]  # a torn but complete last record; JSON nested past the parser's recursion limit
     return out
 
 
@@ -380,8 +381,9 @@ def _keeper_seeds() -> list[bytes]:
 def _keeper_record_seeds() -> list[bytes]:
     recs = [({"op": "put", "ids": [5, 6]}, 2), ({"op": "drop", "ids": [1, 5]}, 0), ({"op": "take"}, 0),
             ({"op": "clear"}, 0), ({"op": "pages", "format": 1, "ids": [3, 4], "last": True}, 2),
-            ({"op": "pages", "format": 2, "ids": [], "last": True}, 0), ({"op": "put", "ids": [1]}, 3)]
-    return [bytes([n]) + json.dumps(r).encode() for r, n in recs] + [b"\x01[[[[", b"\x00{}"]
+            ({"op": "pages", "format": 2, "ids": [], "last": True}, 0), ({"op": "put", "ids": [1]}, 3),
+            ({"op": "put", "ids": [1]}, 1), ({"op": "drop", "ids": [[1]]}, 1), ({"op": "pages", "ids": 5}, 1)]
+    return [bytes([n]) + json.dumps(r).encode() for r, n in recs] + [b"\x01[[[[", b"\x00{}", b"\x00[1]", b"\x01" + b"[" * 5000]
 
 
 def _config_seeds() -> list[bytes]:
@@ -392,6 +394,10 @@ def _config_seeds() -> list[bytes]:
         b'socket = "/tmp/a.sock"\n\0ENV\0MEMORY_LIMIT=50%\nADMIN_UIDS=0,5\nSOCKET_GROUP=0\nZERO_PAGES=false\n',
         b'channel_ops_only = false\nlog_level = "DEBUG"\npool_idle_seconds = 1.5\n',
         b'[oops\n',
+        b'memory_limit = "9999999999EiB"\nsocket_group = "4294967296"\n',
+        b'socket = "/tmp/k.sock"\nfd_socket = "/tmp/k.sock"\n',
+        b'page_size = "0"\n', b'memory_limit = "0"\n', b'channel_ops_only = true\ngrpc_page_ops = true\n',
+        b'grpc_admin_reserve = 2000\n', b'host_memory = "1GiB"\n\0ENV\0SOCKET=\n',
     ]
 
 
