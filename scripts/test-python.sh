@@ -11,6 +11,10 @@ py312="$(scripts/preflight.sh --python312)" || {
   echo "test-python: no python3.12 found (set PYTHON312): the 3.12 run cannot be skipped" >&2
   exit 1
 }
+.venv/bin/python -c 'import pytest, hypothesis, pytest_timeout' 2>/dev/null || {
+  echo "test-python: .venv has no test tools (pytest, hypothesis, pytest-timeout): scripts/setup.sh --dev installs them (make test-python runs it)" >&2
+  exit 1
+}
 set +e
 # tests/llama needs llama-server builds: scripts/test-llama.sh runs it;
 # tests/packaging needs the sdist, wheel and image: scripts/test-packaging.sh;

@@ -98,4 +98,5 @@ class FreshRoot:
         return self.path / path.lstrip("/")
 
     def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        # rm, not shutil.rmtree: a root with a .venv is ~30,000 files (rmtree took 70 s here under load)
+        subprocess.run(["rm", "-rf", "--one-file-system", str(self.path)], check=False)
