@@ -535,8 +535,10 @@ KVC_API uint64_t kvc_region_local_bytes(const kvc_region *region);
  * (GetInfo().fd_channel_standby); without it, with a limit of 0 (the
  * default), or while the session is being resumed or ended,
  * kvc_region_unmap_ranges_standby acts exactly as kvc_region_unmap_ranges.
- * After a resume the restarted daemon counts the standby pages in use (they
- * stay standby here). All thread-safe (calls on one region serialise). */
+ * After a resume the session says again which adopted pages it keeps as
+ * standby (the restarted daemon does not journal it; a page taken back
+ * meanwhile is left in use). All thread-safe (calls on one region
+ * serialise). */
 
 /* The most bytes of standby pages the region keeps (0, the default: none).
  * Lowering it below what is kept frees the excess (the highest pages). */

@@ -245,6 +245,10 @@ struct Kept {
     std::map<uint64_t, Entry> keep;
     uint64_t keep_seq = 0;
     std::set<uint64_t> deferred;
+    // Held pages kept as standby (session_standby_ids adds; a USE or a
+    // Free ends it): said again to a restarted daemon after a resume, since
+    // it does not journal standby.
+    std::set<uint64_t> standby;
 
     // Keep these duplicates (mu held); a kept entry of the same id is
     // replaced (it is the same id lent before, whose Free's REPLY is on its

@@ -183,6 +183,17 @@ bool session_resume(kvc_session *s)
             s->life.resumes++;
             s->life.state = kLive;
         }
+        // Standby pages the restarted daemon adopted: it counts them in use
+        // (it does not journal standby), so they are said again below.
+        std::vector<uint64_t> standby;
+        {
+            std::lock_guard<std::mutex> g(s->kept.mu);
+            std::set<uint64_t> gone(late.begin(), late.end());
+            for (uint64_t i : ids)
+                if (s->kept.standby.count(i) && !gone.count(i))
+                    standby.push_back(i);
+            s->kept.standby = std::set<uint64_t>(standby.begin(), standby.end());  // the rest went with the old daemon
+        }
         rw.unlock();
         s->notify();
         if (!late.empty()) {
@@ -196,6 +207,20 @@ bool session_resume(kvc_session *s)
             std::lock_guard<std::mutex> g(s->kept.mu);
             s->kept.unkeep_seqs_locked(late, late_seqs, done);
             s->kept.deferred.insert(late.begin() + done, late.end());
+        }
+        if (!standby.empty() && s->standby_ok.load()) {
+            // Not taken back meanwhile (a USE ends it). A failure leaves them
+            // in use in the books: right, only not asked for first by a reclaim.
+            std::vector<uint64_t> again;
+            {
+                std::lock_guard<std::mutex> g(s->kept.mu);
+                for (uint64_t i : standby)
+                    if (s->kept.standby.count(i))
+                        again.push_back(i);
+            }
+            size_t done = 0;
+            if (!again.empty())
+                (void)session_standby_ids(s, again, &done);
         }
         return true;
     }

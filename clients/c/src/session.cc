@@ -71,12 +71,15 @@ kvc_status check_free_locked(kvc_session *s, const std::vector<uint64_t> &ids)
 // caller's point of view: KVC_OK. Once the session ended, the daemon took
 // everything back: the books here forget the pages and the call fails with
 // the session's end (FAILED_PRECONDITION, or what ended it).
+static void standby_end(kvc_session *s, const std::vector<uint64_t> &ids);
+
 kvc_status session_free_ids(kvc_session *s, const std::vector<uint64_t> &ids, size_t *freed)
 {
     if (freed)
         *freed = 0;
     if (ids.empty())
         return KVC_OK;
+    standby_end(s, ids);  // a Free gives standby pages back as any page
     // Defer ids[from..]. With `seen` (the kept entries' sequence numbers
     // this Free saw when it was sent), an id whose entry was replaced since
     // is not deferred: the daemon lent that id again, so it had processed
@@ -203,9 +206,23 @@ kvc_status session_standby_ids(kvc_session *s, const std::vector<uint64_t> &ids,
             return kvc_fail(k == KVC_OK ? KVC_ERR_PROTOCOL : k, "Free (standby): %s",
                             rep.message.c_str());
         }
+        {
+            std::lock_guard<std::mutex> g(s->kept.mu);
+            s->kept.standby.insert(ids.begin() + i, ids.begin() + i + n);
+        }
         *done = i + n;
     }
     return KVC_OK;
+}
+
+// Pages no longer kept as standby (taken back, or freed).
+static void standby_end(kvc_session *s, const std::vector<uint64_t> &ids)
+{
+    std::lock_guard<std::mutex> g(s->kept.mu);
+    if (s->kept.standby.empty())
+        return;
+    for (uint64_t i : ids)
+        s->kept.standby.erase(i);
 }
 
 // USE records naming standby pages taken back into use, not waited for
@@ -214,6 +231,7 @@ kvc_status session_standby_ids(kvc_session *s, const std::vector<uint64_t> &ids,
 // resuming or ended (a resume claims standby pages in use anyway).
 void session_use_nowait(kvc_session *s, const std::vector<uint64_t> &ids)
 {
+    standby_end(s, ids);  // in use again, whether the daemon hears it now or not
     if (ids.empty() || s->life.ended.load() || s->resuming())
         return;
     std::shared_lock<std::shared_mutex> rw(s->link.rw);

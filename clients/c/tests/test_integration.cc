@@ -2507,6 +2507,53 @@ TEST(KvcOwnDaemon, UnmapsRunsOfAdjacentPagesOnCuda)
 
 }  // namespace
 
+// The restarted daemon does not journal standby: a resumed session says
+// again which adopted pages it keeps as standby (a FREE with the standby
+// flag on the new channel), so a reclaim still asks for those first; a
+// page taken back while the daemon was away is not said again.
+TEST(KvcOwnDaemon, StandbyIsSaidAgainAfterResume)
+{
+    Daemon d;
+    ASSERT_NO_FATAL_FAILURE(d.start({"--state-dir", "@STATE@"}));
+    kvc_client *c = nullptr;
+    KVC_OK_OR_FAIL(kvc_client_create(d.sock.c_str(), &c));
+    kvc_session_options o;
+    kvc_session_options_init(&o);
+    o.name = "standby-resume";
+    kvc_session *s = nullptr;
+    KVC_OK_OR_FAIL(kvc_session_open(c, &o, &s));
+    const uint64_t P = kvc_session_page_size(s);
+    kvc_region *r = nullptr;
+    KVC_OK_OR_FAIL(kvc_region_create(s, 8 * P, &r));
+    KVC_OK_OR_FAIL(kvc_region_set_standby_limit(r, 4 * P));
+    KVC_OK_OR_FAIL(kvc_region_map(r, 0, 4 * P));
+    const char stamp[] = "across the restart";
+    KVC_OK_OR_FAIL(kvc_region_write(r, 0, stamp, sizeof stamp));
+    kvc_range tail = {P, 3 * P};
+    KVC_OK_OR_FAIL(kvc_region_unmap_ranges_standby(r, &tail, 1));  // pages 1..3 standby
+    EXPECT_EQ(kvc_region_standby_bytes(r), 3 * P);
+    EXPECT_EQ(own_stats(s).standby_bytes, 3 * P);
+
+    d.proc.kill_and_wait(SIGKILL);
+    ASSERT_TRUE(wait_until([&] { return kvc_session_is_resuming(s) == 1; }, 5000));
+    KVC_OK_OR_FAIL(kvc_region_map(r, P, P));  // page 1 back from standby while the daemon is away
+    EXPECT_EQ(kvc_region_standby_bytes(r), 2 * P);
+
+    ASSERT_NO_FATAL_FAILURE(d.restart());
+    KVC_OK_OR_FAIL(kvc_session_wait_resumed(s, 60000));
+    EXPECT_TRUE(wait_until([&] { return own_stats(s).standby_bytes == 2 * P; }, 5000))
+        << "the restarted daemon counts " << own_stats(s).standby_bytes << " standby bytes, want " << 2 * P;
+    kvc_stats st = own_stats(s);
+    EXPECT_EQ(st.pages_held, 4u);
+    char got[sizeof stamp];
+    KVC_OK_OR_FAIL(kvc_region_read(r, 0, got, sizeof got));
+    EXPECT_STREQ(got, stamp);
+    kvc_region_destroy(r);
+    EXPECT_EQ(own_stats(s).pages_held, 0u);
+    KVC_OK_OR_FAIL(kvc_session_close(s));
+    kvc_client_destroy(c);
+}
+
 int main(int argc, char **argv)
 {
     ::testing::InitGoogleTest(&argc, argv);
@@ -2554,3 +2601,4 @@ int main(int argc, char **argv)
         std::fprintf(stderr, "could not remove %s\n", g_tmp.c_str());
     return rc;
 }
+
