@@ -718,6 +718,8 @@ class Chaos:
         leaked = max((c.get("leaked_pages", 0) for c in checks), default=0)
         final = checks[-1] if checks else {}
         memory = self.memory_slopes()
+        # runners loaded while the daemon was away run on ordinary memory for their life (docs/reliability.md)
+        fallback = sorted({pid for c in checks for pid in c.get("no_session", [])})
         mem_bad = [k for k, v in memory.items() if v.get("grows")]
         goal = {
             "failed_unexplained": len(unexplained), "differing": len(differ), "books_wrong": len(books_bad),
@@ -738,7 +740,8 @@ class Chaos:
                          "max_s": lat[-1] if lat else None},
             "faults": dict(collections.Counter(f["kind"] for f in self.faults)),
             "daemon_restarts": len(restarts), "daemon_starts": self.sup.starts if hasattr(self, "sup") else 0,
-            "checks": len(checks), "audits": sum(1 for c in checks if c.get("audit")), "goal": goal, "memory": memory,
+            "checks": len(checks), "audits": sum(1 for c in checks if c.get("audit")), "goal": goal,
+            "runners_without_session": fallback, "zeroed_runners": {str(k): v for k, v in self.zeroed_runners.items()}, "memory": memory,
             "fault_log": self.faults, "check_log": checks, "request_log": recs, "samples": self.samples,
         }
 
@@ -810,6 +813,7 @@ def summary(r: dict) -> str:
         ("checks not settled", g["unsettled_checks"]),
         ("pages leaked (max at a check)", g["leaked_pages_max"]),
         ("pages outside the books at the end", g["outside_pages_end"]),
+        ("runners loaded while the daemon was away (no session)", len(r.get("runners_without_session", []))),
     ]
     for k, v in r["memory"].items():
         if "slope_mib_per_h" in v:
@@ -818,6 +822,23 @@ def summary(r: dict) -> str:
     rows.append(("goal", "met" if g["met"] else "MISSED"))
     w = max(len(str(k)) for k, _ in rows)
     return "\n".join(f"  {str(k):<{w}}  {v}" for k, v in rows)
+
+
+def rescore(path: pathlib.Path) -> int:
+    """A recorded run judged again by this code (the JSON's records)."""
+    import gzip
+
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    old = json.loads(raw)
+    ch = Chaos(argparse.Namespace(**old["args"]), pathlib.Path(old["args"].get("work", ".")))
+    ch.records, ch.faults, ch.checks, ch.samples = old["request_log"], old["fault_log"], old["check_log"], old["samples"]
+    ch.zeroed_runners = {int(k): v for k, v in old.get("zeroed_runners", {}).items()}
+    ch.t0 = datetime.datetime.fromisoformat(old["started"]).timestamp()
+    r = ch.result()
+    r["duration_s"] = old["duration_s"]
+    r["daemon_starts"] = old.get("daemon_starts")
+    print(summary(r))
+    return 0 if r["goal"]["met"] else 1
 
 
 def main(argv=None) -> int:
@@ -840,7 +861,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=pathlib.Path, default=ROOT / "build" / "bench" / "chaos")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (logs, models)")
     ap.add_argument("--ref-cache", type=pathlib.Path, help="a directory keeping stock references between runs")
+    ap.add_argument("--summarize", type=pathlib.Path, metavar="JSON", help="judge and summarize a run's records again "
+                                                                          "(this code's verdict), run nothing")
     a = ap.parse_args(argv)
+    if a.summarize:
+        return rescore(a.summarize)
     a.duration = a.duration or (100 if a.quick else 1800)
     a.audit_every = a.audit_every or (2 if a.quick else 5)
     a.gap = a.gap or (9 if a.quick else 18)
