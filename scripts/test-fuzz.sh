@@ -172,6 +172,7 @@ merge)
     else
       .venv/bin/python tests/fuzz/run.py "$t" -merge=1 "${LF_FLAGS[@]}" -max_len="${MAXLEN[$t]}" "$new" "$corpus" "$B/long/$t" "$B/seeds/$t" >"$B/merge-$t.log" 2>&1
     fi || { status=1; tail -20 "$B/merge-$t.log"; continue; }
+    [[ -n "$(ls "$new")" ]] || { echo "test-fuzz: merging $t gave nothing: $corpus left as it was (build/fuzz/merge-$t.log)" >&2; status=1; continue; }
     rm -f "$corpus"/*; cp "$new"/* "$corpus"/
     printf '%-13s %4d -> %4d files, %s\n' "$t" "$before" "$(ls "$corpus" | wc -l)" "$(du -sh "$corpus" | cut -f1)"
   done ;;

@@ -31,7 +31,9 @@ def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in targets.TARGETS:
         sys.exit(f"usage: run.py {{{','.join(targets.TARGETS)}}} [libFuzzer flags] [CORPUS_DIR...]")
     name = sys.argv[1]
-    args = [sys.argv[0]] + sys.argv[2:]
+    # argv[0] is what libFuzzer runs again for -merge=1 (through sh): this
+    # interpreter, this script and the target
+    args = [f"{sys.executable} {Path(__file__).resolve()} {name}"] + sys.argv[2:]
     dirs = [a for a in args[1:] if not a.startswith("-")]
     if not dirs:
         work = targets.ROOT / "build" / "fuzz" / "work" / name

@@ -347,9 +347,13 @@ def _vector_seeds() -> list[bytes]:
     for v in d["vectors"] + d["unexpected"]:
         rec = bytes.fromhex(v["hex"])
         out.append(bytes([min(v["fds"], 255), 0]) + rec)
-    # a record cut on receipt and one whose descriptors were cut
-    big = next(bytes.fromhex(v["hex"]) for v in d["vectors"] if v.get("record", {}).get("type") == "FREE")
-    out += [b"\0\1" + big, b"\0\2" + big]
+    # records cut on receipt (a request whose req_id arrived, a HELLO) and
+    # ones whose descriptors were cut (a request, a PAGES)
+    free = next(bytes.fromhex(v["hex"]) for v in d["vectors"] if v.get("record", {}).get("type") == "FREE")
+    hello = next(bytes.fromhex(v["hex"]) for v in d["vectors"] if v.get("record", {}).get("type") == "HELLO")
+    pages = next(bytes.fromhex(v["hex"]) for v in d["vectors"] if v.get("record", {}).get("type") == "PAGES")
+    cut = free[:8] + (131096).to_bytes(4, "little") + free[12:]
+    out += [b"\0\1" + free, b"\0\1" + cut, b"\0\1" + hello[:30], b"\0\2" + free, b"\1\2" + pages]
     return out
 
 
@@ -375,7 +379,7 @@ def _keeper_seeds() -> list[bytes]:
     from kvcached_service.server.keeper import fdname
 
     names = ":".join(fdname(p) for p in (1, 63, 64, 4095, (1 << 62) - 1, 1 << 63))
-    return [b"\x06" + names.encode(), b"\x03~1:~2.Zm9v:stored-socket", b"\xff12:~1:~1:~A", b"\x02~:~~", b"\x01~3.x"]
+    return [b"\x06" + names.encode(), b"\x03~1:~2.Zm9v:stored-socket", b"\xff12:~1:~1:~A", b"\xffx:~1", b"\x02~:~~", b"\x01~3.x"]
 
 
 def _keeper_record_seeds() -> list[bytes]:
