@@ -52,6 +52,8 @@ fi
 if [ -n "${need[python312]:-}" ]; then
   if py=$(find_python312); then
     found+=("python3.12 $py")
+  elif bare=$(command -v python3.12) && "$bare" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+    miss "python3.12's venv and ensurepip: $bare has neither (on Ubuntu: apt-get install python3.12-venv; scripts/setup.sh's python3-venv brings it where python3 is 3.12)"
   else
     miss "python3.12 (with venv and ensurepip): the Python suite reruns the request path on it and the GPU bundle's dry run uses it; Debian 12 packages none and no registry set-up reaches has one (PyPI has no CPython builds; uv and pyenv download theirs from GitHub and python.org, Ubuntu 24.04 packages it: apt-get install python3.12-venv); install one where you can and set PYTHON312=/path/to/python3.12"
   fi
@@ -62,7 +64,7 @@ for v in go124 go126; do
   want="1.${v#go1}"
   what="the Go client's tests"; [ "$v" = go126 ] && what="the Ollama build (its go.mod says go 1.26.0)"
   if ! command -v go >/dev/null 2>&1; then
-    miss "go >= $want: $what needs it and set-up installs none (Debian 12's golang-go is 1.19); install Go >= 1.21 (go.dev/dl; or bookworm-backports' golang-1.2x-go), whose default GOTOOLCHAIN=auto fetches go$want from the Go module proxy"
+    miss "go >= $want, for $what: set-up installs none (Debian 12's golang-go is 1.19); install Go >= 1.21 (go.dev/dl; on Debian 12 bookworm-backports has golang-1.23-go: /usr/lib/go-1.23/bin on the PATH), whose default GOTOOLCHAIN=auto fetches go$want from the Go module proxy"
     continue
   fi
   gv=$(go env GOVERSION 2>/dev/null); gv=${gv#go}
@@ -73,9 +75,9 @@ for v in go124 go126; do
   elif [ "${minor:-0}" -ge 21 ] && [ "$tc" != local ]; then
     found+=("go $gv (GOTOOLCHAIN=$tc fetches go$want from the Go module proxy)")
   elif [ "${minor:-0}" -ge 21 ]; then
-    miss "go >= $want: $what needs it; this go is $gv with GOTOOLCHAIN=local: unset GOTOOLCHAIN (auto fetches go$want from the Go module proxy) or install go$want"
+    miss "go >= $want, for $what; this go is $gv with GOTOOLCHAIN=local: unset GOTOOLCHAIN (auto fetches go$want from the Go module proxy) or install go$want"
   else
-    miss "go >= $want: $what needs it; this go is $gv, too old to fetch a newer toolchain itself (1.21+ does): install Go >= 1.21 (go.dev/dl; or bookworm-backports' golang-1.2x-go)"
+    miss "go >= $want, for $what; this go is $gv, too old to fetch a newer toolchain itself (1.21+ does): install Go >= 1.21 (go.dev/dl; on Debian 12 bookworm-backports has golang-1.23-go)"
   fi
 done
 
