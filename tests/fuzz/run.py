@@ -39,7 +39,7 @@ def main() -> None:
         work = targets.ROOT / "build" / "fuzz" / "work" / name
         work.mkdir(parents=True, exist_ok=True)
         args += [str(work), str(targets.CORPUS / name), str(targets.write_seeds(name, targets.ROOT / "build" / "fuzz" / "seeds" / name))]
-    elif "-merge=1" not in args:
+    elif "-merge=1" not in args and all(Path(d).is_dir() for d in dirs):  # (files given: run just those)
         args.append(str(targets.write_seeds(name, targets.ROOT / "build" / "fuzz" / "seeds" / name)))
     atheris.Setup(args, getattr(targets, name))
     atheris.Fuzz()
