@@ -21,8 +21,9 @@
 #      read through that release's model metadata type)
 #   4. pytest tests/ollama (real `ollama serve`, `ollama create`, daemons):
 #      the whole suite on the default release, a smoke run of each other
-#   5. the capacity bench on a real Ollama, quick mode (scripts/bench.sh --only
-#      ollama --quick: about 2-3 minutes)
+#   5. the chaos run through a real Ollama, quick mode (bench.chaos --quick:
+#      about 2-3 minutes), then the capacity bench on a real Ollama, quick
+#      mode (scripts/bench.sh --only ollama --quick: about 2-3 minutes)
 # The full build through Ollama's CMake preset (integrations/ollama/build.sh
 # without --go-only) is documented in docs/ollama.md; it is not part of CI.
 # With --build-only (first argument) it does 1 and 2, and compiles what 3
@@ -98,6 +99,16 @@ if [[ $BUILD_ONLY == 1 ]]; then step "done: builds only"; exit 0; fi
 step "pytest tests/ollama"
 status=0
 "$PY" -m pytest -v -s -p no:cacheprovider --durations=12 tests/ollama "$@" || status=$?
+
+# Issue 46 item 1: the chaos run through a real Ollama, quick mode (about 2-3
+# minutes): 4 models, 8 clients, a seeded fault schedule (daemon SIGKILLs,
+# budget shrink and grow by restart, a runner SIGKILL, unloads, squeezes);
+# exits 1 on a failed request no fault explains, an answer that differs from
+# stock, books that do not add up, a page lost or leaked, memory that grows.
+# Without daemon_term: a SIGTERMed daemon zeroes its clients' pages
+# (docs/reliability.md, "A chaos run through a real Ollama").
+step "bench.chaos --quick"
+"$PY" -m bench.chaos --quick --seed 46 --kinds daemon_kill,budget,runner_kill,unload,squeeze --out "$B/bench-quick" || status=$?
 
 # The capacity scenario on a real Ollama (issue 14) in its quick mode: stock
 # vs kvcached on one seeded trace; fails on differing greedy outputs or
