@@ -337,7 +337,8 @@ class Daemon:
         for uuid, pages in by_pool.items():
             pool = self.pools[uuid]
             s.remove_pages(pages)
-            pool.give_back_now(pages)
+            # stopping: released, never lent again, so not zeroed under a client that still maps them
+            pool.give_back_now(pages, lend_again=not self.shutting_down)
         for q in s.watchers:
             q.put_nowait(None)
         self.reclaimer.session_ended(s)

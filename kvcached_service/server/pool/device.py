@@ -480,14 +480,17 @@ class DevicePool:
         return sorted((tuple(v) for v in counts.values()), key=lambda e: -e[3])  # type: ignore[misc]
 
     # ---- returning pages -----------------------------------------------
-    def give_back_now(self, pages: list[Page], keeper: "Session | None" = None) -> None:
+    def give_back_now(self, pages: list[Page], keeper: "Session | None" = None, *, lend_again: bool = True) -> None:
         """Pages a session freed (or held when it ended), given back without
         waiting: they leave in_use at once. Pages nothing needs to zero
         (nobody wrote them, or --no-zero-pages) are pooled for their uid
         before this returns; the others go to the zeroer, which pools them
         once zeroed (in the background: nobody waits for it, and it finishes
         even if the client that freed them died). `keeper`: the session
-        freed them with keep (it keeps their imported handles: keepers.py)."""
+        freed them with keep (it keeps their imported handles: keepers.py).
+        lend_again False: the daemon is stopping and only releases them, so
+        nobody gets them from it again and nothing is zeroed (their client
+        may still map them, and resume them from a restarted daemon)."""
         if not pages:
             return
         if keeper is not None:
@@ -499,7 +502,7 @@ class DevicePool:
             page.session = None
         self.counts.held -= len(pages)
         self.counts.pooled += len(pages)
-        dirty = self.backend.needs_zeroing([p.handle for p in pages]) if self.zero_pages else ()
+        dirty = self.backend.needs_zeroing([p.handle for p in pages]) if self.zero_pages and lend_again else ()
         if not dirty:
             self._pooled_now(pages)
             return
