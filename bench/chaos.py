@@ -656,6 +656,10 @@ class Chaos:
                 f = self.fault(kind)
                 with self.lock:
                     self.faults.append(f)
+                if f["kind"] in ("runner_kill", "unload") and a.settle:
+                    # the daemon sees a client's death within a second (invariant 4); a
+                    # restart sooner makes its session an orphan (docs/reliability.md)
+                    time.sleep(a.settle)
                 print(f"chaos: [{f['t']:7.1f}s] {f['kind']}: "
                       + ", ".join(f"{k} {v}" for k, v in f.items() if k not in ("t", "kind")), flush=True)
                 if f["kind"].startswith(("daemon", "budget")):
@@ -791,6 +795,8 @@ def replay_command(a) -> str:
         cmd += f" --clients {a.clients}"
     if a.parallel != 1:
         cmd += f" --parallel {a.parallel}"
+    if getattr(a, "settle", None) is not None and a.settle != (2.0 if a.quick else 0.0):
+        cmd += f" --settle {a.settle:g}"
     return cmd
 
 
@@ -858,6 +864,9 @@ def main(argv=None) -> int:
     ap.add_argument("--check-every", type=float, default=300, help="an audit (pages too, at a quiet moment) at least "
                                                                     "this often (seconds)")
     ap.add_argument("--audit-every", type=int, help="audit the pages after every Nth daemon restart (default 5; quick: 2)")
+    ap.add_argument("--settle", type=float, help="seconds after a runner's death (runner_kill, unload) before the "
+                                                 "next fault (default 0; quick: 2, so a restart never follows a "
+                                                 "client's death within the second the daemon needs to see it)")
     ap.add_argument("--out", type=pathlib.Path, default=ROOT / "build" / "bench" / "chaos")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (logs, models)")
     ap.add_argument("--ref-cache", type=pathlib.Path, help="a directory keeping stock references between runs")
@@ -868,6 +877,7 @@ def main(argv=None) -> int:
         return rescore(a.summarize)
     a.duration = a.duration or (100 if a.quick else 1800)
     a.audit_every = a.audit_every or (2 if a.quick else 5)
+    a.settle = (2.0 if a.quick else 0.0) if a.settle is None else a.settle
     a.gap = a.gap or (9 if a.quick else 18)
     unknown = set(a.kinds.split(",")) - set(ALL_KINDS) - {"pause"} if a.kinds else set()
     if unknown:
