@@ -77,9 +77,10 @@ A failed request is *explained* only in one case: its model's runner was
 SIGKILLed while it ran (stock Ollama loses that request too: the HTTP 500
 comes from Ollama's own code). An answer that differs is never explained
 away; those of a runner that was alive when the daemon was stopped with
-SIGTERM are counted apart (the daemon zeroes its clients' pages at a clean
-stop: docs/reliability.md, "A chaos run through a real Ollama"), which is
-why `make test` runs the quick mode without daemon_term.
+SIGTERM are counted apart (the daemon zeroed its clients' pages at a clean
+stop until 10223a7: docs/reliability.md, "A chaos run through a real
+Ollama"). `make test` runs the quick mode without daemon_term (a runner
+crash that follows SIGTERM restarts, finding 4 there).
 """
 
 from __future__ import annotations

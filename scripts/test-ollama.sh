@@ -105,8 +105,9 @@ status=0
 # budget shrink and grow by restart, a runner SIGKILL, unloads, squeezes);
 # exits 1 on a failed request no fault explains, an answer that differs from
 # stock, books that do not add up, a page lost or leaked, memory that grows.
-# Without daemon_term: a SIGTERMed daemon zeroes its clients' pages
-# (docs/reliability.md, "A chaos run through a real Ollama").
+# Without daemon_term: a runner restoring a cached prompt while the daemon
+# is away after a SIGTERM restart can crash (docs/reliability.md, "A chaos
+# run through a real Ollama", finding 4).
 step "bench.chaos --quick"
 "$PY" -m bench.chaos --quick --seed 46 --kinds daemon_kill,budget,runner_kill,unload,squeeze --out "$B/bench-quick" || status=$?
 
