@@ -337,3 +337,30 @@ def test_a_daemon_restart_within_the_wait_is_not_seen(daemon_factory, servers, m
         assert s is not None and s.held_bytes > 0, "new memory must come from the new daemon"
         assert_books(c.stats())
     print(f"\n{'state dir' if state_dir else 'no state dir'}: the request took {out['s']:.2f} s across the restart")
+
+
+def test_a_restore_that_cannot_map_its_cells_fails_and_the_server_lives(daemon_factory, servers, models, tmp_path):
+    """Found by the chaos run through a real Ollama (bench/chaos.py): a slot
+    restore (a saved slot here; Ollama's runners restore cached prompts the
+    same way) while the daemon is away cannot map the cells it restores, so
+    llama.cpp fails it and clears those cells by writing zeros into them
+    (llama_clear_tensor_data: ggml_backend_tensor_set). The CPU buffer's own
+    set_tensor wrote them into the unmapped reservation: SIGSEGV. Now zeros
+    into cells that are not backed are no write: the restore fails as a
+    restore does, and the server goes on serving."""
+    d = daemon_factory("host", **daemon_settings(PAGE, True, tmp_path))
+    srv = servers(KVC, models[0], kvc_socket=d.socket, ctx=4096, parallel=1,
+                  # a trim gives the pages back, so the restore must map again, and cannot: no local memory
+                  env={"KVCACHED_STANDBY_BYTES": "0", "KVCACHED_ON_DAEMON_LOSS": "fail", "KVCACHED_WAIT_DAEMON_MS": "1000"},
+                  extra=["--slot-save-path", str(tmp_path)])
+    srv.complete(text(2000, 121), 4)
+    full = kv_line_values(srv.log_text())[-1]
+    srv.post("/slots/0?action=save", {"filename": "slot0.bin"})
+    srv.erase_slot(0)
+    assert wait_until(lambda: kv_line_values(srv.log_text())[-1] < full / 4, timeout=15), kv_line_values(srv.log_text())[-5:]
+    sigkill(d)
+    with pytest.raises(HTTPError):
+        srv.post("/slots/0?action=restore", {"filename": "slot0.bin"}, timeout=REQUEST_BOUND_S)
+    time.sleep(0.5)
+    assert srv.proc.poll() is None, f"llama-server exited {srv.proc.returncode}:\n{srv.log_text()[-4000:]}"
+    assert srv.call("GET", "/health")["status"] == "ok"
