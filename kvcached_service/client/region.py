@@ -155,8 +155,9 @@ class Region:
 
     def _unmap_slots(self, slots: list[int]) -> int:
         self._standby.difference_update(slots)
-        live = sorted(i for i in dict.fromkeys(slots) if self._slots[i] is not None)
-        ids: list[int] = []
+        order = [i for i in dict.fromkeys(slots) if self._slots[i] is not None]
+        live = sorted(order)
+        freed: dict[int, int] = {}  # slot -> page id, unmapped
         failed: BaseException | None = None
         for a, b in _runs(live) if self._mapper.unmaps_runs else ((k, k + 1) for k in range(len(live))):
             first, n = live[a], b - a
@@ -166,7 +167,7 @@ class Region:
                 except Exception:  # noqa: BLE001 - page by page below says which pages are still mapped
                     pass
                 else:
-                    ids += [self._slots[i][0] for i in range(first, first + n)]  # type: ignore[index]
+                    freed.update((i, self._slots[i][0]) for i in range(first, first + n))  # type: ignore[index]
                     self._slots[first:first + n] = [None] * n
                     continue
             for i in range(first, first + n):
@@ -176,7 +177,8 @@ class Region:
                 except Exception as exc:  # still mapped: kept, and not freed
                     failed = failed or exc
                 else:
-                    ids.append(pid)
+                    freed[i] = pid
+        ids = [freed[i] for i in order if i in freed]  # one Free, in the caller's order (release_pages: standby first)
         if ids:
             self.session.free_ids(ids)
         if failed is not None:
