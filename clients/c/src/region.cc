@@ -141,12 +141,16 @@ kvc_status region_unmap_slots(kvc_region *r, const std::vector<uint64_t> &slots)
     for (uint64_t k : slots)
         if (r->mapped[k] != kSlotFree)
             live.push_back(k);
+    const std::vector<uint64_t> order = live;  // the caller's (release_standby: standby first)
     std::sort(live.begin(), live.end());
     live.erase(std::unique(live.begin(), live.end()), live.end());
-    const kvc_status first = unmap_runs(r, live, done);
+    const kvc_status first = unmap_runs(r, live, done);  // done: sorted, as live
     const std::string msg = first != KVC_OK ? kvc_last_error() : "";
     ids.reserve(done.size());
-    for (uint64_t k : done) {
+    // the books, and the one Free, in the caller's order
+    for (uint64_t k : order) {
+        if (r->mapped[k] == kSlotFree || !std::binary_search(done.begin(), done.end(), k))
+            continue;  // named twice, or still mapped
         const uint8_t was = r->mapped[k];
         r->mapped[k] = kSlotFree;
         r->mapped_pages--;

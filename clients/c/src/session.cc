@@ -58,6 +58,16 @@ kvc_status check_free_locked(kvc_session *s, const std::vector<uint64_t> &ids)
     return KVC_OK;
 }
 
+// Pages no longer kept as standby (taken back, or freed).
+static void standby_end(kvc_session *s, const std::vector<uint64_t> &ids)
+{
+    std::lock_guard<std::mutex> g(s->kept.mu);
+    if (s->kept.standby.empty())
+        return;
+    for (uint64_t i : ids)
+        s->kept.standby.erase(i);
+}
+
 // Give pages back (they must be unmapped already); *freed (may be NULL)
 // gets how many are given back.
 //
@@ -71,8 +81,6 @@ kvc_status check_free_locked(kvc_session *s, const std::vector<uint64_t> &ids)
 // caller's point of view: KVC_OK. Once the session ended, the daemon took
 // everything back: the books here forget the pages and the call fails with
 // the session's end (FAILED_PRECONDITION, or what ended it).
-static void standby_end(kvc_session *s, const std::vector<uint64_t> &ids);
-
 kvc_status session_free_ids(kvc_session *s, const std::vector<uint64_t> &ids, size_t *freed)
 {
     if (freed)
@@ -213,16 +221,6 @@ kvc_status session_standby_ids(kvc_session *s, const std::vector<uint64_t> &ids,
         *done = i + n;
     }
     return KVC_OK;
-}
-
-// Pages no longer kept as standby (taken back, or freed).
-static void standby_end(kvc_session *s, const std::vector<uint64_t> &ids)
-{
-    std::lock_guard<std::mutex> g(s->kept.mu);
-    if (s->kept.standby.empty())
-        return;
-    for (uint64_t i : ids)
-        s->kept.standby.erase(i);
 }
 
 // USE records naming standby pages taken back into use, not waited for
