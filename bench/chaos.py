@@ -110,6 +110,8 @@ sys.path.insert(0, str(ROOT / "tests" / "llama"))
 sys.path.insert(0, str(ROOT / "tests" / "ollama"))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from ollamatest import alive  # noqa: E402 - the Ollama suite's helper (running, not a zombie), on the path above
+
 PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
 PAGE = 64 << 10
 ALL_KINDS = ("daemon_kill", "daemon_term", "budget", "runner_kill", "unload", "squeeze")
@@ -182,14 +184,6 @@ def memfd_inodes(pid: int, maps: bool = True) -> set[int]:
         except OSError:
             pass
     return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def keeper_pids(state_dir: pathlib.Path) -> list[int]:
