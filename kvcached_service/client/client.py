@@ -395,6 +395,7 @@ class Session:
         if missing:
             raise errors.NotFound(f"page {missing[0]} is not held by session {self.id}; nothing was freed")
         self._keeper.defer(seqs)
+        self._standby.difference_update(ids)  # given back, as a Free the daemon answered
         return len(ids)
 
     # -- mapped pages
