@@ -208,7 +208,7 @@ size_t kvc_fd_encode_use(uint8_t *buf, size_t cap, uint64_t req_id, const uint64
 
 size_t kvc_fd_encode_drop(uint8_t *buf, size_t cap, const uint64_t *page_ids, uint32_t count)
 {
-    if (!buf || !page_ids || count == 0 || count > KVC_FD_MAX_FREE_IDS)
+    if (!buf || !page_ids || count == 0 || count > KVC_FD_MAX_DROP_IDS)
         return 0;
     uint32_t payload = KVC_FD_DROP_FIXED + 8u * count;
     size_t len = KVC_FD_HEADER_SIZE + payload;
@@ -492,7 +492,7 @@ kvc_status kvc_fd_decode_any(const uint8_t *buf, size_t len, const int *fds, siz
             return KVC_ERR_PROTOCOL;
         }
         uint32_t count = get32(p);
-        if (count == 0 || count > KVC_FD_MAX_FREE_IDS ||
+        if (count == 0 || count > KVC_FD_MAX_DROP_IDS ||
             (uint64_t)plen != KVC_FD_DROP_FIXED + 8ull * count) {
             set_err(err, err_len, "DROP record says %u page ids and has %u bytes of them", count,
                     plen - KVC_FD_DROP_FIXED);

@@ -37,14 +37,14 @@ extern "C" {
 /* Page ids in one FREE record, and the largest record a client sends. */
 #define KVC_FD_MAX_FREE_IDS 16384u
 #define KVC_FD_MAX_CLIENT_RECORD (KVC_FD_HEADER_SIZE + KVC_FD_FREE_FIXED + 8u * KVC_FD_MAX_FREE_IDS)
-/* What a client receives at most: the spec's max_daemon_record, or a DROP
- * of KVC_FD_MAX_FREE_IDS ids (131096 bytes: a DROP may name as many pages
- * as a FREE; the spec's max_daemon_record does not count it). A longer
- * record is cut on receipt: a protocol error. */
-#define KVC_FD_MAX_RECV                                                                    \
-    (KVC_FD_HEADER_SIZE + KVC_FD_DROP_FIXED + 8u * KVC_FD_MAX_FREE_IDS > KVC_FD_MAX_RECORD \
-         ? KVC_FD_HEADER_SIZE + KVC_FD_DROP_FIXED + 8u * KVC_FD_MAX_FREE_IDS               \
-         : KVC_FD_MAX_RECORD)
+/* Page ids in one DROP record (the spec's max_drop_ids, 519): a DROP fits
+ * KVC_FD_MAX_RECORD, the largest record the daemon sends; the daemon splits a
+ * larger ask into several DROPs (fdchannel.py MAX_DROP_IDS). */
+#define KVC_FD_MAX_DROP_IDS ((KVC_FD_MAX_RECORD - KVC_FD_HEADER_SIZE - KVC_FD_DROP_FIXED) / 8u)
+/* What a client receives at most: the spec's max_daemon_record (a DROP of
+ * KVC_FD_MAX_DROP_IDS ids is exactly that long). A longer record is cut on
+ * receipt: a protocol error. */
+#define KVC_FD_MAX_RECV KVC_FD_MAX_RECORD
 /* Allocations asked for on the channel arrive as PAGES with
  * allocation_id = req_id | KVC_FD_CHANNEL_ALLOC_BIT. */
 #define KVC_FD_CHANNEL_ALLOC_BIT (1ull << 63)
@@ -101,7 +101,7 @@ typedef struct kvc_fd_record {
      * for kvc_fd_recv that buffer is `raw` below). DROPPED: count and
      * free_ids as FREE; USE the same. ANSWER: reclaim_id, bytes_given, bytes_kept,
      * reason (as sent, NUL-terminated).
-     * DROP (daemon to client): count (1..KVC_FD_MAX_FREE_IDS) and free_ids. */
+     * DROP (daemon to client): count (1..KVC_FD_MAX_DROP_IDS) and free_ids. */
     uint32_t num_pages, flags, wait_timeout_ms;
     char device[KVC_FD_MAX_MESSAGE + 1];
     const uint8_t *free_ids;
@@ -167,7 +167,7 @@ size_t kvc_fd_encode_dropped(uint8_t *buf, size_t cap, uint64_t req_id, const ui
 /* USE: FREE's layout (reserved written 0), 0..KVC_FD_MAX_FREE_IDS ids. */
 size_t kvc_fd_encode_use(uint8_t *buf, size_t cap, uint64_t req_id, const uint64_t *page_ids,
                          uint32_t count);
-/* DROP (daemon to client; tests and fake daemons): 1..KVC_FD_MAX_FREE_IDS ids. */
+/* DROP (daemon to client; tests and fake daemons): 1..KVC_FD_MAX_DROP_IDS ids. */
 size_t kvc_fd_encode_drop(uint8_t *buf, size_t cap, const uint64_t *page_ids, uint32_t count);
 /* The i-th page id of a decoded FREE, DROPPED, USE or DROP (free_ids). */
 uint64_t kvc_fd_record_id(const kvc_fd_record *rec, uint32_t i);

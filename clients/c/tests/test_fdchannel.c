@@ -196,8 +196,8 @@ static void test_transport(void)
     close(after);
 
     /* an oversized record is truncated: PROTOCOL (the largest a client
-     * takes is a DROP of 16384 ids) */
-    static uint8_t big[KVC_FD_MAX_RECV + 64];
+     * takes is max_daemon_record, KVC_FD_MAX_RECV) */
+    static uint8_t big[KVC_FD_MAX_CLIENT_RECORD + 64];
     memset(big, 0, sizeof big);
     CHECK(kvc_fd_send(sv[0], big, sizeof big, NULL, 0, err, sizeof err) == KVC_OK);
     CHECK(kvc_fd_recv(sv[1], 1000, &rec, &eof, err, sizeof err) == KVC_ERR_PROTOCOL);
@@ -322,14 +322,29 @@ static void test_request_vectors(void)
     CHECK(kvc_fd_send(sv[1], big, n, NULL, 0, err, sizeof err) == KVC_OK);
     static uint8_t got[KVC_FD_MAX_CLIENT_RECORD + 8];
     CHECK(recv(sv[0], got, sizeof got, 0) == (ssize_t)n && memcmp(got, big, n) == 0);
-    /* the largest DROP (16384 ids, 131096 bytes) is received whole */
-    n = kvc_fd_encode_drop(big, sizeof big, many, KVC_FD_MAX_FREE_IDS);
-    CHECK(n == 16 + 8 + 8 * KVC_FD_MAX_FREE_IDS && n <= KVC_FD_MAX_RECV);
+    /* the largest DROP (the spec's max_drop_ids, 519 ids: 4176 bytes, the
+     * daemon's largest record) is received whole */
+    CHECK(KVC_FD_MAX_DROP_IDS == 519 && KVC_FD_MAX_RECV == KVC_FD_MAX_RECORD);
+    n = kvc_fd_encode_drop(big, sizeof big, many, KVC_FD_MAX_DROP_IDS);
+    CHECK(n == 16 + 8 + 8 * KVC_FD_MAX_DROP_IDS && n == KVC_FD_MAX_RECV);
     CHECK(kvc_fd_send(sv[0], big, n, NULL, 0, err, sizeof err) == KVC_OK);
     CHECK(kvc_fd_recv(sv[1], 1000, &rec, &eof, err, sizeof err) == KVC_OK);
-    CHECK(!eof && rec.type == KVC_FD_DROP && rec.count == KVC_FD_MAX_FREE_IDS);
-    CHECK(kvc_fd_record_id(&rec, 0) == 1 && kvc_fd_record_id(&rec, KVC_FD_MAX_FREE_IDS - 1) == KVC_FD_MAX_FREE_IDS);
-    CHECK(kvc_fd_encode_drop(big, sizeof big, many, KVC_FD_MAX_FREE_IDS + 1) == 0);
+    CHECK(!eof && rec.type == KVC_FD_DROP && rec.count == KVC_FD_MAX_DROP_IDS);
+    CHECK(kvc_fd_record_id(&rec, 0) == 1 && kvc_fd_record_id(&rec, KVC_FD_MAX_DROP_IDS - 1) == KVC_FD_MAX_DROP_IDS);
+    CHECK(kvc_fd_encode_drop(big, sizeof big, many, KVC_FD_MAX_DROP_IDS + 1) == 0);
+    /* one id more (framed by hand: the encoder refuses it) is a protocol
+     * error, as the Python decoder says it; on the socket it is cut */
+    big[8] = (uint8_t)((8 + 8 * 520) & 0xff); /* payload_len 4168 */
+    big[9] = (uint8_t)((8 + 8 * 520) >> 8);
+    big[16] = (uint8_t)(520 & 0xff); /* count */
+    big[17] = (uint8_t)(520 >> 8);
+    memset(big + 16 + 8 + 8 * 519, 0, 8);
+    big[16 + 8 + 8 * 519] = 0x08; /* id 520 */
+    CHECK(kvc_fd_decode(big, 16 + 8 + 8 * 520, NULL, 0, &rec, err, sizeof err) == KVC_ERR_PROTOCOL);
+    CHECK(strcmp(err, "DROP record says 520 page ids and has 4160 bytes of them") == 0);
+    CHECK(kvc_fd_send(sv[0], big, 16 + 8 + 8 * 520, NULL, 0, err, sizeof err) == KVC_OK);
+    CHECK(kvc_fd_recv(sv[1], 1000, &rec, &eof, err, sizeof err) == KVC_ERR_PROTOCOL);
+    CHECK(strstr(err, "truncated") != NULL);
     CHECK(kvc_fd_encode_drop(big, sizeof big, many, 0) == 0);
     close(sv[0]);
     close(sv[1]);

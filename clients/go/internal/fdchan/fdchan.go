@@ -53,9 +53,13 @@ const (
 	// an ALLOCATE record: allocation_id = req_id | AllocBit, so they never
 	// collide with the ids of gRPC Allocate calls.
 	AllocBit = uint64(1) << 63
-	// MaxFreeIDs is the most page ids one FREE, DROP or DROPPED record
+	// MaxFreeIDs is the most page ids one FREE, DROPPED or USE record
 	// carries.
 	MaxFreeIDs = 16384
+	// MaxDropIDs is the most page ids one DROP record carries (the spec's
+	// max_drop_ids, 519): a DROP fits MaxRecord, the largest record the
+	// daemon sends; the daemon splits a larger ask into several DROPs.
+	MaxDropIDs = (MaxRecord - HeaderSize - dropFixed) / 8
 	// ALLOCATE flags.
 	AllocWait   = 1
 	AllocNotify = 2
@@ -179,7 +183,7 @@ type DroppedReq struct {
 }
 
 // Drop asks the client to release every handle it kept of these pages
-// (1..MaxFreeIDs), then to say so with DroppedReq.
+// (1..MaxDropIDs), then to say so with DroppedReq.
 type Drop struct {
 	PageIDs []uint64
 }
@@ -291,8 +295,8 @@ func Encode(r Record) []byte {
 	case UseReq:
 		return frame(TypeUse, encodeIDs(r.ReqID, 0, r.PageIDs, "USE"))
 	case Drop:
-		if len(r.PageIDs) > MaxFreeIDs {
-			panic(fmt.Sprintf("fdchan: DROP of %d page ids, at most %d", len(r.PageIDs), MaxFreeIDs))
+		if len(r.PageIDs) > MaxDropIDs {
+			panic(fmt.Sprintf("fdchan: DROP of %d page ids, at most %d", len(r.PageIDs), MaxDropIDs))
 		}
 		p := make([]byte, dropFixed+8*len(r.PageIDs))
 		binary.LittleEndian.PutUint32(p[0:], uint32(len(r.PageIDs)))
@@ -421,7 +425,7 @@ func Decode(data []byte, nfds int) (Record, error) {
 			return nil, protoErr("DROP record carries descriptors (%d)", nfds)
 		}
 		count := binary.LittleEndian.Uint32(p[0:])
-		if count == 0 || count > MaxFreeIDs || uint64(len(p)) != dropFixed+8*uint64(count) {
+		if count == 0 || count > MaxDropIDs || uint64(len(p)) != dropFixed+8*uint64(count) {
 			return nil, protoErr("DROP record says %d page ids and has %d bytes of them", count, len(p)-dropFixed)
 		}
 		r := Drop{PageIDs: make([]uint64, count)}

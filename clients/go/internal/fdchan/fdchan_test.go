@@ -3,6 +3,7 @@ package fdchan
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -292,6 +293,55 @@ func TestSendRequests(t *testing.T) {
 	}
 	if _, err := c.Recv(); !errors.Is(err, ErrProtocol) {
 		t.Fatalf("CLOSE from the daemon: %v", err)
+	}
+}
+
+// A DROP carries 1..MaxDropIDs (the spec's max_drop_ids, 519) page ids, as
+// the Python decoder reads it: 519 decode and go through the socket whole
+// (the record is MaxRecord bytes); 520 are a protocol error with Python's
+// message, and are cut on receipt.
+func TestDropBound(t *testing.T) {
+	if MaxDropIDs != 519 || HeaderSize+dropFixed+8*MaxDropIDs != MaxRecord {
+		t.Fatalf("MaxDropIDs %d: a DROP of that many is not MaxRecord (%d) bytes", MaxDropIDs, MaxRecord)
+	}
+	drop := func(n int) []byte { // a DROP of ids 1..n, framed by hand
+		p := make([]byte, dropFixed+8*n)
+		binary.LittleEndian.PutUint32(p, uint32(n))
+		for i := 0; i < n; i++ {
+			binary.LittleEndian.PutUint64(p[dropFixed+8*i:], uint64(i+1))
+		}
+		return frame(TypeDrop, p)
+	}
+	r, err := Decode(drop(MaxDropIDs), 0)
+	if d, ok := r.(Drop); err != nil || !ok || len(d.PageIDs) != MaxDropIDs || d.PageIDs[MaxDropIDs-1] != MaxDropIDs {
+		t.Fatalf("DROP of %d ids: %#v, %v", MaxDropIDs, r, err)
+	}
+	_, err = Decode(drop(MaxDropIDs+1), 0)
+	want := "DROP record says 520 page ids and has 4160 bytes of them" // fdchannel.py's message
+	if !errors.Is(err, ErrProtocol) || !strings.HasSuffix(err.Error(), ": "+want) {
+		t.Fatalf("DROP of %d ids: %v, want a protocol error %q", MaxDropIDs+1, err, want)
+	}
+	func() {
+		defer func() {
+			if recover() == nil {
+				t.Errorf("Encode of a DROP of %d ids did not panic", MaxDropIDs+1)
+			}
+		}()
+		Encode(Drop{PageIDs: make([]uint64, MaxDropIDs+1)})
+	}()
+	c, peer := socketPair(t)
+	defer c.Close()
+	for _, n := range []int{MaxDropIDs, MaxDropIDs + 1} {
+		if err := unix.Sendmsg(peer, drop(n), nil, nil, 0); err != nil {
+			t.Fatal(err)
+		}
+		r, err := c.Recv()
+		if n == MaxDropIDs && (err != nil || len(r.(Drop).PageIDs) != n) {
+			t.Fatalf("received DROP of %d ids: %v", n, err)
+		}
+		if n > MaxDropIDs && !errors.Is(err, ErrProtocol) {
+			t.Fatalf("received DROP of %d ids: %v, want a protocol error", n, err)
+		}
 	}
 }
 

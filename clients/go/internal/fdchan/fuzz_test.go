@@ -82,7 +82,7 @@ func FuzzDecode(f *testing.F) {
 				t.Fatalf("FREE of %d ids", len(x.PageIDs))
 			}
 		case Drop:
-			if len(x.PageIDs) == 0 || len(x.PageIDs) > MaxFreeIDs {
+			if len(x.PageIDs) == 0 || len(x.PageIDs) > MaxDropIDs {
 				t.Fatalf("DROP of %d ids", len(x.PageIDs))
 			}
 		}
