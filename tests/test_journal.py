@@ -26,6 +26,7 @@ import subprocess
 import pytest
 
 from kvtest import ROOT, SERVE, assert_books, wait_until
+from kvcached_service.server import procs
 from kvcached_service.server.journal import Journal, JournalDamaged
 
 MiB = 1 << 20
@@ -72,7 +73,57 @@ DAMAGE = {
     "bytes_2_63": (lines(GOOD) + lines([{"op": "limits", "sid": 3, "g": 1 << 63, "m": 0, "p": 0}]), 4, "'g' must be a byte count"),
     "huge_name": (lines(GOOD[:1]) + lines([{"op": "open", "sid": 3, "uid": 0, "name": "n" * (65 << 10), "rh": ""}]), 2,
                   "'name' must be a string of at most 64 KiB"),
+    # format 3: the client process and the end of an orphan's grace
+    "snapshot_pid_a_string": (lines([dict(GOOD[0], sessions=[dict(GOOD[0]["sessions"][0], pid="42", pstart=7)])]), 1,
+                              "snapshot session #1: 'pid' must be an integer from 1 to 2^62, not '42'"),
+    "orphan_until_negative": (lines([dict(GOOD[0], sessions=[dict(GOOD[0]["sessions"][0], orphan_until=-1)])]), 1,
+                              "'orphan_until' must be a byte count"),
+    "scope_a_number": (lines([dict(GOOD[0], scope=5)]), 1, "snapshot: 'scope' must be a string"),
+    "open_pid_zero": (lines(GOOD[:1]) + lines([dict(GOOD[1], pid=0, ps=9)]), 2, "'pid' must be an integer from 1 to 2^62, not 0"),
+    "resume_without_sid": (lines(GOOD) + lines([{"op": "resume", "pid": 4, "ps": 5}]), 4, "'resume' record lacks 'sid'"),
 }
+
+
+def test_format_3_names_client_processes_and_keeps_an_orphans_grace_end(tmp_path):
+    """What a restarted daemon learns from a format 3 journal: where its pids
+    mean something, each session's client process, an orphan's grace end;
+    a resume clears that end and names the resuming process."""
+    snap = dict(GOOD[0], format=3, scope="pid:[1] boot b", sessions=[dict(GOOD[0]["sessions"][0], pid=42, pstart=7,
+                                                                          orphan_until=1_800_000_000_000)])
+    j = Journal(str(tmp_path))
+    j.path.write_bytes(lines([snap, dict(GOOD[1], pid=43, ps=8), GOOD[2]]))
+    j.load()
+    assert j.scope == "pid:[1] boot b"
+    old, new = j.sessions[2], j.sessions[3]
+    assert (old.pid, old.pstart, old.orphan_until) == (42, 7, 1_800_000_000_000)
+    assert (new.pid, new.pstart, new.orphan_until) == (43, 8, 0)
+    j2 = Journal(str(tmp_path))
+    j2.path.write_bytes(lines([snap, {"op": "resume", "sid": 2, "pid": 44, "ps": 9}]))
+    j2.load()
+    assert (j2.sessions[2].pid, j2.sessions[2].pstart, j2.sessions[2].orphan_until) == (44, 9, 0)
+    # written back as read (a snapshot carries them), with this daemon's scope
+    j.start(j.sessions, j.next_session_id, j.next_page_id)
+    j.close()
+    again = json.loads(j.path.read_text().splitlines()[0])
+    assert again["format"] == 3 and again["scope"] == procs.scope() != ""
+    assert {js["sid"]: (js.get("pid"), js.get("orphan_until")) for js in again["sessions"]} == {2: (42, 1_800_000_000_000),
+                                                                                               3: (43, None)}
+
+
+def test_procs_tells_a_live_process_from_a_gone_one():
+    """procs.gone: True only for a recorded process that exited (or whose pid
+    now names another process), None where a pid cannot be judged."""
+    here = procs.scope()
+    me = procs.start_time(os.getpid())
+    assert me and procs.gone(os.getpid(), me, here) is False
+    assert procs.gone(os.getpid(), me + 1, here) is True  # the pid now names another process
+    p = subprocess.Popen(["sleep", "30"])
+    started = procs.start_time(p.pid)
+    p.kill()
+    p.wait()
+    assert started and procs.gone(p.pid, started, here) is True
+    assert procs.gone(os.getpid(), me, "pid:[4026531836] boot another") is None  # another pid namespace or boot
+    assert procs.gone(0, 0, here) is None and procs.gone(os.getpid(), me, "") is None
 
 
 @pytest.mark.parametrize("kind", sorted(DAMAGE))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import time
 
@@ -15,6 +16,7 @@ import pytest
 
 from kvtest import assert_books, wait_until
 from kvcached_service import errors, fdchannel
+from kvcached_service.server.journal import Journal
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 
@@ -176,20 +178,119 @@ def test_claims_that_do_not_add_up_are_refused(daemon_factory, tmp_path):
     c.close()
 
 
+def _journal_sessions(state: str) -> dict[int, dict]:
+    snap = json.loads(open(os.path.join(state, "journal.jsonl")).readline())
+    return {js["sid"]: js for js in snap["sessions"]}
+
+
 def test_unresumed_sessions_are_forgotten_after_the_grace(daemon_factory, tmp_path):
+    """A client alive but silent (stopped) while the daemon restarts: its
+    session waits resume_grace, then its pages are forgotten."""
     state = str(tmp_path / "state")
     d = daemon_factory("host", state_dir=state)
     p = d.spawn_client("client_proc.py", "hold", "5")
     json.loads(p.stdout.readline())
-    d.sigkill()
-    p.kill()  # the client dies while the daemon is down
-    p.wait()
-    d2 = _restart(daemon_factory, d, "host", state_dir=state, resume_grace="1")
-    with d2.client() as c:
-        assert c.stats().total.pages_in_use == 5  # held for the client to come back...
-        assert wait_until(lambda: c.stats().total.pages_in_use == 0, timeout=5)  # ...until the grace ends
-        assert_books(c.stats())
-    assert "not resumed within 1 s" in d2.log_text()
+    p.send_signal(signal.SIGSTOP)  # alive, but it will not resume
+    try:
+        d.sigkill()
+        d2 = _restart(daemon_factory, d, "host", state_dir=state, resume_grace="1")
+        with d2.client() as c:
+            assert c.stats().total.pages_in_use == 5  # held for the client to come back...
+            assert wait_until(lambda: c.stats().total.pages_in_use == 0, timeout=5)  # ...until the grace ends
+            assert_books(c.stats())
+        assert "not resumed within 1 s of the restart that orphaned it" in d2.log_text()
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_session_whose_client_died_is_forgotten_at_the_restart(daemon_factory, tmp_path):
+    """Issue 46, chaos finding 2: a client that dies while the daemon is down
+    (or just before it died) cannot resume. The journal names its process
+    (pid and start time), so the restarted daemon forgets its session at
+    once instead of holding its pages for resume_grace; a live client's
+    session beside it still waits and resumes."""
+    state = str(tmp_path / "state")
+    d = daemon_factory("host", state_dir=state)
+    dead = d.spawn_client("client_proc.py", "hold", "5")
+    dead_sid = json.loads(dead.stdout.readline())["session"]
+    with d.client() as c, c.open_session("alive") as alive:
+        alive.allocate(2)
+        opened = {r["sid"]: r for r in map(json.loads, open(os.path.join(state, "journal.jsonl"))) if r["op"] == "open"}
+        assert opened[alive.id]["pid"] == os.getpid() and opened[alive.id]["ps"] > 0
+        assert opened[dead_sid]["pid"] == dead.pid
+        d.sigkill()
+        dead.kill()
+        dead.wait()
+        d2 = _restart(daemon_factory, d, "host", state_dir=state, resume_grace="30")
+        log = d2.log_text()
+        assert f"session {dead_sid} 'hold-{dead.pid}' (uid {os.getuid()}): its client (pid {dead.pid}) is gone" in log, log
+        with d2.client() as c2:
+            assert wait_until(lambda: c2.stats().sessions_open == 1)  # the live client resumed its session
+            st = c2.stats()
+            assert st.total.pages_in_use == 2  # its pages; none of the dead client's
+            assert_books(st)
+        assert f"session {alive.id} 'alive' resumed by pid {os.getpid()}" in d2.log_text()
+        replayed = Journal(state)
+        replayed.load()
+        assert list(replayed.sessions) == [alive.id]  # the dead client's session was closed in the journal
+        assert (replayed.sessions[alive.id].pid, replayed.sessions[alive.id].pstart) == (os.getpid(), opened[alive.id]["ps"])
+
+
+def test_a_restart_does_not_renew_an_orphans_grace(daemon_factory, tmp_path):
+    """Issue 46, chaos finding 2: restarts closer together than resume_grace
+    must not keep an orphan alive forever. The first restart that makes a
+    session an orphan journals the end of its grace (orphan_until); the
+    next restart keeps that end."""
+    state = str(tmp_path / "state")
+    d = daemon_factory("host", state_dir=state)
+    p = d.spawn_client("client_proc.py", "hold", "3")
+    sid = json.loads(p.stdout.readline())["session"]
+    p.send_signal(signal.SIGSTOP)  # alive (so not forgotten at once), but silent
+    try:
+        d.sigkill()
+        d2 = _restart(daemon_factory, d, "host", state_dir=state, resume_grace="6")
+        until = _journal_sessions(state)[sid]["orphan_until"]
+        assert time.time() + 3 < until / 1000 <= time.time() + 6
+        time.sleep(3)
+        d2.sigkill()
+        d3 = _restart(daemon_factory, d, "host", state_dir=state, resume_grace="6")
+        assert _journal_sessions(state)[sid]["orphan_until"] == until  # the same end, not a new grace
+        with d3.client() as c:
+            assert c.stats().total.pages_in_use == 3
+            assert wait_until(lambda: c.stats().total.pages_in_use == 0, timeout=until / 1000 - time.time() + 2)
+            assert time.time() < until / 1000 + 2  # well before a renewed grace would have ended
+            assert_books(c.stats())
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_resumed_session_gets_a_whole_grace_at_the_next_restart(daemon_factory, tmp_path):
+    """The grace's end belongs to one orphaning: a session resumed after it
+    (the journal's "resume" record clears it) and orphaned again by a later
+    restart waits a whole resume_grace again, even after the first end."""
+    state = str(tmp_path / "state")
+    d = daemon_factory("host", state_dir=state)
+    p = d.spawn_client("client_proc.py", "hold", "3")
+    sid = json.loads(p.stdout.readline())["session"]
+    try:
+        d.sigkill()
+        d2 = _restart(daemon_factory, d, "host", state_dir=state, resume_grace="3")
+        first_end = _journal_sessions(state)[sid]["orphan_until"]
+        assert wait_until(lambda: f"session {sid} " in d2.log_text() and "resumed by pid" in d2.log_text(), timeout=10)
+        time.sleep(max(first_end / 1000 - time.time(), 0) + 0.5)  # past the first grace's end
+        p.send_signal(signal.SIGSTOP)
+        d2.sigkill()
+        d3 = _restart(daemon_factory, d, "host", state_dir=state, resume_grace="3")
+        second_end = _journal_sessions(state)[sid]["orphan_until"]
+        assert second_end > first_end + 1000 and second_end / 1000 > time.time() + 1
+        with d3.client() as c:
+            assert c.stats().total.pages_in_use == 3  # waiting again, not forgotten at once
+        assert "not resumed within" not in d3.log_text()
+    finally:
+        p.kill()
+        p.wait()
 
 
 def test_clean_shutdown_removes_the_journal(daemon_factory, tmp_path):

@@ -16,12 +16,16 @@ import subprocess
 import threading
 import time
 
+import pytest
+
 from kvtest import HELPERS, PY, ROOT, assert_books, wait_until
 
-# The tree before the journal carried its format (format 1): the daemon and
-# the Python client as they landed before issue 42's pool change.
-PREVIOUS = "2d79f9a"
-FIXTURE = pathlib.Path(__file__).resolve().parent / "fixtures" / f"state-{PREVIOUS}"
+# The tree before journal format 3 (format 2: no client processes, no orphan
+# deadlines): the daemon and the Python client as they landed at stop 50.
+PREVIOUS = "62f7cfd"
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
+# state dirs recorded from earlier trees (README in each), and their format
+RECORDED = {"2d79f9a": 1, PREVIOUS: 2}
 
 
 def previous_tree() -> pathlib.Path:
@@ -60,7 +64,7 @@ def test_busy_clients_of_the_previous_tree_resume_on_a_daemon_of_this_tree(daemo
     old = previous_tree()
     state = tmp_path / "state"
     d = daemon_factory("host", state_dir=str(state), memory_limit="512MiB", tree=old)
-    assert "format" not in journal_snapshot(state)  # the tree before writes format 1
+    assert journal_snapshot(state)["format"] == 2  # the tree before writes format 2
     env = dict(d.client_env(), PYTHONPATH=str(old))
     procs = [subprocess.Popen([PY, str(HELPERS / "resume_client.py"), "6"], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
@@ -80,6 +84,7 @@ def test_busy_clients_of_the_previous_tree_resume_on_a_daemon_of_this_tree(daemo
     assert all(r["resumes"] == 1 for r in results), results  # both resumed on the new daemon
     assert all(r["held"] == r["mapped"] for r in results), results
     assert d2.log_text().count("resumed by pid") == 2, d2.log_text()
+    assert journal_snapshot(state)["format"] == 3
     with d2.client() as c:
         assert wait_until(lambda: c.stats().sessions_open == 0)
         st = c.stats()
@@ -87,18 +92,25 @@ def test_busy_clients_of_the_previous_tree_resume_on_a_daemon_of_this_tree(daemo
         assert_books(st)
 
 
-def test_a_state_dir_recorded_from_the_previous_tree_is_read(daemon_factory, tmp_path):
-    """tests/fixtures/state-2d79f9a (README there): two sessions, five pages,
-    left by the tree before. This tree's daemon takes them as orphans (their
-    pages in use until resumed or forgotten), continues the ids after them,
-    rewrites the journal in its own format with the same sessions, and
-    forgets them after its resume grace, freeing the budget."""
+@pytest.mark.parametrize("tree", sorted(RECORDED))
+def test_a_state_dir_recorded_from_the_previous_tree_is_read(daemon_factory, tmp_path, tree):
+    """tests/fixtures/state-<tree> (README there): two sessions, five pages,
+    left by an earlier tree (format 1 and 2). This tree's daemon takes them
+    as orphans (their pages in use until resumed or forgotten: the journal
+    names no client processes, so whether they live is not known),
+    continues the ids after them, rewrites the journal in its own format
+    with the same sessions and their grace's end, and forgets them after
+    its resume grace, freeing the budget."""
     state = tmp_path / "state"
-    shutil.copytree(FIXTURE, state, ignore=shutil.ignore_patterns("*.md", "*.py"))
+    shutil.copytree(FIXTURES / f"state-{tree}", state, ignore=shutil.ignore_patterns("*.md", "*.py"))
+    assert journal_snapshot(state).get("format", 1) == RECORDED[tree]
     state.chmod(0o700)
+    t0 = time.time()
     d = daemon_factory("host", state_dir=str(state), memory_limit="64MiB", page_store="none", resume_grace="2")
     snap = journal_snapshot(state)
-    assert snap["format"] == 2
+    assert snap["format"] == 3
+    assert all(t0 + 1 < s["orphan_until"] / 1000 < time.time() + 2 for s in snap["sessions"]), snap
+    assert all("pid" not in s for s in snap["sessions"]), snap
     assert [(s["sid"], s["name"], sorted(s["pages"])) for s in snap["sessions"]] == [(1, "chat-8b", ["1", "2", "3"]),
                                                                                     (2, "embed", ["4", "5"])]
     assert snap["sessions"][0]["labels"] == {"model": "chat"} and snap["sessions"][0]["guaranteed_bytes"] == 4 << 20
@@ -120,14 +132,14 @@ def test_a_state_dir_recorded_from_the_previous_tree_is_read(daemon_factory, tmp
 def test_a_journal_of_a_newer_format_stops_the_start_and_is_left_as_it_was(daemon_factory, tmp_path):
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
-    newer = (json.dumps({"op": "snapshot", "format": 3, "next_session_id": 7, "next_page_id": 40, "sessions": [],
-                         "a_field_of_format_3": {"x": 1}}) + "\n"
-             + json.dumps({"op": "a_record_of_format_3", "sid": 6}) + "\n").encode()
+    newer = (json.dumps({"op": "snapshot", "format": 4, "next_session_id": 7, "next_page_id": 40, "sessions": [],
+                         "a_field_of_format_4": {"x": 1}}) + "\n"
+             + json.dumps({"op": "a_record_of_format_4", "sid": 6}) + "\n").encode()
     (state / "journal.jsonl").write_bytes(newer)
     d = daemon_factory("host", state_dir=str(state), wait=False)
     assert d.proc.wait(30) == 1
     lines = [ln for ln in d.log_text().splitlines() if "cannot start" in ln]
-    assert len(lines) == 1 and "is format 3, written by a newer kvcached; this daemon reads formats 1-2" in lines[0], d.log_text()
+    assert len(lines) == 1 and "is format 4, written by a newer kvcached; this daemon reads formats 1-3" in lines[0], d.log_text()
     assert (state / "journal.jsonl").read_bytes() == newer  # untouched, not moved aside
     assert sorted(os.listdir(state)) == ["journal.jsonl"]
     assert not os.path.exists(d.socket)

@@ -288,7 +288,8 @@ class Daemon:
         s.resume_token = resume_token  # handed to the client once, never stored
         self.counters["sessions_opened"] += 1
         self.recovery.record({"op": "open", "sid": s.id, "uid": s.uid, "name": name, "rh": s.resume_hash,
-                              "g": guaranteed_bytes, "m": max_bytes, "p": priority, "labels": labels})
+                              "g": guaranteed_bytes, "m": max_bytes, "p": priority, "labels": labels}
+                             | ({"pid": s.pid, "ps": s.pstart} if s.pstart else {}))
         log.info("session %d '%s' opened by pid %d uid %d%s", s.id, name, s.pid, s.uid, " (admin)" if s.admin else "")
         return s
 

@@ -9,7 +9,7 @@ it holds, and refuse claims that do not add up.
 
 Format: `<state_dir>/journal.jsonl`, one JSON object per line, appended and
 flushed (not fsynced: it must survive the daemon's death, not the host's).
-Records: open, alloc, free, close, limits, and a snapshot written at start-up
+Records: open, alloc, free, close, limits, resume, and a snapshot written at start-up
 and on compaction (when the log grows past twice the live state). A journal
 begins with its snapshot, which names the journal's format (`"format"`:
 FORMAT; a snapshot without it is format 1, what daemons wrote before the
@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from . import procs
+
 log = logging.getLogger("kvcached.journal")
 
 NAME = "journal.jsonl"
@@ -64,8 +66,15 @@ MAX_FILE = 1 << 30
 
 # The journal format this daemon writes, and the ones it reads. 1: before the
 # snapshot carried "format" (the same records). 2: "format" in the snapshot.
-FORMAT = 2
-READS = (1, 2)
+# 3: who the clients are and how long orphans wait, across restarts: the
+# snapshot's "scope" (procs.scope()) and its sessions' optional "pid",
+# "pstart" (the client process, procs.py) and "orphan_until" (the end of an
+# orphan's resume grace, unix milliseconds, set by the first daemon that
+# made it an orphan and never moved later by the next); "pid" and "ps" in
+# "open"; the "resume" record (an orphan resumed: no grace end any more, and
+# its client process).
+FORMAT = 3
+READS = (1, 2, 3)
 
 
 class JournalTooNew(Exception):
@@ -134,9 +143,12 @@ def _session_fields(rec: dict, keys: dict[str, str], where: str) -> None:
 
 
 _OPEN = {"sid": "id", "uid": "uid", "name": "str", "rh": "str"}
-_OPEN_OPTIONAL = {"g": "bytes", "m": "bytes", "p": "priority", "labels": "labels"}
+_OPEN_OPTIONAL = {"g": "bytes", "m": "bytes", "p": "priority", "labels": "labels", "pid": "id", "ps": "bytes"}
 _SNAP_SESSION = {"sid": "id", "uid": "uid", "name": "str", "resume_hash": "str", "guaranteed_bytes": "bytes",
                  "max_bytes": "bytes", "priority": "priority", "labels": "labels"}
+# format 3: the client process (procs.py) and the end of an orphan's grace
+_CLIENT = {"pid": "id", "pstart": "bytes", "orphan_until": "bytes"}
+_RESUME_OPTIONAL = {"pid": "id", "ps": "bytes"}
 
 
 def validate(rec) -> None:
@@ -148,12 +160,15 @@ def validate(rec) -> None:
         fmt = rec.get("format", 1)
         _check(_is_int(fmt, 1, MAX_ID), f"snapshot: 'format' must be a positive integer, not {fmt!r:.40}")
         _session_fields(rec, {"next_session_id": "id", "next_page_id": "id"}, "snapshot")
+        if "scope" in rec:
+            _session_fields(rec, {"scope": "str"}, "snapshot")
         _check(isinstance(rec.get("sessions"), list), "snapshot: 'sessions' must be an array")
         for i, js in enumerate(rec["sessions"]):
             where = f"snapshot session #{i + 1}"
             _check(isinstance(js, dict), f"{where} is not an object")
             _session_fields(js, _SNAP_SESSION, where)
-            extra = set(js) - set(_SNAP_SESSION) - {"pages"}
+            _session_fields(js, {k: t for k, t in _CLIENT.items() if k in js}, where)
+            extra = set(js) - set(_SNAP_SESSION) - set(_CLIENT) - {"pages"}
             _check(not extra, f"{where} has unknown fields {sorted(extra)}")
             pages = js.get("pages")
             _check(isinstance(pages, dict), f"{where}: 'pages' must be an object")
@@ -180,6 +195,9 @@ def validate(rec) -> None:
         _session_fields(rec, {"sid": "id"}, "'close' record")
     elif op == "limits":
         _session_fields(rec, {"sid": "id", "g": "bytes", "m": "bytes", "p": "priority"}, "'limits' record")
+    elif op == "resume":
+        _session_fields(rec, {"sid": "id"}, "'resume' record")
+        _session_fields(rec, {k: t for k, t in _RESUME_OPTIONAL.items() if k in rec}, "'resume' record")
     else:
         raise ValueError(f"unknown record {op!r:.40}")
 
@@ -195,6 +213,22 @@ class JSession:
     priority: int = 0
     labels: dict = field(default_factory=dict)
     pages: dict = field(default_factory=dict)  # page id -> (device uuid, identity)
+    pid: int = 0  # the client process (procs.py): 0 when not known
+    pstart: int = 0
+    orphan_until: int = 0  # unix ms: the end of its resume grace, once an orphan (0: not yet one)
+
+
+def _snapshot_session(js: JSession) -> dict:
+    out = {
+        "sid": js.sid, "uid": js.uid, "name": js.name, "resume_hash": js.resume_hash,
+        "guaranteed_bytes": js.guaranteed_bytes, "max_bytes": js.max_bytes, "priority": js.priority,
+        "labels": js.labels, "pages": {str(k): list(v) for k, v in js.pages.items()},
+    }
+    if js.pid > 0:
+        out["pid"], out["pstart"] = js.pid, js.pstart
+    if js.orphan_until > 0:
+        out["orphan_until"] = js.orphan_until
+    return out
 
 
 class Journal:
@@ -204,6 +238,7 @@ class Journal:
         self.sessions: dict[int, JSession] = {}
         self.next_session_id = 1
         self.next_page_id = 1
+        self.scope = ""  # where the read journal's pids mean something (procs.scope()); "" before format 3
         self._lines = 0
         self._fh = None
 
@@ -297,13 +332,15 @@ class Journal:
             self.sessions = {}
             self.next_session_id = rec["next_session_id"]
             self.next_page_id = rec["next_page_id"]
+            self.scope = rec.get("scope", "")
             for js in rec["sessions"]:
                 js = dict(js)
                 pages = {int(k): tuple(v) for k, v in js.pop("pages").items()}
                 self.sessions[js["sid"]] = JSession(**js, pages=pages)
         elif op == "open":
             self.sessions[rec["sid"]] = JSession(
-                rec["sid"], rec["uid"], rec["name"], rec["rh"], rec.get("g", 0), rec.get("m", 0), rec.get("p", 0), rec.get("labels", {})
+                rec["sid"], rec["uid"], rec["name"], rec["rh"], rec.get("g", 0), rec.get("m", 0), rec.get("p", 0), rec.get("labels", {}),
+                pid=rec.get("pid", 0), pstart=rec.get("ps", 0),
             )
             self.next_session_id = max(self.next_session_id, rec["sid"] + 1)
         elif op == "alloc":
@@ -323,6 +360,10 @@ class Journal:
             js = self.sessions.get(rec["sid"])
             if js is not None:
                 js.guaranteed_bytes, js.max_bytes, js.priority = rec["g"], rec["m"], rec["p"]
+        elif op == "resume":
+            js = self.sessions.get(rec["sid"])
+            if js is not None:
+                js.pid, js.pstart, js.orphan_until = rec.get("pid", 0), rec.get("ps", 0), 0
         else:
             raise ValueError(f"journal: unknown record {op!r}")
 
@@ -337,14 +378,8 @@ class Journal:
             "format": FORMAT,
             "next_session_id": next_session_id,
             "next_page_id": next_page_id,
-            "sessions": [
-                {
-                    "sid": js.sid, "uid": js.uid, "name": js.name, "resume_hash": js.resume_hash,
-                    "guaranteed_bytes": js.guaranteed_bytes, "max_bytes": js.max_bytes, "priority": js.priority,
-                    "labels": js.labels, "pages": {str(k): list(v) for k, v in js.pages.items()},
-                }
-                for js in sessions.values()
-            ],
+            "scope": procs.scope(),
+            "sessions": [_snapshot_session(js) for js in sessions.values()],
         }
         tmp = self.path.with_suffix(".tmp")
         try:

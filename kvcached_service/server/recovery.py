@@ -31,6 +31,7 @@ from ..fdchannel import close_fds
 from ..config import ConfigError
 from .journal import JournalDamaged, JournalTooNew, JSession, Journal
 from .keeper import PageStore, StoreTooNew, StoreUnavailable, SystemdStore
+from . import procs
 from .pool import DevicePool, Page
 from .sessions import Session
 
@@ -84,7 +85,6 @@ class Recovery:
                 exc, aside, aside.name)
         core.next_session_id = j.next_session_id
         core.page_ids.continue_from(j.next_page_id)
-        deadline = time.monotonic() + self.settings.resume_grace
         for js in j.sessions.values():
             for pid, (dev, _) in list(js.pages.items()):
                 pool = core.pools.get(dev)
@@ -94,14 +94,37 @@ class Recovery:
                     continue
                 pool.hold_orphans(1)
             self.orphans[js.sid] = js
-            self._orphan_deadline[js.sid] = deadline
+            self._orphan_deadline[js.sid] = self._grace_end(js)
         self._open_store()  # before the journal is rewritten: a store this daemon cannot read stops it here
         j.start(self.orphans, j.next_session_id, j.next_page_id)
+        self._forget_dead_clients(j.scope)
         if self.orphans:
+            wait = max(self._orphan_deadline.values()) - time.monotonic()
             log.info(
-                "journal: %d session(s) of the previous daemon (%d pages) wait %gs for their clients to resume them",
-                len(self.orphans), sum(len(js.pages) for js in self.orphans.values()), self.settings.resume_grace,
+                "journal: %d session(s) of the previous daemon (%d pages) wait up to %.3gs for their clients to resume them",
+                len(self.orphans), sum(len(js.pages) for js in self.orphans.values()), max(wait, 0.0),
             )
+
+    def _grace_end(self, js: JSession) -> float:
+        """When orphan `js` is forgotten (time.monotonic()): resume_grace
+        after the first restart that made it an orphan. A later restart
+        keeps that end (journaled as `orphan_until`), so restarts closer
+        together than the grace cannot keep an orphan alive forever; it
+        never lies beyond one grace from now (a wall clock set back)."""
+        now = time.time()
+        until = now + self.settings.resume_grace
+        if js.orphan_until > 0:
+            until = min(until, js.orphan_until / 1000)
+        js.orphan_until = int(until * 1000)
+        return time.monotonic() + max(until - now, 0.0)
+
+    def _forget_dead_clients(self, scope: str) -> None:
+        """Orphans whose client process is gone (procs.gone: its pid and
+        start time were journaled in this pid namespace and boot) are
+        forgotten now: nobody can resume them."""
+        for sid, js in list(self.orphans.items()):
+            if procs.gone(js.pid, js.pstart, scope):
+                self.forget_orphan(sid, f"its client (pid {js.pid}) is gone")
 
     def _open_store(self) -> None:
         """With a state dir: open the page store (systemd's fd store under a
@@ -245,7 +268,7 @@ class Recovery:
         for s in self.core.sessions.values():
             out[s.id] = JSession(
                 s.id, s.uid, s.name, s.resume_hash, s.guaranteed_bytes, s.max_bytes, s.priority, s.labels,
-                {p.id: (p.device, p.ident) for p in s.pages.values()},
+                {p.id: (p.device, p.ident) for p in s.pages.values()}, pid=s.pid if s.pstart else 0, pstart=s.pstart,
             )
         return out
 
@@ -253,7 +276,7 @@ class Recovery:
     def expire(self, now: float) -> None:
         """Forget the orphans whose resume_grace is over (housekeeping)."""
         for sid in [k for k, t in self._orphan_deadline.items() if t <= now]:
-            self.forget_orphan(sid, f"not resumed within {self.settings.resume_grace:g} s of the restart")
+            self.forget_orphan(sid, f"not resumed within {self.settings.resume_grace:g} s of the restart that orphaned it")
 
     def rewrite_stale_journal(self, now: float) -> None:
         """A stale journal is rewritten whole from the live books, every
@@ -422,6 +445,7 @@ class Recovery:
             pool = core.pools[dev]
             pages = pool.adopt(s, [(pid, h, js.pages[pid][1]) for pid, h in zip(pids, handles)])
             s.add_pages(pages)
+        self.record({"op": "resume", "sid": sid} | ({"pid": s.pid, "ps": s.pstart} if s.pstart else {}))
         if forgotten:
             self.record({"op": "free", "sid": sid, "pages": forgotten})
             self._unstore(forgotten)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from .. import errors
+from . import procs
 
 if TYPE_CHECKING:
     from .pool import Page
@@ -132,9 +133,11 @@ class Session:
     pid: int = field(init=False)
     uid: int = field(init=False)
     gid: int = field(init=False)
+    pstart: int = field(init=False)  # that process's start time (procs.py; 0: unknown), journaled with the pid
 
     def __post_init__(self) -> None:
         self.pid, self.uid, self.gid = self.port.pid, self.port.uid, self.port.gid
+        self.pstart = procs.start_time(self.pid) or 0
 
     def touch(self) -> None:
         self.last_active_unix = time.time()

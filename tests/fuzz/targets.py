@@ -360,17 +360,20 @@ def _vector_seeds() -> list[bytes]:
 def _journal_seeds() -> list[bytes]:
     out = [p.read_bytes() for p in sorted((ROOT / "tests" / "fixtures").glob("*/journal.jsonl"))]
     lines = [
-        {"op": "snapshot", "format": 2, "next_session_id": 3, "next_page_id": 9, "sessions": [
+        {"op": "snapshot", "format": 3, "next_session_id": 3, "next_page_id": 9, "scope": "pid:[4026531836] boot b", "sessions": [
             {"sid": 1, "uid": 1000, "name": "chat", "resume_hash": "ab" * 32, "guaranteed_bytes": 0, "max_bytes": 0,
-             "priority": 0, "labels": {"model": "x"}, "pages": {"1": ["GPU-0", "1:2"], "2": ["GPU-0", "1:3"]}}]},
-        {"op": "open", "sid": 2, "uid": 0, "name": "e", "rh": "cd" * 32, "g": 4096, "m": 8192, "p": -1, "labels": {}},
+             "priority": 0, "labels": {"model": "x"}, "pages": {"1": ["GPU-0", "1:2"], "2": ["GPU-0", "1:3"]},
+             "pid": 4242, "pstart": 123456, "orphan_until": 1_800_000_000_000}]},
+        {"op": "open", "sid": 2, "uid": 0, "name": "e", "rh": "cd" * 32, "g": 4096, "m": 8192, "p": -1, "labels": {},
+         "pid": 77, "ps": 99},
+        {"op": "resume", "sid": 1, "pid": 4243, "ps": 123999},
         {"op": "alloc", "sid": 2, "dev": "HOST-0", "pages": [[3, "1:4"], [4, "1:5"]]},
         {"op": "free", "sid": 2, "pages": [3]},
         {"op": "limits", "sid": 1, "g": 0, "m": 1 << 30, "p": 5},
         {"op": "close", "sid": 1},
     ]
     text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in lines).encode()
-    out += [text, text[:-7], text[:-1], text.replace(b'"format":2', b'"format":3'), b'{"op":"snapshot"}\n',
+    out += [text, text[:-7], text[:-1], text.replace(b'"format":3', b'"format":4'), b'{"op":"snapshot"}\n',
             text + b"[" * 3000 + b"\n"]  # a torn but complete last record; JSON nested past the parser's recursion limit
     return out
 
