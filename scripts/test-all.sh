@@ -41,11 +41,14 @@ wait_prebuild() { # suite: wait until the prebuild's step for it has ended (or t
   fi
 }
 
+mkdir -p build/test-logs
 for s in "${suites[@]}"; do
   printf '\n\033[1m==== %s suite ====\033[0m\n' "$s"
   wait_prebuild "$s"
   t0=$SECONDS
-  if "scripts/test-$s.sh"; then result[$s]=passed; else result[$s]=FAILED; failed=$((failed + 1)); fi
+  # each suite's output is also kept in build/test-logs/<suite>.log; a failed
+  # suite's failure lines are printed again after the summary (CI shows the end)
+  if "scripts/test-$s.sh" 2>&1 | tee "build/test-logs/$s.log"; then result[$s]=passed; else result[$s]=FAILED; failed=$((failed + 1)); fi
   seconds[$s]=$((SECONDS - t0))
 done
 if [[ -n "$prebuild_pid" ]]; then
@@ -53,6 +56,13 @@ if [[ -n "$prebuild_pid" ]]; then
   printf '\n==== prebuild ====\n'
   grep '^prebuild:' build/prebuild/prebuild.log
 fi
+for s in "${suites[@]}"; do
+  [[ ${result[$s]} == FAILED ]] || continue
+  printf '\n==== why %s failed: its failure lines, then its last lines (build/test-logs/%s.log) ====\n' "$s" "$s"
+  grep -aE '(FAILED|ERROR|Error|error:|MISSED|Traceback|panic:|^--- FAIL|^test-[a-z-]+: )' "build/test-logs/$s.log" | tail -15 | cut -c1-400
+  echo '  ...'
+  tail -12 "build/test-logs/$s.log" | cut -c1-400
+done
 printf '\n==== summary ====\n'
 for s in "${suites[@]}"; do
   printf '  %-10s %-7s %5ss\n' "$s" "${result[$s]}" "${seconds[$s]}"
