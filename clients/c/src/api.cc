@@ -26,6 +26,147 @@ kvc_status guarded(F &&body) noexcept
     if (!(cond))         \
     return kvc_fail(KVC_ERR_INVALID_ARGUMENT, "%s", what)
 
+// ---- kvc_session_open's steps ---------------------------------------------
+
+kvc_status open_check_options(const kvc_session_options *o)
+{
+    NEED(o->struct_size == sizeof(kvc_session_options),
+         "options.struct_size is not sizeof(kvc_session_options): call "
+         "kvc_session_options_init");
+    NEED(o->name, "options.name is NULL");
+    NEED(o->num_labels == 0 || o->labels, "options.labels is NULL");
+    return KVC_OK;
+}
+
+// The device the options name (the first one if none), and a daemon that
+// takes page requests on the fd channel.
+kvc_status open_pick_device(const pb::GetInfoResponse &info, const kvc_session_options *o,
+                            const pb::DeviceInfo **dev)
+{
+    for (const auto &d : info.devices())
+        if (!o->device || !*o->device || d.uuid() == o->device) {
+            *dev = &d;
+            break;
+        }
+    if (!*dev)
+        return kvc_fail(KVC_ERR_NOT_FOUND, "the daemon serves no device %s (first: %s)",
+                        o->device, info.devices(0).uuid().c_str());
+    // Page operations go on the fd channel only (docs/protocol.md).
+    if (!info.fd_channel_requests())
+        return kvc_fail(KVC_ERR_FAILED_PRECONDITION,
+                        "the daemon (version \"%s\") takes no page requests on the fd channel "
+                        "(GetInfo().fd_channel_requests is false); this library sends "
+                        "Allocate, Free and Close only there: upgrade kvcached-serve",
+                        info.version().c_str());
+    return KVC_OK;
+}
+
+kvc_status open_init(kvc_client *client, const pb::DeviceInfo &dev, const kvc_session_options *o,
+                     kvc_session *s)
+{
+    const pb::GetInfoResponse &info = client->conn->info;
+    s->conn = client->conn;
+    s->device = dev.uuid();
+    s->kind = dev.kind();
+    s->page_size = dev.page_size();
+    s->max_pages = info.max_pages_per_request() ? info.max_pages_per_request() : 1;
+    s->wait = o->wait != 0;
+    s->wait_timeout_ms = o->wait_timeout_ms;
+    if (s->page_size == 0)
+        return kvc_fail(KVC_ERR_PROTOCOL, "device %s has page size 0", s->device.c_str());
+    return KVC_OK;
+}
+
+// Connect the session's fd channel (s->link.fd) and read the daemon's HELLO.
+kvc_status open_hello(kvc_client *client, kvc_session *s, kvc_fd_record *rec)
+{
+    char err[512];
+    kvc_status st =
+        kvc_fd_connect(client->conn->info.fd_socket().c_str(), &s->link.fd, err, sizeof err);
+    if (st != KVC_OK)
+        return kvc_fail(st, "%s", err);
+    int eof = 0;
+    uint32_t t = client->conn->timeout_ms.load();
+    st = kvc_fd_recv(s->link.fd, t ? static_cast<int>(t) : -1, rec, &eof, err, sizeof err);
+    if (st != KVC_OK)
+        return kvc_fail(st, "waiting for HELLO: %s", err);
+    if (eof)
+        return kvc_fail(KVC_ERR_UNAVAILABLE, "the daemon closed the fd channel before HELLO");
+    if (rec->type == KVC_FD_ERROR) {
+        kvc_status k = kvc_status_from_grpc_code(static_cast<int>(rec->error_code));
+        return kvc_fail(k == KVC_OK ? KVC_ERR_PROTOCOL : k, "fd channel refused: %s",
+                        rec->message);
+    }
+    if (rec->type != KVC_FD_HELLO) {
+        kvc_fd_record_close_fds(rec);
+        return kvc_fail(KVC_ERR_PROTOCOL, "first record on the fd channel is type %u, not HELLO",
+                        rec->type);
+    }
+    return KVC_OK;
+}
+
+// OpenSession with the channel's secret; the session is then the daemon's.
+kvc_status open_claim(kvc_client *client, const kvc_session_options *o, const kvc_fd_record &hello,
+                      kvc_session *s)
+{
+    pb::OpenSessionRequest req;
+    req.set_channel_secret(hello.secret, KVC_FD_SECRET_SIZE);
+    req.set_name(o->name);
+    req.set_guaranteed_bytes(o->guaranteed_bytes);
+    req.set_max_bytes(o->max_bytes);
+    req.set_priority(o->priority);
+    for (size_t i = 0; i < o->num_labels; i++) {
+        if (!o->labels[i].key || !o->labels[i].value)
+            return kvc_fail(KVC_ERR_INVALID_ARGUMENT, "label %zu has a NULL key or value", i);
+        (*req.mutable_labels())[o->labels[i].key] = o->labels[i].value;
+    }
+    pb::OpenSessionResponse resp;
+    grpc::ClientContext ctx;
+    client->conn->prepare(ctx);
+    grpc::Status gs = client->conn->stub->OpenSession(&ctx, req, &resp);
+    if (!gs.ok())
+        return from_grpc(gs, "OpenSession");
+    s->link.chan = std::make_shared<Chan>(s->link.fd);
+    s->link.ref = resp.session();
+    s->id = resp.session().id();
+    s->link.admin = resp.admin();
+    s->resume_token = resp.resume_token();
+    s->resumable = !s->resume_token.empty();
+    return KVC_OK;
+}
+
+// Kept handles and standby as the daemon offers them, and the monitor thread.
+kvc_status open_start_monitor(kvc_session *s)
+{
+    const pb::GetInfoResponse &info = s->conn->info;
+    // Kept handles only where the daemon honours the keep flag (an older
+    // one could release a page whose memory a kept handle holds); the
+    // mapper keeps them on CUDA only.
+    s->keep_limit = keep_limit_from_env();
+    kvc_mapper_keep_reset(s->mapper, info.fd_channel_keep_handles() ? s->keep_limit : 0);
+    s->standby_ok = info.fd_channel_standby();
+    s->monitor.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (s->monitor.wake_fd < 0) {
+        int e = errno;
+        return kvc_fail(KVC_ERR_SYSTEM, "eventfd: %s", std::strerror(e));
+    }
+    s->monitor.thread = std::thread(monitor_loop, s);
+    return KVC_OK;
+}
+
+// A session that could not open: its channel and mapper go (the session
+// itself is then deleted by its owner).
+void open_undo(kvc_session *s)
+{
+    if (s->link.chan)
+        s->link.chan.reset();  // owns the fd
+    else if (s->link.fd >= 0)
+        close(s->link.fd);
+    s->link.fd = -1;
+    kvc_mapper_destroy(s->mapper);
+    s->mapper = nullptr;
+}
+
 }  // namespace
 
 // ======================================================================
@@ -156,126 +297,28 @@ KVC_API kvc_status kvc_session_open(kvc_client *client, const kvc_session_option
     return guarded([&]() -> kvc_status {
         NEED(client && o && out, "client, options or out is NULL");
         *out = nullptr;
-        NEED(o->struct_size == sizeof(kvc_session_options),
-             "options.struct_size is not sizeof(kvc_session_options): call "
-             "kvc_session_options_init");
-        NEED(o->name, "options.name is NULL");
-        NEED(o->num_labels == 0 || o->labels, "options.labels is NULL");
-        const pb::GetInfoResponse &info = client->conn->info;
+        kvc_status st = open_check_options(o);
+        if (st != KVC_OK)
+            return st;
         const pb::DeviceInfo *dev = nullptr;
-        for (const auto &d : info.devices())
-            if (!o->device || !*o->device || d.uuid() == o->device) {
-                dev = &d;
-                break;
-            }
-        if (!dev)
-            return kvc_fail(KVC_ERR_NOT_FOUND, "the daemon serves no device %s (first: %s)",
-                            o->device, info.devices(0).uuid().c_str());
-        // Page operations go on the fd channel only (docs/protocol.md).
-        if (!info.fd_channel_requests())
-            return kvc_fail(KVC_ERR_FAILED_PRECONDITION,
-                            "the daemon (version \"%s\") takes no page requests on the fd channel "
-                            "(GetInfo().fd_channel_requests is false); this library sends "
-                            "Allocate, Free and Close only there: upgrade kvcached-serve",
-                            info.version().c_str());
-
+        if ((st = open_pick_device(client->conn->info, o, &dev)) != KVC_OK)
+            return st;
         auto s = std::make_unique<kvc_session>();
-        s->conn = client->conn;
-        s->device = dev->uuid();
-        s->kind = dev->kind();
-        s->page_size = dev->page_size();
-        s->max_pages = info.max_pages_per_request() ? info.max_pages_per_request() : 1;
-        s->wait = o->wait != 0;
-        s->wait_timeout_ms = o->wait_timeout_ms;
-        if (s->page_size == 0)
-            return kvc_fail(KVC_ERR_PROTOCOL, "device %s has page size 0", s->device.c_str());
-
-        kvc_status st;
-        auto cleanup = [&] {
-            if (s->link.chan)
-                s->link.chan.reset();  // owns the fd
-            else if (s->link.fd >= 0)
-                close(s->link.fd);
-            s->link.fd = -1;
-            kvc_mapper_destroy(s->mapper);
-            s->mapper = nullptr;
-        };
-
-        char err[512];
-        st = kvc_fd_connect(info.fd_socket().c_str(), &s->link.fd, err, sizeof err);
-        if (st != KVC_OK) {
-            cleanup();
-            return kvc_fail(st, "%s", err);
-        }
-        auto rec = std::make_unique<kvc_fd_record>();
-        int eof = 0;
-        uint32_t t = client->conn->timeout_ms.load();
-        st = kvc_fd_recv(s->link.fd, t ? static_cast<int>(t) : -1, rec.get(), &eof, err, sizeof err);
-        if (st == KVC_OK && eof)
-            st = kvc_fail(KVC_ERR_UNAVAILABLE, "the daemon closed the fd channel before HELLO");
-        else if (st == KVC_OK && rec->type == KVC_FD_ERROR) {
-            kvc_status k = kvc_status_from_grpc_code(static_cast<int>(rec->error_code));
-            st = kvc_fail(k == KVC_OK ? KVC_ERR_PROTOCOL : k, "fd channel refused: %s",
-                          rec->message);
-        } else if (st == KVC_OK && rec->type != KVC_FD_HELLO) {
-            kvc_fd_record_close_fds(rec.get());
-            st = kvc_fail(KVC_ERR_PROTOCOL, "first record on the fd channel is type %u, not HELLO",
-                          rec->type);
-        } else if (st != KVC_OK)
-            st = kvc_fail(st, "waiting for HELLO: %s", err);
-        if (st != KVC_OK) {
-            cleanup();
+        if ((st = open_init(client, *dev, o, s.get())) != KVC_OK)
             return st;
-        }
-
+        auto hello = std::make_unique<kvc_fd_record>();
+        st = open_hello(client, s.get(), hello.get());
         // The driver is loaded only once the daemon has accepted us.
-        st = kvc_mapper_create(s->kind.c_str(), s->device.c_str(), &s->mapper);
+        if (st == KVC_OK)
+            st = kvc_mapper_create(s->kind.c_str(), s->device.c_str(), &s->mapper);
+        if (st == KVC_OK)
+            st = open_claim(client, o, *hello, s.get());
+        if (st == KVC_OK)
+            st = open_start_monitor(s.get());
         if (st != KVC_OK) {
-            cleanup();
+            open_undo(s.get());
             return st;
         }
-
-
-        pb::OpenSessionRequest req;
-        req.set_channel_secret(rec->secret, KVC_FD_SECRET_SIZE);
-        req.set_name(o->name);
-        req.set_guaranteed_bytes(o->guaranteed_bytes);
-        req.set_max_bytes(o->max_bytes);
-        req.set_priority(o->priority);
-        for (size_t i = 0; i < o->num_labels; i++) {
-            if (!o->labels[i].key || !o->labels[i].value) {
-                cleanup();
-                return kvc_fail(KVC_ERR_INVALID_ARGUMENT, "label %zu has a NULL key or value", i);
-            }
-            (*req.mutable_labels())[o->labels[i].key] = o->labels[i].value;
-        }
-        pb::OpenSessionResponse resp;
-        grpc::ClientContext ctx;
-        client->conn->prepare(ctx);
-        grpc::Status gs = client->conn->stub->OpenSession(&ctx, req, &resp);
-        if (!gs.ok()) {
-            cleanup();
-            return from_grpc(gs, "OpenSession");
-        }
-        s->link.chan = std::make_shared<Chan>(s->link.fd);
-        s->link.ref = resp.session();
-        s->id = resp.session().id();
-        s->link.admin = resp.admin();
-        s->resume_token = resp.resume_token();
-        s->resumable = !s->resume_token.empty();
-        // Kept handles only where the daemon honours the keep flag (an older
-        // one could release a page whose memory a kept handle holds); the
-        // mapper keeps them on CUDA only.
-        s->keep_limit = keep_limit_from_env();
-        kvc_mapper_keep_reset(s->mapper, info.fd_channel_keep_handles() ? s->keep_limit : 0);
-        s->standby_ok = info.fd_channel_standby();
-        s->monitor.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-        if (s->monitor.wake_fd < 0) {
-            int e = errno;
-            cleanup();
-            return kvc_fail(KVC_ERR_SYSTEM, "eventfd: %s", std::strerror(e));
-        }
-        s->monitor.thread = std::thread(monitor_loop, s.get());
         *out = s.release();
         return KVC_OK;
     });

@@ -282,6 +282,79 @@ static int from_client(uint16_t type)
     return type == KVC_FD_ADOPT || is_request(type);
 }
 
+/* "malformed NAME record: FAULT" (the daemon's REPLY message): a request
+ * whose req_id was read but that breaks its own rules. */
+__attribute__((format(printf, 4, 5))) static kvc_status malformed(char *err, size_t err_len,
+                                                                  const char *name,
+                                                                  const char *fmt, ...)
+{
+    char fault[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(fault, sizeof fault, fmt, ap);
+    va_end(ap);
+    set_err(err, err_len, "malformed %s record: %s", name, fault);
+    return KVC_ERR_INVALID_ARGUMENT;
+}
+
+static kvc_status decode_allocate(const uint8_t *p, uint32_t plen, kvc_fd_record *out, char *err,
+                                  size_t err_len)
+{
+    if (plen < KVC_FD_ALLOCATE_FIXED)
+        return malformed(err, err_len, "ALLOCATE", "%u payload bytes, fewer than its fixed %u",
+                         plen, KVC_FD_ALLOCATE_FIXED);
+    uint32_t dev_len = get32(p + 20);
+    if ((uint64_t)plen != (uint64_t)KVC_FD_ALLOCATE_FIXED + dev_len)
+        return malformed(err, err_len, "ALLOCATE", "device_len %u but %u bytes of device", dev_len,
+                         plen - KVC_FD_ALLOCATE_FIXED);
+    out->num_pages = get32(p + 8);
+    out->flags = get32(p + 12);
+    out->wait_timeout_ms = get32(p + 16);
+    size_t n = dev_len > KVC_FD_MAX_MESSAGE ? KVC_FD_MAX_MESSAGE : dev_len;
+    memcpy(out->device, p + KVC_FD_ALLOCATE_FIXED, n);
+    out->device[n] = 0;
+    return KVC_OK;
+}
+
+/* FREE, DROPPED and USE: count, flags (FREE's; the others' reserved), ids. */
+static kvc_status decode_ids_request(uint16_t type, const uint8_t *p, uint32_t plen,
+                                     kvc_fd_record *out, char *err, size_t err_len)
+{
+    const char *name = type_name(type);
+    if (plen < KVC_FD_FREE_FIXED)
+        return malformed(err, err_len, name, "%u payload bytes, fewer than its fixed %u", plen,
+                         KVC_FD_FREE_FIXED);
+    uint32_t count = get32(p + 8);
+    if (count > KVC_FD_MAX_FREE_IDS)
+        return malformed(err, err_len, name, "%u page ids, more than %u", count,
+                         KVC_FD_MAX_FREE_IDS);
+    if ((uint64_t)plen != (uint64_t)KVC_FD_FREE_FIXED + 8ull * count)
+        return malformed(err, err_len, name, "count %u but %u bytes of page ids", count,
+                         plen - KVC_FD_FREE_FIXED);
+    out->count = count;
+    out->flags = type == KVC_FD_FREE ? get32(p + 12) : 0;
+    out->free_ids = p + KVC_FD_FREE_FIXED;
+    return KVC_OK;
+}
+
+static kvc_status decode_answer(const uint8_t *p, uint32_t plen, kvc_fd_record *out, char *err,
+                                size_t err_len)
+{
+    if (plen < KVC_FD_ANSWER_FIXED)
+        return malformed(err, err_len, "ANSWER", "%u payload bytes, fewer than its fixed %u",
+                         plen, KVC_FD_ANSWER_FIXED);
+    uint32_t rlen = plen - KVC_FD_ANSWER_FIXED;
+    if (rlen > KVC_FD_MAX_REASON)
+        return malformed(err, err_len, "ANSWER", "a reason of %u bytes, more than %u", rlen,
+                         KVC_FD_MAX_REASON);
+    out->reclaim_id = get64(p + 8);
+    out->bytes_given = get64(p + 16);
+    out->bytes_kept = get64(p + 24);
+    memcpy(out->reason, p + KVC_FD_ANSWER_FIXED, rlen);
+    out->reason[rlen] = 0;
+    return KVC_OK;
+}
+
 /* A request record (header sound, payload p of plen bytes): no req_id is a
  * protocol error, every later fault a malformed request (the daemon's
  * messages, kvcached_service/fdchannel.py _decode_request). */
@@ -297,64 +370,23 @@ static kvc_status decode_request(uint16_t type, const uint8_t *p, uint32_t plen,
     out->req_id = req;
     if (req_id)
         *req_id = req;
-#define MALFORMED(...)                                                              \
-    do {                                                                            \
-        char fault_[256];                                                           \
-        snprintf(fault_, sizeof fault_, __VA_ARGS__);                               \
-        set_err(err, err_len, "malformed %s record: %s", name, fault_);             \
-        return KVC_ERR_INVALID_ARGUMENT;                                            \
-    } while (0)
     if (num_fds)
-        MALFORMED("carries descriptors (%zu); requests carry none", num_fds);
+        return malformed(err, err_len, name, "carries descriptors (%zu); requests carry none",
+                         num_fds);
     switch (type) {
-    case KVC_FD_ALLOCATE: {
-        if (plen < KVC_FD_ALLOCATE_FIXED)
-            MALFORMED("%u payload bytes, fewer than its fixed %u", plen, KVC_FD_ALLOCATE_FIXED);
-        uint32_t dev_len = get32(p + 20);
-        if ((uint64_t)plen != (uint64_t)KVC_FD_ALLOCATE_FIXED + dev_len)
-            MALFORMED("device_len %u but %u bytes of device", dev_len, plen - KVC_FD_ALLOCATE_FIXED);
-        out->num_pages = get32(p + 8);
-        out->flags = get32(p + 12);
-        out->wait_timeout_ms = get32(p + 16);
-        size_t n = dev_len > KVC_FD_MAX_MESSAGE ? KVC_FD_MAX_MESSAGE : dev_len;
-        memcpy(out->device, p + KVC_FD_ALLOCATE_FIXED, n);
-        out->device[n] = 0;
-        return KVC_OK;
-    }
+    case KVC_FD_ALLOCATE:
+        return decode_allocate(p, plen, out, err, err_len);
     case KVC_FD_FREE:
     case KVC_FD_DROPPED:
-    case KVC_FD_USE: {
-        if (plen < KVC_FD_FREE_FIXED)
-            MALFORMED("%u payload bytes, fewer than its fixed %u", plen, KVC_FD_FREE_FIXED);
-        uint32_t count = get32(p + 8);
-        if (count > KVC_FD_MAX_FREE_IDS)
-            MALFORMED("%u page ids, more than %u", count, KVC_FD_MAX_FREE_IDS);
-        if ((uint64_t)plen != (uint64_t)KVC_FD_FREE_FIXED + 8ull * count)
-            MALFORMED("count %u but %u bytes of page ids", count, plen - KVC_FD_FREE_FIXED);
-        out->count = count;
-        out->flags = type == KVC_FD_FREE ? get32(p + 12) : 0;
-        out->free_ids = p + KVC_FD_FREE_FIXED;
-        return KVC_OK;
-    }
+    case KVC_FD_USE:
+        return decode_ids_request(type, p, plen, out, err, err_len);
     case KVC_FD_CLOSE:
         if (plen != 8)
-            MALFORMED("%u payload bytes, not 8", plen);
+            return malformed(err, err_len, name, "%u payload bytes, not 8", plen);
         return KVC_OK;
-    default: { /* ANSWER */
-        if (plen < KVC_FD_ANSWER_FIXED)
-            MALFORMED("%u payload bytes, fewer than its fixed %u", plen, KVC_FD_ANSWER_FIXED);
-        uint32_t rlen = plen - KVC_FD_ANSWER_FIXED;
-        if (rlen > KVC_FD_MAX_REASON)
-            MALFORMED("a reason of %u bytes, more than %u", rlen, KVC_FD_MAX_REASON);
-        out->reclaim_id = get64(p + 8);
-        out->bytes_given = get64(p + 16);
-        out->bytes_kept = get64(p + 24);
-        memcpy(out->reason, p + KVC_FD_ANSWER_FIXED, rlen);
-        out->reason[rlen] = 0;
-        return KVC_OK;
+    default: /* ANSWER */
+        return decode_answer(p, plen, out, err, err_len);
     }
-    }
-#undef MALFORMED
 }
 
 kvc_status kvc_fd_decode(const uint8_t *buf, size_t len, const int *fds, size_t num_fds,
@@ -372,21 +404,19 @@ kvc_status kvc_fd_decode(const uint8_t *buf, size_t len, const int *fds, size_t 
     return st;
 }
 
-kvc_status kvc_fd_decode_any(const uint8_t *buf, size_t len, const int *fds, size_t num_fds,
-                             kvc_fd_record *out, uint64_t *req_id, char *err, size_t err_len)
+/* The header of a record of len bytes: magic, version, and a payload_len
+ * that matches. */
+static kvc_status decode_header(const uint8_t *buf, size_t len, uint16_t *type, uint32_t *plen,
+                                char *err, size_t err_len)
 {
-    if (!buf || !out) {
-        set_err(err, err_len, "null record");
-        return KVC_ERR_PROTOCOL;
-    }
     if (len < KVC_FD_HEADER_SIZE) {
         set_err(err, err_len, "record of %zu bytes is shorter than the header", len);
         return KVC_ERR_PROTOCOL;
     }
     uint32_t magic = get32(buf);
     uint16_t version = get16(buf + 4);
-    uint16_t type = get16(buf + 6);
-    uint32_t plen = get32(buf + 8);
+    *type = get16(buf + 6);
+    *plen = get32(buf + 8);
     if (magic != KVC_FD_MAGIC) {
         set_err(err, err_len, "bad magic 0x%08x", magic);
         return KVC_ERR_PROTOCOL;
@@ -395,11 +425,129 @@ kvc_status kvc_fd_decode_any(const uint8_t *buf, size_t len, const int *fds, siz
         set_err(err, err_len, "unsupported fd protocol version %u", (unsigned)version);
         return KVC_ERR_PROTOCOL;
     }
-    if ((size_t)plen != len - KVC_FD_HEADER_SIZE) {
+    if ((size_t)*plen != len - KVC_FD_HEADER_SIZE) {
         set_err(err, err_len, "payload is %zu bytes, header says %u", len - KVC_FD_HEADER_SIZE,
-                plen);
+                *plen);
         return KVC_ERR_PROTOCOL;
     }
+    return KVC_OK;
+}
+
+static kvc_status decode_hello(const uint8_t *p, uint32_t plen, size_t num_fds,
+                               kvc_fd_record *out, char *err, size_t err_len)
+{
+    if (plen != KVC_FD_HELLO_SIZE || num_fds) {
+        set_err(err, err_len, "malformed HELLO (%u bytes, %zu fds)", plen, num_fds);
+        return KVC_ERR_PROTOCOL;
+    }
+    out->channel_id = get64(p);
+    out->pid = get32(p + 8);
+    out->uid = get32(p + 12);
+    out->gid = get32(p + 16);
+    out->max_fds = get32(p + 20);
+    memcpy(out->secret, p + 24, KVC_FD_SECRET_SIZE);
+    return KVC_OK;
+}
+
+/* PAGES and ADOPT: one descriptor per page id. */
+static kvc_status decode_pages(uint16_t type, const uint8_t *p, uint32_t plen, const int *fds,
+                               size_t num_fds, kvc_fd_record *out, char *err, size_t err_len)
+{
+    const char *name = type == KVC_FD_PAGES ? "PAGES" : "ADOPT";
+    if (plen < KVC_FD_PAGES_FIXED) {
+        set_err(err, err_len, "%s record too short (%u bytes)", name, plen);
+        return KVC_ERR_PROTOCOL;
+    }
+    uint32_t count = get32(p + 12);
+    if (count == 0 || count > KVC_FD_MAX_FDS || count != num_fds ||
+        (uint64_t)plen != KVC_FD_PAGES_FIXED + 8ull * count) {
+        set_err(err, err_len, "%s record says %u pages, carries %zu fds and %u bytes", name, count,
+                num_fds, plen);
+        return KVC_ERR_PROTOCOL;
+    }
+    out->allocation_id = get64(p);
+    out->first_index = get32(p + 8);
+    out->count = count;
+    out->total = get32(p + 16);
+    if ((uint64_t)out->first_index + count > out->total) {
+        set_err(err, err_len, "%s record [%u, %llu) lies past its allocation's %u pages", name,
+                out->first_index, (unsigned long long)out->first_index + count, out->total);
+        return KVC_ERR_PROTOCOL;
+    }
+    for (uint32_t i = 0; i < count; i++) {
+        out->page_ids[i] = get64(p + KVC_FD_PAGES_FIXED + 8u * i);
+        out->fds[i] = fds[i];
+    }
+    out->num_fds = count;
+    return KVC_OK;
+}
+
+/* ERROR (code, message) and REPLY (req_id, code, value, message); a message
+ * longer than KVC_FD_MAX_MESSAGE is cut there. */
+static kvc_status decode_error_reply(uint16_t type, const uint8_t *p, uint32_t plen,
+                                     size_t num_fds, kvc_fd_record *out, char *err,
+                                     size_t err_len)
+{
+    uint32_t fixed = type == KVC_FD_ERROR ? 4 : KVC_FD_REPLY_FIXED;
+    if (plen < fixed || num_fds) {
+        if (type == KVC_FD_ERROR)
+            set_err(err, err_len, "malformed ERROR");
+        else
+            set_err(err, err_len, "malformed REPLY (%u bytes, %zu fds)", plen, num_fds);
+        return KVC_ERR_PROTOCOL;
+    }
+    if (type == KVC_FD_ERROR) {
+        out->error_code = get32(p);
+    } else {
+        out->req_id = get64(p);
+        out->error_code = get32(p + 8);
+        out->value = get64(p + 16);
+    }
+    size_t mlen = plen - fixed;
+    if (mlen > KVC_FD_MAX_MESSAGE)
+        mlen = KVC_FD_MAX_MESSAGE;
+    memcpy(out->message, p + fixed, mlen);
+    out->message[mlen] = 0;
+    return KVC_OK;
+}
+
+/* DROP: 1..KVC_FD_MAX_DROP_IDS page ids (the spec's max_drop_ids), no
+ * descriptors; the messages are fdchannel.py's. */
+static kvc_status decode_drop(const uint8_t *p, uint32_t plen, size_t num_fds, kvc_fd_record *out,
+                              char *err, size_t err_len)
+{
+    if (plen < KVC_FD_DROP_FIXED) {
+        set_err(err, err_len, "DROP record too short (%u bytes)", plen);
+        return KVC_ERR_PROTOCOL;
+    }
+    if (num_fds) {
+        set_err(err, err_len, "DROP record carries descriptors (%zu)", num_fds);
+        return KVC_ERR_PROTOCOL;
+    }
+    uint32_t count = get32(p);
+    if (count == 0 || count > KVC_FD_MAX_DROP_IDS ||
+        (uint64_t)plen != KVC_FD_DROP_FIXED + 8ull * count) {
+        set_err(err, err_len, "DROP record says %u page ids and has %u bytes of them", count,
+                plen - KVC_FD_DROP_FIXED);
+        return KVC_ERR_PROTOCOL;
+    }
+    out->count = count;
+    out->free_ids = p + KVC_FD_DROP_FIXED;
+    return KVC_OK;
+}
+
+kvc_status kvc_fd_decode_any(const uint8_t *buf, size_t len, const int *fds, size_t num_fds,
+                             kvc_fd_record *out, uint64_t *req_id, char *err, size_t err_len)
+{
+    if (!buf || !out) {
+        set_err(err, err_len, "null record");
+        return KVC_ERR_PROTOCOL;
+    }
+    uint16_t type;
+    uint32_t plen;
+    kvc_status st = decode_header(buf, len, &type, &plen, err, err_len);
+    if (st != KVC_OK)
+        return st;
     const uint8_t *p = buf + KVC_FD_HEADER_SIZE;
     out->type = type;
     out->num_fds = 0;
@@ -407,101 +555,21 @@ kvc_status kvc_fd_decode_any(const uint8_t *buf, size_t len, const int *fds, siz
         return decode_request(type, p, plen, num_fds, out, req_id, err, err_len);
     switch (type) {
     case KVC_FD_HELLO:
-        if (plen != KVC_FD_HELLO_SIZE || num_fds) {
-            set_err(err, err_len, "malformed HELLO (%u bytes, %zu fds)", plen, num_fds);
-            return KVC_ERR_PROTOCOL;
-        }
-        out->channel_id = get64(p);
-        out->pid = get32(p + 8);
-        out->uid = get32(p + 12);
-        out->gid = get32(p + 16);
-        out->max_fds = get32(p + 20);
-        memcpy(out->secret, p + 24, KVC_FD_SECRET_SIZE);
-        return KVC_OK;
+        return decode_hello(p, plen, num_fds, out, err, err_len);
     case KVC_FD_PAGES:
-    case KVC_FD_ADOPT: {
-        const char *name = type == KVC_FD_PAGES ? "PAGES" : "ADOPT";
-        if (plen < KVC_FD_PAGES_FIXED) {
-            set_err(err, err_len, "%s record too short (%u bytes)", name, plen);
-            return KVC_ERR_PROTOCOL;
-        }
-        uint32_t count = get32(p + 12);
-        if (count == 0 || count > KVC_FD_MAX_FDS || count != num_fds ||
-            (uint64_t)plen != KVC_FD_PAGES_FIXED + 8ull * count) {
-            set_err(err, err_len, "%s record says %u pages, carries %zu fds and %u bytes", name,
-                    count, num_fds, plen);
-            return KVC_ERR_PROTOCOL;
-        }
-        out->allocation_id = get64(p);
-        out->first_index = get32(p + 8);
-        out->count = count;
-        out->total = get32(p + 16);
-        if ((uint64_t)out->first_index + count > out->total) {
-            set_err(err, err_len, "%s record [%u, %llu) lies past its allocation's %u pages", name,
-                    out->first_index, (unsigned long long)out->first_index + count, out->total);
-            return KVC_ERR_PROTOCOL;
-        }
-        for (uint32_t i = 0; i < count; i++) {
-            out->page_ids[i] = get64(p + KVC_FD_PAGES_FIXED + 8u * i);
-            out->fds[i] = fds[i];
-        }
-        out->num_fds = count;
-        return KVC_OK;
-    }
-    case KVC_FD_ERROR: {
-        if (plen < 4 || num_fds) {
-            set_err(err, err_len, "malformed ERROR");
-            return KVC_ERR_PROTOCOL;
-        }
-        out->error_code = get32(p);
-        size_t mlen = plen - 4;
-        if (mlen > KVC_FD_MAX_MESSAGE)
-            mlen = KVC_FD_MAX_MESSAGE;
-        memcpy(out->message, p + 4, mlen);
-        out->message[mlen] = 0;
-        return KVC_OK;
-    }
-    case KVC_FD_REPLY: {
-        if (plen < KVC_FD_REPLY_FIXED || num_fds) {
-            set_err(err, err_len, "malformed REPLY (%u bytes, %zu fds)", plen, num_fds);
-            return KVC_ERR_PROTOCOL;
-        }
-        out->req_id = get64(p);
-        out->error_code = get32(p + 8);
-        out->value = get64(p + 16);
-        size_t mlen = plen - KVC_FD_REPLY_FIXED;
-        if (mlen > KVC_FD_MAX_MESSAGE)
-            mlen = KVC_FD_MAX_MESSAGE;
-        memcpy(out->message, p + KVC_FD_REPLY_FIXED, mlen);
-        out->message[mlen] = 0;
-        return KVC_OK;
-    }
+    case KVC_FD_ADOPT:
+        return decode_pages(type, p, plen, fds, num_fds, out, err, err_len);
+    case KVC_FD_ERROR:
+    case KVC_FD_REPLY:
+        return decode_error_reply(type, p, plen, num_fds, out, err, err_len);
     case KVC_FD_GOODBYE:
         if (plen || num_fds) {
             set_err(err, err_len, "malformed GOODBYE");
             return KVC_ERR_PROTOCOL;
         }
         return KVC_OK;
-    case KVC_FD_DROP: {
-        if (plen < KVC_FD_DROP_FIXED) {
-            set_err(err, err_len, "DROP record too short (%u bytes)", plen);
-            return KVC_ERR_PROTOCOL;
-        }
-        if (num_fds) {
-            set_err(err, err_len, "DROP record carries descriptors (%zu)", num_fds);
-            return KVC_ERR_PROTOCOL;
-        }
-        uint32_t count = get32(p);
-        if (count == 0 || count > KVC_FD_MAX_DROP_IDS ||
-            (uint64_t)plen != KVC_FD_DROP_FIXED + 8ull * count) {
-            set_err(err, err_len, "DROP record says %u page ids and has %u bytes of them", count,
-                    plen - KVC_FD_DROP_FIXED);
-            return KVC_ERR_PROTOCOL;
-        }
-        out->count = count;
-        out->free_ids = p + KVC_FD_DROP_FIXED;
-        return KVC_OK;
-    }
+    case KVC_FD_DROP:
+        return decode_drop(p, plen, num_fds, out, err, err_len);
     default:
         set_err(err, err_len, "unknown record type %u", (unsigned)type);
         return KVC_ERR_PROTOCOL;
@@ -543,15 +611,14 @@ static void close_all(const int *fds, size_t n)
         close(fds[i]);
 }
 
-kvc_status kvc_fd_recv(int fd, int timeout_ms, kvc_fd_record *out, int *eof, char *err,
-                       size_t err_len)
+/* Wait until fd is readable, at most timeout_ms (-1: no limit). */
+static kvc_status wait_readable(int fd, int timeout_ms, char *err, size_t err_len)
 {
-    *eof = 0;
     struct pollfd pfd = {.fd = fd, .events = POLLIN, .revents = 0};
     for (;;) {
         int rc = poll(&pfd, 1, timeout_ms);
         if (rc > 0)
-            break;
+            return KVC_OK;
         if (rc == 0) {
             set_err(err, err_len, "no record on the fd channel within %d ms", timeout_ms);
             return KVC_ERR_DEADLINE_EXCEEDED;
@@ -561,15 +628,46 @@ kvc_status kvc_fd_recv(int fd, int timeout_ms, kvc_fd_record *out, int *eof, cha
             return KVC_ERR_SYSTEM;
         }
     }
+}
 
+/* The descriptors that came with a message, at most KVC_FD_MAX_FDS in fds
+ * (*nfds); any beyond are closed, and *too_many says so. */
+static void take_fds(struct msghdr *msg, int *fds, size_t *nfds, int *too_many)
+{
+    *nfds = 0;
+    *too_many = 0;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(msg); c; c = CMSG_NXTHDR(msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+            continue;
+        size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        const unsigned char *data = CMSG_DATA(c);
+        for (size_t i = 0; i < k; i++) {
+            int v;
+            memcpy(&v, data + i * sizeof(int), sizeof v);
+            if (*nfds < KVC_FD_MAX_FDS)
+                fds[(*nfds)++] = v;
+            else {
+                close(v);
+                *too_many = 1;
+            }
+        }
+    }
+}
+
+kvc_status kvc_fd_recv(int fd, int timeout_ms, kvc_fd_record *out, int *eof, char *err,
+                       size_t err_len)
+{
+    *eof = 0;
+    kvc_status st = wait_readable(fd, timeout_ms, err, err_len);
+    if (st != KVC_OK)
+        return st;
     /* One byte more than the largest record, to detect an oversized one
      * (in the record: a DROP's ids stay there). */
-    uint8_t *buf = out->raw;
     union {
         char space[CMSG_SPACE(sizeof(int) * KVC_FD_MAX_FDS)];
         struct cmsghdr align;
     } ctl;
-    struct iovec iov = {.iov_base = buf, .iov_len = sizeof out->raw};
+    struct iovec iov = {.iov_base = out->raw, .iov_len = sizeof out->raw};
     struct msghdr msg;
     memset(&msg, 0, sizeof msg);
     memset(&ctl, 0, sizeof ctl);
@@ -581,44 +679,28 @@ kvc_status kvc_fd_recv(int fd, int timeout_ms, kvc_fd_record *out, int *eof, cha
     do {
         n = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
     } while (n < 0 && errno == EINTR);
+    if (n < 0 && errno == ECONNRESET) {
+        *eof = 1;
+        return KVC_OK;
+    }
     if (n < 0) {
-        if (errno == ECONNRESET) {
-            *eof = 1;
-            return KVC_OK;
-        }
         set_err(err, err_len, "recvmsg on the fd channel: %s", strerror(errno));
         return KVC_ERR_SYSTEM;
     }
-
     int fds[KVC_FD_MAX_FDS];
-    size_t nfds = 0;
-    int too_many = 0;
-    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
-        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
-            continue;
-        size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        const unsigned char *data = CMSG_DATA(c);
-        for (size_t i = 0; i < k; i++) {
-            int v;
-            memcpy(&v, data + i * sizeof(int), sizeof v);
-            if (nfds < KVC_FD_MAX_FDS)
-                fds[nfds++] = v;
-            else {
-                close(v);
-                too_many = 1;
-            }
-        }
-    }
+    size_t nfds;
+    int too_many;
+    take_fds(&msg, fds, &nfds, &too_many);
     if (n == 0 && nfds == 0) {
         *eof = 1;
         return KVC_OK;
     }
     if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || too_many) {
-        close_all(fds, nfds);
         set_err(err, err_len, "record or its descriptors were truncated");
-        return KVC_ERR_PROTOCOL;
+        st = KVC_ERR_PROTOCOL;
+    } else {
+        st = kvc_fd_decode(out->raw, (size_t)n, fds, nfds, out, err, err_len);
     }
-    kvc_status st = kvc_fd_decode(buf, (size_t)n, fds, nfds, out, err, err_len);
     if (st != KVC_OK)
         close_all(fds, nfds);
     return st;

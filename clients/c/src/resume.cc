@@ -33,6 +33,235 @@ void resume_failed(kvc_session *s, const std::string &why)
     s->kept.drop_all();
 }
 
+namespace {
+
+// What one resume attempt came to: resumed; worth another try after a
+// backoff (the daemon is not back yet); or over (the session ended, or it is
+// closing).
+enum class Attempt { kResumed, kRetry, kOver };
+
+// GetInfo of the (restarted) daemon. False, with *last saying why, while it
+// does not answer.
+bool resume_get_info(kvc_session *s, pb::GetInfoResponse *info, std::string *last)
+{
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(1000));
+    // Wait for the connection rather than fail fast: a call that fails
+    // at once while the channel is reconnecting leaves nobody polling
+    // the new connection, which then becomes ready only at gRPC's
+    // backup poll (every 5 s): resumes took 5-13 s after the daemon
+    // was back. Waiting, the call polls it and goes out as soon as
+    // the daemon answers.
+    ctx.set_wait_for_ready(true);
+    grpc::Status gs = s->conn->stub->GetInfo(&ctx, pb::GetInfoRequest(), info);
+    if (!gs.ok())
+        *last = "GetInfo: " + gs.error_message();
+    return gs.ok();
+}
+
+// A new fd channel to the daemon and its HELLO. False, with *last saying
+// why and nothing left open, if either fails.
+bool resume_connect(const pb::GetInfoResponse &info, uint32_t timeout_ms, int *nfd,
+                    kvc_fd_record *hello, std::string *last)
+{
+    char err[512];
+    kvc_status st = kvc_fd_connect(info.fd_socket().c_str(), nfd, err, sizeof err);
+    if (st == KVC_OK) {
+        int eof = 0;
+        st = kvc_fd_recv(*nfd, static_cast<int>(timeout_ms), hello, &eof, err, sizeof err);
+        if (st == KVC_OK && (eof || hello->type != KVC_FD_HELLO)) {
+            if (!eof)
+                kvc_fd_record_close_fds(hello);
+            std::snprintf(err, sizeof err, "no HELLO on the new fd channel");
+            st = KVC_ERR_UNAVAILABLE;
+        }
+    }
+    if (st == KVC_OK)
+        return true;
+    if (*nfd >= 0)
+        close(*nfd);
+    *nfd = -1;
+    *last = std::string("fd channel: ") + err;
+    return false;
+}
+
+// ADOPT on the new channel every page still held, into *ids (the pages
+// whose Free could not reach the daemon are not claimed: that gives them
+// back). False, with *last saying why, if a record could not be sent.
+bool resume_adopt(kvc_session *s, int nfd, std::vector<uint64_t> *ids, std::string *last)
+{
+    std::lock_guard<std::mutex> g(s->kept.mu);
+    std::vector<uint64_t> gone(s->kept.deferred.begin(), s->kept.deferred.end());
+    s->kept.drop_locked(gone);
+    s->kept.deferred.clear();
+    std::vector<int> fds;
+    for (auto &kv : s->kept.keep) {
+        ids->push_back(kv.first);
+        fds.push_back(kv.second.fd);
+    }
+    std::vector<uint8_t> buf(KVC_FD_MAX_RECORD);
+    char err[512] = "the record could not be encoded";
+    for (size_t i = 0; i < ids->size(); i += KVC_FD_MAX_FDS) {
+        uint32_t n = static_cast<uint32_t>(std::min<size_t>(KVC_FD_MAX_FDS, ids->size() - i));
+        size_t len = kvc_fd_encode_adopt(buf.data(), buf.size(), s->id, static_cast<uint32_t>(i),
+                                         static_cast<uint32_t>(ids->size()), &(*ids)[i], n);
+        if (len == 0 || kvc_fd_send(nfd, buf.data(), len, &fds[i], n, err, sizeof err) != KVC_OK) {
+            *last = std::string("ADOPT: ") + err;
+            return false;
+        }
+    }
+    return true;
+}
+
+// ResumeSession: claim the adopted pages with the new channel's secret.
+grpc::Status resume_claim(kvc_session *s, const kvc_fd_record &hello,
+                          const std::vector<uint64_t> &ids, uint32_t timeout_ms,
+                          pb::ResumeSessionResponse *resp)
+{
+    pb::ResumeSessionRequest req;
+    req.set_channel_secret(hello.secret, KVC_FD_SECRET_SIZE);
+    req.set_session_id(s->id);
+    req.set_resume_token(s->resume_token);
+    for (uint64_t i : ids)
+        req.add_page_ids(i);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+    return s->conn->stub->ResumeSession(&ctx, req, resp);
+}
+
+// What the claim left to do once the session is live again.
+struct AfterClaim {
+    std::vector<uint64_t> late;       // Frees deferred while the claim was in flight
+    std::vector<uint64_t> late_seqs;  // their kept entries
+    std::vector<uint64_t> standby;    // adopted standby pages, to be said again
+};
+
+// Swap in the new channel and SessionRef (the caller holds link.rw).
+AfterClaim resume_swap(kvc_session *s, int nfd, const pb::ResumeSessionResponse &resp,
+                       const std::vector<uint64_t> &ids)
+{
+    AfterClaim a;
+    {
+        std::scoped_lock g(s->link.mu, s->kept.mu);
+        s->link.chan = std::make_shared<Chan>(nfd);  // the old one closes with its last user
+        s->link.fd = nfd;
+        s->link.ref = resp.session();
+        s->link.admin = resp.admin();
+        for (uint64_t i : s->kept.deferred)
+            if (s->kept.keep.count(i))
+                a.late.push_back(i);
+        for (uint64_t i : a.late)
+            s->kept.deferred.erase(i);
+        a.late_seqs = s->kept.seqs_locked(a.late);
+        s->life.resumes++;
+        s->life.state = kLive;
+    }
+    // Standby pages the restarted daemon adopted: it counts them in use
+    // (it does not journal standby), so they are said again.
+    std::lock_guard<std::mutex> g(s->kept.mu);
+    std::set<uint64_t> gone(a.late.begin(), a.late.end());
+    for (uint64_t i : ids)
+        if (s->kept.standby.count(i) && !gone.count(i))
+            a.standby.push_back(i);
+    s->kept.standby = std::set<uint64_t>(a.standby.begin(), a.standby.end());  // the rest went with the old daemon
+    return a;
+}
+
+// Claimed, but the caller gave them back meanwhile: Free them now
+// (held_pages already counts them as gone).
+void resume_free_late(kvc_session *s, const AfterClaim &a)
+{
+    if (a.late.empty())
+        return;
+    std::shared_ptr<Chan> ch = s->link.chan_copy();
+    size_t done = 0;
+    chan_free(s, ch.get(), a.late, &done);
+    // Only the entries this Free saw: the daemon may lend a freed id
+    // again before its REPLY is read here.
+    std::lock_guard<std::mutex> g(s->kept.mu);
+    s->kept.unkeep_seqs_locked(a.late, a.late_seqs, done);
+    s->kept.deferred.insert(a.late.begin() + done, a.late.end());
+}
+
+// The adopted standby pages not taken back meanwhile (a USE ends it) are
+// standby again. A failure leaves them in use in the books: right, only not
+// asked for first by a reclaim.
+void resume_standby_again(kvc_session *s, const AfterClaim &a)
+{
+    if (a.standby.empty() || !s->standby_ok.load())
+        return;
+    std::vector<uint64_t> again;
+    {
+        std::lock_guard<std::mutex> g(s->kept.mu);
+        for (uint64_t i : a.standby)
+            if (s->kept.standby.count(i))
+                again.push_back(i);
+    }
+    size_t done = 0;
+    if (!again.empty())
+        (void)session_standby_ids(s, again, &done);
+}
+
+std::string resume_refused(const kvc_session *s, const std::string &why)
+{
+    return "session " + std::to_string(s->id) +
+           " could not be resumed after the daemon restarted: " + why;
+}
+
+// One attempt: GetInfo, a new fd channel + HELLO, ADOPT every page still
+// held, ResumeSession, swap in the new channel and SessionRef.
+Attempt resume_attempt(kvc_session *s, std::string *last)
+{
+    uint32_t t = s->conn->timeout_ms.load();
+    if (t == 0)
+        t = kDefaultTimeoutMs;
+    pb::GetInfoResponse info;
+    if (!resume_get_info(s, &info, last))
+        return Attempt::kRetry;
+    if (!info.fd_channel_requests()) {
+        resume_failed(s, resume_refused(s, "the restarted daemon (version " + info.version() +
+                                               ") takes no page requests on the fd channel "
+                                               "(GetInfo().fd_channel_requests is false)"));
+        return Attempt::kOver;
+    }
+    int nfd = -1;
+    auto hello = std::make_unique<kvc_fd_record>();
+    if (!resume_connect(info, t, &nfd, hello.get(), last))
+        return Attempt::kRetry;
+    // No channel allocation between its answer and keeping its fds.
+    std::unique_lock<std::shared_mutex> rw(s->link.rw);
+    // Kept handles end before the claim: the restarted daemon never saw
+    // the FREEs that made this session a keeper, and its page ids are no
+    // promise about the old daemon's pages (docs/protocol.md "Kept
+    // handles"). Kept again only where it offers it.
+    kvc_mapper_keep_reset(s->mapper, info.fd_channel_keep_handles() ? s->keep_limit : 0);
+    s->standby_ok = info.fd_channel_standby();
+    std::vector<uint64_t> ids;
+    pb::ResumeSessionResponse resp;
+    bool adopted = resume_adopt(s, nfd, &ids, last);
+    grpc::Status gs = adopted ? resume_claim(s, *hello, ids, t, &resp) : grpc::Status::OK;
+    if (!adopted || !gs.ok()) {
+        close(nfd);
+        rw.unlock();
+        if (gs.ok() || gs.error_code() == grpc::StatusCode::UNAVAILABLE ||
+            gs.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+            if (!gs.ok())
+                *last = "ResumeSession: " + gs.error_message();
+            return Attempt::kRetry;
+        }
+        resume_failed(s, resume_refused(s, gs.error_message()));
+        return Attempt::kOver;
+    }
+    AfterClaim a = resume_swap(s, nfd, resp, ids);
+    rw.unlock();
+    s->notify();
+    resume_free_late(s, a);
+    resume_standby_again(s, a);
+    return Attempt::kResumed;
+}
+
+}  // namespace
+
 // Reconnect with backoff, new fd channel + HELLO, ADOPT every page still
 // held (not the ones whose Free could not reach the daemon), ResumeSession,
 // swap in the new channel and SessionRef. True once resumed.
@@ -43,186 +272,13 @@ bool session_resume(kvc_session *s)
         std::chrono::steady_clock::now() + std::chrono::milliseconds(kResumeTimeoutMs);
     uint32_t delay = kResumeFirstDelayMs;
     std::string last = "no answer";
-    auto backoff = [&] {
-        bool go = resume_sleep(s, delay);
-        delay = std::min(delay * 2, kResumeMaxDelayMs);
-        return go;
-    };
-    char err[512];
     while (!s->life.closing.load() && std::chrono::steady_clock::now() < deadline) {
-        uint32_t t = s->conn->timeout_ms.load();
-        if (t == 0)
-            t = kDefaultTimeoutMs;
-        pb::GetInfoResponse info;
-        {
-            grpc::ClientContext ctx;
-            ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(1000));
-            // Wait for the connection rather than fail fast: a call that fails
-            // at once while the channel is reconnecting leaves nobody polling
-            // the new connection, which then becomes ready only at gRPC's
-            // backup poll (every 5 s): resumes took 5-13 s after the daemon
-            // was back. Waiting, the call polls it and goes out as soon as
-            // the daemon answers.
-            ctx.set_wait_for_ready(true);
-            grpc::Status gs = s->conn->stub->GetInfo(&ctx, pb::GetInfoRequest(), &info);
-            if (!gs.ok()) {
-                last = "GetInfo: " + gs.error_message();
-                if (!backoff())
-                    return false;
-                continue;
-            }
-        }
-        if (!info.fd_channel_requests()) {
-            resume_failed(s, "session " + std::to_string(s->id) +
-                                 " could not be resumed after the daemon restarted: the restarted "
-                                 "daemon (version " + info.version() +
-                              ") takes no page requests on the fd channel "
-                              "(GetInfo().fd_channel_requests is false)");
+        Attempt a = resume_attempt(s, &last);
+        if (a != Attempt::kRetry)
+            return a == Attempt::kResumed;
+        if (!resume_sleep(s, delay))
             return false;
-        }
-        int nfd = -1;
-        kvc_status st = kvc_fd_connect(info.fd_socket().c_str(), &nfd, err, sizeof err);
-        auto hello = std::make_unique<kvc_fd_record>();
-        if (st == KVC_OK) {
-            int eof = 0;
-            st = kvc_fd_recv(nfd, static_cast<int>(t), hello.get(), &eof, err, sizeof err);
-            if (st == KVC_OK && (eof || hello->type != KVC_FD_HELLO)) {
-                if (!eof)
-                    kvc_fd_record_close_fds(hello.get());
-                std::snprintf(err, sizeof err, "no HELLO on the new fd channel");
-                st = KVC_ERR_UNAVAILABLE;
-            }
-        }
-        if (st != KVC_OK) {
-            if (nfd >= 0)
-                close(nfd);
-            last = std::string("fd channel: ") + err;
-            if (!backoff())
-                return false;
-            continue;
-        }
-
-        // No channel allocation between its answer and keeping its fds.
-        std::unique_lock<std::shared_mutex> rw(s->link.rw);
-        // Kept handles end before the claim: the restarted daemon never saw
-        // the FREEs that made this session a keeper, and its page ids are no
-        // promise about the old daemon's pages (docs/protocol.md "Kept
-        // handles"). Kept again only where it offers it.
-        kvc_mapper_keep_reset(s->mapper, info.fd_channel_keep_handles() ? s->keep_limit : 0);
-        s->standby_ok = info.fd_channel_standby();
-        std::vector<uint64_t> ids;
-        bool sent = true;
-        {
-            std::lock_guard<std::mutex> g(s->kept.mu);
-            // Not claiming a page whose Free failed gives it back.
-            std::vector<uint64_t> gone(s->kept.deferred.begin(), s->kept.deferred.end());
-            s->kept.drop_locked(gone);
-            s->kept.deferred.clear();
-            std::vector<int> fds;
-            for (auto &kv : s->kept.keep) {
-                ids.push_back(kv.first);
-                fds.push_back(kv.second.fd);
-            }
-            std::vector<uint8_t> buf(KVC_FD_MAX_RECORD);
-            for (size_t i = 0; sent && i < ids.size(); i += KVC_FD_MAX_FDS) {
-                uint32_t n = static_cast<uint32_t>(std::min<size_t>(KVC_FD_MAX_FDS, ids.size() - i));
-                size_t len = kvc_fd_encode_adopt(buf.data(), buf.size(), s->id,
-                                                 static_cast<uint32_t>(i),
-                                                 static_cast<uint32_t>(ids.size()), &ids[i], n);
-                sent = len > 0 && kvc_fd_send(nfd, buf.data(), len, &fds[i], n, err,
-                                              sizeof err) == KVC_OK;
-            }
-        }
-        if (!sent) {
-            close(nfd);
-            rw.unlock();
-            last = std::string("ADOPT: ") + err;
-            if (!backoff())
-                return false;
-            continue;
-        }
-        pb::ResumeSessionRequest req;
-        req.set_channel_secret(hello->secret, KVC_FD_SECRET_SIZE);
-        req.set_session_id(s->id);
-        req.set_resume_token(s->resume_token);
-        for (uint64_t i : ids)
-            req.add_page_ids(i);
-        pb::ResumeSessionResponse resp;
-        grpc::ClientContext ctx;
-        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(t));
-        grpc::Status gs = s->conn->stub->ResumeSession(&ctx, req, &resp);
-        if (!gs.ok()) {
-            close(nfd);
-            rw.unlock();
-            if (gs.error_code() == grpc::StatusCode::UNAVAILABLE ||
-                gs.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-                last = "ResumeSession: " + gs.error_message();
-                if (!backoff())
-                    return false;
-                continue;
-            }
-            resume_failed(s, "session " + std::to_string(s->id) +
-                                 " could not be resumed after the daemon restarted: " +
-                                 gs.error_message());
-            return false;
-        }
-        std::vector<uint64_t> late;  // Frees deferred while the claim was in flight
-        std::vector<uint64_t> late_seqs;
-        {
-            std::scoped_lock g(s->link.mu, s->kept.mu);
-            s->link.chan = std::make_shared<Chan>(nfd);  // the old one closes with its last user
-            s->link.fd = nfd;
-            s->link.ref = resp.session();
-            s->link.admin = resp.admin();
-            for (uint64_t i : s->kept.deferred)
-                if (s->kept.keep.count(i))
-                    late.push_back(i);
-            for (uint64_t i : late)
-                s->kept.deferred.erase(i);
-            late_seqs = s->kept.seqs_locked(late);
-            s->life.resumes++;
-            s->life.state = kLive;
-        }
-        // Standby pages the restarted daemon adopted: it counts them in use
-        // (it does not journal standby), so they are said again below.
-        std::vector<uint64_t> standby;
-        {
-            std::lock_guard<std::mutex> g(s->kept.mu);
-            std::set<uint64_t> gone(late.begin(), late.end());
-            for (uint64_t i : ids)
-                if (s->kept.standby.count(i) && !gone.count(i))
-                    standby.push_back(i);
-            s->kept.standby = std::set<uint64_t>(standby.begin(), standby.end());  // the rest went with the old daemon
-        }
-        rw.unlock();
-        s->notify();
-        if (!late.empty()) {
-            // Claimed, but the caller gave them back meanwhile: Free them now
-            // (held_pages already counts them as gone).
-            std::shared_ptr<Chan> ch = s->link.chan_copy();
-            size_t done = 0;
-            chan_free(s, ch.get(), late, &done);
-            // Only the entries this Free saw: the daemon may lend a freed id
-            // again before its REPLY is read here.
-            std::lock_guard<std::mutex> g(s->kept.mu);
-            s->kept.unkeep_seqs_locked(late, late_seqs, done);
-            s->kept.deferred.insert(late.begin() + done, late.end());
-        }
-        if (!standby.empty() && s->standby_ok.load()) {
-            // Not taken back meanwhile (a USE ends it). A failure leaves them
-            // in use in the books: right, only not asked for first by a reclaim.
-            std::vector<uint64_t> again;
-            {
-                std::lock_guard<std::mutex> g(s->kept.mu);
-                for (uint64_t i : standby)
-                    if (s->kept.standby.count(i))
-                        again.push_back(i);
-            }
-            size_t done = 0;
-            if (!again.empty())
-                (void)session_standby_ids(s, again, &done);
-        }
-        return true;
+        delay = std::min(delay * 2, kResumeMaxDelayMs);
     }
     if (s->life.closing.load())
         return false;
