@@ -141,87 +141,122 @@ void chan_take_unwanted_locked(Chan *ch, uint64_t allocation_id, std::vector<uin
     ch->stash.erase(it);
 }
 
+namespace {
+
+// Whether a record read off the channel is to be filed (ch->mu held): not
+// once the channel ended (its fds closed), nor a malformed record or a
+// hang-up, which end the channel.
+bool chan_file_open_locked(kvc_session *s, Chan *ch, kvc_status st, int eof, const char *err)
+{
+    if (ch->end != Chan::kOpen) {
+        if (st == KVC_OK && !eof)
+            kvc_fd_record_close_fds(ch->rec.get());
+        return false;
+    }
+    if (st == KVC_ERR_PROTOCOL) {  // a malformed record (its fds closed)
+        ch->end_message = err;
+        chan_end_locked(s, ch, Chan::kProtocol);
+        return false;
+    }
+    if (st != KVC_OK || eof) {
+        chan_end_locked(s, ch, Chan::kGone);
+        return false;
+    }
+    return true;
+}
+
+// What is wrong with a PAGES record given the ones of its allocation
+// filed before (empty: nothing).
+std::string chan_pages_fault(const Chan::Stash &a, const kvc_fd_record *rec)
+{
+    if (!a.pages.empty() && a.total != rec->total)
+        return "allocation " + std::to_string(rec->allocation_id) + ": a PAGES record says " +
+               std::to_string(rec->total) + " pages in all, an earlier one " +
+               std::to_string(a.total);
+    for (uint32_t i = 0; i < rec->count; i++)
+        if (a.pages.count(rec->first_index + i))
+            return "allocation " + std::to_string(rec->allocation_id) + ": page index " +
+                   std::to_string(rec->first_index + i) + " sent twice";
+    return "";
+}
+
+// A PAGES record: kept by allocation id until its request is answered; a
+// complete allocation nobody waits for goes to *unwanted, to be given back
+// at once. False if it contradicts an earlier record (the channel ended).
+bool chan_file_pages_locked(kvc_session *s, Chan *ch, kvc_fd_record *rec,
+                            std::vector<uint64_t> *unwanted)
+{
+    Chan::Stash &a = ch->stash[rec->allocation_id];
+    std::string fault = chan_pages_fault(a, rec);
+    if (!fault.empty()) {
+        kvc_fd_record_close_fds(rec);
+        ch->end_message = fault;
+        chan_end_locked(s, ch, Chan::kProtocol);
+        return false;
+    }
+    a.total = rec->total;
+    for (uint32_t i = 0; i < rec->count; i++)
+        a.pages.emplace(rec->first_index + i, std::make_pair(rec->page_ids[i], rec->fds[i]));
+    rec->num_fds = 0;
+    chan_take_unwanted_locked(ch, rec->allocation_id, *unwanted);
+    return true;
+}
+
+// File one sound record (ch->mu held): a REPLY by request id, PAGES by
+// allocation id, a DROP's ids into *dropped (answered without ch->mu); the
+// others end the channel. False if the waiters are not to be woken.
+bool chan_file_record_locked(kvc_session *s, Chan *ch, kvc_fd_record *rec,
+                             std::vector<uint64_t> *unwanted, std::vector<uint64_t> *dropped)
+{
+    switch (rec->type) {
+    case KVC_FD_REPLY:
+        // A REPLY no request waits for (it gave up, or never existed) is dropped.
+        if (ch->waiting.count(rec->req_id)) {
+            Chan::Reply &r = ch->replies[rec->req_id];
+            r.code = rec->error_code;
+            r.value = rec->value;
+            r.message = rec->message;
+        }
+        return true;
+    case KVC_FD_PAGES:
+        return chan_file_pages_locked(s, ch, rec, unwanted);
+    case KVC_FD_DROP:
+        dropped->resize(rec->count);
+        for (uint32_t i = 0; i < rec->count; i++)
+            (*dropped)[i] = kvc_fd_record_id(rec, i);
+        return true;
+    case KVC_FD_GOODBYE:
+        chan_end_locked(s, ch, Chan::kGoodbye);
+        return true;
+    case KVC_FD_ERROR:
+        ch->end_code = rec->error_code;
+        ch->end_message = rec->message;
+        chan_end_locked(s, ch, Chan::kError);
+        return true;
+    default:  // HELLO again (kvc_fd_decode refuses records only clients send)
+        kvc_fd_record_close_fds(rec);
+        ch->end_message = "the daemon sent a record of type " + std::to_string(rec->type) +
+                          " (a second HELLO)";
+        chan_end_locked(s, ch, Chan::kProtocol);
+        return true;
+    }
+}
+
+}  // namespace
+
 // File one record taken off the channel (the caller is the reader; ch->mu
 // not held). st/eof/err are what kvc_fd_recv said.
 void chan_file(kvc_session *s, Chan *ch, kvc_status st, int eof, const char *err)
 {
-    kvc_fd_record *rec = ch->rec.get();
     if (st == KVC_ERR_DEADLINE_EXCEEDED)
         return;  // nothing yet
     std::vector<uint64_t> unwanted;  // pages to give back
     std::vector<uint64_t> dropped;   // a DROP's pages
     {
         std::lock_guard<std::mutex> g(ch->mu);
-        if (ch->end != Chan::kOpen) {
-            if (st == KVC_OK && !eof)
-                kvc_fd_record_close_fds(rec);
+        if (!chan_file_open_locked(s, ch, st, eof, err) ||
+            !chan_file_record_locked(s, ch, ch->rec.get(), &unwanted, &dropped))
             return;
-        }
-        if (st == KVC_ERR_PROTOCOL) {  // a malformed record (its fds closed)
-            ch->end_message = err;
-            chan_end_locked(s, ch, Chan::kProtocol);
-            return;
-        }
-        if (st != KVC_OK || eof) {
-            chan_end_locked(s, ch, Chan::kGone);
-            return;
-        }
-        switch (rec->type) {
-        case KVC_FD_REPLY:
-            // A REPLY no request waits for (it gave up, or never existed) is dropped.
-            if (ch->waiting.count(rec->req_id)) {
-                Chan::Reply &r = ch->replies[rec->req_id];
-                r.code = rec->error_code;
-                r.value = rec->value;
-                r.message = rec->message;
-            }
-            break;
-        case KVC_FD_PAGES: {
-            // Kept by allocation id until its request is answered; a complete
-            // allocation nobody waits for is given back at once.
-            Chan::Stash &a = ch->stash[rec->allocation_id];
-            std::string fault;
-            if (!a.pages.empty() && a.total != rec->total)
-                fault = "allocation " + std::to_string(rec->allocation_id) + ": a PAGES record says " +
-                        std::to_string(rec->total) + " pages in all, an earlier one " +
-                        std::to_string(a.total);
-            for (uint32_t i = 0; fault.empty() && i < rec->count; i++)
-                if (a.pages.count(rec->first_index + i))
-                    fault = "allocation " + std::to_string(rec->allocation_id) + ": page index " +
-                            std::to_string(rec->first_index + i) + " sent twice";
-            if (!fault.empty()) {
-                kvc_fd_record_close_fds(rec);
-                ch->end_message = fault;
-                chan_end_locked(s, ch, Chan::kProtocol);
-                return;
-            }
-            a.total = rec->total;
-            for (uint32_t i = 0; i < rec->count; i++)
-                a.pages.emplace(rec->first_index + i, std::make_pair(rec->page_ids[i], rec->fds[i]));
-            rec->num_fds = 0;
-            chan_take_unwanted_locked(ch, rec->allocation_id, unwanted);
-            break;
-        }
-        case KVC_FD_DROP:  // answered below, without ch->mu
-            dropped.resize(rec->count);
-            for (uint32_t i = 0; i < rec->count; i++)
-                dropped[i] = kvc_fd_record_id(rec, i);
-            break;
-        case KVC_FD_GOODBYE:
-            chan_end_locked(s, ch, Chan::kGoodbye);
-            break;
-        case KVC_FD_ERROR:
-            ch->end_code = rec->error_code;
-            ch->end_message = rec->message;
-            chan_end_locked(s, ch, Chan::kError);
-            break;
-        default:  // HELLO again (kvc_fd_decode refuses records only clients send)
-            kvc_fd_record_close_fds(rec);
-            ch->end_message = "the daemon sent a record of type " + std::to_string(rec->type) +
-                              " (a second HELLO)";
-            chan_end_locked(s, ch, Chan::kProtocol);
-            break;
-        }
         ch->cv.notify_all();
     }
     if (!dropped.empty())
@@ -280,6 +315,80 @@ uint64_t chan_next_req(Chan *ch)
     return ch->next_req++;
 }
 
+namespace {
+
+// One request waiting for its REPLY on the channel.
+struct Waiting {
+    uint64_t req;
+    uint64_t alloc_id;  // its PAGES' allocation id, if an ALLOCATE
+    bool sent;          // false: unsent (the daemon hung up?), only looking for why
+    bool forever;
+    std::chrono::steady_clock::time_point deadline;
+};
+
+// The REPLY to w, if filed (ch->mu held): into *out, with an ALLOCATE's
+// pages into *pages (or closed where the caller takes none).
+bool chan_take_reply_locked(Chan *ch, const Waiting &w, Chan::Reply *out, Chan::Stash *pages)
+{
+    auto it = ch->replies.find(w.req);
+    if (it == ch->replies.end())
+        return false;
+    *out = std::move(it->second);
+    ch->replies.erase(it);
+    ch->waiting.erase(w.req);
+    auto a = ch->stash.find(w.alloc_id);
+    if (a != ch->stash.end()) {
+        if (pages)
+            *pages = std::move(a->second);
+        else
+            for (auto &p : a->second.pages)
+                close(p.second.second);
+        ch->stash.erase(a);
+    }
+    return true;
+}
+
+// w waits no more (ch->mu held). Sent and unanswered: its pages go back as
+// soon as they are all there (now, into *unwanted, or when the reader files
+// the last of them).
+void chan_give_up_locked(Chan *ch, const Waiting &w, std::vector<uint64_t> *unwanted)
+{
+    ch->waiting.erase(w.req);
+    ch->replies.erase(w.req);
+    auto it = ch->stash.find(w.alloc_id);
+    if (it != ch->stash.end() && !w.sent) {
+        for (auto &p : it->second.pages)
+            close(p.second.second);
+        ch->stash.erase(it);
+    }
+    if (w.sent && ch->end == Chan::kOpen)
+        chan_take_unwanted_locked(ch, w.alloc_id, *unwanted);
+}
+
+// Be the reader for one record (at most a second at a time, and not past
+// w's deadline); g holds ch->mu, released while reading.
+void chan_read_one(kvc_session *s, Chan *ch, const Waiting &w, std::unique_lock<std::mutex> &g)
+{
+    ch->reading = true;
+    g.unlock();
+    int wait_ms = 1000;
+    if (!w.forever) {
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                        w.deadline - std::chrono::steady_clock::now())
+                        .count();
+        wait_ms = static_cast<int>(std::max<long long>(0, std::min<long long>(left, 1000)));
+    }
+    char err[512];
+    int eof = 0;
+    kvc_status st = kvc_fd_recv(ch->fd, wait_ms, ch->rec.get(), &eof, err, sizeof err);
+    chan_file(s, ch, st, eof, err);
+    g.lock();
+    ch->reading = false;
+    ch->cv.notify_all();
+}
+
+}  // namespace
+
 // Send one request record and wait up to timeout_ms (0 = forever) for its
 // REPLY, reading the channel meanwhile if nobody else does. KVC_OK with
 // *out filled (out->code is the daemon's gRPC status code, maybe an error);
@@ -301,83 +410,37 @@ kvc_status chan_request(kvc_session *s, Chan *ch, uint64_t req, const uint8_t *b
     char err[512];
     bool sent = kvc_fd_send(ch->fd, buf, len, nullptr, 0, err, sizeof err) == KVC_OK;
     std::string send_err = sent ? "" : err;
-    using clock = std::chrono::steady_clock;
     // Unsent (the daemon hung up?): only look for the records that say why.
-    const bool forever = sent && timeout_ms == 0;
-    const auto deadline = clock::now() + std::chrono::milliseconds(sent ? timeout_ms : 1000);
-    const uint64_t alloc_id = req | KVC_FD_CHANNEL_ALLOC_BIT;
+    const Waiting w{req, req | KVC_FD_CHANNEL_ALLOC_BIT, sent, sent && timeout_ms == 0,
+                    std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(sent ? timeout_ms : 1000)};
     std::unique_lock<std::mutex> g(ch->mu);
     std::vector<uint64_t> unwanted;
-    auto give_up = [&] {
-        ch->waiting.erase(req);
-        ch->replies.erase(req);
-        auto it = ch->stash.find(alloc_id);
-        if (it != ch->stash.end() && !sent) {
-            for (auto &p : it->second.pages)
-                close(p.second.second);
-            ch->stash.erase(it);
-        }
-        // Sent and unanswered: its pages go back as soon as they are all
-        // there (now, or when the reader files the last of them).
-        if (sent && ch->end == Chan::kOpen)
-            chan_take_unwanted_locked(ch, alloc_id, unwanted);
-    };
     for (;;) {
-        auto it = ch->replies.find(req);
-        if (it != ch->replies.end()) {
-            *out = std::move(it->second);
-            ch->replies.erase(it);
-            ch->waiting.erase(req);
-            auto a = ch->stash.find(alloc_id);
-            if (a != ch->stash.end()) {
-                if (pages)
-                    *pages = std::move(a->second);
-                else
-                    for (auto &p : a->second.pages)
-                        close(p.second.second);
-                ch->stash.erase(a);
-            }
+        if (chan_take_reply_locked(ch, w, out, pages))
             return KVC_OK;
-        }
         if (ch->end != Chan::kOpen) {
-            give_up();
+            chan_give_up_locked(ch, w, &unwanted);
             g.unlock();
             return chan_end_error(s, ch);
         }
-        auto now = clock::now();
-        if (!forever && now >= deadline) {
-            give_up();
-            g.unlock();
-            if (!unwanted.empty())
-                chan_free_nowait(s, ch, unwanted);
-            if (!sent)
-                return kvc_fail(KVC_ERR_UNAVAILABLE, "%s: fd channel: %s", what, send_err.c_str());
-            return kvc_fail(KVC_ERR_DEADLINE_EXCEEDED,
-                            "%s: no answer on the fd channel within %llu ms", what,
-                            (unsigned long long)timeout_ms);
-        }
-        if (ch->reading) {
-            if (forever)
-                ch->cv.wait(g);
-            else
-                ch->cv.wait_until(g, deadline);
-            continue;
-        }
-        // Read one record (at most a second at a time).
-        ch->reading = true;
-        g.unlock();
-        int wait_ms = 1000;
-        if (!forever) {
-            auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
-            wait_ms = static_cast<int>(std::max<long long>(0, std::min<long long>(left, 1000)));
-        }
-        int eof = 0;
-        kvc_status st = kvc_fd_recv(ch->fd, wait_ms, ch->rec.get(), &eof, err, sizeof err);
-        chan_file(s, ch, st, eof, err);
-        g.lock();
-        ch->reading = false;
-        ch->cv.notify_all();
+        if (!w.forever && std::chrono::steady_clock::now() >= w.deadline)
+            break;
+        if (!ch->reading)
+            chan_read_one(s, ch, w, g);
+        else if (w.forever)
+            ch->cv.wait(g);
+        else
+            ch->cv.wait_until(g, w.deadline);
     }
+    chan_give_up_locked(ch, w, &unwanted);
+    g.unlock();
+    if (!unwanted.empty())
+        chan_free_nowait(s, ch, unwanted);
+    if (!sent)
+        return kvc_fail(KVC_ERR_UNAVAILABLE, "%s: fd channel: %s", what, send_err.c_str());
+    return kvc_fail(KVC_ERR_DEADLINE_EXCEEDED, "%s: no answer on the fd channel within %llu ms",
+                    what, (unsigned long long)timeout_ms);
 }
 
 // Free on the fd channel, in FREE records of at most 16384 ids. Returns

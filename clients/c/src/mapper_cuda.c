@@ -397,6 +397,155 @@ static kvc_status cuda_map_handle(kvc_mapper *m, uintptr_t addr, CUmemGenericAll
     return KVC_OK;
 }
 
+/* One run of cuda_map_pages: what it maps, how far it got, and the handles
+ * it imported and has not released yet (keeping only). */
+struct map_run {
+    struct cuda_mapper *c;
+    uintptr_t addr;
+    uint64_t page;
+    const uint64_t *ids;
+    const int *fds;
+    size_t n;
+    size_t closed, mapped; /* fds closed, pages mapped: both prefixes */
+    int keeping;           /* kept handles on for this run */
+    uint64_t gen;          /* the cache's generation when the run began */
+    CUmemGenericAllocationHandle *fresh;
+    unsigned char *is_fresh;
+};
+
+/* Whether the run keeps handles, and room for the ones it imports. On
+ * failure every fd is closed. */
+static kvc_status map_run_begin(struct map_run *run)
+{
+    struct cuda_mapper *c = run->c;
+    if (run->ids) {
+        pthread_mutex_lock(&c->keep_mu);
+        run->keeping = c->keep_limit > 0;
+        run->gen = c->keep_gen;
+        pthread_mutex_unlock(&c->keep_mu);
+    }
+    if (!run->keeping)
+        return KVC_OK;
+    run->fresh = calloc(run->n, sizeof *run->fresh);
+    run->is_fresh = calloc(run->n, 1);
+    if (run->fresh && run->is_fresh)
+        return KVC_OK;
+    free(run->fresh);
+    free(run->is_fresh);
+    run->fresh = NULL;
+    run->is_fresh = NULL;
+    for (size_t i = 0; i < run->n; i++)
+        close(run->fds[i]);
+    return kvc_fail(KVC_ERR_NO_MEMORY, "out of memory");
+}
+
+/* Map the next page from its kept handle, if one is kept (its fd closed:
+ * no import, no release). 1 if it was kept, *st saying how the map went. */
+static int map_run_from_kept(struct map_run *run, CUdeviceptr at, kvc_status *st)
+{
+    struct cuda_mapper *c = run->c;
+    CUresult r = CUDA_SUCCESS;
+    int hit = 0;
+    pthread_mutex_lock(&c->keep_mu);
+    size_t k = kt_find(&c->kept, run->ids[run->closed]);
+    if (k != KT_NONE) {
+        hit = 1; /* under the lock: a DROP cannot release it meanwhile */
+        r = g_cu.MemMap(at, (size_t)run->page, 0, c->kept.handles[k], 0);
+    }
+    pthread_mutex_unlock(&c->keep_mu);
+    if (!hit)
+        return 0;
+    close(run->fds[run->closed++]);
+    if (r != CUDA_SUCCESS)
+        *st = cu_fail("cuMemMap", r);
+    else
+        run->mapped++;
+    return 1;
+}
+
+/* Map the next page: from its kept handle, or imported from its fd (kept
+ * for later when keeping, else released: the mapping keeps the page). */
+static kvc_status map_run_next(struct map_run *run)
+{
+    const CUdeviceptr at = (CUdeviceptr)(run->addr + run->mapped * run->page);
+    kvc_status st = KVC_OK;
+    if (run->keeping && map_run_from_kept(run, at, &st))
+        return st;
+    CUmemGenericAllocationHandle h = 0;
+    /* the fd travels BY VALUE in the void* argument */
+    CUresult r = g_cu.MemImportFromShareableHandle(&h, (void *)(uintptr_t)run->fds[run->closed],
+                                                   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    close(run->fds[run->closed++]);
+    if (r != CUDA_SUCCESS)
+        return cu_fail("cuMemImportFromShareableHandle", r);
+    r = g_cu.MemMap(at, (size_t)run->page, 0, h, 0);
+    if (r != CUDA_SUCCESS) {
+        g_cu.MemRelease(h);
+        return cu_fail("cuMemMap", r);
+    }
+    run->mapped++;
+    if (run->keeping) {
+        run->fresh[run->mapped - 1] = h;
+        run->is_fresh[run->mapped - 1] = 1;
+        return KVC_OK;
+    }
+    r = g_cu.MemRelease(h); /* the mapping keeps the page */
+    return r == CUDA_SUCCESS ? KVC_OK : cu_fail("cuMemRelease", r);
+}
+
+/* One cuMemSetAccess over the whole mapped run. */
+static kvc_status map_run_set_access(const struct map_run *run)
+{
+    CUmemAccessDesc desc;
+    memset(&desc, 0, sizeof desc);
+    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    desc.location.id = run->c->ordinal;
+    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CUresult r = g_cu.MemSetAccess((CUdeviceptr)run->addr, (size_t)(run->n * run->page), &desc, 1);
+    return r == CUDA_SUCCESS ? KVC_OK : cu_fail("cuMemSetAccess", r);
+}
+
+/* A mapped run keeps what fits of the handles it imported; a reset since
+ * the run began (session end, resume) keeps nothing. The rest are released. */
+static kvc_status map_run_keep(struct map_run *run)
+{
+    struct cuda_mapper *c = run->c;
+    kvc_status st = KVC_OK;
+    pthread_mutex_lock(&c->keep_mu);
+    for (size_t i = 0; i < run->n; i++)
+        if (run->is_fresh[i] && c->keep_gen == run->gen && c->kept.n < c->keep_limit &&
+            kt_find(&c->kept, run->ids[i]) == KT_NONE &&
+            kt_put(&c->kept, run->ids[i], run->fresh[i]) == 0)
+            run->is_fresh[i] = 0;
+    pthread_mutex_unlock(&c->keep_mu);
+    for (size_t i = 0; i < run->n; i++)
+        if (run->is_fresh[i]) {
+            run->is_fresh[i] = 0;
+            CUresult r = g_cu.MemRelease(run->fresh[i]); /* the mapping keeps the page */
+            if (r != CUDA_SUCCESS && st == KVC_OK)
+                st = cu_fail("cuMemRelease", r);
+        }
+    return st;
+}
+
+/* The fds not reached are closed; a failed run (st) is unmapped, then the
+ * handles it imported are released. Returns st. */
+static kvc_status map_run_end(struct map_run *run, kvc_status st)
+{
+    for (; run->closed < run->n; run->closed++)
+        close(run->fds[run->closed]);
+    if (st != KVC_OK)
+        for (size_t i = 0; i < run->mapped; i++)
+            g_cu.MemUnmap((CUdeviceptr)(run->addr + i * run->page), (size_t)run->page);
+    if (run->keeping)
+        for (size_t i = 0; i < run->mapped; i++)
+            if (run->is_fresh[i])
+                g_cu.MemRelease(run->fresh[i]); /* a failed run: after its unmap */
+    free(run->fresh);
+    free(run->is_fresh);
+    return st;
+}
+
 /* n pages in a row: import and map each, then one cuMemSetAccess over the
  * whole run (the driver sets access on a fully mapped range of several
  * mappings; one call instead of n, each of which measured 25 us p50 per
@@ -410,121 +559,29 @@ static kvc_status cuda_map_handle(kvc_mapper *m, uintptr_t addr, CUmemGenericAll
 static kvc_status cuda_map_pages(kvc_mapper *m, uintptr_t addr, const uint64_t *ids,
                                  const int *fds, size_t n, uint64_t page)
 {
-    struct cuda_mapper *c = cm(m);
-    size_t closed = 0, mapped = 0; /* fds closed, pages mapped: both prefixes */
-    kvc_status st = KVC_OK;
     if (n == 0)
         return KVC_OK;
-    int keeping = 0;
-    uint64_t gen = 0;
-    if (ids) {
-        pthread_mutex_lock(&c->keep_mu);
-        keeping = c->keep_limit > 0;
-        gen = c->keep_gen;
-        pthread_mutex_unlock(&c->keep_mu);
-    }
-    /* Handles imported by this call and not released yet (keeping only). */
-    CUmemGenericAllocationHandle *fresh = NULL;
-    unsigned char *is_fresh = NULL;
-    if (keeping) {
-        fresh = calloc(n, sizeof *fresh);
-        is_fresh = calloc(n, 1);
-        if (!fresh || !is_fresh) {
-            free(fresh);
-            free(is_fresh);
-            for (size_t i = 0; i < n; i++)
-                close(fds[i]);
-            return kvc_fail(KVC_ERR_NO_MEMORY, "out of memory");
-        }
-    }
-    CUresult r = g_cu.CtxSetCurrent(c->ctx);
+    struct map_run run;
+    memset(&run, 0, sizeof run);
+    run.c = cm(m);
+    run.addr = addr;
+    run.page = page;
+    run.ids = ids;
+    run.fds = fds;
+    run.n = n;
+    kvc_status st = map_run_begin(&run);
+    if (st != KVC_OK)
+        return st;
+    CUresult r = g_cu.CtxSetCurrent(run.c->ctx);
     if (r != CUDA_SUCCESS)
         st = cu_fail("cuCtxSetCurrent", r);
-    while (st == KVC_OK && closed < n) {
-        const CUdeviceptr at = (CUdeviceptr)(addr + mapped * page);
-        if (keeping) {
-            int hit = 0;
-            pthread_mutex_lock(&c->keep_mu);
-            size_t k = kt_find(&c->kept, ids[closed]);
-            if (k != KT_NONE) {
-                hit = 1; /* under the lock: a DROP cannot release it meanwhile */
-                r = g_cu.MemMap(at, (size_t)page, 0, c->kept.handles[k], 0);
-            }
-            pthread_mutex_unlock(&c->keep_mu);
-            if (hit) {
-                close(fds[closed++]);
-                if (r != CUDA_SUCCESS) {
-                    st = cu_fail("cuMemMap", r);
-                    break;
-                }
-                mapped++;
-                continue;
-            }
-        }
-        CUmemGenericAllocationHandle h = 0;
-        /* the fd travels BY VALUE in the void* argument */
-        r = g_cu.MemImportFromShareableHandle(&h, (void *)(uintptr_t)fds[closed],
-                                              CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-        close(fds[closed++]);
-        if (r != CUDA_SUCCESS) {
-            st = cu_fail("cuMemImportFromShareableHandle", r);
-            break;
-        }
-        r = g_cu.MemMap(at, (size_t)page, 0, h, 0);
-        if (r != CUDA_SUCCESS) {
-            g_cu.MemRelease(h);
-            st = cu_fail("cuMemMap", r);
-            break;
-        }
-        mapped++;
-        if (keeping) {
-            fresh[mapped - 1] = h;
-            is_fresh[mapped - 1] = 1;
-            continue;
-        }
-        r = g_cu.MemRelease(h); /* the mapping keeps the page */
-        if (r != CUDA_SUCCESS)
-            st = cu_fail("cuMemRelease", r);
-    }
-    if (st == KVC_OK) {
-        CUmemAccessDesc desc;
-        memset(&desc, 0, sizeof desc);
-        desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-        desc.location.id = c->ordinal;
-        desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-        r = g_cu.MemSetAccess((CUdeviceptr)addr, (size_t)(n * page), &desc, 1);
-        if (r != CUDA_SUCCESS)
-            st = cu_fail("cuMemSetAccess", r);
-    }
-    if (st == KVC_OK && keeping) {
-        /* Keep what fits; a reset since the run began (session end, resume)
-         * keeps nothing. */
-        pthread_mutex_lock(&c->keep_mu);
-        for (size_t i = 0; i < n; i++)
-            if (is_fresh[i] && c->keep_gen == gen && c->kept.n < c->keep_limit &&
-                kt_find(&c->kept, ids[i]) == KT_NONE && kt_put(&c->kept, ids[i], fresh[i]) == 0)
-                is_fresh[i] = 0;
-        pthread_mutex_unlock(&c->keep_mu);
-        for (size_t i = 0; i < n; i++)
-            if (is_fresh[i]) {
-                is_fresh[i] = 0;
-                r = g_cu.MemRelease(fresh[i]); /* the mapping keeps the page */
-                if (r != CUDA_SUCCESS && st == KVC_OK)
-                    st = cu_fail("cuMemRelease", r);
-            }
-    }
-    for (; closed < n; closed++)
-        close(fds[closed]);
-    if (st != KVC_OK)
-        for (size_t i = 0; i < mapped; i++)
-            g_cu.MemUnmap((CUdeviceptr)(addr + i * page), (size_t)page);
-    if (keeping)
-        for (size_t i = 0; i < mapped; i++)
-            if (is_fresh[i])
-                g_cu.MemRelease(fresh[i]); /* a failed run: after its unmap */
-    free(fresh);
-    free(is_fresh);
-    return st;
+    while (st == KVC_OK && run.closed < n)
+        st = map_run_next(&run);
+    if (st == KVC_OK)
+        st = map_run_set_access(&run);
+    if (st == KVC_OK && run.keeping)
+        st = map_run_keep(&run);
+    return map_run_end(&run, st);
 }
 
 static kvc_status cuda_map_run(kvc_mapper *m, uintptr_t addr, const int *fds, size_t n, uint64_t page)

@@ -68,6 +68,79 @@ static void standby_end(kvc_session *s, const std::vector<uint64_t> &ids)
         s->kept.standby.erase(i);
 }
 
+// session_free_ids's deferral: defer ids[from..] (counted as given back:
+// *freed, may be NULL). With `seen` (the kept entries' sequence numbers
+// this Free saw when it was sent), an id whose entry was replaced since
+// is not deferred: the daemon lent that id again, so it had processed
+// this Free (only its REPLY was lost), and the id is now another
+// mapping's page.
+//
+// With `gen` (the resume count read before this Free saw the session
+// resuming), a resume that completed since is seen under Kept::mu (the
+// resume counts itself done under it, after collecting the Frees
+// deferred during its claim): these ids were claimed, so they are not
+// deferred (they would stay held until the next resume) but freed the
+// normal way; *stale says so.
+static kvc_status free_defer(kvc_session *s, const std::vector<uint64_t> &ids, size_t from,
+                             size_t *freed, const std::vector<uint64_t> *seen,
+                             const uint64_t *gen = nullptr, bool *stale = nullptr)
+{
+    std::lock_guard<std::mutex> g(s->kept.mu);
+    if (gen && s->life.resumes.load() != *gen) {
+        *stale = true;
+        return KVC_OK;
+    }
+    std::vector<uint64_t> rest;
+    for (size_t i = from; i < ids.size(); i++) {
+        if (seen && (*seen)[i] != 0) {
+            auto it = s->kept.keep.find(ids[i]);
+            if (it != s->kept.keep.end() && it->second.seq != (*seen)[i])
+                continue;
+        }
+        rest.push_back(ids[i]);
+    }
+    kvc_status st = check_free_locked(s, rest);
+    if (st != KVC_OK)
+        return st;
+    s->kept.deferred.insert(rest.begin(), rest.end());
+    s->books.drop_held(ids.size() - from);
+    if (freed)
+        *freed = ids.size();
+    return KVC_OK;
+}
+
+// The session ended: the daemon took everything back, so the books forget
+// ids[from..]; the session's end, as the status.
+static kvc_status free_ended(kvc_session *s, const std::vector<uint64_t> &ids, size_t from)
+{
+    {
+        std::lock_guard<std::mutex> g(s->kept.mu);
+        std::vector<uint64_t> rest(ids.begin() + from, ids.end());
+        s->kept.drop_locked(rest);
+        s->books.drop_held(rest.size());
+    }
+    return s->ended_error();
+}
+
+// FREE on the channel; the kept entries and the books follow what the
+// daemon freed (*done, from the front). *seqs: the kept entries' sequence
+// numbers this Free saw.
+static kvc_status free_on_channel(kvc_session *s, const std::vector<uint64_t> &ids,
+                                  std::vector<uint64_t> *seqs, size_t *done)
+{
+    std::shared_ptr<Chan> ch = s->link.chan_copy();
+    {
+        std::lock_guard<std::mutex> g(s->kept.mu);
+        *seqs = s->kept.seqs_locked(ids);
+    }
+    *done = 0;
+    kvc_status st = chan_free(s, ch.get(), ids, done);
+    std::lock_guard<std::mutex> g(s->kept.mu);
+    s->kept.unkeep_seqs_locked(ids, *seqs, *done);
+    s->books.drop_held(*done);
+    return st;
+}
+
 // Give pages back (they must be unmapped already); *freed (may be NULL)
 // gets how many are given back.
 //
@@ -88,93 +161,37 @@ kvc_status session_free_ids(kvc_session *s, const std::vector<uint64_t> &ids, si
     if (ids.empty())
         return KVC_OK;
     standby_end(s, ids);  // a Free gives standby pages back as any page
-    // Defer ids[from..]. With `seen` (the kept entries' sequence numbers
-    // this Free saw when it was sent), an id whose entry was replaced since
-    // is not deferred: the daemon lent that id again, so it had processed
-    // this Free (only its REPLY was lost), and the id is now another
-    // mapping's page.
-    //
-    // With `gen` (the resume count read before this Free saw the session
-    // resuming), a resume that completed since is seen under Kept::mu (the
-    // resume counts itself done under it, after collecting the Frees
-    // deferred during its claim): these ids were claimed, so they are not
-    // deferred (they would stay held until the next resume) but freed the
-    // normal way; *stale says so.
-    auto defer = [&](size_t from, const std::vector<uint64_t> *seen, const uint64_t *gen = nullptr,
-                     bool *stale = nullptr) -> kvc_status {
-        std::lock_guard<std::mutex> g(s->kept.mu);
-        if (gen && s->life.resumes.load() != *gen) {
-            *stale = true;
-            return KVC_OK;
-        }
-        std::vector<uint64_t> rest;
-        for (size_t i = from; i < ids.size(); i++) {
-            if (seen && (*seen)[i] != 0) {
-                auto it = s->kept.keep.find(ids[i]);
-                if (it != s->kept.keep.end() && it->second.seq != (*seen)[i])
-                    continue;
-            }
-            rest.push_back(ids[i]);
-        }
-        kvc_status st = check_free_locked(s, rest);
-        if (st != KVC_OK)
-            return st;
-        s->kept.deferred.insert(rest.begin(), rest.end());
-        s->books.drop_held(ids.size() - from);
-        if (freed)
-            *freed = ids.size();
-        return KVC_OK;
-    };
-    auto ended = [&](size_t from) -> kvc_status {
-        {
-            std::lock_guard<std::mutex> g(s->kept.mu);
-            std::vector<uint64_t> rest(ids.begin() + from, ids.end());
-            s->kept.drop_locked(rest);
-            s->books.drop_held(rest.size());
-        }
-        return s->ended_error();
-    };
     if (s->life.ended.load())
-        return ended(0);
+        return free_ended(s, ids, 0);
     const uint64_t gen0 = s->life.resumes.load();
     if (s->resuming()) {
         bool stale = false;
-        kvc_status st = defer(0, nullptr, &gen0, &stale);
+        kvc_status st = free_defer(s, ids, 0, freed, nullptr, &gen0, &stale);
         if (!stale)
             return st;
     }
     // A resume waits for Frees in flight (it claims what they leave kept).
     std::shared_lock<std::shared_mutex> rw(s->link.rw);
     if (s->life.ended.load())
-        return ended(0);
+        return free_ended(s, ids, 0);
     if (s->resuming())
-        return defer(0, nullptr);
+        return free_defer(s, ids, 0, freed, nullptr);
     const uint64_t gen = s->life.resumes.load();
-    std::shared_ptr<Chan> ch = s->link.chan_copy();
     std::vector<uint64_t> seqs;
-    {
-        std::lock_guard<std::mutex> g(s->kept.mu);
-        seqs = s->kept.seqs_locked(ids);
-    }
     size_t done = 0;
-    kvc_status st = chan_free(s, ch.get(), ids, &done);
-    {
-        std::lock_guard<std::mutex> g(s->kept.mu);
-        s->kept.unkeep_seqs_locked(ids, seqs, done);
-        s->books.drop_held(done);
-    }
+    kvc_status st = free_on_channel(s, ids, &seqs, &done);
     if (freed)
         *freed = done;
     if (st == KVC_OK)
         return KVC_OK;
     if (s->life.ended.load()) {  // ended meanwhile: the daemon took everything back
         std::string msg = kvc_last_error();
-        ended(done);
+        free_ended(s, ids, done);
         return kvc_fail(st, "%s", msg.c_str());
     }
     if (s->resumable && !s->life.closing.load() &&
         (st == KVC_ERR_UNAVAILABLE || s->resuming() || s->life.resumes.load() != gen))
-        return defer(done, &seqs);
+        return free_defer(s, ids, done, freed, &seqs);
     return st;
 }
 
