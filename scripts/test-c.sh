@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# C client (clients/c): build, ctest (plain and ASan+UBSan), valgrind leak
+# C client (clients/c): no function in clients/c/src over 60 lines
+# (scripts/check-fn-length.py), build, ctest (plain and ASan+UBSan), valgrind leak
 # check (ctest entry valgrind_host), install to a temporary prefix and build
 # plain-C consumers (gcc) with pkg-config and with find_package.
 #
 # Needs: cmake, gcc, g++, readelf (binutils), libgrpc++-dev, protobuf-compiler-grpc, libprotobuf-dev,
-# libgtest-dev, nlohmann-json3-dev, valgrind, pkg-config (scripts/setup.sh); the daemon in .venv
+# libgtest-dev, nlohmann-json3-dev, valgrind, pkg-config (scripts/setup.sh), python3; the daemon in .venv
 # (scripts/setup.sh) and the CUDA test driver (scripts/build-testdriver.sh).
 # Exits non-zero on any failure.
 set -euo pipefail
@@ -21,13 +22,16 @@ fi
 
 step() { printf '\n==== test-c: %s ====\n' "$*"; }
 
+status=0
+step "function length: none in clients/c/src over 60 lines (scripts/check-fn-length.py)"
+python3 "$REPO/scripts/check-fn-length.py" --max 60 "$SRC/src" || status=1
+
 step "configure + build build/c"
 "$REPO/scripts/build-c.sh"
 
 step "configure + build build/c-asan (AddressSanitizer + UndefinedBehaviorSanitizer)"
 "$REPO/scripts/build-c.sh" --asan
 
-status=0
 step "ctest build/c (unit, integration host + cuda, valgrind)"
 ctest --test-dir "$REPO/build/c" --output-on-failure || status=1
 
