@@ -23,7 +23,7 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
-# The control socket's relay (kvcached_service/server/relay.c) is compiled:
+# The control socket's relay (kvcached_service/server/transports/relay.c) is compiled:
 # a C compiler in the build stage only (the runtime stage gets the venv).
 RUN command -v cc >/dev/null \
  || { apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*; }

@@ -1,6 +1,6 @@
 """The one part of kvcached-service that is compiled: the control socket's
-byte relay (kvcached_service/server/relay.c), a plain C library loaded with
-ctypes (kvcached_service/server/relay.py), not a Python extension. It uses
+byte relay (kvcached_service/server/transports/relay.c), a plain C library loaded with
+ctypes (kvcached_service/server/transports/relay.py), not a Python extension. It uses
 no Python API, so one build serves every CPython >= 3.10 (the abi3 file
 name and wheel tag), and it needs glibc 2.17 or later (the packaging suite
 repairs the wheel to manylinux_2_17 with auditwheel). Everything else is in
@@ -29,8 +29,8 @@ def _pthread() -> dict:
 setup(
     ext_modules=[
         Extension(
-            "kvcached_service.server._relay",
-            ["kvcached_service/server/relay.c"],
+            "kvcached_service.server.transports._relay",
+            ["kvcached_service/server/transports/relay.c"],
             py_limited_api=True,
             extra_compile_args=["-O2", "-Wall"],
             **_pthread(),

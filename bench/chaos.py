@@ -196,7 +196,7 @@ def keeper_pids(state_dir: pathlib.Path) -> list[int]:
             cmd = (p / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"kvcached_service.server.keeper" in cmd and any(str(state_dir).encode() in a for a in cmd) and alive(int(p.name)):
+        if b"kvcached_service.server.recovery.keeper" in cmd and any(str(state_dir).encode() in a for a in cmd) and alive(int(p.name)):
             out.append(int(p.name))
     return out
 

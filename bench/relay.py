@@ -1,5 +1,5 @@
 """What the control socket's relay costs (issue 26 item 3): the same gRPC
-calls through the control socket (server/control.py's front door: accept,
+calls through the control socket (server/transports/control.py's front door: accept,
 SO_PEERCRED, every HTTP/2 byte relayed to grpcio by relay.c) and
 directly to grpcio's private socket, against one daemon, in one run:
 
@@ -40,7 +40,7 @@ PATHS = ("relay", "direct")
 
 def private_socket(control_socket: str) -> str:
     """grpcio's private socket of the daemon on `control_socket`
-    (server/control.py ControlFront._private_dir: `.<name>.grpc/grpc.sock`
+    (server/transports/control.py ControlFront._private_dir: `.<name>.grpc/grpc.sock`
     beside the control socket when that path is short enough)."""
     parent, name = os.path.split(os.path.abspath(control_socket))
     path = os.path.join(parent, f".{name}.grpc", "grpc.sock")

@@ -41,8 +41,8 @@ def main() -> int:
     from kvcached_service import fdchannel as f
     from kvcached_service.backends.host import HostBackend
     from kvcached_service.config import load_settings
-    from kvcached_service.server.channel import ChannelServer
-    from kvcached_service.server.daemon import Daemon
+    from kvcached_service.server.transports.channel import ChannelServer
+    from kvcached_service.server.core.daemon import Daemon
 
     page = 2 << 20
     tmp = tempfile.mkdtemp(prefix="kvc-requestpath-")
@@ -55,7 +55,7 @@ def main() -> int:
         daemon.start_devices()
         await daemon.prefill()
         if a.metrics:
-            from kvcached_service.server.metrics import Metrics
+            from kvcached_service.server.ops.metrics import Metrics
 
             Metrics(daemon, process=False)
         client, served = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

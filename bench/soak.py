@@ -343,14 +343,14 @@ def _dir_bytes(path: str) -> int:
 
 
 def keeper_pid(state_dir: str) -> int | None:
-    """The page store's keeper process of this state dir (kvcached_service.server.keeper), if one runs."""
+    """The page store's keeper process of this state dir (kvcached_service.server.recovery.keeper), if one runs."""
     for p in os.listdir("/proc"):
         if p.isdigit():
             try:
                 cmd = open(f"/proc/{p}/cmdline", "rb").read().split(b"\0")
             except OSError:
                 continue
-            if b"kvcached_service.server.keeper" in cmd and state_dir.encode() in cmd:
+            if b"kvcached_service.server.recovery.keeper" in cmd and state_dir.encode() in cmd:
                 return int(p)
     return None
 

@@ -13,7 +13,7 @@ cd "$ROOT"
 DEV=0
 [ "${1:-}" = "--dev" ] && DEV=1
 
-APT_PACKAGES=(python3-venv gcc libc6-dev)  # gcc: the control socket's relay (kvcached_service/server/relay.c)
+APT_PACKAGES=(python3-venv gcc libc6-dev)  # gcc: the control socket's relay (kvcached_service/server/transports/relay.c)
 if [ "$DEV" = 1 ]; then
   APT_PACKAGES+=(
     build-essential cmake ninja-build pkg-config  # ninja: scripts/build-c.sh (a stopped build is redone)
@@ -51,10 +51,10 @@ else
   what="(the daemon and its Python client)"
 fi
 # The editable install also builds the control socket's relay in place
-# (kvcached_service/server/relay.c -> _relay.abi3.so): again when it changed.
-RELAY_SO=kvcached_service/server/_relay.abi3.so
+# (kvcached_service/server/transports/relay.c -> _relay.abi3.so): again when it changed.
+RELAY_SO=kvcached_service/server/transports/_relay.abi3.so
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
-   || [ ! -f "$RELAY_SO" ] || [ kvcached_service/server/relay.c -nt "$RELAY_SO" ]; then
+   || [ ! -f "$RELAY_SO" ] || [ kvcached_service/server/transports/relay.c -nt "$RELAY_SO" ]; then
   log "installing kvcached-service into .venv $what"
   .venv/bin/pip install -q --upgrade pip >/dev/null
   .venv/bin/pip install -q -e "$extras"

@@ -39,7 +39,7 @@ pub="$(scripts/build-testdriver.sh --public-only | tail -1)" &&
 rcpub=$?
 
 # The daemon's request path again on Python 3.12 (what GPU hosts run): a real
-# python3.12 found a 3.12-only bug there (eager_start, server/channel.py). build/py312 holds
+# python3.12 found a 3.12-only bug there (eager_start, server/transports/channel.py). build/py312 holds
 # the package and the test tools; remade when pyproject.toml changes.
 if [ ! -f build/py312/.installed ] || [ pyproject.toml -nt build/py312/.installed ]; then
   echo "test-python: making build/py312 with $("$py312" --version)"

@@ -24,8 +24,8 @@ import time
 import pytest
 import yaml
 
-from kvcached_service.server.main import build_parser
-from kvcached_service.server.metrics import Metrics, Nvml
+from kvcached_service.server.ops.main import build_parser
+from kvcached_service.server.ops.metrics import Metrics, Nvml
 from test_metrics import FakeNvml, fake_daemon, names_in_exposition, scrape, start_with_metrics, tool
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

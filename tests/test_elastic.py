@@ -121,7 +121,7 @@ def test_a_waiting_shrink_keeps_time_for_its_answer_to_travel():
     """RequestShrink(wait) answers a quarter of the caller's time left before
     its deadline, 0.2 s at least and 1 s at most (a fixed 0.2 s missed a
     1.5 s deadline in a loop beside a CPU-bound load)."""
-    from kvcached_service.server.service import answer_margin
+    from kvcached_service.server.transports.service import answer_margin
 
     assert answer_margin(1.5) == 0.375
     assert answer_margin(0.4) == 0.2 and answer_margin(0.1) == 0.2
@@ -129,7 +129,7 @@ def test_a_waiting_shrink_keeps_time_for_its_answer_to_travel():
 
 
 def test_no_ask_is_made_with_less_time_left_than_an_answer_takes():
-    from kvcached_service.server.elastic import MIN_ASK_S, Reclaimer
+    from kvcached_service.server.core.elastic import MIN_ASK_S, Reclaimer
 
     posted = []
     r = Reclaimer(lambda: pytest.fail("looked for victims with no time left"), lambda *a: posted.append(a), 0.3)

@@ -65,7 +65,7 @@ def test_store_names_in_other_scripts_digits_are_not_a_format():
     made store_format_of call int("²3") (str.isdigit is true for it): a
     ValueError out of SystemdStore.take_all, so a daemon given that fd name
     by systemd failed to start."""
-    from kvcached_service.server.keeper import store_format_of
+    from kvcached_service.server.recovery.keeper import store_format_of
 
     assert store_format_of("~²3.x") is None
     assert store_format_of("~٣.x") is None  # int() would read it as 3
@@ -77,7 +77,7 @@ def test_store_names_longer_than_any_page_are_not_pages():
     """page_of read a name of any length as a number: one 128 KiB name (as
     much as LISTEN_FDNAMES holds) cost 4 s of big-integer arithmetic and
     gave an id far beyond 2^64."""
-    from kvcached_service.server.keeper import fdname, page_of
+    from kvcached_service.server.recovery.keeper import fdname, page_of
 
     t0 = time.monotonic()
     assert page_of("~" + "_" * (128 << 10)) is None
@@ -91,7 +91,7 @@ def test_listen_fds_bounds_its_count_and_unsets_on_a_bad_one():
     """LISTEN_FDS=99999999999 made listen_fds try 10^11 descriptors (a
     hang at start); a LISTEN_FDS that is not a number left the LISTEN_*
     variables for children (sd_listen_fds unsets them on that failure too)."""
-    from kvcached_service.server.keeper import listen_fds
+    from kvcached_service.server.recovery.keeper import listen_fds
 
     t0 = time.monotonic()
     env = {"LISTEN_PID": "9", "LISTEN_FDS": "99999999999", "LISTEN_FDNAMES": "~1"}
@@ -110,7 +110,7 @@ def test_keeper_survives_records_it_cannot_read():
     import os
     import socket
 
-    from kvcached_service.server import keeper as kp
+    from kvcached_service.server.recovery import keeper as kp
 
     with pytest.raises(ValueError):
         kp.decode(b"[" * 65000, [])
@@ -138,7 +138,7 @@ def test_daemon_refuses_a_take_answer_that_is_not_pages():
     different counts leaked the extra fds (zip). Now ValueError, fds closed."""
     import os
 
-    from kvcached_service.server import keeper as kp
+    from kvcached_service.server.recovery import keeper as kp
 
     for msg, n in (({"op": "pages", "ids": 5}, 1), ({"op": "pages", "ids": [1]}, 2), ({"op": "pages", "ids": [1, 1]}, 2)):
         fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(n)]

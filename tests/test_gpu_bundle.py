@@ -74,7 +74,7 @@ def test_tar_is_reproducible_and_keeps_modes(tmp_path):
 
 def test_repo_files_leave_out_results_and_images_but_keep_the_stages():
     files = pack.repo_files(ROOT)
-    assert "scripts/gpu-check.sh" in files and "kvcached_service/server/daemon.py" in files
+    assert "scripts/gpu-check.sh" in files and "kvcached_service/server/core/daemon.py" in files
     assert "scripts/gpu-bundle/stage1.sh" in files and "clients/go/go.mod" in files
     assert not [f for f in files if f.startswith("bench/results/") or f.endswith(".svg") or f.endswith(".png")]
 

@@ -107,7 +107,7 @@ def test_stolen_ref_from_another_uid_is_refused(daemon_factory, grpc_page_ops):
     PERMISSION_DENIED on every rpc, in the default mode and with
     --grpc-page-ops alike, and the victim's pages stay mapped and intact.
     grpcio tells a servicer nothing about a Unix-socket peer; the control
-    socket's front door (server/control.py) reads SO_PEERCRED of every
+    socket's front door (server/transports/control.py) reads SO_PEERCRED of every
     connection and names the caller to the servicer, so the daemon checks
     the caller's uid against the session's."""
     d = daemon_factory("host", shared_dir=True, socket_mode="0666", memory_limit="32MiB", grpc_page_ops=grpc_page_ops)

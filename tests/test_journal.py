@@ -26,8 +26,8 @@ import subprocess
 import pytest
 
 from kvtest import ROOT, SERVE, assert_books, wait_until
-from kvcached_service.server import procs
-from kvcached_service.server.journal import Journal, JournalDamaged
+from kvcached_service.server.host import procs
+from kvcached_service.server.recovery.journal import Journal, JournalDamaged
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -332,7 +332,7 @@ def test_lines_and_files_past_the_bounds_are_damage_not_memory(tmp_path, monkeyp
     of it (never the whole line); a file larger than MAX_FILE is refused
     before reading. (The bounds are lowered here: the real ones are 256 MiB
     and 1 GiB.)"""
-    from kvcached_service.server import journal
+    from kvcached_service.server.recovery import journal
 
     monkeypatch.setattr(journal, "MAX_LINE", 4096)
     j = Journal(str(tmp_path))
@@ -395,7 +395,7 @@ def test_fuzz_the_reader_with_100k_hostile_journals(tmp_path):
     import io
     import random
 
-    from kvcached_service.server import journal
+    from kvcached_service.server.recovery import journal
 
     rng = random.Random(2811)
     base = lines(GOOD) + lines([{"op": "limits", "sid": 3, "g": 1 << 20, "m": 1 << 30, "p": -5},

@@ -1,4 +1,4 @@
-"""The page store (issue 25, server/keeper.py): with --page-store keeper the
+"""The page store (issue 25, server/recovery/keeper.py): with --page-store keeper the
 daemon's own fd of every lent page is kept by a process that outlives it, so
 a restarted daemon resumes sessions from those fds and compares no client
 fd's fstat identity: resumes work in every identity mode of the CUDA test

@@ -20,8 +20,8 @@ import pytest
 
 from kvtest import assert_books, wait_until
 from kvcached_service import errors, fdchannel
-from kvcached_service.server.pool.keepers import Keepers
-from kvcached_service.server.pool.pages import Page
+from kvcached_service.server.core.pool.keepers import Keepers
+from kvcached_service.server.core.pool.pages import Page
 from kvcached_service.backends.base import PageHandle
 
 

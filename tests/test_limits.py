@@ -483,7 +483,7 @@ def test_a_client_that_never_reads_its_replies_loses_its_session(daemon_factory)
     KVCACHED_DEAF_SECONDS (default 15; 60 by hand): each session ends within
     6 s, the daemon's RSS grows by less than 20 MiB, a bystander is served
     throughout."""
-    from kvcached_service.server.channel import MAX_WAITING_SENDS
+    from kvcached_service.server.transports.channel import MAX_WAITING_SENDS
 
     seconds = float(os.environ.get("KVCACHED_DEAF_SECONDS", "15"))
     d = daemon_factory("host", memory_limit="256MiB", log_level="WARNING")
@@ -541,7 +541,7 @@ def test_a_full_channel_without_new_requests_ends_after_fd_send_timeout(daemon_f
     ends and its pages come back. (How many replies a socket holds depends
     on the kernel's buffers: a first deaf session measures it, as the
     requests sent before the bound ended it, minus the bound.)"""
-    from kvcached_service.server.channel import MAX_WAITING_SENDS
+    from kvcached_service.server.transports.channel import MAX_WAITING_SENDS
 
     d = daemon_factory("host", fd_send_timeout="1", log_level="WARNING")
     stub = pb_grpc.KVCachedStub(grpc.insecure_channel(f"unix:{d.socket}"))

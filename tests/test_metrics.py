@@ -28,8 +28,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcached_service import errors
-from kvcached_service.server.metrics import Metrics, Nvml
-from kvcached_service.server.pool import Books, Budget
+from kvcached_service.server.ops.metrics import Metrics, Nvml
+from kvcached_service.server.core.pool import Books, Budget
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MIB = 1 << 20

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kvcached_service.server import relay as relay_mod
+from kvcached_service.server.transports import relay as relay_mod
 
 
 class Harness:

@@ -1,5 +1,5 @@
 """The request path of issue 18: requests served without a Task unless they
-wait (server/channel.py, eager_start), freed pages that need no zeroing
+wait (server/transports/channel.py, eager_start), freed pages that need no zeroing
 pooled without the device worker, the event loop choice, the Python client
 reading its own answers (several threads on one session), and CUDA pages
 that hold no fd in the daemon (an export per delivery, closed once sent)."""
@@ -24,7 +24,7 @@ def _run(coro):
 
 
 def test_eager_runs_to_the_end_without_a_task_when_nothing_waits():
-    from kvcached_service.server.channel import eager_start
+    from kvcached_service.server.transports.channel import eager_start
 
     async def main():
         seen = []
@@ -43,7 +43,7 @@ def test_eager_runs_to_the_end_without_a_task_when_nothing_waits():
 
 
 def test_eager_carries_on_in_a_task_with_results_and_errors_in_place():
-    from kvcached_service.server.channel import eager_start
+    from kvcached_service.server.transports.channel import eager_start
 
     async def main():
         fut = asyncio.get_running_loop().create_future()
@@ -76,7 +76,7 @@ def test_eager_carries_on_in_a_task_with_results_and_errors_in_place():
 
 
 def test_eager_task_cancellation_reaches_the_coroutine():
-    from kvcached_service.server.channel import eager_start
+    from kvcached_service.server.transports.channel import eager_start
 
     async def main():
         fut = asyncio.get_running_loop().create_future()
@@ -105,7 +105,7 @@ def test_eager_wait_for_works_when_started_from_a_plain_callback():
     asyncio.timeout() and needs a current Task: with the 3.10/3.11 emulation it
     raised RuntimeError("Timeout should be used inside a task") on 3.12 (seen
     on a GPU host's python3.12). scripts/test-python.sh runs this on 3.12 too."""
-    from kvcached_service.server.channel import eager_start
+    from kvcached_service.server.transports.channel import eager_start
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -153,8 +153,8 @@ def test_host_needs_zeroing_only_pages_with_data():
 
 def test_pool_gives_back_clean_pages_without_the_worker_and_dirty_ones_through_it():
     from kvcached_service.backends.base import Backend, DeviceSpec, PageHandle
-    from kvcached_service.server.pool import DevicePool, PageIds
-    from kvcached_service.server.worker import DeviceWorker
+    from kvcached_service.server.core.pool import DevicePool, PageIds
+    from kvcached_service.server.core.worker import DeviceWorker
 
     class Be(Backend):
         kind = "fake"

@@ -16,7 +16,7 @@ import pytest
 
 from kvtest import assert_books, wait_until
 from kvcached_service import errors, fdchannel
-from kvcached_service.server.journal import Journal
+from kvcached_service.server.recovery.journal import Journal
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
 from kvcached_service._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 

@@ -1,4 +1,4 @@
-"""The page store in systemd's own fd store (issue 25, server/keeper.py
+"""The page store in systemd's own fd store (issue 25, server/recovery/keeper.py
 SystemdStore): under a unit with FileDescriptorStoreMax= the daemon keeps its
 own fd of every lent page in systemd (sd_notify FDSTORE=1, FDNAME=~ID in base 64,
 FDPOLL=0; FDSTOREREMOVE=1 when the page goes back) and gets them back at its
@@ -39,7 +39,7 @@ def systemd(tmp_path):
 
 
 def page_names(ids) -> set[str]:
-    from kvcached_service.server.keeper import fdname
+    from kvcached_service.server.recovery.keeper import fdname
 
     return {fdname(i) for i in ids}
 
@@ -130,7 +130,7 @@ def test_a_full_store_keeps_what_fits_and_says_so(daemon_factory, systemd, tmp_p
 def test_listen_fds_are_this_process_and_named():
     """sd_listen_fds(3)'s rules: only for LISTEN_PID, names in order, the
     variables removed so no child takes them."""
-    from kvcached_service.server.keeper import SystemdStore, fdname, listen_fds, page_of
+    from kvcached_service.server.recovery.keeper import SystemdStore, fdname, listen_fds, page_of
 
     r, w = os.pipe()
     try:
@@ -182,7 +182,7 @@ def test_no_page_is_stored_whose_name_would_not_fit_the_next_start(systemd, capl
     string, which the kernel refuses past 128 KiB at exec: a store whose
     names do not fit would keep the unit from starting. The daemon stores no
     page past that budget, says so once, and what it stored still fits."""
-    from kvcached_service.server.keeper import FDNAMES_BUDGET, SystemdStore, fdname
+    from kvcached_service.server.recovery.keeper import FDNAMES_BUDGET, SystemdStore, fdname
 
     sd = systemd(capacity=100)
     store = SystemdStore(sd.path, None, [])

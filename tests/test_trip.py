@@ -158,9 +158,9 @@ def test_the_allocate_is_served_in_one_pass_and_ends_in_a_mapped_page(trip):
     assert c[-1] == "kvcached_service/client/mapping.py:Mapper.map_run"  # the page mapped after the answer
     d = [f"{p}:{fn}" for p, fn, _ in daemon]
     # one read callback: the request decoded, lent, booked, PAGES sent, REPLY sent
-    assert d[0] == "kvcached_service/server/channel.py:ChannelServer._read_one"
-    steps = ("kvcached_service/fdchannel.py:recv_request", "kvcached_service/server/daemon.py:Daemon.lend",
-             "kvcached_service/server/pool/device.py:DevicePool.lend", "kvcached_service/server/sessions.py:Session.add_pages",
+    assert d[0] == "kvcached_service/server/transports/channel.py:ChannelServer._read_one"
+    steps = ("kvcached_service/fdchannel.py:recv_request", "kvcached_service/server/core/daemon.py:Daemon.lend",
+             "kvcached_service/server/core/pool/device.py:DevicePool.lend", "kvcached_service/server/core/sessions.py:Session.add_pages",
              "kvcached_service/fdchannel.py:encode_pages", "kvcached_service/fdchannel.py:encode_reply")
     for step in steps:
         assert step in d, (step, d)
@@ -196,7 +196,7 @@ def test_the_cuda_trip_meets_the_bar_and_the_daemon_makes_no_driver_call(cuda_tr
 def test_the_trip_meets_the_bar(trip):
     """At most 8 layers, every file of the trip in a named layer, no upcall.
     (Issue 26's bar counted files, at most 10; the pool is a package of
-    parts now, server/pool/, one layer of several files: the bar counts what
+    parts now, server/core/pool/, one layer of several files: the bar counts what
     a reader crosses, the layers.)"""
     client, daemon = trip
     files = {p for p, _, _ in client + daemon}
@@ -212,8 +212,8 @@ def test_the_trip_meets_the_bar(trip):
 TRIP_FILES = [
     "kvcached_service/client/region.py", "kvcached_service/client/client.py", "kvcached_service/client/channel.py",
     "kvcached_service/fdchannel.py", "kvcached_service/client/mapping.py",
-    "kvcached_service/server/channel.py", "kvcached_service/server/daemon.py", "kvcached_service/server/pool/device.py",
-    "kvcached_service/server/pool/books.py", "kvcached_service/server/pool/pages.py", "kvcached_service/server/sessions.py",
+    "kvcached_service/server/transports/channel.py", "kvcached_service/server/core/daemon.py", "kvcached_service/server/core/pool/device.py",
+    "kvcached_service/server/core/pool/books.py", "kvcached_service/server/core/pool/pages.py", "kvcached_service/server/core/sessions.py",
 ]
 
 

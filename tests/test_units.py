@@ -130,8 +130,8 @@ class FakeBackend(Backend):
 
 
 def _pool(backend, budget_pages=16, warm=0, page_ids=None):
-    from kvcached_service.server.pool import DevicePool, PageIds
-    from kvcached_service.server.worker import DeviceWorker
+    from kvcached_service.server.core.pool import DevicePool, PageIds
+    from kvcached_service.server.core.worker import DeviceWorker
 
     w = DeviceWorker(backend, 0, "fake")
     w.start()
@@ -196,7 +196,7 @@ def test_pool_makes_a_large_allocation_in_batches_and_never_leaks_one():
     with a batch in flight, every page made so far is released."""
     import time as _time
 
-    from kvcached_service.server.pool import CREATE_BATCH
+    from kvcached_service.server.core.pool import CREATE_BATCH
 
     async def drain(pool):
         for _ in range(3):  # releases are queued on the worker
@@ -283,7 +283,7 @@ def test_books_are_a_frozen_snapshot():
 
 
 def test_page_ids_are_shared_by_pools_and_continue_after_a_restart():
-    from kvcached_service.server.pool import PageIds
+    from kvcached_service.server.core.pool import PageIds
 
     async def run():
         ids = PageIds()
@@ -326,7 +326,7 @@ def test_orphans_and_adoption_go_through_the_pool():
 
 
 def test_admission_one_function_for_every_limit():
-    from kvcached_service.server.pool import Budget, admit
+    from kvcached_service.server.core.pool import Budget, admit
 
     books = [Budget("D0", 4096, 100), Budget("D1", 4096, 50)]
     admit(books, session="s", guaranteed_bytes=0, max_bytes=0, device="D0", held_pages=90, more_pages=10)
@@ -404,7 +404,7 @@ def test_front_door_names_callers_and_fails_closed(tmp_path):
     a direct connection to grpcio's private socket (only the daemon's uid
     and root can make one) is not named (None: trusted)."""
     from kvcached_service.config import Settings
-    from kvcached_service.server import control
+    from kvcached_service.server.transports import control
 
     front = control.ControlFront(Settings(socket=str(tmp_path / "k.sock")))
     try:
@@ -433,7 +433,7 @@ def test_front_door_relays_early_client_bytes_in_order_and_names_the_caller(tmp_
     name is the client's kernel credentials; when the client closes, the
     front door forgets it (GONE) and grpcio's side reads EOF."""
     from kvcached_service.config import Settings
-    from kvcached_service.server import control
+    from kvcached_service.server.transports import control
 
     preface, settings = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
 
@@ -492,7 +492,7 @@ def test_front_door_connects_through_a_full_backlog(tmp_path):
     read EOF); the control socket itself listens with a deep backlog, not
     asyncio's default of 100."""
     from kvcached_service.config import Settings
-    from kvcached_service.server import control
+    from kvcached_service.server.transports import control
 
     path = str(tmp_path / "l.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -195,7 +195,7 @@ def test_a_page_store_of_a_newer_format_stops_the_start_and_takes_nothing(daemon
 
 
 def test_systemd_store_names_carry_the_format():
-    from kvcached_service.server import keeper
+    from kvcached_service.server.recovery import keeper
 
     assert keeper.store_format_of(keeper.fdname(12345)) == 1
     assert keeper.store_format_of("~2.AbC") == 2 and keeper.store_format_of("stdin") is None

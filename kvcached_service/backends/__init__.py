@@ -3,7 +3,7 @@
 This module is the one place the daemon decides which backend serves: a
 registry of name -> factory, the order in which `--backend auto` tries them,
 and the backend it falls back to (host) with the log line that says so.
-config.py validates `--backend` against it and server/main.py asks it for
+config.py validates `--backend` against it and server/ops/main.py asks it for
 the backend. Importing it imports no backend: each factory imports its
 module when called, so a host without a GPU driver never loads one.
 

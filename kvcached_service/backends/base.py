@@ -3,7 +3,7 @@
 A backend turns "N pages of this device" into physical allocations, each
 exported as a file descriptor another process can map. It is chosen once at
 start-up (`--backend host|cuda|auto`). The pool calls the methods of one
-device on that device's worker threads (see server/worker.py): `zero_pages`
+device on that device's worker threads (see server/core/worker.py): `zero_pages`
 on the zeroer's, everything else on the device worker; `worker_init` runs
 once on each, so a backend may keep thread-bound state there (the CUDA
 backend makes the device's primary context current). No method but

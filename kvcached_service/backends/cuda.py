@@ -28,7 +28,7 @@ re-sent fd is kept as the page's export.
 
 Threading: the pool calls a device's create, export and release on the
 device's worker thread and zero_pages on a second worker of its own
-(server/pool/zeroer.py). `worker_init` retains the device's primary context
+(server/core/pool/zeroer.py). `worker_init` retains the device's primary context
 and makes it current on the calling thread (each worker); the last
 `worker_exit` frees the stream, the event and the windows and the context
 goes with the last release. Calls made from any other thread (`memory_info`

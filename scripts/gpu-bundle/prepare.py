@@ -131,7 +131,7 @@ def make_venv(repo: pathlib.Path, wheels: pathlib.Path, rows_path: pathlib.Path,
     # after the bundle's wheels
     host_sites = [d for d in pysite.getsitepackages() if os.path.isdir(d)] if sys.prefix != sys.base_prefix else []
     (site / "kvcached_bundle.pth").write_text("\n".join([str(repo), *extra_sites, *host_sites]) + "\n")
-    for name, module, func in (("kvcached-serve", "kvcached_service.server.main", "main"),
+    for name, module, func in (("kvcached-serve", "kvcached_service.server.ops.main", "main"),
                                ("kvcachedctl", "kvcached_service.ctl", "main")):
         p = venv / "bin" / name
         p.write_text(SCRIPT.format(python=py, module=module, func=func))

@@ -23,8 +23,8 @@ import targets  # noqa: E402  (not instrumented: the harness, not the code under
 with atheris.instrument_imports(include=["kvcached_service"]):
     import kvcached_service.config  # noqa: F401
     import kvcached_service.fdchannel  # noqa: F401
-    import kvcached_service.server.journal  # noqa: F401
-    import kvcached_service.server.keeper  # noqa: F401
+    import kvcached_service.server.recovery.journal  # noqa: F401
+    import kvcached_service.server.recovery.keeper  # noqa: F401
 
 
 def main() -> None:

@@ -8,12 +8,12 @@ that breaks the decoder's own contract (the checks below). The engine
 
   fdchannel     kvcached_service.fdchannel.decode / decode_hot: one record
                 of the fd channel, as the daemon and the Python client read it
-  journal       kvcached_service.server.journal.Journal.read: a whole
+  journal       kvcached_service.server.recovery.journal.Journal.read: a whole
                 journal file, as a restarted daemon reads it
-  keeper_names  kvcached_service.server.keeper: systemd's fd store names
+  keeper_names  kvcached_service.server.recovery.keeper: systemd's fd store names
                 (page_of, store_format_of, SystemdStore.take_all) and the
                 LISTEN_* variables they come in (listen_fds)
-  keeper_records  kvcached_service.server.keeper: the keeper's records
+  keeper_records  kvcached_service.server.recovery.keeper: the keeper's records
                 (decode; Keeper.handle, as the keeper reads the daemon's;
                 take_reply, as the daemon reads the keeper's answer to TAKE)
   config        kvcached_service.config.load_settings: a TOML file and
@@ -161,7 +161,7 @@ _JOURNAL_DIR = "/nonexistent/kvcached-fuzz"  # read() touches no file: the path 
 
 
 def journal(data: bytes) -> None:
-    from kvcached_service.server import journal as jr
+    from kvcached_service.server.recovery import journal as jr
 
     j = jr.Journal(_JOURNAL_DIR)
     try:
@@ -183,7 +183,7 @@ def journal(data: bytes) -> None:
 
 # ---------------------------------------------------------------- page store names
 def keeper_names(data: bytes) -> None:
-    from kvcached_service.server import keeper as kp
+    from kvcached_service.server.recovery import keeper as kp
 
     if not data:
         return
@@ -249,7 +249,7 @@ def _fds_closed_or_in(fds: list[int], kept, what: str) -> None:
 def keeper_records(data: bytes) -> None:
     import socket
 
-    from kvcached_service.server import keeper as kp
+    from kvcached_service.server.recovery import keeper as kp
 
     if not data:
         return
@@ -379,7 +379,7 @@ def _journal_seeds() -> list[bytes]:
 
 
 def _keeper_seeds() -> list[bytes]:
-    from kvcached_service.server.keeper import fdname
+    from kvcached_service.server.recovery.keeper import fdname
 
     names = ":".join(fdname(p) for p in (1, 63, 64, 4095, (1 << 62) - 1, 1 << 63))
     return [b"\x06" + names.encode(), b"\x03~1:~2.Zm9v:stored-socket", b"\xff12:~1:~1:~A", b"\xffx:~1", b"\x02~:~~", b"\x01~3.x"]

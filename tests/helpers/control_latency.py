@@ -28,7 +28,7 @@ def main() -> int:
                           "--memory-limit", "256MiB", "--log-level", "WARNING"])
     try:
         assert wait_serving(sock, 30), "the daemon did not start"
-        private = os.path.join(d, ".k.sock.grpc", "grpc.sock")  # server/control.py: beside the socket
+        private = os.path.join(d, ".k.sock.grpc", "grpc.sock")  # server/transports/control.py: beside the socket
         stubs = {"front door": pbg.KVCachedStub(grpc.insecure_channel("unix:" + sock)),
                  "grpcio directly": pbg.KVCachedStub(grpc.insecure_channel("unix:" + private, options=[("grpc.use_local_subchannel_pool", 1)]))}
         times: dict[str, list[float]] = {k: [] for k in stubs}

@@ -26,8 +26,9 @@ import sys
 
 import kvcached_service
 from kvcached_service import fdchannel
-from kvcached_service.server import channel, worker
-from kvcached_service.server.main import main
+from kvcached_service.server.transports import channel
+from kvcached_service.server.core import worker
+from kvcached_service.server.ops.main import main
 
 PKG = os.path.dirname(kvcached_service.__file__) + os.sep  # only the package's files: not a .venv inside the checkout
 TREE = os.path.dirname(os.path.dirname(kvcached_service.__file__)) + os.sep

@@ -99,19 +99,19 @@ def test_the_distribution_name_and_metadata(wheel, sdist):
     assert "License-Expression: Apache-2.0" in meta
     for dep in ("grpcio", "protobuf", "pydantic", "prometheus-client"):
         assert f"Requires-Dist: {dep}" in meta, dep
-    assert "kvcached-serve = kvcached_service.server.main:main" in eps
+    assert "kvcached-serve = kvcached_service.server.ops.main:main" in eps
     assert "kvcachedctl = kvcached_service.ctl:main" in eps
     # the import package with its generated stubs; nothing else at the top level
     assert {n.split("/")[0] for n in names} == {"kvcached_service", f"kvcached_service-{version}.dist-info"}
     for must in ("kvcached_service/_generated/kvcached/v1/kvcached_pb2.py", "kvcached_service/_generated/kvcached/v1/kvcached_pb2_grpc.py",
-                 "kvcached_service/ctl/cli.py", "kvcached_service/server/main.py", "kvcached_service/client/client.py",
-                 "kvcached_service/server/_relay.abi3.so"):
+                 "kvcached_service/ctl/cli.py", "kvcached_service/server/ops/main.py", "kvcached_service/client/client.py",
+                 "kvcached_service/server/transports/_relay.abi3.so"):
         assert must in names, must
     with tarfile.open(sdist) as t:
         members = [m.name.split("/", 1)[1] for m in t.getmembers() if "/" in m.name]
     assert "pyproject.toml" in members and "README.md" in members
     assert "kvcached_service/_generated/kvcached/v1/kvcached_pb2.py" in members
-    assert "kvcached_service/server/relay.c" in members and not [m for m in members if m.endswith(".so")]
+    assert "kvcached_service/server/transports/relay.c" in members and not [m for m in members if m.endswith(".so")]
     assert not [m for m in members if m.startswith((".venv", "build/", "tests/", ".git"))]
 
 
@@ -123,7 +123,7 @@ def test_the_wheel_is_manylinux_2_17(wheel, tmp_path):
     with zipfile.ZipFile(wheel) as z:
         wheel_meta = z.read(f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info/WHEEL").decode()
         so = tmp_path / "_relay.abi3.so"
-        so.write_bytes(z.read("kvcached_service/server/_relay.abi3.so"))
+        so.write_bytes(z.read("kvcached_service/server/transports/_relay.abi3.so"))
     assert f"Tag: cp310-abi3-manylinux_2_17_{M}" in wheel_meta and f"Tag: cp310-abi3-manylinux2014_{M}" in wheel_meta, wheel_meta
     r = subprocess.run([sys.executable, "-m", "auditwheel", "show", str(wheel)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

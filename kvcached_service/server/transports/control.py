@@ -51,10 +51,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from .. import fdchannel
+from ... import fdchannel
 from . import relay
-from ..config import Settings
-from .sockets import apply_socket_permissions, prepare_socket_path
+from ...config import Settings
+from ..host.sockets import apply_socket_permissions, prepare_socket_path
 
 log = logging.getLogger("kvcached.control")
 

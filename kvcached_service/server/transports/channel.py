@@ -53,13 +53,13 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Coroutine
 
-from .. import errors, fdchannel
-from ..config import Settings
-from .sessions import Adoption, DeliveryFailed, Session
-from .sockets import apply_socket_permissions, prepare_socket_path
+from ... import errors, fdchannel
+from ...config import Settings
+from ..core.sessions import Adoption, DeliveryFailed, Session
+from ..host.sockets import apply_socket_permissions, prepare_socket_path
 
 if TYPE_CHECKING:
-    from .daemon import Daemon
+    from ..core.daemon import Daemon
 
 log = logging.getLogger("kvcached.channel")
 
@@ -517,7 +517,7 @@ class ChannelServer:
             fdchannel.close_fds(rec.fds)
             return
         for pid, fd in zip(rec.page_ids, rec.fds):
-            if not self.daemon.recovery.may_adopt(rec.session_id, conn.uid, pid):
+            if not self.daemon.may_adopt(rec.session_id, conn.uid, pid):
                 fdchannel.close_fds([fd])
                 continue
             a.session_id = rec.session_id

@@ -13,7 +13,7 @@ import concurrent.futures
 import threading
 from typing import Any, Callable
 
-from ..backends.base import Backend
+from ...backends.base import Backend
 
 
 class DeviceWorker:

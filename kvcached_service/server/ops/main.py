@@ -4,7 +4,7 @@ Exit codes: 0 after a clean shutdown (SIGTERM/SIGINT), 2 for invalid
 settings (including a state directory that cannot be read or written), 1
 when the daemon cannot start (backend unusable, socket busy). A damaged
 journal is not a reason to stop: it is moved aside and the daemon starts
-without resumes (recovery.Recovery.recover).
+without resumes (recovery/resume.py, Recovery.recover).
 """
 
 from __future__ import annotations
@@ -23,19 +23,21 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from .. import __version__, backends, errors
-from .._generated.kvcached.v1 import kvcached_pb2 as pb
-from ..backends.base import Backend
-from ..config import ConfigError, Settings, load_settings
-from . import sdnotify
-from .channel import ChannelServer
-from .control import ControlFront
-from .relay import RelayUnavailable
-from .daemon import Daemon, ShutdownIncomplete
-from .health import HealthService
+from ... import __version__, backends, errors
+from ..._generated.kvcached.v1 import kvcached_pb2 as pb
+from ...backends.base import Backend
+from ...config import ConfigError, Settings, load_settings
+from ..core.daemon import Daemon, ShutdownIncomplete
+from ..host import sdnotify
+from ..host.sockets import prepare_socket_path
+from ..recovery.resume import Recovery
+from ..transports.channel import ChannelServer
+from ..transports.control import ControlFront
+from ..transports.health import HealthService
+from ..transports.relay import RelayUnavailable
+from ..transports.service import KVCachedService, add_to_server
+from . import systemd
 from .metrics import Metrics
-from .service import KVCachedService, add_to_server
-from .sockets import prepare_socket_path
 
 log = logging.getLogger("kvcached")
 
@@ -219,7 +221,10 @@ def _start_core(settings: Settings, daemon: Daemon, backend: Backend) -> None:
     devices stopped."""
     try:
         daemon.start_devices()
-        daemon.recovery.recover()
+        if settings.state_dir:  # the journal, the orphans, the page store (recovery/)
+            recovery = Recovery(settings, daemon.ledger, daemon.identity, daemon.bind)
+            daemon.attach_recovery(recovery)
+            recovery.recover()
     except errors.KVCachedError as exc:
         _stop_devices(daemon, backend)
         raise StartupError(exc.message) from None
@@ -321,7 +326,7 @@ async def _announce_ready(settings: Settings, daemon: Daemon, health: HealthServ
         return sdnotify.Notifier(None)
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    notifier = sdnotify.start_for(daemon)
+    notifier = systemd.start_for(daemon)
     log.info("serving on %s (fd channel %s), pid %d", settings.socket, settings.fd_socket, os.getpid())
     return notifier
 

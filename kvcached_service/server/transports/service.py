@@ -20,15 +20,15 @@ from typing import Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from .. import __version__, errors, fdchannel
-from .._generated.kvcached.v1 import kvcached_pb2 as pb
-from .._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
-from ..errors_grpc import to_grpc
+from ... import __version__, errors, fdchannel
+from ..._generated.kvcached.v1 import kvcached_pb2 as pb
+from ..._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
+from ...errors_grpc import to_grpc
 from .control import Peer
-from .daemon import API_VERSION, CORE_OPS, Bearer, Daemon, Event
-from .elastic import Reclaim, pending_pages
-from .pool import Books, DevicePool
-from .sessions import Session
+from ..core.daemon import API_VERSION, CORE_OPS, Bearer, Daemon, Event
+from ..core.elastic import Reclaim, pending_pages
+from ..core.pool import Books, DevicePool
+from ..core.sessions import Session
 
 log = logging.getLogger("kvcached.rpc")
 

@@ -40,10 +40,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-from ... import errors
-from ...backends.base import Backend, DeviceSpec, PageHandle
-from ...config import format_size
-from ...fdchannel import close_fds
+from .... import errors
+from ....backends.base import Backend, DeviceSpec, PageHandle
+from ....config import format_size
+from ....fdchannel import close_fds
 from ..worker import DeviceWorker
 from .books import Books, Budget, Counts, PageIds, PoolCounters, Shortage, admit
 from .keepers import Keepers

@@ -20,8 +20,8 @@ import hmac
 from dataclasses import dataclass
 from typing import Union
 
-from .. import errors
-from ..config import Settings
+from ... import errors
+from ...config import Settings
 from .sessions import PortDirectory, Session, SessionPort, Tombstones
 
 

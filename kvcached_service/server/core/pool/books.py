@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ... import errors
-from ...config import format_size
+from .... import errors
+from ....config import format_size
 
 
 class PageIds:

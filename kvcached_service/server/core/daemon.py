@@ -11,8 +11,11 @@ Beside the core, each in its own module:
   channel vouches for (the kernel named the sender) or a `Bearer` (id,
   token, uid) from gRPC; it checks tokens, uids and admin rights, and
   refuses a Bearer's mutating requests unless --grpc-page-ops;
-- recovery.py (`self.recovery`): the journal, the sessions of a previous
-  daemon (orphans) and ResumeSession, the page store (keeper);
+- ledger.py: the books a restart carries (`self.ledger`: sessions, pools,
+  ids, tombstones, counters), and `self.recovery`, what the core asks of
+  recovery/ (the journal, the sessions of a previous daemon and
+  ResumeSession, the page store): a `RecoveryPort`, `NoRecovery` until
+  ops/main.py attaches recovery/resume.py's Recovery (with --state-dir);
 - pool/ (device.py): a loan (`DevicePool.lend`) admits (the budget is the pool's:
   `admit`), acquires and exports pages as one step with one rollback; the
   core decides what a shortage does (`_Patience`: wait, ask other sessions
@@ -41,14 +44,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple
 
-from .. import errors, fdchannel
-from ..backends.base import Backend
-from ..config import Settings, format_size
-from ..errors import Code
+from ... import errors, fdchannel
+from ...backends.base import Backend
+from ...config import Settings, format_size
+from ...errors import Code
 from .elastic import Reclaim, Reclaimer, pending_pages
 from .identity import Bearer, Identity, Who
+from .ledger import Ledger, NoRecovery, RecoveryPort
 from .pool import DevicePool, Page, PageIds, Shortage, admit
-from .recovery import Recovery
 from .sessions import DeliveryFailed, PortDirectory, Session, SessionPort, Tombstones, check_labels, check_name
 from .worker import DeviceWorker
 
@@ -104,12 +107,14 @@ class Daemon:
     def __init__(self, settings: Settings, backend: Backend):
         self.settings = settings
         self.backend = backend
-        self.pools: dict[str, DevicePool] = {}
+        # the books a restart carries (ledger.py); the names below are the same objects
+        self.ledger = Ledger(counters={"sessions_opened": 0, "sessions_closed": 0, "sessions_crashed": 0, "fd_channel_errors": 0})
+        self.pools: dict[str, DevicePool] = self.ledger.pools
         self.workers: list[DeviceWorker] = []
-        self.sessions: dict[int, Session] = {}
+        self.sessions: dict[int, Session] = self.ledger.sessions
         self.ports: PortDirectory | None = None  # the fd channel adapter, once attached
-        self.tombstones = Tombstones()
-        self.page_ids = PageIds()
+        self.tombstones: Tombstones = self.ledger.tombstones
+        self.page_ids: PageIds = self.ledger.page_ids
         self._alloc_ids = itertools.count(1)
         self.started_monotonic = time.monotonic()
         self.shutting_down = False
@@ -118,14 +123,13 @@ class Daemon:
         self.on_session_end: list[Callable[[Session, str], None]] = []
         # (operation, Code, seconds, waited) once per core operation (CORE_OPS)
         self.observers: list[Callable[[str, Code, float, bool], None]] = []
-        self.counters = {"sessions_opened": 0, "sessions_closed": 0, "sessions_crashed": 0, "fd_channel_errors": 0}
+        self.counters = self.ledger.counters
         self.reclaimer = Reclaimer(lambda: list(self.sessions.values()), self._post, settings.reclaim_timeout_ms / 1000)
         # (session, pool uuid, pages): tell the session when that many pages could be had
         self._notify: list[tuple[Session, str, int]] = []
-        self.next_session_id = 1
         self._supply_read = 0.0  # when the devices' free memory was last read (monotonic)
         self.identity = Identity(self.sessions, self.tombstones, settings)  # who is asking (identity.py)
-        self.recovery = Recovery(self)  # journal, orphans, page store (recovery.py)
+        self.recovery: RecoveryPort = NoRecovery()  # ops/main.py attaches recovery/'s with --state-dir
 
     # ---- start-up -------------------------------------------------------
     def start_devices(self) -> None:
@@ -215,6 +219,11 @@ class Daemon:
         """The fd channel adapter: where sessions' channels come from."""
         self.ports = self.identity.ports = ports
 
+    def attach_recovery(self, recovery: RecoveryPort) -> None:
+        """recovery/'s Recovery (ops/main.py, with --state-dir), before the
+        daemon serves: the core journals its changes through it from now on."""
+        self.recovery = recovery
+
     async def prefill(self) -> None:
         await asyncio.gather(*(p.prefill() for p in self.pools.values()))
 
@@ -246,7 +255,7 @@ class Daemon:
 
     def count(self, counter: str) -> None:
         """An event an adapter reports (e.g. fd_channel_errors)."""
-        self.counters[counter] = self.counters.get(counter, 0) + 1
+        self.ledger.count(counter)
 
     def observe(self, op: str, code: Code, seconds: float, waited: bool = False) -> None:
         """Report one core operation to the observers. An adapter calls it
@@ -280,11 +289,11 @@ class Daemon:
             raise errors.ResourceExhausted(f"{len(self.sessions)} sessions open (max_sessions)")
         admit(self._budgets(), session=f"'{name}'", guaranteed_bytes=guaranteed_bytes, max_bytes=max_bytes,
               others_guaranteed=self._others_guaranteed(None))
-        resume_token = secrets.token_bytes(SECRET_SIZE) if self.recovery.journal is not None else b""
-        s = self.bind(port, id=self.next_session_id, name=name, labels=labels, guaranteed_bytes=guaranteed_bytes,
+        resume_token = secrets.token_bytes(SECRET_SIZE) if self.recovery.journaling else b""
+        s = self.bind(port, id=self.ledger.next_session_id, name=name, labels=labels, guaranteed_bytes=guaranteed_bytes,
                       max_bytes=max_bytes, priority=priority,
                       resume_hash=hashlib.sha256(resume_token).hexdigest() if resume_token else "")
-        self.next_session_id += 1
+        self.ledger.next_session_id += 1
         s.resume_token = resume_token  # handed to the client once, never stored
         self.counters["sessions_opened"] += 1
         self.recovery.record({"op": "open", "sid": s.id, "uid": s.uid, "name": name, "rh": s.resume_hash,
@@ -295,15 +304,20 @@ class Daemon:
 
     def bind(self, port: SessionPort, **fields) -> Session:
         """A live session on `port` (OpenSession, or ResumeSession through
-        recovery.py): a new token, admin by the port's uid."""
+        recovery/resume.py): a new token, admin by the port's uid."""
         s = Session(token=secrets.token_bytes(SECRET_SIZE), port=port, admin=self.settings.is_admin(port.uid), **fields)
         self.identity.directory().bind(port, s)
         self.sessions[s.id] = s
         return s
 
+    def may_adopt(self, session_id: int, uid: int, page_id: int) -> bool:
+        """Whether an ADOPT record's page is worth keeping until ResumeSession
+        (the fd channel asks; recovery knows the orphans)."""
+        return self.recovery.may_adopt(session_id, uid, page_id)
+
     async def resume_session(self, caller_uid: int | None, secret: bytes, sid: int, token: bytes,
                              page_ids: list[int]) -> tuple[Session, int, int]:
-        """ResumeSession: recovery.Recovery.resume checks the claim against
+        """ResumeSession: recovery/resume.py's Recovery.resume checks the claim against
         the journal and adopts the pages. Returns (session, adopted, forgotten)."""
         self._check_serving()
         return await self.recovery.resume(caller_uid, secret, sid, token, page_ids)
@@ -405,7 +419,7 @@ class Daemon:
         s.add_pages(pages)
         a = Allocated(alloc_id, pool.uuid, pool.page_size, [p.id for p in pages], s.held_pages(pool.uuid) * pool.page_size,
                       pages, loan.fds, loan.owned)
-        if self.recovery.journal is not None:  # an attribute, not a call: nothing to book without --state-dir
+        if self.recovery.journaling:  # an attribute, not a call: nothing to book without --state-dir
             try:
                 self.recovery.lent(s, pool, pages, loan.fds)
             except BaseException as exc:

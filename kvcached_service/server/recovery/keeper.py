@@ -12,7 +12,7 @@ memory stays alive meanwhile because the keeper holds a reference to it.
 
 Two halves, one module (this module owns the store's boundary):
 
-- the keeper: `python -m kvcached_service.server.keeper --state-dir DIR
+- the keeper: `python -m kvcached_service.server.recovery.keeper --state-dir DIR
   --grace S`, started by the daemon in its own session (setsid). It listens
   on `DIR/keeper.sock` (the state dir is 0700: only the daemon's uid and root
   reach it; a peer of another uid is refused by SO_PEERCRED too), holds
@@ -66,8 +66,8 @@ import subprocess
 import sys
 import time
 
-from ..fdchannel import close_fds, peer_credentials
-from .sdnotify import notify_address
+from ...fdchannel import close_fds, peer_credentials
+from ..host.sdnotify import notify_address
 
 log = logging.getLogger("kvcached.keeper")
 
@@ -298,7 +298,7 @@ class PageStore:
         sock = cls._connect(path)
         if sock is None:
             with open(os.path.join(state_dir, "keeper.log"), "ab") as logf:
-                subprocess.Popen([python, "-m", "kvcached_service.server.keeper", "--state-dir", state_dir, "--grace", str(grace)],
+                subprocess.Popen([python, "-m", "kvcached_service.server.recovery.keeper", "--state-dir", state_dir, "--grace", str(grace)],
                                  stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True, close_fds=True,
                                  )
             deadline = time.monotonic() + 10

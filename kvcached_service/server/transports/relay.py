@@ -40,7 +40,7 @@ def _lib() -> ctypes.CDLL:
         path = library_path()
         if path is None:
             raise RelayUnavailable(
-                "the control socket's relay (kvcached_service/server/relay.c) is not built: install the package "
+                "the control socket's relay (kvcached_service/server/transports/relay.c) is not built: install the package "
                 "(`pip install .`, or `pip install -e .` in a checkout; both need a C compiler) or build it in "
                 "place with `python setup.py build_ext --inplace`")
         try:

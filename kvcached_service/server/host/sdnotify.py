@@ -13,7 +13,8 @@ assignments to it:
 
 The pings come from a task on the daemon's event loop, so a stuck loop
 stops pinging and systemd's watchdog restarts the daemon. Without
-NOTIFY_SOCKET every call here is a no-op.
+NOTIFY_SOCKET every call here is a no-op. What the daemon says (its
+status line, when it is ready) is ops/systemd.py's.
 """
 
 from __future__ import annotations
@@ -22,12 +23,7 @@ import asyncio
 import logging
 import os
 import socket
-from typing import TYPE_CHECKING, Callable
-
-from ..config import format_size
-
-if TYPE_CHECKING:
-    from .daemon import Daemon
+from typing import Callable
 
 log = logging.getLogger("kvcached.sdnotify")
 
@@ -128,28 +124,3 @@ def _safe(status: Callable[[], str]) -> str:
         return status()
     except Exception as exc:  # noqa: BLE001 - a status line must never kill the daemon
         return f"serving (status unavailable: {type(exc).__name__})"
-
-
-def status_line(daemon: "Daemon") -> str:
-    """'serving 3 sessions; 1.50 GiB in use, 256 MiB pooled, budget 20 GiB on 2 devices'"""
-    pools = list(daemon.pools.values())
-    books = [p.books() for p in pools]
-    in_use = sum(b.in_use_bytes for b in books)
-    pooled = sum(b.pooled_bytes for b in books)
-    budget = sum(b.budget_bytes for b in books)
-    n = len(daemon.sessions)
-    where = f"{len(pools)} devices" if len(pools) != 1 else pools[0].uuid if pools else "no device"
-    return (
-        f"serving {n} session{'s' if n != 1 else ''}; {format_size(in_use)} in use, "
-        f"{format_size(pooled)} pooled, budget {format_size(budget)} on {where}"
-    )
-
-
-def start_for(daemon: "Daemon") -> Notifier:
-    """main.py's one call once the daemon serves: READY=1, STATUS, watchdog."""
-    n = Notifier.from_env()
-    if n.enabled:
-        wd = watchdog_seconds()
-        n.start(lambda: status_line(daemon), wd)
-        log.info("sd_notify: READY sent to %s%s", n.address, f", watchdog every {wd / 2:g} s" if wd else "")
-    return n

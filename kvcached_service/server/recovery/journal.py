@@ -32,7 +32,7 @@ a torn last record (no newline at the end of the file: the daemon died
 mid-write), which is applied if it happens to be complete and dropped
 otherwise. Anything else raises JournalDamaged naming the file, the line
 and the problem; the daemon then moves the file aside and starts without
-resumes (recovery.Recovery.recover, docs/reliability.md).
+resumes (resume.py, Recovery.recover; docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from . import procs
+from ..host import procs
 
 log = logging.getLogger("kvcached.journal")
 

@@ -16,13 +16,18 @@ import asyncio
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from .. import errors
-from . import procs
+from ... import errors
+from ..host import procs
 
-if TYPE_CHECKING:
-    from .pool import Page
+
+class HeldPage(Protocol):
+    """What a session knows of a page it holds: pool/pages.py's Page (the
+    pool lends to sessions, so sessions.py does not import the pool)."""
+
+    id: int
+    device: str
 
 
 class DeliveryFailed(Exception):
@@ -115,7 +120,7 @@ class Session:
     guaranteed_bytes: int = 0
     max_bytes: int = 0  # 0 = the device budget
     priority: int = 0
-    pages: dict[int, "Page"] = field(default_factory=dict)
+    pages: dict[int, "HeldPage"] = field(default_factory=dict)
     held_by_device: collections.Counter = field(default_factory=collections.Counter)
     standby_by_device: collections.Counter = field(default_factory=collections.Counter)  # of held: kept as standby
     opened_unix: float = field(default_factory=time.time)
@@ -144,14 +149,14 @@ class Session:
         self.last_active = time.monotonic()
         self.idle_asked = False
 
-    def add_pages(self, pages: list["Page"]) -> None:
+    def add_pages(self, pages: list["HeldPage"]) -> None:
         """Pages of one device, now the session's."""
         for p in pages:
             self.pages[p.id] = p
         if pages:
             self.held_by_device[pages[0].device] += len(pages)
 
-    def remove_pages(self, pages: list["Page"]) -> None:
+    def remove_pages(self, pages: list["HeldPage"]) -> None:
         """Pages of one device, no longer the session's."""
         for p in pages:
             del self.pages[p.id]

@@ -10,8 +10,8 @@ import os
 import socket
 import stat
 
-from .. import errors
-from ..config import Settings
+from ... import errors
+from ...config import Settings
 
 log = logging.getLogger("kvcached.daemon")
 

@@ -46,13 +46,13 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.utils import floatToGoString
 
-from .. import __version__, errors
-from ..errors import Code
-from ..errors_grpc import code_of
-from .daemon import CORE_OPS
+from ... import __version__, errors
+from ...errors import Code
+from ...errors_grpc import code_of
+from ..core.daemon import CORE_OPS
 
 if TYPE_CHECKING:
-    from .daemon import Daemon
+    from ..core.daemon import Daemon
 
 log = logging.getLogger("kvcached.metrics")
 
@@ -140,7 +140,7 @@ def snapshot(daemon: "Daemon", control: Any = None) -> dict:
     (and the control socket's front door, when given). Must run on the
     daemon's event loop thread (or with the loop idle)."""
     now = time.time()
-    recovery = getattr(daemon, "recovery", None)  # the journal's state (recovery.py)
+    recovery = getattr(daemon, "recovery", None)  # the journal's state (recovery/resume.py; NoRecovery without --state-dir)
     devices = []
     for uuid, pool in daemon.pools.items():
         b = pool.books()
@@ -468,7 +468,7 @@ def _waits(request: Any) -> bool:
     """Whether an Allocate asked to wait. The servicer receives raw bytes
     (it decodes them itself), so decode here too when needed."""
     if isinstance(request, (bytes, bytearray)):
-        from .._generated.kvcached.v1 import kvcached_pb2 as pb
+        from ..._generated.kvcached.v1 import kvcached_pb2 as pb
         from google.protobuf.message import DecodeError
 
         try:

@@ -11,8 +11,11 @@
   page's fd, put there before the client can hold the page, so that a
   resume needs no fd from the client.
 
-Recovery is the core's (daemon.py) part for these; it reads the core's
-sessions, pools and ids and binds resumed sessions through it.
+Recovery is what the core (core/daemon.py) asks of recovery
+(core/ledger.py's RecoveryPort). It gets the few things it uses, not the
+core: the settings, the core's Ledger (the sessions, pools, ids and
+tombstones it restores and books), the Identity that finds a resuming
+client's channel, and `bind`, which makes a resumed session live.
 """
 
 from __future__ import annotations
@@ -24,19 +27,18 @@ import logging
 import os
 import resource
 import time
-from typing import TYPE_CHECKING, Iterable
+from typing import Callable, Iterable
 
-from .. import errors
-from ..fdchannel import close_fds
-from ..config import ConfigError
+from ... import errors
+from ...fdchannel import close_fds
+from ...config import ConfigError, Settings
 from .journal import JournalDamaged, JournalTooNew, JSession, Journal
 from .keeper import PageStore, StoreTooNew, StoreUnavailable, SystemdStore
-from . import procs
-from .pool import DevicePool, Page
-from .sessions import Session
-
-if TYPE_CHECKING:
-    from .daemon import Daemon
+from ..host import procs
+from ..core.identity import Identity
+from ..core.ledger import Ledger
+from ..core.pool import DevicePool, Page
+from ..core.sessions import Session
 
 log = logging.getLogger("kvcached.daemon")
 
@@ -47,10 +49,13 @@ STORE_RETRY_SECONDS = 2.0  # a keeper that went away is started again this often
 class Recovery:
     """The journal, the orphans and the page store of one Daemon."""
 
-    def __init__(self, core: "Daemon"):
-        self.core = core
-        self.settings = core.settings
-        self.journal: Journal | None = Journal(core.settings.state_dir) if core.settings.state_dir else None
+    def __init__(self, settings: Settings, ledger: Ledger, identity: Identity, bind: Callable[..., Session]):
+        self.settings = settings
+        self.books = ledger
+        self.identity = identity
+        self.bind = bind  # (port, id=, name=, ...) -> the live Session (core/daemon.py Daemon.bind)
+        self.journal: Journal | None = Journal(settings.state_dir) if settings.state_dir else None
+        self.journaling = self.journal is not None  # an attribute the core reads on every loan, not a call
         # sessions of a previous daemon, waiting for their clients to resume them
         self.orphans: dict[int, JSession] = {}
         self._orphan_deadline: dict[int, float] = {}
@@ -68,7 +73,7 @@ class Recovery:
         (ResumeSession) or resume_grace passes. Then start a new journal."""
         if self.journal is None:
             return
-        j, core = self.journal, self.core
+        j, books = self.journal, self.books
         try:
             j.load()
         except JournalTooNew as exc:  # not damage: nothing is moved or rewritten
@@ -83,11 +88,11 @@ class Recovery:
                 "unavailable, not free, until they let it go (the budget follows the device's free memory). "
                 "Nothing else to do: keep %s for a bug report, then delete it (docs/reliability.md).",
                 exc, aside, aside.name)
-        core.next_session_id = j.next_session_id
-        core.page_ids.continue_from(j.next_page_id)
+        books.next_session_id = j.next_session_id
+        books.page_ids.continue_from(j.next_page_id)
         for js in j.sessions.values():
             for pid, (dev, _) in list(js.pages.items()):
-                pool = core.pools.get(dev)
+                pool = books.pools.get(dev)
                 if pool is None:
                     log.warning("journal: session %d page %d is on device %s, which this daemon does not serve; forgotten", js.sid, pid, dev)
                     del js.pages[pid]
@@ -138,7 +143,7 @@ class Recovery:
             return
         if kind == "auto":
             kind = "systemd" if SystemdStore.wanted() else "keeper"
-        pages = sum(p.budget.pages for p in self.core.pools.values())
+        pages = sum(p.budget.pages for p in self.books.pools.values())
         try:
             if kind == "systemd":
                 self.store = SystemdStore.from_env()
@@ -187,7 +192,7 @@ class Recovery:
             log.warning("page store: systemd's fd store (NOTIFY_SOCKET %s); systemd did not say its size ($FDSTORE, "
                         "systemd 254+): set FileDescriptorStoreMax= to at least the budget's %d pages", store.path, pages)
             return
-        prealloc = sum(-(-self.settings.prealloc_bytes // p.page_size) for p in self.core.pools.values())
+        prealloc = sum(-(-self.settings.prealloc_bytes // p.page_size) for p in self.books.pools.values())
         if cap < prealloc:
             raise ConfigError(
                 f"page_store: systemd's fd store holds {cap} fds (FileDescriptorStoreMax=) but --prealloc makes "
@@ -208,9 +213,9 @@ class Recovery:
             return
         try:
             j.append(rec)
-            live = sum(len(s.pages) + 1 for s in self.core.sessions.values()) + sum(len(o.pages) + 1 for o in self.orphans.values())
+            live = sum(len(s.pages) + 1 for s in self.books.sessions.values()) + sum(len(o.pages) + 1 for o in self.orphans.values())
             if j.wants_compaction(live):
-                j.compact(self._live_state(), self.core.next_session_id, self.core.page_ids.peek())
+                j.compact(self._live_state(), self.books.next_session_id, self.books.page_ids.peek())
         except OSError as exc:
             self._journal_failed(exc)
 
@@ -265,7 +270,7 @@ class Recovery:
 
     def _live_state(self) -> dict[int, JSession]:
         out = dict(self.orphans)
-        for s in self.core.sessions.values():
+        for s in self.books.sessions.values():
             out[s.id] = JSession(
                 s.id, s.uid, s.name, s.resume_hash, s.guaranteed_bytes, s.max_bytes, s.priority, s.labels,
                 {p.id: (p.device, p.ident) for p in s.pages.values()}, pid=s.pid if s.pstart else 0, pstart=s.pstart,
@@ -285,14 +290,14 @@ class Recovery:
             return
         assert self.journal is not None
         try:
-            self.journal.compact(self._live_state(), self.core.next_session_id, self.core.page_ids.peek())
+            self.journal.compact(self._live_state(), self.books.next_session_id, self.books.page_ids.peek())
         except OSError as exc:
             self.journal.abandon()
             self._journal_retry = now + JOURNAL_RETRY_SECONDS
             log.debug("journal: still cannot write %s: %s", self.journal.path, exc)
             return
         log.warning("journal: %s written again (%d sessions); sessions are resumable after a restart again "
-                    "(it had failed: %s)", self.journal.path, len(self.core.sessions) + len(self.orphans), self.journal_stale)
+                    "(it had failed: %s)", self.journal.path, len(self.books.sessions) + len(self.orphans), self.journal_stale)
         self.journal_stale = None
 
     async def restore_store(self, now: float) -> None:
@@ -316,12 +321,12 @@ class Recovery:
         self.store = new
         put = 0
         try:
-            for s in list(self.core.sessions.values()):
+            for s in list(self.books.sessions.values()):
                 by_pool: dict[str, list[Page]] = {}
                 for p in list(s.pages.values()):
                     by_pool.setdefault(p.device, []).append(p)
                 for dev, pages in by_pool.items():
-                    pool = self.core.pools[dev]
+                    pool = self.books.pools[dev]
                     fds, owned = await pool.export_fds(pages)
                     try:
                         new.put([p.id for p in pages], fds)
@@ -347,10 +352,10 @@ class Recovery:
         for dev, _ in js.pages.values():
             per_dev[dev] = per_dev.get(dev, 0) + 1
         for dev, n in per_dev.items():
-            self.core.pools[dev].forget_orphans(n)
+            self.books.pools[dev].forget_orphans(n)
         self.record({"op": "close", "sid": sid})
         self._unstore(js.pages)
-        self.core.tombstones.add(sid, reason)
+        self.books.tombstones.add(sid, reason)
         log.warning("session %d '%s' (uid %d): %s; forgetting its %d pages (their memory stays with whoever still maps them)",
                     sid, js.name, js.uid, reason, len(js.pages))
 
@@ -367,16 +372,16 @@ class Recovery:
         adopting the pages its client re-sent (ADOPT, collected by the
         channel adapter) after checking the claim against the journal.
         Returns (session, adopted, forgotten)."""
-        core = self.core
+        books = self.books
         if self.journal is None:
             raise errors.FailedPrecondition("this daemon keeps no journal (--state-dir), so sessions cannot be resumed; open a new one")
-        port = core.identity.port(caller_uid, secret, "ResumeSession")
-        adoption = core.identity.directory().adoption(port)
+        port = self.identity.port(caller_uid, secret, "ResumeSession")
+        adoption = self.identity.directory().adoption(port)
         js = self.orphans.get(sid)
         if js is None:
-            if sid in core.sessions:
+            if sid in books.sessions:
                 raise errors.FailedPrecondition(f"session {sid} is live; only a session of a previous daemon can be resumed")
-            reason = core.tombstones.get(sid)
+            reason = books.tombstones.get(sid)
             raise errors.NotFound(f"no session {sid} to resume" + (f" ({reason})" if reason else " in the journal"))
         if not hmac.compare_digest(hashlib.sha256(token).hexdigest(), js.resume_hash):
             raise errors.PermissionDenied(f"resume token does not match session {sid}")
@@ -403,7 +408,7 @@ class Recovery:
         # driver whose exports all share one fstat identity any page's fd
         # would pass for any other's, so nothing is adopted there.
         for dev in {js.pages[pid][0] for pid in resent}:
-            if dev in core.pools and not await core.pools[dev].identities_distinct():
+            if dev in books.pools and not await books.pools[dev].identities_distinct():
                 if sid in self.orphans:
                     self.forget_orphan(sid, "not resumable: the driver's exported fds do not identify their pages")
                 raise errors.FailedPrecondition(
@@ -411,27 +416,27 @@ class Recovery:
                     "same identity, so the daemon cannot tell which page a re-sent fd is; open a new session "
                     "(its old mappings keep their memory until unmapped)")
         for pid in resent:
-            if core.backend.identity(adoption.fds[pid]) != js.pages[pid][1]:
+            if books.pools[js.pages[pid][0]].backend.identity(adoption.fds[pid]) != js.pages[pid][1]:
                 raise errors.PermissionDenied(f"the fd sent for page {pid} is not the page the journal recorded; nothing was adopted")
         imported: dict[str, tuple[list[int], list]] = {}
         try:
             for dev, pids in by_dev.items():
                 fds = [self.stored.pop(pid) if pid in self.stored else adoption.take(pid) for pid in pids]
-                handles = await core.pools[dev].import_pages(fds)  # the backend takes the fds
+                handles = await books.pools[dev].import_pages(fds)  # the backend takes the fds
                 imported[dev] = (pids, handles)
         except BaseException:
             # undo earlier devices: the orphan keeps its pages, the client may retry
             for dev, (_, handles) in imported.items():
-                await core.pools[dev].release_handles(handles)
+                await books.pools[dev].release_handles(handles)
             raise
         adoption.discard()
         if sid not in self.orphans or port.closed:  # lost a race with the grace timer or the client
             for dev, (_, handles) in imported.items():
-                await core.pools[dev].release_handles(handles)
+                await books.pools[dev].release_handles(handles)
             raise errors.FailedPrecondition(f"session {sid} could not be resumed: it expired or its channel closed meanwhile")
         del self.orphans[sid]
         self._orphan_deadline.pop(sid, None)
-        s = core.bind(port, id=sid, name=js.name, labels=dict(js.labels), guaranteed_bytes=js.guaranteed_bytes,
+        s = self.bind(port, id=sid, name=js.name, labels=dict(js.labels), guaranteed_bytes=js.guaranteed_bytes,
                       max_bytes=js.max_bytes, priority=js.priority, resume_hash=js.resume_hash)
         adopted = {pid for pids, _ in imported.values() for pid in pids}
         forgotten = [pid for pid in js.pages if pid not in adopted]
@@ -440,16 +445,16 @@ class Recovery:
             dev = js.pages[pid][0]
             per_dev[dev] = per_dev.get(dev, 0) + 1
         for dev, n in per_dev.items():
-            core.pools[dev].forget_orphans(n)
+            books.pools[dev].forget_orphans(n)
         for dev, (pids, handles) in imported.items():
-            pool = core.pools[dev]
+            pool = books.pools[dev]
             pages = pool.adopt(s, [(pid, h, js.pages[pid][1]) for pid, h in zip(pids, handles)])
             s.add_pages(pages)
         self.record({"op": "resume", "sid": sid} | ({"pid": s.pid, "ps": s.pstart} if s.pstart else {}))
         if forgotten:
             self.record({"op": "free", "sid": sid, "pages": forgotten})
             self._unstore(forgotten)
-        core.count("sessions_resumed")
+        books.count("sessions_resumed")
         log.info("session %d '%s' resumed by pid %d uid %d: %d pages adopted, %d forgotten",
                  sid, s.name, s.pid, s.uid, len(adopted), len(forgotten))
         return s, len(adopted), len(forgotten)

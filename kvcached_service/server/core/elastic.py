@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from .. import errors
+from ... import errors
 
 if TYPE_CHECKING:
     from .pool import DevicePool

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ...fdchannel import close_fds
+from ....fdchannel import close_fds
 from .pages import Page
 
 

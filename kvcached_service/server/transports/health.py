@@ -16,8 +16,8 @@ import logging
 
 from grpc_health.v1 import health
 
-from .. import errors, errors_grpc
-from ..config import Settings
+from ... import errors, errors_grpc
+from ...config import Settings
 from .control import ControlFront
 
 log = logging.getLogger("kvcached.health")

@@ -18,7 +18,7 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...backends.base import PageHandle
+from ....backends.base import PageHandle
 
 if TYPE_CHECKING:
     from ..sessions import Session

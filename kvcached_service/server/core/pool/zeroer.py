@@ -24,7 +24,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
-from ...backends.base import Backend
+from ....backends.base import Backend
 from ..worker import DeviceWorker
 from .books import ZeroCounters
 from .pages import Page
