@@ -165,7 +165,7 @@ def test_the_manylinux_wheel_in_the_fresh_root(fresh, wheel, tmp_path):
         # the relay library the daemon loaded is the wheel's, in the venv
         out = ok(fresh.run("/opt/kvcached/bin/python -c 'import kvcached_service.server.transports.relay as r; print(r.library_path())'",
                            timeout=60, cwd="/root"))
-        assert re.match(r"/opt/kvcached/lib/python3\.1[0-9]/site-packages/kvcached_service/server/_relay", out.strip()), out
+        assert re.match(r"/opt/kvcached/lib/python3\.1[0-9]/site-packages/kvcached_service/server/transports/_relay", out.strip()), out
     finally:
         FreshRoot.interrupt(p, signal.SIGTERM)
         assert p.wait(60) == 0, log.read_text()
