@@ -478,7 +478,8 @@ def tree_of(ref: str) -> pathlib.Path:
         tree.mkdir(parents=True, exist_ok=True)
         arch = subprocess.run(["git", "archive", sha.stdout.strip(), "kvcached_service"], cwd=common.ROOT, capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", str(tree)], input=arch.stdout, check=True)
-    relay = tree / "kvcached_service" / "server" / "relay.c"
+    # server/relay.c before 4b87829, server/transports/relay.c since
+    relay = next(iter(sorted((tree / "kvcached_service" / "server").rglob("relay.c"))), tree / "missing")
     if relay.exists() and not list(relay.parent.glob("_relay*.so")):
         # the one compiled part (setup.py builds it in a checkout): the same flags
         subprocess.run(["cc", "-O2", "-Wall", "-shared", "-fPIC", "-o", str(relay.parent / "_relay.abi3.so"), str(relay), "-lpthread"],

@@ -246,6 +246,7 @@ def test_every_trip_is_counted_and_grows_no_further(traced, backend, pool):
     calls = len(client) + len(daemon)
     print(f"\n{backend} {pool} trip: {calls} cross-file calls (client {len(client)}, daemon {len(daemon)}), "
           f"{len(layers)} layers, {len(files)} files, {len(upcalls)} upcalls")
+    print(_show(client, daemon))
     assert not unnamed and not upcalls, _show(client, daemon)
     most_calls, most_layers = TRIP_COUNTS[backend, pool]
     assert calls <= most_calls and len(layers) <= most_layers, (calls, len(layers), _show(client, daemon))

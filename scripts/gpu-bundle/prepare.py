@@ -140,7 +140,7 @@ def make_venv(repo: pathlib.Path, wheels: pathlib.Path, rows_path: pathlib.Path,
         "pass" if whls else "FAIL")
     # the control socket's relay (relay.c, no Python API): built here, with
     # this host's compiler, with setup.py's flags
-    relay_c = repo / "kvcached_service" / "server" / "relay.c"
+    relay_c = repo / "kvcached_service" / "server" / "transports" / "relay.c"
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         row("control socket relay (relay.c) built", "a C compiler (cc) on PATH", "none", "FAIL")
