@@ -3,8 +3,10 @@ still map. Found by the chaos run through a real Ollama (bench/chaos.py,
 docs/reliability.md "A chaos run through a real Ollama"): after a SIGTERM,
 runners answered with tokens that differ from stock.
 
-The daemon's shutdown ends every session (daemon.py finish_shutdown ->
-end_session -> pool.give_back_now). It used to send the pages a client had
+Without a state dir the daemon's shutdown ends every session
+(core/daemon.py finish_shutdown -> end_session -> pool.give_back_now); with
+one, the sessions outlive the stop and their clients resume them at the
+next start (below). It used to send the pages a client had
 written to the zeroer and wait for it before releasing them, so a live
 client's mapped KV cells read zeros. Now pages whose sessions end because
 the daemon stops are released without zeroing: nobody gets them from this
@@ -16,9 +18,13 @@ zeroed as always (the isolation tests).
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 
 import pytest
+
+from kvtest import assert_books, wait_until
 
 
 def _write_then_stop(daemon_factory, tmp_path, backend, sig, state: bool):
@@ -42,3 +48,65 @@ def test_sigkill_leaves_mapped_pages_alone(daemon_factory, tmp_path, backend, st
 @pytest.mark.parametrize("state", [True, False], ids=["state-dir", "no-state-dir"])
 def test_sigterm_leaves_mapped_pages_alone(daemon_factory, tmp_path, backend, state):
     assert _write_then_stop(daemon_factory, tmp_path, backend, signal.SIGTERM, state) == b"my kv cells"
+
+
+@pytest.mark.parametrize("kind", ["host", "cuda"])
+def test_a_clean_stop_with_a_state_dir_is_resumed_like_a_crash(daemon_factory, tmp_path, kind):
+    """`systemctl restart` (SIGTERM, then a new start on the same state dir):
+    with a journal the sessions outlive the stop. The daemon closes every
+    channel without a word, keeps the journal and the page store, and exits
+    0; the client keeps its pages, resumes the session on the next daemon
+    (the same id, every page, every byte) and goes on. On the CUDA test
+    driver in its default identity (every export the same inode, as
+    NVIDIA's) the pages come back from the page store, not from the fds the
+    client re-sends."""
+    state = str(tmp_path / "state")
+    d = daemon_factory(kind, memory_limit="64MiB", state_dir=state)
+    p = d.spawn_client("client_proc.py", "hold", "3")
+    held = json.loads(p.stdout.readline())
+    try:
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(60) == 0, d.log_text()
+        log = d.log_text()
+        assert f"session {held['session']} 'hold-{p.pid}' left for the next start: 3 pages stay with its client" in log, log
+        assert os.path.exists(os.path.join(state, "journal.jsonl"))
+        d2 = daemon_factory(kind, memory_limit="64MiB", state_dir=state, socket=d.socket)
+        assert wait_until(lambda: f"session {held['session']} 'hold-{p.pid}' resumed by pid {p.pid}" in d2.log_text(),
+                          timeout=30), d2.log_text()
+        assert "3 pages adopted, 0 forgotten" in d2.log_text()
+        with d2.client() as c:
+            st = c.stats()
+            assert st.total.pages_in_use == 3
+            assert_books(st)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert json.loads(p.stdout.readline())["intact"] is True  # every byte, then a Free on the new daemon
+        assert p.wait(30) == 0
+        with d2.client() as c:
+            assert wait_until(lambda: c.stats().total.pages_in_use == 0)
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_clean_stop_without_a_state_dir_ends_the_sessions(daemon_factory, tmp_path):
+    """Without a journal nothing can be resumed: the stop ends every session
+    (its client gets ERROR: the daemon is shutting down) as before."""
+    d = daemon_factory("host", memory_limit="64MiB")
+    with d.client() as c:
+        s = c.open_session("ends")
+        s.allocate(1)
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(60) == 0, d.log_text()
+    assert "session 1 'ends' ended (daemon shutdown): 1 pages returned" in d.log_text(), d.log_text()
+    assert "left for the next start" not in d.log_text()
+
+
+def test_a_clean_stop_with_no_session_left_removes_the_journal(daemon_factory, tmp_path):
+    state = tmp_path / "state"
+    d = daemon_factory("host", state_dir=str(state))
+    with d.client() as c, c.open_session("x") as s:
+        s.allocate(2)
+        assert (state / "journal.jsonl").exists()
+    assert d.stop() == 0
+    assert not (state / "journal.jsonl").exists()

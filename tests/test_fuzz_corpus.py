@@ -49,10 +49,10 @@ def test_fd_channel_corpora_pass_the_python_decoder():
             targets.fdchannel(p.read_bytes())
 
 
-def test_python_and_c_decoders_differ_only_on_long_drops():
-    """The differential check finds a DROP of 520 ids (the spec's
-    max_drop_ids is 519) refused by Python and taken by C: the one known
-    difference (docs/fuzzing.md), allowed; anything else is a finding."""
+def test_python_and_c_decoders_agree_on_the_longest_drop():
+    """A DROP of 520 ids (the spec's max_drop_ids is 519): Python and C both
+    refuse it as a protocol error (C took up to 16,384 before 364ec9c, the
+    one difference the differential check allowed; it allows none now)."""
     import struct
 
     from kvcached_service import fdchannel as fc

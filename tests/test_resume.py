@@ -293,16 +293,6 @@ def test_a_resumed_session_gets_a_whole_grace_at_the_next_restart(daemon_factory
         p.wait()
 
 
-def test_clean_shutdown_removes_the_journal(daemon_factory, tmp_path):
-    state = tmp_path / "state"
-    d = daemon_factory("host", state_dir=str(state))
-    with d.client() as c, c.open_session("x") as s:
-        s.allocate(2)
-        assert (state / "journal.jsonl").exists()
-    assert d.stop() == 0
-    assert not (state / "journal.jsonl").exists()
-
-
 def test_daemon_without_state_dir_offers_no_resume(host_daemon):
     with host_daemon.client() as c, c.open_session("x") as s:
         assert not s.resumable and s.resume_token == b""

@@ -204,3 +204,63 @@ def test_no_page_is_stored_whose_name_would_not_fit_the_next_start(systemd, capl
         store.close()
         os.close(r)
         os.close(w)
+
+
+def _restart_resumes_from_the_store(daemon_factory, sd, state, backend, first, stop, **second) -> None:
+    """A Survivor's session on daemon `first`, stopped by `stop`; the next
+    start of the unit (systemd hands it the store): the session resumes with
+    every page from systemd's store and its bytes."""
+    c = first.client()
+    sv = Survivor(c)
+    held = sv.page_ids()
+    assert wait_until(lambda: sd.names() == page_names(held), timeout=5), (sd.names(), held)
+    stop()
+    d2 = daemon_factory(backend, env=sd.env(), state_dir=str(state), resume_grace="20", socket=first.socket,
+                        **sd.start_args(), **second)
+    assert sv.s.wait_resumed(20), d2.log_text()
+    log = d2.log_text()
+    assert "page store: 12 of the 12 pages of the previous daemon's sessions are in the store" in log, log
+    assert sv.s.my_stats().pages_held == 12 and sv.page_ids() == held
+    sv.assert_intact()
+    sv.r.map(20 * MiB, 4 * MiB)  # it goes on: new pages join the store
+    assert wait_until(lambda: sd.names() == page_names(sv.page_ids()), timeout=5)
+    assert_books(c.stats())
+    sv.s.close()
+    c.close()
+    assert d2.stop() == 0
+    assert sd.names() == set()  # no session left: the stop empties the store
+
+
+@pytest.mark.parametrize("backend", ["host", "cuda"])
+def test_systemctl_restart_keeps_every_page_in_systemds_store(daemon_factory, systemd, tmp_path, backend):
+    """`systemctl restart` under the shipped unit with the fd-store drop-in
+    (FileDescriptorStorePreserve=restart: systemd keeps the store across the
+    restart): SIGTERM, a clean stop the session outlives (its pages stay in
+    the store, the daemon exits 0), then the next start resumes it with
+    every page and byte (CUDA test driver: chardev identity, so only the
+    store can prove the pages)."""
+    sd = systemd()
+    state = tmp_path / "state"
+    d = daemon_factory(backend, env=sd.env(), state_dir=str(state), resume_grace="20")
+
+    def stop():
+        assert d.stop() == 0, d.log_text()
+        assert "left for the next start: 12 pages stay with its client" in d.log_text(), d.log_text()
+
+    _restart_resumes_from_the_store(daemon_factory, sd, state, backend, d, stop)
+
+
+def test_a_unit_restarted_into_this_version_resumes_from_systemds_store(daemon_factory, systemd, tmp_path):
+    """An upgrade under systemd: the unit runs the tree before (62f7cfd,
+    tests/test_upgrade.py's PREVIOUS) with systemd's fd store; its daemon
+    dies (that tree's clean stop ended its sessions, so the restart into
+    this version is by Restart=on-failure after a crash, SIGKILL); this
+    tree's daemon starts with the store the old one filled (fd names of
+    store format 1) and the session resumes with every page and byte."""
+    from test_upgrade import PREVIOUS, previous_tree
+
+    sd = systemd()
+    state = tmp_path / "state"
+    old = daemon_factory("host", env=sd.env(), state_dir=str(state), resume_grace="20", tree=previous_tree())
+    assert PREVIOUS and old.proc.poll() is None
+    _restart_resumes_from_the_store(daemon_factory, sd, state, "host", old, old.sigkill)

@@ -139,12 +139,6 @@ def _c_agrees(rec: bytes, nfds: int) -> None:
                f"Python: {exc.message!r} (req_id {exc.req_id}); C: status {st}, req_id {req.value}, {_clib.kvc_fuzz_err()!r}")
         return
     except fc.ProtocolError as exc:
-        # The one known difference: the C client takes a DROP of up to
-        # max_free_ids (16,384) ids, by design (clients/c/src/fdchannel.h,
-        # KVC_FD_MAX_RECV); the spec and this decoder stop at max_drop_ids
-        # (519), which is all the daemon sends (docs/fuzzing.md).
-        if st == 0 and typ.value == fc.DROP and fc.MAX_DROP_IDS < count.value <= fc.MAX_FREE_IDS:
-            return
         _check(st == 10, f"Python: protocol error {exc}; C: status {st} ({_clib.kvc_fuzz_err()!r})")
         return
     kind = {v: k for k, v in fc.NAMES.items()}

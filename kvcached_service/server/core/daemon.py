@@ -343,7 +343,7 @@ class Daemon:
         self.sessions.pop(s.id, None)
         self.tombstones.add(s.id, reason)
         self.counters["sessions_crashed" if crashed else "sessions_closed"] += 1
-        if not self.shutting_down:
+        if not self.shutting_down or self.sessions_outlive_a_stop():  # else the whole journal goes at the stop
             self.recovery.ended(s)
         by_pool = _by_device(s.pages.values())
         n = len(s.pages)
@@ -606,32 +606,64 @@ class Daemon:
         if self.shutting_down:
             raise errors.Unavailable("the daemon is shutting down")
 
+    def sessions_outlive_a_stop(self) -> bool:
+        """Whether a clean stop keeps the sessions for the next start: with a
+        journal that is up to date (--state-dir), a stop (SIGTERM,
+        `systemctl restart`) leaves them as a crash would, in the journal
+        and the page store, and their clients resume them; without one it
+        ends them."""
+        return self.recovery.journaling and self.recovery.journal_stale is None
+
     async def begin_shutdown(self, reason: str) -> None:
-        """Tell every session, wait out the grace period (or until every
-        session has gone). The adapters stop taking new work first."""
+        """Tell every session; unless they outlive the stop, wait out the
+        grace period (or until every session has gone). The adapters stop
+        taking new work first."""
         self.shutting_down = True
         for pool in self.pools.values():
             pool.stop_refilling()
         loop = asyncio.get_running_loop()
-        grace = self.settings.shutdown_grace
-        ev = Event("SHUTDOWN", time.time(), {"reason": reason, "grace_seconds": grace})
+        keep = self.sessions_outlive_a_stop()
+        grace = 0.0 if keep else self.settings.shutdown_grace
+        ev = Event("SHUTDOWN", time.time(), {"reason": reason + ("; sessions resume at the next start" if keep else ""),
+                                             "grace_seconds": grace})
         for s in list(self.sessions.values()):
             s.post(ev)
         deadline = loop.time() + grace
         while self.sessions and loop.time() < deadline:
             await asyncio.sleep(0.05)
 
+    def leave_session(self, s: Session) -> None:
+        """A stop the session outlives: it stays in the journal (its pages in
+        the page store) and its channel closes without a word, so its client
+        keeps every page and resumes it at the next start. The daemon's own
+        references go with the pool (release_everything_sync): nothing is
+        zeroed, nothing lent again."""
+        s.closed = True
+        self.sessions.pop(s.id, None)
+        for pool in self.pools.values():
+            pool.keepers.forget(s)
+        for q in s.watchers:
+            q.put_nowait(None)
+        s.port.leave()
+        log.info("session %d '%s' left for the next start: %d pages stay with its client", s.id, s.name, len(s.pages))
+
     async def finish_shutdown(self) -> None:
-        """End every session and release everything. Each step runs even if
-        an earlier one failed; failures are logged and raised together at
-        the end (ShutdownIncomplete), so a driver error cannot leave the
-        other devices, the backend or the socket files behind."""
+        """End every session (or leave them for the next start:
+        `sessions_outlive_a_stop`) and release everything. Each step runs
+        even if an earlier one failed; failures are logged and raised
+        together at the end (ShutdownIncomplete), so a driver error cannot
+        leave the other devices, the backend or the socket files behind."""
         self.shutting_down = True
+        keep = self.sessions_outlive_a_stop()
+        left = len(self.sessions)
         gone = errors.Unavailable("the daemon is shutting down")
         for s in list(self.sessions.values()):
-            self.end_session(s, "daemon shutdown", farewell=gone)
+            if keep:
+                self.leave_session(s)
+            else:
+                self.end_session(s, "daemon shutdown", farewell=gone)
         if self.ports is not None:
-            self.ports.shutdown(gone)
+            self.ports.shutdown(None if keep else gone)
         # Let the zeroing tasks settle, then release everything.
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5)
@@ -654,7 +686,7 @@ class Daemon:
             step("stopping a device worker", worker.stop, False)
         self.workers.clear()
         step("closing the backend", self.backend.close, True)
-        self.recovery.close()
+        self.recovery.close(keep=keep and left > 0)  # with no session left the journal goes (orphans aside)
         if failures:
             raise ShutdownIncomplete("; ".join(failures))
 

@@ -64,7 +64,9 @@ class RecoveryPort(Protocol):
 
     async def restore_store(self, now: float) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, keep: bool = False) -> None:
+        """The daemon stops: keep the journal and the page store for the next
+        start (keep), or remove them (every session ended)."""
 
 
 class NoRecovery:
@@ -102,5 +104,5 @@ class NoRecovery:
     async def restore_store(self, now: float) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, keep: bool = False) -> None:
         pass

@@ -64,6 +64,11 @@ class SessionPort(Protocol):
         records; it answers DROPPED, a request). Without waiting; a failed
         send ends the session."""
 
+    def leave(self) -> None:
+        """Close the channel without a word (a stop that the session
+        outlives): the client takes it for the daemon going away, keeps its
+        pages and resumes the session at the next start."""
+
 
 @dataclass
 class Adoption:
@@ -103,8 +108,10 @@ class PortDirectory(Protocol):
     def adoption(self, port: SessionPort) -> Adoption:
         """Every ADOPT record the client sent on this port so far."""
 
-    def shutdown(self, error: errors.KVCachedError) -> None:
-        """Close every channel still open and stop (daemon shutdown)."""
+    def shutdown(self, error: errors.KVCachedError | None) -> None:
+        """Close every channel still open and stop (daemon shutdown): with
+        an ERROR record, or without a word (None: the sessions outlive the
+        stop and resume at the next start)."""
 
 
 @dataclass(eq=False)

@@ -460,13 +460,21 @@ class Recovery:
         return s, len(adopted), len(forgotten)
 
     # ---- shutdown -----------------------------------------------------------
-    def close(self) -> None:
-        """Every session ended: nothing is left to resume (the journal is
-        removed) nor to keep (the keeper exits once alone with an empty store)."""
+    def close(self, keep: bool = False) -> None:
+        """The daemon stops. keep: the sessions outlive the stop, so the
+        journal stays as written and the page store keeps every page (the
+        keeper outlives the daemon; systemd keeps its store across a
+        restart with FileDescriptorStorePreserve=restart); the next start
+        resumes them. Else every session ended: nothing is left to resume
+        (the journal is removed) nor to keep (the keeper exits once alone
+        with an empty store). Orphans not resumed yet are kept either way
+        while the journal is up to date."""
+        keep = keep or (bool(self.orphans) and self.journal_stale is None)
         if self.journal is not None:
-            self.journal.close(remove=True)
+            self.journal.close(remove=not keep)
         if self.store is not None:
-            self.store.clear()
+            if not keep:
+                self.store.clear()
             self.store.close()
             for fd in self.stored.values():
                 os.close(fd)

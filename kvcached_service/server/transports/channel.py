@@ -203,6 +203,9 @@ class Conn:
             self.send_nowait(fdchannel.encode_error(error.code, error.message))
         self.close()
 
+    def leave(self) -> None:
+        self.close()
+
     def ask_drop(self, page_ids: list[int]) -> None:
         step = fdchannel.MAX_DROP_IDS  # a DROP fits the daemon's largest record (max_daemon_record)
         for first in range(0, len(page_ids), step):
@@ -348,12 +351,16 @@ class ChannelServer:
             self._listener.close()
             self._listener = None
 
-    def shutdown(self, error: errors.KVCachedError) -> None:
-        """PortDirectory.shutdown: close every channel (ERROR first), stop
-        listening, remove the socket file."""
+    def shutdown(self, error: errors.KVCachedError | None) -> None:
+        """PortDirectory.shutdown: close every channel (ERROR first; None:
+        without a word, for a stop its sessions outlive), stop listening,
+        remove the socket file."""
         self.stop_accepting()
         for conn in list(self.channels.values()):
-            self._drop(conn, error)
+            if error is None:
+                conn.close()
+            else:
+                self._drop(conn, error)
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
