@@ -333,6 +333,10 @@ bool read_env(settings & c) {
         !env_ms("KVCACHED_STANDBY_IDLE_MS", c.standby_idle_ms)) {
         return false;
     }
+    c.load_wait_ms = c.wait_daemon_ms;  // unless KVCACHED_LOAD_WAIT_MS says otherwise
+    if (!env_ms("KVCACHED_LOAD_WAIT_MS", c.load_wait_ms)) {
+        return false;
+    }
     // A child of llama-server's router (llama.cpp's own test, server_child::is_child)
     // gets its model's maximum and guarantee unless the operator gave them: every
     // child inherits the router's variables, so no one value fits them all.

@@ -151,6 +151,7 @@ struct settings {
     uint32_t fail_fast_ms   = 2000;  // KVCACHED_FAIL_FAST_MS: after a refusal, no waiting this long
     uint32_t wait_daemon_ms = 5000;  // KVCACHED_WAIT_DAEMON_MS: a batch that needs new pages while the daemon is away waits this long for it
     bool     loss_local     = true;  // KVCACHED_ON_DAEMON_LOSS: local (the default) or fail, after that wait
+    uint32_t load_wait_ms   = 5000;  // KVCACHED_LOAD_WAIT_MS: at load, wait this long for a daemon that does not answer (default: wait_daemon_ms)
     bool     premap         = false; // KVCACHED_PREMAP=1: every page mapped when the buffer is made, never trimmed
     // KVCACHED_STANDBY_BYTES: a trim keeps up to this many bytes (per process, split over its KV buffers
     // by size) mapped as standby pages (C API 1.7), so a slot that grows again maps nothing new; 0: off

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdlib>
+#include <thread>
 
 namespace llama_kvcached_impl {
 
@@ -148,6 +149,68 @@ void per_model_limits(hook & h, const limits_plan & plan) {
     }
 }
 
+// At load the daemon may be (re)starting: a supervised restart takes about
+// a second, a start on a loaded host several. llama.cpp allocates the KV
+// cache once, so a process that loads without the daemon keeps it in
+// ordinary memory for life (docs/reliability.md, chaos finding 3). While the
+// daemon does not answer (KVC_ERR_UNAVAILABLE: no socket, nobody
+// listening), ask again every 100 ms for at most KVCACHED_LOAD_WAIT_MS
+// (default: KVCACHED_WAIT_DAEMON_MS), saying once what is done. The ms
+// waited (0: it answered at once, or failed otherwise: the open says why).
+int64_t reach_daemon_at_load(hook & h) {
+    const client_api & a     = h.api;
+    const int64_t      start = now_ms();
+    for (bool said = false;; said = true) {
+        kvc_client * c  = nullptr;
+        kvc_status   st = a.kvc_client_create(h.cfg.socket.c_str(), &c);
+        if (st == KVC_OK) {
+            a.kvc_client_destroy(c);
+        }
+        const int64_t waited = now_ms() - start;
+        if ((st != KVC_ERR_UNAVAILABLE && st != KVC_ERR_DEADLINE_EXCEEDED) || waited >= (int64_t) h.cfg.load_wait_ms) {
+            if (said && st == KVC_OK) {
+                LLAMA_LOG_INFO("kvcached: the daemon at %s answered after %lld ms\n", h.cfg.socket.c_str(),
+                               (long long) waited);
+            }
+            return said ? waited : 0;
+        }
+        if (!said) {
+            LLAMA_LOG_WARN("kvcached: the daemon at %s does not answer (%s); waiting up to %u ms for it "
+                           "(KVCACHED_LOAD_WAIT_MS) before the KV cache is allocated, then in ordinary memory if it "
+                           "has not come\n",
+                           h.cfg.socket.c_str(), last_err(a), h.cfg.load_wait_ms);
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+}
+
+// Open the process's first session (the model's own guarantee dropped if
+// the daemon cannot give it); false (logged) when it cannot be opened.
+// `waited`: the ms reach_daemon_at_load() waited. reg held.
+bool open_first_session(hook & h, int64_t waited) {
+    link_state & l = h.link;
+    std::string  err;
+    kvc_status   st = open_session(h, &l.client, &l.session, err);
+    if (st == KVC_ERR_RESOURCE_EXHAUSTED && h.cfg.guaranteed_auto && h.cfg.guaranteed > 0) {
+        // a guarantee of the model's own is best effort: better a session
+        // without it than a KV cache outside every budget
+        LLAMA_LOG_WARN("kvcached: the daemon at %s cannot guarantee this model %.2f MiB (%s); opening the session "
+                       "without a guarantee\n",
+                       h.cfg.socket.c_str(), h.cfg.guaranteed / MiB, err.c_str());
+        h.cfg.guaranteed = 0;
+        st               = open_session(h, &l.client, &l.session, err);
+    }
+    if (st != KVC_OK) {
+        const std::string after =
+            waited > 0 ? fmt(" after waiting %lld ms for it (KVCACHED_LOAD_WAIT_MS)", (long long) waited) : "";
+        LLAMA_LOG_WARN("kvcached: cannot open a session with the daemon at %s (%s: %s)%s; KV cache in ordinary memory "
+                       "for this process's life (llama.cpp allocates it once, at load)\n",
+                       h.cfg.socket.c_str(), status_name(h.api, st), err.c_str(), after.c_str());
+        return false;
+    }
+    return true;
+}
+
 }  // namespace
 
 // The daemon session of this process, opened at the first KV buffer (when
@@ -176,21 +239,9 @@ kvc_session * session_locked(hook & h, const limits_plan & plan) {
                        "batches that need new KV memory fail (KVCACHED_ON_DAEMON_LOSS=local needs 1.5)\n",
                        h.api.from.c_str(), h.api.kvc_api_version());
     }
+    const int64_t waited = reach_daemon_at_load(h);
     per_model_limits(h, plan);
-    std::string err;
-    kvc_status  st = open_session(h, &l.client, &l.session, err);
-    if (st == KVC_ERR_RESOURCE_EXHAUSTED && h.cfg.guaranteed_auto && h.cfg.guaranteed > 0) {
-        // a guarantee of the model's own is best effort: better a session
-        // without it than a KV cache outside every budget
-        LLAMA_LOG_WARN("kvcached: the daemon at %s cannot guarantee this model %.2f MiB (%s); opening the session "
-                       "without a guarantee\n",
-                       h.cfg.socket.c_str(), h.cfg.guaranteed / MiB, err.c_str());
-        h.cfg.guaranteed = 0;
-        st               = open_session(h, &l.client, &l.session, err);
-    }
-    if (st != KVC_OK) {
-        LLAMA_LOG_WARN("kvcached: cannot open a session with the daemon at %s (%s: %s); KV cache in ordinary memory\n",
-                       h.cfg.socket.c_str(), status_name(h.api, st), err.c_str());
+    if (!open_first_session(h, waited)) {
         return nullptr;
     }
     l.page = h.api.kvc_session_page_size(l.session);
