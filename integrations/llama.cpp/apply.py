@@ -11,7 +11,7 @@ Two forms of the same change:
   apply.py TREE --emit-compat DIR    Ollama's compat form, for DIR =
                                      <ollama>/llama/compat: writes
                                        DIR/kvcached_kv.h, DIR/kvcached_kv.cpp,
-                                       DIR/kvcached_kv_*.inc (its parts)
+                                       DIR/kvcached_kv_*.{h,cpp} (its parts)
                                          (beside Ollama's own compat sources:
                                          llama/server/CMakeLists.txt compiles
                                          DIR/*.cpp into the llama target)
@@ -55,9 +55,12 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 MARKER = "kvcached-service hook"
-# the hook: its header, its one translation unit and the parts that unit
-# includes (kvcached_kv_*.inc: each owns one concern's state)
-HOOK_FILES = ["kvcached_kv.h", "kvcached_kv.cpp", *sorted(p.name for p in HERE.glob("kvcached_kv_*.inc"))]
+# the hook: its header, its entry points (kvcached_kv.cpp) and its parts
+# (kvcached_kv_*.{h,cpp}: each owns one concern; kvcached_kv_hook.h, the
+# state they are given), every .cpp a translation unit of its own
+HOOK_PARTS = sorted(p.name for p in HERE.glob("kvcached_kv_*") if p.suffix in (".h", ".cpp"))
+HOOK_FILES = ["kvcached_kv.h", "kvcached_kv.cpp", *HOOK_PARTS]
+HOOK_SOURCES = [n for n in HOOK_FILES if n.endswith(".cpp")]
 COMPAT_PATCH = "010-kvcached-kv-cache.patch"
 
 
@@ -286,26 +289,35 @@ def patch_server(text: str) -> str:
 CMAKE_BLOCK = """
 # kvcached-service hook: llama.cpp's KV cache in kvcached-serve pages
 # (integrations/llama.cpp and docs/llama-cpp.md of kvcached-service). The hook's
-# source is src/kvcached_kv.cpp (apply.py) or Ollama's llama/compat/ (added to
+# sources are src/kvcached_kv*.cpp (apply.py) or in Ollama's llama/compat/ (added to
 # this target by Ollama's llama/server/CMakeLists.txt). It is on only when the C
 # client is found (CMAKE_PREFIX_PATH=<its install prefix>); without it every
 # call site is a pass-through and nothing else changes. Only the hook's own
-# source gets the client's definitions and include directories.
+# sources get the client's definitions and include directories.
+set(LLAMA_KVCACHED_NAMES @SOURCES@)
 if (EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/kvcached_kv.cpp)
-    set(LLAMA_KVCACHED_SOURCE ${CMAKE_CURRENT_SOURCE_DIR}/kvcached_kv.cpp)
-    target_sources(llama PRIVATE kvcached_kv.cpp kvcached_kv.h)
+    set(LLAMA_KVCACHED_DIR ${CMAKE_CURRENT_SOURCE_DIR})
+    target_sources(llama PRIVATE ${LLAMA_KVCACHED_NAMES} @HEADERS@)
 elseif (DEFINED OLLAMA_LLAMA_CPP_COMPAT_DIR AND EXISTS ${OLLAMA_LLAMA_CPP_COMPAT_DIR}/kvcached_kv.cpp)
-    set(LLAMA_KVCACHED_SOURCE ${OLLAMA_LLAMA_CPP_COMPAT_DIR}/kvcached_kv.cpp)
+    set(LLAMA_KVCACHED_DIR ${OLLAMA_LLAMA_CPP_COMPAT_DIR})
 else()
     message(FATAL_ERROR "kvcached: the KV-cache hook's call sites are patched in, but kvcached_kv.cpp is neither "
                         "in ${CMAKE_CURRENT_SOURCE_DIR} nor in Ollama's llama/compat/ (apply.py puts it there)")
 endif()
-set_source_files_properties(${LLAMA_KVCACHED_SOURCE} PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
+set(LLAMA_KVCACHED_SOURCES "")
+foreach(name ${LLAMA_KVCACHED_NAMES})
+    if (NOT EXISTS ${LLAMA_KVCACHED_DIR}/${name})
+        message(FATAL_ERROR "kvcached: ${LLAMA_KVCACHED_DIR} has kvcached_kv.cpp but not ${name} (apply.py puts "
+                            "all of the hook's sources there)")
+    endif()
+    list(APPEND LLAMA_KVCACHED_SOURCES ${LLAMA_KVCACHED_DIR}/${name})
+endforeach()
+set_source_files_properties(${LLAMA_KVCACHED_SOURCES} PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
 find_package(kvcached 1.2 CONFIG QUIET)
 if (kvcached_FOUND)
     get_target_property(LLAMA_KVCACHED_INCLUDE kvcached::kvcached INTERFACE_INCLUDE_DIRECTORIES)
-    set_property(SOURCE ${LLAMA_KVCACHED_SOURCE} APPEND PROPERTY COMPILE_DEFINITIONS LLAMA_KVCACHED)
-    set_property(SOURCE ${LLAMA_KVCACHED_SOURCE} APPEND PROPERTY INCLUDE_DIRECTORIES
+    set_property(SOURCE ${LLAMA_KVCACHED_SOURCES} APPEND PROPERTY COMPILE_DEFINITIONS LLAMA_KVCACHED)
+    set_property(SOURCE ${LLAMA_KVCACHED_SOURCES} APPEND PROPERTY INCLUDE_DIRECTORIES
                  ${CMAKE_CURRENT_SOURCE_DIR}/../ggml/src ${LLAMA_KVCACHED_INCLUDE})
     target_link_libraries(llama PRIVATE ${CMAKE_DL_LIBS})
     message(STATUS "kvcached: KV-cache hook on (C client ${kvcached_VERSION} in ${kvcached_DIR})")
@@ -325,10 +337,12 @@ endif()
 
 
 def patch_cmake(text: str) -> str:
+    block = (CMAKE_BLOCK.replace("@SOURCES@", " ".join(HOOK_SOURCES))
+             .replace("@HEADERS@", " ".join(n for n in HOOK_FILES if n.endswith(".h"))))
     return sub_once(
         text,
         r"^target_link_libraries\(llama PUBLIC ggml\)\n",
-        lambda m: m.group(0) + CMAKE_BLOCK,
+        lambda m: m.group(0) + block,
         "src/CMakeLists.txt: target_link_libraries(llama PUBLIC ggml)",
     )
 

@@ -364,3 +364,80 @@ def test_a_restore_that_cannot_map_its_cells_fails_and_the_server_lives(daemon_f
     time.sleep(0.5)
     assert srv.proc.poll() is None, f"llama-server exited {srv.proc.returncode}:\n{srv.log_text()[-4000:]}"
     assert srv.call("GET", "/health")["status"] == "ok"
+
+
+def start_in_background(start) -> dict:
+    """Start a server (start() returns when it is ready) on a thread; the
+    dict gets "srv" (or "error") and "s" (seconds) when it is ready."""
+    out: dict = {}
+
+    def run():
+        t = time.monotonic()
+        try:
+            out["srv"] = start()
+        except Exception as e:  # noqa: BLE001 - asserted by the caller
+            out["error"] = e
+        out["s"] = time.monotonic() - t
+
+    out["thread"] = threading.Thread(target=run)
+    out["thread"].start()
+    return out
+
+
+def test_a_server_loaded_while_the_daemon_starts_uses_it(daemon_factory, servers, models, tmp_path):
+    """Chaos finding 3 (docs/reliability.md): a llama-server that loads its
+    model while the daemon is (re)starting waits for it
+    (KVCACHED_LOAD_WAIT_MS, default KVCACHED_WAIT_DAEMON_MS) instead of
+    keeping its KV cache in ordinary memory for life: the daemon comes 2 s
+    after the server started; the server's KV cache is in its pages, its
+    tokens are the unpatched build's, and the log says what happened."""
+    prompt = text(1500, 131)
+    ref = servers(ORIG, models[0], kvc_socket=None, ctx=4096, parallel=1)
+    want = ref.complete(prompt, 12)["tokens"]
+    ref.stop()
+
+    sock = str(tmp_path / "late.sock")
+    started = start_in_background(lambda: servers(KVC, models[0], kvc_socket=sock, ctx=4096, parallel=1,
+                                                  env={"KVCACHED_LOAD_WAIT_MS": "60000"}))
+    time.sleep(2.0)  # the server is loading and the daemon is not there
+    assert started["thread"].is_alive(), started
+    d = daemon_factory("host", socket=sock, **daemon_settings(PAGE, False, tmp_path))
+    started["thread"].join(120)
+    assert "srv" in started, started
+    srv = started["srv"]
+    log = srv.log_text()
+    assert re.search(r"kvcached: the daemon at \S+late\.sock does not answer .*; waiting up to 60000 ms for it "
+                     r"\(KVCACHED_LOAD_WAIT_MS\)", log), log[-3000:]
+    assert re.search(r"kvcached: the daemon at \S+late\.sock answered after \d+ ms", log), log[-3000:]
+    assert "KV cache in ordinary memory" not in log
+    assert srv.complete(prompt, 12)["tokens"] == want
+    with observe(d) as c:
+        s = session_of(c, srv.pid)
+        assert s is not None and s.held_bytes > 0, "the KV cache must be in the daemon's pages"
+        assert_books(c.stats())
+    print(f"\nthe server was ready {started['s']:.2f} s after it started (the daemon came at 2 s)")
+
+
+@pytest.mark.parametrize("wait_ms", ["0", "1500"])
+def test_a_daemon_that_does_not_come_leaves_ordinary_memory(servers, models, tmp_path, wait_ms):
+    """The daemon never comes: after KVCACHED_LOAD_WAIT_MS (0: no wait) the
+    server serves from ordinary memory, as stock, and says so in one line
+    (naming the wait); a wait is announced in one line before it."""
+    sock = str(tmp_path / "nobody-serves.sock")
+    t = time.monotonic()
+    srv = servers(KVC, models[0], kvc_socket=sock, ctx=4096, parallel=1, env={"KVCACHED_LOAD_WAIT_MS": wait_ms})
+    ready_s = time.monotonic() - t
+    out = srv.complete(text(800, 132), 8)["tokens"]
+    log = srv.log_text()
+    final = [ln for ln in log.splitlines() if "kvcached: cannot open a session with the daemon" in ln]
+    assert len(final) == 1 and "nobody-serves.sock" in final[0], log[-3000:]
+    assert "KV cache in ordinary memory for this process's life" in final[0]
+    waits = [ln for ln in log.splitlines() if "does not answer" in ln]
+    if wait_ms == "0":
+        assert not waits and "KVCACHED_LOAD_WAIT_MS" not in final[0], log[-3000:]
+    else:
+        assert len(waits) == 1 and "waiting up to 1500 ms" in waits[0], log[-3000:]
+        assert re.search(r"after waiting \d+ ms for it \(KVCACHED_LOAD_WAIT_MS\)", final[0]), final[0]
+        assert ready_s >= 1.5
+    ref = servers(ORIG, models[0], kvc_socket=None, ctx=4096, parallel=1)
+    assert ref.complete(text(800, 132), 8)["tokens"] == out

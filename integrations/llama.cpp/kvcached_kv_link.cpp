@@ -1,88 +1,50 @@
-// kvcached_kv_link.inc: the process's daemon session: opened on first use,
-// watched for the daemon's loss, resumed or reconnected, and waited for.
-// Part of kvcached_kv.cpp.
-//
-// Owns: the locks (L()), the session and its liveness (LINK()), and the
-// hook's thread (WORKER()).
-//
-// Lock order: L().server (the server's main loop; recursive) before L().reg.
-// L().reg guards the link, the books (kvcached_kv_books.inc) and the decode
-// policy (kvcached_kv_cells.inc): a batch maps pages of a buffer through the
-// session, so the three change together. WORKER().mu guards only the
-// thread's own fields and the reclaim reason; it is never held while taking
-// another lock.
+// kvcached_kv_link.cpp: the process's daemon session: opened on first use,
+// watched for the daemon's loss, resumed or reconnected, and waited for
+// (kvcached_kv_link.h).
 
-struct locks {
-    std::mutex           reg;
-    std::recursive_mutex server;  // llama_kvcached_lock: the server's main loop holds it
-};
+#if !defined(OLLAMA_COMPAT_MTMD_BUILD) && defined(LLAMA_KVCACHED)
 
-locks & L() {
-    static locks * l = new locks();  // never destroyed: the hook's thread may outlive static destruction
-    return *l;
+#include "kvcached_kv_hook.h"
+
+#include "llama-impl.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstdlib>
+#include <thread>
+
+namespace llama_kvcached_impl {
+
+void wake_thread(hook & h) {
+    h.worker.cv.notify_all();
 }
 
-enum class mode { untried, off, on };
-
-struct link_state {
-    mode                       m       = mode::untried;
-    kvc_client *               client  = nullptr;
-    kvc_session *              session = nullptr;
-    std::vector<kvc_session *> ended_sessions;  // kept: regions may have been rebound away from them
-    std::vector<kvc_client *>  old_clients;
-    uint64_t                   page = 0;
-    std::string                kind;
-
-    bool     lost              = false;  // the session ended: reconnecting
-    bool     resuming_said     = false;
-    uint64_t resumes_seen      = 0;
-    int64_t  next_reconnect    = 0;
-    int64_t  reconnect_backoff = 250;
-    bool     wait_spent        = false;  // a wait for the daemon ran out: no more waiting until it is back
-};
-
-link_state & LINK() {
-    static link_state * l = new link_state();
-    return *l;
+void stop_thread(hook & h) {
+    worker_state &               w = h.worker;
+    std::unique_lock<std::mutex> t(w.mu);
+    w.stop = true;
+    w.cv.notify_all();
+    const bool done = w.cv.wait_for(t, std::chrono::seconds(2), [&] { return w.exited; });
+    t.unlock();
+    if (done && w.th.joinable()) {
+        w.th.join();
+    } else if (w.th.joinable()) {
+        w.th.detach();
+    }
 }
 
-struct worker_state {
-    std::mutex              mu;
-    std::condition_variable cv;
-    std::string             reclaim_reason;  // the latest reclaim request's
-    bool                    stop   = false;
-    bool                    exited = false;
-    std::thread             th;
-};
-
-worker_state & WORKER() {
-    static worker_state * w = new worker_state();
-    return *w;
-}
-
-void wake_thread() {
-    WORKER().cv.notify_all();
-}
-
-// (page size, guarantee out, maximum out): the model's own limits
-using limits_plan = std::function<void(uint64_t, uint64_t &, uint64_t &)>;
-
-// defined by the other parts
-void     on_reclaim(void * user, const kvc_reclaim * rq);
-void     thread_main();
-uint64_t held_locked();
-void     policy_reset_locked();
+namespace {  // this file's own
 
 // Open a client and session with the options from the environment (fixed
 // after the first call, so no lock is needed). On failure `err` says why.
-kvc_status open_session(kvc_client ** pc, kvc_session ** ps, std::string & err) {
-    const client_api & a = API();
-    const settings &   c = CFG();
+kvc_status open_session(hook & h, kvc_client ** pc, kvc_session ** ps, std::string & err) {
+    const client_api & a = h.api;
+    const settings &   c = h.cfg;
     *pc                  = nullptr;
     *ps                  = nullptr;
     kvc_status st        = a.kvc_client_create(c.socket.c_str(), pc);
     if (st != KVC_OK) {
-        err = last_err();
+        err = last_err(h.api);
         return st;
     }
     std::vector<kvc_label> labels;
@@ -102,71 +64,59 @@ kvc_status open_session(kvc_client ** pc, kvc_session ** ps, std::string & err) 
     o.wait_timeout_ms  = c.wait_ms;
     st                 = a.kvc_session_open(*pc, &o, ps);
     if (st != KVC_OK) {
-        err = last_err();
+        err = last_err(h.api);
         a.kvc_client_destroy(*pc);
         *pc = nullptr;
         *ps = nullptr;
         return st;
     }
-    kvc_status cb = a.kvc_session_set_reclaim_callback(*ps, on_reclaim, nullptr);
+    kvc_status cb = a.kvc_session_set_reclaim_callback(*ps, on_reclaim, &h);
     if (cb != KVC_OK) {
         LLAMA_LOG_WARN("kvcached: no reclaim callback (%s: %s): this process only gives pages back when its own cells "
                        "shrink\n",
-                       status_name(cb), last_err());
+                       status_name(h.api, cb), last_err(h.api));
     }
     return KVC_OK;
 }
 
-// Start the hook's thread, and stop it at exit: if it is stuck (a reconnect
-// in progress, or exit() called with the server lock held) leave it rather
-// than hang.
-void start_thread() {
+// Start the hook's thread, and stop it at exit (stop_thread).
+void start_thread(hook & h) {
     {
-        std::lock_guard<std::mutex> t(WORKER().mu);
-        WORKER().th = std::thread(thread_main);
+        std::lock_guard<std::mutex> t(h.worker.mu);
+        h.worker.th = std::thread(thread_main, std::ref(h));
     }
-    atexit([] {
-        worker_state &               w = WORKER();
-        std::unique_lock<std::mutex> t(w.mu);
-        w.stop = true;
-        w.cv.notify_all();
-        const bool done = w.cv.wait_for(t, std::chrono::seconds(2), [&] { return w.exited; });
-        t.unlock();
-        if (done && w.th.joinable()) {
-            w.th.join();
-        } else if (w.th.joinable()) {
-            w.th.detach();
-        }
-    });
+    if (h.entries.stop_thread_at_exit) {
+        atexit(h.entries.stop_thread_at_exit);  // stop_thread()
+    }
 }
 
-void log_session(kvc_session * s) {
-    const settings & c = CFG();
+void log_session(hook & h, kvc_session * s) {
+    const settings & c = h.cfg;
     std::string      lab;
     for (auto & [k, val] : c.labels) {
         lab += (lab.empty() ? "" : ",") + k + "=" + val;
     }
     LLAMA_LOG_INFO("kvcached: session %llu \"%s\" at %s (%s pages of %.2f MiB; guaranteed %llu%s, max %llu%s, "
                    "priority %d, labels {%s}; C client %s; an Allocate waits at most %u ms)\n",
-                   (unsigned long long) API().kvc_session_id(s), c.name.c_str(), c.socket.c_str(), LINK().kind.c_str(),
-                   LINK().page / MiB, (unsigned long long) c.guaranteed, c.guaranteed_auto ? " (per model)" : "",
+                   (unsigned long long) h.api.kvc_session_id(s), c.name.c_str(), c.socket.c_str(), h.link.kind.c_str(),
+                   h.link.page / MiB, (unsigned long long) c.guaranteed, c.guaranteed_auto ? " (per model)" : "",
                    (unsigned long long) c.max, c.max_auto ? " (per model)" : "", c.priority, lab.c_str(),
-                   API().from.c_str(), c.wait_ms);
+                   h.api.from.c_str(), c.wait_ms);
 }
 
 // The page size of the device the session will use (KVCACHED_DEVICE, else
 // the daemon's first); 0 when the daemon cannot be asked (the open then
 // fails and says why).
-uint64_t device_page_size() {
-    const client_api & a = API();
+uint64_t device_page_size(hook & h) {
+    const client_api & a = h.api;
     kvc_client *       c = nullptr;
-    if (a.kvc_client_create(CFG().socket.c_str(), &c) != KVC_OK) {
+    if (a.kvc_client_create(h.cfg.socket.c_str(), &c) != KVC_OK) {
         return 0;
     }
     uint64_t page = 0;
     for (size_t i = 0; i < a.kvc_client_device_count(c) && !page; ++i) {
         kvc_device_info d;
-        if (a.kvc_client_device(c, i, &d) == KVC_OK && (CFG().device.empty() ? i == 0 : CFG().device == d.uuid)) {
+        if (a.kvc_client_device(c, i, &d) == KVC_OK && (h.cfg.device.empty() ? i == 0 : h.cfg.device == d.uuid)) {
             page = d.page_size;
         }
     }
@@ -180,12 +130,12 @@ uint64_t device_page_size() {
 // KVCACHED_GUARANTEED_BYTES=auto. Bytes an operator gave always win. `plan`
 // gives the first KV buffer's figures for a page size. Fixed for the
 // process: a reconnect opens its session with the same. reg held.
-void per_model_limits(const limits_plan & plan) {
-    settings & c = CFG();
+void per_model_limits(hook & h, const limits_plan & plan) {
+    settings & c = h.cfg;
     if ((!c.max_auto && !c.guaranteed_auto) || !plan) {
         return;
     }
-    const uint64_t page = device_page_size();
+    const uint64_t page = device_page_size(h);
     if (!page) {
         return;
     }
@@ -199,12 +149,76 @@ void per_model_limits(const limits_plan & plan) {
     }
 }
 
+// At load the daemon may be (re)starting: a supervised restart takes about
+// a second, a start on a loaded host several. llama.cpp allocates the KV
+// cache once, so a process that loads without the daemon keeps it in
+// ordinary memory for life (docs/reliability.md, chaos finding 3). While the
+// daemon does not answer (KVC_ERR_UNAVAILABLE: no socket, nobody
+// listening), ask again every 100 ms for at most KVCACHED_LOAD_WAIT_MS
+// (default: KVCACHED_WAIT_DAEMON_MS), saying once what is done. The ms
+// waited (0: it answered at once, or failed otherwise: the open says why).
+int64_t reach_daemon_at_load(hook & h) {
+    const client_api & a     = h.api;
+    const int64_t      start = now_ms();
+    for (bool said = false;; said = true) {
+        kvc_client * c  = nullptr;
+        kvc_status   st = a.kvc_client_create(h.cfg.socket.c_str(), &c);
+        if (st == KVC_OK) {
+            a.kvc_client_destroy(c);
+        }
+        const int64_t waited = now_ms() - start;
+        if ((st != KVC_ERR_UNAVAILABLE && st != KVC_ERR_DEADLINE_EXCEEDED) || waited >= (int64_t) h.cfg.load_wait_ms) {
+            if (said && st == KVC_OK) {
+                LLAMA_LOG_INFO("kvcached: the daemon at %s answered after %lld ms\n", h.cfg.socket.c_str(),
+                               (long long) waited);
+            }
+            return said ? waited : 0;
+        }
+        if (!said) {
+            LLAMA_LOG_WARN("kvcached: the daemon at %s does not answer (%s); waiting up to %u ms for it "
+                           "(KVCACHED_LOAD_WAIT_MS) before the KV cache is allocated, then in ordinary memory if it "
+                           "has not come\n",
+                           h.cfg.socket.c_str(), last_err(a), h.cfg.load_wait_ms);
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+}
+
+// Open the process's first session (the model's own guarantee dropped if
+// the daemon cannot give it); false (logged) when it cannot be opened.
+// `waited`: the ms reach_daemon_at_load() waited. reg held.
+bool open_first_session(hook & h, int64_t waited) {
+    link_state & l = h.link;
+    std::string  err;
+    kvc_status   st = open_session(h, &l.client, &l.session, err);
+    if (st == KVC_ERR_RESOURCE_EXHAUSTED && h.cfg.guaranteed_auto && h.cfg.guaranteed > 0) {
+        // a guarantee of the model's own is best effort: better a session
+        // without it than a KV cache outside every budget
+        LLAMA_LOG_WARN("kvcached: the daemon at %s cannot guarantee this model %.2f MiB (%s); opening the session "
+                       "without a guarantee\n",
+                       h.cfg.socket.c_str(), h.cfg.guaranteed / MiB, err.c_str());
+        h.cfg.guaranteed = 0;
+        st               = open_session(h, &l.client, &l.session, err);
+    }
+    if (st != KVC_OK) {
+        const std::string after =
+            waited > 0 ? fmt(" after waiting %lld ms for it (KVCACHED_LOAD_WAIT_MS)", (long long) waited) : "";
+        LLAMA_LOG_WARN("kvcached: cannot open a session with the daemon at %s (%s: %s)%s; KV cache in ordinary memory "
+                       "for this process's life (llama.cpp allocates it once, at load)\n",
+                       h.cfg.socket.c_str(), status_name(h.api, st), err.c_str(), after.c_str());
+        return false;
+    }
+    return true;
+}
+
+}  // namespace
+
 // The daemon session of this process, opened at the first KV buffer (when
 // the model is known: see per_model_limits). nullptr when the variable is
 // unset or the hook cannot work (then llama.cpp allocates as before). reg
 // held.
-kvc_session * session_locked(const limits_plan & plan) {
-    link_state & l = LINK();
+kvc_session * session_locked(hook & h, const limits_plan & plan) {
+    link_state & l = h.link;
     if (l.m != mode::untried) {
         return l.m == mode::on ? l.session : nullptr;
     }
@@ -216,49 +230,37 @@ kvc_session * session_locked(const limits_plan & plan) {
     if (!v || !*v) {
         return nullptr;  // not asked for: stay silent
     }
-    CFG().socket = v;
-    if (!read_env() || !load_api()) {
+    h.cfg.socket = v;
+    if (!read_env(h.cfg) || !load_api(h.api)) {
         return nullptr;
     }
-    if (CFG().loss_local && !API().kvc_region_map_ranges_local) {
+    if (h.cfg.loss_local && !h.api.kvc_region_map_ranges_local) {
         LLAMA_LOG_WARN("kvcached: the C client (%s) has API %d, without local pages (1.5): while the daemon is away, "
                        "batches that need new KV memory fail (KVCACHED_ON_DAEMON_LOSS=local needs 1.5)\n",
-                       API().from.c_str(), API().kvc_api_version());
+                       h.api.from.c_str(), h.api.kvc_api_version());
     }
-    per_model_limits(plan);
-    std::string err;
-    kvc_status  st = open_session(&l.client, &l.session, err);
-    if (st == KVC_ERR_RESOURCE_EXHAUSTED && CFG().guaranteed_auto && CFG().guaranteed > 0) {
-        // a guarantee of the model's own is best effort: better a session
-        // without it than a KV cache outside every budget
-        LLAMA_LOG_WARN("kvcached: the daemon at %s cannot guarantee this model %.2f MiB (%s); opening the session "
-                       "without a guarantee\n",
-                       CFG().socket.c_str(), CFG().guaranteed / MiB, err.c_str());
-        CFG().guaranteed = 0;
-        st               = open_session(&l.client, &l.session, err);
-    }
-    if (st != KVC_OK) {
-        LLAMA_LOG_WARN("kvcached: cannot open a session with the daemon at %s (%s: %s); KV cache in ordinary memory\n",
-                       CFG().socket.c_str(), status_name(st), err.c_str());
+    const int64_t waited = reach_daemon_at_load(h);
+    per_model_limits(h, plan);
+    if (!open_first_session(h, waited)) {
         return nullptr;
     }
-    l.page = API().kvc_session_page_size(l.session);
-    l.kind = API().kvc_session_kind(l.session);
+    l.page = h.api.kvc_session_page_size(l.session);
+    l.kind = h.api.kvc_session_kind(l.session);
     l.m    = mode::on;
-    log_session(l.session);
-    if (CFG().premap) {
+    log_session(h, l.session);
+    if (h.cfg.premap) {
         LLAMA_LOG_INFO("kvcached: KVCACHED_PREMAP: every KV buffer mapped whole when it is made, no page given back "
                        "until it is freed (stock's footprint, in daemon pages)\n");
     }
-    start_thread();
+    start_thread(h);
     return l.session;
 }
 
 // Notices a session that ended (daemon gone, not resumable) or is resuming.
 // reg held.
-void check_session_locked() {
-    link_state &       l = LINK();
-    const client_api & a = API();
+void check_session_locked(hook & h) {
+    link_state &       l = h.link;
+    const client_api & a = h.api;
     if (l.m != mode::on || !l.session || l.lost) {
         return;
     }
@@ -268,8 +270,8 @@ void check_session_locked() {
         l.reconnect_backoff = 250;
         LLAMA_LOG_WARN("kvcached: lost the daemon at %s (session %llu ended); serving from the %.2f MiB already "
                        "mapped, new KV memory waits for the daemon; reconnecting\n",
-                       CFG().socket.c_str(), (unsigned long long) a.kvc_session_id(l.session), held_locked() / MiB);
-        wake_thread();
+                       h.cfg.socket.c_str(), (unsigned long long) a.kvc_session_id(l.session), held_locked(h) / MiB);
+        wake_thread(h);
         return;
     }
     if (a.kvc_session_is_resuming(l.session)) {
@@ -277,7 +279,7 @@ void check_session_locked() {
             l.resuming_said = true;
             LLAMA_LOG_WARN("kvcached: the daemon at %s went away; session %llu resumes when it is back; serving from "
                            "the %.2f MiB already mapped\n",
-                           CFG().socket.c_str(), (unsigned long long) a.kvc_session_id(l.session), held_locked() / MiB);
+                           h.cfg.socket.c_str(), (unsigned long long) a.kvc_session_id(l.session), held_locked(h) / MiB);
         }
         return;
     }
@@ -286,31 +288,29 @@ void check_session_locked() {
         l.resumes_seen  = r;
         l.resuming_said = false;
         l.wait_spent    = false;
-        LLAMA_LOG_INFO("kvcached: the daemon at %s is back: session %llu resumed with its pages\n", CFG().socket.c_str(),
+        LLAMA_LOG_INFO("kvcached: the daemon at %s is back: session %llu resumed with its pages\n", h.cfg.socket.c_str(),
                        (unsigned long long) a.kvc_session_id(l.session));
     }
 }
 
-// The new session a reconnect opened takes over every KV buffer (defined
-// with the books). reg held.
-void rebind_buffers_locked(kvc_session * s);
+namespace {  // this file's own
 
 // Adopt the session a reconnect opened; false (logged, no more tries) when
 // the daemon came back with other pages than this cache uses. reg held.
-bool adopt_session_locked(kvc_client * c, kvc_session * s) {
-    link_state &       l = LINK();
-    const client_api & a = API();
+bool adopt_session_locked(hook & h, kvc_client * c, kvc_session * s) {
+    link_state &       l = h.link;
+    const client_api & a = h.api;
     if (a.kvc_session_page_size(s) != l.page || l.kind != a.kvc_session_kind(s)) {
         LLAMA_LOG_ERROR("kvcached: the daemon at %s is back with %s pages of %.2f MiB (this cache uses %s pages of %.2f "
                         "MiB): new KV memory cannot come from it; restart this server\n",
-                        CFG().socket.c_str(), a.kvc_session_kind(s), a.kvc_session_page_size(s) / MiB, l.kind.c_str(),
+                        h.cfg.socket.c_str(), a.kvc_session_kind(s), a.kvc_session_page_size(s) / MiB, l.kind.c_str(),
                         l.page / MiB);
         a.kvc_session_close(s);
         a.kvc_client_destroy(c);
         l.next_reconnect = LLONG_MAX;
         return false;
     }
-    rebind_buffers_locked(s);
+    rebind_buffers_locked(h, s);
     // the ended session and its client stay (never closed): a region call
     // on another thread may still be using the old session's mapper
     l.ended_sessions.push_back(l.session);
@@ -321,15 +321,17 @@ bool adopt_session_locked(kvc_client * c, kvc_session * s) {
     l.resuming_said = false;
     l.resumes_seen  = 0;
     l.wait_spent    = false;
-    policy_reset_locked();
+    policy_reset_locked(h);
     return true;
 }
 
+}  // namespace
+
 // Reconnect after the session ended (hook thread, reg NOT held).
-void try_reconnect() {
-    link_state & l = LINK();
+void try_reconnect(hook & h) {
+    link_state & l = h.link;
     {
-        std::lock_guard<std::mutex> lk(L().reg);
+        std::lock_guard<std::mutex> lk(h.locks.reg);
         if (!l.lost || now_ms() < l.next_reconnect) {
             return;
         }
@@ -337,24 +339,24 @@ void try_reconnect() {
     kvc_client *                c = nullptr;
     kvc_session *               s = nullptr;
     std::string                 err;
-    kvc_status                  st = open_session(&c, &s, err);
-    std::lock_guard<std::mutex> lk(L().reg);
+    kvc_status                  st = open_session(h, &c, &s, err);
+    std::lock_guard<std::mutex> lk(h.locks.reg);
     if (st != KVC_OK) {
         l.next_reconnect    = now_ms() + l.reconnect_backoff;
         l.reconnect_backoff = std::min<int64_t>(l.reconnect_backoff * 2, 2000);
         return;
     }
-    if (adopt_session_locked(c, s)) {
+    if (adopt_session_locked(h, c, s)) {
         LLAMA_LOG_INFO("kvcached: reconnected to the daemon at %s: session %llu; new KV memory comes from it (the %.2f "
                        "MiB mapped before stay in use until their cells are freed)\n",
-                       CFG().socket.c_str(), (unsigned long long) API().kvc_session_id(s), held_locked() / MiB);
+                       h.cfg.socket.c_str(), (unsigned long long) h.api.kvc_session_id(s), held_locked(h) / MiB);
     }
 }
 
 // The daemon is away: the session ended (reconnecting) or is resuming. reg held.
-bool daemon_away_locked() {
-    check_session_locked();
-    return LINK().lost || API().kvc_session_is_resuming(LINK().session);
+bool daemon_away_locked(hook & h) {
+    check_session_locked(h);
+    return h.link.lost || h.api.kvc_session_is_resuming(h.link.session);
 }
 
 // Wait for the daemon to be back, at most KVCACHED_WAIT_DAEMON_MS (a
@@ -364,30 +366,34 @@ bool daemon_away_locked() {
 // to local memory or fail at once (KVCACHED_ON_DAEMON_LOSS; and
 // llama-server's retries of a failed batch, halved each time, never wait).
 // True when the daemon is back.
-bool wait_daemon_locked(std::unique_lock<std::mutex> & lk) {
-    link_state &  l        = LINK();
+bool wait_daemon_locked(hook & h, std::unique_lock<std::mutex> & lk) {
+    link_state &  l        = h.link;
     const int64_t start    = now_ms();
-    const int64_t deadline = start + CFG().wait_daemon_ms;
+    const int64_t deadline = start + h.cfg.wait_daemon_ms;
     if (l.wait_spent) {
         return false;
     }
-    wake_thread();
+    wake_thread(h);
     while (now_ms() < deadline) {
         lk.unlock();
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
         lk.lock();
-        if (!daemon_away_locked()) {
+        if (!daemon_away_locked(h)) {
             LLAMA_LOG_INFO("kvcached: a batch that needed new KV memory waited %lld ms for the daemon at %s\n",
-                           (long long) (now_ms() - start), CFG().socket.c_str());
+                           (long long) (now_ms() - start), h.cfg.socket.c_str());
             return true;
         }
     }
     l.wait_spent       = true;
-    const bool local   = CFG().loss_local && API().kvc_region_map_ranges_local;
+    const bool local   = h.cfg.loss_local && h.api.kvc_region_map_ranges_local;
     LLAMA_LOG_WARN("kvcached: the daemon at %s did not come back within %u ms (KVCACHED_WAIT_DAEMON_MS); until it is "
                    "back, batches that need new KV memory %s\n",
-                   CFG().socket.c_str(), CFG().wait_daemon_ms,
+                   h.cfg.socket.c_str(), h.cfg.wait_daemon_ms,
                    local ? "get local device memory outside its budget (KVCACHED_ON_DAEMON_LOSS=local)" :
                            "fail (KVCACHED_ON_DAEMON_LOSS=fail)");
     return false;
 }
+
+}  // namespace llama_kvcached_impl
+
+#endif  // !OLLAMA_COMPAT_MTMD_BUILD && LLAMA_KVCACHED

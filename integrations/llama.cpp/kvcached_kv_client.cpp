@@ -1,35 +1,28 @@
-// kvcached_kv_client.inc: the C client found at run time, and the settings
-// the environment gives the hook. Part of kvcached_kv.cpp (included into its
-// namespace; not a translation unit of its own).
-//
-// Owns: the function table (API()) and the settings (CFG()), both written
-// once, by session_locked() under the link's lock, before anything else
-// reads them.
+// kvcached_kv_client.cpp: the C client found at run time, and the settings
+// the environment gives the hook (kvcached_kv_client.h).
 
-constexpr double MiB = 1024.0 * 1024.0;
+#if !defined(OLLAMA_COMPAT_MTMD_BUILD) && defined(LLAMA_KVCACHED)
+
+#include "kvcached_kv_client.h"
+
+#include "llama-impl.h"
+
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+namespace llama_kvcached_impl {
 
 int64_t now_ms() {
     return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
         .count();
 }
-
-// ---- KVCACHED_HOOK_STATS: every entry point counted and timed ------------
-//
-// With KVCACHED_HOOK_STATS=1 (read once, at the first entry, whether or not
-// a daemon is set) each entry point of kvcached_kv.h and each function of a
-// daemon KV buffer counts its calls and the time spent inside them (steady
-// clock, per call; a call made from inside another is counted in both), and
-// the process prints one line to stderr at exit: "kvcached: hook stats:
-// calls N in T us; <entry> N / T us, ...". What the hook itself costs a
-// generated token is that total over the tokens (tests/helpers/gpu_llama.py
-// decode). Off: one load of a flag per entry.
-
-enum hook_call {
-    HC_ALLOC_KV, HC_BUFFER_SIZE, HC_ACTIVE, HC_MAP, HC_MAP_ALL, HC_MAP_USED, HC_TRIM, HC_LOCK, HC_UNLOCK,
-    HC_SET_IDLE_RELEASE, HC_HELD_BYTES, HC_POLL, HC_DECODE_ERROR,
-    HC_BUF_FREE, HC_BUF_CLEAR, HC_BUF_MEMSET_TENSOR, HC_BUF_SET_TENSOR, HC_BUF_GET_TENSOR, HC_BUF_CPY_TENSOR,
-    HC_BUF_GET_BASE, HC_COUNT
-};
 
 constexpr const char * HC_NAMES[HC_COUNT] = {
     "alloc_kv", "buffer_size", "active", "map", "map_all", "map_used", "trim", "lock", "unlock",
@@ -38,18 +31,7 @@ constexpr const char * HC_NAMES[HC_COUNT] = {
     "buf_get_base",
 };
 
-struct hook_stats {
-    std::atomic<uint64_t> calls[HC_COUNT] = {};
-    std::atomic<uint64_t> ns[HC_COUNT]    = {};
-};
-
-hook_stats & STATS() {
-    static hook_stats * s = new hook_stats();  // never destroyed: printed at exit
-    return *s;
-}
-
-void print_stats() {
-    hook_stats & s = STATS();
+void print_stats(const hook_stats & s) {
     uint64_t     n = 0, ns = 0;
     std::string  parts;
     for (int i = 0; i < HC_COUNT; ++i) {
@@ -68,37 +50,10 @@ void print_stats() {
     fflush(stderr);
 }
 
-bool stats_on() {
-    static const bool on = [] {
-        const char * v   = getenv("KVCACHED_HOOK_STATS");
-        const bool   yes = v && *v && strcmp(v, "0") != 0;
-        if (yes) {
-            atexit(print_stats);
-        }
-        return yes;
-    }();
-    return on;
+bool stats_wanted() {
+    const char * v = getenv("KVCACHED_HOOK_STATS");
+    return v && *v && strcmp(v, "0") != 0;
 }
-
-// One call of entry `id`, counted and timed from here to the end of the scope.
-struct hook_timer {
-    int                                   id;
-    std::chrono::steady_clock::time_point t0;
-    explicit hook_timer(int i) : id(stats_on() ? i : -1) {
-        if (id >= 0) {
-            t0 = std::chrono::steady_clock::now();
-        }
-    }
-    ~hook_timer() {
-        if (id >= 0) {
-            const auto d = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0);
-            STATS().calls[id].fetch_add(1, std::memory_order_relaxed);
-            STATS().ns[id].fetch_add((uint64_t) d.count(), std::memory_order_relaxed);
-        }
-    }
-    hook_timer(const hook_timer &)             = delete;
-    hook_timer & operator=(const hook_timer &) = delete;
-};
 
 std::string fmt(const char * f, ...) {
     char    buf[1024];
@@ -109,63 +64,22 @@ std::string fmt(const char * f, ...) {
     return buf;
 }
 
-// ---- the function table ------------------------------------------------------
-//
-// The hook calls libkvcached through this table, filled from the symbols the
-// program itself carries (llama-server links the self-contained static
-// client, kvcached::kvcached_embed, and exports kvc_*) or else from
-// libkvcached.so.1 (or $KVCACHED_CLIENT_LIBRARY). So libllama needs nothing
-// at link time, and a program without the client runs as before.
-
-#define LLAMA_KVCACHED_CLIENT_FUNCS(X)                                                                      \
-    X(kvc_api_version) X(kvc_status_to_string) X(kvc_last_error) X(kvc_client_create) X(kvc_client_destroy) \
-    X(kvc_client_set_timeout) X(kvc_client_device_count) X(kvc_client_device) X(kvc_session_options_init) X(kvc_session_open) X(kvc_session_close)          \
-    X(kvc_session_id) X(kvc_session_page_size) X(kvc_session_kind) X(kvc_session_ended)                     \
-    X(kvc_session_is_resuming) X(kvc_session_resume_count) X(kvc_session_set_reclaim_callback)              \
-    X(kvc_session_set_wait) X(kvc_region_create) X(kvc_region_destroy) X(kvc_region_base)                   \
-    X(kvc_region_mapped_bytes) X(kvc_region_is_mapped) X(kvc_region_map) X(kvc_region_map_ranges)           \
-    X(kvc_region_unmap_ranges) X(kvc_region_memset) X(kvc_region_clear) X(kvc_region_read) X(kvc_region_write) \
-    X(kvc_region_rebind)
-
-struct client_api {
-#define LLAMA_KVCACHED_FIELD(name) decltype(&::name) name = nullptr;
-    LLAMA_KVCACHED_CLIENT_FUNCS(LLAMA_KVCACHED_FIELD)
-#undef LLAMA_KVCACHED_FIELD
-    // optional (API 1.3): without it a reclaim's answer is only logged
-    decltype(&::kvc_session_answer_reclaim) kvc_session_answer_reclaim = nullptr;
-    // optional (API 1.5): local pages; without them KVCACHED_ON_DAEMON_LOSS=local acts as fail
-    decltype(&::kvc_region_map_ranges_local)   kvc_region_map_ranges_local   = nullptr;
-    decltype(&::kvc_region_unmap_ranges_local) kvc_region_unmap_ranges_local = nullptr;
-    decltype(&::kvc_region_local_bytes)        kvc_region_local_bytes        = nullptr;
-    // optional (API 1.7): standby pages; without them a trim gives every page back (KVCACHED_STANDBY_BYTES unused)
-    decltype(&::kvc_region_unmap_ranges_standby) kvc_region_unmap_ranges_standby = nullptr;
-    decltype(&::kvc_region_set_standby_limit)    kvc_region_set_standby_limit    = nullptr;
-    decltype(&::kvc_region_standby_bytes)        kvc_region_standby_bytes        = nullptr;
-    decltype(&::kvc_region_release_standby)      kvc_region_release_standby      = nullptr;
-    std::string from;  // where the table came from, for the log
-};
-
-constexpr int NEED_API = 10200;  // 1.2: kvc_session_set_wait, kvc_region_rebind
-
-client_api & API() {
-    static client_api * a = new client_api();  // never destroyed: the hook's thread may outlive static destruction
-    return *a;
+const char * status_name(const client_api & a, kvc_status st) {
+    return a.kvc_status_to_string ? a.kvc_status_to_string(st) : "?";
 }
 
-const char * status_name(kvc_status st) {
-    return API().kvc_status_to_string ? API().kvc_status_to_string(st) : "?";
+const char * last_err(const client_api & a) {
+    return a.kvc_last_error ? a.kvc_last_error() : "";
 }
 
-const char * last_err() {
-    return API().kvc_last_error ? API().kvc_last_error() : "";
-}
+namespace {  // this file's own
 
 // The program's own symbols first (h = RTLD_DEFAULT, which is a null
 // pointer), else the shared library. False (logged) when there is neither.
-bool client_library(void *& h) {
+bool client_library(client_api & a, void *& h) {
     h = RTLD_DEFAULT;
     if (dlsym(RTLD_DEFAULT, "kvc_api_version")) {
-        API().from = "built into this program";
+        a.from = "built into this program";
         return true;
     }
     const char * lib = getenv("KVCACHED_CLIENT_LIBRARY");
@@ -180,15 +94,16 @@ bool client_library(void *& h) {
                        lib, e ? e : "not found");
         return false;
     }
-    API().from = lib;
+    a.from = lib;
     return true;
 }
 
+}  // namespace
+
 // Fill the table; false (logged) when the client is missing or too old.
-bool load_api() {
-    client_api & a = API();
+bool load_api(client_api & a) {
     void *       h = nullptr;
-    if (!client_library(h)) {
+    if (!client_library(a, h)) {
         return false;
     }
     bool ok = true;
@@ -246,44 +161,7 @@ bool load_api() {
 
 // ---- settings ----------------------------------------------------------------
 
-// KVCACHED_STANDBY_BYTES's and KVCACHED_STANDBY_IDLE_MS's defaults (docs/llama-cpp.md, "Standby pages":
-// measured). 256 MiB: one 2048-token request of an 8B f16 model (32 layers x 8 KV heads x 128 x 2 (K and
-// V) x 2 bytes = 128 KiB per token); every standby page goes back once no batch ran for 1 s, so an idle
-// process holds only what its cells use.
-constexpr uint64_t DEFAULT_STANDBY_BYTES   = 256ull << 20;
-constexpr uint32_t DEFAULT_STANDBY_IDLE_MS = 1000;
-
-struct settings {
-    std::string socket;
-    // session options (ChildEnv of clients/go sets them)
-    std::string                                      name, device;
-    std::vector<std::pair<std::string, std::string>> labels;
-    uint64_t                                         guaranteed = 0, max = 0;
-    // given as bytes by the environment, or "auto": per model, at the first KV
-    // buffer (unset: 0, no maximum and no guarantee, except in a router child,
-    // where both are per model)
-    bool guaranteed_set = false, max_set = false, guaranteed_auto = false, max_auto = false;
-    int32_t                                          priority   = 0;
-    // decode path policy
-    uint32_t wait_ms        = 1000;  // KVCACHED_WAIT_MS: one Allocate waits at most this
-    uint32_t fail_fast_ms   = 2000;  // KVCACHED_FAIL_FAST_MS: after a refusal, no waiting this long
-    uint32_t wait_daemon_ms = 5000;  // KVCACHED_WAIT_DAEMON_MS: a batch that needs new pages while the daemon is away waits this long for it
-    bool     loss_local     = true;  // KVCACHED_ON_DAEMON_LOSS: local (the default) or fail, after that wait
-    bool     premap         = false; // KVCACHED_PREMAP=1: every page mapped when the buffer is made, never trimmed
-    // KVCACHED_STANDBY_BYTES: a trim keeps up to this many bytes (per process, split over its KV buffers
-    // by size) mapped as standby pages (C API 1.7), so a slot that grows again maps nothing new; 0: off
-    uint64_t standby         = DEFAULT_STANDBY_BYTES;
-    // KVCACHED_STANDBY_IDLE_MS: once no batch ran (and no seq_rm trimmed) for this long the hook's thread
-    // gives every standby page back (an idle process holds what its cells use); 0: never on idle (a reclaim
-    // still takes them)
-    uint32_t standby_idle_ms = DEFAULT_STANDBY_IDLE_MS;
-    bool     debug           = false;
-};
-
-settings & CFG() {
-    static settings * s = new settings();
-    return *s;
-}
+namespace {  // this file's own
 
 // Strict parsers: a malformed variable is an error that names it.
 bool parse_u64(const char * v, uint64_t & out) {
@@ -445,15 +323,18 @@ std::string model_name() {
     return n.substr(0, 128);
 }
 
-// Reads the environment into CFG(); false (with a logged error naming the
-// variable) if something is malformed.
-bool read_env() {
-    settings & c = CFG();
+}  // namespace
+
+bool read_env(settings & c) {
     if (!env_limit("KVCACHED_GUARANTEED_BYTES", c.guaranteed, c.guaranteed_set, c.guaranteed_auto) ||
         !env_limit("KVCACHED_MAX_BYTES", c.max, c.max_set, c.max_auto) ||
         !env_ms("KVCACHED_WAIT_MS", c.wait_ms) || !env_ms("KVCACHED_FAIL_FAST_MS", c.fail_fast_ms) ||
         !env_ms("KVCACHED_WAIT_DAEMON_MS", c.wait_daemon_ms) || !env_bytes("KVCACHED_STANDBY_BYTES", c.standby) ||
         !env_ms("KVCACHED_STANDBY_IDLE_MS", c.standby_idle_ms)) {
+        return false;
+    }
+    c.load_wait_ms = c.wait_daemon_ms;  // unless KVCACHED_LOAD_WAIT_MS says otherwise
+    if (!env_ms("KVCACHED_LOAD_WAIT_MS", c.load_wait_ms)) {
         return false;
     }
     // A child of llama-server's router (llama.cpp's own test, server_child::is_child)
@@ -491,3 +372,7 @@ bool read_env() {
     c.premap = getenv("KVCACHED_PREMAP") && strcmp(getenv("KVCACHED_PREMAP"), "0") != 0;
     return true;
 }
+
+}  // namespace llama_kvcached_impl
+
+#endif  // !OLLAMA_COMPAT_MTMD_BUILD && LLAMA_KVCACHED

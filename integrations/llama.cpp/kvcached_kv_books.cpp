@@ -1,89 +1,47 @@
-// kvcached_kv_books.inc: the KV buffers in daemon pages: their layout, the
+// kvcached_kv_books.cpp: the KV buffers in daemon pages: their layout, the
 // ggml buffer they are, the books of this process's caches, and the "KV
-// buffer size" line Ollama reads. Part of kvcached_kv.cpp.
-//
-// Owns: BOOKS() (every cache, buffer and logged line), under L().reg.
+// buffer size" line Ollama reads (kvcached_kv_books.h).
 
-struct kv_tensor {
-    uint64_t offset;  // from the region base
-    uint64_t row;     // bytes per cell (nb[1])
-    uint64_t stride;  // bytes per stream (nb[2])
-    uint64_t bytes;   // the tensor
-    uint64_t extent;  // up to the next tensor (its alignment padding), the last one to the buffer end
-    bool     whole;   // map the whole tensor (transposed V)
-};
+#if !defined(OLLAMA_COMPAT_MTMD_BUILD) && defined(LLAMA_KVCACHED)
 
-struct kv_cache;
+#include "kvcached_kv_hook.h"
 
-struct kv_buffer {
-    // First two members mirror ggml-cuda's ggml_backend_cuda_buffer_context
-    // {int device; void * dev_ptr;}: ggml-cuda recognises buffers of its
-    // buffer type by the type's function pointers and may read these two.
-    int                    device       = 0;
-    void *                 dev_ptr      = nullptr;
-    ggml_backend_buffer_t  buf          = nullptr;
-    kvc_region *           region       = nullptr;
-    kv_cache *             cache        = nullptr;
-    bool                   host         = true;
-    bool                   whole_mapped = false;
-    std::string            name;  // as in "<name> KV buffer size"
-    std::vector<kv_tensor> tensors;
-    uint64_t               reserved = 0;  // the reservation's bytes (its share of KVCACHED_STANDBY_BYTES)
-};
+#include "ggml-alloc.h"
+#include "ggml-backend-impl.h"
+#include "ggml.h"
+#include "llama-impl.h"
 
-struct kv_cache {
-    llama_kvcached_cache_info info;
-    std::vector<kv_buffer *>  bufs;
-    std::vector<uint32_t>     mapped;  // cells backed per stream (at least)
-    bool recheck = false;  // local pages under those cells were given back: the next batch looks at the pages
-};
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
-struct kv_line {
-    uint64_t logged         = 0;  // bytes in the last "KV buffer size" line (in use and standby: held)
-    uint64_t logged_standby = 0;  // the standby part in the last standby line
-    int64_t  logged_at      = 0;  // when (ms)
-};
+namespace llama_kvcached_impl {
 
-struct books {
-    std::unordered_map<const void *, kv_cache *>           caches;
-    std::unordered_map<ggml_backend_buffer_t, kv_buffer *> buffers;
-    std::map<std::string, kv_line>                         lines;
-    bool                                                   lines_pending = false;
-};
-
-books & BOOKS() {
-    static books * b = new books();
-    return *b;
-}
-
-kv_cache * cache_of(const void * owner) {
-    auto it = BOOKS().caches.find(owner);
-    return it == BOOKS().caches.end() ? nullptr : it->second;
+kv_cache * cache_of(hook & h, const void * owner) {
+    auto it = h.books.caches.find(owner);
+    return it == h.books.caches.end() ? nullptr : it->second;
 }
 
 // Standby bytes of one buffer (0 without API 1.7).
-uint64_t standby_of(const kv_buffer * b) {
-    return API().kvc_region_standby_bytes ? API().kvc_region_standby_bytes(b->region) : 0;
+uint64_t standby_of(const hook & h, const kv_buffer * b) {
+    return h.api.kvc_region_standby_bytes ? h.api.kvc_region_standby_bytes(b->region) : 0;
 }
 
 // What this process holds: in use and standby (the daemon's held). reg held.
-uint64_t held_locked() {
+uint64_t held_locked(hook & h) {
     uint64_t n = 0;
-    for (auto & [_, b] : BOOKS().buffers) {
-        n += API().kvc_region_mapped_bytes(b->region) + standby_of(b);
+    for (auto & [_, b] : h.books.buffers) {
+        n += h.api.kvc_region_mapped_bytes(b->region) + standby_of(h, b);
     }
     return n;
 }
 
-// Standby limits of every buffer, after one is made or freed (kvcached_kv_cells.inc). reg held.
-void standby_limits_locked();
-
-void rebind_buffers_locked(kvc_session * s) {
-    for (auto & [_, b] : BOOKS().buffers) {
-        kvc_status rb = API().kvc_region_rebind(b->region, s);
+void rebind_buffers_locked(hook & h, kvc_session * s) {
+    for (auto & [_, b] : h.books.buffers) {
+        kvc_status rb = h.api.kvc_region_rebind(b->region, s);
         if (rb != KVC_OK) {
-            LLAMA_LOG_ERROR("kvcached: cannot move a KV buffer to the new session (%s: %s)\n", status_name(rb),
-                            last_err());
+            LLAMA_LOG_ERROR("kvcached: cannot move a KV buffer to the new session (%s: %s)\n", status_name(h.api, rb),
+                            last_err(h.api));
         }
     }
 }
@@ -99,12 +57,12 @@ void rebind_buffers_locked(kvc_session * s) {
 // thread), so the last line always shows what is held. The value is the sum
 // over this process's KV caches of that name.
 
-void log_lines_locked() {
-    books &                                              k = BOOKS();
+void log_lines_locked(hook & h) {
+    books &                                              k = h.books;
     std::map<std::string, std::pair<uint64_t, uint64_t>> now;  // name -> (held, standby)
     for (auto & [_, b] : k.buffers) {
-        const uint64_t sb = standby_of(b);
-        now[b->name].first += API().kvc_region_mapped_bytes(b->region) + sb;
+        const uint64_t sb = standby_of(h, b);
+        now[b->name].first += h.api.kvc_region_mapped_bytes(b->region) + sb;
         now[b->name].second += sb;
     }
     for (auto & [name, l] : k.lines) {
@@ -138,30 +96,43 @@ void log_lines_locked() {
         l.logged_at      = t;
     }
     if (k.lines_pending) {
-        wake_thread();
+        wake_thread(h);
     }
 }
 
 // ---- ggml buffer functions ---------------------------------------------------
 
-kv_buffer * lookup(ggml_backend_buffer_t buf) {
-    std::lock_guard<std::mutex> lk(L().reg);
-    auto                        it = BOOKS().buffers.find(buf);
-    return it == BOOKS().buffers.end() ? nullptr : it->second;
+kv_buffer * lookup(hook & h, ggml_backend_buffer_t buf) {
+    std::lock_guard<std::mutex> lk(h.locks.reg);
+    auto                        it = h.books.buffers.find(buf);
+    return it == h.books.buffers.end() ? nullptr : it->second;
 }
 
-kv_buffer * buffer_locked(ggml_backend_buffer_t buf) {
-    auto it = BOOKS().buffers.find(buf);
-    GGML_ASSERT(it != BOOKS().buffers.end());
+namespace {  // this file's own
+
+kv_buffer * buffer_locked(hook & h, ggml_backend_buffer_t buf) {
+    auto it = h.books.buffers.find(buf);
+    GGML_ASSERT(it != h.books.buffers.end());
     return it->second;
 }
 
-void buf_free(ggml_backend_buffer_t buf) {
-    hook_timer kvc_t(HC_BUF_FREE);
-    books &     k = BOOKS();
+uint64_t tensor_offset(const kv_buffer * b, const ggml_tensor * t, size_t offset) {
+    return (uint64_t) ((const char *) t->data - (const char *) b->dev_ptr) + offset;
+}
+
+bool all_zero(const void * data, size_t size) {
+    const unsigned char * p = (const unsigned char *) data;
+    return size == 0 || (p[0] == 0 && std::memcmp(p, p + 1, size - 1) == 0);
+}
+
+}  // namespace
+
+void buf_free(hook & h, ggml_backend_buffer_t buf) {
+    hook_timer kvc_t(h.stats, HC_BUF_FREE);
+    books &     k = h.books;
     kv_buffer * b = nullptr;
     {
-        std::lock_guard<std::mutex> lk(L().reg);
+        std::lock_guard<std::mutex> lk(h.locks.reg);
         auto                        it = k.buffers.find(buf);
         if (it == k.buffers.end()) {
             return;
@@ -176,35 +147,31 @@ void buf_free(ggml_backend_buffer_t buf) {
                 delete b->cache;
             }
         }
-        API().kvc_region_destroy(b->region);  // unmap, one Free (standby pages too), release the reservation
-        standby_limits_locked();
-        log_lines_locked();
+        h.api.kvc_region_destroy(b->region);  // unmap, one Free (standby pages too), release the reservation
+        standby_limits_locked(h);
+        log_lines_locked(h);
     }
     delete b;
 }
 
-void buf_clear(ggml_backend_buffer_t buf, uint8_t value) {
-    hook_timer kvc_t(HC_BUF_CLEAR);
-    std::lock_guard<std::mutex> lk(L().reg);  // region calls run under reg (a reconnect rebinds regions)
-    kv_buffer *                 b = buffer_locked(buf);
+void buf_clear(hook & h, ggml_backend_buffer_t buf, uint8_t value) {
+    hook_timer kvc_t(h.stats, HC_BUF_CLEAR);
+    std::lock_guard<std::mutex> lk(h.locks.reg);  // region calls run under reg (a reconnect rebinds regions)
+    kv_buffer *                 b = buffer_locked(h, buf);
     // mapped pages only: unmapped ones come back zeroed from the daemon
-    kvc_status st = API().kvc_region_clear(b->region, value);
+    kvc_status st = h.api.kvc_region_clear(b->region, value);
     if (st != KVC_OK) {
-        GGML_ABORT("kvcached: clear failed (%s: %s)", status_name(st), last_err());
+        GGML_ABORT("kvcached: clear failed (%s: %s)", status_name(h.api, st), last_err(h.api));
     }
 }
 
-uint64_t tensor_offset(const kv_buffer * b, const ggml_tensor * t, size_t offset) {
-    return (uint64_t) ((const char *) t->data - (const char *) b->dev_ptr) + offset;
-}
-
-void buf_memset_tensor(ggml_backend_buffer_t buf, ggml_tensor * t, uint8_t value, size_t offset, size_t size) {
-    hook_timer kvc_t(HC_BUF_MEMSET_TENSOR);
-    std::lock_guard<std::mutex> lk(L().reg);
-    kv_buffer *                 b   = buffer_locked(buf);
+void buf_memset_tensor(hook & h, ggml_backend_buffer_t buf, ggml_tensor * t, uint8_t value, size_t offset, size_t size) {
+    hook_timer kvc_t(h.stats, HC_BUF_MEMSET_TENSOR);
+    std::lock_guard<std::mutex> lk(h.locks.reg);
+    kv_buffer *                 b   = buffer_locked(h, buf);
     const uint64_t              off = tensor_offset(b, t, offset);
     kvc_status                  st  = KVC_OK;
-    const client_api &          a   = API();
+    const client_api &          a   = h.api;
     if (value != 0) {
         st = a.kvc_region_map(b->region, off, size);  // a hole would read 0, not value
     }
@@ -212,20 +179,15 @@ void buf_memset_tensor(ggml_backend_buffer_t buf, ggml_tensor * t, uint8_t value
         st = a.kvc_region_memset(b->region, off, size, value);
     }
     if (st != KVC_OK) {
-        GGML_ABORT("kvcached: memset failed (%s: %s)", status_name(st), last_err());
+        GGML_ABORT("kvcached: memset failed (%s: %s)", status_name(h.api, st), last_err(h.api));
     }
 }
 
 // device buffers (CUDA): data moves through the client library, which uses
 // the driver (cuMemcpyHtoD/DtoH, cuMemsetD8) on the region's device pointers
-void * dev_get_base(ggml_backend_buffer_t buf) {
-    hook_timer kvc_t(HC_BUF_GET_BASE);
+void * dev_get_base(hook & h, ggml_backend_buffer_t buf) {
+    hook_timer kvc_t(h.stats, HC_BUF_GET_BASE);
     return ((kv_buffer *) buf->context)->dev_ptr;
-}
-
-bool all_zero(const void * data, size_t size) {
-    const unsigned char * p = (const unsigned char *) data;
-    return size == 0 || (p[0] == 0 && std::memcmp(p, p + 1, size - 1) == 0);
 }
 
 // set_tensor, CPU and device buffers: every path that writes real data maps
@@ -236,18 +198,18 @@ bool all_zero(const void * data, size_t size) {
 // write at all (they read zeros once mapped), so only the mapped part is
 // cleared. (The CPU buffer's own memcpy wrote into the unmapped reservation:
 // SIGSEGV, found by the chaos run.) Other bytes into a hole map it first.
-void buf_set_tensor(ggml_backend_buffer_t buf, ggml_tensor * t, const void * data, size_t offset, size_t size) {
-    hook_timer kvc_t(HC_BUF_SET_TENSOR);
-    std::lock_guard<std::mutex> lk(L().reg);  // region calls run under reg (a reconnect rebinds regions)
-    kv_buffer *                 b   = buffer_locked(buf);
+void buf_set_tensor(hook & h, ggml_backend_buffer_t buf, ggml_tensor * t, const void * data, size_t offset, size_t size) {
+    hook_timer kvc_t(h.stats, HC_BUF_SET_TENSOR);
+    std::lock_guard<std::mutex> lk(h.locks.reg);  // region calls run under reg (a reconnect rebinds regions)
+    kv_buffer *                 b   = buffer_locked(h, buf);
     const uint64_t              off = tensor_offset(b, t, offset);
-    const client_api &          a   = API();
+    const client_api &          a   = h.api;
     kvc_status                  st  = KVC_OK;
     if (!a.kvc_region_is_mapped(b->region, off, size)) {
         if (all_zero(data, size)) {
             st = a.kvc_region_memset(b->region, off, size, 0);  // mapped pages only
             if (st != KVC_OK) {
-                GGML_ABORT("kvcached: set_tensor (zeros) failed (%s: %s)", status_name(st), last_err());
+                GGML_ABORT("kvcached: set_tensor (zeros) failed (%s: %s)", status_name(h.api, st), last_err(h.api));
             }
             return;
         }
@@ -257,23 +219,25 @@ void buf_set_tensor(ggml_backend_buffer_t buf, ggml_tensor * t, const void * dat
         st = a.kvc_region_write(b->region, off, data, size);
     }
     if (st != KVC_OK) {
-        GGML_ABORT("kvcached: set_tensor failed (%s: %s)", status_name(st), last_err());
+        GGML_ABORT("kvcached: set_tensor failed (%s: %s)", status_name(h.api, st), last_err(h.api));
     }
 }
 
-void dev_get_tensor(ggml_backend_buffer_t buf, const ggml_tensor * t, void * data, size_t offset, size_t size) {
-    hook_timer kvc_t(HC_BUF_GET_TENSOR);
+void dev_get_tensor(hook & h, ggml_backend_buffer_t buf, const ggml_tensor * t, void * data, size_t offset, size_t size) {
+    hook_timer kvc_t(h.stats, HC_BUF_GET_TENSOR);
     kv_buffer * b  = (kv_buffer *) buf->context;
-    kvc_status  st = API().kvc_region_read(b->region, tensor_offset(b, t, offset), data, size);
+    kvc_status  st = h.api.kvc_region_read(b->region, tensor_offset(b, t, offset), data, size);
     if (st != KVC_OK) {
-        GGML_ABORT("kvcached: get_tensor failed (%s: %s)", status_name(st), last_err());
+        GGML_ABORT("kvcached: get_tensor failed (%s: %s)", status_name(h.api, st), last_err(h.api));
     }
 }
 
-bool dev_cpy_tensor(ggml_backend_buffer_t, const ggml_tensor *, ggml_tensor *) {
-    hook_timer kvc_t(HC_BUF_CPY_TENSOR);
+bool dev_cpy_tensor(hook & h, ggml_backend_buffer_t, const ggml_tensor *, ggml_tensor *) {
+    hook_timer kvc_t(h.stats, HC_BUF_CPY_TENSOR);
     return false;  // ggml falls back to get + set
 }
+
+namespace {  // this file's own
 
 // ---- layout ------------------------------------------------------------------
 
@@ -342,6 +306,8 @@ void model_limits(const kv_layout & lay, const llama_kvcached_cache_info & info,
     g = std::min(pages * page, m);
 }
 
+}  // namespace
+
 // The plan session_locked() asks for: this buffer's layout, for a page size.
 void plan_limits(ggml_context * ctx, ggml_backend_buffer_type_t buft, const llama_kvcached_cache_info & info,
                  uint64_t page, uint64_t & g, uint64_t & m) {
@@ -351,21 +317,22 @@ void plan_limits(ggml_context * ctx, ggml_backend_buffer_type_t buft, const llam
     }
 }
 
+namespace {  // this file's own
+
 // A later KV buffer (a second cache: iSWA, a draft model; a second buffer
 // type) that the per-model maximum, computed from the first, does not
 // cover: said once (the session's maximum cannot change).
-void check_per_model_max_locked() {
-    static bool    said     = false;
-    const uint64_t page     = LINK().page;
+void check_per_model_max_locked(hook & h) {
+    const uint64_t page     = h.link.page;
     uint64_t       reserved = 0;  // every KV buffer's reservation (its last tensor's end), in pages
-    for (auto & [_, b] : BOOKS().buffers) {
+    for (auto & [_, b] : h.books.buffers) {
         reserved += (b->tensors.back().offset + b->tensors.back().extent + page - 1) / page * page;
     }
-    if (CFG().max_auto && CFG().max && reserved > CFG().max && !said) {
-        said = true;
+    if (h.cfg.max_auto && h.cfg.max && reserved > h.cfg.max && !h.books.per_model_max_said) {
+        h.books.per_model_max_said = true;
         LLAMA_LOG_WARN("kvcached: this process reserves %.2f MiB of KV buffers, more than the per-model maximum of "
                        "%.2f MiB computed from its first (KVCACHED_MAX_BYTES=auto): set bytes, their sum, for this model\n",
-                       reserved / MiB, CFG().max / MiB);
+                       reserved / MiB, h.cfg.max / MiB);
     }
 }
 
@@ -378,14 +345,15 @@ void check_per_model_max_locked() {
 // region. Device (CUDA): keep the device's buffer type (ggml-cuda recognises
 // its buffers by the type's functions) and replace only the buffer's
 // function table. Tested against the test driver only (docs/llama-cpp.md).
-ggml_backend_buffer_t wrap_region(ggml_backend_buffer_type_t buft, kv_buffer * b, uint64_t total) {
+ggml_backend_buffer_t wrap_region(hook & h, ggml_backend_buffer_type_t buft, kv_buffer * b, uint64_t total) {
+    const buffer_entries & fns = h.entries.buffer;  // kvcached_kv.cpp's: they find this hook
     if (b->host) {
         ggml_backend_buffer_t buf = ggml_backend_cpu_buffer_from_ptr(b->dev_ptr, total);
         buf->buft                 = buft;
-        buf->iface.free_buffer    = buf_free;
-        buf->iface.clear          = buf_clear;
-        buf->iface.memset_tensor  = buf_memset_tensor;
-        buf->iface.set_tensor     = buf_set_tensor;
+        buf->iface.free_buffer    = fns.free_buffer;
+        buf->iface.clear          = fns.clear;
+        buf->iface.memset_tensor  = fns.memset_tensor;
+        buf->iface.set_tensor     = fns.set_tensor;
         return buf;
     }
     const char * dn = ggml_backend_buft_name(buft);
@@ -394,14 +362,14 @@ ggml_backend_buffer_t wrap_region(ggml_backend_buffer_type_t buft, kv_buffer * b
     }
     b->device                   = atoi(dn);
     ggml_backend_buffer_i iface = {};
-    iface.free_buffer           = buf_free;
-    iface.get_base              = dev_get_base;
+    iface.free_buffer           = fns.free_buffer;
+    iface.get_base              = fns.get_base;
     iface.init_tensor           = nullptr;
-    iface.memset_tensor         = buf_memset_tensor;
-    iface.set_tensor            = buf_set_tensor;
-    iface.get_tensor            = dev_get_tensor;
-    iface.cpy_tensor            = dev_cpy_tensor;
-    iface.clear                 = buf_clear;
+    iface.memset_tensor         = fns.memset_tensor;
+    iface.set_tensor            = fns.set_tensor;
+    iface.get_tensor            = fns.get_tensor;
+    iface.cpy_tensor            = fns.cpy_tensor;
+    iface.clear                 = fns.clear;
     iface.reset                 = nullptr;
     return ggml_backend_buffer_init(buft, iface, b, total);
 }
@@ -428,9 +396,9 @@ void place_tensors(ggml_context * ctx, const llama_kvcached_cache_info & info, c
 }
 
 // Enter b in the books, under its cache (made on its first buffer).
-void register_buffer_locked(const llama_kvcached_cache_info & info, kv_buffer * b) {
-    books &    k = BOOKS();
-    kv_cache * c = cache_of(info.owner);
+void register_buffer_locked(hook & h, const llama_kvcached_cache_info & info, kv_buffer * b) {
+    books &    k = h.books;
+    kv_cache * c = cache_of(h, info.owner);
     if (!c) {
         c       = new kv_cache();
         c->info = info;
@@ -457,16 +425,18 @@ void log_reserved(const char * fn, const kv_buffer * b, const llama_kvcached_cac
                            : "K and V elastic");
 }
 
+}  // namespace
+
 // The KV buffer of ctx's tensors in one region of session s, nothing mapped
 // yet; nullptr (logged) when this buffer must stay in ordinary memory.
 // reg held.
-ggml_backend_buffer_t alloc_kv_locked(kvc_session * s, ggml_context * ctx, ggml_backend_buffer_type_t buft,
+ggml_backend_buffer_t alloc_kv_locked(hook & h, kvc_session * s, ggml_context * ctx, ggml_backend_buffer_type_t buft,
                                       const llama_kvcached_cache_info & info) {
     const char * fn        = "llama_kvcached_alloc_kv";
     const bool   host_buft = ggml_backend_buft_is_host(buft);
-    if (host_buft != (LINK().kind == "host")) {
+    if (host_buft != (h.link.kind == "host")) {
         LLAMA_LOG_WARN("%s: kvcached: %s buffer but the daemon lends %s pages; this KV buffer in ordinary memory\n", fn,
-                       ggml_backend_buft_name(buft), LINK().kind.c_str());
+                       ggml_backend_buft_name(buft), h.link.kind.c_str());
         return nullptr;
     }
     kv_layout lay;
@@ -475,23 +445,27 @@ ggml_backend_buffer_t alloc_kv_locked(kvc_session * s, ggml_context * ctx, ggml_
         return nullptr;
     }
     kvc_region * region = nullptr;
-    kvc_status   st     = API().kvc_region_create(s, lay.total, &region);
+    kvc_status   st     = h.api.kvc_region_create(s, lay.total, &region);
     if (st != KVC_OK) {
         LLAMA_LOG_WARN("%s: kvcached: cannot reserve %.2f MiB (%s: %s); this KV buffer in ordinary memory\n", fn,
-                       lay.total / MiB, status_name(st), last_err());
+                       lay.total / MiB, status_name(h.api, st), last_err(h.api));
         return nullptr;
     }
     auto * b    = new kv_buffer();
     b->region   = region;
-    b->dev_ptr  = API().kvc_region_base(region);
+    b->dev_ptr  = h.api.kvc_region_base(region);
     b->host     = host_buft;
     b->reserved = lay.total;
-    b->buf      = wrap_region(buft, b, lay.total);
+    b->buf      = wrap_region(h, buft, b, lay.total);
     b->name     = ggml_backend_buffer_name(b->buf);
     place_tensors(ctx, info, lay, b);
-    register_buffer_locked(info, b);
-    standby_limits_locked();
+    register_buffer_locked(h, info, b);
+    standby_limits_locked(h);
     log_reserved(fn, b, info, lay.total);
-    check_per_model_max_locked();
+    check_per_model_max_locked(h);
     return b->buf;
 }
+
+}  // namespace llama_kvcached_impl
+
+#endif  // !OLLAMA_COMPAT_MTMD_BUILD && LLAMA_KVCACHED
