@@ -372,28 +372,47 @@ class Recovery:
         adopting the pages its client re-sent (ADOPT, collected by the
         channel adapter) after checking the claim against the journal.
         Returns (session, adopted, forgotten)."""
-        books = self.books
         if self.journal is None:
             raise errors.FailedPrecondition("this daemon keeps no journal (--state-dir), so sessions cannot be resumed; open a new one")
         port = self.identity.port(caller_uid, secret, "ResumeSession")
         adoption = self.identity.directory().adoption(port)
+        js = self._orphan_claimed(sid, token, port.uid)
+        resent = self._check_pages(js, page_ids, adoption)
+        await self._check_resent_fds(js, resent, adoption)
+        imported = await self._import(js, page_ids, adoption)
+        if sid not in self.orphans or port.closed:  # lost a race with the grace timer or the client
+            await self._release(imported)
+            raise errors.FailedPrecondition(f"session {sid} could not be resumed: it expired or its channel closed meanwhile")
+        s, adopted, forgotten = self._adopt(js, port, imported)
+        self.books.count("sessions_resumed")
+        log.info("session %d '%s' resumed by pid %d uid %d: %d pages adopted, %d forgotten",
+                 sid, s.name, s.pid, s.uid, adopted, forgotten)
+        return s, adopted, forgotten
+
+    def _orphan_claimed(self, sid: int, token: bytes, uid: int) -> JSession:
+        """The orphan a ResumeSession names, if its token and uid are its own."""
         js = self.orphans.get(sid)
         if js is None:
-            if sid in books.sessions:
+            if sid in self.books.sessions:
                 raise errors.FailedPrecondition(f"session {sid} is live; only a session of a previous daemon can be resumed")
-            reason = books.tombstones.get(sid)
+            reason = self.books.tombstones.get(sid)
             raise errors.NotFound(f"no session {sid} to resume" + (f" ({reason})" if reason else " in the journal"))
         if not hmac.compare_digest(hashlib.sha256(token).hexdigest(), js.resume_hash):
             raise errors.PermissionDenied(f"resume token does not match session {sid}")
-        if port.uid != js.uid:
-            raise errors.PermissionDenied(f"session {sid} belonged to uid {js.uid}, not to uid {port.uid}")
+        if uid != js.uid:
+            raise errors.PermissionDenied(f"session {sid} belonged to uid {js.uid}, not to uid {uid}")
+        return js
+
+    def _check_pages(self, js: JSession, page_ids: list[int], adoption) -> list[int]:
+        """The claimed pages are the orphan's, each once, and each not in the
+        page store was re-sent as ADOPT on this channel. Returns those
+        re-sent ones. Pages in the page store (keeper.py) are taken from
+        there: the daemon's own fds, whatever the driver's fds look like."""
+        sid = js.sid
         if len(set(page_ids)) != len(page_ids):
             raise errors.InvalidArgument("page_ids repeats a page; nothing was adopted")
         if adoption.fds and adoption.session_id != sid:
             raise errors.InvalidArgument(f"the ADOPT records on this channel name session {adoption.session_id}, not {sid}")
-        # Pages in the page store (keeper.py) are taken from there: the
-        # daemon's own fds, whatever the driver's fds look like. Only the
-        # others need the fd the client re-sent, checked by its identity.
         resent = [pid for pid in page_ids if pid not in self.stored]
         for pid in page_ids:
             if pid not in js.pages:
@@ -401,14 +420,16 @@ class Recovery:
         for pid in resent:
             if pid not in adoption.fds:
                 raise errors.InvalidArgument(f"page {pid} is claimed but its fd was not sent as ADOPT; nothing was adopted")
-        by_dev: dict[str, list[int]] = {}
-        for pid in page_ids:
-            by_dev.setdefault(js.pages[pid][0], []).append(pid)
-        # A re-sent fd proves a page only where fds identify pages: on a
-        # driver whose exports all share one fstat identity any page's fd
-        # would pass for any other's, so nothing is adopted there.
+        return resent
+
+    async def _check_resent_fds(self, js: JSession, resent: list[int], adoption) -> None:
+        """Each re-sent fd is the page the journal recorded. A re-sent fd
+        proves a page only where fds identify pages: on a driver whose
+        exports all share one fstat identity any page's fd would pass for
+        any other's, so nothing is adopted there (and the orphan goes)."""
+        pools, sid = self.books.pools, js.sid
         for dev in {js.pages[pid][0] for pid in resent}:
-            if dev in books.pools and not await books.pools[dev].identities_distinct():
+            if dev in pools and not await pools[dev].identities_distinct():
                 if sid in self.orphans:
                     self.forget_orphan(sid, "not resumable: the driver's exported fds do not identify their pages")
                 raise errors.FailedPrecondition(
@@ -416,24 +437,36 @@ class Recovery:
                     "same identity, so the daemon cannot tell which page a re-sent fd is; open a new session "
                     "(its old mappings keep their memory until unmapped)")
         for pid in resent:
-            if books.pools[js.pages[pid][0]].backend.identity(adoption.fds[pid]) != js.pages[pid][1]:
+            if pools[js.pages[pid][0]].backend.identity(adoption.fds[pid]) != js.pages[pid][1]:
                 raise errors.PermissionDenied(f"the fd sent for page {pid} is not the page the journal recorded; nothing was adopted")
+
+    async def _import(self, js: JSession, page_ids: list[int], adoption) -> dict[str, tuple[list[int], list]]:
+        """A handle of every claimed page, per device (from the store's fd or
+        the re-sent one); all or nothing: the orphan keeps its pages and the
+        client may retry."""
+        by_dev: dict[str, list[int]] = {}
+        for pid in page_ids:
+            by_dev.setdefault(js.pages[pid][0], []).append(pid)
         imported: dict[str, tuple[list[int], list]] = {}
         try:
             for dev, pids in by_dev.items():
                 fds = [self.stored.pop(pid) if pid in self.stored else adoption.take(pid) for pid in pids]
-                handles = await books.pools[dev].import_pages(fds)  # the backend takes the fds
+                handles = await self.books.pools[dev].import_pages(fds)  # the backend takes the fds
                 imported[dev] = (pids, handles)
         except BaseException:
-            # undo earlier devices: the orphan keeps its pages, the client may retry
-            for dev, (_, handles) in imported.items():
-                await books.pools[dev].release_handles(handles)
+            await self._release(imported)  # undo earlier devices
             raise
         adoption.discard()
-        if sid not in self.orphans or port.closed:  # lost a race with the grace timer or the client
-            for dev, (_, handles) in imported.items():
-                await books.pools[dev].release_handles(handles)
-            raise errors.FailedPrecondition(f"session {sid} could not be resumed: it expired or its channel closed meanwhile")
+        return imported
+
+    async def _release(self, imported: dict[str, tuple[list[int], list]]) -> None:
+        for dev, (_, handles) in imported.items():
+            await self.books.pools[dev].release_handles(handles)
+
+    def _adopt(self, js: JSession, port, imported: dict[str, tuple[list[int], list]]) -> tuple[Session, int, int]:
+        """The orphan becomes a live session on `port` with the imported
+        pages; the pages it no longer claims are forgotten (journaled)."""
+        sid, books = js.sid, self.books
         del self.orphans[sid]
         self._orphan_deadline.pop(sid, None)
         s = self.bind(port, id=sid, name=js.name, labels=dict(js.labels), guaranteed_bytes=js.guaranteed_bytes,
@@ -442,21 +475,16 @@ class Recovery:
         forgotten = [pid for pid in js.pages if pid not in adopted]
         per_dev: dict[str, int] = {}
         for pid in forgotten:
-            dev = js.pages[pid][0]
-            per_dev[dev] = per_dev.get(dev, 0) + 1
+            per_dev[js.pages[pid][0]] = per_dev.get(js.pages[pid][0], 0) + 1
         for dev, n in per_dev.items():
             books.pools[dev].forget_orphans(n)
         for dev, (pids, handles) in imported.items():
-            pool = books.pools[dev]
-            pages = pool.adopt(s, [(pid, h, js.pages[pid][1]) for pid, h in zip(pids, handles)])
+            pages = books.pools[dev].adopt(s, [(pid, h, js.pages[pid][1]) for pid, h in zip(pids, handles)])
             s.add_pages(pages)
         self.record({"op": "resume", "sid": sid} | ({"pid": s.pid, "ps": s.pstart} if s.pstart else {}))
         if forgotten:
             self.record({"op": "free", "sid": sid, "pages": forgotten})
             self._unstore(forgotten)
-        books.count("sessions_resumed")
-        log.info("session %d '%s' resumed by pid %d uid %d: %d pages adopted, %d forgotten",
-                 sid, s.name, s.pid, s.uid, len(adopted), len(forgotten))
         return s, len(adopted), len(forgotten)
 
     # ---- shutdown -----------------------------------------------------------
