@@ -110,3 +110,37 @@ def test_a_clean_stop_with_no_session_left_removes_the_journal(daemon_factory, t
         assert (state / "journal.jsonl").exists()
     assert d.stop() == 0
     assert not (state / "journal.jsonl").exists()
+
+
+def test_a_clean_stop_that_sessions_outlive_sends_no_shutdown_event(daemon_factory, tmp_path):
+    """A watching client takes SHUTDOWN for its session's end (the C client
+    marks the session ended, and llama.cpp's hook then opens a new one: the
+    chaos run with daemon_term found the runners' old pages outside the
+    books). With a state dir the stop sends none: the Watch stream just
+    ends, as at a crash, and the session resumes on the next daemon."""
+    import threading
+
+    state = str(tmp_path / "state")
+    d = daemon_factory("host", memory_limit="64MiB", state_dir=state)
+    with d.client() as c:
+        s = c.open_session("watcher")
+        s.allocate(2)
+        events = []
+        done = threading.Event()
+
+        def watch():
+            try:
+                for ev in s.events():
+                    events.append(ev)
+            except Exception as exc:  # noqa: BLE001 - the stream's end, as the client reports it
+                events.append(exc)
+            done.set()
+
+        threading.Thread(target=watch, daemon=True).start()
+        assert wait_until(lambda: events and getattr(events[0], "kind", None) == "READY")
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(60) == 0, d.log_text()
+        d2 = daemon_factory("host", memory_limit="64MiB", state_dir=state, socket=d.socket)
+        assert s.wait_resumed(30), d2.log_text()
+        assert "SHUTDOWN" not in [getattr(e, "kind", None) for e in events], events
+        assert s.my_stats().pages_held == 2

@@ -615,17 +615,19 @@ class Daemon:
         return self.recovery.journaling and self.recovery.journal_stale is None
 
     async def begin_shutdown(self, reason: str) -> None:
-        """Tell every session; unless they outlive the stop, wait out the
-        grace period (or until every session has gone). The adapters stop
-        taking new work first."""
+        """Unless the sessions outlive the stop: tell every session
+        (SHUTDOWN), wait out the grace period (or until every session has
+        gone). The adapters stop taking new work first."""
         self.shutting_down = True
         for pool in self.pools.values():
             pool.stop_refilling()
         loop = asyncio.get_running_loop()
-        keep = self.sessions_outlive_a_stop()
-        grace = 0.0 if keep else self.settings.shutdown_grace
-        ev = Event("SHUTDOWN", time.time(), {"reason": reason + ("; sessions resume at the next start" if keep else ""),
-                                             "grace_seconds": grace})
+        if self.sessions_outlive_a_stop():
+            # no SHUTDOWN: a client takes that for its session's end (the C
+            # client marks it ended); its session outlives this stop instead
+            return
+        grace = self.settings.shutdown_grace
+        ev = Event("SHUTDOWN", time.time(), {"reason": reason, "grace_seconds": grace})
         for s in list(self.sessions.values()):
             s.post(ev)
         deadline = loop.time() + grace
