@@ -303,8 +303,9 @@ def sessions_of_stats(st, pid):
 
 
 def test_daemon_unreachable_at_load_falls_back(ollamas, tmp_path, digests):
-    """OLLAMA_KVCACHED_SOCKET names a socket nobody serves: the runner says so
-    in one line and keeps its KV cache in ordinary memory; the answers are
+    """OLLAMA_KVCACHED_SOCKET names a socket nobody serves: the runner waits
+    KVCACHED_LOAD_WAIT_MS for it (a line when the wait starts), then says in
+    one line that it keeps its KV cache in ordinary memory; the answers are
     the stock ones; the Go side warns once, not per request."""
     stock = ollamas("stock")
     want = answers(stock, ["tiny0"], PROMPTS)
