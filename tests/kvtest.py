@@ -265,3 +265,27 @@ class Survivor:
         for i in range(10):
             assert self.r.read(i * 2 * (1 << 20), len(f"page {i}")) == f"page {i}".encode(), i
         assert self.loose[0].read(0, 10) == b"loose page"
+
+
+def watch_in_background(session) -> tuple[list, "threading.Event"]:
+    """A thread reading `session.events()` until the stream ends: the events
+    so far (then the KVCachedError that ended it, if one did) and an Event
+    set when it ended."""
+    import threading
+
+    from kvcached_service import errors
+
+    events: list = []
+    done = threading.Event()
+
+    def watch():
+        try:
+            for ev in session.events():
+                events.append(ev)
+        except errors.KVCachedError as exc:
+            events.append(exc)
+        done.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return events, done
+

@@ -24,7 +24,7 @@ import signal
 
 import pytest
 
-from kvtest import assert_books, wait_until
+from kvtest import assert_books, wait_until, watch_in_background
 
 
 def _write_then_stop(daemon_factory, tmp_path, backend, sig, state: bool):
@@ -118,25 +118,12 @@ def test_a_clean_stop_that_sessions_outlive_sends_no_shutdown_event(daemon_facto
     chaos run with daemon_term found the runners' old pages outside the
     books). With a state dir the stop sends none: the Watch stream just
     ends, as at a crash, and the session resumes on the next daemon."""
-    import threading
-
     state = str(tmp_path / "state")
     d = daemon_factory("host", memory_limit="64MiB", state_dir=state)
     with d.client() as c:
         s = c.open_session("watcher")
         s.allocate(2)
-        events = []
-        done = threading.Event()
-
-        def watch():
-            try:
-                for ev in s.events():
-                    events.append(ev)
-            except Exception as exc:  # noqa: BLE001 - the stream's end, as the client reports it
-                events.append(exc)
-            done.set()
-
-        threading.Thread(target=watch, daemon=True).start()
+        events, _ = watch_in_background(s)
         assert wait_until(lambda: events and getattr(events[0], "kind", None) == "READY")
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(60) == 0, d.log_text()

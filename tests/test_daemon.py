@@ -9,7 +9,6 @@ import signal
 import socket
 import stat
 import subprocess
-import threading
 import time
 
 import grpc
@@ -17,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvtest import PY, SERVE, assert_books, wait_until
+from kvtest import PY, SERVE, assert_books, wait_until, watch_in_background
 from kvcached_service import errors
 
 
@@ -144,18 +143,7 @@ def test_sigterm_drains_tells_watchers_and_removes_sockets(daemon):
     c = daemon.client()
     s = c.open_session("watcher")
     pages = s.allocate(3)
-    events = []
-    done = threading.Event()
-
-    def watch():
-        try:
-            for ev in s.events():
-                events.append(ev)
-        except errors.KVCachedError as exc:
-            events.append(exc)
-        done.set()
-
-    threading.Thread(target=watch, daemon=True).start()
+    events, done = watch_in_background(s)
     assert wait_until(lambda: events and events[0].kind == "READY")
     daemon.proc.send_signal(signal.SIGTERM)
     assert done.wait(10), "Watch stream did not end at shutdown"
