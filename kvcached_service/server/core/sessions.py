@@ -108,6 +108,11 @@ class PortDirectory(Protocol):
     def adoption(self, port: SessionPort) -> Adoption:
         """Every ADOPT record the client sent on this port so far."""
 
+    def pause(self) -> None:
+        """A stop the sessions outlive has begun: read no more requests and
+        answer none with an error the stop caused; what is unread goes with
+        the channel, as at a crash (the client resumes and asks again)."""
+
     def shutdown(self, error: errors.KVCachedError | None) -> None:
         """Close every channel still open and stop (daemon shutdown): with
         an ERROR record, or without a word (None: the sessions outlive the

@@ -326,6 +326,7 @@ class ChannelServer:
         self.settings = settings
         self.channels: dict[int, Conn] = {}
         self._unbound: dict[bytes, Conn] = {}
+        self.paused = False  # a stop the sessions outlive has begun (pause)
         self._ids = itertools.count(1)
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task] = set()  # requests being served
@@ -350,6 +351,18 @@ class ChannelServer:
             asyncio.get_running_loop().remove_reader(self._listener.fileno())
             self._listener.close()
             self._listener = None
+
+    def pause(self) -> None:
+        """PortDirectory.pause: no new channel, no more requests read."""
+        self.paused = True
+        self.stop_accepting()
+        loop = asyncio.get_event_loop()
+        for conn in list(self.channels.values()):
+            if not conn.closed:
+                try:
+                    loop.remove_reader(conn.sock.fileno())
+                except (ValueError, OSError):
+                    pass
 
     def shutdown(self, error: errors.KVCachedError | None) -> None:
         """PortDirectory.shutdown: close every channel (ERROR first; None:
@@ -604,6 +617,8 @@ class ChannelServer:
         await self._reply(conn, fdchannel.encode_reply(rec.req_id, 0, value))
 
     async def _reply_failure(self, conn: Conn, req_id: int, exc: Exception, what: str) -> None:
+        if self.paused:  # a stop the sessions outlive: no error it caused reaches the client (pause)
+            return
         code, message = errors.status_of(exc)
         if code == errors.Code.INTERNAL:
             log.error("fd channel request %s failed", what, exc_info=exc)
