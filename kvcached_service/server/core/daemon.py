@@ -339,29 +339,35 @@ class Daemon:
         `farewell`). Returns pages returned."""
         if s.closed:
             return 0
-        s.closed = True
-        self.sessions.pop(s.id, None)
+        self._detach(s)
         self.tombstones.add(s.id, reason)
         self.counters["sessions_crashed" if crashed else "sessions_closed"] += 1
         if not self.shutting_down or self.sessions_outlive_a_stop():  # else the whole journal goes at the stop
             self.recovery.ended(s)
         by_pool = _by_device(s.pages.values())
         n = len(s.pages)
-        for pool in self.pools.values():
-            pool.keepers.forget(s)  # its client lets its kept handles go with the session
         for uuid, pages in by_pool.items():
             pool = self.pools[uuid]
             s.remove_pages(pages)
             # stopping: released, never lent again, so not zeroed under a client that still maps them
             pool.give_back_now(pages, lend_again=not self.shutting_down)
-        for q in s.watchers:
-            q.put_nowait(None)
         self.reclaimer.session_ended(s)
         s.port.hang_up(farewell, pages_returned=n)
         for hook in self.on_session_end:
             hook(s, reason)
         log.info("session %d '%s' ended (%s): %d pages returned", s.id, s.name, reason, n)
         return n
+
+    def _detach(self, s: Session) -> None:
+        """What ending and leaving a session share: it is closed and gone
+        from the live sessions, its client's kept handles are let go, its
+        Watch streams end."""
+        s.closed = True
+        self.sessions.pop(s.id, None)
+        for pool in self.pools.values():
+            pool.keepers.forget(s)  # its client lets its kept handles go with the session
+        for q in s.watchers:
+            q.put_nowait(None)
 
     # ---- pages ----------------------------------------------------------
     def pool(self, device: str) -> DevicePool:
@@ -644,12 +650,7 @@ class Daemon:
         keeps every page and resumes it at the next start. The daemon's own
         references go with the pool (release_everything_sync): nothing is
         zeroed, nothing lent again."""
-        s.closed = True
-        self.sessions.pop(s.id, None)
-        for pool in self.pools.values():
-            pool.keepers.forget(s)
-        for q in s.watchers:
-            q.put_nowait(None)
+        self._detach(s)
         s.port.leave()
         log.info("session %d '%s' left for the next start: %d pages stay with its client", s.id, s.name, len(s.pages))
 

@@ -54,8 +54,10 @@ class Recovery:
         self.books = ledger
         self.identity = identity
         self.bind = bind  # (port, id=, name=, ...) -> the live Session (core/daemon.py Daemon.bind)
-        self.journal: Journal | None = Journal(settings.state_dir) if settings.state_dir else None
-        self.journaling = self.journal is not None  # an attribute the core reads on every loan, not a call
+        if not settings.state_dir:
+            raise ValueError("Recovery needs a state dir (without one the core keeps core/ledger.py's NoRecovery)")
+        self.journal = Journal(settings.state_dir)
+        self.journaling = True  # an attribute the core reads on every loan, not a call (NoRecovery's is False)
         # sessions of a previous daemon, waiting for their clients to resume them
         self.orphans: dict[int, JSession] = {}
         self._orphan_deadline: dict[int, float] = {}
@@ -71,8 +73,6 @@ class Recovery:
         """Read the journal a previous daemon left: its live sessions become
         orphans whose pages count as in use until their clients resume them
         (ResumeSession) or resume_grace passes. Then start a new journal."""
-        if self.journal is None:
-            return
         j, books = self.journal, self.books
         try:
             j.load()
@@ -139,7 +139,7 @@ class Recovery:
         pages it names that the store lacks can only be resumed by the fds
         their clients re-send."""
         kind = self.settings.page_store
-        if kind == "none" or self.journal is None:
+        if kind == "none":
             return
         if kind == "auto":
             kind = "systemd" if SystemdStore.wanted() else "keeper"
@@ -209,7 +209,7 @@ class Recovery:
         that no later daemon resumes from what it no longer matches, and
         rewritten whole from the live books when a write works again."""
         j = self.journal
-        if j is None or self.journal_stale is not None:
+        if self.journal_stale is not None:
             return
         try:
             j.append(rec)
@@ -223,8 +223,6 @@ class Recovery:
         """Pages booked to `s`, before they are delivered (DevicePool.lend
         calls it): journaled with their identities, and put in the page
         store before the client can hold them."""
-        if self.journal is None:
-            return
         be = pool.backend
         for p, fd in zip(pages, fds):
             if not p.ident:  # a page's identity is the same for every fd of it (Backend.identity): once
@@ -235,8 +233,6 @@ class Recovery:
 
     def returned(self, s: Session, pages: list[Page]) -> None:
         """Pages `s` no longer holds (freed, or a loan undone)."""
-        if self.journal is None:
-            return
         self.record({"op": "free", "sid": s.id, "pages": [p.id for p in pages]})
         self._unstore(p.id for p in pages)
 
@@ -258,7 +254,6 @@ class Recovery:
                 os.close(fd)
 
     def _journal_failed(self, exc: OSError) -> None:
-        assert self.journal is not None
         self.journal_stale = f"{exc.strerror or exc} ({self.journal.path})"
         self._journal_retry = time.monotonic() + JOURNAL_RETRY_SECONDS
         removed = self.journal.abandon()
@@ -288,7 +283,6 @@ class Recovery:
         JOURNAL_RETRY_SECONDS until a write works (housekeeping)."""
         if self.journal_stale is None or now < self._journal_retry:
             return
-        assert self.journal is not None
         try:
             self.journal.compact(self._live_state(), self.books.next_session_id, self.books.page_ids.peek())
         except OSError as exc:
@@ -372,8 +366,6 @@ class Recovery:
         adopting the pages its client re-sent (ADOPT, collected by the
         channel adapter) after checking the claim against the journal.
         Returns (session, adopted, forgotten)."""
-        if self.journal is None:
-            raise errors.FailedPrecondition("this daemon keeps no journal (--state-dir), so sessions cannot be resumed; open a new one")
         port = self.identity.port(caller_uid, secret, "ResumeSession")
         adoption = self.identity.directory().adoption(port)
         js = self._orphan_claimed(sid, token, port.uid)
@@ -498,8 +490,7 @@ class Recovery:
         with an empty store). Orphans not resumed yet are kept either way
         while the journal is up to date."""
         keep = keep or (bool(self.orphans) and self.journal_stale is None)
-        if self.journal is not None:
-            self.journal.close(remove=not keep)
+        self.journal.close(remove=not keep)
         if self.store is not None:
             if not keep:
                 self.store.clear()
