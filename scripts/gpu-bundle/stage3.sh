@@ -134,7 +134,7 @@ BUILD="${STAGE3_BUILD:-}"
 [[ "$DEVICE" == cpu && -z "$BUILD" ]] && BUILD="prebuilt:$REPO/build/llama"
 PREBUILT="${STAGE3_PREBUILT_PART:-$BUNDLE/parts/llama-cuda}"
 if [[ -z "$BUILD" && "$DEVICE" == cuda && -f "$PREBUILT/MANIFEST.json" ]]; then
-  WHAT="$("$PYTHON" -c 'import json, sys; m = json.load(open(sys.argv[1])); print(m["cuda_arch"], "CUDA %(cuda)s, llama-cpp-python %(llama_cpp_python)s source, built %(built)s" % m)' \
+  WHAT="$("$PYTHON" -c 'import json, sys; m = json.load(open(sys.argv[1])); print(m["cuda_arch"], "CUDA %(cuda)s, llama.cpp %(llama_cpp)s, built %(built)s" % m)' \
     "$PREBUILT/MANIFEST.json" 2>/dev/null)"
   PARCH="${WHAT%% *}"
   if [[ -z "$WHAT" ]]; then

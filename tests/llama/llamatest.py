@@ -33,7 +33,7 @@ KVC = pathlib.Path(os.environ.get("LLAMA_SERVER_KVC", BUILD / "build-kvc/bin/lla
 QUANTIZE_ORIG = pathlib.Path(os.environ.get("LLAMA_QUANTIZE_ORIG", BUILD / "build-orig/bin/llama-quantize"))
 QUANTIZE_KVC = pathlib.Path(os.environ.get("LLAMA_QUANTIZE_KVC", BUILD / "build-kvc/bin/llama-quantize"))
 LLAMA_CPP_ORIG = pathlib.Path(
-    os.environ.get("LLAMA_CPP_ORIG", BUILD / "src/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+    os.environ.get("LLAMA_CPP_ORIG", BUILD / "src/llama.cpp"))
 
 MiB = 1 << 20
 PAD = 256  # llama.cpp pads n_kv to 256 cells
