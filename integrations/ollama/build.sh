@@ -237,7 +237,6 @@ fi
 # ---- 4. lib/ollama -----------------------------------------------------------
 if [[ -n "$LINK_LLAMA" ]]; then
   step "lib/ollama -> $LINK_LLAMA"
-  rm -rf "$OUT/lib/ollama" && mkdir -p "$OUT/lib/ollama"
   LINK_LLAMA="$(cd "$LINK_LLAMA" && pwd)"
   # which llama.cpp the build is (scripts/test-llama.sh writes it there)
   if [[ -f "$LINK_LLAMA/.kvc-llama-build" ]]; then
@@ -250,6 +249,7 @@ if [[ -n "$LINK_LLAMA" ]]; then
   else
     echo "llama.cpp: $LINK_LLAMA does not say which llama.cpp it is (no .kvc-llama-build)${LLAMA_INFO:+; Ollama v$OLLAMA_VERSION is built on b$LLAMA_N}"
   fi
+  rm -rf "$OUT/lib/ollama" && mkdir -p "$OUT/lib/ollama"
   for b in llama-server llama-quantize; do
     [[ -x "$LINK_LLAMA/$b" ]] || die "$LINK_LLAMA/$b is missing (ollama needs $b in lib/ollama; ollama create runs llama-quantize)"
   done
