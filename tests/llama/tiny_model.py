@@ -64,8 +64,14 @@ def kv_row_bytes(n_embd: int = N_EMBD, n_head: int = N_HEAD, n_head_kv: int = N_
 
 def write(path: str | pathlib.Path, seed: int = 0, name: str = "tiny-llama", *, n_layer: int = N_LAYER,
           n_embd: int = N_EMBD, n_head: int = N_HEAD, n_head_kv: int = N_HEAD_KV, n_ff: int = N_FF,
-          head_dim: int | None = None) -> pathlib.Path:
-    """head_dim: the heads' width when it is not n_embd / n_head (GGUF
+          head_dim: int | None = None, text_only: bool = False) -> pathlib.Path:
+    """text_only: the output rows of the control and byte tokens are zero, so
+    greedy decoding picks a whole-character token every time (their logits
+    are 0, the best of the 127 others is positive): output that is always
+    valid UTF-8. llama.cpp b10760's server (Ollama v0.34.0's pin) answers a
+    stream whose text ends in a partial UTF-8 sequence with an error ("does
+    not match the expected Content-only format"); b11076 and 0c1e570 do not.
+    head_dim: the heads' width when it is not n_embd / n_head (GGUF
     key_length/value_length): a real model's KV geometry (layers, KV heads,
     head width) on a narrow, cheap residual stream."""
     import gguf
@@ -125,7 +131,10 @@ def write(path: str | pathlib.Path, seed: int = 0, name: str = "tiny-llama", *, 
         w.add_tensor(f"blk.{i}.ffn_up.weight", mat(N_FF, N_EMBD, s))
         w.add_tensor(f"blk.{i}.ffn_down.weight", mat(N_EMBD, N_FF, 1.0 / np.sqrt(N_FF)))
     w.add_tensor("output_norm.weight", norm(N_EMBD))
-    w.add_tensor("output.weight", mat(n_vocab, N_EMBD, 0.5))
+    out = mat(n_vocab, N_EMBD, 0.5)
+    if text_only:
+        out[: 3 + 256] = 0.0  # <unk>, <s>, </s> and the byte tokens: never the argmax
+    w.add_tensor("output.weight", out)
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

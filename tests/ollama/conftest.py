@@ -21,6 +21,10 @@ from ollamatest import Ollama, blob_digest  # noqa: E402
 # 32 MiB of KV per model at full context (what llama.cpp reserves without
 # the daemon).
 MODELS = {"tiny0": 0, "tiny1": 1}
+# The same two models with text-only output (tiny_model.write(text_only=True):
+# greedy never picks a byte token), for Ollama v0.34.0 on its pinned llama.cpp
+# b10760, whose server fails a stream that ends in a partial UTF-8 sequence.
+TEXT_MODELS = {"text0": 0, "text1": 1}
 # A model whose K/V tensors are far smaller than a 2 MiB page (issue 27's
 # first shape: 3 layers, 2 KV heads of 16, 64 B per cell and tensor): at
 # num_ctx 4096 x 2 slots, 6 tensors of 0.5 MiB, 3 MiB of stock KV.
@@ -46,9 +50,12 @@ def model_store(tmp_path_factory):
             gguf = tiny_model.write(tmp / f"{name}.gguf", seed=seed)
             o.create(name, gguf, num_ctx=NUM_CTX)
         o.create(SMALL, tiny_model.write(tmp / f"{SMALL}.gguf", seed=3, **SMALL_SHAPE), num_ctx=NUM_CTX)
+        for name, seed in TEXT_MODELS.items():
+            o.create(name, tiny_model.write(tmp / f"{name}.gguf", seed=seed, text_only=True), num_ctx=NUM_CTX)
     finally:
         o.stop()
-    return models, {name: blob_digest(models, name) for name in MODELS}, blob_digest(models, SMALL)
+    return (models, {name: blob_digest(models, name) for name in MODELS}, blob_digest(models, SMALL),
+            {name: blob_digest(models, name) for name in TEXT_MODELS})
 
 
 @pytest.fixture
@@ -75,3 +82,8 @@ def digests(model_store) -> dict[str, str]:
 @pytest.fixture
 def small_digest(model_store) -> str:
     return model_store[2]
+
+
+@pytest.fixture
+def text_digests(model_store) -> dict[str, str]:
+    return model_store[3]

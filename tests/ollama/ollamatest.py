@@ -8,7 +8,11 @@ unless named by a version:
   build/ollama/stock        Ollama's Go code as published, unpatched llama-server
   build/ollama/kvc          the Go patch (integrations/ollama/patches), patched llama-server
   build/ollama/stockgo-kvc  Ollama's Go code as published, patched llama-server
+  build/ollama/vX-stock     each other supported release X as published, unpatched llama-server
   build/ollama/vX-kvc       the Go patch on each other supported release X, patched llama-server
+Each release's llama-server is built on the llama.cpp that release pins
+(integrations/ollama/llama-cpp-pins: scripts/test-llama.sh's build/llama for
+the default release, build/llama/b<N> for another).
 """
 
 from __future__ import annotations
@@ -43,7 +47,22 @@ def supported_versions() -> tuple[str, list[str]]:
 
 DEFAULT_VERSION, OTHER_VERSIONS = supported_versions()
 LAYOUTS = {name: BUILD / name for name in ("stock", "kvc", "stockgo-kvc")}
-LAYOUTS.update({f"v{v}-kvc": BUILD / f"v{v}-kvc" for v in OTHER_VERSIONS})
+LAYOUTS.update({f"v{v}-{k}": BUILD / f"v{v}-{k}" for v in OTHER_VERSIONS for k in ("stock", "kvc")})
+
+
+def llama_cpp_pin(version: str) -> tuple[str, str]:
+    """(the llama.cpp build Ollama vVERSION pins, the build it is built on):
+    integrations/ollama/llama-cpp-pins through scripts/build-llama-src.sh."""
+    out = subprocess.run([str(ROOT / "scripts" / "build-llama-src.sh"), "--info", "--ollama", version],
+                         capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    return out[1], "b" + out[2]
+
+
+def llama_cpp_of(layout: str) -> str:
+    """The llama.cpp build a layout's llama-server is (bN): the marker
+    scripts/test-llama.sh leaves next to the programs it built."""
+    server = (LAYOUTS[layout] / "lib" / "ollama" / "llama-server").resolve()
+    return (server.parent / ".kvc-llama-build").read_text().split()[1]
 
 GREEDY = {"temperature": 0, "top_k": 1, "top_p": 1, "seed": 7, "repeat_penalty": 1.0}
 
