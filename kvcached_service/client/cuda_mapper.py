@@ -87,17 +87,8 @@ class CudaMapper(Mapper):
     def _current(self):
         if self._closed:
             raise errors.FailedPrecondition("the CUDA mapper is closed")
-        drv = self._drv
-        prev = cu.CUcontext()
-        drv.cuCtxGetCurrent(ctypes.byref(prev))
-        if prev.value == self._ctx:
+        with self._drv.current(self._ctx):
             yield
-            return
-        drv.cuCtxSetCurrent(self._ctx)
-        try:
-            yield
-        finally:
-            drv.cuCtxSetCurrent(prev)
 
     def _round(self, size: int) -> int:
         g = self.granularity
