@@ -16,6 +16,7 @@ import array
 import socket
 import struct
 from dataclasses import dataclass
+from typing import Any, Callable
 
 MAGIC = 0x4643564B  # bytes 'K','V','C','F' little-endian
 VERSION = 1
@@ -323,6 +324,13 @@ def decode(data: bytes, fds: list[int] | tuple[int, ...], truncated: bool = Fals
         return _decode_request(kind, name, payload, fds, fds_truncated)
     if fds_truncated:
         raise ProtocolError(f"{name} record's descriptors were cut on receipt")
+    return _decode_daemon_record(kind, name, payload, fds)
+
+
+def _decode_daemon_record(kind: int, name: str, payload: bytes, fds: list[int] | tuple[int, ...]) -> Record:
+    """A record the daemon sends (HELLO, PAGES, REPLY, ERROR, DROP,
+    GOODBYE), or ADOPT; its framing checked by `decode`."""
+    length = len(payload)
     if kind == HELLO:
         if length != _HELLO.size or fds:
             raise ProtocolError("malformed HELLO")
@@ -427,6 +435,33 @@ def send_record(sock: socket.socket, data: bytes, fds: list[int] | tuple[int, ..
         sent = sock.send(data)
     if sent != len(data):  # SOCK_SEQPACKET sends whole records or fails
         raise ProtocolError(f"short send of a record: {sent} of {len(data)} bytes")
+
+
+def send_request(sock: socket.socket, encode: Callable[..., bytes], req_id: int, *args: Any, **kwargs: Any) -> None:
+    """Encode a request record with `encode(req_id, *args, **kwargs)` and
+    send it: a client's one call into the codec per request."""
+    send_record(sock, encode(req_id, *args, **kwargs))
+
+
+def send_answer(sock: socket.socket, allocation_id: int, page_ids: list[int], fds: list[int] | tuple[int, ...],
+                req_id: int, held_bytes: int) -> int:
+    """An ALLOCATE's answer when it fits one PAGES record: the PAGES (with
+    the fds), then the REPLY, each straight into the socket. Returns the
+    records sent: 2, or fewer when the socket had no room or failed (0:
+    nothing was sent; 1: the PAGES went, the REPLY is the caller's to
+    send). Never blocks on a non-blocking socket and raises nothing for a
+    full or failed one: the caller's slow path says why."""
+    if not 1 <= len(page_ids) <= MAX_FDS:
+        return 0
+    try:
+        send_record(sock, encode_pages(allocation_id, 0, len(page_ids), page_ids), fds)
+    except OSError:
+        return 0
+    try:
+        send_record(sock, encode_reply(req_id, 0, held_bytes))
+    except OSError:
+        return 1
+    return 2
 
 
 # The daemon's hot path (recv_request): the two requests a client sends on

@@ -127,7 +127,7 @@ go_tests() { # version work-tree (with --build-only: go vet, and the tests compi
     return
   fi
   step "Ollama v$v: Ollama's tests of the patched packages + the scheduler with a daemon (go test)"
-  unformatted="$(cd "$W" && gofmt -l envconfig/kvcached.go llm/kvcached.go llm/kvcached_model.go server/sched_kvcached.go server/sched_kvcached_test.go)"
+  unformatted="$(cd "$W" && gofmt -l envconfig/kvcached.go llm/kvcached.go llm/kvcached_model.go server/sched_kvcached.go server/sched_kvcached_test.go cmd/kvcached.go)"
   [[ -z "$unformatted" ]] || die "gofmt (v$v): $unformatted"
   (cd "$W" && go vet "${pkgs[@]}") || die "go vet failed on v$v"
   (cd "$W" && go test -count=1 ./envconfig ./llm && go test -count=1 -skip Kvcached ./server) \

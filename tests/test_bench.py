@@ -227,3 +227,20 @@ def test_capacity_plots_are_written(tmp_path):
     r = subprocess.run([PY, "-m", "bench.plots", str(sweep), "--out", str(tmp_path / "img"), "--trace-budget", "4"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "no sweep point where stock keeps 4" in r.stderr
+
+
+def test_instruction_count_harness_counts_the_daemons_pairs(tmp_path):
+    """bench.instructions: the daemon under callgrind, the C client's pairs
+    counted between a zero and a dump; a real count per pair, in the table
+    and the JSON (the figure docs/benchmarks.md compares trees by)."""
+    out = tmp_path / "instr"
+    r = subprocess.run([PY, "-m", "bench.instructions", "--pairs", "200", "--runs", "1", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((out / "results.json").read_text())
+    (per,) = res["per_pair"].values()
+    # a pair is at least the daemon's decode, books and two sends in Python:
+    # tens of thousands of instructions; a count of the whole process since
+    # start (no zeroing) would be billions
+    assert len(per) == 1 and 10_000 < per[0] < 2_000_000, per
+    assert "instructions per pair" in (out / "results.md").read_text()

@@ -534,3 +534,29 @@ def test_console_script_is_installed():
     assert r.returncode == 0
     for cmd in ("stats", "sessions", "top", "set-limits", "shrink", "plan", "health"):
         assert cmd in r.stdout
+
+
+def test_stats_and_sessions_show_standby_apart_from_held(daemon_factory):
+    """A session's standby pages (freed with the standby flag, still its
+    own) are held, and shown in a column of their own by `stats` (per
+    device) and `sessions`, as GetStats says them."""
+    d = daemon_factory("host", memory_limit="64MiB", page_size="2MiB")
+    with d.client() as c, c.open_session("standby-model") as s:
+        r = s.region(16 * MIB)
+        r.map(0, 8 * MIB)
+        assert r.trim_to(2 * MIB, standby=True) == 3
+        me = next(x for x in s.stats().sessions if x.id == s.id)
+        assert me.held_bytes == 8 * MIB and me.standby_bytes == 6 * MIB
+        out = ctl("sessions", env=sock_env(d))
+        assert out.returncode == 0, out.stderr
+        header = out.stdout.splitlines()[0].split()
+        assert header[4:6] == ["held", "standby"], out.stdout
+        row = next(l.split() for l in out.stdout.splitlines()[1:] if "standby-model" in l)
+        assert row[4:8] == ["8", "MiB", "6", "MiB"], out.stdout  # held, then standby
+        st = ctl("stats", env=sock_env(d))
+        assert st.returncode == 0, st.stderr
+        (uuid,) = c.stats().devices
+        row = next(l.split() for l in st.stdout.splitlines() if l.startswith(uuid))
+        assert row[1:7] == ["64", "MiB", "8", "MiB", "6", "MiB"], st.stdout  # budget, in use, standby
+        j = json.loads(ctl("stats", "--json", env=sock_env(d)).stdout)
+        assert j["devices"][0]["standby_bytes"] == 6 * MIB

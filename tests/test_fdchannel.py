@@ -571,3 +571,84 @@ def test_requests_before_open_session_are_refused_and_the_channel_stays(host_dae
         _still_serves(s, 5)
     finally:
         s.close()
+
+
+def _full(sock: socket.socket) -> int:
+    """Fill `sock`'s send buffer (non-blocking) with small records; returns how many went."""
+    sock.setblocking(False)
+    n = 0
+    while True:
+        try:
+            sock.send(b"x" * 64)
+        except BlockingIOError:
+            return n
+        n += 1
+
+
+def test_send_answer_sends_pages_then_reply_or_says_how_far_it_got(tmp_path):
+    """The daemon's one codec call for a one-record answer (PAGES, then
+    REPLY): both arrive in that order with the fds; on a full socket it
+    sends nothing (0) and raises nothing, and with room for the PAGES only
+    it says 1, so the caller sends the REPLY when there is room."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    f = tmp_path / "page"
+    f.write_bytes(b"p" * 16)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        a.setblocking(False)
+        assert fdchannel.send_answer(a, 7 | fdchannel.CHANNEL_ALLOC_BIT, [42], [fd], 7, 2 << 20) == 2
+        pages, reply = fdchannel.recv_record(b), fdchannel.recv_record(b)
+        assert isinstance(pages, fdchannel.Pages) and pages.page_ids == (42,) and len(pages.fds) == 1
+        assert os.read(pages.fds[0], 16) == b"p" * 16  # the page's own descriptor, passed
+        fdchannel.close_fds(pages.fds)
+        assert isinstance(reply, fdchannel.Reply) and (reply.req_id, reply.code, reply.value) == (7, 0, 2 << 20)
+
+        sent = _full(a)
+        assert fdchannel.send_answer(a, 8, [43], [fd], 8, 0) == 0  # full: nothing sent, nothing raised
+        for _ in range(sent):
+            b.recv(128)
+        assert fdchannel.send_answer(a, 8, [43], [fd], 8, 0) == 2
+        fdchannel.close_fds(fdchannel.recv_record(b).fds)
+        fdchannel.recv_record(b)
+        assert fdchannel.send_answer(a, 9, [], [], 9, 0) == 0  # not a one-record answer: the caller's slow path
+        assert fdchannel.send_answer(a, 9, list(range(fdchannel.MAX_FDS + 1)), [fd] * (fdchannel.MAX_FDS + 1), 9, 0) == 0
+    finally:
+        os.close(fd)
+        a.close()
+        b.close()
+
+
+def test_send_answer_with_room_for_the_pages_only_says_1(tmp_path):
+    """Room for one more record of the PAGES' size but not the REPLY: the
+    buffer is filled, then exactly one record's room is made by reading the
+    receiver's oldest record until a PAGES goes and the REPLY does not."""
+    f = tmp_path / "page"
+    f.write_bytes(b"q")
+    fd = os.open(f, os.O_RDONLY)
+    seen = set()
+    try:
+        for _ in range(50):  # the kernel's accounting decides where the buffer ends: try until both cases showed
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                _full(a)
+                b.recv(128)  # room for about one record
+                got = fdchannel.send_answer(a, 5, [44], [fd], 5, 0)
+                seen.add(got)
+                if got == 1:  # the PAGES went, the REPLY did not: the caller sends it later, in order
+                    while True:  # the filler records, then the PAGES
+                        data, anc, flags, _ = b.recvmsg(4096, socket.CMSG_SPACE(4 * fdchannel.MAX_FDS))
+                        if data[:1] != b"x":
+                            rec = fdchannel._parse_received(data, anc, flags)
+                            assert isinstance(rec, fdchannel.Pages) and rec.page_ids == (44,)
+                            fdchannel.close_fds(rec.fds)
+                            break
+                    a.setblocking(True)
+                    fdchannel.send_record(a, fdchannel.encode_reply(5, 0, 0))
+                    assert isinstance(fdchannel.recv_record(b), fdchannel.Reply)
+                    break
+            finally:
+                a.close()
+                b.close()
+        assert 1 in seen, seen
+    finally:
+        os.close(fd)

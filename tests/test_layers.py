@@ -136,3 +136,38 @@ def test_the_checks_catch_what_they_look_for(bad):
         assert rank[layer_of(ops)] > rank[layer_of(core)]
     else:
         assert cycles({**g, core: g[core] | {ops}})
+
+
+# Issue 47 item 4: a function reads as one step, or as a short sequence of
+# named steps. The C client's and the hook's are held to the same length by
+# scripts/check-fn-length.py (scripts/test-c.sh).
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(root: Path) -> list[str]:
+    """`file:function (N lines)` for every function of the package's
+    Python (generated code aside) longer than MAX_FUNCTION_LINES, docstring
+    included."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        if "_generated" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    out.append(f"{path.relative_to(root.parent)}:{node.name} ({n} lines)")
+    return out
+
+
+def test_no_function_of_the_package_is_over_60_lines():
+    assert long_functions(ROOT / "kvcached_service") == []
+
+
+def test_the_length_check_sees_a_long_function(tmp_path):
+    pkg = tmp_path / "kvcached_service"
+    (pkg / "_generated").mkdir(parents=True)
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (pkg / "m.py").write_text(f"def short():\n    pass\n\n\nasync def long():\n{body}")
+    (pkg / "_generated" / "g.py").write_text(f"def long():\n{body}")
+    assert long_functions(pkg) == [f"kvcached_service/m.py:long ({MAX_FUNCTION_LINES + 1} lines)"]

@@ -697,3 +697,50 @@ def test_pool_waits_for_zeroing_only_when_those_pages_cover_the_request():
         pool.worker.stop()
 
     asyncio.run(run())
+
+
+def test_ready_pages_take_if_takes_all_or_nothing():
+    from kvcached_service.server.core.pool.pages import Page, ReadyPages
+
+    r = ReadyPages()
+    for i, uid in enumerate((None, None, 7)):
+        r.put(Page(id=i + 1, device="D", handle=None, uid=uid))  # type: ignore[arg-type]
+    assert r.n == len(r) == 3
+    assert r.take_if(8, 3) is None and r.n == 3  # uid 8 may take the 2 fresh pages only: nothing taken
+    got = r.take_if(7, 3)
+    assert got is not None and [p.id for p in got] == [3, 2, 1]  # its own first, then fresh
+    assert r.n == 0 and r.take_if(7, 1) is None
+    assert r.take_with_foreign(7, 0, 0) == ([], [])
+
+
+def test_page_ids_take_a_batch_in_order():
+    from kvcached_service.server.core.pool import PageIds
+
+    ids = PageIds(5)
+    assert list(ids.take(3)) == [5, 6, 7] and ids.next() == 8 and list(ids.take(0)) == [] and ids.peek() == 9
+
+
+def test_the_warm_pool_refills_below_half_its_target_and_then_to_the_whole():
+    """An Allocate that leaves half the warm target or more ready starts no
+    refill (no page made on the worker for a pool still warm); one that
+    leaves less refills it to the whole target."""
+    async def run():
+        be = FakeBackend()
+        pool = _pool(be, warm=4)
+        await pool.prefill()
+        made = pool.books().created_total
+        s = _S(1, 1)
+        held = await pool.acquire(s, 2)  # 2 of 4 left ready: half, no refill
+        await asyncio.sleep(0.05)
+        assert pool.n_ready_total() == 2 and pool.books().created_total == made
+        held += await pool.acquire(s, 1)  # 1 of 4 left: below half
+        for _ in range(100):
+            if pool.n_ready_total() == 4:
+                break
+            await asyncio.sleep(0.01)
+        assert pool.n_ready_total() == 4 and pool.books().created_total == made + 3
+        await pool.give_back(held)
+        pool.check()
+        pool.worker.stop()
+
+    asyncio.run(run())

@@ -41,7 +41,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from .. import errors, fdchannel
 
@@ -316,9 +316,11 @@ class Channel:
                 return  # the channel is going: the session ends, and its pages with it
 
     # ---- requests ------------------------------------------------------------
-    def _call(self, kind: str, build: Callable[[int], bytes], timeout: float, alloc: bool = False) -> tuple[int, _Waiter]:
-        """Send a request and wait for its REPLY. On a timeout the request
-        is abandoned (an ALLOCATE's pages are given back when they come)."""
+    def _call(self, kind: str, timeout: float, encode: Callable[..., bytes], *args: Any, alloc: bool = False,
+              **kwargs: Any) -> tuple[int, _Waiter]:
+        """Send a request (`encode(req_id, *args, **kwargs)`) and wait for
+        its REPLY. On a timeout the request is abandoned (an ALLOCATE's
+        pages are given back when they come)."""
         with self._cond:
             if self._ended is not None:
                 raise self._ended
@@ -327,7 +329,7 @@ class Channel:
             if alloc:
                 self._pending.setdefault(req | fdchannel.CHANNEL_ALLOC_BIT, _Pending())
         try:
-            fdchannel.send_record(self.sock, build(req))
+            fdchannel.send_request(self.sock, encode, req, *args, **kwargs)
         except OSError as exc:
             with self._cond:
                 self._waiters.pop(req, None)
@@ -360,7 +362,7 @@ class Channel:
     def allocate(self, num_pages: int, device: str, wait: bool, notify: bool, wait_ms: int, timeout: float) -> tuple[int, int, list[int], list[int]]:
         """ALLOCATE. Returns (allocation id, held bytes, page ids, fds): the
         PAGES records came before the REPLY, so they are all here."""
-        req, w = self._call("Allocate", lambda r: fdchannel.encode_allocate(r, num_pages, device, wait, notify, wait_ms), timeout, alloc=True)
+        req, w = self._call("Allocate", timeout, fdchannel.encode_allocate, num_pages, device, wait, notify, wait_ms, alloc=True)
         alloc_id = req | fdchannel.CHANNEL_ALLOC_BIT
         rep, p = w.reply, w.pages
         assert rep is not None
@@ -385,7 +387,7 @@ class Channel:
         n = 0
         for i in range(0, len(page_ids), fdchannel.MAX_FREE_IDS):
             chunk = page_ids[i : i + fdchannel.MAX_FREE_IDS]
-            rep = self._call("Free", lambda r: fdchannel.encode_free(r, chunk, keep, standby=standby), timeout)[1].reply
+            rep = self._call("Free", timeout, fdchannel.encode_free, chunk, keep, standby=standby)[1].reply
             assert rep is not None
             if rep.code:
                 raise errors.from_code(rep.code, rep.message)
@@ -406,7 +408,7 @@ class Channel:
         """CLOSE: the session ends; returns the pages it gave back."""
         with self._cond:
             self._closing = True
-        rep = self._call("CloseSession", fdchannel.encode_close, timeout)[1].reply
+        rep = self._call("CloseSession", timeout, fdchannel.encode_close)[1].reply
         assert rep is not None
         if rep.code:
             raise errors.from_code(rep.code, rep.message)
@@ -416,7 +418,7 @@ class Channel:
         """ANSWER a reclaim request; returns the bytes the daemon's books
         show the session holding on that device."""
         why = reason.encode("utf-8", "replace")[: fdchannel.MAX_REASON].decode("utf-8", "ignore")
-        rep = self._call("AnswerReclaim", lambda r: fdchannel.encode_answer(r, reclaim_id, bytes_given, bytes_kept, why), timeout)[1].reply
+        rep = self._call("AnswerReclaim", timeout, fdchannel.encode_answer, reclaim_id, bytes_given, bytes_kept, why)[1].reply
         assert rep is not None
         if rep.code:
             raise errors.from_code(rep.code, rep.message)

@@ -87,17 +87,8 @@ class CudaMapper(Mapper):
     def _current(self):
         if self._closed:
             raise errors.FailedPrecondition("the CUDA mapper is closed")
-        drv = self._drv
-        prev = cu.CUcontext()
-        drv.cuCtxGetCurrent(ctypes.byref(prev))
-        if prev.value == self._ctx:
+        with self._drv.current(self._ctx):
             yield
-            return
-        drv.cuCtxSetCurrent(self._ctx)
-        try:
-            yield
-        finally:
-            drv.cuCtxSetCurrent(prev)
 
     def _round(self, size: int) -> int:
         g = self.granularity
@@ -129,55 +120,26 @@ class CudaMapper(Mapper):
         """Import and map each page (or map its kept handle), then one
         cuMemSetAccess over the run (the driver sets access on a fully
         mapped range of several mappings: one call instead of one per page,
-        25 us p50 each on an H200). All or nothing; every fd is closed in
-        every case."""
+        25 us p50 each on an H200): one call into the driver binding
+        (`Driver.map_run`). All or nothing; every fd is closed in every
+        case. The handles imported are kept (by page id, up to the limit)
+        or released."""
         if not fds:
             return []
-        drv = self._drv
-        closed = mapped = 0
-        try:
-            with self._current():
-                for i, fd in enumerate(fds):
-                    pid = page_ids[i] if page_ids is not None else None
-                    with self._lock:
-                        kept = self._kept.get(pid) if pid is not None else None
-                    if kept is not None:  # mapped before: the kept handle, no import
-                        closed += 1
-                        os.close(fd)
-                        drv.cuMemMap(addr + mapped * size, size, 0, kept, 0)
-                        self.kept_hits += 1
-                        mapped += 1
-                        continue
-                    handle = cu.CUmemGenericAllocationHandle()
-                    try:
-                        # the fd travels by value in the void* argument
-                        drv.cuMemImportFromShareableHandle(
-                            ctypes.byref(handle), ctypes.c_void_p(fd), cu.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-                        )
-                    finally:
-                        closed += 1
-                        os.close(fd)
-                    keep = False
-                    try:
-                        drv.cuMemMap(addr + mapped * size, size, 0, handle, 0)
-                        keep = pid is not None and self._keep(pid, handle.value)
-                    finally:
-                        # the mapping (if any) keeps the memory; the handle is not needed unless kept
-                        if not keep:
-                            with contextlib.suppress(cu.CudaDriverError):
-                                drv.cuMemRelease(handle)
-                    mapped += 1
-                desc = cu.access_desc(self.ordinal)
-                drv.cuMemSetAccess(addr, size * len(fds), ctypes.byref(desc), 1)
-        except BaseException:
-            for fd in fds[closed:]:
+        if self._closed:
+            for fd in fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-            with self._current():
-                for i in range(mapped):
-                    with contextlib.suppress(cu.CudaDriverError):
-                        drv.cuMemUnmap(addr + i * size, size)
-            raise
+            raise errors.FailedPrecondition("the CUDA mapper is closed")
+        with self._lock:
+            kept = [self._kept.get(pid) for pid in page_ids] if page_ids is not None and self._kept else [None] * len(fds)
+        imported = self._drv.map_run(self._ctx, self.ordinal, addr, size, fds, kept)
+        fresh = [i for i, h in enumerate(kept) if h is None]  # the pages imported now
+        self.kept_hits += len(fds) - len(fresh)
+        loose = [imported[i] for i in fresh if page_ids is None or not self._keep(page_ids[i], imported[i])]
+        if loose:  # the mapping keeps the memory; a handle not kept is not needed
+            with contextlib.suppress(cu.CudaDriverError):
+                self._drv.release(self._ctx, loose)
         with self._lock:
             for i in range(len(fds)):
                 self._mappings[addr + i * size] = size

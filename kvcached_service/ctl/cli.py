@@ -253,15 +253,17 @@ def render_stats(client, stats, own: int = 0) -> list[str]:
         "",
     ]
     devs = {d.uuid: d for d in client.devices}
-    header = ("device", "budget", "in use", "pooled", "free", "used", "page", "pages created", "released")
+    header = ("device", "budget", "in use", "standby", "pooled", "free", "used", "page", "pages created", "released")
     rows = []
     for uuid, p in stats.devices.items():
-        rows.append((uuid, format_size(p.budget_bytes), format_size(p.in_use_bytes), format_size(p.pooled_bytes),
+        rows.append((uuid, format_size(p.budget_bytes), format_size(p.in_use_bytes), format_size(p.standby_bytes),
+                     format_size(p.pooled_bytes),
                      format_size(p.free_bytes), _pct(p.in_use_bytes, p.budget_bytes), format_size(p.page_size),
                      str(p.pages_created_total), str(p.pages_released_total)))
     if len(stats.devices) > 1:
         t = stats.total
-        rows.append(("total", format_size(t.budget_bytes), format_size(t.in_use_bytes), format_size(t.pooled_bytes),
+        rows.append(("total", format_size(t.budget_bytes), format_size(t.in_use_bytes), format_size(t.standby_bytes),
+                     format_size(t.pooled_bytes),
                      format_size(t.free_bytes), _pct(t.in_use_bytes, t.budget_bytes), "", str(t.pages_created_total),
                      str(t.pages_released_total)))
     lines += table(header, rows)
@@ -276,7 +278,8 @@ def session_dicts(sessions) -> list[dict]:
 
 
 def render_sessions(sessions, own_id: int | None = None) -> list[str]:
-    header = ("id", "name", "pid", "uid", "held", "guaranteed", "max", "prio", "allocs", "frees", "reclaim asked/ignored", "idle")
+    header = ("id", "name", "pid", "uid", "held", "standby", "guaranteed", "max", "prio", "allocs", "frees",
+              "reclaim asked/ignored", "idle")
     now = time.time()
     rows = []
     for s in sorted(sessions, key=lambda s: (-s.held_bytes, s.id)):
@@ -286,6 +289,7 @@ def render_sessions(sessions, own_id: int | None = None) -> list[str]:
             str(s.pid),
             str(s.uid),
             format_size(s.held_bytes),
+            format_size(s.standby_bytes),
             format_size(s.guaranteed_bytes),
             format_size(s.max_bytes) if s.max_bytes else "budget",
             str(s.priority),
@@ -294,7 +298,7 @@ def render_sessions(sessions, own_id: int | None = None) -> list[str]:
             f"{s.reclaim_requests}/{s.reclaim_ignored}",
             _duration(max(0.0, now - s.last_active_unix)),
         ))
-    out = table(header, rows, right={0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11})
+    out = table(header, rows, right={0, *range(2, 13)})
     if not rows:
         out.append("(no sessions)")
     if own_id is not None:

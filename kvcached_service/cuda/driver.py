@@ -20,9 +20,11 @@ use by `load()`; a library that cannot be loaded, or lacks a symbol, raises
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
+from collections.abc import Iterator
 from ctypes import POINTER, Structure, byref, c_char_p, c_int, c_size_t, c_ubyte, c_uint, c_ulonglong, c_ushort, c_void_p
 
 from .. import errors
@@ -322,6 +324,81 @@ class Driver:
         if self.cuGetErrorString(result, byref(s)) == CUDA_SUCCESS and s.value:
             return s.value.decode()
         return self.error_name(result)
+
+    @contextlib.contextmanager
+    def current(self, ctx: int) -> Iterator[None]:
+        """`ctx` current on this thread for the block, the thread's previous
+        context restored after (no call when it is current already)."""
+        prev = CUcontext()
+        self.cuCtxGetCurrent(byref(prev))
+        if prev.value == ctx:
+            yield
+            return
+        self.cuCtxSetCurrent(ctx)
+        try:
+            yield
+        finally:
+            self.cuCtxSetCurrent(prev)
+
+    def map_run(self, ctx: int, ordinal: int, addr: int, size: int, fds: list[int],
+                kept: list[int | None]) -> list[int]:
+        """A client's driver work for a run of adjacent pages, in one call:
+        with `ctx` current, each page mapped at `addr + i * size` from
+        `kept[i]` (a handle imported before) or else imported from `fds[i]`,
+        then one cuMemSetAccess READWRITE for `ordinal` over the run. Every
+        fd is closed, in every case. Returns the handles imported (at the
+        pages that had no kept one; 0 at the others), which the caller
+        keeps or releases (`release`). All or nothing: on a failure what was
+        mapped is unmapped, what was imported released, and the error
+        raised."""
+        imported = [0] * len(fds)
+        closed = mapped = 0
+        with self.current(ctx):
+            try:
+                for i, fd in enumerate(fds):
+                    handle = kept[i]
+                    if handle is None:
+                        h = CUmemGenericAllocationHandle()
+                        try:
+                            # the fd travels by value in the void* argument
+                            self.cuMemImportFromShareableHandle(byref(h), c_void_p(fd), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+                        finally:
+                            closed += 1
+                            os.close(fd)
+                        handle = imported[i] = h.value
+                    else:
+                        closed += 1
+                        os.close(fd)
+                    self.cuMemMap(addr + mapped * size, size, 0, handle, 0)
+                    mapped += 1
+                desc = access_desc(ordinal)
+                self.cuMemSetAccess(addr, size * len(fds), byref(desc), 1)
+            except BaseException:
+                for fd in fds[closed:]:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                for i in range(mapped):
+                    with contextlib.suppress(CudaDriverError):
+                        self.cuMemUnmap(addr + i * size, size)
+                for h in imported:
+                    if h:
+                        with contextlib.suppress(CudaDriverError):
+                            self.cuMemRelease(h)
+                raise
+        return imported
+
+    def release(self, ctx: int, handles: list[int]) -> None:
+        """cuMemRelease each handle with `ctx` current; tries them all, then
+        raises the first error."""
+        first: CudaDriverError | None = None
+        with self.current(ctx):
+            for h in handles:
+                try:
+                    self.cuMemRelease(h)
+                except CudaDriverError as exc:
+                    first = first or exc
+        if first is not None:
+            raise first
 
     def _errcheck(self, result, func, args):
         if result != CUDA_SUCCESS:

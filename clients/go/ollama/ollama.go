@@ -141,7 +141,12 @@ type RunnerUsage struct {
 	HeldBytesByDevice map[string]uint64
 	PagesHeld         uint64
 	GuaranteedBytes   uint64 // summed over sessions
-	LastActive        time.Time
+	// StandbyBytes: of HeldBytes, what the runner keeps mapped as standby
+	// (freed by its KV cache, kept for its next request, given back first
+	// when the daemon asks: docs/protocol.md, "Standby pages"), summed over
+	// sessions.
+	StandbyBytes uint64
+	LastActive   time.Time
 }
 
 func (u *RunnerUsage) add(ss kvcached.SessionStats) {
@@ -149,6 +154,7 @@ func (u *RunnerUsage) add(ss kvcached.SessionStats) {
 	u.HeldBytes += ss.HeldBytes
 	u.PagesHeld += ss.PagesHeld
 	u.GuaranteedBytes += ss.GuaranteedBytes
+	u.StandbyBytes += ss.StandbyBytes
 	if u.HeldBytesByDevice == nil {
 		u.HeldBytesByDevice = map[string]uint64{}
 	}

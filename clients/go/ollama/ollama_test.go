@@ -133,17 +133,17 @@ func TestUsageAndFitFromSnapshot(t *testing.T) {
 		},
 		Sessions: []kvcached.SessionStats{
 			{ID: 1, Name: "ollama-scheduler", PID: 10},
-			{ID: 2, Name: d, PID: 20, HeldBytes: 40, GuaranteedBytes: 8, HeldBytesByDevice: map[string]uint64{"GPU-0": 40}},
-			{ID: 3, Name: "other", PID: 21, HeldBytes: 20, GuaranteedBytes: 4, Labels: map[string]string{LabelModelDigest: d},
+			{ID: 2, Name: d, PID: 20, HeldBytes: 40, GuaranteedBytes: 8, StandbyBytes: 6, HeldBytesByDevice: map[string]uint64{"GPU-0": 40}},
+			{ID: 3, Name: "other", PID: 21, HeldBytes: 20, GuaranteedBytes: 4, StandbyBytes: 3, Labels: map[string]string{LabelModelDigest: d},
 				HeldBytesByDevice: map[string]uint64{"GPU-0": 15, "GPU-1": 5}},
 		},
 	}
 	u, ok := usageOf(st, Runner{ModelDigest: d, PID: 21})
-	if !ok || len(u.Sessions) != 1 || u.HeldBytes != 20 || u.HeldBytesByDevice["GPU-1"] != 5 {
+	if !ok || len(u.Sessions) != 1 || u.HeldBytes != 20 || u.HeldBytesByDevice["GPU-1"] != 5 || u.StandbyBytes != 3 {
 		t.Fatalf("by pid: %+v %v", u, ok)
 	}
 	u, ok = usageOf(st, Runner{ModelDigest: d, PID: 99}) // pid unknown: every session of the digest
-	if !ok || u.HeldBytes != 60 || u.GuaranteedBytes != 12 || u.HeldBytesByDevice["GPU-0"] != 55 {
+	if !ok || u.HeldBytes != 60 || u.GuaranteedBytes != 12 || u.HeldBytesByDevice["GPU-0"] != 55 || u.StandbyBytes != 9 {
 		t.Fatalf("by digest: %+v %v", u, ok)
 	}
 	if _, ok := usageOf(st, Runner{ModelDigest: "sha256:" + strings.Repeat("b", 64)}); ok {

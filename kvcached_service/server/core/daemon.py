@@ -389,7 +389,6 @@ class Daemon:
                 raise errors.FailedPrecondition(f"session {s.id} is closed")
             a = await self._lend(s, device, count, wait, wait_ms, notify, alloc_id)
             s.allocations_total += 1
-            s.touch()
             return a
 
     async def allocate(self, who: Who, device: str, count: int, wait: bool, wait_ms: int, notify: bool = False) -> Allocated:
@@ -422,8 +421,8 @@ class Daemon:
         pool = self.pool(device)
         loan = await pool.lend(s, count, _Patience(self, s, pool, wait, wait_ms, notify, count))
         pages = loan.pages
-        s.add_pages(pages)
-        a = Allocated(alloc_id, pool.uuid, pool.page_size, [p.id for p in pages], s.held_pages(pool.uuid) * pool.page_size,
+        held = s.book_loan(pages)  # the session's, and active now
+        a = Allocated(alloc_id, pool.uuid, pool.page_size, [p.id for p in pages], held * pool.page_size,
                       pages, loan.fds, loan.owned)
         if self.recovery.journaling:  # an attribute, not a call: nothing to book without --state-dir
             try:

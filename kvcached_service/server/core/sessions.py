@@ -168,6 +168,14 @@ class Session:
         if pages:
             self.held_by_device[pages[0].device] += len(pages)
 
+    def book_loan(self, pages: list["HeldPage"]) -> int:
+        """A loan of pages of one device, now the session's (`add_pages`),
+        and the session active now (`touch`). Returns the pages it holds on
+        that device: what the answer's held bytes say."""
+        self.add_pages(pages)
+        self.touch()
+        return self.held_by_device[pages[0].device]
+
     def remove_pages(self, pages: list["HeldPage"]) -> None:
         """Pages of one device, no longer the session's."""
         for p in pages:

@@ -139,39 +139,58 @@ def snapshot(daemon: "Daemon", control: Any = None) -> dict:
     """Every number the collector exports, read from the daemon's live state
     (and the control socket's front door, when given). Must run on the
     daemon's event loop thread (or with the loop idle)."""
-    now = time.time()
     recovery = getattr(daemon, "recovery", None)  # the journal's state (recovery/resume.py; NoRecovery without --state-dir)
-    devices = []
-    for uuid, pool in daemon.pools.items():
-        b = pool.books()
-        devices.append(
-            {
-                "uuid": uuid,
-                "name": pool.spec.name,
-                "kind": pool.spec.kind,
-                "page_size": b.page_size,
-                "total": pool.spec.total_bytes,
-                "budget": b.budget_bytes,
-                "in_use": b.in_use_bytes,
-                "pooled": b.pooled_bytes,
-                "free": b.free_bytes,
-                "unavailable": b.unavailable_bytes,
-                "created_total": b.created_total,
-                "released_total": b.released_total,
-                "allocations_total": b.allocations_total,
-                "allocation_failures_total": b.allocation_failures_total,
-                "zeroing": b.zeroing * b.page_size,
-                "zero_pages_total": b.zeroed_total,
-                "zero_batches_total": b.zero_batches_total,
-                "zero_failures_total": b.zero_failures_total,
-                "zero_waits_total": b.zero_waits_total,
-                "zero_wait_seconds_total": b.zero_wait_seconds_total,
-                "kept": b.kept * b.page_size,
-                "drops_total": b.drops_total,
-                "drop_silent_total": b.drop_silent_total,
-                "standby": b.standby * b.page_size,
-            }
-        )
+    by_name, held = _sessions(daemon)
+    return {
+        "time": time.time(),
+        "backend": getattr(daemon.backend, "kind", "unknown"),
+        "uptime": time.monotonic() - daemon.started_monotonic,
+        "devices": [_device(uuid, pool) for uuid, pool in daemon.pools.items()],
+        "sessions": by_name,
+        "held": held,
+        "sessions_open": len(daemon.sessions),
+        "counters": dict(daemon.counters),
+        "control": control.stats() if control is not None else None,
+        "journal_damaged": 1 if getattr(recovery, "journal_damage", None) else 0,
+        "journal_stale": 1 if getattr(recovery, "journal_stale", None) else 0,
+        "reclaim": _reclaim(daemon.reclaimer),
+    }
+
+
+def _device(uuid: str, pool: Any) -> dict:
+    """One device's numbers, from its pool's books."""
+    b = pool.books()
+    return {
+        "uuid": uuid,
+        "name": pool.spec.name,
+        "kind": pool.spec.kind,
+        "page_size": b.page_size,
+        "total": pool.spec.total_bytes,
+        "budget": b.budget_bytes,
+        "in_use": b.in_use_bytes,
+        "pooled": b.pooled_bytes,
+        "free": b.free_bytes,
+        "unavailable": b.unavailable_bytes,
+        "created_total": b.created_total,
+        "released_total": b.released_total,
+        "allocations_total": b.allocations_total,
+        "allocation_failures_total": b.allocation_failures_total,
+        "zeroing": b.zeroing * b.page_size,
+        "zero_pages_total": b.zeroed_total,
+        "zero_batches_total": b.zero_batches_total,
+        "zero_failures_total": b.zero_failures_total,
+        "zero_waits_total": b.zero_waits_total,
+        "zero_wait_seconds_total": b.zero_wait_seconds_total,
+        "kept": b.kept * b.page_size,
+        "drops_total": b.drops_total,
+        "drop_silent_total": b.drop_silent_total,
+        "standby": b.standby * b.page_size,
+    }
+
+
+def _sessions(daemon: "Daemon") -> tuple[dict[str, dict], dict[tuple[str, str], int]]:
+    """The open sessions by name (counts, limits, reclaim answers), and the
+    bytes each name holds on each device."""
     by_name: dict[str, dict] = {}
     held: dict[tuple[str, str], int] = collections.Counter()
     for s in list(daemon.sessions.values()):
@@ -185,28 +204,18 @@ def snapshot(daemon: "Daemon", control: Any = None) -> dict:
             pool = daemon.pools.get(uuid)
             if pool is not None:
                 held[(s.name, uuid)] += n * pool.page_size
-    r = daemon.reclaimer
-    c = daemon.counters
+    return by_name, dict(held)
+
+
+def _reclaim(r: Any) -> dict:
+    """The reclaimer's counters."""
     return {
-        "time": now,
-        "backend": getattr(daemon.backend, "kind", "unknown"),
-        "uptime": time.monotonic() - daemon.started_monotonic,
-        "devices": devices,
-        "sessions": by_name,
-        "held": dict(held),
-        "sessions_open": len(daemon.sessions),
-        "counters": dict(c),
-        "control": control.stats() if control is not None else None,
-        "journal_damaged": 1 if getattr(recovery, "journal_damage", None) else 0,
-        "journal_stale": 1 if getattr(recovery, "journal_stale", None) else 0,
-        "reclaim": {
-            "answers": r.answers_total,
-            "requests": r.requests_total,
-            "ignored": r.ignored_total,
-            "pages_asked": r.pages_asked_total,
-            "pages_returned": r.pages_returned_total,
-            "by_reason": dict(r.requests_by_reason),
-        },
+        "answers": r.answers_total,
+        "requests": r.requests_total,
+        "ignored": r.ignored_total,
+        "pages_asked": r.pages_asked_total,
+        "pages_returned": r.pages_returned_total,
+        "by_reason": dict(r.requests_by_reason),
     }
 
 

@@ -214,6 +214,15 @@ class Conn:
                 self._server.send_later(self, rec)
 
     # ---- sending --------------------------------------------------------
+    def answer_now(self, allocation_id: int, page_ids: list[int], fds: list[int], req_id: int, held_bytes: int) -> int:
+        """An ALLOCATE's PAGES and REPLY in one codec call when that needs no
+        waiting (`send_now`'s rule; one PAGES record). Returns the records
+        sent (fdchannel.send_answer): 0, the whole answer is `deliver`'s and
+        the REPLY's; 1, the PAGES went and the REPLY waits for room."""
+        if self._closed or self._send_lock.locked():
+            return 0
+        return fdchannel.send_answer(self.sock, allocation_id, page_ids, fds, req_id, held_bytes)
+
     def send_now(self, data: bytes, fds: list[int] | tuple = ()) -> bool:
         """Send one record if that needs no waiting: nobody else is waiting
         to send here and the socket has room. False when it must go through
@@ -569,8 +578,14 @@ class ChannelServer:
         except Exception as exc:  # noqa: BLE001 - every failure becomes a REPLY code
             await self._reply_failure(conn, req_id, exc, "ALLOCATE")
             return
+        sent = conn.answer_now(a.allocation_id, a.page_ids, a.fds, req_id, a.held_bytes)
+        if sent == 2:  # PAGES and REPLY straight into the socket: the common path
+            if a.owned:  # exports made for this delivery: the client has its own now, ours go
+                a.close()
+            return
         try:
-            await conn.deliver(a.allocation_id, a.page_ids, a.fds)
+            if not sent:
+                await conn.deliver(a.allocation_id, a.page_ids, a.fds)
         except BaseException as exc:
             a.close()
             try:

@@ -45,6 +45,12 @@ class PageIds:
         self._next += 1
         return n
 
+    def take(self, n: int) -> range:
+        """`n` ids at once (a batch of new pages)."""
+        first = self._next
+        self._next += n
+        return range(first, first + n)
+
     def peek(self) -> int:
         """The id the next page will get (the journal records it)."""
         return self._next

@@ -131,11 +131,11 @@ class DevicePool:
         return self.ready.for_uid(uid)
 
     def n_ready_total(self) -> int:
-        return len(self.ready)
+        return self.ready.n
 
     def available_for(self, uid: int) -> int:
         """Pages a session of `uid` could get now without anyone freeing."""
-        return len(self.ready) + self.counts.free
+        return self.ready.n + self.counts.free
 
     def books(self) -> Books:
         """A frozen snapshot of the books (see Books)."""
@@ -336,19 +336,29 @@ class DevicePool:
     async def acquire(self, session: "Session", count: int) -> list[Page]:
         """Hand `count` pages to `session`, all or nothing: they come back
         HELD by it (in these books; the session's own are the caller's).
-        Ready pages first; when they are not enough and pages of this uid
-        being zeroed cover the rest, it waits for those rather than making
-        new ones;
-        then new pages within the free budget, then another uid's pooled
-        pages released to make room. Raises Shortage when the budget cannot
-        cover it right now."""
-        uid = session.uid
-        n = self.counts
-        if self.ready.for_uid(uid) >= count:  # the warm path: ready pages only, no await
-            got = self.ready.take(uid, count)
+        Ready pages first (the warm path: no await); else `_plan` says what
+        to take, release and make, waiting for pages on their way when that
+        is cheaper or the only way, and `_make_up` does it. Raises Shortage
+        when the budget cannot cover it right now."""
+        got = self.ready.take_if(session.uid, count)
+        if got is not None:  # the warm path: ready pages only, no await
+            n = self.counts
             n.pooled -= count
             n.held += count
             return self._handed(got, session)
+        take, evict, create = await self._plan(session, count)
+        return self._handed(await self._make_up(session.uid, take, evict, create), session)
+
+    async def _plan(self, session: "Session", count: int) -> tuple[int, int, int]:
+        """(ready pages to take, other uids' pooled pages to release, pages
+        to create) for an Allocate of `count` that ready pages alone do not
+        cover. When pages of this uid being zeroed cover the rest, it waits
+        for those rather than making new ones; when the budget is short only
+        by pages on their way into the pool, it waits for them instead of
+        refusing (a slow device would otherwise fail an Allocate the budget
+        covers)."""
+        uid = session.uid
+        n = self.counts
         waited_since: float | None = None
         try:
             while True:
@@ -361,33 +371,35 @@ class DevicePool:
                     if waited_since is None:
                         waited_since = time.monotonic()
                         self.zeroer.counters.waits_total += 1
-                    before = (len(self.ready), len(self.zeroer))
+                    before = (self.ready.n, len(self.zeroer))
                     await self.wait_changed(_COMING_WAIT_S)
-                    if (len(self.ready), len(self.zeroer)) != before:
+                    if (self.ready.n, len(self.zeroer)) != before:
                         continue
                     # no progress: fall through and make what is missing
                 create = count - take
                 evict = max(0, create - n.free)
-                if not evict or evict <= len(self.ready) - ready:
-                    break
-                # Short only by pages on their way into the pool (being zeroed, or
-                # made for the warm pool): wait for them instead of refusing; a
-                # slow device would otherwise fail an Allocate the budget covers.
-                coming = n.pooled - len(self.ready)
-                if coming <= 0 or evict > len(self.ready) - ready + coming:
-                    raise Shortage(self._shortage_message(session, count), create - n.free - (len(self.ready) - ready))
-                before = (len(self.ready), coming)
+                others = self.ready.n - ready  # other uids' pooled pages
+                if not evict or evict <= others:
+                    return take, evict, create
+                coming = n.pooled - self.ready.n  # being zeroed, or made for the warm pool
+                if coming <= 0 or evict > others + coming:
+                    raise Shortage(self._shortage_message(session, count), evict - others)
+                before = (self.ready.n, coming)
                 await self.wait_changed(_COMING_WAIT_S)
-                if (len(self.ready), n.pooled - len(self.ready)) == before:  # nothing moved: stuck
-                    raise Shortage(self._shortage_message(session, count), create - n.free - (len(self.ready) - ready))
+                if (self.ready.n, n.pooled - self.ready.n) == before:  # nothing moved: stuck
+                    raise Shortage(self._shortage_message(session, count), evict - others)
         finally:
             if waited_since is not None:
                 self.zeroer.counters.wait_seconds_total += time.monotonic() - waited_since
-        got: list[Page] = self.ready.take(uid, take)
-        victims = self.ready.take_foreign(uid, evict)
+
+    async def _make_up(self, uid: int, take: int, evict: int, create: int) -> list[Page]:
+        """`_plan`'s answer carried out: `take` ready pages, `evict` pooled
+        pages of other uids released, `create` new pages, all counted HELD
+        (the pages taken count as in use from now on, not as free budget
+        while it awaits, and the budget is reserved for the new ones)."""
+        n = self.counts
+        got, victims = self.ready.take_with_foreign(uid, take, evict)
         n.pooled -= len(got) + len(victims)
-        # The pages taken count as in use from now on (not as free budget
-        # while we await), and the budget is reserved for the new ones.
         n.held += len(got)
         n.creating += create
         try:
@@ -402,13 +414,13 @@ class DevicePool:
             raise
         n.creating -= create
         now = time.monotonic()
-        for h in new_handles:
-            page = Page(id=self.page_ids.next(), device=self.uuid, handle=h, pooled_at=now)
-            self.pages[page.id] = page
+        for pid, h in zip(self.page_ids.take(len(new_handles)), new_handles):
+            page = Page(id=pid, device=self.uuid, handle=h, pooled_at=now)
+            self.pages[pid] = page
             got.append(page)
         self.counters.created_total += len(new_handles)
         n.held += len(new_handles)
-        return self._handed(got, session)
+        return got
 
     def _handed(self, got: list[Page], session: "Session") -> list[Page]:
         """The pages of an Allocate, counted HELD already: now the session's."""
@@ -465,7 +477,7 @@ class DevicePool:
         return (
             f"device {self.uuid}: cannot allocate {count} pages ({format_size(count * self.page_size)}) "
             f"for session {session.id} '{session.name}': budget {format_size(self.budget.bytes)}, "
-            f"{self.counts.free} pages free, {len(self.ready)} pooled, {self.counts.held} held by sessions"
+            f"{self.counts.free} pages free, {self.ready.n} pooled, {self.counts.held} held by sessions"
             + (f"; {who}" if who else "")
         )
 
@@ -594,7 +606,14 @@ class DevicePool:
         self._no_refill = True
 
     def _maybe_refill(self) -> None:
-        if not self._no_refill and not self._refilling and len(self.ready) < self.warm_pages and self.counts.free > 0:
+        """After an Allocate: refill the warm pool once its ready pages fell
+        below half the warm target (then up to the whole target). Not at
+        every page taken: with Allocates and Frees alternating, a refill at
+        each dip made a page on the device worker that the Free's page,
+        back from zeroing, then pushed over the target for trim_idle to
+        release: a create and a release of driver work per pair, competing
+        with requests on the worker, for a pool that stayed warm anyway."""
+        if not self._no_refill and not self._refilling and self.ready.n * 2 < self.warm_pages and self.counts.free > 0:
             self._refilling = True
             asyncio.get_running_loop().create_task(self._refill())
 
@@ -603,7 +622,7 @@ class DevicePool:
         n = self.counts
         try:
             while not self._no_refill:
-                want = min(self.warm_pages - len(self.ready), n.free, CREATE_BATCH)
+                want = min(self.warm_pages - self.ready.n, n.free, CREATE_BATCH)
                 if want <= 0:  # filled, or the rest of the budget is in use: nothing failed
                     self.fill_error = None
                     return
@@ -617,8 +636,8 @@ class DevicePool:
                 finally:
                     n.pooled -= want
                 now = time.monotonic()
-                for h in handles:
-                    page = Page(id=self.page_ids.next(), device=self.uuid, handle=h)
+                for pid, h in zip(self.page_ids.take(len(handles)), handles):
+                    page = Page(id=pid, device=self.uuid, handle=h)
                     self.pages[page.id] = page
                     self._pool(page, now)
                 self.counters.created_total += len(handles)
@@ -631,7 +650,7 @@ class DevicePool:
         than idle_seconds: uid-bound pages first (only their uid can use
         them), then fresh ones. Returns pages released."""
         now = time.monotonic() if now is None else now
-        excess = len(self.ready) - self.warm_pages
+        excess = self.ready.n - self.warm_pages
         if excess <= 0:
             return 0
         victims = self.ready.take_idle(excess, now - self.idle_seconds)

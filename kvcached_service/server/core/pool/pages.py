@@ -48,15 +48,15 @@ class ReadyPages:
     """The pooled pages that can be lent at once: fresh, and zeroed per uid.
     Owns the two lists; the pool's counts are the pool's."""
 
-    __slots__ = ("fresh", "by_uid", "_n")
+    __slots__ = ("fresh", "by_uid", "n")
 
     def __init__(self) -> None:
         self.fresh: collections.deque[Page] = collections.deque()
         self.by_uid: dict[int, collections.deque[Page]] = {}
-        self._n = 0  # pages in both lists
+        self.n = 0  # pages in both lists: a plain field, read on every Allocate
 
     def __len__(self) -> int:
-        return self._n
+        return self.n
 
     def for_uid(self, uid: int) -> int:
         """Pages a session of `uid` may take now."""
@@ -69,7 +69,21 @@ class ReadyPages:
             self.fresh.append(page)
         else:
             self.by_uid.setdefault(page.uid, collections.deque()).append(page)
-        self._n += 1
+        self.n += 1
+
+    def take_if(self, uid: int, n: int) -> list[Page] | None:
+        """`n` pages for `uid` (as `take`) if it may take that many now,
+        else None and nothing taken: the warm Allocate's one call here."""
+        mine = self.by_uid.get(uid)
+        if len(self.fresh) + (len(mine) if mine else 0) < n:
+            return None
+        return self.take(uid, n)
+
+    def take_with_foreign(self, uid: int, n: int, foreign: int) -> tuple[list[Page], list[Page]]:
+        """`take(uid, n)` and `take_foreign(uid, foreign)` at once: the pages
+        a cold Allocate gets, and the other uids' pages it releases to make
+        room."""
+        return self.take(uid, n), self.take_foreign(uid, foreign)
 
     def take(self, uid: int, n: int) -> list[Page]:
         """`n` pages for `uid`: its own first (most recently pooled), then fresh ones."""
@@ -81,7 +95,7 @@ class ReadyPages:
             del self.by_uid[uid]
         while len(out) < n:
             out.append(self.fresh.pop())
-        self._n -= len(out)
+        self.n -= len(out)
         return out
 
     def take_foreign(self, uid: int, n: int) -> list[Page]:
@@ -99,7 +113,7 @@ class ReadyPages:
                 del self.by_uid[other]
             if len(out) == n:
                 break
-        self._n -= len(out)
+        self.n -= len(out)
         return out
 
     def take_idle(self, n: int, cutoff: float) -> list[Page]:
@@ -114,7 +128,7 @@ class ReadyPages:
                 del self.by_uid[uid]
         while self.fresh and len(out) < n and self.fresh[0].pooled_at <= cutoff:
             out.append(self.fresh.popleft())
-        self._n -= len(out)
+        self.n -= len(out)
         return out
 
     def take_all(self) -> list[Page]:
@@ -123,5 +137,5 @@ class ReadyPages:
         for dq in self.by_uid.values():
             out.extend(dq)
         self.by_uid.clear()
-        self._n = 0
+        self.n = 0
         return out
