@@ -9,10 +9,13 @@ ARGS ?=
 # PREFLIGHT: the suites the target asked for; scripts/preflight.sh checks in
 # seconds what they need that set-up cannot install (root, python3.12, Go,
 # bookworm sources) and stops before set-up downloads anything.
+# GO_WANT: the least Go those suites need; set-up installs one from the Go
+# module proxy when the PATH has none as new (scripts/install-go.sh).
 PREFLIGHT ?=
+GO_WANT ?=
 setup:
 	@scripts/preflight.sh $(PREFLIGHT)
-	@scripts/setup.sh --dev
+	@KVC_GO_WANT=$(GO_WANT) scripts/setup.sh --dev
 	@scripts/setup-ops.sh
 
 test: PREFLIGHT = all
@@ -24,6 +27,8 @@ test-llama: PREFLIGHT = llama
 test-ollama: PREFLIGHT = ollama
 test-gpu-bundle: PREFLIGHT = gpu-bundle
 test-fuzz: PREFLIGHT = fuzz
+test test-ollama: GO_WANT = 1.26
+test-go test-fuzz: GO_WANT = 1.24
 
 serve:
 	@scripts/setup.sh

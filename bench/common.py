@@ -107,15 +107,17 @@ class Daemon:
     """kvcached-serve as a subprocess on a private socket."""
 
     def __init__(self, workdir: pathlib.Path, name: str, backend: str, args: list[str], env: dict | None = None,
-                 tree: pathlib.Path | None = None):
+                 tree: pathlib.Path | None = None, prefix: tuple[str, ...] = (), ready_timeout: float = 60):
         """`tree`: run the daemon of another revision (a directory holding
         its kvcached_service package, bench/run.py --compare) instead of
-        this checkout's (or bench/run.py --tree's)."""
+        this checkout's (or bench/run.py --tree's). `prefix`: a command the
+        daemon runs under (bench/instructions.py: valgrind), which may need a
+        longer `ready_timeout`."""
         tree = tree or TREE
         self.dir = pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-", dir=workdir))
         self.socket = str(self.dir / "kvc.sock")
         self.log_path = self.dir / "daemon.log"
-        cmd = [PY, "-m", "kvcached_service.server", "--socket", self.socket, "--backend", backend,
+        cmd = [*prefix, PY, "-m", "kvcached_service.server", "--socket", self.socket, "--backend", backend,
                "--log-level", "WARNING", *args]
         full_env = dict(os.environ)
         full_env.update(env or {})
@@ -123,7 +125,7 @@ class Daemon:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=tree or ROOT)
         self.pid = self.proc.pid
-        self._wait_ready()
+        self._wait_ready(ready_timeout)
 
     def _wait_ready(self, timeout: float = 60) -> None:
         import grpc

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import re
 import shutil
@@ -47,63 +46,30 @@ def _totals(dump: pathlib.Path) -> int:
 
 
 class Counted:
-    """kvcached-serve of `tree` (None: this checkout) under callgrind."""
+    """kvcached-serve of `tree` (None: this checkout) under callgrind: a
+    bench Daemon (common.Daemon) run under valgrind."""
 
     def __init__(self, workdir: pathlib.Path, name: str, tree: pathlib.Path | None):
-        self.dir = pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-", dir=workdir))
-        self.socket = str(self.dir / "kvc.sock")
-        self.out = self.dir / "callgrind.out"
-        env = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=str(tree or common.ROOT))
-        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={self.out}", "--dump-instr=no",
-               common.PY, "-m", "kvcached_service.server", "--socket", self.socket, "--backend", "host",
-               "--log-level", "WARNING", "--page-size", str(PAGE), "--memory-limit", str(256 * PAGE),
-               "--prealloc", str(64 * PAGE)]
-        self._log = open(self.dir / "daemon.log", "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=tree or common.ROOT)
-        from kvcached_service.client.health import wait_serving
-
-        if not wait_serving(self.socket, 300, alive=lambda: self.proc.poll() is None):
-            self.stop()
-            raise RuntimeError(f"daemon under callgrind not serving: {(self.dir / 'daemon.log').read_text()[-2000:]}")
+        self.out = pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-cg-", dir=workdir)) / "callgrind.out"
+        self.daemon = common.Daemon(
+            workdir, name, "host", ["--page-size", str(PAGE), "--memory-limit", str(256 * PAGE), "--prealloc", str(64 * PAGE)],
+            env={"PYTHONHASHSEED": "0"}, tree=tree, ready_timeout=300,
+            prefix=("valgrind", "--tool=callgrind", f"--callgrind-out-file={self.out}", "--dump-instr=no"))
         self.dumps = 0
 
     def control(self, *args: str) -> None:
-        subprocess.run(["callgrind_control", *args, str(self.proc.pid)], check=True, capture_output=True, timeout=120)
+        subprocess.run(["callgrind_control", *args, str(self.daemon.pid)], check=True, capture_output=True, timeout=120)
 
     def count(self, clients: int, pairs: int) -> dict:
         """Instructions over `pairs` pairs of `clients` C clients (after a
-        warm-up of pairs // 4)."""
-        import grpc
-
-        from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
-        from kvcached_service._generated.kvcached.v1 import kvcached_pb2_grpc as pb_grpc
-
-        with grpc.insecure_channel(f"unix:{self.socket}") as ch:
-            stub = pb_grpc.KVCachedStub(ch)
-            fd_socket = stub.GetInfo(pb.GetInfoRequest(), timeout=120).fd_socket
-            for phase, n in (("warm-up", max(1, pairs // 4)), ("counted", pairs)):
-                p = subprocess.Popen([suite.c_binary("loadc"), fd_socket, str(clients), "rtt", str(max(1, n // clients)),
-                                      str(PAGE), "map"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
-                try:
-                    for i in range(clients):
-                        secret = bytes.fromhex(json.loads(p.stdout.readline())["secret"])
-                        stub.OpenSession(pb.OpenSessionRequest(channel_secret=secret, name=f"instr-{i}"), timeout=120)
-                    if phase == "counted":
-                        self.control("-z")
-                    p.stdin.write("go\n")
-                    p.stdin.flush()
-                    line = p.stdout.readline()
-                    if phase == "counted":
-                        self.control("-d")
-                    if p.wait(120) != 0 or not line:
-                        raise RuntimeError(f"loadc exited {p.returncode}: {p.stderr.read()}")
-                finally:
-                    if p.poll() is None:
-                        p.kill()
-                        p.wait()
+        warm-up of pairs // 4): scenario 2's C-client run
+        (suite.c_client_run), the counters zeroed before its loop and
+        dumped after."""
+        ctx = suite.Ctx("host", True, self.out.parent)
+        suite.c_client_run(ctx, self.daemon, clients, "rtt", max(1, pairs // 4 // clients))
+        got = suite.c_client_run(ctx, self.daemon, clients, "rtt", max(1, pairs // clients),
+                                 before=lambda: self.control("-z"), after=lambda: self.control("-d"))
         self.dumps += 1
-        got = json.loads(line)
         dump = pathlib.Path(f"{self.out}.{self.dumps}")
         for _ in range(100):  # the dump is written by the daemon's process: wait for it
             if dump.exists() and "totals:" in dump.read_text(errors="replace"):
@@ -112,14 +78,7 @@ class Counted:
         return {"pairs": got["pairs"], "instructions": _totals(dump), "per_pair": _totals(dump) / got["pairs"]}
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        self.daemon.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 import traceback
+from typing import Callable
 
 from . import common, drivercalls, profile
 from .common import GiB, MiB, Daemon, summary_us
@@ -206,12 +207,15 @@ def floor_binary() -> str:
     return c_binary("floor")
 
 
-def c_client_run(c: Ctx, d: Daemon, clients: int, mode: str, arg: float) -> dict:
+def c_client_run(c: Ctx, d: Daemon, clients: int, mode: str, arg: float,
+                 before: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> dict:
     """One run of the compiled load client (bench/loadc.c): `clients`
     sessions doing one-page Allocate+Free pairs as fd channel records, no
     Python on the client side. The harness opens each session over gRPC
     with the secret of its channel's HELLO (the C program has no gRPC).
-    Adds the daemon's CPU time per pair over the measured loop."""
+    Adds the daemon's CPU time per pair over the measured loop. `before`
+    and `after` run right before the loop starts and right after it
+    reported (bench/instructions.py: callgrind's zero and dump)."""
     import grpc
 
     from kvcached_service._generated.kvcached.v1 import kvcached_pb2 as pb
@@ -230,12 +234,16 @@ def c_client_run(c: Ctx, d: Daemon, clients: int, mode: str, arg: float) -> dict
                     raise RuntimeError(f"loadc exited {p.wait()} before its HELLOs: {p.stderr.read()}")
                 secret = bytes.fromhex(json.loads(line)["secret"])
                 stub.OpenSession(pb.OpenSessionRequest(channel_secret=secret, name=f"bench-loadc-{i}"), timeout=60)
+            if before is not None:
+                before()
             cpu0 = common.cpu_seconds(d.pid)
             calls0 = CALLS.snap()
             p.stdin.write("go\n")
             p.stdin.flush()
             line = p.stdout.readline()
             cpu = common.cpu_seconds(d.pid) - cpu0
+            if after is not None:
+                after()
             calls = CALLS.since(calls0)
             rc = p.wait(60)
             if rc != 0 or not line:

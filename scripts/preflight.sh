@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What the test suites need that set-up cannot install, checked in seconds
+# What the test suites need that set-up cannot install (and the Go it will), checked in seconds
 # before set-up downloads anything (issue 45: a newcomer's `make test` on a
 # fresh Debian 12 must fail fast and say what is missing, not after 5 GB of
 # downloads and half an hour of tests).
@@ -59,25 +59,17 @@ if [ -n "${need[python312]:-}" ]; then
   fi
 fi
 
+# Go: set-up installs one from the Go module proxy when the PATH has none as
+# new (scripts/install-go.sh); missing only when it cannot (a too-old go in
+# the place it links to, an architecture it pins none for).
 for v in go124 go126; do
   [ -n "${need[$v]:-}" ] || continue
   want="1.${v#go1}"
   what="the Go client's tests"; [ "$v" = go126 ] && what="the Ollama build (its go.mod says go 1.26.0)"
-  if ! command -v go >/dev/null 2>&1; then
-    miss "go >= $want, for $what: set-up installs none (Debian 12's golang-go is 1.19); install Go >= 1.21 (go.dev/dl; on Debian 12 bookworm-backports has golang-1.23-go: /usr/lib/go-1.23/bin on the PATH), whose default GOTOOLCHAIN=auto fetches go$want from the Go module proxy"
-    continue
-  fi
-  gv=$(go env GOVERSION 2>/dev/null); gv=${gv#go}
-  minor=$(echo "$gv" | cut -d. -f2); minor=${minor%%[!0-9]*}
-  tc=$(go env GOTOOLCHAIN 2>/dev/null || echo local)
-  if [ "${minor:-0}" -ge "${want#1.}" ]; then
-    found+=("go $gv")
-  elif [ "${minor:-0}" -ge 21 ] && [ "$tc" != local ]; then
-    found+=("go $gv (GOTOOLCHAIN=$tc fetches go$want from the Go module proxy)")
-  elif [ "${minor:-0}" -ge 21 ]; then
-    miss "go >= $want, for $what; this go is $gv with GOTOOLCHAIN=local: unset GOTOOLCHAIN (auto fetches go$want from the Go module proxy) or install go$want"
+  if said=$(KVC_GO_WANT=$want scripts/install-go.sh --check 2>&1); then
+    found+=("$said")
   else
-    miss "go >= $want, for $what; this go is $gv, too old to fetch a newer toolchain itself (1.21+ does): install Go >= 1.21 (go.dev/dl; on Debian 12 bookworm-backports has golang-1.23-go)"
+    miss "go >= $want, for $what: ${said#install-go: }"
   fi
 done
 

@@ -19,7 +19,8 @@ other release's, build/llama/b<N>; a pin that moves), the GPU bundle's
 scripts/gpu-bundle/llama-build.sh (ggml and the two servers) and its parts'
 cache (scripts/gpu-bundle.sh), integrations/ollama/build.sh (Ollama's work
 tree, bin/ollama, and the C client and lib/ollama through Ollama's CMake
-preset), scripts/build-testdriver.sh (the library and the pinned header).
+preset), scripts/build-testdriver.sh (the library and the pinned header),
+scripts/install-go.sh (set-up's Go from the Go module proxy: a loopback fake).
 About 17 s of CPU in all (a minute on a loaded 2-core machine).
 Not run here: scripts/build-hook-cuda.sh (its nvcc step would need a fake
 CUDA compiler CMake accepts); it keeps the same rules (stamp removed first,
@@ -728,3 +729,125 @@ def test_build_testdriver_recovers_from_a_killed_download_and_a_killed_compile(s
     (trig / "cc").unlink()
     assert "cuInit" in subprocess.run(["nm", "-D", str(lib)], capture_output=True, text=True).stdout
     ok(run(cmd, env))
+
+
+# ---- Go from the Go module proxy (scripts/install-go.sh) --------------------
+
+
+def _fake_go_proxy(tmp_path: pathlib.Path, hang: pathlib.Path):
+    """A Go module proxy on loopback serving one toolchain zip whose bin/go
+    answers `go env GOVERSION` and `go version`; while HANG exists it sends
+    half the zip, touches HANG.started and stalls."""
+    import http.server
+    import threading
+
+    arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, "amd64")
+    top = f"golang.org/toolchain@v0.0.1-go1.26.8.linux-{arch}/"
+    zpath = tmp_path / "toolchain.zip"
+    fake_go = '#!/bin/sh\ncase "$1 $2" in "env GOVERSION") echo go1.26.8 ;; "env GOTOOLCHAIN") echo local ;; *) echo "go version go1.26.8 fake" ;; esac\n'
+    with zipfile.ZipFile(zpath, "w") as z:
+        for name, text in ((top + "bin/go", fake_go), (top + "bin/gofmt", "#!/bin/sh\n")):
+            info = zipfile.ZipInfo(name)
+            info.external_attr = 0o100755 << 16
+            z.writestr(info, text)
+        z.writestr(top + "src/filler.bin", os.urandom(200_000))
+    body = zpath.read_bytes()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if not self.path.endswith(f"/golang.org/toolchain/@v/v0.0.1-go1.26.8.linux-{arch}.zip"):
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if hang.exists():
+                self.wfile.write(body[: len(body) // 2])
+                self.wfile.flush()
+                pathlib.Path(f"{hang}.started").touch()
+                time.sleep(30)
+                return
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, arch, hashlib_sha256(body)
+
+
+def path_without_go(tmp_path: pathlib.Path) -> str:
+    """A PATH of the system's programs but go and gofmt (links in a folder)."""
+    d = tmp_path / "sysbin"
+    d.mkdir()
+    for src in (pathlib.Path("/usr/bin"), pathlib.Path("/bin")):
+        for f in src.iterdir():
+            if f.name not in ("go", "gofmt") and not (d / f.name).exists():
+                (d / f.name).symlink_to(f)
+    return str(d)
+
+
+def hashlib_sha256(b: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(b).hexdigest()
+
+
+def test_install_go_recovers_from_a_killed_download_and_installs_nothing_unchecked(scratch, tmp_path):
+    """No Go on the PATH: set-up's Go comes from the proxy. A download killed
+    half way and a zip that fails its pinned sha256 leave neither a toolchain
+    nor a link behind; the next run installs it whole, and a run after that
+    finds it and does nothing."""
+    repo, _, env, trig = scratch
+    copy_scripts(repo, "scripts/install-go.sh")
+    srv, arch, sha = _fake_go_proxy(tmp_path, trig / "get")
+    try:
+        pins = write(tmp_path / "pins", f"{arch} {sha}\n")
+        prefix, bindir = tmp_path / "lib-go", tmp_path / "bin"
+        sysbin = path_without_go(tmp_path)
+        env = dict(env, PATH=sysbin, GOPROXY=f"http://127.0.0.1:{srv.server_port},direct",
+                   KVC_GO_PINS=str(pins), KVC_GO_PREFIX=str(prefix), KVC_GO_BIN=str(bindir))
+        cmd = ["bash", str(repo / "scripts" / "install-go.sh")]
+        dest = prefix / "go1.26.8"
+        assert "no go on the PATH; set-up installs go1.26.8" in ok(run(cmd + ["--check"], env))
+
+        (trig / "get").touch()
+        kill_when(cmd, env, trig / "get.started")
+        (trig / "get").unlink()
+        assert not dest.exists() and not (bindir / "go").exists()
+
+        bad = write(tmp_path / "bad-pins", f"{arch} {'0' * 64}\n")
+        r = run(cmd, dict(env, KVC_GO_PINS=str(bad)))
+        assert r.returncode == 1 and f"pinned {'0' * 64}" in r.stderr and "nothing was installed" in r.stderr, r.stderr
+        assert not dest.exists() and not (bindir / "go").exists()
+        assert not (prefix / "download.tmp").exists() and not (prefix / "unpack.tmp").exists()
+
+        out = ok(run(cmd, env))
+        assert f"go1.26.8 is {bindir}/go" in out, out
+        assert os.readlink(bindir / "go") == str(dest / "bin" / "go")
+        assert subprocess.run([bindir / "go", "env", "GOVERSION"], capture_output=True, text=True).stdout.strip() == "go1.26.8"
+        assert (dest / "src" / "filler.bin").stat().st_size == 200_000
+        assert os.stat(dest / "bin" / "go").st_mode & 0o111
+
+        env_with = dict(env, PATH=f"{bindir}:{sysbin}")
+        assert ok(run(cmd + ["--check"], env_with)).strip() == "go 1.26.8"
+        assert ok(run(cmd, env_with)) == ""  # found: nothing to do
+    finally:
+        srv.shutdown()
+
+
+def test_install_go_replaces_no_go_it_did_not_install(scratch, tmp_path):
+    """A go too old to fetch a toolchain, in the place set-up links to: named,
+    not overwritten."""
+    repo, _, env, _ = scratch
+    copy_scripts(repo, "scripts/install-go.sh")
+    bindir = tmp_path / "bin"
+    write(bindir / "go", '#!/bin/sh\ncase "$1 $2" in "env GOVERSION") echo go1.19.8 ;; *) echo local ;; esac\n', 0o755)
+    env = dict(env, PATH=f"{bindir}:{path_without_go(tmp_path)}", KVC_GO_PREFIX=str(tmp_path / "lib-go"), KVC_GO_BIN=str(bindir),
+               GOPROXY="http://127.0.0.1:9")
+    for args in ([], ["--check"]):
+        r = run(["bash", str(repo / "scripts" / "install-go.sh"), *args], env)
+        assert r.returncode == 1 and f"{bindir}/go is 1.19.8 (too old" in r.stderr, r.stderr
+    assert "go1.19.8" in (bindir / "go").read_text()

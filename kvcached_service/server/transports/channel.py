@@ -214,12 +214,18 @@ class Conn:
                 self._server.send_later(self, rec)
 
     # ---- sending --------------------------------------------------------
+    def _straight_in(self) -> bool:
+        """A record may go straight into the socket, without waiting: the
+        channel is open and nobody else waits to send on it (so records
+        keep their order)."""
+        return not self._closed and not self._send_lock.locked()
+
     def answer_now(self, allocation_id: int, page_ids: list[int], fds: list[int], req_id: int, held_bytes: int) -> int:
         """An ALLOCATE's PAGES and REPLY in one codec call when that needs no
         waiting (`send_now`'s rule; one PAGES record). Returns the records
         sent (fdchannel.send_answer): 0, the whole answer is `deliver`'s and
         the REPLY's; 1, the PAGES went and the REPLY waits for room."""
-        if self._closed or self._send_lock.locked():
+        if not self._straight_in():
             return 0
         return fdchannel.send_answer(self.sock, allocation_id, page_ids, fds, req_id, held_bytes)
 
@@ -227,7 +233,7 @@ class Conn:
         """Send one record if that needs no waiting: nobody else is waiting
         to send here and the socket has room. False when it must go through
         `send` (which also says why it failed)."""
-        if self._closed or self._send_lock.locked():
+        if not self._straight_in():
             return False
         try:
             fdchannel.send_record(self.sock, data, fds)
@@ -238,8 +244,7 @@ class Conn:
     async def send(self, data: bytes, fds: list[int], timeout: float) -> None:
         """Send one record without blocking the loop; waits for room up to
         `timeout` seconds. Raises DeliveryFailed when it cannot deliver."""
-        if not self._closed and not self._send_lock.locked():
-            # nobody is waiting to send on this channel: straight into the socket
+        if self._straight_in():
             try:
                 fdchannel.send_record(self.sock, data, fds)
                 return

@@ -74,10 +74,7 @@ class ReadyPages:
     def take_if(self, uid: int, n: int) -> list[Page] | None:
         """`n` pages for `uid` (as `take`) if it may take that many now,
         else None and nothing taken: the warm Allocate's one call here."""
-        mine = self.by_uid.get(uid)
-        if len(self.fresh) + (len(mine) if mine else 0) < n:
-            return None
-        return self.take(uid, n)
+        return self.take(uid, n) if self.for_uid(uid) >= n else None
 
     def take_with_foreign(self, uid: int, n: int, foreign: int) -> tuple[list[Page], list[Page]]:
         """`take(uid, n)` and `take_foreign(uid, foreign)` at once: the pages
