@@ -100,16 +100,9 @@ step "hooked tree -> $SRC"
 # tree and its build anew (the sdists' files carry the sdist's date: ninja
 # would keep objects of a newer tree)
 cmp -s "$ORIG/.kvc-llama-build" "$SRC/.kvc-llama-build" || rm -rf "$SRC" "$BLD"
-if [[ ! -d "$SRC" ]]; then
-  rm -rf "$SRC.tmp" && cp -a "$ORIG" "$SRC.tmp" && mv "$SRC.tmp" "$SRC"   # whole or not at all
-else
-  # back to pristine for the files the hook touches (mtimes kept: ninja rebuilds little)
-  for f in $("$PY" integrations/llama.cpp/apply.py "$ORIG" --list); do
-    rm -f "$SRC/$f"
-    if [[ -f "$ORIG/$f" ]]; then cp -p "$ORIG/$f" "$SRC/$f"; fi
-  done
-fi
-"$PY" integrations/llama.cpp/apply.py "$SRC"
+# the hook on a pristine copy: whole when missing, else the hook's files
+# restored (mtimes kept: ninja rebuilds little)
+"$PY" integrations/llama.cpp/apply.py "$ORIG" --onto "$SRC"
 
 step "configure (GGML_CUDA=ON, GGML_BACKEND_DL=ON, shared, sm_$ARCH)"
 t=$SECONDS

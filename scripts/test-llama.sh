@@ -146,20 +146,10 @@ llama_pair() { # B [--ollama X]
   KVC_KEY=$(hash_of "$SDIST" "${CMAKE_FLAGS[*]}" "${TARGETS[*]}" "${HOOK_FILES[@]}" "${C_CLIENT_FILES[@]}" \
     "$PREFIX/lib/libkvcached_embed.a" "$PREFIX/include/kvcached.h")
   if [[ ! -f "$KVC_BUILD/.kvc-stamp" || "$(cat "$KVC_BUILD/.kvc-stamp")" != "$KVC_KEY" || ! -d "$KVC" ]]; then
-    # a tree of another llama.cpp version (the pin moved): copied anew
-    cmp -s "$ORIG/.kvc-llama-build" "$KVC/.kvc-llama-build" || rm -rf "$KVC"
-    if [[ ! -d "$KVC" ]]; then
-      # copied whole or not at all (a copy stopped half way is a .tmp)
-      mkdir -p "$(dirname "$KVC")"
-      rm -rf "$KVC.tmp" && cp -a "$ORIG" "$KVC.tmp" && mv "$KVC.tmp" "$KVC"
-    else
-      # back to pristine for the files the hook touches (mtimes kept: ninja rebuilds little)
-      for f in $("$PY" integrations/llama.cpp/apply.py "$ORIG" --list); do
-        rm -f "$KVC/$f"
-        if [[ -f "$ORIG/$f" ]]; then cp -p "$ORIG/$f" "$KVC/$f"; fi
-      done
-    fi
-    "$PY" integrations/llama.cpp/apply.py "$KVC"
+    # the hook on a pristine copy: whole (through a .tmp) when it is missing
+    # or of another llama.cpp version (the pin moved), else the hook's files
+    # restored (mtimes kept: ninja rebuilds little)
+    "$PY" integrations/llama.cpp/apply.py "$ORIG" --onto "$KVC"
   fi
 
   step "the change as a patch and in Ollama's compat form, checked with git apply"

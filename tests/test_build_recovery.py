@@ -330,7 +330,7 @@ PATCH = f"""diff --git a/{CALL} b/{CALL}
 +// kvcached hook
 """
 if "--help" in sys.argv:
-    print("usage: apply.py TREE [--list | --emit-patch FILE | --emit-compat DIR]")
+    print("usage: apply.py TREE [--list | --emit-patch FILE | --emit-compat DIR | --onto DEST]")
 elif "--list" in sys.argv:
     print(CALL); print("src/kvcached_kv.cpp")
 elif "--emit-patch" in sys.argv:
@@ -339,6 +339,12 @@ elif "--emit-compat" in sys.argv:
     d = pathlib.Path(sys.argv[sys.argv.index("--emit-compat") + 1]); d.mkdir(parents=True, exist_ok=True)
     (d / "010-kvcached-kv-cache.patch").write_text(PATCH)
 else:
+    if "--onto" in sys.argv:  # the real apply.py's copy (beside this fake as real_apply.py)
+        sys.path.insert(0, str(pathlib.Path(__file__).parent))
+        from real_apply import pristine_copy
+        dest = pathlib.Path(sys.argv[sys.argv.index("--onto") + 1])
+        pristine_copy(tree, dest)
+        tree = dest
     (tree / CALL).write_text("// llama-kv-cache\n// kvcached hook\n")
     (tree / "src" / "kvcached_kv.cpp").write_text("// hook\n")
 '''
@@ -374,6 +380,7 @@ def test_llama_builds_recover_from_a_killed_download_a_failed_configure_and_a_ki
     write(repo / "scripts" / "build-hook-cuda.sh", "#!/bin/sh\necho 'fake build-hook-cuda'\n", 0o755)
     write(repo / ".venv" / "bin" / "python", f'#!/bin/sh\nexec "{sys.executable}" "$@"\n', 0o755)
     write(repo / "integrations" / "llama.cpp" / "apply.py", FAKE_APPLY)
+    shutil.copy2(ROOT / "integrations" / "llama.cpp" / "apply.py", repo / "integrations" / "llama.cpp" / "real_apply.py")
     write(repo / "integrations" / "llama.cpp" / "kvcached_kv.cpp", "// hook\n")
     # two releases on two llama.cpp builds: the default's (b20, nearest
     # published below its pin b22) in build/llama, the other's in build/llama/b10

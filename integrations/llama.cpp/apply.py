@@ -23,6 +23,13 @@ Two forms of the same change:
                                      changes the patch's file name.
   apply.py TREE --check              only check that every anchor is found
   apply.py TREE --list               the files the in-place form edits or adds
+  apply.py TREE --onto DEST          the in-place form on DEST, made TREE's pristine
+                                     copy first: copied whole (through DEST.tmp)
+                                     when DEST is missing or of another llama.cpp
+                                     build (TREE/.kvc-llama-build), else only the
+                                     files the hook edits or adds restored from
+                                     TREE (mtimes kept: a build of DEST rebuilds
+                                     little); TREE is left alone
 
 TREE is the pristine llama.cpp source the change is for (for Ollama: the
 tree given as -DFETCHCONTENT_SOURCE_DIR_LLAMA_CPP=, e.g. the pinned
@@ -51,6 +58,7 @@ import argparse
 import difflib
 import pathlib
 import re
+import shutil
 import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -422,6 +430,25 @@ def emit_compat(tree: pathlib.Path, out_dir: pathlib.Path, patch_name: str) -> i
     return 0
 
 
+def pristine_copy(tree: pathlib.Path, dest: pathlib.Path) -> None:
+    """DEST as TREE is, for the files the hook touches (see --onto)."""
+    stamp = ".kvc-llama-build"
+    same = (tree / stamp).is_file() and (dest / stamp).is_file() \
+        and (tree / stamp).read_bytes() == (dest / stamp).read_bytes()
+    if dest.exists() and not same:  # another llama.cpp (the pin moved), or one that does not say
+        shutil.rmtree(dest)
+    if not dest.exists():
+        tmp = dest.with_name(dest.name + ".tmp")  # whole or not at all
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(tree, tmp, symlinks=True)
+        tmp.rename(dest)
+        return
+    for rel in [*EDITS, *(f"src/{n}" for n in HOOK_FILES)]:
+        (dest / rel).unlink(missing_ok=True)
+        if (tree / rel).is_file():
+            shutil.copy2(tree / rel, dest / rel)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("tree", type=pathlib.Path, help="llama.cpp source tree (has src/llama-kv-cache.cpp)")
@@ -431,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="write Ollama's compat form into DIR (<ollama>/llama/compat); leave the tree alone")
     mode.add_argument("--check", action="store_true", help="only check the anchors")
     mode.add_argument("--list", action="store_true", help="print the files the hook edits or adds and exit")
+    mode.add_argument("--onto", type=pathlib.Path, metavar="DEST",
+                      help="make DEST a pristine copy of the tree (whole, or the hook's files), then apply the hook to DEST")
     ap.add_argument("--patch-name", default=COMPAT_PATCH, metavar="NAME",
                     help=f"file name of the compat patch (default {COMPAT_PATCH}; Ollama applies DIR/*.patch in name order)")
     args = ap.parse_args(argv)
@@ -442,10 +471,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if "/" in args.patch_name or not args.patch_name.endswith(".patch"):
         ap.error(f"--patch-name {args.patch_name!r}: a file name ending in .patch")
+    target = args.tree
     try:
         if args.emit_compat:
             return emit_compat(args.tree, args.emit_compat, args.patch_name)
         changes = compute(args.tree)
+        if args.onto:
+            pristine_copy(args.tree, args.onto)
+            target = args.onto
     except AnchorError as e:
         print(f"apply.py: {e}", file=sys.stderr)
         print("apply.py: nothing was changed", file=sys.stderr)
@@ -458,11 +491,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"apply.py: wrote {args.emit_patch} ({len(changes)} files); apply with: git apply {args.emit_patch.name}")
         return 0
     for rel, (_, new) in changes.items():
-        p = args.tree / rel
+        p = target / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(new)
         print(f"apply.py: {rel}")
-    print(f"apply.py: hook applied to {args.tree}")
+    print(f"apply.py: hook applied to {target}")
     return 0
 
 
