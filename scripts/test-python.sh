@@ -15,6 +15,9 @@ py312="$(scripts/preflight.sh --python312)" || {
   echo "test-python: .venv has no test tools (pytest, hypothesis, pytest-timeout): scripts/setup.sh --dev installs them (make test-python runs it)" >&2
   exit 1
 }
+# The public-only test driver, before the first run: the public-only run
+# below and tests/test_drivercalls.py use it.
+pub="$(scripts/build-testdriver.sh --public-only | tail -1)"
 set +e
 # tests/llama needs llama-server builds: scripts/test-llama.sh runs it;
 # tests/packaging needs the sdist, wheel and image: scripts/test-packaging.sh;
@@ -30,9 +33,8 @@ if [ $rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi
 # every skip name its reason; the skip list, by reason, goes to
 # build/public-only-skips.txt (outcomes test by test: build/public-only-outcomes.txt).
 rm -f build/public-only.xml
-pub="$(scripts/build-testdriver.sh --public-only | tail -1)" &&
-  # shellcheck disable=SC2046
-  KVCACHED_TEST_LIBCUDA="$pub" .venv/bin/python -m pytest -v -rs -p no:cacheprovider --junitxml=build/public-only.xml \
+# shellcheck disable=SC2046
+KVCACHED_TEST_LIBCUDA="$pub" .venv/bin/python -m pytest -v -rs -p no:cacheprovider --junitxml=build/public-only.xml \
     -m cuda $(grep -v '^#' tests/cuda/suite.txt) >build/public-only.log 2>&1
 .venv/bin/python tests/helpers/pytest_report.py build/public-only.xml --skips build/public-only-skips.txt \
   --outcomes build/public-only-outcomes.txt --min-passed 110 --label "public-only libcuda (log: build/public-only.log)"

@@ -104,7 +104,7 @@ def test_live_counters_per_process_thread_and_bytes(tmp_path):
 
 def test_public_only_build_does_not_read_the_knob(tmp_path):
     if not TESTDRIVER_PUBLIC.exists():
-        pytest.skip(f"public-only test driver not built: {TESTDRIVER_PUBLIC} (scripts/build-testdriver.sh --public-only)")
+        pytest.fail(f"public-only test driver not built: {TESTDRIVER_PUBLIC} (scripts/build-testdriver.sh --public-only; scripts/test-python.sh builds it first)")
     calls = tmp_path / "calls"
     env = dict(os.environ, KVCACHED_LIBCUDA=str(TESTDRIVER_PUBLIC), KVCACHED_TESTDRV_CALLS=str(calls))
     code = "import ctypes,os; l=ctypes.CDLL(os.environ['KVCACHED_LIBCUDA']); assert l.cuInit(0) == 0"

@@ -6,7 +6,10 @@ after the fork, so GRPC_ENABLE_FORK_SUPPORT is not needed). Each child
 connects, opens a session and loops: Allocate a random number of pages,
 check every page reads as zeros on arrival, stamp it (pid, page id, round),
 check the stamps, Free. The parent SIGKILLs each child after a random delay
-and starts another, until N children were killed.
+and starts another, until N children were killed. One child in five is
+instead killed the moment it is seen in a given step (the steps of a round
+taken in turn, so each is hit however slow a loaded machine makes the
+children; after TARGET_WAIT_S without seeing it, at whatever step it is in).
 
 Every child publishes the step it is in to a shared (MAP_SHARED anonymous)
 table, so the parent knows where each kill landed (mid-Allocate,
@@ -46,6 +49,10 @@ from raw import ref, stub
 
 PHASES = ["forked", "connect", "open", "allocate", "receive", "map", "stamp", "verify", "free", "idle"]
 P = {name: i for i, name in enumerate(PHASES)}
+# the steps of a round a targeted kill aims at, in turn
+TARGETS = ["allocate", "receive", "map", "stamp", "verify", "free"]
+TARGETED = 5  # every fifth child
+TARGET_WAIT_S = 5.0
 SLOT = 8  # bytes per child slot in the shared phase table
 STAMP = struct.Struct("<8sQQQ")  # magic, pid, page id, round
 MAGIC = b"KVSTORM!"
@@ -252,7 +259,7 @@ def main() -> int:
     os.close(stop_r)
 
     t0 = now()
-    live: dict[int, tuple[int, float]] = {}  # pid -> (slot, kill at)
+    live: dict[int, tuple[int, float, int | None]] = {}  # pid -> (slot, kill at, step aimed at or None)
     free_slots = list(range(a.concurrency))
     kills: list[tuple[int, float, str]] = []  # pid, kill time, phase
     exits = collections.Counter()
@@ -267,26 +274,31 @@ def main() -> int:
                 os.close(stop_w)
                 child(a.socket, table, slot, seed, failures, a.max_pages, a.mapped)
             started += 1
+            if started % TARGETED == 0:  # killed when seen in the step aimed at
+                live[pid] = (slot, now() + TARGET_WAIT_S, P[TARGETS[(started // TARGETED) % len(TARGETS)]])
+                continue
             # kill soon after start (connect/open) now and then, else mostly in the loop
             delay = rng.uniform(0.0, 0.05) if rng.random() < 0.1 else rng.uniform(0.03, a.max_delay)
-            live[pid] = (slot, now() + delay)
+            live[pid] = (slot, now() + delay, None)
         # kill whoever is due
         t = now()
-        due = sorted((k for k, (_, at) in live.items() if at <= t), key=lambda k: live[k][1])
+        due = sorted((k for k, (slot, at, aim) in live.items() if at <= t or table[slot * SLOT] == aim),
+                     key=lambda k: live[k][1])
         for pid in due:
-            slot, _ = live[pid]
+            slot = live[pid][0]
             ph = PHASES[table[slot * SLOT]]
             kt = now()
             os.kill(pid, signal.SIGKILL)
             kills.append((pid, kt, ph))
         for pid in due:
-            slot, _ = live.pop(pid)
+            slot = live.pop(pid)[0]
             _, status = os.waitpid(pid, 0)
             exits["killed" if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL else f"exit{os.WEXITSTATUS(status)}"] += 1
             free_slots.append(slot)
-        if not due:
-            nxt = min((at for _, at in live.values()), default=t)
-            time.sleep(max(0.0, min(nxt - now(), 0.005)))
+        if not due:  # a targeted child is watched closely: a step may last a millisecond
+            nxt = min((at for _, at, _ in live.values()), default=t)
+            watch = 0.0002 if any(aim is not None for _, _, aim in live.values()) else 0.005
+            time.sleep(max(0.0, min(nxt - now(), watch)))
     storm_s = now() - t0
     # let the last reclaims show up in the monitor, then stop it
     time.sleep(1.2)
