@@ -23,7 +23,8 @@
 #      (scripts/build-llama-src.sh; -DFETCHCONTENT_SOURCE_DIR_LLAMA_CPP); the
 #      build says which; installed to lib/ollama/ (Ollama's install rules);
 #   5. the layout Ollama expects (llm/llama_binary.go):
-#      OUT/bin/ollama, OUT/lib/ollama/{llama-server,llama-quantize,lib*.so}.
+#      OUT/bin/ollama, OUT/lib/ollama/{llama-server,llama-quantize,lib*.so}
+#      (and OUT/lib/ollama/.kvc-llama-build: which llama.cpp it is).
 #
 # Options:
 #   --version X        the Ollama release (default: 0.34.4, the newest the Go
@@ -344,6 +345,10 @@ elif [[ $GO_ONLY == 0 ]]; then
     done
     echo "$LLAMA_KEY" >"$STAMP"
   fi
+  # which llama.cpp lib/ollama runs, next to its llama-server, as the llama
+  # suite's builds say it (a tree of --llama-src may not say)
+  rm -f "$OUT/lib/ollama/.kvc-llama-build"
+  [[ ! -f "$LLAMA_SRC/.kvc-llama-build" ]] || cp -f "$LLAMA_SRC/.kvc-llama-build" "$OUT/lib/ollama/.kvc-llama-build"
 fi
 
 # ---- 5. the layout -----------------------------------------------------------
