@@ -97,11 +97,10 @@ rm -f "$OUT/.stamp"
 
 step "hooked tree -> $SRC"
 # another llama.cpp version (or one from before the trees said which): the
-# tree and its build anew (the sdists' files carry the sdist's date: ninja
-# would keep objects of a newer tree)
-cmp -s "$ORIG/.kvc-llama-build" "$SRC/.kvc-llama-build" || rm -rf "$SRC" "$BLD"
-# the hook on a pristine copy: whole when missing, else the hook's files
-# restored (mtimes kept: ninja rebuilds little)
+# build anew (the sdists' files carry the sdist's date: ninja would keep
+# objects of a newer tree); apply.py --onto makes the tree anew then, else
+# restores the hook's files (mtimes kept: ninja rebuilds little)
+cmp -s "$ORIG/.kvc-llama-build" "$SRC/.kvc-llama-build" || rm -rf "$BLD"
 "$PY" integrations/llama.cpp/apply.py "$ORIG" --onto "$SRC"
 
 step "configure (GGML_CUDA=ON, GGML_BACKEND_DL=ON, shared, sm_$ARCH)"

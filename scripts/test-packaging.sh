@@ -69,14 +69,14 @@ step "Debian base image (mmdebstrap, cached by input hash)"
 # sources: the mirrors apt uses on this machine when it lists them (Debian
 # 12), else Debian's own, checked with debian-archive-keyring
 # (scripts/bookworm-mirrors.sh says which).
+said="$(scripts/bookworm-mirrors.sh --check)" || {
+  echo "test-packaging: apt lists no bookworm sources, and ${said#keyring } (Debian's archive keys, for Debian's mirrors) is missing: scripts/setup-ops.sh installs debian-archive-keyring" >&2
+  exit 1
+}
+echo "bookworm sources: $said"
 SOURCES="$(scripts/bookworm-mirrors.sh)"
 mapfile -t MIRRORS < <(grep '^deb ' <<<"$SOURCES")
 mapfile -t KEYS < <(grep '^--keyring=' <<<"$SOURCES" || true)
-if [[ -n "${KEYS[*]}" && ! -f "${KEYS[0]#--keyring=}" ]]; then
-  echo "test-packaging: apt lists no bookworm sources and ${KEYS[0]#--keyring=} is missing (scripts/setup-ops.sh installs debian-archive-keyring)" >&2
-  exit 1
-fi
-echo "bookworm sources: $(scripts/bookworm-mirrors.sh --check)"
 # gcc and libc6-dev: the Dockerfile's build stage compiles relay.c (with a
 # compiler in the base it installs none; python:3.11-slim has none, and the
 # Dockerfile gets one with apt there)

